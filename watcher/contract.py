@@ -1,0 +1,122 @@
+"""Names shared by the watcher, the job supervisor and the trainer: the file contract in code.
+
+Dependency-free on purpose: the trainer imports it, and it must never pull in anything heavy.
+Every filename inside a job folder is owned by ``JobPaths``; no other module spells them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# -- exit codes (one place; the trainer exits with these and diagnosis reads them) --
+#: finished normally, or stopped cooperatively after checkpointing (the watcher knows a stop was asked)
+EXIT_OK = 0
+#: generic failure
+EXIT_FAILED = 1
+#: bad command-line use / invalid config (argparse's convention)
+EXIT_USAGE = 2
+#: the data could not be read or had no usable row (sysexits EX_DATAERR)
+EXIT_DATA = 65
+#: training diverged: non-finite loss persisted through every rollback
+EXIT_NAN = 66
+#: out of memory (CUDA or host), after writing an ``event`` with the OOM ladder advice
+EXIT_OOM = 67
+#: stopped by SIGTERM from outside trainq (preemption), after checkpointing: 128 + SIGTERM
+EXIT_PREEMPTED = 143
+
+# -- environment given to every job --
+ENV_JOB_ID = "TRAINQ_JOB_ID"
+ENV_JOB_DIR = "TRAINQ_JOB_DIR"
+ENV_STOP_FLAG = "TRAINQ_STOP_FLAG"
+ENV_METRICS = "TRAINQ_METRICS"
+ENV_ATTEMPT = "TRAINQ_ATTEMPT"
+ENV_RESUME_FROM = "TRAINQ_RESUME_FROM"
+#: test switch for the trainer (documented in trainer/README section of the main README)
+ENV_TRAINER_FAULTS = "TRAINQ_TRAINER_FAULTS"
+#: simulated GPUs file (CONTRACT section 7)
+ENV_SIMULATE_GPUS = "TRAINQ_SIMULATE_GPUS"
+#: queue root override
+ENV_ROOT = "TRAINQ_ROOT"
+
+# -- metrics.jsonl record types (CONTRACT section 5) --
+RECORD_STEP = "step"
+RECORD_EVAL = "eval"
+RECORD_CHECKPOINT = "checkpoint"
+RECORD_EVENT = "event"
+RECORD_DONE = "done"
+RECORD_TYPES = (RECORD_STEP, RECORD_EVAL, RECORD_CHECKPOINT, RECORD_EVENT, RECORD_DONE)
+
+#: prefix of the checkpoint folders the trainer writes (``step-000400``)
+CHECKPOINT_PREFIX = "step-"
+CKPT_LATEST = "ckpt_latest"
+CKPT_BEST = "ckpt_best"
+
+
+@dataclass(frozen=True)
+class JobPaths:
+    """Every path inside one job folder."""
+
+    dir: Path
+
+    @property
+    def spec(self) -> Path:
+        return self.dir / "job.yaml"
+
+    @property
+    def run(self) -> Path:
+        return self.dir / "run.json"
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "output.log"
+
+    @property
+    def metrics(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    @property
+    def stop_flag(self) -> Path:
+        return self.dir / "stop.flag"
+
+    @property
+    def retry_flag(self) -> Path:
+        return self.dir / "retry.flag"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.dir / "checkpoints"
+
+    @property
+    def ckpt_latest(self) -> Path:
+        return self.checkpoints / CKPT_LATEST
+
+    @property
+    def ckpt_best(self) -> Path:
+        return self.checkpoints / CKPT_BEST
+
+    @property
+    def summary(self) -> Path:
+        return self.dir / "summary.json"
+
+    @property
+    def loss_png(self) -> Path:
+        return self.dir / "loss.png"
+
+    @property
+    def lock(self) -> Path:
+        """Held (flock) by the job's supervisor for as long as the attempt lives."""
+        return self.dir / "supervisor.lock"
+
+    @property
+    def started(self) -> Path:
+        """Start record the supervisor writes: pids, process start time, attempt."""
+        return self.dir / "supervisor.json"
+
+    @property
+    def exit_record(self) -> Path:
+        """Exit record the supervisor writes atomically when the attempt's process tree is gone."""
+        return self.dir / "exit.json"
+
+    @property
+    def slurm_script(self) -> Path:
+        return self.dir / "slurm.sh"

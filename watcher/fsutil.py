@@ -1,0 +1,73 @@
+"""The one atomic-write helper, and small file reads that tolerate races."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, *, durable: bool = True, mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` so readers see the old file or the new one, never a part.
+
+    A temp file beside the target is written, flushed, fsynced (``durable``), then renamed over it.
+    """
+    path = os.fspath(path)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: object, *, durable: bool = True) -> None:
+    """Serialise ``obj`` as indented JSON and write it atomically."""
+    atomic_write(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n", durable=durable)
+
+
+def read_json(path: str | os.PathLike) -> dict | None:
+    """Return the JSON object in ``path``, or None when it is missing or not a JSON object."""
+    try:
+        with open(path, "rb") as f:
+            obj = json.loads(f.read())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def touch(path: str | os.PathLike) -> None:
+    """Create ``path`` if missing (like ``touch``), leaving an existing file's content alone."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    os.close(fd)
+
+
+def _unlink_quietly(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_quietly(path: str | os.PathLike) -> bool:
+    """Unlink ``path``; True if it existed."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def same_filesystem(*paths: Path) -> bool:
+    """True when every path lives on one filesystem (so ``rename`` between them is atomic)."""
+    return len({os.stat(p).st_dev for p in paths}) <= 1
