@@ -1,0 +1,172 @@
+"""The watcher's own settings: ``ROOT/watcher.yaml`` checked against schemas/watcher.schema.json.
+
+Built once (by cli.py) and passed down; a bad file stops start-up with one line per problem.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from watcher.contract import ENV_SIMULATE_GPUS
+from watcher.errors import InvalidWatcherConfig, Problem
+from watcher.jobspec import (
+    SCHEMAS_DIR, JobSpec, foreign_value_problems, parse_mapping, read_spec_text, schema_problems, schema_validator,
+    shown, sort_problems,
+)
+from watcher.units import parse_duration_s
+
+logger = logging.getLogger(__name__)
+
+#: the settings file inside the queue root (CONTRACT section 7)
+WATCHER_FILE = "watcher.yaml"
+WATCHER_SCHEMA = "watcher.schema.json"
+#: where jobs run
+EXECUTORS = ("local", "slurm")
+#: settings that are durations and must be > 0 (a zero interval would spin the loop)
+_POSITIVE_DURATIONS = ("rescan_s", "status_s", "heartbeat_s")
+_DURATIONS = ("settle_s", "rescan_s", "status_s", "heartbeat_s", "kill_after_s")
+#: seconds between Slurm job-state polls
+DEFAULT_SLURM_POLL_S = 2.0
+
+
+def _default_slurm() -> dict:
+    return {"partition": None, "sbatch_args": [], "poll_s": DEFAULT_SLURM_POLL_S}
+
+
+@dataclass(frozen=True)
+class WatcherConfig:
+    """Validated watcher settings; durations are seconds, ``simulate_gpus`` is absolute."""
+
+    max_concurrent: int = 1
+    gpus: tuple[int, ...] | None = None
+    min_free_ram_gb: float = 0.0
+    min_free_disk_gb: float = 0.0
+    allow_commands: tuple[str, ...] | None = None
+    settle_s: float = 0.3
+    rescan_s: float = 2.0
+    status_s: float = 1.0
+    heartbeat_s: float = 5.0
+    keep_finished: int = 50
+    executor: str = "local"
+    slurm: dict = field(default_factory=_default_slurm)
+    simulate_gpus: Path | None = None
+    kill_after_s: float = 5.0
+
+    @classmethod
+    def from_dict(cls, data: Mapping, root: Path | None = None, display: str = WATCHER_FILE) -> WatcherConfig:
+        """Validate a settings mapping and build the config; relative ``simulate_gpus`` resolves against ``root``."""
+        problems = foreign_value_problems(dict(data)) or sort_problems(
+            schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data)) + _interval_problems(data))
+        if problems:
+            raise InvalidWatcherConfig(display, problems)
+        return _build(data, root)
+
+    def to_dict(self) -> dict:
+        """The watcher.yaml form (seconds for durations); ``from_dict`` turns it back into an equal config."""
+        out: dict = {
+            "max_concurrent": self.max_concurrent, "min_free_ram_gb": self.min_free_ram_gb,
+            "min_free_disk_gb": self.min_free_disk_gb, "keep_finished": self.keep_finished,
+            "executor": self.executor, **{key: getattr(self, key) for key in _DURATIONS},
+            "slurm": {k: v for k, v in self.slurm.items() if v is not None},
+        }
+        if self.gpus is not None:
+            out["gpus"] = list(self.gpus)
+        if self.allow_commands is not None:
+            out["allow_commands"] = list(self.allow_commands)
+        if self.simulate_gpus is not None:
+            out["simulate_gpus"] = str(self.simulate_gpus)
+        return out
+
+
+def _interval_problems(data: Mapping) -> list[Problem]:
+    """Durations the schema allows (>= 0) but the loop cannot use (0)."""
+    checks = [(key, data.get(key)) for key in _POSITIVE_DURATIONS]
+    slurm = data.get("slurm")
+    if isinstance(slurm, Mapping):
+        checks.append(("slurm.poll_s", slurm.get("poll_s")))
+    return [Problem(key, f"must be a duration greater than 0 (got {shown(value)})")
+            for key, value in checks if _is_zero_duration(value)]
+
+
+def _is_zero_duration(value: object) -> bool:
+    """True for a well-formed duration of 0; malformed ones are the schema's to report."""
+    try:
+        return value is not None and parse_duration_s(value) == 0
+    except ValueError:
+        return False
+
+
+def _build(data: Mapping, root: Path | None) -> WatcherConfig:
+    """A WatcherConfig from a valid mapping, applying the documented defaults."""
+    defaults = WatcherConfig()
+    slurm = {**_default_slurm(), **data.get("slurm", {})}
+    slurm["poll_s"] = parse_duration_s(slurm["poll_s"])
+    slurm["sbatch_args"] = list(slurm["sbatch_args"])
+    gpus, allowed = data.get("gpus"), data.get("allow_commands")
+    return WatcherConfig(
+        max_concurrent=int(data.get("max_concurrent", defaults.max_concurrent)),
+        gpus=None if gpus is None else tuple(int(g) for g in gpus),
+        min_free_ram_gb=float(data.get("min_free_ram_gb", 0.0)),
+        min_free_disk_gb=float(data.get("min_free_disk_gb", 0.0)),
+        allow_commands=None if allowed is None else tuple(allowed),
+        keep_finished=int(data.get("keep_finished", defaults.keep_finished)),
+        executor=data.get("executor", defaults.executor),
+        slurm=slurm,
+        simulate_gpus=_resolve(data.get("simulate_gpus"), root),
+        **{key: parse_duration_s(data.get(key, getattr(defaults, key))) for key in _DURATIONS},
+    )
+
+
+def _resolve(path: str | None, root: Path | None) -> Path | None:
+    """``~`` expanded; a relative path is taken relative to the queue root (else the current folder)."""
+    if not path:
+        return None
+    resolved = Path(os.path.expanduser(path))
+    if not resolved.is_absolute() and root is not None:
+        resolved = Path(os.path.abspath(root)) / resolved
+    return Path(os.path.abspath(resolved))
+
+
+def load_watcher_config(root: Path, env: Mapping[str, str]) -> WatcherConfig:
+    """Read ``root/watcher.yaml`` when present (defaults otherwise); ``TRAINQ_SIMULATE_GPUS`` overrides simulate_gpus.
+
+    Raises InvalidWatcherConfig("watcher.yaml", problems) listing every problem.
+    """
+    path = Path(root) / WATCHER_FILE
+    config = WatcherConfig.from_dict(_read_settings(path), root) if os.path.lexists(path) else WatcherConfig()
+    simulated = env.get(ENV_SIMULATE_GPUS)
+    if simulated:
+        # the variable is typed in a shell, so a relative path means the shell's folder, not the queue root
+        config = replace(config, simulate_gpus=_resolve(simulated, None))
+    logger.debug("watcher config from %s: %s", path, config)
+    return config
+
+
+def _read_settings(path: Path) -> dict:
+    """watcher.yaml as a mapping ({} when empty); a symlink to a regular file is fine here."""
+    text = read_spec_text(path, follow_symlinks=True, allow_empty=True)
+    data = text if isinstance(text, Problem) else parse_mapping(text, "settings", allow_empty=True)
+    if isinstance(data, Problem):
+        raise InvalidWatcherConfig(WATCHER_FILE, [data])
+    return data
+
+
+def check_command_allowed(spec: JobSpec, config: WatcherConfig) -> Problem | None:
+    """A Problem when a command job's executable is not in ``allow_commands``; train jobs are always allowed.
+
+    A bare name in the list matches the executable's basename; an entry with a slash must equal its path.
+    """
+    if config.allow_commands is None or spec.is_train or not spec.command:
+        return None
+    executable = spec.command[0]
+    for allowed in config.allow_commands:
+        if "/" in allowed and os.path.normpath(allowed) == os.path.normpath(executable):
+            return None
+        if "/" not in allowed and os.path.basename(executable) == allowed:
+            return None
+    listed = ", ".join(config.allow_commands) or "nothing"
+    return Problem("command", f"'{executable}' is not in allow_commands of watcher.yaml (allowed: {listed}); "
+                              "ask whoever runs the queue to add it, or use an allowed program")

@@ -1,0 +1,677 @@
+"""Read a job file, check it against schemas/job.schema.json, and return a frozen ``JobSpec``.
+
+No other module parses job files. Every failure is raised as ``InvalidJobSpec`` carrying
+every problem found, each naming the field and what was expected.
+"""
+from __future__ import annotations
+
+import difflib
+import errno
+import functools
+import json
+import logging
+import math
+import os
+import re
+import shlex
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonschema
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
+
+from watcher.errors import InvalidJobSpec, Problem
+from watcher.units import DURATION_PATTERN, parse_duration_s
+from watcher.yaml12 import YamlError, load_yaml12
+
+logger = logging.getLogger(__name__)
+
+#: the repo's schemas/ folder (job, train, watcher, status schemas)
+SCHEMAS_DIR = Path(__file__).resolve().parent.parent / "schemas"
+
+__all__ = [
+    "SCHEMAS_DIR", "MAX_JOB_FILE_BYTES", "FAILURE_KINDS", "DEFAULT_RETRY_ON", "Resources", "Retries", "JobSpec",
+    "load_job_file", "parse_job_text", "expand_placeholders", "read_spec_text", "parse_mapping",
+]
+
+#: largest job file accepted, in bytes (CONTRACT section 2)
+MAX_JOB_FILE_BYTES = 1024 * 1024
+#: diagnosis kinds a failure can carry (CONTRACT section 4)
+FAILURE_KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "unknown")
+#: retried by default: every kind but nan, data and timeout (retrying those repeats the same failure)
+DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout"))
+#: seconds a stopped job may take to checkpoint and exit before its tree is terminated
+DEFAULT_STOP_GRACE_S = 120.0
+#: seconds a failed job waits before its retry
+DEFAULT_BACKOFF_S = 30.0
+JOB_SCHEMA = "job.schema.json"
+
+_PLACEHOLDER = re.compile(r"\{(job_dir|job_id|attempt|resume_from)\}")
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_TOP_LEVEL_NAMES = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def expand_placeholders(template: str, values: dict[str, str]) -> str:
+    """Replace ``{job_dir}``, ``{job_id}``, ``{attempt}``, ``{resume_from}``; a missing value becomes ""."""
+    if "{" not in template:
+        return template
+    return _PLACEHOLDER.sub(lambda m: str(values.get(m.group(1), "")), template)
+
+
+def _argv_item(value: object) -> str:
+    """Numbers in argv lists are passed in their string form."""
+    return value if isinstance(value, str) else str(value)
+
+
+def _env_value(value: object) -> str:
+    """Booleans keep their YAML spelling (true/false), not Python's."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return _argv_item(value)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What a job needs before it may start; ``gpus`` None means "the machine's default"."""
+
+    gpus: int | None = None
+    gpu_memory_gb: float | None = None
+    ram_gb: float = 0.0
+    disk_gb: float = 0.0
+    allow_battery: bool = False
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Resources:
+        """Build from a schema-valid ``resources`` mapping."""
+        gpus, mem = data.get("gpus"), data.get("gpu_memory_gb")
+        return cls(
+            gpus=None if gpus is None else int(gpus),
+            gpu_memory_gb=None if mem is None else float(mem),
+            ram_gb=float(data.get("ram_gb", 0.0)),
+            disk_gb=float(data.get("disk_gb", 0.0)),
+            allow_battery=bool(data.get("allow_battery", False)),
+        )
+
+    def to_dict(self) -> dict:
+        """The job-file form, leaving out what defaults to the machine."""
+        out: dict = {"ram_gb": self.ram_gb, "disk_gb": self.disk_gb, "allow_battery": self.allow_battery}
+        if self.gpus is not None:
+            out["gpus"] = self.gpus
+        if self.gpu_memory_gb is not None:
+            out["gpu_memory_gb"] = self.gpu_memory_gb
+        return out
+
+
+@dataclass(frozen=True)
+class Retries:
+    """When and how often a failed job runs again."""
+
+    max: int = 0
+    on: tuple[str, ...] = DEFAULT_RETRY_ON
+    backoff_s: float = DEFAULT_BACKOFF_S
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Retries:
+        """Build from a schema-valid ``retries`` mapping (duplicate kinds collapse)."""
+        on = tuple(dict.fromkeys(data["on"])) if "on" in data else DEFAULT_RETRY_ON
+        backoff = parse_duration_s(data["backoff"]) if "backoff" in data else DEFAULT_BACKOFF_S
+        return cls(max=int(data.get("max", 0)), on=on, backoff_s=backoff)
+
+    def to_dict(self) -> dict:
+        """The job-file form (backoff in seconds)."""
+        return {"max": self.max, "on": list(self.on), "backoff": self.backoff_s}
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated job file; ``raw`` is the parsed mapping exactly as written."""
+
+    approved: bool
+    name: str | None
+    priority: int
+    command: tuple[str, ...] | None
+    train: dict | None
+    cwd: str | None
+    env: dict[str, str]
+    resources: Resources
+    timeout_s: float | None
+    stop_grace_s: float
+    stall_after_s: float | None
+    retries: Retries
+    resume_args: tuple[str, ...] | None
+    slurm: dict | None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, data: dict, display: str = "<job>") -> JobSpec:
+        """Validate a parsed job mapping and build the spec; InvalidJobSpec lists every problem."""
+        problems = _job_problems(data)
+        if problems:
+            raise InvalidJobSpec(display, problems)
+        return _build(data)
+
+    def to_dict(self) -> dict:
+        """A schema-valid job mapping (durations in seconds) that ``from_dict`` turns back into an equal spec."""
+        out: dict = {} if "approved" not in self.raw else {"approved": self.raw["approved"]}
+        optional = {"name": self.name, "cwd": self.cwd, "timeout": self.timeout_s, "stall_after": self.stall_after_s,
+                    "slurm": self.slurm, "train": self.train}
+        out.update({k: v for k, v in optional.items() if v is not None})
+        if self.command is not None:
+            out["command"] = list(self.command)
+        if self.resume_args is not None:
+            out["resume_args"] = list(self.resume_args)
+        out.update(priority=self.priority, env=dict(self.env), resources=self.resources.to_dict(),
+                   stop_grace=self.stop_grace_s, retries=self.retries.to_dict())
+        return out
+
+    @property
+    def is_train(self) -> bool:
+        """True for jobs run by the built-in trainer."""
+        return self.train is not None
+
+    @property
+    def has_resume(self) -> bool:
+        """Whether a retry can resume: train jobs always, command jobs that declare resume_args."""
+        return self.is_train or self.resume_args is not None
+
+    @property
+    def approval_hint(self) -> str | None:
+        """One line telling the user why a present ``approved`` does not approve, else None."""
+        if "approved" not in self.raw or self.raw["approved"] is True:
+            return None
+        value = self.raw["approved"]
+        if isinstance(value, str):
+            what = f"the string {shown(value)}"
+        elif value is None:
+            what = "empty (null)"
+        elif value is False:
+            what = "false"
+        else:
+            what = f"{shown(value)}, not a boolean"
+        return f"approved is {what}; write approved: true (a YAML boolean) to submit"
+
+    def launch_argv(self, values: dict[str, str], python: str, resume: bool) -> list[str]:
+        """The argv to start: the expanded command (+ resume_args when resuming), or the built-in trainer."""
+        if self.is_train:
+            argv = [python, "-m", "trainer", values["job_dir"]]
+            return argv + (["--resume-from", values["resume_from"]] if resume else [])
+        argv = [expand_placeholders(a, values) for a in self.command or ()]
+        if resume and self.resume_args:
+            argv += [expand_placeholders(a, values) for a in self.resume_args]
+        return argv
+
+    def launch_env(self, values: dict[str, str]) -> dict[str, str]:
+        """The job's own env entries with placeholders expanded (the daemon adds TRAINQ_* itself)."""
+        return {key: expand_placeholders(value, values) for key, value in self.env.items()}
+
+    def launch_cwd(self, values: dict[str, str]) -> str | None:
+        """Expanded cwd (~ expanded; relative to the job folder); None means the job folder."""
+        if self.cwd is None:
+            return None
+        cwd = os.path.expanduser(expand_placeholders(self.cwd, values))
+        if not os.path.isabs(cwd) and "job_dir" in values:
+            cwd = os.path.join(values["job_dir"], cwd)
+        return cwd
+
+
+def _build(data: dict) -> JobSpec:
+    """Turn a valid mapping into a JobSpec, applying the documented defaults."""
+    command = data.get("command")
+    if isinstance(command, str):
+        command = shlex.split(command)
+    resume_args = data.get("resume_args")
+    return JobSpec(
+        approved=data.get("approved") is True,
+        name=data.get("name"),
+        priority=int(data.get("priority", 0)),
+        command=None if command is None else tuple(_argv_item(a) for a in command),
+        train=data.get("train"),
+        cwd=data.get("cwd"),
+        env={key: _env_value(value) for key, value in data.get("env", {}).items()},
+        resources=Resources.from_dict(data.get("resources", {})),
+        timeout_s=_duration_or_none(data, "timeout"),
+        stop_grace_s=parse_duration_s(data.get("stop_grace", DEFAULT_STOP_GRACE_S)),
+        stall_after_s=_duration_or_none(data, "stall_after"),
+        retries=Retries.from_dict(data.get("retries", {})),
+        resume_args=None if resume_args is None else tuple(_argv_item(a) for a in resume_args),
+        slurm=data.get("slurm"),
+        raw=data,
+    )
+
+
+def _duration_or_none(data: dict, key: str) -> float | None:
+    return None if data.get(key) is None else parse_duration_s(data[key])
+
+
+# -- JSON Schema: one validator per schema per process, and messages written for people --
+
+_TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "a boolean (true/false)",
+               "object": "a mapping", "array": "a list", "null": "null"}
+_PLURALS = {"integer": "integers", "number": "numbers", "string": "strings", "boolean": "booleans",
+            "object": "mappings", "array": "lists", "null": "nulls"}
+_BOUNDS = (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
+_DURATION_HINT = "a duration like 90, 90s, 10m, 1.5h"
+#: keys people put at the top level that live elsewhere (difflib cannot find them: they are spelled right)
+_KEY_HOMES = (("oom_ladder", "train.oom_ladder"),)
+
+
+@functools.lru_cache(maxsize=16)
+def schema_validator(schemas_dir: Path, name: str) -> jsonschema.Draft202012Validator:
+    """The validator for ``schemas_dir/name``, built once per process; sibling schemas resolve by ``$id``."""
+    schema = json.loads((schemas_dir / name).read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator.check_schema(schema)
+    resources = []
+    for file in sorted(schemas_dir.glob("*.json")):
+        contents = schema if file.name == name else _load_schema_file(file)
+        if contents is None:
+            continue
+        resource = referencing.Resource.from_contents(contents, referencing.jsonschema.DRAFT202012)
+        resources += [(uri, resource) for uri in {file.name, contents.get("$id", file.name)}]
+    registry = referencing.Registry().with_resources(resources).crawl()
+    return jsonschema.Draft202012Validator(_inline_local_refs(schema, schema.get("$defs", {})), registry=registry)
+
+
+def _inline_local_refs(node: object, defs: dict) -> object:
+    """Copy ``#/$defs/X`` targets into place: resolving a $ref per field costs ~15% of validation time."""
+    if isinstance(node, list):
+        return [_inline_local_refs(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/") and ref[8:] in defs:
+        node = {**defs[ref[8:]], **{k: v for k, v in node.items() if k != "$ref"}}
+    return {key: _inline_local_refs(value, defs) for key, value in node.items()}
+
+
+def _load_schema_file(file: Path) -> dict | None:
+    try:
+        contents = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        logger.warning("schema %s: unreadable (%s); fields that refer to it cannot be checked", file, exc)
+        return None
+    return contents if isinstance(contents, dict) else None
+
+
+def schema_problems(validator: jsonschema.Draft202012Validator, data: object) -> list[Problem]:
+    """Every schema violation as a readable Problem, deduplicated and sorted by field path."""
+    try:
+        errors = list(validator.iter_errors(data))
+    except referencing.exceptions.Unresolvable as exc:
+        return [Problem("", f"cannot be checked: {exc} (a schema file is missing from {SCHEMAS_DIR}; reinstall trainq)")]
+    return sort_problems([problem for error in errors for _, problem in _translate(error)])
+
+
+def sort_problems(problems: list[Problem]) -> list[Problem]:
+    """Deduplicated, whole-file problems first, then by field path (list indices in numeric order)."""
+    return sorted(dict.fromkeys(problems), key=_problem_key)
+
+
+def _problem_key(problem: Problem) -> tuple:
+    parts = re.findall(r"\[(\d+)\]|([^.\[\]]+)", problem.path)
+    return tuple((1, int(index), "") if index else (0, 0, name) for index, name in parts), problem.message
+
+
+def path_text(parts: tuple | list) -> str:
+    """``("retries", "on", 1)`` → ``retries.on[1]``."""
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def shown(value: object) -> str:
+    """A value as JSON would spell it (strings quoted), cut to 60 characters; containers by kind."""
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _translate(error: jsonschema.ValidationError) -> list[tuple[tuple, Problem]]:
+    """One jsonschema error → (path parts, Problem) pairs."""
+    parts = tuple(error.absolute_path)
+    if error.validator in ("oneOf", "anyOf"):
+        return _translate_alternatives(error)
+    if error.validator in ("additionalProperties", "unevaluatedProperties"):
+        return [(parts + (key,), Problem(path_text(parts + (key,)), _unknown_key_message(key, error.schema)))
+                for key in _unknown_keys(error)]
+    if error.validator == "required":
+        missing = [key for key in error.validator_value if key not in error.instance]
+        return [(parts, Problem(path_text(parts), f"missing required key '{key}'")) for key in missing]
+    return [(parts, Problem(path_text(parts), _message(error)))]
+
+
+def _message(error: jsonschema.ValidationError) -> str:
+    """The common validators in words; jsonschema's own message for the rare rest."""
+    if "propertyNames" in error.absolute_schema_path:
+        rule = f"it must match {error.validator_value}" if error.validator == "pattern" else _value_message(error)
+        return f"key {shown(error.instance)} is not a valid name here ({rule})"
+    return _value_message(error)
+
+
+def _value_message(error: jsonschema.ValidationError) -> str:
+    kind, value, limit, got = error.validator, error.instance, error.validator_value, shown(error.instance)
+    if _is_duration(error.schema) and kind in ("type", "pattern", "minimum"):
+        return f"expected {_DURATION_HINT} (got {got})"
+    if kind in ("type", "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        return f"must be {_expected(error.schema)} (got {got})"
+    if kind in ("enum", "const"):
+        choices = list(limit) if kind == "enum" else [limit]
+        return f"must be {_choices(choices)} (got {got}){_suggestion(value, choices)}"
+    if kind == "pattern":
+        return "must not be blank" if limit == r"\S" else f"must match the pattern {limit} (got {got})"
+    if kind in ("minItems", "minLength") and limit == 1:
+        return "must not be empty"
+    return _size_message(kind, value, limit) or error.message
+
+
+def _size_message(kind: str, value: object, limit: object) -> str | None:
+    size = len(value) if isinstance(value, (str, list, dict)) else 0
+    messages = {
+        "minItems": f"must have at least {limit} items (got {size})",
+        "maxItems": f"must have at most {limit} items (got {size})",
+        "minLength": f"must be at least {limit} characters long (got {size})",
+        "maxLength": f"must be at most {limit} characters long (got {size})",
+        "uniqueItems": "must not list the same item twice",
+        "minProperties": f"must have at least {limit} keys",
+        "maxProperties": f"must have at most {limit} keys",
+        "multipleOf": f"must be a multiple of {limit} (got {shown(value)})",
+    }
+    return messages.get(kind) if kind else "is not allowed here"
+
+
+def _is_duration(schema: object) -> bool:
+    return isinstance(schema, dict) and schema.get("pattern") == DURATION_PATTERN
+
+
+def _expected(schema: object) -> str:
+    """What a subschema accepts, in words: ``an integer >= 0``, ``a list of strings, or a string``."""
+    if not isinstance(schema, dict):
+        return "a valid value"
+    if _is_duration(schema):
+        return _DURATION_HINT
+    if "enum" in schema or "const" in schema:
+        return _choices(list(schema.get("enum", [schema.get("const")])))
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else list(types)
+    if not types:
+        return str(schema.get("title", "a valid value")).lower()
+    text = _or_list([_type_phrase(t, schema) for t in types])
+    bounds = " and ".join(f"{op} {_number(schema[key])}" for key, op in _BOUNDS if key in schema)
+    return f"{text} {bounds}" if bounds and len(types) == 1 else text
+
+
+def _or_list(words: list[str]) -> str:
+    """``a, b or c``; with ``, or`` before the last when the words hold an "or" themselves."""
+    if len(words) == 1:
+        return words[0]
+    last = ", or " if any(" or " in w for w in words) else " or "
+    return ", ".join(words[:-1]) + last + words[-1]
+
+
+def _type_phrase(kind: str, schema: dict) -> str:
+    items = schema.get("items")
+    if kind != "array" or not isinstance(items, dict) or "type" not in items:
+        return _TYPE_NAMES.get(kind, kind)
+    item_types = [items["type"]] if isinstance(items["type"], str) else items["type"]
+    return "a list of " + " or ".join(_PLURALS.get(t, t) for t in item_types)
+
+
+def _number(value: object) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _choices(choices: list) -> str:
+    words = [str(c) if isinstance(c, str) else shown(c) for c in choices]
+    return words[0] if len(words) == 1 else "one of " + ", ".join(words)
+
+
+def _suggestion(value: object, choices: list) -> str:
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, [c for c in choices if isinstance(c, str)], n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _unknown_keys(error: jsonschema.ValidationError) -> list[str]:
+    if error.validator == "unevaluatedProperties":
+        return re.findall(r"'([^']*)'", error.message)  # it names them, quoted
+    known = error.schema.get("properties", {})
+    patterns = error.schema.get("patternProperties", {})
+    return [k for k in error.instance if k not in known and not any(re.search(p, k) for p in patterns)]
+
+
+def _unknown_key_message(key: str, schema: dict) -> str:
+    """Name the unknown key and suggest the closest allowed one, or where it belongs."""
+    known = list(schema.get("properties", {}))
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6) or difflib.get_close_matches(
+        key.lower(), known, n=1, cutoff=0.6)
+    home = close[0] if close else _key_home(key, schema)
+    if home:
+        return f"unknown key '{key}' (did you mean '{home}'?)"
+    return f"unknown key '{key}'; allowed here: {', '.join(known)}" if known else f"unknown key '{key}'"
+
+
+def _key_home(key: str, schema: dict) -> str | None:
+    """Where a correctly spelled key lives when written one level too high (``gpus`` → ``resources.gpus``)."""
+    for name, sub in schema.get("properties", {}).items():
+        if isinstance(sub, dict) and key in sub.get("properties", {}):
+            return f"{name}.{key}"
+    return dict(_KEY_HOMES).get(key) if "train" in schema.get("properties", {}) else None
+
+
+def _translate_alternatives(error: jsonschema.ValidationError) -> list[tuple[tuple, Problem]]:
+    """oneOf/anyOf: the "exactly one of" rule, the one branch whose type fits, or the list of forms."""
+    parts, path = tuple(error.absolute_path), path_text(error.absolute_path)
+    branches = error.validator_value
+    if all(_is_key_branch(b) for b in branches):
+        return [(parts, Problem(path, _one_of_keys_message(error)))]
+    if not error.context:
+        return [(parts, Problem(path, f"matches more than one of the allowed forms (got {shown(error.instance)})"))]
+    by_branch: dict[object, list] = {}
+    for sub in error.context:
+        by_branch.setdefault(sub.relative_schema_path[0], []).append(sub)
+    fitting = [subs for subs in by_branch.values() if not any(
+        s.validator in ("type", "enum", "const") and not s.relative_path for s in subs)]
+    if len(fitting) == 1:
+        return [pair for sub in fitting[0] for pair in _translate(sub)]
+    forms = [_expected(min(subs, key=lambda s: len(s.relative_path)).schema) for subs in by_branch.values()]
+    return [(parts, Problem(path, f"must be {' or '.join(dict.fromkeys(forms))} (got {shown(error.instance)})"))]
+
+
+def _is_key_branch(branch: object) -> bool:
+    """A branch that only says "this key is present" (and maybe "not that one")."""
+    if not isinstance(branch, dict) or len(branch.get("required", ())) != 1:
+        return False
+    return set(branch) <= {"required", "not", "title", "description"}
+
+
+def _one_of_keys_message(error: jsonschema.ValidationError) -> str:
+    names = [b["required"][0] for b in error.validator_value]
+    present = [n for n in names if isinstance(error.instance, dict) and n in error.instance]
+    quoted = [f"'{n}'" for n in names]
+    listed = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+    rule = "exactly one" if error.validator == "oneOf" else "at least one"
+    found = "found neither" if not present else "found " + (" and ".join(f"'{n}'" for n in present))
+    if len(present) == len(names) == 2:
+        found = "found both"
+    return f"{rule} of {listed} is required ({found})"
+
+
+# -- validation --
+
+def _job_problems(data: dict) -> list[Problem]:
+    """Every problem with a parsed job mapping: foreign values, schema, then cross-field rules."""
+    problems = foreign_value_problems(data)
+    if problems:
+        return problems
+    problems = schema_problems(schema_validator(SCHEMAS_DIR, JOB_SCHEMA), data)
+    return sort_problems(problems + _semantic_problems(data))
+
+
+def _semantic_problems(data: dict) -> list[Problem]:
+    """Rules JSON Schema cannot say: the command string must split like a shell, resume_args is for commands."""
+    problems = []
+    command = data.get("command")
+    if isinstance(command, str):
+        try:
+            shlex.split(command)
+        except ValueError as exc:
+            problems.append(Problem("command", f"cannot be split like a shell would: {exc} (check the quotes)"))
+    if "train" in data and "resume_args" in data:
+        problems.append(Problem("resume_args", "only applies to command jobs; train jobs resume from their "
+                                               "checkpoints by themselves (remove resume_args)"))
+    return problems
+
+
+def foreign_value_problems(data: object, parts: str = "") -> list[Problem]:
+    """Keys that are not strings and values JSON cannot hold (``!!binary``, ``!!timestamp``, ``.nan``)."""
+    if isinstance(data, dict):
+        problems = []
+        for key, value in data.items():
+            if not isinstance(key, str):
+                problems.append(Problem(parts, f"key {shown(key)} must be a string (put it in quotes)"))
+                continue
+            problems += foreign_value_problems(value, f"{parts}.{key}" if parts else key)
+        return problems
+    if isinstance(data, list):
+        return [p for i, item in enumerate(data) for p in foreign_value_problems(item, f"{parts}[{i}]")]
+    if isinstance(data, float) and not math.isfinite(data):
+        return [Problem(parts, f"must be a finite number (got {data})")]
+    if data is None or isinstance(data, (str, int, float)):
+        return []
+    return [Problem(parts, f"a YAML {type(data).__name__} is not allowed here; write it as a string or number")]
+
+
+# -- reading --
+
+def read_spec_text(path: Path, follow_symlinks: bool = False, allow_empty: bool = False) -> str | Problem:
+    """The file's text, or the one whole-file Problem that stops it; never blocks and never reads past 1 MiB.
+
+    FileNotFoundError propagates: a file that vanished is not the user's mistake to report.
+    """
+    try:
+        st = os.stat(path) if follow_symlinks else os.lstat(path)
+    except NotADirectoryError:
+        raise FileNotFoundError(str(path)) from None
+    problem = _file_kind_problem(st)
+    if problem:
+        return problem
+    try:
+        data = _read_at_most(path, MAX_JOB_FILE_BYTES + 1, follow_symlinks)
+    except PermissionError:
+        return Problem("", "cannot be read (permission denied); make it readable by the watcher")
+    except IsADirectoryError:
+        return Problem("", "is a directory, not a job file")
+    if isinstance(data, Problem):
+        return data
+    return decode_spec_bytes(data, allow_empty)
+
+
+def _file_kind_problem(st: os.stat_result) -> Problem | None:
+    """Refuse symlinks, anything that is not a regular file, and files over the size limit, before opening."""
+    if stat.S_ISLNK(st.st_mode):
+        return Problem("", "is a symlink; copy the file into inbox/ instead")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+        return Problem("", f"is {kind}, not a regular file; job files must be plain files")
+    if st.st_size > MAX_JOB_FILE_BYTES:
+        return _too_large(st.st_size)
+    return None
+
+
+def _too_large(size: int) -> Problem:
+    return Problem("", f"is too large ({size} bytes or more); job files are limited to 1 MiB ({MAX_JOB_FILE_BYTES} bytes)")
+
+
+def _read_at_most(path: Path, limit: int, follow_symlinks: bool) -> bytes | Problem:
+    """Read up to ``limit`` bytes; O_NONBLOCK + fstat guard against a FIFO swapped in after lstat."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a symlink between lstat and open
+            return Problem("", "is a symlink; copy the file into inbox/ instead")
+        raise
+    try:
+        problem = _file_kind_problem(os.fstat(fd))
+        return problem if problem else _read_fd(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def _read_fd(fd: int, limit: int) -> bytes | Problem:
+    chunks: list[bytes] = []
+    total = 0
+    while total < limit:
+        chunk = os.read(fd, limit - total)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return _too_large(total) if total > MAX_JOB_FILE_BYTES else b"".join(chunks)
+
+
+def decode_spec_bytes(data: bytes, allow_empty: bool = False) -> str | Problem:
+    """UTF-8 text without NUL bytes, or the Problem saying why not (with the byte offset)."""
+    if not data.strip() and not allow_empty:
+        return Problem("", "the file is empty; write the job's fields (see schemas/job.schema.json)")
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        return Problem("", f"looks like a binary file, not YAML text (NUL byte at byte offset {nul})")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = data[exc.start:exc.start + 1].hex()
+        return Problem("", f"is not UTF-8 text (invalid byte 0x{bad} at byte offset {exc.start}); save it as UTF-8")
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def parse_mapping(text: str, what: str = "job fields", allow_empty: bool = False) -> dict | Problem:
+    """Parse one YAML 1.2 document that must be a mapping, or return the Problem (with the line)."""
+    if not text.strip() and allow_empty:
+        return {}
+    if not text.strip():
+        return Problem("", "the file is empty; write the job's fields (see schemas/job.schema.json)")
+    try:
+        data = load_yaml12(text)
+    except YamlError as exc:
+        return Problem("", str(exc))
+    if data is None and allow_empty:
+        return {}
+    if data is None:
+        return Problem("", f"has no {what} (only comments or blank lines)")
+    if not isinstance(data, dict):
+        got = _TOP_LEVEL_NAMES.get(type(data), f"a {type(data).__name__}")
+        return Problem("", f"expected a mapping of {what} at the top level, got {got}")
+    return data
+
+
+def parse_job_text(text: str, display: str) -> JobSpec:
+    """Parse and validate a job file's text; InvalidJobSpec(display, problems) on any problem."""
+    if "\x00" in text:
+        raise InvalidJobSpec(display, [Problem("", "looks like a binary file, not YAML text (it contains NUL)")])
+    data = parse_mapping(text)
+    if isinstance(data, Problem):
+        raise InvalidJobSpec(display, [data])
+    return JobSpec.from_dict(data, display)
+
+
+def load_job_file(path: Path, display: str | None = None) -> JobSpec:
+    """Read, parse and validate one job file; InvalidJobSpec lists every problem, FileNotFoundError if gone."""
+    display = display or str(path)
+    text = read_spec_text(Path(path))
+    if isinstance(text, Problem):
+        raise InvalidJobSpec(display, [text])
+    spec = parse_job_text(text, display)
+    logger.debug("job file %s: valid (approved=%s)", display, spec.approved)
+    return spec
