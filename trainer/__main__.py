@@ -1,0 +1,73 @@
+"""trainq's built-in trainer: LoRA / QLoRA / full fine-tuning of a local causal LM, driven by files.
+
+Run by hand on any folder holding a job.yaml with a ``train:`` block::
+
+    python -m trainer.tiny queue/demo            # a tiny model + data to try it on
+    python -m trainer JOB_DIR                    # trains; writes into JOB_DIR
+    touch JOB_DIR/stop.flag                      # checkpoint and stop (exit 0, outcome "stopped")
+    python -m trainer JOB_DIR --resume-from JOB_DIR/checkpoints/ckpt_latest
+
+Writes: metrics.jsonl (a record per step), checkpoints/step-NNNNNN/ + ckpt_latest/ckpt_best links,
+adapter/ (model/ for method: full), summary.json, loss.png, env.json, SHA256SUMS.
+Environment (set by the watcher; all optional by hand): TRAINQ_STOP_FLAG, TRAINQ_METRICS, TRAINQ_ATTEMPT,
+TRAINQ_RESUME_FROM, TRAINQ_SIMULATE_GPUS (for preset: auto), TRAINQ_TRAINER_FAULTS (test switch: see trainer/faults.py).
+Exit codes: 0 done or stopped, 2 bad config/checkpoint, 65 bad data, 66 diverged (NaN), 67 out of memory,
+143 preempted by SIGTERM (after checkpointing).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+from watcher.contract import EXIT_FAILED, EXIT_USAGE
+
+#: offline, quiet: models load only from local folders, and nothing phones home
+_ENV_DEFAULTS = {
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error", "BITSANDBYTES_NOWELCOME": "1",
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line: JOB_DIR and an optional checkpoint to resume from."""
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("job_dir", type=Path, help="folder holding job.yaml (outputs are written here)")
+    parser.add_argument("--resume-from", metavar="DIR", default=None,
+                        help="checkpoint folder (step-N) or checkpoints/ckpt_latest; also env TRAINQ_RESUME_FROM")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run and map errors to the documented exit codes (one stderr line each)."""
+    args = parse_args(argv)
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes are not the user's business
+    try:
+        from trainer.run import main_run
+
+        return main_run(args.job_dir, args.resume_from)
+    except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
+        code = getattr(exc, "exit_code", None)
+        if code is None:
+            traceback.print_exc()
+            print(f"trainq: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"trainq: {exc}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)  # interpreter shutdown with torch loaded costs ~1.3 s
+
+
+__all__ = ["main", "EXIT_USAGE"]

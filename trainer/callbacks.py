@@ -1,0 +1,334 @@
+"""What trainq adds to transformers' Trainer: per-step records, guards, stop/preempt, checkpoint cadence.
+
+``TrainqTrainer`` overrides only what a callback cannot reach (the raw per-step loss, fault injection,
+checkpoint writing); ``TrainqCallback`` does the rest at the Trainer's step boundaries.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+import signal
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from trainer import checkpoints
+from trainer.config import TrainConfig
+from trainer.faults import Faults
+from trainer.metrics import MetricsWriter
+from trainer.modeling import fingerprint, trainable_state
+from watcher.contract import CKPT_BEST, CKPT_LATEST, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_STEP
+from watcher.fsutil import atomic_write_json, touch
+
+logger = logging.getLogger(__name__)
+
+#: consecutive non-finite steps that trigger a rollback to ckpt_latest
+NONFINITE_STREAK = 3
+#: a loss above mean + SPIKE_SIGMAS * stdev of the last SPIKE_WINDOW steps is a spike
+SPIKE_SIGMAS = 5.0
+SPIKE_WINDOW = 100
+#: steps of history needed before spikes are judged
+SPIKE_MIN_HISTORY = 20
+#: what the spike fault adds to a step's loss
+SPIKE_FAULT_LOSS = 50.0
+
+
+@dataclass
+class RunState:
+    """Mutable state of one trainer process, shared by the Trainer subclass and the callback."""
+
+    config: TrainConfig
+    ckpt_dir: Path
+    stop_flag: Path
+    metrics: MetricsWriter
+    faults: Faults
+    attempt: int = 1
+    lr_scale: float = 1.0
+    rollbacks: int = 0
+    best_eval_loss: float | None = None
+    best_step: int | None = None
+    last_eval_loss: float | None = None
+    last_loss: float | None = None
+    stop_reason: str | None = None  # "stopped" | "preempted" | "rollback"
+    sigterm_received: bool = False
+    nonfinite_streak: int = 0
+    nan_consumed: set[int] = field(default_factory=set)
+    losses: deque = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
+    train_started: float = 0.0
+    tokens_seen: int = 0
+    save_pending: bool = False
+    resumed_lr_scale: float | None = None
+    resumed_fingerprint: str | None = None
+    last_checkpoint: Path | None = None
+
+    def on_sigterm(self, signum: int, frame: object) -> None:
+        """Signal handler: only sets a flag; the next step boundary acts on it."""
+        self.sigterm_received = True
+
+
+class TrainqTrainer(Trainer):
+    """Trainer that keeps the raw per-step loss, injects the documented faults and writes tmp-then-rename checkpoints."""
+
+    def __init__(self, *args, run: RunState, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.run = run
+        self.step_loss = torch.zeros(())
+        self.step_tokens = 0
+        self.last_grad_norm: float | None = None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-batch; also sums the raw loss and tokens of the current optimizer step."""
+        self._maybe_fake_oom(inputs["input_ids"].shape[0])
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.step_loss = self.step_loss + loss.detach().float().cpu()
+        self.step_tokens += int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
+        return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The model's loss, with the NaN/spike faults applied when the switch names this step."""
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not model.training:
+            return result
+        loss = result[0] if return_outputs else result
+        step = self.state.global_step + 1
+        if self._fault_nan(step):
+            loss = loss * float("nan")
+        if step in self.run.faults.spike_at:
+            loss = loss + SPIKE_FAULT_LOSS / max(self.current_gradient_accumulation_steps, 1)
+        return (loss, result[1]) if return_outputs else loss
+
+    def _fault_nan(self, step: int) -> bool:
+        faults = self.run.faults
+        if faults.nan_after is not None and step >= faults.nan_after:
+            return True
+        return step in faults.nan_at and step not in self.run.nan_consumed
+
+    def _maybe_fake_oom(self, batch_size: int) -> None:
+        step = self.state.global_step + 1
+        faults = self.run.faults
+        if step in faults.oom_at or (faults.oom_if_batch_over is not None and batch_size > faults.oom_if_batch_over):
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate 2.00 GiB (simulated by TRAINQ_TRAINER_FAULTS at step {step}, batch {batch_size})"
+            )
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        value = super()._get_grad_norm(model, grad_norm)
+        self.last_grad_norm = float(value) if value is not None else None
+        return value
+
+    def pop_step(self) -> tuple[float, int]:
+        """(raw loss, tokens) of the optimizer step that just ended; resets the accumulators."""
+        loss, tokens = float(self.step_loss), self.step_tokens
+        self.step_loss, self.step_tokens = torch.zeros(()), 0
+        return loss, tokens
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write step-N.tmp, seal it with a manifest, rename to step-N, then move the links and rotate."""
+        save_checkpoint(self, self.run)
+
+
+def _trainq_state(trainer: TrainqTrainer, run: RunState) -> dict:
+    state = trainer.state
+    return {
+        "resumable": True, "step": state.global_step, "epoch": state.epoch,
+        "samples_seen": state.global_step * run.config.effective_batch,
+        "best_eval_loss": run.best_eval_loss, "best_step": run.best_step, "lr_scale": run.lr_scale,
+        "rollbacks": run.rollbacks, "trainable_fingerprint": fingerprint(trainable_state(trainer.model)),
+        "config": run.config.to_dict(), "time": time.time(),
+    }
+
+
+def save_checkpoint(trainer: TrainqTrainer, run: RunState) -> Path:
+    """Everything exact resume needs, in a folder that only becomes visible when complete."""
+    step = trainer.state.global_step
+    tmp = checkpoints.begin(run.ckpt_dir, step)
+    trainer.store_flos()
+    trainer.save_model(str(tmp), _internal_call=True)
+    if run.faults.kill_in_save == step:
+        os.kill(os.getpid(), signal.SIGKILL)  # the documented fault: die with a half-written folder
+    trainer._save_optimizer_and_scheduler(str(tmp))
+    trainer._save_scaler(str(tmp))
+    trainer._save_rng_state(str(tmp))
+    trainer.state.save_to_json(str(tmp / "trainer_state.json"))
+    atomic_write_json(tmp / checkpoints.STATE_FILE, _trainq_state(trainer, run))
+    final = checkpoints.publish(tmp)
+    checkpoints.point_link(run.ckpt_dir, CKPT_LATEST, final)
+    if run.best_step == step:
+        checkpoints.point_link(run.ckpt_dir, CKPT_BEST, final)
+    checkpoints.rotate(run.ckpt_dir, run.config.checkpoint.keep)
+    run.metrics.write(RECORD_CHECKPOINT, step=step, path=str(final.resolve()), best=run.best_step == step)
+    run.last_checkpoint = final
+    return final
+
+
+def peak_mem_mb() -> float:
+    """Peak accelerator memory (CUDA) or peak resident memory of this process (CPU), MiB."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+class TrainqCallback(TrainerCallback):
+    """Records, guards, cadence and stop handling at the Trainer's step boundaries."""
+
+    def __init__(self, run: RunState, has_eval: bool):
+        self.run = run
+        self.has_eval = has_eval
+        self.trainer: TrainqTrainer | None = None
+        self.step_started = time.perf_counter()
+        self.last_save = time.monotonic()
+        self.step_nonfinite = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Apply a rollback's lr halving and verify a resumed adapter before the first step."""
+        self.run.train_started = time.perf_counter()
+        self.last_save = time.monotonic()
+        self._rescale_lr(kwargs["optimizer"], kwargs["lr_scheduler"])
+        if self.run.resumed_fingerprint is not None:
+            self._verify_resumed(state)
+
+    def _rescale_lr(self, optimizer, scheduler) -> None:
+        loaded = self.run.resumed_lr_scale if self.run.resumed_lr_scale is not None else self.run.lr_scale
+        factor = self.run.lr_scale / loaded
+        if factor == 1.0:
+            return
+        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= factor
+
+    def _verify_resumed(self, state) -> None:
+        actual = fingerprint(trainable_state(self.trainer.model))
+        if state.global_step <= 0:
+            raise checkpoints.CheckpointError("resume: the checkpoint's step is 0; nothing to resume")
+        if actual != self.run.resumed_fingerprint:
+            raise checkpoints.CheckpointError(
+                "resume: the loaded weights do not match the checkpoint's (a fresh adapter instead of the saved one, "
+                "transformers#24252); refusing to continue"
+            )
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step_started = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """A non-finite step is not applied: drop its gradients so the optimizer leaves weights and moments alone."""
+        self.step_nonfinite = not math.isfinite(float(self.trainer.step_loss))
+        if self.step_nonfinite:
+            for param in self.trainer.model.parameters():
+                param.grad = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Record the step, then guards, faults, stop requests and the checkpoint cadence."""
+        elapsed = time.perf_counter() - self.step_started
+        loss, tokens = self.trainer.pop_step()
+        self.run.tokens_seen += tokens
+        self._record_step(state, loss, tokens, elapsed, kwargs["optimizer"])
+        nonfinite = self._guard_nonfinite(state, control, loss)
+        if self.run.stop_reason == "rollback":
+            return control
+        if not nonfinite:
+            self._check_spike(state, loss)
+        self._apply_step_faults(state)
+        self._schedule_save(state, control, defer=nonfinite)
+        self._check_stop(control)
+        if self.has_eval and state.global_step >= state.max_steps and not nonfinite:
+            control.should_evaluate = True
+        return control
+
+    def _record_step(self, state, loss: float, tokens: int, elapsed: float, optimizer) -> None:
+        lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+        self.run.metrics.write(
+            RECORD_STEP, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch, loss=loss, lr=lr,
+            grad_norm=self.trainer.last_grad_norm, tokens_per_s=tokens / elapsed if elapsed > 0 else None,
+            time=time.time(), peak_mem_mb=round(peak_mem_mb(), 1), **({} if math.isfinite(loss) else {"nonfinite": True}),
+        )
+        every = self.run.config.log_every
+        if state.global_step % every == 0 or state.global_step in (1, state.max_steps) or not math.isfinite(loss):
+            print(f"step {state.global_step}/{state.max_steps}: loss {loss:.4f}, lr {lr:.1e}, {elapsed * 1000:.0f}ms", flush=True)
+
+    def _guard_nonfinite(self, state, control, loss: float) -> bool:
+        """Count non-finite steps; the third in a row asks run.py to roll back. True when this step was non-finite."""
+        step = state.global_step
+        if math.isfinite(loss):
+            self.run.nonfinite_streak = 0
+            self.run.last_loss = loss
+            return False
+        self.run.nan_consumed.add(step)
+        self.run.nonfinite_streak += 1
+        self.run.metrics.event("nonfinite_loss", f"step {step}: non-finite loss; the step was not applied",
+                               step=step, streak=self.run.nonfinite_streak)
+        if self.run.nonfinite_streak >= NONFINITE_STREAK:
+            self.run.stop_reason = "rollback"
+            control.should_training_stop = True
+        return True
+
+    def _check_spike(self, state, loss: float) -> None:
+        history = self.run.losses
+        if len(history) >= SPIKE_MIN_HISTORY:
+            mean, sigma = statistics.fmean(history), statistics.pstdev(history)
+            threshold = mean + SPIKE_SIGMAS * sigma
+            if loss > threshold:
+                self.run.metrics.event("loss_spike", f"step {state.global_step}: loss {loss:.4f} above mean + 5 sigma ({threshold:.4f})",
+                                       step=state.global_step, loss=loss, mean=mean, sigma=sigma)
+                print(f"step {state.global_step}: loss spike {loss:.4f} (mean {mean:.4f}, sigma {sigma:.4f})", flush=True)
+        history.append(loss)
+
+    def _apply_step_faults(self, state) -> None:
+        faults = self.run.faults
+        if faults.sleep_per_step:
+            time.sleep(faults.sleep_per_step)
+        if faults.stop_at == state.global_step:
+            touch(self.run.stop_flag)
+        if faults.sigterm_at == state.global_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _check_stop(self, control) -> None:
+        if self.run.sigterm_received:
+            self.run.stop_reason = "preempted"
+        elif os.path.exists(self.run.stop_flag):  # one stat per step
+            self.run.stop_reason = "stopped"
+        else:
+            return
+        control.should_save = True
+        control.should_training_stop = True
+
+    def _schedule_save(self, state, control, defer: bool) -> None:
+        """Every every_steps or every_minutes, whichever first; a non-finite step defers it to the next good one."""
+        cadence = self.run.config.checkpoint
+        due_steps = cadence.every_steps is not None and state.global_step % cadence.every_steps == 0
+        due_time = time.monotonic() - self.last_save >= cadence.every_minutes * 60
+        if not (due_steps or due_time or self.run.save_pending):
+            return
+        if defer:
+            self.run.save_pending = True
+        else:
+            control.should_save = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self.last_save = time.monotonic()
+        self.run.save_pending = False
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        """Record the eval; a new best eval loss is checkpointed at once so ckpt_best names a real folder."""
+        eval_loss = (metrics or {}).get("eval_loss")
+        if eval_loss is None or not self.trainer.is_in_train:
+            return
+        self.run.last_eval_loss = eval_loss
+        self.run.metrics.write(RECORD_EVAL, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch,
+                               eval_loss=eval_loss, time=time.time())
+        print(f"step {state.global_step}/{state.max_steps}: eval_loss {eval_loss:.4f}", flush=True)
+        if _finite(eval_loss) and (self.run.best_eval_loss is None or eval_loss < self.run.best_eval_loss):
+            self.run.best_eval_loss, self.run.best_step = eval_loss, state.global_step
+            control.should_save = True

@@ -1,0 +1,202 @@
+"""The ``train:`` block of a job file, validated against ``schemas/train.schema.json`` into a frozen ``TrainConfig``."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from jsonschema import Draft202012Validator
+
+from watcher.contract import EXIT_USAGE
+from watcher.yaml12 import YamlError, load_yaml12
+
+#: the schema this module validates against (shipped beside the package in the repo)
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "train.schema.json"
+
+
+class ConfigError(Exception):
+    """Raised when job.yaml or its train: block is unusable; the message is one line naming file and field."""
+
+    exit_code = EXIT_USAGE
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Adapter shape for lora/qlora."""
+
+    r: int = 16
+    alpha: float = 16
+    dropout: float = 0.05
+    target_modules: str | tuple[str, ...] = "all-linear"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoint cadence (steps or minutes, whichever first) and retention."""
+
+    every_steps: int | None = None
+    every_minutes: float = 30.0
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every knob of a train job, with relative paths already resolved."""
+
+    model: str
+    train_file: str
+    eval_file: str | None = None
+    method: str = "lora"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    seq_len: int = 512
+    batch_size: int = 4
+    grad_accum: int = 1
+    lr: float = 2e-4
+    scheduler: str = "cosine"
+    warmup_ratio: float = 0.03
+    epochs: float | None = None
+    max_steps: int | None = None
+    precision: str = "auto"
+    seed: int = 42
+    eval_every: int | None = None
+    log_every: int = 10
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preset: str | None = None
+    oom_ladder: str = "auto"
+    eval_fraction: float = 0.05
+    allow_changed_schedule: bool = False
+
+    @property
+    def effective_batch(self) -> int:
+        """Examples per optimizer step."""
+        return self.batch_size * self.grad_accum
+
+    @classmethod
+    def from_dict(cls, block: dict, base_dirs: tuple[Path, ...]) -> TrainConfig:
+        """Build from an already schema-valid ``train:`` block; relative paths resolve against ``base_dirs``."""
+        values = {k: v for k, v in block.items() if k not in ("data", "lora", "checkpoint")}
+        values["model"] = _resolve(block["model"], base_dirs)
+        data = block["data"]
+        if isinstance(data, str):
+            values["train_file"] = _resolve(data, base_dirs)
+        else:
+            values["train_file"] = _resolve(data["train"], base_dirs)
+            values["eval_file"] = _resolve(data["eval"], base_dirs) if "eval" in data else None
+        lora = dict(block.get("lora", {}))
+        if isinstance(lora.get("target_modules"), list):
+            lora["target_modules"] = tuple(lora["target_modules"])
+        values["lora"] = LoraConfig(**lora)
+        values["checkpoint"] = CheckpointConfig(**block.get("checkpoint", {}))
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able form (written into checkpoints and env.json)."""
+        out = asdict(self)
+        if isinstance(self.lora.target_modules, tuple):
+            out["lora"]["target_modules"] = list(self.lora.target_modules)
+        return out
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> TrainConfig:
+        """Inverse of ``to_dict`` (paths are already absolute)."""
+        values = dict(saved)
+        lora = dict(values.pop("lora"))
+        if isinstance(lora.get("target_modules"), list):
+            lora["target_modules"] = tuple(lora["target_modules"])
+        return cls(lora=LoraConfig(**lora), checkpoint=CheckpointConfig(**values.pop("checkpoint")), **values)
+
+    def with_changes(self, **changes: object) -> TrainConfig:
+        """A copy with some knobs changed (preset, OOM ladder)."""
+        lora_r = changes.pop("lora_r", None)
+        new = replace(self, **changes)
+        if lora_r is not None:
+            new = replace(new, lora=replace(new.lora, r=int(lora_r)))
+        return new
+
+
+def _resolve(path: str, base_dirs: tuple[Path, ...]) -> str:
+    """Absolute paths stay; a relative one takes the first base where it exists, else the first base."""
+    expanded = Path(os.path.expanduser(path))
+    if expanded.is_absolute():
+        return str(expanded)
+    candidates = [(base / expanded).resolve() for base in base_dirs] + [expanded.resolve()]
+    return str(next((c for c in candidates if c.exists()), candidates[0]))
+
+
+def load_validator() -> Draft202012Validator:
+    """The train-block validator (built once per process by the caller)."""
+    return Draft202012Validator(json.loads(SCHEMA_PATH.read_text(encoding="utf-8")))
+
+
+def _error_path(error: object) -> str:
+    return ".".join(["train", *(str(p) for p in error.absolute_path)])  # type: ignore[attr-defined]
+
+
+def _describe(error: object) -> str:
+    """One readable message for a schema error; exclusive epochs/max_steps gets its own wording."""
+    if error.validator == "oneOf" and not error.absolute_path:  # type: ignore[attr-defined]
+        return "give exactly one of epochs or max_steps"
+    return error.message  # type: ignore[attr-defined]
+
+
+def validate_block(block: object, file: str) -> None:
+    """Raise ConfigError (one line per problem) unless ``block`` matches train.schema.json."""
+    if not isinstance(block, dict):
+        raise ConfigError(f"{file}: train: expected a mapping of training knobs (see schemas/train.schema.json)")
+    errors = sorted(load_validator().iter_errors(block), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise ConfigError("\n".join(f"{file}: {_error_path(e)}: {_describe(e)}" for e in errors))
+
+
+def read_job(job_dir: Path) -> tuple[dict, dict]:
+    """Return (whole job mapping, its train: block) from ``job_dir/job.yaml``."""
+    spec = job_dir / "job.yaml"
+    try:
+        text = spec.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{spec}: no job.yaml in this folder; python -m trainer JOB_DIR needs JOB_DIR/job.yaml") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{spec}: not UTF-8 text") from None
+    try:
+        job = load_yaml12(text)
+    except YamlError as exc:
+        raise ConfigError(f"{spec}: {exc}") from None
+    if not isinstance(job, dict) or "train" not in job:
+        raise ConfigError(f"{spec}: train: missing; this job has no train: block for the built-in trainer")
+    return job, job["train"]
+
+
+def base_dirs_for(job: dict, job_dir: Path) -> tuple[Path, ...]:
+    """Where relative paths resolve, in order: the job's cwd (relative to the job folder), then the job folder."""
+    bases = []
+    cwd = job.get("cwd")
+    if isinstance(cwd, str) and cwd:
+        cwd = cwd.replace("{job_dir}", str(job_dir)).replace("{job_id}", job_dir.name)
+        bases.append((job_dir / os.path.expanduser(cwd)).resolve())
+    bases.append(job_dir.resolve())
+    return tuple(bases)
+
+
+def load_config(job_dir: Path) -> TrainConfig:
+    """Read, validate and resolve the train: block of ``job_dir/job.yaml``; check that local paths exist."""
+    job, block = read_job(job_dir)
+    spec = str(job_dir / "job.yaml")
+    validate_block(block, spec)
+    config = TrainConfig.from_dict(block, base_dirs_for(job, job_dir))
+    _check_paths(config, spec)
+    return config
+
+
+def _check_paths(config: TrainConfig, spec: str) -> None:
+    if not Path(config.model).is_dir():
+        raise ConfigError(f"{spec}: train.model: {config.model} is not a folder; give a local model folder (config, weights, tokenizer)")
+    if not (Path(config.model) / "config.json").is_file():
+        raise ConfigError(f"{spec}: train.model: {config.model} has no config.json; give a folder saved by save_pretrained")
+    field_name = "train.data" if config.eval_file is None else "train.data.train"
+    if not Path(config.train_file).is_file():
+        raise ConfigError(f"{spec}: {field_name}: {config.train_file} does not exist")
+    if config.eval_file is not None and not Path(config.eval_file).is_file():
+        raise ConfigError(f"{spec}: train.data.eval: {config.eval_file} does not exist")

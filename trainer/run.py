@@ -1,0 +1,286 @@
+"""One training run, top to bottom: config -> setup -> data -> model -> resume -> Trainer loop -> finish."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PrinterCallback, TrainingArguments
+
+from trainer import artifacts, checkpoints, ladder
+from trainer.callbacks import RunState, TrainqCallback, TrainqTrainer
+from trainer.config import TrainConfig, load_config
+from trainer.data import MAX_REPORTED_BAD_ROWS, PadCollator, load_data, tokenize
+from trainer.faults import parse_faults
+from trainer.metrics import MetricsWriter, read_records
+from trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
+from trainer.presets import Knobs, ModelShape, PresetError, choose, free_gpu_mb
+from watcher.contract import (ENV_ATTEMPT, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
+                              EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_USAGE, RECORD_DONE, JobPaths)
+from watcher.units import iso_utc
+
+logger = logging.getLogger(__name__)
+
+#: rollbacks after non-finite streaks; the third request ends the run with EXIT_NAN
+MAX_ROLLBACKS = 3
+#: exit code per outcome
+EXIT_FOR = {"done": EXIT_OK, "stopped": EXIT_OK, "preempted": EXIT_PREEMPTED, "nan": EXIT_NAN, "oom": EXIT_OOM}
+
+
+class ScheduleChanged(checkpoints.CheckpointError):
+    """Raised when a resume would change max_steps/epochs/batch/accum without allow_changed_schedule."""
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """Where this process reads and writes, from the command line and the watcher's environment."""
+
+    job_dir: Path
+    metrics: Path
+    stop_flag: Path
+    attempt: int
+    resume_from: Path | None
+
+    @classmethod
+    def from_args(cls, job_dir: Path, resume_from: str | None) -> Invocation:
+        paths = JobPaths(job_dir.resolve())
+        resume = resume_from or os.environ.get(ENV_RESUME_FROM) or None
+        return cls(
+            job_dir=paths.dir, metrics=Path(os.environ.get(ENV_METRICS) or paths.metrics),
+            stop_flag=Path(os.environ.get(ENV_STOP_FLAG) or paths.stop_flag),
+            attempt=int(os.environ.get(ENV_ATTEMPT) or 1), resume_from=Path(resume) if resume else None,
+        )
+
+
+# -- settling the config: preset, OOM ladder, checkpoint compatibility --------------------------------------
+
+def apply_preset(config: TrainConfig, metrics: MetricsWriter) -> tuple[TrainConfig, dict | None]:
+    """``preset: auto``: the largest seq_len/batch/rank under 85% of free GPU memory (same effective batch)."""
+    if config.preset != "auto":
+        return config, None
+    free = free_gpu_mb()
+    if free is None:
+        metrics.event("preset", "preset: auto: no GPU found (NVML or TRAINQ_SIMULATE_GPUS); keeping the configured values")
+        return config, {"applied": False, "reason": "no GPU"}
+    shape = ModelShape.from_config(json.loads((Path(config.model) / "config.json").read_text()))
+    requested = Knobs(config.seq_len, config.batch_size, config.grad_accum, config.lora.r)
+    choice = choose(shape, config.method, requested, free[0])
+    knobs = choice.knobs
+    info = {"applied": True, "gpu": free[1], **choice.to_dict(), "params": shape.params}
+    metrics.event("preset", f"preset: auto on {free[1]}: seq_len {knobs.seq_len}, batch_size {knobs.batch_size}, "
+                  f"grad_accum {knobs.grad_accum}, lora.r {knobs.lora_r} (~{choice.estimate.total_mb:.0f} of "
+                  f"{choice.budget_mb:.0f} MiB budget)", **info)
+    return config.with_changes(seq_len=knobs.seq_len, batch_size=knobs.batch_size, grad_accum=knobs.grad_accum,
+                               lora_r=knobs.lora_r), info
+
+
+def apply_ladder(config: TrainConfig, inv: Invocation, metrics: MetricsWriter) -> tuple[TrainConfig, bool]:
+    """After an OOM attempt, with oom_ladder: auto, take the next rung; True when knobs changed."""
+    if config.oom_ladder != "auto" or inv.attempt <= 1:
+        return config, False
+    planned = ladder.plan(read_records(inv.metrics), inv.attempt)
+    if planned is None:
+        return config, False
+    knobs, rung = planned
+    if rung is not None:
+        metrics.event(ladder.LADDER_EVENT, f"attempt {inv.attempt}: OOM ladder: {rung.change}", attempt=inv.attempt,
+                      to=knobs, change=rung.change)
+        print(f"trainq: attempt {inv.attempt} after out of memory: {rung.change}", flush=True)
+    return config.with_changes(seq_len=knobs["seq_len"], batch_size=knobs["batch_size"],
+                               grad_accum=knobs["grad_accum"]), True
+
+
+def pin_to_checkpoint(config: TrainConfig, saved: dict) -> TrainConfig:
+    """A resumed preset keeps the checkpoint's choice (free memory may differ now; the adapter shape may not)."""
+    if config.preset != "auto":
+        return config
+    return config.with_changes(seq_len=saved["seq_len"], batch_size=saved["batch_size"],
+                               grad_accum=saved["grad_accum"], lora_r=saved["lora"]["r"])
+
+
+def check_schedule(config: TrainConfig, saved: dict, laddered: bool, folder: Path) -> None:
+    """Refuse a changed max_steps/epochs/batch/accum vs the checkpoint unless allowed (the ladder keeps the effective batch)."""
+    keys = ["max_steps", "epochs"] + ([] if laddered else ["batch_size", "grad_accum"])
+    changed = [f"{k} {saved.get(k)} -> {getattr(config, k)}" for k in keys if saved.get(k) != getattr(config, k)]
+    if laddered and saved["batch_size"] * saved["grad_accum"] != config.effective_batch:
+        changed.append(f"effective batch {saved['batch_size'] * saved['grad_accum']} -> {config.effective_batch}")
+    if saved["lora"]["r"] != config.lora.r and config.method != "full":
+        raise ScheduleChanged(f"{folder}: lora.r {saved['lora']['r']} -> {config.lora.r}: the adapter shape changed; resume needs the same rank")
+    if changed and not config.allow_changed_schedule:
+        raise ScheduleChanged(f"{folder}: resume would change {', '.join(changed)}; set train.allow_changed_schedule: true to accept")
+
+
+# -- the run ------------------------------------------------------------------------------------------------
+
+def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_eval: bool, lr_scale: float) -> TrainingArguments:
+    """The Trainer knobs users know, mapped 1:1 from the train: block; checkpoints and logs are trainq's."""
+    length = {"max_steps": config.max_steps} if config.max_steps else {"num_train_epochs": config.epochs}
+    return TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=config.batch_size,
+        per_device_eval_batch_size=config.batch_size, gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.lr * lr_scale, lr_scheduler_type=config.scheduler, warmup_steps=config.warmup_ratio,
+        weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm, seed=config.seed,
+        bf16=precision.name == "bf16", fp16=precision.name == "fp16", use_cpu=not torch.cuda.is_available(),
+        eval_strategy="steps" if has_eval and config.eval_every else "no", eval_steps=config.eval_every,
+        save_strategy="no", logging_strategy="no", logging_nan_inf_filter=False, report_to="none",
+        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, **length,
+    )
+
+
+def report_bad_rows(bad: list, metrics: MetricsWriter) -> None:
+    """Bad rows go to stderr (by line) and into one event record."""
+    if not bad:
+        return
+    for row in bad[:MAX_REPORTED_BAD_ROWS]:
+        print(f"trainq: skipped bad row: {row}", file=sys.stderr, flush=True)
+    metrics.event("bad_rows", f"{len(bad)} bad rows skipped", count=len(bad),
+                  rows=[{"file": r.file, "line": r.line, "reason": r.reason} for r in bad[:MAX_REPORTED_BAD_ROWS]])
+
+
+def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: Path | None, inv: Invocation):
+    """Build model + Trainer and train, resuming from ``resume``; returns the Trainer."""
+    model = build_model(config, precision)
+    trainable, total = count_params(model)
+    print(f"trainq: {config.method} on {Path(config.model).name}: {trainable:,} trainable of {total:,} params, "
+          f"{precision.name}, {len(datasets[0])} train / {len(datasets[1] or [])} eval rows", flush=True)
+    callback = TrainqCallback(run, has_eval=datasets[1] is not None)
+    trainer = TrainqTrainer(
+        model=model, args=training_args(config, precision, run.ckpt_dir, datasets[1] is not None, run.lr_scale),
+        train_dataset=datasets[0], eval_dataset=datasets[1], data_collator=PadCollator(tokenizer.pad_token_id),
+        callbacks=[callback], run=run,
+    )
+    callback.trainer = trainer
+    trainer.remove_callback(PrinterCallback)  # trainq prints its own one line per interval
+    if resume is not None:
+        saved = checkpoints.read_state(resume)
+        run.resumed_fingerprint, run.resumed_lr_scale = saved["trainable_fingerprint"], saved["lr_scale"]
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    return trainer
+
+
+def train_with_rollbacks(config, precision, datasets, tokenizer, run: RunState, resume: Path | None, inv: Invocation):
+    """Train; after three non-finite steps in a row roll back to ckpt_latest with the lr halved (at most twice)."""
+    while True:
+        run.stop_reason, run.nonfinite_streak = None, 0
+        trainer = run_segment(config, precision, datasets, tokenizer, run, resume, inv)
+        if run.stop_reason != "rollback":
+            return trainer
+        run.rollbacks += 1
+        step = trainer.state.global_step
+        if run.rollbacks >= MAX_ROLLBACKS:
+            run.stop_reason = "nan"
+            return trainer
+        resume = checkpoints.newest_complete(run.ckpt_dir)
+        run.lr_scale /= 2
+        target = resume.name if resume else "the start"
+        run.metrics.event("rollback", f"step {step}: {run.nonfinite_streak} non-finite steps in a row; rolling back to "
+                          f"{target} with lr x{run.lr_scale:g}", step=step, to=str(resume) if resume else None,
+                          lr_scale=run.lr_scale, rollbacks=run.rollbacks)
+        print(f"trainq: non-finite loss at step {step}; rolling back to {target}, lr x{run.lr_scale:g}", flush=True)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """torch's OOM error, or a RuntimeError that says out of memory."""
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+
+
+def handle_oom(exc: BaseException, config: TrainConfig, run: RunState, inv: Invocation) -> None:
+    """The OOM event (with the knobs in effect and the ladder advice) and the final stderr line."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    advice = ladder.advice(config)
+    run.metrics.event(ladder.OOM_EVENT, f"out of memory: {first}", attempt=inv.attempt, advice=advice,
+                      **ladder.knobs_of(config))
+    print(f"trainq: out of memory: {first}; {advice}", file=sys.stderr, flush=True)
+
+
+def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState, inv: Invocation, timing: dict) -> int:
+    """Final artifacts, summary.json, loss.png, SHA256SUMS and the done record; returns the exit code."""
+    final_dir = inv.job_dir / ("model" if config.method == "full" else "adapter")
+    names = ["summary.json", "loss.png", artifacts.ENV_FILE]
+    if outcome == "done" and trainer is not None:
+        artifacts.save_final(trainer, tokenizer, final_dir)
+        names.insert(0, final_dir.name)
+    now = time.time()
+    state = trainer.state if trainer is not None else None
+    train_s = time.perf_counter() - run.train_started if run.train_started else 0.0
+    summary = {
+        "outcome": outcome, "exit_code": EXIT_FOR[outcome], "steps": state.global_step if state else 0,
+        "total_steps": state.max_steps if state else None, "final_loss": run.last_loss,
+        "final_eval_loss": run.last_eval_loss, "best_eval_loss": run.best_eval_loss, "best_step": run.best_step,
+        "best_checkpoint": str((run.ckpt_dir / checkpoints.step_dir_name(run.best_step)).resolve()) if run.best_step else None,
+        "latest_checkpoint": str(run.last_checkpoint.resolve()) if run.last_checkpoint else None,
+        "output": str(final_dir) if outcome == "done" else None, "attempt": inv.attempt,
+        "resumed_from": str(inv.resume_from) if inv.resume_from else None, "rollbacks": run.rollbacks,
+        "tokens_per_s": run.tokens_seen / train_s if train_s > 0 else None, "tokens": run.tokens_seen,
+        "durations_s": {"setup": round(timing["setup"], 3), "train": round(train_s, 3), "total": round(now - timing["start"], 3)},
+        "started_at": iso_utc(timing["start"]), "finished_at": iso_utc(now),
+    }
+    summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+    artifacts.write_summary(inv.job_dir, summary)
+    artifacts.plot_loss(inv.metrics, inv.job_dir / "loss.png", f"{inv.job_dir.name}: {config.method} ({outcome})")
+    artifacts.write_sums(inv.job_dir, names)
+    run.metrics.write(RECORD_DONE, outcome=outcome, step=summary["steps"], total_steps=summary["total_steps"],
+                      loss=run.last_loss, eval_loss=run.last_eval_loss, exit_code=EXIT_FOR[outcome])
+    run.metrics.sync()
+    print(f"trainq: {outcome} at step {summary['steps']}/{summary['total_steps']} "
+          f"(loss {run.last_loss}, best eval loss {run.best_eval_loss}); summary.json written", flush=True)
+    return EXIT_FOR[outcome]
+
+
+def main_run(job_dir: Path, resume_arg: str | None) -> int:
+    """Everything after argument parsing; errors with an exit code propagate to __main__."""
+    timing = {"start": time.time()}
+    inv = Invocation.from_args(job_dir, resume_arg)
+    config = load_config(inv.job_dir)
+    faults = parse_faults(os.environ.get(ENV_TRAINER_FAULTS))
+    metrics = MetricsWriter(inv.metrics)
+    data = load_data(config.train_file, config.eval_file, config.eval_fraction)
+    report_bad_rows(data.bad, metrics)
+
+    resume = checkpoints.resolve_resume(inv.resume_from) if inv.resume_from else None
+    saved = checkpoints.read_state(resume) if resume else None
+    config, preset_info = (pin_to_checkpoint(config, saved["config"]), None) if saved else apply_preset(config, metrics)
+    config, laddered = apply_ladder(config, inv, metrics)
+    if saved:
+        check_schedule(config, saved["config"], laddered, resume)
+    metrics.event("start", f"attempt {inv.attempt}: {config.method}, pid {os.getpid()}" + (f", resuming from {resume}" if resume else ""),
+                  attempt=inv.attempt, pid=os.getpid(), resume_from=str(resume) if resume else None)
+
+    precision = resolve_precision(config.precision)
+    tokenizer = load_tokenizer(config.model)
+    train_set = tokenize(data.train, tokenizer, config.seq_len)
+    eval_set = tokenize(data.eval, tokenizer, config.seq_len) if data.eval else None
+    artifacts.write_env(inv.job_dir, artifacts.environment(config.to_dict(), {"name": precision.name, "reason": precision.reason}, preset_info))
+
+    run = RunState(config=config, ckpt_dir=JobPaths(inv.job_dir).checkpoints, stop_flag=inv.stop_flag, metrics=metrics,
+                   faults=faults, attempt=inv.attempt)
+    if saved:
+        run.lr_scale, run.rollbacks = saved["lr_scale"], saved.get("rollbacks", 0)
+        run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]
+    signal.signal(signal.SIGTERM, run.on_sigterm)
+    timing["setup"] = time.time() - timing["start"]
+    trainer = None
+    try:
+        trainer = train_with_rollbacks(config, precision, (train_set, eval_set), tokenizer, run, resume, inv)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not is_oom(exc):
+            raise
+        handle_oom(exc, config, run, inv)
+        finish("oom", trainer, tokenizer, config, run, inv, timing)
+        return EXIT_OOM
+    outcome = run.stop_reason or "done"
+    code = finish(outcome, trainer, tokenizer, config, run, inv, timing)
+    if outcome == "nan":
+        print(f"trainq: training diverged: non-finite loss persisted through {run.rollbacks - 1} rollbacks "
+              f"(lr x{run.lr_scale:g}); lower lr or check the data", file=sys.stderr, flush=True)
+    return code
+
+
+__all__ = ["main_run", "EXIT_USAGE", "PresetError"]
