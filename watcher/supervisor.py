@@ -1,0 +1,750 @@
+"""Every job attempt runs under its own small supervisor process, so the watcher can die or restart freely.
+
+``Supervisor.launch`` takes the job's lock, forks the already-loaded watcher (no fresh interpreter: launch
+must cost a few milliseconds) and returns. The forked child detaches (own session, own fds, default signal
+dispositions), becomes a child subreaper, starts the job with its output going straight to ``output.log``,
+writes the start record, watches stop.flag / timeout / its own SIGTERM, escalates stop → SIGTERM → SIGKILL
+over its whole process tree, and writes the exit record only once every process of the attempt is gone.
+The lock is held from before the fork until the supervisor exits, so "lock held" means "attempt alive".
+
+This is the only watcher module that imports ``subprocess`` or ``signal``.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import errno
+import fcntl
+import gc
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+import psutil
+
+from watcher.contract import (
+    ENV_ATTEMPT,
+    ENV_JOB_DIR,
+    ENV_JOB_ID,
+    ENV_METRICS,
+    ENV_STOP_FLAG,
+    EXIT_FAILED,
+    EXIT_USAGE,
+    JobPaths,
+)
+from watcher.errors import SpawnFailed
+from watcher.fsutil import atomic_write_json, read_json, remove_quietly, touch
+from watcher.units import iso_utc
+
+logger = logging.getLogger(__name__)
+
+#: how long the supervisor sleeps between looks at stop.flag, the timeout and its process tree (ms)
+POLL_INTERVAL_MS = 50
+#: exit code recorded when the command does not exist (or its cwd does not), as a shell reports it
+EXIT_NOT_FOUND = 127
+#: exit code recorded when the command exists but cannot be executed
+EXIT_NOT_EXECUTABLE = 126
+#: exit status of a supervisor that hit an internal error (sysexits EX_SOFTWARE); no exit record then
+EXIT_SUPERVISOR_ERROR = 70
+#: Linux prctl option: orphaned descendants reparent to the nearest subreaper instead of init
+PR_SET_CHILD_SUBREAPER = 36
+#: signals that ask a supervisor to stop its job at once (preemption, Ctrl-C, hang-up); recorded as "sigterm"
+SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: how long kill_leftovers keeps killing a job tree that forks while being killed (s)
+LEFTOVER_KILL_DEADLINE_S = 5.0
+#: pause between kill_leftovers passes (s)
+LEFTOVER_RESCAN_S = 0.02
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything one attempt's supervisor needs; JSON-able for the standalone entry point."""
+
+    job_dir: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str
+    attempt: int
+    stop_grace_s: float = 120.0
+    kill_after_s: float = 5.0
+    timeout_s: float | None = None
+    banner: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.argv or not all(isinstance(a, str) for a in self.argv):
+            raise ValueError(f"argv must be a non-empty list of strings (got {self.argv!r})")
+        if not isinstance(self.attempt, int) or self.attempt < 1:
+            raise ValueError(f"attempt must be an integer >= 1 (got {self.attempt!r})")
+        if self.stop_grace_s < 0 or self.kill_after_s < 0 or (self.timeout_s is not None and self.timeout_s < 0):
+            raise ValueError("stop_grace_s, kill_after_s and timeout_s cannot be negative")
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict (argv as a list)."""
+        d = dataclasses.asdict(self)
+        d["argv"] = list(self.argv)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LaunchSpec:
+        """Build from ``to_dict`` output; ``env`` defaults to {}, ``cwd`` to the job folder, ``attempt`` to 1."""
+        if not isinstance(d, dict) or not d.get("job_dir") or "argv" not in d:
+            raise ValueError("a launch spec needs at least job_dir and argv")
+        argv = d["argv"]
+        if not isinstance(argv, (list, tuple)):
+            raise ValueError(f"argv must be a list of strings (got {argv!r})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown launch spec keys: {', '.join(unknown)}")
+        merged = {"env": {}, "cwd": d["job_dir"], "attempt": 1, **d, "argv": tuple(argv)}
+        merged["env"] = {str(k): str(v) for k, v in (merged["env"] or {}).items()}
+        return cls(**merged)
+
+
+@dataclass
+class _Attempt:
+    """Mutable state of the running attempt; lives only inside the supervisor process."""
+
+    spec: LaunchSpec
+    paths: JobPaths
+    log_fd: int
+    job_pid: int
+    started_at: float
+    started_mono: float
+    status: int | None = None  # raw waitpid status once the main child is reaped
+    stop_reason: str | None = None
+    stop_requested_at: float | None = None
+    stop_mono: float | None = None
+    term_sent_mono: float | None = None
+    signals_sent: list[str] = field(default_factory=list)
+    created_stop_flag: bool = False
+
+
+class _StopSignal:
+    """Set by the supervisor's own SIGTERM/SIGINT/SIGHUP handler (which does nothing else)."""
+
+    received = False
+
+
+class WatcherSignals:
+    """What the watcher's signal handlers saw; the handlers only set these attributes."""
+
+    def __init__(self) -> None:
+        self.stop_requested = False
+        self.last_signal: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._previous_wakeup_fd = -1
+
+    def restore(self) -> None:
+        """Put back the handlers and wakeup fd that were there before ``install_watcher_signal_handlers``."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
+
+
+def install_watcher_signal_handlers(wake_fd: int) -> WatcherSignals:
+    """SIGINT/SIGTERM set ``.stop_requested``; every signal (SIGCHLD too) writes a byte to ``wake_fd``.
+
+    ``wake_fd`` must be non-blocking (e.g. the write end of ``os.pipe()`` after ``os.set_blocking(w, False)``);
+    the watcher polls its read end to wake when asked to stop or when a supervisor it forked exits.
+    Call from the main thread.
+    """
+    state = WatcherSignals()
+
+    def on_stop(signum: int, _frame: object) -> None:
+        state.stop_requested = True
+        state.last_signal = signum
+
+    def on_child(_signum: int, _frame: object) -> None:
+        """A Python-level handler is needed for the wakeup fd to see SIGCHLD; the byte is the point."""
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        state._previous[sig] = signal.signal(sig, on_stop)
+    state._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, on_child)
+    state._previous_wakeup_fd = signal.set_wakeup_fd(wake_fd, warn_on_full_buffer=False)
+    return state
+
+
+class Supervisor:
+    """The watcher's handle on supervisors: launch them, reap the ones it forked, and query any attempt."""
+
+    def __init__(self) -> None:
+        self._children: set[int] = set()
+        # resolved before any fork: dlopen in a child forked from a threaded process could deadlock
+        self._prctl = _load_prctl()
+
+    def launch(self, spec: LaunchSpec) -> int:
+        """Take the job's lock, fork its supervisor, return the supervisor's pid (a few ms)."""
+        spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir))
+        paths = JobPaths(Path(spec.job_dir))
+        lock_fd = _take_lock(paths, spec.attempt)
+        try:
+            # safe: we hold the lock, so no supervisor of this job is running to write these
+            remove_quietly(paths.exit_record)
+            remove_quietly(paths.started)
+            pid = os.fork()
+        except OSError as exc:
+            os.close(lock_fd)
+            raise SpawnFailed(f"{paths.dir}: cannot fork a supervisor for attempt {spec.attempt}: {exc}") from exc
+        if pid == 0:
+            _child_main(spec, lock_fd, self._prctl)
+        os.close(lock_fd)  # the child keeps the lock; ours must not outlive this call
+        self._children.add(pid)
+        logger.debug("job %s: supervisor %d forked (attempt %d)", paths.dir.name, pid, spec.attempt)
+        return pid
+
+    @property
+    def forked_pids(self) -> frozenset[int]:
+        """Supervisors this process forked and has not reaped yet."""
+        return frozenset(self._children)
+
+    def reap(self) -> list[int]:
+        """Collect every supervisor this process forked that has exited; never blocks."""
+        reaped = []
+        for pid in sorted(self._children):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid  # someone else reaped it
+            if done:
+                reaped.append(pid)
+        self._children.difference_update(reaped)
+        return reaped
+
+    @staticmethod
+    def is_alive(paths: JobPaths) -> bool:
+        """True iff a supervisor holds the job's lock (never trusts a bare pid)."""
+        return is_alive(paths)
+
+    @staticmethod
+    def read_started(paths: JobPaths) -> dict | None:
+        """The start record, or None when the attempt never started."""
+        return read_json(paths.started)
+
+    @staticmethod
+    def read_exit(paths: JobPaths) -> dict | None:
+        """The exit record, or None while the attempt runs (or if its supervisor died)."""
+        return read_json(paths.exit_record)
+
+    @staticmethod
+    def kill_leftovers(paths: JobPaths) -> int:
+        """SIGKILL every process of a job whose supervisor died; returns how many were killed."""
+        return kill_leftovers(paths)
+
+    @staticmethod
+    def process_tree(paths: JobPaths) -> list[int]:
+        """Pids of the live supervisor's descendants (the job and everything it started)."""
+        return process_tree(paths)
+
+
+def is_alive(paths: JobPaths) -> bool:
+    """True iff a supervisor holds ``paths.lock``; probes with a fresh open file and releases at once."""
+    try:
+        fd = os.open(paths.lock, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        # shared, not exclusive: two probes at once must not see each other as a live supervisor
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops our probe lock too
+    return False
+
+
+def process_tree(paths: JobPaths) -> list[int]:
+    """Pids of the live supervisor's descendants; [] when no supervisor is alive."""
+    started = read_json(paths.started)
+    if not started or not is_alive(paths):
+        return []
+    return _descendants(int(started["supervisor_pid"]))
+
+
+def kill_leftovers(paths: JobPaths) -> int:
+    """SIGKILL every process whose TRAINQ_JOB_DIR is this job folder (or in the job's process group).
+
+    For a supervisor that died while its job lives on; call it before moving the job folder. Repeats until
+    nothing is left (a job may fork while being killed) or LEFTOVER_KILL_DEADLINE_S passes.
+    """
+    killed: set[int] = set()
+    deadline = time.monotonic() + LEFTOVER_KILL_DEADLINE_S
+    while True:
+        found = _leftover_pids(paths)
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            logger.warning("job %s: processes still alive after %.0f s of SIGKILL: %s",
+                           paths.dir.name, LEFTOVER_KILL_DEADLINE_S, sorted(found))
+            break
+        time.sleep(LEFTOVER_RESCAN_S)
+    if killed:
+        logger.info("job %s: killed %d leftover processes %s", paths.dir.name, len(killed), sorted(killed))
+    return len(killed)
+
+
+def _leftover_pids(paths: JobPaths) -> set[int]:
+    """Live (non-zombie) processes that belong to the job folder ``paths.dir``."""
+    job_dirs = {os.path.normpath(str(paths.dir)), os.path.realpath(paths.dir)}
+    started = read_json(paths.started) or {}
+    pgid, born = started.get("pgid"), started.get("job_create_time")
+    found = set()
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if _in_job_group(proc, pgid, born) or _has_job_dir(proc, job_dirs):
+                found.add(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def _has_job_dir(proc: psutil.Process, job_dirs: set[str]) -> bool:
+    """True when the process's environment names one of ``job_dirs`` as TRAINQ_JOB_DIR."""
+    value = proc.environ().get(ENV_JOB_DIR)
+    return bool(value) and (os.path.normpath(value) in job_dirs or os.path.realpath(value) in job_dirs)
+
+
+def _in_job_group(proc: psutil.Process, pgid: int | None, born: float | None) -> bool:
+    """True for a member of the job's process group created no earlier than the job (pid reuse guard)."""
+    if not pgid or born is None:
+        return False
+    return os.getpgid(proc.pid) == pgid and proc.create_time() >= born - 0.01
+
+
+def _take_lock(paths: JobPaths, attempt: int) -> int:
+    """Open and exclusively flock ``paths.lock``; SpawnFailed when someone still runs this job."""
+    try:
+        fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise SpawnFailed(f"{paths.dir}: cannot open {paths.lock.name} for attempt {attempt} "
+                          f"({exc.strerror}); check that the job folder exists and is writable") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise SpawnFailed(f"{paths.lock}: another supervisor still runs this job; "
+                          f"wait for it to exit (or stop it) before starting attempt {attempt}") from exc
+    return fd
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's prctl, or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+# ---------------------------------------------------------------- inside the supervisor process
+
+
+def _child_main(spec: LaunchSpec, lock_fd: int, prctl: Callable[..., int] | None) -> NoReturn:
+    """Body of the forked child: never returns into the watcher's code, never runs atexit handlers."""
+    code = EXIT_SUPERVISOR_ERROR
+    log_fd = 2
+    try:
+        log_fd = _detach(spec, lock_fd)
+        _supervise(spec, log_fd, prctl)
+        code = 0
+    except BaseException:  # noqa: BLE001 - anything at all: report it and leave without the watcher's code
+        _die_reporting(log_fd)
+    finally:
+        os._exit(code)
+
+
+def _detach(spec: LaunchSpec, lock_fd: int) -> int:
+    """Own session, no inherited fds but the lock, stdio on /dev/null and output.log; returns the log fd."""
+    signal.set_wakeup_fd(-1)  # first: the watcher's wakeup pipe must never hear about our signals
+    _reset_signals()
+    gc.disable()  # collecting the watcher's objects here could close fds that the numbers now name
+    os.setsid()
+    if lock_fd < 3:
+        lock_fd = fcntl.fcntl(lock_fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(JobPaths(Path(spec.job_dir)).log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    # the watcher's other job locks, root lock, inotify and pipes must not live on in this process
+    os.closerange(3, lock_fd)
+    os.closerange(lock_fd + 1, max(os.sysconf("SC_OPEN_MAX"), lock_fd + 2))
+    return 1
+
+
+def _reset_signals() -> None:
+    """Default disposition for every signal, empty mask, SIGPIPE ignored (a dead reader must not kill us)."""
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # signals reserved by libc
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # Popen restores the default for the job
+
+
+def _die_reporting(log_fd: int) -> None:
+    """Write the traceback where the user looks and kill the job tree, so nothing outlives us unrecorded."""
+    try:
+        os.write(log_fd, ("trainq: supervisor error:\n" + traceback.format_exc()).encode(errors="replace"))
+    except OSError:
+        pass
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None) -> dict:
+    """Run one attempt to the end of its whole process tree; returns the exit record it wrote."""
+    stop_signal = _install_stop_handlers()
+    _become_subreaper(prctl, log_fd)
+    if spec.banner:
+        _write(log_fd, spec.banner.splitlines()[0] + "\n")
+    started_at, started_mono = time.time(), time.monotonic()
+    try:
+        job = _spawn(spec, log_fd)
+    except OSError as exc:
+        return _record_spawn_error(spec, log_fd, exc, started_at)
+    attempt = _Attempt(spec, JobPaths(Path(spec.job_dir)), log_fd, job.pid, started_at, started_mono)
+    _write_started(attempt)
+    _watch(attempt, stop_signal)
+    return _write_exit(attempt)
+
+
+def _install_stop_handlers() -> _StopSignal:
+    """SIGTERM/SIGINT/SIGHUP only set a flag; the loop forwards SIGTERM to the job tree."""
+    stop_signal = _StopSignal()
+
+    def on_stop(_signum: int, _frame: object) -> None:
+        stop_signal.received = True
+
+    for sig in SUPERVISOR_STOP_SIGNALS:
+        signal.signal(sig, on_stop)
+    return stop_signal
+
+
+def _become_subreaper(prctl: Callable[..., int] | None, log_fd: int) -> None:
+    """Orphaned (double-forked) descendants reparent to us, so the whole tree stays ours to kill."""
+    if prctl is None:
+        return
+    if prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        _note(log_fd, f"cannot become a child subreaper ({os.strerror(ctypes.get_errno())}); "
+                      "double-forked processes may escape the stop")
+
+
+def _job_env(spec: LaunchSpec) -> dict[str, str]:
+    """The supervisor's environment, the TRAINQ_* defaults for this job, then the spec's own variables."""
+    paths = JobPaths(Path(spec.job_dir))
+    env = dict(os.environ)
+    env.update({
+        ENV_JOB_ID: paths.dir.name,
+        ENV_JOB_DIR: spec.job_dir,
+        ENV_STOP_FLAG: str(paths.stop_flag),
+        ENV_METRICS: str(paths.metrics),
+        ENV_ATTEMPT: str(spec.attempt),
+    })
+    env.update(spec.env)
+    return env
+
+
+def _spawn(spec: LaunchSpec, log_fd: int) -> subprocess.Popen:
+    """Start the job in its own process group; it inherits only stdin=/dev/null and output.log."""
+    return subprocess.Popen(
+        list(spec.argv), cwd=spec.cwd, env=_job_env(spec), stdin=subprocess.DEVNULL, stdout=log_fd,
+        stderr=subprocess.STDOUT, close_fds=True, start_new_session=True, restore_signals=True,
+    )
+
+
+def _write_started(a: _Attempt) -> None:
+    """The start record: enough to recognise the job's processes later without trusting a bare pid."""
+    try:
+        create_time = psutil.Process(a.job_pid).create_time()
+    except psutil.Error:
+        create_time = None
+    atomic_write_json(a.paths.started, {
+        "attempt": a.spec.attempt, "supervisor_pid": os.getpid(), "job_pid": a.job_pid, "pgid": a.job_pid,
+        "started_at": iso_utc(a.started_at), "job_create_time": create_time, "boot_time": psutil.boot_time(),
+    }, durable=False)  # a crash kills the job too, and then the record no longer matters
+
+
+def _record_spawn_error(spec: LaunchSpec, log_fd: int, exc: OSError, started_at: float) -> dict:
+    """The command could not start: say why in output.log and the exit record (127 not found, 126 otherwise)."""
+    reason = _spawn_error_text(spec, exc)
+    _note(log_fd, f"cannot start the job: {reason}")
+    code = EXIT_NOT_FOUND if exc.errno in (errno.ENOENT, errno.ENOTDIR) else EXIT_NOT_EXECUTABLE
+    record = _exit_record(spec, None, started_at, status_code=code, spawn_error=reason)
+    atomic_write_json(JobPaths(Path(spec.job_dir)).exit_record, record)
+    return record
+
+
+def _spawn_error_text(spec: LaunchSpec, exc: OSError) -> str:
+    """One line naming what is wrong and what to fix."""
+    if exc.filename == spec.cwd or not os.path.isdir(spec.cwd):
+        return f"working directory {spec.cwd} does not exist or is not a folder ({exc.strerror}); fix cwd"
+    if exc.errno == errno.ENOENT:
+        return f"command not found: {spec.argv[0]} ({exc.strerror}); fix command (PATH is searched)"
+    if exc.errno == errno.EACCES:
+        return f"permission denied running {spec.argv[0]}; make it executable (chmod +x) or fix command"
+    return f"cannot execute {spec.argv[0]}: {exc.strerror}"
+
+
+def _watch(a: _Attempt, stop_signal: _StopSignal) -> None:
+    """Loop until the main child is reaped and no descendant is left; never blocks longer than a poll."""
+    pidfd = os.pidfd_open(a.job_pid) if hasattr(os, "pidfd_open") else None
+    poller = select.poll()
+    if pidfd is not None:
+        poller.register(pidfd, select.POLLIN)
+    try:
+        while True:
+            poller.poll(POLL_INTERVAL_MS)
+            now = time.monotonic()
+            if _reap_all(a) and pidfd is not None:
+                # a reaped pidfd stays readable: unregister it or the poll would spin
+                poller.unregister(pidfd)
+                os.close(pidfd)
+                pidfd = None
+            _check_stop(a, stop_signal, now)
+            if a.status is None and a.stop_mono is None:
+                continue  # the usual case: the job runs and nobody asked anything
+            tree = _descendants(os.getpid())
+            if a.status is not None and not tree:
+                return
+            _escalate(a, tree, now, stop_signal.received)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _reap_all(a: _Attempt) -> bool:
+    """Reap every exited child (orphans reparent to us); True when the main child was among them."""
+    got_main = False
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return got_main
+        if pid == 0:
+            return got_main
+        if pid == a.job_pid:
+            a.status, got_main = status, True
+
+
+def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
+    """Notice a stop request: our own SIGTERM, the job's stop.flag, or the timeout (first one wins)."""
+    if a.stop_reason is not None or a.status is not None:
+        return
+    if stop_signal.received:
+        _request_stop(a, "sigterm", now, "the supervisor got a stop signal; forwarding SIGTERM to the job")
+    elif _exists(a.paths.stop_flag):
+        _request_stop(a, "stop_flag", now,
+                      f"stop requested ({a.paths.stop_flag.name}); SIGTERM in {a.spec.stop_grace_s:g} s")
+    elif a.spec.timeout_s is not None and now - a.started_mono >= a.spec.timeout_s:
+        a.created_stop_flag = not _exists(a.paths.stop_flag)
+        touch(a.paths.stop_flag)  # lets the job checkpoint before it is terminated
+        _request_stop(a, "timeout", now, f"timeout after {a.spec.timeout_s:g} s; created "
+                                         f"{a.paths.stop_flag.name}; SIGTERM in {a.spec.stop_grace_s:g} s")
+
+
+def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:
+    """Record when and why the stop started."""
+    a.stop_reason, a.stop_requested_at, a.stop_mono = reason, time.time(), now
+    _note(a.log_fd, message)
+
+
+def _escalate(a: _Attempt, tree: list[int], now: float, got_stop_signal: bool) -> None:
+    """SIGTERM when due, then SIGKILL every kill_after_s-late survivor, again each pass until none is left."""
+    if a.term_sent_mono is None:
+        if _term_due(a, now, got_stop_signal):
+            if a.status is not None:
+                _note(a.log_fd, f"the job exited but left {len(tree)} processes running; terminating them")
+            _signal_tree(a, tree, signal.SIGTERM)
+            a.term_sent_mono = now
+        return
+    if now - a.term_sent_mono >= a.spec.kill_after_s:
+        _signal_tree(a, tree, signal.SIGKILL)
+
+
+def _term_due(a: _Attempt, now: float, got_stop_signal: bool) -> bool:
+    """Leftovers of an exited job and our own SIGTERM go at once; a stop waits out stop_grace_s."""
+    if a.status is not None or got_stop_signal:
+        return True
+    return a.stop_mono is not None and now - a.stop_mono >= a.spec.stop_grace_s
+
+
+def _signal_tree(a: _Attempt, tree: list[int], sig: signal.Signals) -> None:
+    """Send ``sig`` to the job's process group (while it is surely ours) and to every descendant."""
+    hit = 0
+    if a.status is None:  # unreaped, so the group id cannot have been reused
+        try:
+            os.killpg(a.job_pid, sig)
+            hit += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in tree:
+        try:
+            os.kill(pid, sig)
+            hit += 1
+        except ProcessLookupError:
+            pass
+    if hit and sig.name not in a.signals_sent:
+        a.signals_sent.append(sig.name)
+        _note(a.log_fd, f"sent {sig.name} to the job's process tree ({len(tree)} processes)")
+
+
+def _write_exit(a: _Attempt) -> dict:
+    """Write the exit record once the whole tree is gone; durable, since recovery trusts it."""
+    if a.created_stop_flag:
+        remove_quietly(a.paths.stop_flag)  # ours, from the timeout: a retry must not start out stopped
+    record = _exit_record(a.spec, a.job_pid, a.started_at, raw_status=a.status, attempt=a)
+    atomic_write_json(a.paths.exit_record, record)
+    return record
+
+
+def _exit_record(spec: LaunchSpec, job_pid: int | None, started_at: float, *, raw_status: int | None = None,
+                 status_code: int | None = None, spawn_error: str | None = None,
+                 attempt: _Attempt | None = None) -> dict:
+    """The exit record's fields; ``raw_status`` is a waitpid status, ``status_code`` a plain exit code."""
+    code, sig = status_code, None
+    if raw_status is not None and os.WIFSIGNALED(raw_status):
+        sig = os.WTERMSIG(raw_status)
+    elif raw_status is not None:
+        code = os.WEXITSTATUS(raw_status)
+    return {
+        "attempt": spec.attempt, "job_pid": job_pid, "exit_code": code, "signal": sig,
+        "signal_name": signal.Signals(sig).name if sig else None,
+        "started_at": iso_utc(started_at), "ended_at": iso_utc(time.time()),
+        "stop_reason": attempt.stop_reason if attempt else None,
+        "stop_requested_at": iso_utc(attempt.stop_requested_at) if attempt else None,
+        "signals_sent": list(attempt.signals_sent) if attempt else [],
+        "spawn_error": spawn_error,
+    }
+
+
+def _descendants(root: int) -> list[int]:
+    """Every descendant of ``root`` (zombies included), read from /proc's children lists."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        try:
+            return [p.pid for p in psutil.Process(root).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+    found, todo = [], [root]
+    while todo:
+        kids = _children_of(todo.pop())
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
+def _children_of(pid: int) -> list[int]:
+    """Direct children of ``pid``, from every one of its threads."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    kids = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                kids.extend(int(k) for k in f.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return kids
+
+
+def _exists(path: Path) -> bool:
+    """One stat, no exceptions."""
+    try:
+        os.stat(path)
+    except OSError:
+        return False
+    return True
+
+
+def _note(log_fd: int, message: str) -> None:
+    """A ``trainq:`` line in output.log, where the user reads the job's story."""
+    _write(log_fd, f"trainq: {message}\n")
+
+
+def _write(fd: int, text: str) -> None:
+    """Best-effort write: a full disk must not kill the supervisor."""
+    try:
+        os.write(fd, text.encode("utf-8", errors="replace"))
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------- standalone entry point
+
+
+def run_in_foreground(spec: LaunchSpec) -> dict:
+    """Take the lock and supervise in this process (Slurm, by hand); returns the exit record."""
+    spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir))
+    paths = JobPaths(Path(spec.job_dir))
+    lock_fd = _take_lock(paths, spec.attempt)
+    remove_quietly(paths.exit_record)
+    remove_quietly(paths.started)
+    _reset_signals()
+    log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    try:
+        return _supervise(spec, log_fd, _load_prctl())
+    except BaseException:
+        _die_reporting(log_fd)
+        raise
+    finally:
+        os.close(log_fd)
+        os.close(lock_fd)
+
+
+def shell_status(record: dict) -> int:
+    """The exit record as a shell would report it: the exit code, or 128 + the signal number."""
+    if record.get("exit_code") is not None:
+        return int(record["exit_code"])
+    return 128 + int(record.get("signal") or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m watcher.supervisor JOB_DIR --spec FILE.json``: exits with the job's status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m watcher.supervisor",
+        description="Run one attempt of a trainq job in the foreground under its supervisor.")
+    parser.add_argument("job_dir", help="the job folder (its lock, output.log and records live there)")
+    parser.add_argument("--spec", required=True, help="LaunchSpec as JSON (job_dir inside it is replaced)")
+    args = parser.parse_args(argv)
+    try:
+        data = json.loads(Path(args.spec).read_text(encoding="utf-8"))
+        spec = LaunchSpec.from_dict({**data, "job_dir": args.job_dir} if isinstance(data, dict) else data)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"{args.spec}: {exc}; fix the launch spec", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        record = run_in_foreground(spec)
+    except SpawnFailed as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_FAILED
+    return shell_status(record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
