@@ -165,6 +165,14 @@ def format_number(value: object, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
+def _when(iso: object) -> str:
+    """A timestamp shortened for reading (2026-11-29 09:30:00), the full ISO form in its tooltip."""
+    if not iso:
+        return "–"
+    short = str(iso).replace("T", " ")[:19]
+    return f'<time datetime="{_e(iso)}" title="{_e(iso)}">{_e(short)}</time>'
+
+
 def _label(job: dict) -> str:
     name, job_id = job.get("name"), job.get("id")
     if name and name != job_id:
@@ -215,8 +223,8 @@ def _header(snapshot: dict) -> str:
     return (
         f'<header><h1>trainq</h1><div class="meta">{_e(w.get("host"))} · watcher pid {_e(w.get("pid"))} · '
         f'v{_e(w.get("version"))} · <b class="wstate {_e(w.get("state"))}">{_e(w.get("state"))}</b> · '
-        f'started {_e(w.get("started_at"))} · heartbeat <time id="hb" datetime="{_e(heartbeat)}" '
-        f'data-stale-s="{STALE_HEARTBEAT_S}">{_e(heartbeat)}</time></div></header>'
+        f'started {_when(w.get("started_at"))} · heartbeat <time id="hb" datetime="{_e(heartbeat)}" '
+        f'data-stale-s="{STALE_HEARTBEAT_S}">{_e(str(heartbeat or "").replace("T", " ")[:19])}</time></div></header>'
         '<div id="stale" class="banner" hidden>watcher not responding: no heartbeat for '
         '<span id="age"></span>. Is <code>trainq watch</code> running?</div>'
     )
@@ -240,8 +248,8 @@ def _progress_bar(progress: dict) -> str:
             f'<span class="steps">{int(step)} / {int(total)} ({pct:.0f}%)</span>')
 
 
-def _facts(pairs: list[tuple[str, str]]) -> str:
-    return "<dl>" + "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in pairs) + "</dl>"
+def _facts(pairs: list[tuple[str, str]], css: str = "") -> str:
+    return f'<dl class="{css}">' + "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in pairs) + "</dl>"
 
 
 def _running_card(job: dict, curve: dict | None) -> str:
@@ -253,13 +261,13 @@ def _running_card(job: dict, curve: dict | None) -> str:
         ("epoch", format_number(progress.get("epoch"), 3)), ("tokens/s", format_number(progress.get("tokens_per_s"), 4)),
         ("ETA", format_eta(progress.get("eta_s"))), ("attempt", _e(job.get("attempt"))),
         ("GPUs", _e(",".join(map(str, job.get("gpus") or [])) or None)),
-        ("RSS MB", format_number(usage.get("rss_mb"), 5)), ("started", _e(job.get("started_at"))),
+        ("RSS MB", format_number(usage.get("rss_mb"), 5)),
     ]
     return (
         f'<article class="job running" id="job-{_e(job.get("id"))}"><h3>{_label(job)} '
         f'<span class="badge {_e(health)}">{_e(health)}</span></h3>'
         f'<div class="bar">{_progress_bar(progress)}</div>{_facts(facts)}{render_curve(curve)}'
-        f'<div class="dir">{_e(job.get("dir"))}</div></article>'
+        f'<div class="dir">{_e(job.get("dir"))} · started {_when(job.get("started_at"))}</div></article>'
     )
 
 
@@ -282,7 +290,7 @@ def _table(title: str, css: str, heads: tuple[str, ...], rows: list[str], empty:
 def _pending(snapshot: dict) -> str:
     rows = [
         f'<tr><td>{_label(j)}</td><td>{_e(j.get("priority"))}</td><td>{_e(j.get("attempt"))}</td>'
-        f'<td>{_e(j.get("submitted_at"))}</td><td class="why">{_e(j.get("waiting_for"))}</td></tr>'
+        f'<td class="t">{_when(j.get("submitted_at"))}</td><td class="why">{_e(j.get("waiting_for"))}</td></tr>'
         for j in snapshot.get("jobs") or () if j.get("state") == "pending"
     ]
     heads = ("job", "priority", "attempt", "submitted", "waiting for")
@@ -319,7 +327,7 @@ def _outputs(job: dict) -> str:
 def _finished(snapshot: dict) -> str:
     rows = [
         f'<tr class="{_e(j.get("state"))}"><td>{_label(j)}</td><td>{_outcome(j)}</td>'
-        f'<td>{_e(j.get("finished_at"))}</td><td>{_e(j.get("attempt"))}</td><td>{_outputs(j)}</td></tr>'
+        f'<td class="t">{_when(j.get("finished_at"))}</td><td>{_e(j.get("attempt"))}</td><td>{_outputs(j)}</td></tr>'
         for j in snapshot.get("jobs") or () if j.get("state") in ("done", "failed")
     ]
     heads = ("job", "outcome", "finished", "attempts", "outputs")
@@ -334,11 +342,12 @@ def _gpu_card(gpu: dict) -> str:
         ("memory", f"{format_number(used, 6)} / {format_number(total, 6)} MB"),
         ("utilisation", f'{format_number(gpu.get("utilization_pct"))}%'),
         ("temperature", f'{format_number(gpu.get("temperature_c"))} °C'),
-        ("held by", _e(gpu.get("held_by") or "free")), ("others", foreign or "none"),
+        ("held by", _e(gpu.get("held_by") or "free")),
     ]
     sim = ' <span class="badge sim">simulated</span>' if gpu.get("simulated") else ""
     return (f'<article class="gpu"><h3>GPU {_e(gpu.get("index"))} · {_e(gpu.get("name"))}{sim}</h3>'
-            f'<meter value="{float(used)}" min="0" max="{float(total) or 1.0}"></meter>{_facts(facts)}</article>')
+            f'<meter value="{float(used)}" min="0" max="{float(total) or 1.0}"></meter>{_facts(facts, "two")}'
+            f'<div class="dir">other processes: {foreign or "none"}</div></article>')
 
 
 def _machine(snapshot: dict) -> str:
@@ -363,11 +372,12 @@ header{display:flex;gap:16px;align-items:baseline;flex-wrap:wrap}h1{margin:0;fon
 .counts{display:flex;gap:8px;margin:12px 0;flex-wrap:wrap}
 .count{background:#fff;border:1px solid #dde;border-radius:6px;padding:6px 12px;text-align:center;min-width:90px}
 .count b{display:block;font-size:22px}.count.failed b{color:#b3261e}.count.running b{color:#1d5fd6}
-h2{font-size:16px;margin:18px 0 6px}.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(360px,1fr));gap:10px}
+h2{font-size:16px;margin:18px 0 6px}.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(470px,1fr));gap:10px}
 article{background:#fff;border:1px solid #dde;border-radius:8px;padding:10px}h3{margin:0 0 6px;font-size:15px}
-.id,.dir{color:#778;font-size:12px;font-weight:normal}progress,meter{width:70%;height:14px;vertical-align:middle}
-dl{display:grid;grid-template-columns:repeat(3,1fr);gap:2px 10px;margin:6px 0}dl div{display:flex;gap:6px}
-dt{color:#667}dd{margin:0;font-variant-numeric:tabular-nums}
+.id,.dir{color:#778;font-size:12px;font-weight:normal}.bar{display:flex;align-items:center;gap:8px}
+progress{flex:1;height:14px}meter{width:100%;height:14px}.steps{white-space:nowrap}
+dl{display:grid;grid-template-columns:repeat(3,minmax(0,1fr));gap:2px 10px;margin:6px 0}dl div{display:flex;gap:6px;white-space:nowrap}
+dt{color:#667}dd{margin:0;font-variant-numeric:tabular-nums;overflow:hidden;text-overflow:ellipsis}td.t{white-space:nowrap}
 .badge{font-size:11px;border-radius:10px;padding:1px 7px;background:#e3e6ec;font-weight:normal}
 .badge.healthy{background:#d8f0df}.badge.stalled{background:#ffe2b3}.badge.stopping{background:#f6d2cf}
 svg.curve{width:100%;height:90px;background:#fafbfd;border:1px solid #eef}
@@ -376,15 +386,18 @@ polyline{fill:none;stroke-width:1.5;vector-effect:non-scaling-stroke}polyline.lo
 i.k{display:inline-block;width:10px;height:3px;vertical-align:middle}i.k.loss{background:#1d5fd6}i.k.eval_loss{background:#e07a00}
 table{border-collapse:collapse;width:100%;background:#fff}th,td{border-bottom:1px solid #eef;padding:4px 6px;text-align:left;vertical-align:top}
 .status.done{color:#17803d}.status.failed,.status.timeout,.error{color:#b3261e}.status.cancelled{color:#b26b00}
+dl.two{grid-template-columns:repeat(2,minmax(0,1fr))}.banner code{background:rgba(255,255,255,.2);color:#fff}
 code{font-size:12px;background:#f0f1f4;padding:0 3px}.none{color:#778}.why{color:#8a4b00}
 """
 
 # the page is a static file: only the browser knows how old the heartbeat is now
 _SCRIPT = """
 (function(){var hb=document.getElementById('hb');var t=Date.parse(hb.getAttribute('datetime'));
-if(isNaN(t))return;var age=Math.round((Date.now()-t)/1000);hb.textContent+=' ('+age+' s ago)';
-if(age>Number(hb.dataset.staleS)){var b=document.getElementById('stale');
-document.getElementById('age').textContent=age+' s';b.hidden=false;}})();
+if(isNaN(t))return;var age=Math.max(0,Math.round((Date.now()-t)/1000));
+var txt=age<60?age+' s':age<3600?Math.floor(age/60)+' min '+age%60+' s':Math.floor(age/3600)+' h '+Math.floor(age%3600/60)+' min';
+hb.textContent+=' ('+txt+' ago)';
+if(age>Number(hb.dataset.staleS)){document.getElementById('age').textContent=txt;
+document.getElementById('stale').hidden=false;}})();
 """
 
 
