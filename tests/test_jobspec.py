@@ -14,7 +14,7 @@ import pytest
 from watcher.errors import InvalidJobSpec, Problem
 from watcher.jobspec import (
     DEFAULT_RETRY_ON, JOB_SCHEMA, MAX_JOB_FILE_BYTES, SCHEMAS_DIR, JobSpec, Resources, Retries, expand_placeholders,
-    load_job_file, parse_job_text, schema_validator,
+    load_job_file, parse_job_text, schema_problems, schema_validator,
 )
 from watcher.units import DURATION_PATTERN
 
@@ -171,7 +171,8 @@ def test_fifo_named_like_a_job_file_returns_promptly(tmp_path: Path) -> None:
     fifo = tmp_path / "x.yaml"
     os.mkfifo(fifo)
     out = run_python(
-        "from pathlib import Path\nfrom watcher.errors import InvalidJobSpec\nfrom watcher.jobspec import load_job_file\n"
+        "from pathlib import Path\nfrom watcher.errors import InvalidJobSpec\n"
+        "from watcher.jobspec import load_job_file\n"
         f"try:\n    load_job_file(Path({str(fifo)!r}))\nexcept InvalidJobSpec as exc:\n    print(exc)\n"
     )
     assert "a FIFO" in out and "not a regular file" in out
@@ -335,8 +336,8 @@ def test_durations(written: str, seconds: float) -> None:
     assert (spec.timeout_s, spec.stop_grace_s, spec.stall_after_s, spec.retries.backoff_s) == (seconds,) * 4
 
 
-@pytest.mark.parametrize("written,got", [("ten", '"ten"'), ("-5", "-5"), ("true", "true"), ("5 minutes", '"5 minutes"'),
-                                         ("[1]", "a list"), ("1h30m", '"1h30m"')])
+@pytest.mark.parametrize("written,got", [("ten", '"ten"'), ("-5", "-5"), ("true", "true"),
+                                         ("5 minutes", '"5 minutes"'), ("[1]", "a list"), ("1h30m", '"1h30m"')])
 def test_bad_durations(written: str, got: str) -> None:
     problems = problems_of(f"approved: true\n{CMD}timeout: {written}\n")
     assert [p.to_dict() for p in problems] == [
@@ -481,6 +482,14 @@ def test_job_schema_lists_every_jobspec_field() -> None:
     schema = json.loads((SCHEMAS_DIR / JOB_SCHEMA).read_text())
     assert set(schema["properties"]) == {"approved", "name", "priority", "command", "train", "cwd", "env", "resources",
                                          "timeout", "stop_grace", "stall_after", "retries", "resume_args", "slurm"}
+
+
+def test_missing_referenced_schema_is_a_problem_not_a_crash(tmp_path: Path) -> None:
+    schemas = tmp_path / "schemas"
+    schemas.mkdir()
+    (schemas / JOB_SCHEMA).write_bytes((SCHEMAS_DIR / JOB_SCHEMA).read_bytes())
+    problems = schema_problems(schema_validator(schemas, JOB_SCHEMA), {"train": {"model": "/m"}})
+    assert len(problems) == 1 and "train.schema.json" in problems[0].message and "reinstall" in problems[0].message
 
 
 def test_validator_is_built_once_per_process() -> None:

@@ -32,11 +32,6 @@ logger = logging.getLogger(__name__)
 #: the repo's schemas/ folder (job, train, watcher, status schemas)
 SCHEMAS_DIR = Path(__file__).resolve().parent.parent / "schemas"
 
-__all__ = [
-    "SCHEMAS_DIR", "MAX_JOB_FILE_BYTES", "FAILURE_KINDS", "DEFAULT_RETRY_ON", "Resources", "Retries", "JobSpec",
-    "load_job_file", "parse_job_text", "expand_placeholders", "read_spec_text", "parse_mapping",
-]
-
 #: largest job file accepted, in bytes (CONTRACT section 2)
 MAX_JOB_FILE_BYTES = 1024 * 1024
 #: diagnosis kinds a failure can carry (CONTRACT section 4)
@@ -52,6 +47,7 @@ JOB_SCHEMA = "job.schema.json"
 _PLACEHOLDER = re.compile(r"\{(job_dir|job_id|attempt|resume_from)\}")
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_FOREIGN_NAMES = {"bytes": "binary data (!!binary)", "datetime": "a timestamp", "date": "a date", "set": "a set"}
 _TOP_LEVEL_NAMES = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
 
 
@@ -301,8 +297,8 @@ def schema_problems(validator: jsonschema.Draft202012Validator, data: object) ->
     try:
         errors = list(validator.iter_errors(data))
     except referencing.exceptions.Unresolvable as exc:
-        return [Problem("", f"cannot be checked: {exc} (a schema file is missing from {SCHEMAS_DIR}; reinstall trainq)")]
-    return sort_problems([problem for error in errors for _, problem in _translate(error)])
+        return [Problem("", f"cannot be checked: {exc} (a schema file is missing; reinstall trainq)")]
+    return sort_problems([problem for error in errors for problem in _translate(error)])
 
 
 def sort_problems(problems: list[Problem]) -> list[Problem]:
@@ -336,18 +332,18 @@ def shown(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _translate(error: jsonschema.ValidationError) -> list[tuple[tuple, Problem]]:
-    """One jsonschema error → (path parts, Problem) pairs."""
+def _translate(error: jsonschema.ValidationError) -> list[Problem]:
+    """One jsonschema error → the Problems a person should read."""
     parts = tuple(error.absolute_path)
     if error.validator in ("oneOf", "anyOf"):
         return _translate_alternatives(error)
     if error.validator in ("additionalProperties", "unevaluatedProperties"):
-        return [(parts + (key,), Problem(path_text(parts + (key,)), _unknown_key_message(key, error.schema)))
+        return [Problem(path_text(parts + (key,)), _unknown_key_message(key, error.schema))
                 for key in _unknown_keys(error)]
     if error.validator == "required":
         missing = [key for key in error.validator_value if key not in error.instance]
-        return [(parts, Problem(path_text(parts), f"missing required key '{key}'")) for key in missing]
-    return [(parts, Problem(path_text(parts), _message(error)))]
+        return [Problem(path_text(parts), f"missing required key '{key}'") for key in missing]
+    return [Problem(path_text(parts), _message(error))]
 
 
 def _message(error: jsonschema.ValidationError) -> str:
@@ -469,23 +465,22 @@ def _key_home(key: str, schema: dict) -> str | None:
     return dict(_KEY_HOMES).get(key) if "train" in schema.get("properties", {}) else None
 
 
-def _translate_alternatives(error: jsonschema.ValidationError) -> list[tuple[tuple, Problem]]:
+def _translate_alternatives(error: jsonschema.ValidationError) -> list[Problem]:
     """oneOf/anyOf: the "exactly one of" rule, the one branch whose type fits, or the list of forms."""
-    parts, path = tuple(error.absolute_path), path_text(error.absolute_path)
-    branches = error.validator_value
-    if all(_is_key_branch(b) for b in branches):
-        return [(parts, Problem(path, _one_of_keys_message(error)))]
+    path, got = path_text(error.absolute_path), shown(error.instance)
+    if all(_is_key_branch(b) for b in error.validator_value):
+        return [Problem(path, _one_of_keys_message(error))]
     if not error.context:
-        return [(parts, Problem(path, f"matches more than one of the allowed forms (got {shown(error.instance)})"))]
+        return [Problem(path, f"matches more than one of the allowed forms (got {got})")]
     by_branch: dict[object, list] = {}
     for sub in error.context:
         by_branch.setdefault(sub.relative_schema_path[0], []).append(sub)
     fitting = [subs for subs in by_branch.values() if not any(
         s.validator in ("type", "enum", "const") and not s.relative_path for s in subs)]
     if len(fitting) == 1:
-        return [pair for sub in fitting[0] for pair in _translate(sub)]
+        return [problem for sub in fitting[0] for problem in _translate(sub)]
     forms = [_expected(min(subs, key=lambda s: len(s.relative_path)).schema) for subs in by_branch.values()]
-    return [(parts, Problem(path, f"must be {' or '.join(dict.fromkeys(forms))} (got {shown(error.instance)})"))]
+    return [Problem(path, f"must be {' or '.join(dict.fromkeys(forms))} (got {got})")]
 
 
 def _is_key_branch(branch: object) -> bool:
@@ -513,7 +508,7 @@ def _job_problems(data: dict) -> list[Problem]:
     """Every problem with a parsed job mapping: foreign values, schema, then cross-field rules."""
     problems = foreign_value_problems(data)
     if problems:
-        return problems
+        return sort_problems(problems)
     problems = schema_problems(schema_validator(SCHEMAS_DIR, JOB_SCHEMA), data)
     return sort_problems(problems + _semantic_problems(data))
 
@@ -549,7 +544,8 @@ def foreign_value_problems(data: object, parts: str = "") -> list[Problem]:
         return [Problem(parts, f"must be a finite number (got {data})")]
     if data is None or isinstance(data, (str, int, float)):
         return []
-    return [Problem(parts, f"a YAML {type(data).__name__} is not allowed here; write it as a string or number")]
+    what = _FOREIGN_NAMES.get(type(data).__name__, f"a YAML {type(data).__name__}")
+    return [Problem(parts, f"{what} is not allowed here; write it as a string or number")]
 
 
 # -- reading --
@@ -590,7 +586,8 @@ def _file_kind_problem(st: os.stat_result) -> Problem | None:
 
 
 def _too_large(size: int) -> Problem:
-    return Problem("", f"is too large ({size} bytes or more); job files are limited to 1 MiB ({MAX_JOB_FILE_BYTES} bytes)")
+    limit = f"1 MiB ({MAX_JOB_FILE_BYTES} bytes)"
+    return Problem("", f"is too large ({size} bytes or more); job files are limited to {limit}")
 
 
 def _read_at_most(path: Path, limit: int, follow_symlinks: bool) -> bytes | Problem:
@@ -632,7 +629,9 @@ def decode_spec_bytes(data: bytes, allow_empty: bool = False) -> str | Problem:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         bad = data[exc.start:exc.start + 1].hex()
-        return Problem("", f"is not UTF-8 text (invalid byte 0x{bad} at byte offset {exc.start}); save it as UTF-8")
+        line = data.count(b"\n", 0, exc.start) + 1
+        return Problem("", f"is not UTF-8 text (invalid byte 0x{bad} at byte offset {exc.start}, line {line}); "
+                           "save it as UTF-8")
     return text[1:] if text.startswith("\ufeff") else text
 
 
