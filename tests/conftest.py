@@ -1,0 +1,179 @@
+"""Shared fixtures: real queue folders, real job files, an in-process watcher and a real watcher process."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE = REPO / "tests" / "fake_trainers"
+PY = sys.executable
+sys.path.insert(0, str(REPO))
+
+
+def wait_until(pred: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "") -> object:
+    """Poll ``pred`` until it returns something truthy; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what or pred}")
+        time.sleep(interval_s)
+
+
+@pytest.fixture
+def queue_dir(tmp_path: Path) -> Path:
+    """A queue root with its five folders."""
+    root = tmp_path / "queue"
+    for name in ("inbox", "pending", "running", "done", "failed"):
+        (root / name).mkdir(parents=True)
+    return root
+
+
+def drop(root: Path, name: str, text: str) -> Path:
+    """Write a job file elsewhere, then rename it into the inbox (as the README tells users to)."""
+    staging = root / ".staging"
+    staging.mkdir(exist_ok=True)
+    tmp = staging / name
+    tmp.write_text(text, encoding="utf-8")
+    target = root / "inbox" / name
+    os.rename(tmp, target)
+    return target
+
+
+@pytest.fixture
+def write_job(queue_dir: Path) -> Callable[..., Path]:
+    """``write_job("a", command=[...], priority=2)`` drops an approved job file ``a.yaml``."""
+
+    def _write(name: str, **fields: object) -> Path:
+        fields.setdefault("approved", True)
+        if "command" not in fields and "train" not in fields:
+            fields["command"] = ["true"]
+        return drop(queue_dir, f"{name}.yaml", yaml.safe_dump(fields, sort_keys=False))
+
+    return _write
+
+
+@pytest.fixture
+def watcher_config():
+    """Build a WatcherConfig with test-friendly cadences; override fields by keyword."""
+    from watcher.config import WatcherConfig
+
+    def _make(**overrides: object) -> WatcherConfig:
+        base = {"settle_s": 0.1, "rescan_s": 0.2, "status_s": 0.1, "kill_after_s": 1.0}
+        base.update(overrides)
+        return WatcherConfig.from_dict(base)
+
+    return _make
+
+
+@pytest.fixture
+def watcher(queue_dir: Path, watcher_config):
+    """An in-process Watcher on ``queue_dir``; tests call ``tick(now)`` (or ``run_until``)."""
+    from watcher.daemon import Watcher
+
+    made: list[Watcher] = []
+
+    def _make(**overrides: object) -> Watcher:
+        w = Watcher(queue_dir, watcher_config(**overrides), env=dict(os.environ))
+        w.start(install_signals=False)
+        made.append(w)
+        return w
+
+    yield _make
+    for w in made:
+        w.close()
+
+
+def tick_until(w, pred: Callable[[], object], timeout_s: float = 15.0, what: str = "") -> object:
+    """Tick an in-process watcher until ``pred`` holds."""
+
+    def step():
+        w.tick(time.time())
+        return pred()
+
+    return wait_until(step, timeout_s, interval_s=0.02, what=what)
+
+
+class WatcherProcess:
+    """A real ``python -m watcher watch`` on a queue root."""
+
+    def __init__(self, root: Path, env: dict | None = None, args: tuple[str, ...] = ()):
+        self.root = root
+        self.env = dict(os.environ, **(env or {}))
+        self.env.setdefault("PYTHONPATH", str(REPO))
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "WatcherProcess":
+        self.proc = subprocess.Popen(
+            [PY, "-m", "watcher", "--root", str(self.root), "watch", "-q", *self.args],
+            cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=open(self.root / "watcher.stderr", "ab"),
+        )
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def watcher_process(queue_dir: Path):
+    """Start real watcher processes on ``queue_dir``; teardown terminates them."""
+    made: list[WatcherProcess] = []
+
+    def _start(root: Path | None = None, **kw) -> WatcherProcess:
+        wp = WatcherProcess(root or queue_dir, **kw).start()
+        made.append(wp)
+        return wp
+
+    yield _start
+    for wp in made:
+        wp.stop()
+
+
+def job_processes(under: Path) -> list[psutil.Process]:
+    """Live processes whose TRAINQ_JOB_DIR lies under ``under``."""
+    found = []
+    prefix = str(under)
+    for proc in psutil.process_iter():
+        try:
+            job_dir = proc.environ().get("TRAINQ_JOB_DIR", "")
+        except (psutil.Error, OSError):
+            continue
+        if job_dir.startswith(prefix) and proc.pid != os.getpid():
+            found.append(proc)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_job_processes(tmp_path: Path):
+    """Fail any test that leaves a job process (or its descendants) running."""
+    yield
+    deadline = time.monotonic() + 10
+    leaked = job_processes(tmp_path)
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leaked = job_processes(tmp_path)
+    for proc in leaked:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    if leaked:
+        pytest.fail(f"test leaked job processes: {[p.pid for p in leaked]}")

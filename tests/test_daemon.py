@@ -1,0 +1,208 @@
+"""The watcher's loop, driven tick by tick in-process: ordering, limits, flags, run.json, layout repair."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from conftest import FAKE, PY, REPO, drop, tick_until
+from watcher.errors import QueueLocked
+
+SCHEMAS = REPO / "schemas"
+
+
+def load(root: Path, rel: str) -> dict:
+    return json.loads((root / rel).read_text())
+
+
+def validator(name: str) -> jsonschema.Draft202012Validator:
+    from watcher.jobspec import schema_validator
+
+    return schema_validator(SCHEMAS, name)
+
+
+def test_job_runs_with_contract_environment_and_output_log(queue_dir, watcher, write_job):
+    w = watcher()
+    script = "import os,sys; [print(k, os.environ.get(k)) for k in sys.argv[1:]]"
+    write_job("env", command=[PY, "-c", script, "TRAINQ_JOB_ID", "TRAINQ_JOB_DIR", "TRAINQ_STOP_FLAG",
+                             "TRAINQ_METRICS", "TRAINQ_ATTEMPT", "TRAINQ_RESUME_FROM", "PWD"],
+              env={"GREETING": "{job_id}-{attempt}"})
+    tick_until(w, lambda: (queue_dir / "done" / "env").exists())
+    log = (queue_dir / "done" / "env" / "output.log").read_text()
+    job_dir = str(queue_dir / "running" / "env")
+    assert "TRAINQ_JOB_ID env" in log
+    assert f"TRAINQ_JOB_DIR {job_dir}" in log
+    assert f"TRAINQ_STOP_FLAG {job_dir}/stop.flag" in log
+    assert f"TRAINQ_METRICS {job_dir}/metrics.jsonl" in log
+    assert "TRAINQ_ATTEMPT 1" in log
+    assert "TRAINQ_RESUME_FROM None" in log
+    assert "attempt 1" in log.splitlines()[0]  # the supervisor's separator line
+    run = load(queue_dir, "done/env/run.json")
+    validator("run.schema.json").validate(run)
+    assert run["status"] == "done" and run["attempt"] == 1
+    assert run["attempts"][0]["exit_code"] == 0
+
+
+def test_placeholders_expand_in_command_env_and_cwd(queue_dir, watcher, write_job):
+    w = watcher()
+    write_job("ph", command=[PY, "-c", "import os; print('CWD', os.getcwd()); print('V', os.environ['V'])", "{job_id}"],
+              env={"V": "{job_id}/{attempt}"}, cwd="{job_dir}")
+    tick_until(w, lambda: (queue_dir / "done" / "ph").exists())
+    log = (queue_dir / "done" / "ph" / "output.log").read_text()
+    assert f"CWD {queue_dir / 'running' / 'ph'}" in log
+    assert "V ph/1" in log
+
+
+def test_failed_exit_code_is_recorded_with_diagnosis(queue_dir, watcher, write_job):
+    w = watcher()
+    write_job("bad", command=[PY, "-c", "import sys; print('boom: something broke'); sys.exit(3)"])
+    tick_until(w, lambda: (queue_dir / "failed" / "bad").exists())
+    run = load(queue_dir, "failed/bad/run.json")
+    assert run["status"] == "failed"
+    assert run["attempts"][-1]["exit_code"] == 3
+    assert run["diagnosis"]["kind"] == "unknown"
+    assert "boom" in run["diagnosis"]["evidence"]
+
+
+def test_priority_then_acceptance_order(queue_dir, watcher, write_job):
+    (queue_dir / "pause.flag").touch()
+    w = watcher(max_concurrent=1)
+    marker = queue_dir / "order.txt"
+    cmd = lambda tag: [PY, "-c", f"open({str(marker)!r}, 'a').write({tag!r} + '\\n')"]
+    write_job("low1", command=cmd("low1"))
+    time.sleep(0.01)
+    write_job("low2", command=cmd("low2"))
+    time.sleep(0.01)
+    write_job("high", command=cmd("high"), priority=5)
+    tick_until(w, lambda: len(os.listdir(queue_dir / "pending")) == 3)
+    (queue_dir / "pause.flag").unlink()
+    tick_until(w, lambda: len(os.listdir(queue_dir / "done")) == 3, 20)
+    assert marker.read_text().split() == ["high", "low1", "low2"]
+
+
+def test_max_concurrent_is_respected(queue_dir, watcher, write_job):
+    w = watcher(max_concurrent=2)
+    for i in range(4):
+        write_job(f"s{i}", command=["sleep", "0.6"])
+    most = 0
+    deadline = time.monotonic() + 20
+    while len(os.listdir(queue_dir / "done")) < 4 and time.monotonic() < deadline:
+        w.tick(time.time())
+        most = max(most, len(os.listdir(queue_dir / "running")))
+        time.sleep(0.02)
+    assert len(os.listdir(queue_dir / "done")) == 4
+    assert most == 2
+
+
+def test_pause_flag_holds_new_jobs_and_says_why(queue_dir, watcher, write_job):
+    (queue_dir / "pause.flag").touch()
+    w = watcher()
+    write_job("p")
+    tick_until(w, lambda: (queue_dir / "pending" / "p").exists())
+    for _ in range(5):
+        w.tick(time.time())
+    assert not (queue_dir / "done" / "p").exists()
+    w.report.write(w, time.time(), force=True)
+    status = load(queue_dir, "status.json")
+    assert status["watcher"]["state"] == "paused"
+    entry = next(j for j in status["jobs"] if j["id"] == "p")
+    assert "pause" in (entry["waiting_for"] or "")
+    (queue_dir / "pause.flag").unlink()
+    tick_until(w, lambda: (queue_dir / "done" / "p").exists())
+
+
+def test_stop_flag_on_pending_cancels_at_once(queue_dir, watcher, write_job):
+    (queue_dir / "pause.flag").touch()
+    w = watcher()
+    write_job("c")
+    tick_until(w, lambda: (queue_dir / "pending" / "c").exists())
+    (queue_dir / "pending" / "c" / "stop.flag").touch()
+    tick_until(w, lambda: (queue_dir / "failed" / "c").exists())
+    assert load(queue_dir, "failed/c/run.json")["status"] == "cancelled"
+
+
+def test_root_stop_flag_stops_the_watcher_not_the_jobs(queue_dir, watcher, write_job):
+    w = watcher()
+    write_job("long", command=["sleep", "30"], stop_grace="0.5s")
+    tick_until(w, lambda: (queue_dir / "running" / "long").exists())
+    (queue_dir / "stop.flag").touch()
+    w.tick(time.time())
+    assert w.stopping and not (queue_dir / "stop.flag").exists()
+    assert w.supervisor.is_alive(__import__("watcher.contract").contract.JobPaths(queue_dir / "running" / "long"))
+    (queue_dir / "running" / "long" / "stop.flag").touch()
+    tick_until(w, lambda: (queue_dir / "failed" / "long").exists(), 20)
+
+
+def test_second_watcher_refuses_and_names_the_pid(queue_dir, watcher, watcher_config):
+    from watcher.daemon import Watcher
+
+    watcher()
+    second = Watcher(queue_dir, watcher_config())
+    with pytest.raises(QueueLocked) as info:
+        second.start(install_signals=False)
+    assert str(os.getpid()) in str(info.value)
+
+
+def test_deleted_queue_folders_are_recreated(queue_dir, watcher, write_job):
+    w = watcher()
+    w.tick(time.time())
+    shutil.rmtree(queue_dir / "done")
+    shutil.rmtree(queue_dir / "inbox")
+    w.tick(time.time())
+    assert (queue_dir / "done").is_dir() and (queue_dir / "inbox").is_dir()
+    write_job("after")
+    tick_until(w, lambda: (queue_dir / "done" / "after").exists())
+
+
+def test_unsatisfiable_job_fails_at_once(queue_dir, watcher, write_job):
+    w = watcher()
+    write_job("huge", resources={"ram_gb": 100000})
+    tick_until(w, lambda: (queue_dir / "failed" / "huge").exists())
+    run = load(queue_dir, "failed/huge/run.json")
+    assert run["status"] == "failed" and run["diagnosis"]["kind"] == "unsatisfiable"
+    assert "RAM" in run["diagnosis"]["evidence"] or "ram" in run["diagnosis"]["evidence"].lower()
+
+
+def test_allow_commands_rejects_other_executables(queue_dir, watcher, write_job):
+    w = watcher(allow_commands=["true"])
+    write_job("ok", command=["true"])
+    write_job("nope", command=["rm", "-rf", "/nonexistent"])
+    tick_until(w, lambda: (queue_dir / "done" / "ok").exists() and (queue_dir / "failed" / "nope").exists())
+    run = load(queue_dir, "failed/nope/run.json")
+    assert run["status"] == "rejected" and run["errors"][0]["path"] == "command"
+
+
+def test_status_json_validates_and_lists_everything(queue_dir, watcher, write_job):
+    w = watcher(keep_finished=3)
+    for i in range(5):
+        write_job(f"f{i}")
+    write_job("run", command=["sleep", "30"], stop_grace=0.5)
+    drop(queue_dir, "wait.yaml", "command: ['true']\n")
+    tick_until(w, lambda: len(os.listdir(queue_dir / "done")) == 5 and (queue_dir / "running" / "run").exists())
+    w.report.write(w, time.time(), force=True)
+    status = load(queue_dir, "status.json")
+    validator("status.schema.json").validate(status)
+    assert status["counts"] == {"inbox": 1, "awaiting_approval": 1, "pending": 0, "running": 1, "done": 5, "failed": 0}
+    finished = [j for j in status["jobs"] if j["state"] == "done"]
+    assert len(finished) == 3
+    running = [j for j in status["jobs"] if j["state"] == "running"]
+    assert running[0]["id"] == "run" and running[0]["pid"]
+    (queue_dir / "running" / "run" / "stop.flag").touch()
+    tick_until(w, lambda: (queue_dir / "failed" / "run").exists(), 20)
+
+
+def test_bad_watcher_yaml_stops_startup_with_a_clear_error(queue_dir):
+    import subprocess
+
+    (queue_dir / "watcher.yaml").write_text("max_concurrent: lots\nsettle: 1\n")
+    proc = subprocess.run([PY, "-m", "watcher", "--root", str(queue_dir), "watch", "--once"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "watcher.yaml" in proc.stderr and "max_concurrent" in proc.stderr
+    assert "settle" in proc.stderr

@@ -1,0 +1,6 @@
+"""``python -m watcher`` is the ``trainq`` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,290 @@
+"""``trainq``: a thin command line over the queue's files (argparse, logging set-up, env, exit codes).
+
+Every command does what a user could do by hand with an editor, ``cp``, ``touch`` and ``cat``;
+there is no second path into the queue. Heavy modules are imported inside the commands so
+``trainq --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+#: exit status for success, for invalid input (a bad job file, an unknown id), and for anything else
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_INVALID = 2
+
+logger = logging.getLogger("watcher")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``trainq`` console script and ``python -m watcher``."""
+    args = _parser().parse_args(argv)
+    if not getattr(args, "func", None):
+        _parser().print_help()
+        return EXIT_INVALID
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return EXIT_ERROR
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainq",
+        description="A training-job queue driven by files. Drop job YAML files into QUEUE/inbox/; "
+        "read QUEUE/status.json. Every command here is a convenience over those files.",
+    )
+    parser.add_argument("--root", help="queue root (default: $TRAINQ_ROOT, else ./queue)")
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    p = sub.add_parser("init", help="create a queue root with its five folders")
+    p.add_argument("dir", nargs="?", help="where (default: the --root, $TRAINQ_ROOT or ./queue)")
+    p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("watch", help="run the watcher on the queue root (foreground)")
+    p.add_argument("--once", action="store_true", help="run one pass (tick) and exit")
+    p.add_argument("--until-idle", action="store_true",
+                   help="exit once nothing is pending, running or waiting in the inbox (demos, scripts)")
+    p.add_argument("--polling", action="store_true", help="poll instead of inotify (network filesystems)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-q", "--quiet", action="store_true", help="log only to watcher.log")
+    p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("validate", help="check job files; print every problem (exit 2 if any)")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("submit", help="validate a job file and drop a copy into the inbox atomically")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--approve", action="store_true", help="submit it with approved: true")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("status", help="show the queue (from status.json)")
+    p.add_argument("--json", action="store_true", help="print status.json as it is")
+    p.add_argument("--follow", "-f", action="store_true", help="redraw until Ctrl-C")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("logs", help="print a job's output.log")
+    p.add_argument("id")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job finishes")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("stop", help="stop a job (touches its stop.flag)")
+    p.add_argument("id")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("retry", help="run a failed job again, resuming from its latest checkpoint (touches retry.flag)")
+    p.add_argument("id")
+    p.set_defaults(func=cmd_retry)
+    return parser
+
+
+def _root(args: argparse.Namespace) -> Path:
+    return Path(args.root or os.environ.get("TRAINQ_ROOT") or "queue")
+
+
+def _fail(message: str, code: int = EXIT_ERROR) -> int:
+    print(f"trainq: {message}", file=sys.stderr)
+    return code
+
+
+# -- commands --------------------------------------------------------------------------------
+def cmd_init(args: argparse.Namespace) -> int:
+    from .errors import QueueLayoutError
+    from .folders import QueueRoot
+
+    root = QueueRoot(Path(args.dir) if args.dir else _root(args))
+    try:
+        created = root.ensure_layout(create=True)
+    except QueueLayoutError as exc:
+        return _fail(str(exc))
+    for folder in root.folders():
+        (folder / ".gitkeep").touch(exist_ok=True)
+    print(f"{root.path}: queue ready ({len(created)} folder(s) created). Drop job files into {root.inbox}/")
+    return EXIT_OK
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from .config import load_watcher_config
+    from .daemon import Watcher
+    from .errors import InvalidJobSpec, WatcherError
+
+    root = _root(args)
+    if not root.is_dir():
+        return _fail(f"{root}: no queue here; create one with `trainq init {root}`")
+    try:
+        config = load_watcher_config(root, os.environ)
+    except InvalidJobSpec as exc:
+        for line in exc.lines():
+            print(f"trainq: {root / line}" if not line.startswith("/") else f"trainq: {line}", file=sys.stderr)
+        return EXIT_INVALID
+    _setup_logging(root / "watcher.log", verbose=args.verbose, quiet=args.quiet)
+    watcher = Watcher(root, config, polling=args.polling)
+    try:
+        watcher.start()
+    except WatcherError as exc:
+        logger.error("%s", exc)
+        return EXIT_ERROR
+    try:
+        if args.once:
+            watcher.tick(time.time())
+        elif args.until_idle:
+            _run_until_idle(watcher)
+        else:
+            watcher.run()
+    finally:
+        watcher.close()
+    return EXIT_OK
+
+
+def _run_until_idle(watcher) -> None:
+    """Tick until no job is pending or running and the inbox holds nothing ready to take."""
+    while not watcher._should_exit():
+        now = time.time()
+        watcher.tick(now)
+        busy = any(True for _ in watcher.jobs.values())
+        if not busy and watcher.report.inbox_count == len(watcher.report.awaiting_entries):
+            return
+        watcher._wait(watcher._next_wait_s())
+
+
+def _setup_logging(log_file: Path, verbose: bool, quiet: bool) -> None:
+    level = logging.DEBUG if verbose else logging.INFO
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
+    handlers: list[logging.Handler] = [logging.FileHandler(log_file, encoding="utf-8")]
+    if not quiet:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    root_logger = logging.getLogger("watcher")
+    root_logger.setLevel(level)
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        root_logger.addHandler(handler)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .errors import InvalidJobSpec
+    from .jobspec import load_job_file
+
+    worst = EXIT_OK
+    for name in args.files:
+        try:
+            spec = load_job_file(Path(name), name)
+        except InvalidJobSpec as exc:
+            for line in exc.lines():
+                print(line)
+            worst = EXIT_INVALID
+            continue
+        except OSError as exc:
+            print(f"{name}: cannot read ({exc.strerror})")
+            worst = EXIT_INVALID
+            continue
+        state = "approved" if spec.approved else f"valid, awaiting approval ({spec.approval_hint or 'add approved: true'})"
+        print(f"{name}: ok, {state}")
+    return worst
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from .errors import InvalidJobSpec
+    from .fsutil import atomic_write
+    from .jobspec import parse_job_text
+    from .submit import approve_text, inbox_name, read_job_text
+
+    source = Path(args.file)
+    try:
+        text = read_job_text(source)
+        if args.approve:
+            text = approve_text(text)
+        spec = parse_job_text(text, str(source))
+    except InvalidJobSpec as exc:
+        for line in exc.lines():
+            print(line, file=sys.stderr)
+        return EXIT_INVALID
+    inbox = _root(args) / "inbox"
+    if not inbox.is_dir():
+        return _fail(f"{inbox}: no inbox; create the queue with `trainq init {_root(args)}`")
+    target = inbox_name(inbox, source.name)
+    atomic_write(inbox / f".{target.name}.tmp", text)  # hidden temp name: the watcher ignores it
+    os.replace(inbox / f".{target.name}.tmp", target)
+    print(f"{target}: submitted{'' if spec.approved else ' (awaiting approval: set approved: true)'}")
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .view import print_status
+
+    return print_status(_root(args) / "status.json", follow=args.follow, json_out=args.json) or EXIT_OK
+
+
+def _find_job(root: Path, job_id: str) -> tuple[str, Path] | None:
+    for state in ("running", "pending", "failed", "done"):
+        path = root / state / job_id
+        if path.is_dir() and not job_id.startswith(".") and "/" not in job_id:
+            return state, path
+    return None
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from .contract import JobPaths
+
+    root = _root(args)
+    found = _find_job(root, args.id)
+    if found is None:
+        return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
+    offset = 0
+    while True:
+        state, path = _find_job(root, args.id) or found
+        offset = _print_from(JobPaths(path).log, offset)
+        if not args.follow or state in ("done", "failed"):
+            return EXIT_OK
+        time.sleep(0.5)
+
+
+def _print_from(path: Path, offset: int) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    sys.stdout.buffer.write(data)
+    sys.stdout.flush()
+    return offset + len(data)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from .contract import JobPaths
+    from .fsutil import touch
+
+    root = _root(args)
+    found = _find_job(root, args.id)
+    if found is None:
+        return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
+    state, path = found
+    if state in ("done", "failed"):
+        return _fail(f"job {args.id} already finished ({state}/)", EXIT_INVALID)
+    touch(JobPaths(path).stop_flag)
+    print(f"job {args.id}: stop requested ({state}/{args.id}/stop.flag)")
+    return EXIT_OK
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    from .contract import JobPaths
+    from .fsutil import touch
+
+    root = _root(args)
+    found = _find_job(root, args.id)
+    if found is None:
+        return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
+    state, path = found
+    if state != "failed":
+        return _fail(f"job {args.id} is in {state}/; only failed jobs can be retried", EXIT_INVALID)
+    touch(JobPaths(path).retry_flag)
+    print(f"job {args.id}: retry requested (failed/{args.id}/retry.flag)")
+    return EXIT_OK

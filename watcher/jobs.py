@@ -1,0 +1,199 @@
+"""The daemon's in-memory view of one job, and the pure rules that decide how an attempt ended.
+
+``Job`` is mutable and private to the daemon; what the outside sees is its ``run.json``
+(``Job.run``), written through ``save()`` only.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .contract import JobPaths
+from .diagnosis import Diagnosis, diagnose, read_tail, stalled_diagnosis
+from .folders import JobState
+from .fsutil import atomic_write_json, read_json
+from .jobspec import JobSpec
+from .units import iso_utc
+
+RUN_SCHEMA_VERSION = 1
+#: statuses after which a job never runs again unless retried
+FINAL_STATUSES = ("done", "failed", "cancelled", "timeout", "rejected")
+#: statuses a run.json may hold while its folder is in running/
+LIVE_STATUSES = ("running", "stopping")
+
+
+@dataclass
+class Job:
+    """One job the daemon knows: where it is, its run.json, its spec, and live readers."""
+
+    id: str
+    state: JobState
+    dir: Path
+    run: dict
+    spec: JobSpec | None = None
+    readers: object | None = None  # progress readers (set by the daemon for running jobs)
+    health: str | None = None
+    last_activity: float = 0.0
+    activity_sig: tuple = field(default_factory=tuple)
+    usage: dict | None = None
+    pids: tuple[int, ...] = ()
+
+    @property
+    def paths(self) -> JobPaths:
+        return JobPaths(self.dir)
+
+    @property
+    def status(self) -> str:
+        return self.run.get("status", "pending")
+
+    @property
+    def priority(self) -> int:
+        return int(self.run.get("priority") or 0)
+
+    @property
+    def order(self) -> int:
+        return int(self.run.get("order") or 0)
+
+    @property
+    def attempt(self) -> int:
+        return int(self.run.get("attempt") or 0)
+
+    def sort_key(self) -> tuple[int, int, str]:
+        """Start order: higher priority first, then acceptance order."""
+        return (-self.priority, self.order, self.id)
+
+    def save(self, durable: bool = True) -> None:
+        """Write run.json atomically."""
+        atomic_write_json(self.paths.run, self.run, durable=durable)
+
+    def current_attempt(self) -> dict | None:
+        attempts = self.run.get("attempts") or []
+        return attempts[-1] if attempts else None
+
+
+def new_run(spec: JobSpec | None, order: int, now: float, name: str) -> dict:
+    """The run.json of a freshly accepted (or rejected) job."""
+    return {
+        "schema_version": RUN_SCHEMA_VERSION,
+        "name": (spec.name if spec and spec.name else name),
+        "status": "pending",
+        "priority": spec.priority if spec else 0,
+        "order": order,
+        "submitted_at": iso_utc(now),
+        "started_at": None,
+        "finished_at": None,
+        "attempt": 0,
+        "attempts": [],
+        "diagnosis": None,
+        "error": None,
+        "errors": [],
+        "resume_from": None,
+        "not_before": None,
+        "waiting_for": None,
+        "gpus": [],
+        "stop_requested_at": None,
+        "executor": "local",
+    }
+
+
+def load_run(paths: JobPaths) -> dict | None:
+    """run.json as a dict, or None when missing or unreadable."""
+    return read_json(paths.run)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended, as run.json will say it."""
+
+    status: str
+    diagnosis: Diagnosis | None
+
+
+def judge_exit(run: dict, exit_record: dict, paths: JobPaths) -> Outcome:
+    """Turn an exit record plus what the watcher knew (stop requested, stall) into a status and diagnosis."""
+    reason = exit_record.get("stop_reason")
+    if reason == "timeout":
+        return Outcome("timeout", diagnose(exit_record, read_tail(paths.log), metrics_tail(paths)))
+    if run.get("stop_requested_by") == "stalled":
+        return Outcome("failed", stalled_diagnosis(float(run.get("stall_after_s") or 0)))
+    if reason == "stop_flag" or run.get("status") == "stopping":
+        return Outcome("cancelled", None)
+    if exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
+        return Outcome("done", None)
+    diagnosis = diagnose(exit_record, read_tail(paths.log), metrics_tail(paths), kernel_log=None)
+    return Outcome("failed", diagnosis)
+
+
+def supervisor_lost(started: dict | None) -> Outcome:
+    """The attempt's supervisor vanished without an exit record (SIGKILL, OOM killer, reboot)."""
+    pid = (started or {}).get("supervisor_pid")
+    who = f"supervisor (pid {pid})" if pid else "supervisor"
+    return Outcome(
+        "failed",
+        Diagnosis(
+            kind="killed",
+            advice="The job's supervisor was killed (kill -9, the OOM killer or a reboot); "
+            "check `dmesg` and retry with `trainq retry ID`.",
+            evidence=f"the job's {who} died without writing an exit record",
+        ),
+    )
+
+
+def metrics_tail(paths: JobPaths, max_bytes: int = 16384) -> list[dict]:
+    """The last records of metrics.jsonl (for diagnosis), newest last."""
+    import json
+
+    try:
+        with open(paths.metrics, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines[-50:]:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            records.append(obj)
+    return records
+
+
+def latest_checkpoint(paths: JobPaths) -> str | None:
+    """Where a resumed attempt starts: ``checkpoints/ckpt_latest``, else the newest ``checkpoint`` record."""
+    latest = paths.ckpt_latest
+    if latest.exists():
+        return str(latest.resolve())
+    for record in reversed(metrics_tail(paths, max_bytes=262144)):
+        if record.get("type") == "checkpoint" and record.get("path") and os.path.exists(record["path"]):
+            return str(record["path"])
+    return None
+
+
+def should_retry(job: Job, outcome: Outcome) -> bool:
+    """A failure whose kind the job's ``retries.on`` lists, while attempts remain."""
+    if job.spec is None or outcome.diagnosis is None or outcome.status not in ("failed", "timeout"):
+        return False
+    retries = job.spec.retries
+    return outcome.diagnosis.kind in retries.on and job.attempt < 1 + retries.max
+
+
+def load_job(job_dir: Path, state: JobState) -> Job | None:
+    """Rebuild a Job from its folder (run.json plus job.yaml); None when run.json is unreadable."""
+    from .errors import InvalidJobSpec
+    from .jobspec import load_job_file
+
+    paths = JobPaths(job_dir)
+    run = load_run(paths)
+    if run is None:
+        return None
+    try:
+        spec = load_job_file(paths.spec, f"{state.value}/{job_dir.name}/job.yaml")
+    except (InvalidJobSpec, OSError):
+        spec = None
+    run.setdefault("id", job_dir.name)
+    return Job(job_dir.name, state, job_dir, run, spec)

@@ -1,0 +1,228 @@
+"""What the daemon tells the world: counts, bounded job lists, progress and resources for status.json.
+
+The daemon feeds events in (a job finished, the inbox changed); ``write`` builds a
+``StatusSnapshot`` only when something changed or the heartbeat is due, and hands it to the
+``StatusWriter``, the only writer of status.json and status.html.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import __version__
+from .folders import JobState, QueueRoot
+from .progress import LogProgress, MetricsTail
+from .admission import resources_dict
+from .status import StatusSnapshot, StatusWriter
+from .units import iso_utc, parse_iso
+
+if TYPE_CHECKING:
+    from .config import WatcherConfig
+    from .daemon import Watcher
+    from .jobs import Job
+
+#: most awaiting/pending entries listed in status.json (CONTRACT section 5)
+MAX_LISTED = 50
+#: how often a running job's process tree is measured (RSS, CPU, GPU memory), seconds
+USAGE_EVERY_S = 2.0
+#: how often done/ and failed/ are recounted from disk (users may delete folders), seconds
+RECOUNT_EVERY_S = 30.0
+
+
+@dataclass
+class _Readers:
+    """Incremental progress readers for one running job."""
+
+    metrics: MetricsTail
+    log: LogProgress
+    usage_at: float = 0.0
+
+
+@dataclass
+class Report:
+    """Status bookkeeping for one watcher."""
+
+    root: QueueRoot
+    config: "WatcherConfig"
+    started_at: float
+    counts: dict = field(default_factory=lambda: {s.value: 0 for s in JobState})
+    recent: "OrderedDict[str, dict]" = field(default_factory=OrderedDict)
+    inbox_count: int = 0
+    awaiting_entries: list = field(default_factory=list)
+    dirty: bool = True
+    last_write: float = 0.0
+    last_recount: float = 0.0
+    writer: StatusWriter | None = None
+
+    def __post_init__(self) -> None:
+        self.writer = StatusWriter(
+            self.root.status_json, self.root.status_html,
+            status_s=self.config.status_s, heartbeat_s=self.config.heartbeat_s,
+        )
+
+    def touch(self) -> None:
+        """Something visible changed."""
+        self.dirty = True
+
+    # -- what the daemon reports ---------------------------------------------------------------
+    def inbox_seen(self, candidates: list) -> None:
+        if len(candidates) != self.inbox_count:
+            self.inbox_count = len(candidates)
+            self.dirty = True
+
+    def awaiting(self, entries: dict) -> None:
+        listed = [
+            {
+                "id": name, "state": "awaiting_approval", "status": "awaiting_approval",
+                "name": (e["spec"].name or name), "priority": e["spec"].priority, "attempt": 0,
+                "pid": None, "submitted_at": None, "started_at": None, "finished_at": None,
+                "waiting_for": "approval: set approved: true in the file", "health": None, "progress": None,
+                "dir": f"inbox/{name}", "error": e["spec"].approval_hint, "diagnosis": None,
+            }
+            for name, (_sig, e) in list(entries.items())
+        ]
+        if listed != self.awaiting_entries:
+            self.awaiting_entries = listed
+            self.dirty = True
+
+    def finished(self, job: "Job", now: float, count: bool = True) -> None:
+        """A job reached done/ or failed/ (``count``: it was not on disk at the last recount)."""
+        if count:
+            self.counts[job.state.value] += 1
+        self.recent[job.id] = _entry(job, self.root)
+        self.recent.move_to_end(job.id)
+        while len(self.recent) > self.config.keep_finished:
+            self.recent.popitem(last=False)
+        self.dirty = True
+
+    def unfinished(self, job_id: str, state: JobState) -> None:
+        self.counts[state.value] = max(0, self.counts[state.value] - 1)
+        self.recent.pop(job_id, None)
+        self.dirty = True
+
+    def recount(self) -> None:
+        """Count done/ and failed/ from disk (users may delete finished folders)."""
+        for state in (JobState.DONE, JobState.FAILED):
+            try:
+                n = sum(1 for e in os.scandir(self.root.state_dir(state)) if not e.name.startswith("."))
+            except FileNotFoundError:
+                n = 0
+            if n != self.counts[state.value]:
+                self.counts[state.value] = n
+                self.dirty = True
+
+    # -- progress ------------------------------------------------------------------------------
+    def update_progress(self, watcher: "Watcher", now: float) -> None:
+        """Read new metrics/log lines of running jobs; measure their process trees now and then."""
+        for job in watcher._jobs_in(JobState.RUNNING):
+            readers = job.readers
+            if readers is None or readers.metrics.path != job.paths.metrics:
+                started = parse_iso((job.current_attempt() or {}).get("started_at"))
+                readers = job.readers = _Readers(MetricsTail(job.paths.metrics, started), LogProgress(job.paths.log))
+            if readers.metrics.poll() or readers.log.poll():
+                self.dirty = True
+            if now - readers.usage_at >= USAGE_EVERY_S:
+                readers.usage_at = now
+                pids = watcher.supervisor.process_tree(job.paths)
+                job.pids = tuple(pids)
+                usage = watcher.probe.tree_usage(pids) if pids else None
+                if usage != job.usage:
+                    job.usage = usage
+                    self.dirty = True
+
+    # -- writing -------------------------------------------------------------------------------
+    def write(self, watcher: "Watcher", now: float, force: bool = False, state: str | None = None) -> None:
+        if now - self.last_recount >= RECOUNT_EVERY_S:
+            self.last_recount = now
+            self.recount()
+        due = now - self.last_write >= self.config.heartbeat_s
+        if not (self.dirty or due or force):
+            return
+        snapshot = self.snapshot(watcher, now, state)
+        if force:
+            self.writer.force_write(snapshot, now)
+            wrote = True
+        else:
+            wrote = self.writer.maybe_write(snapshot, now)
+        if wrote:
+            self.last_write = now
+            self.dirty = False
+
+    def snapshot(self, watcher: "Watcher", now: float, state: str | None = None) -> StatusSnapshot:
+        jobs = watcher.jobs.values()
+        running = sorted((j for j in jobs if j.state is JobState.RUNNING), key=lambda j: j.order)
+        pending = sorted((j for j in jobs if j.state is JobState.PENDING), key=lambda j: j.sort_key())
+        counts = dict(self.counts)
+        counts.update(
+            inbox=self.inbox_count,
+            awaiting_approval=len(self.awaiting_entries),
+            pending=len(pending),
+            running=len(running),
+        )
+        listed = (
+            [_entry(j, self.root) for j in running]
+            + self.awaiting_entries[:MAX_LISTED]
+            + [_entry(j, self.root) for j in pending[:MAX_LISTED]]
+            + list(reversed(self.recent.values()))
+        )
+        machine = watcher.probe.sample([self.root.path])
+        holdings = [watcher._holding(j) for j in running]
+        return StatusSnapshot(
+            watcher={
+                "pid": os.getpid(), "host": socket.gethostname(), "version": __version__,
+                "state": state or ("stopping" if watcher.stopping else "paused" if watcher.paused else "running"),
+                "started_at": iso_utc(self.started_at), "heartbeat_at": iso_utc(now),
+            },
+            counts=counts,
+            jobs=tuple(listed),
+            resources=resources_dict(machine, holdings),
+        )
+
+
+def _entry(job: "Job", root: QueueRoot) -> dict:
+    """One status.json job entry, from what the daemon knows."""
+    run = job.run
+    attempt = job.current_attempt() or {}
+    readers = job.readers
+    progress = None
+    if readers is not None:
+        progress = readers.metrics.progress or readers.log.progress
+    entry = {
+        "id": job.id,
+        "state": job.state.value,
+        "status": run.get("status"),
+        "name": run.get("name") or job.id,
+        "priority": job.priority,
+        "attempt": job.attempt,
+        "pid": attempt.get("pid") if job.state is JobState.RUNNING else None,
+        "submitted_at": run.get("submitted_at"),
+        "started_at": run.get("started_at"),
+        "finished_at": run.get("finished_at"),
+        "waiting_for": run.get("waiting_for") if job.state is JobState.PENDING else None,
+        "health": job.health if job.state is JobState.RUNNING else None,
+        "progress": progress,
+        "dir": f"{job.state.value}/{job.id}",
+        "error": run.get("error"),
+        "diagnosis": run.get("diagnosis"),
+        "gpus": list(run.get("gpus") or []),
+    }
+    if job.usage is not None and job.state is JobState.RUNNING:
+        entry["usage"] = job.usage
+    if job.state in (JobState.DONE, JobState.FAILED):
+        entry["outputs"] = _outputs(job)
+    return entry
+
+
+def _outputs(job: "Job") -> dict | None:
+    """Paths of a finished train job's artifacts that exist (adapter, summary, loss.png)."""
+    paths = job.paths
+    found = {}
+    for key, path in (("adapter", paths.dir / "adapter"), ("model", paths.dir / "model"),
+                      ("summary", paths.summary), ("loss_png", paths.loss_png)):
+        if path.exists():
+            found[key] = str(path)
+    return found or None
