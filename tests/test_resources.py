@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+import psutil
 import pytest
 
 from watcher.contract import ENV_SIMULATE_GPUS
@@ -78,7 +79,8 @@ def test_sample_reads_ram_and_disks_by_path(tmp_path: Path) -> None:
     assert 0 < state.ram_available_gb <= state.ram_total_gb
     total, free = state.disks[str(tmp_path)]
     assert 0 < free <= total
-    assert state.disks[str(not_yet)] == state.disks[str(tmp_path)], "a missing cwd is measured on its parent"
+    assert state.disks[str(not_yet)][0] == total, "a missing cwd is measured on its parent"
+    assert state.disks[str(not_yet)][1] == pytest.approx(free, abs=1.0)  # others write meanwhile
     assert state.disk_devices[str(not_yet)] == os.stat(tmp_path).st_dev
 
 
@@ -176,14 +178,37 @@ def test_tree_usage_covers_children_and_measures_cpu(tmp_path: Path, spawn: Call
         "try:\n    time.sleep(60)\nfinally:\n    child.kill()\n    child.wait()\n"
     )
     parent = spawn(sys.executable, "-c", script)
-    probe = ResourceProbe(env={})
+    probe = ResourceProbe(env={}, tree_rescan_s=0.0)
     first = wait_until(lambda: (u := probe.tree_usage([parent.pid]))["rss_mb"] > 60 and u)
     assert first["gpu_memory_mb"] == 0
     # only the child burns CPU, so a busy reading proves descendants are counted
-    wait_until(lambda: probe.tree_usage([parent.pid])["cpu_pct"] > 30, timeout_s=10)
+    wait_until(lambda: probe.tree_usage([parent.pid])["cpu_pct"] > 5, timeout_s=20)
     parent.terminate()
     parent.wait(timeout=10)
     wait_until(lambda: probe.tree_usage([parent.pid])["rss_mb"] == 0)
+
+
+def test_new_children_are_found_at_the_next_rescan(tmp_path: Path, spawn: Callable) -> None:
+    go, ready = tmp_path / "go", tmp_path / "ready"
+    script = (
+        "import os, subprocess, sys, time\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        "subprocess.run(['sleep', '60'])\n"
+    )
+    parent = spawn(sys.executable, "-c", script)
+    now = [0.0]
+    probe = ResourceProbe(env={}, tree_rescan_s=5.0, clock=lambda: now[0])
+    wait_until(ready.exists)
+    alone = probe.tree_usage([parent.pid])["rss_mb"]
+    go.touch()
+    child = psutil.Process(wait_until(lambda: psutil.Process(parent.pid).children())[0].pid)
+    assert probe.tree_usage([parent.pid])["rss_mb"] < alone + 0.5, "no rescan before tree_rescan_s"
+    now[0] = 5.0
+    child_mb = child.memory_info().rss / 2**20
+    assert probe.tree_usage([parent.pid])["rss_mb"] > alone + child_mb - 0.5
+    child.kill()
+    parent.wait(timeout=10)
 
 
 def test_tree_usage_sums_gpu_memory_of_the_tree(tmp_path: Path, spawn: Callable) -> None:

@@ -39,8 +39,10 @@ GB = 1024**3
 MB = 1024**2
 #: seconds a real NVML, disk or battery reading is reused (the watcher samples about once a second)
 DEFAULT_CACHE_S = 1.0
-#: seconds a cached psutil.Process of a job's tree is kept after its last use
-_PROCESS_TTL_S = 60.0
+#: seconds between scans of the process table for jobs' descendants (a scan reads every /proc/PID/stat)
+DEFAULT_TREE_RESCAN_S = 5.0
+#: seconds a cached psutil.Process (or a disk reading) is kept after its last use
+_FORGET_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -332,6 +334,7 @@ class ResourceProbe:
         env: Mapping[str, str] = os.environ,
         *,
         cache_s: float = DEFAULT_CACHE_S,
+        tree_rescan_s: float = DEFAULT_TREE_RESCAN_S,
         clock: Callable[[], float] = time.monotonic,
     ):
         sim = simulate_gpus or env.get(ENV_SIMULATE_GPUS) or None
@@ -344,7 +347,9 @@ class ResourceProbe:
         self._gpu_cache: tuple[float, tuple[GpuInfo, ...], str | None] | None = None
         self._battery_cache: tuple[float, dict | None] | None = None
         self._disk_cache: dict[str, tuple[float, float, float, int]] = {}
-        self._procs: dict[int, tuple[psutil.Process, float]] = {}
+        self._procs: dict[int, tuple[psutil.Process, float, float]] = {}  # pid -> (process, used, checked)
+        self._children: tuple[float, dict[int, list[int]]] | None = None
+        self._tree_rescan_s = tree_rescan_s
 
     def sample(self, disk_paths: Iterable[Path] = ()) -> MachineState:
         """RAM, the disks holding ``disk_paths`` (queue root, jobs' cwd), battery and GPUs, now."""
@@ -375,25 +380,27 @@ class ResourceProbe:
         """``{"rss_mb", "cpu_pct", "gpu_memory_mb"}`` of ``pids`` and all their descendants.
 
         psutil.Process objects are kept per pid, so ``cpu_pct`` is measured since the previous
-        call (0.0 the first time a process is seen). GPU memory sums NVML's per-process figures.
+        call (0.0 the first time a process is seen). Descendants come from a process-table scan
+        redone every ``tree_rescan_s`` (a new child may be missed until then: a full scan on this
+        VM costs ~10 ms). GPU memory sums NVML's per-process figures.
         """
-        procs = self._tree(pids)
+        now = self._clock()
+        tree = self._descendants(pids, now)
         rss = cpu = 0.0
-        for proc in procs.values():
-            try:
-                with proc.oneshot():
-                    rss += proc.memory_info().rss
-                    cpu += proc.cpu_percent(None)
-            except psutil.Error:  # exited or became a zombie since it was listed
-                continue
+        for pid in tree:
+            usage = self._usage(pid, now)
+            if usage is not None:
+                rss, cpu = rss + usage[0], cpu + usage[1]
+        self._procs = {pid: entry for pid, entry in self._procs.items() if now - entry[1] < _FORGET_S}
         gpus, _ = self.gpus()
-        gpu_mb = sum((p.used_mb for gpu in gpus for p in gpu.processes if p.pid in procs), 0.0)
+        gpu_mb = sum((p.used_mb for gpu in gpus for p in gpu.processes if p.pid in tree), 0.0)
         return {"rss_mb": round(rss / MB, 1), "cpu_pct": round(cpu, 1), "gpu_memory_mb": round(gpu_mb, 1)}
 
     def close(self) -> None:
         """Release NVML; safe to call more than once."""
         self._nvml.close()
         self._procs.clear()
+        self._children = None
 
     def __enter__(self) -> ResourceProbe:
         return self
@@ -401,51 +408,49 @@ class ResourceProbe:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _tree(self, pids: Iterable[int]) -> dict[int, psutil.Process]:
-        now = self._clock()
-        found: dict[int, psutil.Process] = {}
-        for pid in pids:
-            root = self._process(pid, None, now)
-            if root is None:
-                continue
-            found[pid] = root
-            try:
-                children = root.children(recursive=True)
-            except psutil.Error:
-                children = []
-            for child in children:
-                cached = self._process(child.pid, child, now)
-                if cached is not None:
-                    found[child.pid] = cached
-        self._procs = {pid: entry for pid, entry in self._procs.items() if now - entry[1] < _PROCESS_TTL_S}
+    def _descendants(self, roots: Iterable[int], now: float) -> set[int]:
+        """``roots`` and every descendant, from a parent map rebuilt every ``tree_rescan_s``."""
+        if self._children is None or now - self._children[0] >= self._tree_rescan_s:
+            self._children = (now, _children_map())
+        children = self._children[1]
+        found: set[int] = set()
+        todo = list(roots)
+        while todo:
+            pid = todo.pop()
+            if pid not in found:
+                found.add(pid)
+                todo.extend(children.get(pid, ()))
         return found
 
-    def _process(self, pid: int, fresh: psutil.Process | None, now: float) -> psutil.Process | None:
-        """The cached Process for ``pid`` unless the pid now names another process (reuse)."""
-        cached = self._procs.get(pid)
-        if cached is not None and (cached[0] == fresh if fresh is not None else cached[0].is_running()):
-            proc = cached[0]
-        else:
-            try:
-                proc = fresh or psutil.Process(pid)
-            except psutil.Error:
-                self._procs.pop(pid, None)
-                return None
-        self._procs[pid] = (proc, now)
-        return proc
+    def _usage(self, pid: int, now: float) -> tuple[float, float] | None:
+        """(RSS bytes, CPU %) of one process through a Process kept per pid, so CPU % has an interval."""
+        entry = self._procs.get(pid)
+        try:
+            # checking for pid reuse costs a /proc read, so only every tree_rescan_s
+            if entry is None or (now - entry[2] >= self._tree_rescan_s and not entry[0].is_running()):
+                entry = (psutil.Process(pid), now, now)
+            proc = entry[0]
+            with proc.oneshot():
+                usage = (float(proc.memory_info().rss), proc.cpu_percent(None))
+        except psutil.Error:  # gone, a zombie, or not ours to read
+            self._procs.pop(pid, None)
+            return None
+        self._procs[pid] = (proc, now, entry[2])
+        return usage
 
     def _disks(self, paths: Iterable[Path]) -> tuple[dict[str, tuple[float, float]], dict[str, int]]:
         now = self._clock()
-        cache: dict[str, tuple[float, float, float, int]] = {}
+        found: dict[str, tuple[float, float, float, int]] = {}
         for path in paths:
             key = str(path)
             entry = self._disk_cache.get(key)
             if entry is None or now - entry[0] >= self._cache_s:
                 entry = self._measure_disk(Path(path), now)
             if entry is not None:
-                cache[key] = entry
-        self._disk_cache = cache  # forget paths nobody asks about any more
-        return ({k: (e[1], e[2]) for k, e in cache.items()}, {k: e[3] for k, e in cache.items()})
+                found[key] = entry
+        # callers ask for different path sets each tick; forget only paths nobody asked about for a while
+        self._disk_cache = {k: e for k, e in self._disk_cache.items() if now - e[0] < _FORGET_S} | found
+        return ({k: (e[1], e[2]) for k, e in found.items()}, {k: e[3] for k, e in found.items()})
 
     @staticmethod
     def _measure_disk(path: Path, now: float) -> tuple[float, float, float, int] | None:
@@ -465,6 +470,27 @@ class ResourceProbe:
         if self._battery_cache is None or now - self._battery_cache[0] >= self._cache_s:
             self._battery_cache = (now, _real_battery())
         return self._battery_cache[1]
+
+
+def _children_map() -> dict[int, list[int]]:
+    """Parent pid -> child pids for every process (one /proc/PID/stat read each on Linux)."""
+    children: dict[int, list[int]] = {}
+    if not os.path.isdir("/proc/self"):
+        for proc in psutil.process_iter(["ppid"]):
+            children.setdefault(proc.info["ppid"], []).append(proc.pid)
+        return children
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited while we listed
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+        fields = stat[stat.rfind(b")") + 2:].split(b" ", 2)
+        children.setdefault(int(fields[1]), []).append(int(name))
+    return children
 
 
 def _real_battery() -> dict | None:
