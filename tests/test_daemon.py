@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from conftest import FAKE, PY, REPO, drop, tick_until
+from watcher.contract import JobPaths
 from watcher.errors import QueueLocked
 
 SCHEMAS = REPO / "schemas"
@@ -134,7 +135,7 @@ def test_root_stop_flag_stops_the_watcher_not_the_jobs(queue_dir, watcher, write
     (queue_dir / "stop.flag").touch()
     w.tick(time.time())
     assert w.stopping and not (queue_dir / "stop.flag").exists()
-    assert w.supervisor.is_alive(__import__("watcher.contract").contract.JobPaths(queue_dir / "running" / "long"))
+    assert w.executor.is_alive(JobPaths(queue_dir / "running" / "long"), {})
     (queue_dir / "running" / "long" / "stop.flag").touch()
     tick_until(w, lambda: (queue_dir / "failed" / "long").exists(), 20)
 

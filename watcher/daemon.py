@@ -35,7 +35,8 @@ from .recovery import recover
 from .report import Report
 from .admission import Holding, Limits, Request, plan
 from .resources import ResourceProbe
-from .supervisor import LaunchSpec, Supervisor, install_watcher_signal_handlers
+from .executor import ExecutorUnavailable, make_executor
+from .supervisor import LaunchSpec, install_watcher_signal_handlers
 from .units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Watcher:
         self.polling = polling
         self.env = dict(os.environ if env is None else env)
         self.folders = Folders(self.root)
-        self.supervisor = Supervisor()
+        self.executor = make_executor(config, self.root.path)
         self.probe = ResourceProbe(simulate_gpus=config.simulate_gpus, env=self.env)
         self.jobs: dict[str, Job] = {}
         self.report = Report(self.root, config, started_at=time.time())
@@ -94,6 +95,7 @@ class Watcher:
             self._observer = None
         self.report.write(self, time.time(), force=True, state="stopped")
         self.probe.close()
+        self.executor.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -149,7 +151,7 @@ class Watcher:
     # -- the loop --------------------------------------------------------------------------
     def tick(self, now: float) -> None:
         """One pass over the queue."""
-        self.supervisor.reap()
+        self.executor.reap()
         self.check_layout()
         self.honor_root_flags()
         self.reap_finished(now)
@@ -197,11 +199,12 @@ class Watcher:
         """Finish every running job whose attempt ended (exit record, or a supervisor that vanished)."""
         forced = now - self._last_running_poll >= RUNNING_POLL_S
         for job in self._jobs_in(JobState.RUNNING):
-            record = self.supervisor.read_exit(job.paths)
+            attempt = job.current_attempt() or {}
+            record = self.executor.read_exit(job.paths, attempt)
             if record is not None and record.get("attempt") == job.attempt:
                 self._finish(job, judge_exit(job.run, record, job.paths), record, now)
-            elif forced and not self.supervisor.is_alive(job.paths):
-                record = self.supervisor.read_exit(job.paths)  # it may have landed just now
+            elif forced and not self.executor.is_alive(job.paths, attempt):
+                record = self.executor.read_exit(job.paths, attempt)  # it may have landed just now
                 if record is not None and record.get("attempt") == job.attempt:
                     self._finish(job, judge_exit(job.run, record, job.paths), record, now)
                 else:
@@ -210,10 +213,10 @@ class Watcher:
             self._last_running_poll = now
 
     def _finish_lost(self, job: Job, now: float) -> None:
-        killed = self.supervisor.kill_leftovers(job.paths)
+        killed = self.executor.kill_leftovers(job.paths, job.current_attempt() or {})
         if killed:
             logger.warning("job %s: killed %d leftover process(es) of a dead supervisor", job.id, killed)
-        self._finish(job, supervisor_lost(self.supervisor.read_started(job.paths)), {}, now)
+        self._finish(job, supervisor_lost(self.executor.read_started(job.paths)), {}, now)
 
     def _finish(self, job: Job, outcome, record: dict, now: float) -> None:
         attempt = job.current_attempt()
@@ -409,6 +412,10 @@ class Watcher:
             min_free_disk_gb=self.config.min_free_disk_gb,
             paused=self.paused,
         )
+        unavailable = self.executor.unavailable(now)
+        if unavailable:
+            self._all_wait(pending, unavailable)
+            return
         decisions = plan(requests, [self._holding(j) for j in running], machine, limits)
         for decision in decisions:
             job = self.jobs.get(decision.job_id)
@@ -420,6 +427,12 @@ class Watcher:
                 self._launch(job, decision, now)
             elif job.run.get("waiting_for") != decision.waiting_for:
                 job.run["waiting_for"] = decision.waiting_for
+                self.report.touch()
+
+    def _all_wait(self, jobs: list[Job], reason: str) -> None:
+        for job in jobs:
+            if job.run.get("waiting_for") != reason:
+                job.run["waiting_for"] = reason
                 self.report.touch()
 
     def _request(self, job: Job) -> Request:
@@ -481,18 +494,35 @@ class Watcher:
         job.run.update(status="running", attempt=attempt, waiting_for=None, not_before=None,
                        gpus=list(decision.gpus), stop_requested_at=None)
         job.run["started_at"] = job.run.get("started_at") or iso_utc(now)
+        record = {"n": attempt, "pid": None, "job_pid": None, "started_at": iso_utc(now),
+                  "resumed_from": resume_from, "gpus": list(decision.gpus)}
         try:
-            pid = self.supervisor.launch(spec)
+            record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.slurm))
+        except ExecutorUnavailable as exc:
+            self._unlaunch(job, str(exc))
+            return
         except SpawnFailed as exc:
-            job.run["attempts"].append({"n": attempt, "pid": None, "started_at": iso_utc(now), "gpus": list(decision.gpus)})
+            job.run["attempts"].append(record)
             self._finish(job, _spawn_outcome(str(exc)), {"spawn_error": str(exc)}, now)
             return
-        job.run["attempts"].append({"n": attempt, "pid": pid, "job_pid": None, "started_at": iso_utc(now),
-                                    "resumed_from": resume_from, "gpus": list(decision.gpus)})
+        job.run["attempts"].append(record)
+        job.run["executor"] = self.executor.name
+        if record.get("slurm_job_id"):
+            job.run["slurm_job_id"] = record["slurm_job_id"]
         job.save(durable=False)
         job.health, job.last_activity, job.activity_sig, job.readers = "healthy", now, (), None
         gpus = ",".join(map(str, decision.gpus)) or "none"
-        logger.info("job %s: pending -> running (attempt %d, pid %d, gpus %s)", job.id, attempt, pid, gpus)
+        where = f"slurm job {record['slurm_job_id']}" if record.get("slurm_job_id") else f"pid {record.get('pid')}"
+        logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
+        self.report.touch()
+
+    def _unlaunch(self, job: Job, reason: str) -> None:
+        """The executor could not take the attempt (Slurm down): back to pending, nothing lost."""
+        job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[])
+        job.save(durable=False)
+        job.dir = self.folders.requeue(job.id, JobState.RUNNING)
+        job.state = JobState.PENDING
+        logger.warning("job %s: running -> pending, executor unavailable: %s", job.id, reason)
         self.report.touch()
 
     def _job_env(self, job: Job, values: dict, decision, resume_from: str | None) -> dict[str, str]:
@@ -522,8 +552,19 @@ class Watcher:
                 logger.info("job %s: stop requested (stop.flag); grace %gs", job.id,
                             job.spec.stop_grace_s if job.spec else 0)
                 self.report.touch()
+            if job.run.get("status") == "stopping":
+                requested = _parse_time(job.run.get("stop_requested_at")) or now
+                grace = job.spec.stop_grace_s if job.spec else 0.0
+                self.executor.enforce_stop(job.paths, job.current_attempt() or {}, requested, grace, now)
+            self._note_executor_wait(job)
             self._check_stall(job, now)
         self.report.update_progress(self, now)
+
+    def _note_executor_wait(self, job: Job) -> None:
+        reason = self.executor.waiting_for(job.paths, job.current_attempt() or {})
+        if job.run.get("waiting_for") != reason:
+            job.run["waiting_for"] = reason
+            self.report.touch()
 
     def _check_stall(self, job: Job, now: float) -> None:
         stall_after = job.spec.stall_after_s if job.spec else None

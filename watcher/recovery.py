@@ -73,13 +73,14 @@ def _recover_running(watcher: "Watcher", job_id: str, now: float) -> None:
     if job is None:
         job = Job(job_id, JobState.RUNNING, path, new_run(None, time.time_ns(), now, name=job_id))
         job.run["id"] = job_id
-    sup = watcher.supervisor
-    started = sup.read_started(job.paths)
+    executor = watcher.executor
+    started = executor.read_started(job.paths)
     watcher.jobs[job_id] = job
-    if sup.is_alive(job.paths):
+    attempt = job.current_attempt() or {}
+    if executor.is_alive(job.paths, attempt):
         _adopt(job, started, now)
         return
-    record = sup.read_exit(job.paths)
+    record = executor.read_exit(job.paths, attempt)
     if started is None and record is None:
         _never_started(watcher, job)
         return

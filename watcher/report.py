@@ -127,7 +127,7 @@ class Report:
                 self.dirty = True
             if now - readers.usage_at >= USAGE_EVERY_S:
                 readers.usage_at = now
-                pids = watcher.supervisor.process_tree(job.paths)
+                pids = watcher.executor.process_tree(job.paths)
                 job.pids = tuple(pids)
                 usage = watcher.probe.tree_usage(pids) if pids else None
                 if usage != job.usage:

@@ -1,0 +1,112 @@
+"""Where attempts run: an executor launches a supervised attempt and answers questions about it.
+
+The daemon's admission, stop, retry and status code is the same for every executor. ``local``
+forks a supervisor on this machine; ``slurm`` (watcher/slurm.py) hands the same supervisor to
+``sbatch``. Either way the supervisor's lock, start record and exit record in the job folder
+are the truth about an attempt.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from .contract import JobPaths
+from .errors import WatcherError
+from .supervisor import LaunchSpec, Supervisor
+
+if TYPE_CHECKING:
+    from .config import WatcherConfig
+
+
+class ExecutorUnavailable(WatcherError):
+    """Raised when the executor cannot take jobs right now (Slurm down); the job waits, nothing is lost."""
+
+
+class Executor(Protocol):
+    """What the daemon needs from a place that runs attempts."""
+
+    name: str
+
+    def unavailable(self, now: float) -> str | None:
+        """Why no attempt can be launched now (in words), or None when ready."""
+
+    def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None) -> dict:
+        """Start an attempt; return fields for its attempt record (``pid`` or ``slurm_job_id``)."""
+
+    def reap(self) -> None:
+        """Collect finished children; never blocks."""
+
+    def is_alive(self, paths: JobPaths, attempt: dict) -> bool:
+        """True while the attempt (or its queued batch job) lives."""
+
+    def read_started(self, paths: JobPaths) -> dict | None:
+        """The supervisor's start record."""
+
+    def read_exit(self, paths: JobPaths, attempt: dict) -> dict | None:
+        """The exit record, or one synthesised from the executor when no supervisor could write it."""
+
+    def kill_leftovers(self, paths: JobPaths, attempt: dict) -> int:
+        """Kill what is left of an attempt whose supervisor died."""
+
+    def process_tree(self, paths: JobPaths) -> list[int]:
+        """Pids of the attempt's processes on this machine (empty when elsewhere)."""
+
+    def waiting_for(self, paths: JobPaths, attempt: dict) -> str | None:
+        """Why a launched attempt has not started yet (Slurm's pending reason), or None."""
+
+    def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
+        """Escalate a stop the supervisor cannot carry out itself (scancel after the grace)."""
+
+    def close(self) -> None:
+        """Release what the executor holds."""
+
+
+class LocalExecutor:
+    """Attempts run under a supervisor forked from this watcher, on this machine."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self.supervisor = Supervisor()
+
+    def unavailable(self, now: float) -> str | None:
+        return None
+
+    def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None) -> dict:
+        return {"pid": self.supervisor.launch(spec)}
+
+    def reap(self) -> None:
+        self.supervisor.reap()
+
+    def is_alive(self, paths: JobPaths, attempt: dict) -> bool:
+        return self.supervisor.is_alive(paths)
+
+    def read_started(self, paths: JobPaths) -> dict | None:
+        return self.supervisor.read_started(paths)
+
+    def read_exit(self, paths: JobPaths, attempt: dict) -> dict | None:
+        return self.supervisor.read_exit(paths)
+
+    def kill_leftovers(self, paths: JobPaths, attempt: dict) -> int:
+        return self.supervisor.kill_leftovers(paths)
+
+    def process_tree(self, paths: JobPaths) -> list[int]:
+        return self.supervisor.process_tree(paths)
+
+    def waiting_for(self, paths: JobPaths, attempt: dict) -> str | None:
+        return None
+
+    def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
+        return None  # the supervisor escalates by itself
+
+    def close(self) -> None:
+        return None
+
+
+def make_executor(config: "WatcherConfig", root: Path) -> Executor:
+    """The executor watcher.yaml asks for."""
+    if config.executor == "slurm":
+        from .slurm import SlurmExecutor
+
+        return SlurmExecutor(config, root)
+    return LocalExecutor()
