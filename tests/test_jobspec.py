@@ -281,6 +281,12 @@ def test_values_json_cannot_hold_are_refused() -> None:
     ]
 
 
+@pytest.mark.parametrize("depth", [40, 600, 5000])
+def test_absurd_nesting_is_a_problem_not_a_crash(depth: int) -> None:
+    message = only_message(problems_of("approved: true\n" + CMD + "env: {a: " + "[" * depth + "]" * depth + "}\n"))
+    assert "nested" in message or "nesting" in message
+
+
 def test_resume_args_are_for_command_jobs_only() -> None:
     problems = problems_of("approved: true\ntrain: {model: /m, data: /d, max_steps: 1}\nresume_args: [--resume]\n")
     assert problems[0].path == "resume_args" and "only applies to command jobs" in problems[0].message

@@ -17,6 +17,7 @@ import shlex
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import jsonschema
 import referencing
@@ -43,12 +44,16 @@ DEFAULT_STOP_GRACE_S = 120.0
 #: seconds a failed job waits before its retry
 DEFAULT_BACKOFF_S = 30.0
 JOB_SCHEMA = "job.schema.json"
+#: deepest nesting of lists/mappings accepted (real job files use 3 or 4; deeper would exhaust recursion)
+MAX_NESTING = 32
 
 _PLACEHOLDER = re.compile(r"\{(job_dir|job_id|attempt|resume_from)\}")
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-_FOREIGN_NAMES = {"bytes": "binary data (!!binary)", "datetime": "a timestamp", "date": "a date", "set": "a set"}
-_TOP_LEVEL_NAMES = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+_FOREIGN_NAMES = MappingProxyType(
+    {"bytes": "binary data (!!binary)", "datetime": "a timestamp", "date": "a date", "set": "a set"})
+_TOP_LEVEL_NAMES = MappingProxyType(
+    {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"})
 
 
 def expand_placeholders(template: str, values: dict[str, str]) -> str:
@@ -245,10 +250,11 @@ def _duration_or_none(data: dict, key: str) -> float | None:
 
 # -- JSON Schema: one validator per schema per process, and messages written for people --
 
-_TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "a boolean (true/false)",
-               "object": "a mapping", "array": "a list", "null": "null"}
-_PLURALS = {"integer": "integers", "number": "numbers", "string": "strings", "boolean": "booleans",
-            "object": "mappings", "array": "lists", "null": "nulls"}
+_TYPE_NAMES = MappingProxyType({"integer": "an integer", "number": "a number", "string": "a string",
+                                "boolean": "a boolean (true/false)", "object": "a mapping", "array": "a list",
+                                "null": "null"})
+_PLURALS = MappingProxyType({"integer": "integers", "number": "numbers", "string": "strings", "boolean": "booleans",
+                             "object": "mappings", "array": "lists", "null": "nulls"})
 _BOUNDS = (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
 _DURATION_HINT = "a duration like 90, 90s, 10m, 1.5h"
 #: keys people put at the top level that live elsewhere (difflib cannot find them: they are spelled right)
@@ -528,24 +534,35 @@ def _semantic_problems(data: dict) -> list[Problem]:
     return problems
 
 
-def foreign_value_problems(data: object, parts: str = "") -> list[Problem]:
-    """Keys that are not strings and values JSON cannot hold (``!!binary``, ``!!timestamp``, ``.nan``)."""
-    if isinstance(data, dict):
-        problems = []
-        for key, value in data.items():
-            if not isinstance(key, str):
-                problems.append(Problem(parts, f"key {shown(key)} must be a string (put it in quotes)"))
-                continue
-            problems += foreign_value_problems(value, f"{parts}.{key}" if parts else key)
-        return problems
-    if isinstance(data, list):
-        return [p for i, item in enumerate(data) for p in foreign_value_problems(item, f"{parts}[{i}]")]
-    if isinstance(data, float) and not math.isfinite(data):
-        return [Problem(parts, f"must be a finite number (got {data})")]
-    if data is None or isinstance(data, (str, int, float)):
+def foreign_value_problems(data: object) -> list[Problem]:
+    """Keys that are not strings, values JSON cannot hold (``!!binary``, ``.nan``), and absurd nesting.
+
+    Iterative on purpose: a recursive walk (or jsonschema after it) would die of RecursionError on ``[[[[...]]]]``.
+    """
+    problems: list[Problem] = []
+    stack: list[tuple[str, int, object]] = [("", 0, data)]
+    while stack:
+        path, depth, value = stack.pop()
+        if depth > MAX_NESTING:
+            problems.append(Problem(path, f"is nested more than {MAX_NESTING} levels deep; job files never need that"))
+        elif isinstance(value, dict):
+            problems += [Problem(path, f"key {shown(k)} must be a string (put it in quotes)") for k in value
+                         if not isinstance(k, str)]
+            stack += [(f"{path}.{k}" if path else k, depth + 1, v) for k, v in value.items() if isinstance(k, str)]
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", depth + 1, item) for i, item in enumerate(value)]
+        else:
+            problems += _scalar_problems(path, value)
+    return problems
+
+
+def _scalar_problems(path: str, value: object) -> list[Problem]:
+    if isinstance(value, float) and not math.isfinite(value):
+        return [Problem(path, f"must be a finite number (got {value})")]
+    if value is None or isinstance(value, (str, int, float)):
         return []
-    what = _FOREIGN_NAMES.get(type(data).__name__, f"a YAML {type(data).__name__}")
-    return [Problem(parts, f"{what} is not allowed here; write it as a string or number")]
+    what = _FOREIGN_NAMES.get(type(value).__name__, f"a YAML {type(value).__name__}")
+    return [Problem(path, f"{what} is not allowed here; write it as a string or number")]
 
 
 # -- reading --
