@@ -9,7 +9,7 @@ import pytest
 
 from watcher.config import WatcherConfig, check_command_allowed, load_watcher_config
 from watcher.errors import InvalidWatcherConfig
-from watcher.jobspec import SCHEMAS_DIR, parse_job_text
+from watcher.jobspec import SCHEMAS_DIR, JobSpec, parse_job_text
 
 
 def write_settings(root: Path, text: str) -> Path:
@@ -138,7 +138,7 @@ def test_from_dict_validates_with_its_display_name() -> None:
 
 # -- allow_commands --
 
-def command_job(command: str) -> object:
+def command_job(command: str) -> JobSpec:
     return parse_job_text(f"approved: true\ncommand: {command}\n", "x")
 
 

@@ -1,7 +1,8 @@
 """Read a job file, check it against schemas/job.schema.json, and return a frozen ``JobSpec``.
 
 No other module parses job files. Every failure is raised as ``InvalidJobSpec`` carrying
-every problem found, each naming the field and what was expected.
+every problem found, each naming the field and what was expected. The file reading and the
+schema-error wording here are shared with watcher.yaml (config.py), which is "validated like a job file".
 """
 from __future__ import annotations
 
