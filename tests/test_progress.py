@@ -80,6 +80,15 @@ def test_malformed_lines_are_skipped(tmp_path: Path) -> None:
     assert tail.progress["step"] == 5 and tail.progress["loss"] == 1.0 and tail.progress["eval_loss"] == 1.2
 
 
+def test_lines_holding_two_objects_or_fragments_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    _append(path, b'{"type": "step", "step": 1}, {"type": "step", "step": 99}\n{"type": "step", "step": [1\n2]}\n'
+            + _line(type="step", step=2, loss=1.0))
+    tail = MetricsTail(path)
+    assert tail.poll() is True
+    assert [r["step"] for r in tail.new_records] == [2]
+
+
 def test_nan_loss_shows_as_null_not_as_the_old_value(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     _append(path, _line(type="step", step=1, loss=2.0) + b'{"type": "step", "step": 2, "loss": NaN}\n')
