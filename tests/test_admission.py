@@ -285,7 +285,8 @@ def test_small_jobs_backfill_outside_the_reservation(machine: Callable) -> None:
 
 def test_reservation_only_for_jobs_blocked_by_gpus_alone(machine: Callable) -> None:
     state = machine()
-    queue = [Request("big-1", order=0, gpus=2, ram_gb=state.ram_available_gb + 0.01), Request("small", order=1, gpus=1)]
+    big = Request("big-1", order=0, gpus=2, ram_gb=state.ram_available_gb + 0.01)
+    queue = [big, Request("small", order=1, gpus=1)]
     decisions = by_id(plan(queue, [Holding("a", gpus=(0,))], state, Limits(max_concurrent=9)))
     assert decisions["small"].start and decisions["small"].gpus == (1,), "big-1 also waits for RAM: no reservation"
 
@@ -314,7 +315,8 @@ def test_gpu_memory_per_gpu(machine: Callable, sleeper: subprocess.Popen) -> Non
 
 
 def test_from_resources_reads_a_job_files_mapping(tmp_path: Path) -> None:
-    req = Request.from_resources("a", 3, 7, {"gpus": 2, "gpu_memory_gb": 5, "ram_gb": 4, "allow_battery": True}, tmp_path)
+    resources = {"gpus": 2, "gpu_memory_gb": 5, "ram_gb": 4, "allow_battery": True}
+    req = Request.from_resources("a", 3, 7, resources, tmp_path)
     assert req == Request("a", 3, 7, 2, 5, 4.0, 0.0, True, tmp_path)
     assert Request.from_resources("b", 0, 0, None) == Request("b")
 
@@ -345,7 +347,8 @@ RESOURCES_SCHEMA = {
                                    "used_mb": {"type": "number"}}}}}}},
         "battery": {"anyOf": [{"type": "null"}, {
             "type": "object", "required": ["percent", "power_plugged"],
-            "properties": {"percent": {"type": ["number", "null"]}, "power_plugged": {"type": ["boolean", "null"]}}}]},
+            "properties": {"percent": {"type": ["number", "null"]},
+                           "power_plugged": {"type": ["boolean", "null"]}}}]},
     },
 }
 

@@ -240,15 +240,16 @@ class _Ledger:
         usable = self.machine.ram_total_gb - self.limits.min_free_ram_gb
         if req.ram_gb <= usable:
             return None
-        keep = f", min_free_ram_gb keeps {self.limits.min_free_ram_gb:g} GB free" if self.limits.min_free_ram_gb else ""
+        keep = _kept("min_free_ram_gb", self.limits.min_free_ram_gb)
         return f"needs {req.ram_gb:g} GB RAM; this machine has {self.machine.ram_total_gb:.1f} GB in all{keep}"
 
     def _never_disk(self, req: Request) -> str | None:
         measured = self.machine.disks.get(str(req.disk_path)) if req.disk_path is not None else None
         if measured is None or req.disk_gb <= measured[0] - self.limits.min_free_disk_gb:
             return None
-        keep = f", min_free_disk_gb keeps {self.limits.min_free_disk_gb:g} GB free" if self.limits.min_free_disk_gb else ""
-        return f"needs {req.disk_gb:g} GB disk on {req.disk_path}; that filesystem holds {measured[0]:.1f} GB in all{keep}"
+        keep = _kept("min_free_disk_gb", self.limits.min_free_disk_gb)
+        return (f"needs {req.disk_gb:g} GB disk on {req.disk_path}; "
+                f"that filesystem holds {measured[0]:.1f} GB in all{keep}")
 
     # -- gates: each returns why the job waits, or None --
 
@@ -306,7 +307,8 @@ class _Ledger:
         view = self.gpus[index]
         need_mb = (req.gpu_memory_gb or 0.0) * 1024
         if view.gpu.memory_total_mb < need_mb:
-            return f"GPU {index} too small ({view.gpu.memory_total_mb / 1024:.1f} GB, job needs {req.gpu_memory_gb:g} GB per GPU)"
+            size = view.gpu.memory_total_mb / 1024
+            return f"GPU {index} too small ({size:.1f} GB, job needs {req.gpu_memory_gb:g} GB per GPU)"
         if index in self.held:
             return f"GPU {index} held by job {self.held[index]}"
         if view.is_foreign_busy:
@@ -351,6 +353,10 @@ class _Ledger:
         logger.debug("job %s: reserves GPUs %s", req.job_id, self.reserved)
 
 
+def _kept(setting: str, gb: float) -> str:
+    return f", {setting} keeps {gb:g} GB free" if gb else ""
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
@@ -375,7 +381,8 @@ def resources_dict(machine: MachineState, holdings: list[Holding]) -> dict:
     return {
         "ram": {"total_gb": round(machine.ram_total_gb, 2), "available_gb": round(machine.ram_available_gb, 2)},
         "disk": {
-            path: {"total_gb": round(total, 2), "free_gb": round(free, 2)} for path, (total, free) in machine.disks.items()
+            path: {"total_gb": round(total, 2), "free_gb": round(free, 2)}
+            for path, (total, free) in machine.disks.items()
         },
         "gpus": [_gpu_dict(view) for view in views.values()],
         "battery": dict(machine.battery) if machine.battery is not None else None,

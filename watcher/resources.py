@@ -211,26 +211,40 @@ def parse_simulated_battery(raw: object) -> dict:
 
 def process_name(pid: int) -> str | None:
     """The process's name, or None when it is gone or not ours to read."""
-    try:
-        return psutil.Process(pid).name()
-    except psutil.Error:
-        return None
+    return _process_state(pid)[1]
 
 
-def _is_alive(pid: int) -> bool:
-    """True while the pid names a live process (a zombie has already exited)."""
+def _process_state(pid: int) -> tuple[bool, str | None]:
+    """(alive, name) from one read of /proc/PID/stat on Linux; a zombie has already exited."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False, None
+    except OSError:  # no /proc (not Linux) or not readable: ask psutil
+        return _psutil_state(pid)
+    # "pid (comm) state ...": comm may hold spaces and parentheses, so cut at the last ")"
+    close = stat.rfind(b")")
+    name = stat[stat.find(b"(") + 1:close].decode("utf-8", "replace")
+    return stat[close + 2:close + 3] != b"Z", name
+
+
+def _psutil_state(pid: int) -> tuple[bool, str | None]:
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            return proc.status() != psutil.STATUS_ZOMBIE, proc.name()
     except psutil.Error:
-        return False
+        return False, None
 
 
 def _live_simulated(gpu: GpuInfo, has_used: bool) -> GpuInfo:
     """The GPU with only the processes that exist now, names filled in from the OS."""
     procs = []
     for proc in gpu.processes:
-        if _is_alive(proc.pid):
-            procs.append(proc if proc.name else replace(proc, name=process_name(proc.pid)))
+        alive, name = _process_state(proc.pid)
+        if alive:
+            procs.append(proc if proc.name else replace(proc, name=name))
     used = gpu.memory_used_mb if has_used else sum((p.used_mb for p in procs), 0.0)
     return replace(gpu, processes=tuple(procs), memory_used_mb=used)
 
@@ -340,11 +354,14 @@ class ResourceProbe:
         sim = simulate_gpus or env.get(ENV_SIMULATE_GPUS) or None
         battery = env.get(ENV_SIMULATE_BATTERY) or None
         self._sim_gpus = _WatchedJson(Path(sim), parse_simulated_gpus, "simulate_gpus") if sim else None
-        self._sim_battery = _WatchedJson(Path(battery), parse_simulated_battery, "battery simulation") if battery else None
+        self._sim_battery = (
+            _WatchedJson(Path(battery), parse_simulated_battery, "battery simulation") if battery else None
+        )
         self._nvml = _Nvml()
         self._cache_s = cache_s
         self._clock = clock
         self._gpu_cache: tuple[float, tuple[GpuInfo, ...], str | None] | None = None
+        self._last_gpus: tuple[GpuInfo, ...] | None = None  # what tree_usage attributes GPU memory from
         self._battery_cache: tuple[float, dict | None] | None = None
         self._disk_cache: dict[str, tuple[float, float, float, int]] = {}
         self._procs: dict[int, tuple[psutil.Process, float, float]] = {}  # pid -> (process, used, checked)
@@ -370,19 +387,23 @@ class ResourceProbe:
         """The GPUs and, when they could not be read, why (the simulation file is checked every call)."""
         if self._sim_gpus is not None:
             parsed, error = self._sim_gpus.get()
-            return tuple(_live_simulated(gpu, has_used) for gpu, has_used in parsed or ()), error
-        now = self._clock()
-        if self._gpu_cache is None or now - self._gpu_cache[0] >= self._cache_s:
-            self._gpu_cache = (now, *self._nvml.read())
-        return self._gpu_cache[1], self._gpu_cache[2]
+            gpus = tuple(_live_simulated(gpu, has_used) for gpu, has_used in parsed or ())
+        else:
+            now = self._clock()
+            if self._gpu_cache is None or now - self._gpu_cache[0] >= self._cache_s:
+                self._gpu_cache = (now, *self._nvml.read())
+            gpus, error = self._gpu_cache[1], self._gpu_cache[2]
+        self._last_gpus = gpus
+        return gpus, error
 
     def tree_usage(self, pids: Iterable[int]) -> dict:
         """``{"rss_mb", "cpu_pct", "gpu_memory_mb"}`` of ``pids`` and all their descendants.
 
         psutil.Process objects are kept per pid, so ``cpu_pct`` is measured since the previous
-        call (0.0 the first time a process is seen). Descendants come from a process-table scan
+        call (0.0 the first time a process is seen). GPU memory comes from the latest GPU reading
+        (``sample`` first for a fresh one). Descendants come from a process-table scan
         redone every ``tree_rescan_s`` (a new child may be missed until then: a full scan on this
-        VM costs ~10 ms). GPU memory sums NVML's per-process figures.
+        VM costs ~10 ms).
         """
         now = self._clock()
         tree = self._descendants(pids, now)
@@ -392,7 +413,7 @@ class ResourceProbe:
             if usage is not None:
                 rss, cpu = rss + usage[0], cpu + usage[1]
         self._procs = {pid: entry for pid, entry in self._procs.items() if now - entry[1] < _FORGET_S}
-        gpus, _ = self.gpus()
+        gpus = self._last_gpus if self._last_gpus is not None else self.gpus()[0]
         gpu_mb = sum((p.used_mb for gpu in gpus for p in gpu.processes if p.pid in tree), 0.0)
         return {"rss_mb": round(rss / MB, 1), "cpu_pct": round(cpu, 1), "gpu_memory_mb": round(gpu_mb, 1)}
 
