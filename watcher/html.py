@@ -11,7 +11,6 @@ from operator import itemgetter
 from typing import Iterable
 
 from watcher.contract import RECORD_EVAL
-from watcher.units import parse_iso
 
 #: most points kept per curve however long the run
 MAX_CURVE_POINTS = 300
@@ -227,6 +226,8 @@ def _header(snapshot: dict) -> str:
         f'data-stale-s="{STALE_HEARTBEAT_S}">{_e(str(heartbeat or "").replace("T", " ")[:19])}</time></div></header>'
         '<div id="stale" class="banner" hidden>watcher not responding: no heartbeat for '
         '<span id="age"></span>. Is <code>trainq watch</code> running?</div>'
+        f'<noscript><div class="banner">JavaScript is off: if the heartbeat above is more than '
+        f'{STALE_HEARTBEAT_S} s old, the watcher is not responding.</div></noscript>'
     )
 
 

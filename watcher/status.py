@@ -196,7 +196,9 @@ class StatusWriter:
     def _write(self, snapshot: StatusSnapshot, now: float) -> None:
         bounded = self._bounded(snapshot)
         data = bounded.to_dict()
-        atomic_write(self.status_path, dumps_status(data))
+        text = dumps_status(data)
+        atomic_write(self.status_path, text)
+        logger.debug("%s: written (%d jobs, %d bytes)", self.status_path, len(bounded.jobs), len(text))
         self._written_at = now
         self._written_content = _plain_copy(_content(snapshot))
         self._written_dict = data
