@@ -68,10 +68,10 @@ class StatusSnapshot:
         )
 
 
-def job_entry(id: str, state: str, dir: str, **fields: object) -> dict:
+def job_entry(job_id: str, state: str, rel_dir: str, **fields: object) -> dict:
     """A status.json job entry with every required key (None where not given; status defaults to state)."""
     entry: dict = dict.fromkeys(JOB_KEYS)
-    entry.update(id=id, state=state, status=state, dir=dir, priority=0, attempt=0)
+    entry.update(id=job_id, state=state, status=state, dir=rel_dir, priority=0, attempt=0)
     entry.update(fields)
     return entry
 
