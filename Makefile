@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	touch $@
 
 demo: setup
-	$(PY) -m trainer.demo
+	$(VENV)/bin/trainq demo
 
 test: setup
 	bash .ci/system-deps

@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="log only to watcher.log")
     p.set_defaults(func=cmd_watch)
 
+    p = sub.add_parser("demo", help="build a tiny model, run the example LoRA job through the queue, show the results")
+    p.set_defaults(func=cmd_demo)
+
     p = sub.add_parser("validate", help="check job files; print every problem (exit 2 if any)")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.set_defaults(func=cmd_validate)
@@ -166,6 +169,12 @@ def _setup_logging(log_file: Path, verbose: bool, quiet: bool) -> None:
     for handler in handlers:
         handler.setFormatter(fmt)
         root_logger.addHandler(handler)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(_root(args))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

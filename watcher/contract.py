@@ -46,6 +46,9 @@ RECORD_EVENT = "event"
 RECORD_DONE = "done"
 RECORD_TYPES = (RECORD_STEP, RECORD_EVAL, RECORD_CHECKPOINT, RECORD_EVENT, RECORD_DONE)
 
+#: how the one-line separator written to output.log before each attempt begins
+ATTEMPT_BANNER_PREFIX = "===== trainq: "
+
 #: prefix of the checkpoint folders the trainer writes (``step-000400``)
 CHECKPOINT_PREFIX = "step-"
 CKPT_LATEST = "ckpt_latest"

@@ -17,6 +17,7 @@ from pathlib import Path
 from . import __version__
 from .config import WatcherConfig, check_command_allowed
 from .contract import (
+    ATTEMPT_BANNER_PREFIX,
     ENV_ATTEMPT,
     ENV_JOB_DIR,
     ENV_JOB_ID,
@@ -221,6 +222,9 @@ class Watcher:
     def _finish(self, job: Job, outcome, record: dict, now: float) -> None:
         attempt = job.current_attempt()
         if attempt is not None:
+            started = self.executor.read_started(job.paths) or {}
+            if started.get("attempt") == job.attempt:
+                attempt["job_pid"] = started.get("job_pid")
             attempt.update(
                 ended_at=record.get("ended_at") or iso_utc(now),
                 exit_code=record.get("exit_code"),
@@ -597,7 +601,7 @@ class Watcher:
 
 def _banner(job_id: str, attempt: int, now: float, resume_from: str | None) -> str:
     resume = f", resuming from {resume_from}" if resume_from else ""
-    return f"===== trainq: job {job_id}, attempt {attempt}, started {iso_utc(now)}{resume} ====="
+    return f"{ATTEMPT_BANNER_PREFIX}job {job_id}, attempt {attempt}, started {iso_utc(now)}{resume} ====="
 
 
 def _spawn_outcome(message: str):

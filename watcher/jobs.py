@@ -9,12 +9,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .contract import JobPaths
-from .diagnosis import Diagnosis, diagnose, read_tail, stalled_diagnosis
+from .contract import ATTEMPT_BANNER_PREFIX, JobPaths
+from .diagnosis import SIGKILL, Diagnosis, diagnose, read_kernel_log, read_metrics_tail, read_tail, stalled_diagnosis
 from .folders import JobState
 from .fsutil import atomic_write_json, read_json
 from .jobspec import JobSpec
-from .units import iso_utc
+from .units import iso_utc, parse_iso
 
 RUN_SCHEMA_VERSION = 1
 #: statuses after which a job never runs again unless retried
@@ -113,16 +113,37 @@ class Outcome:
 def judge_exit(run: dict, exit_record: dict, paths: JobPaths) -> Outcome:
     """Turn an exit record plus what the watcher knew (stop requested, stall) into a status and diagnosis."""
     reason = exit_record.get("stop_reason")
-    if reason == "timeout":
-        return Outcome("timeout", diagnose(exit_record, read_tail(paths.log), metrics_tail(paths)))
-    if run.get("stop_requested_by") == "stalled":
+    if run.get("stop_requested_by") == "stalled" and reason != "timeout":
         return Outcome("failed", stalled_diagnosis(float(run.get("stall_after_s") or 0)))
-    if reason == "stop_flag" or run.get("status") == "stopping":
+    if reason != "timeout" and (reason == "stop_flag" or run.get("status") == "stopping"):
         return Outcome("cancelled", None)
-    if exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
+    if reason is None and exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
         return Outcome("done", None)
-    diagnosis = diagnose(exit_record, read_tail(paths.log), metrics_tail(paths), kernel_log=None)
-    return Outcome("failed", diagnosis)
+    diagnosis = diagnose(exit_record, attempt_log_tail(paths), attempt_metrics(paths, run),
+                         kernel_log=read_kernel_log() if _was_sigkilled(exit_record) else None)
+    return Outcome("timeout" if reason == "timeout" else "failed", diagnosis)
+
+
+def _was_sigkilled(exit_record: dict) -> bool:
+    return exit_record.get("signal") == SIGKILL or exit_record.get("exit_code") == 128 + SIGKILL
+
+
+def attempt_log_tail(paths: JobPaths) -> str:
+    """The end of output.log from the current attempt's banner on (earlier attempts are not evidence)."""
+    tail = read_tail(paths.log)
+    cut = tail.rfind(ATTEMPT_BANNER_PREFIX)
+    if cut < 0:
+        return tail
+    return tail[cut:].partition("\n")[2]
+
+
+def attempt_metrics(paths: JobPaths, run: dict) -> list[dict]:
+    """metrics.jsonl records written since the current attempt started."""
+    started = parse_iso(((run.get("attempts") or [{}])[-1] or {}).get("started_at"))
+    records = read_metrics_tail(paths.metrics)
+    if started is None:
+        return records
+    return [r for r in records if not isinstance(r.get("time"), (int, float)) or r["time"] >= started - 1]
 
 
 def supervisor_lost(started: dict | None) -> Outcome:
@@ -140,35 +161,12 @@ def supervisor_lost(started: dict | None) -> Outcome:
     )
 
 
-def metrics_tail(paths: JobPaths, max_bytes: int = 16384) -> list[dict]:
-    """The last records of metrics.jsonl (for diagnosis), newest last."""
-    import json
-
-    try:
-        with open(paths.metrics, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines[-50:]:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-    return records
-
-
 def latest_checkpoint(paths: JobPaths) -> str | None:
     """Where a resumed attempt starts: ``checkpoints/ckpt_latest``, else the newest ``checkpoint`` record."""
     latest = paths.ckpt_latest
     if latest.exists():
         return str(latest.resolve())
-    for record in reversed(metrics_tail(paths, max_bytes=262144)):
+    for record in reversed(read_metrics_tail(paths.metrics, max_bytes=262144)):
         if record.get("type") == "checkpoint" and record.get("path") and os.path.exists(record["path"]):
             return str(record["path"])
     return None

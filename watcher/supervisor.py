@@ -430,6 +430,7 @@ def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None) 
     attempt = _Attempt(spec, JobPaths(Path(spec.job_dir)), log_fd, job.pid, started_at, started_mono)
     _write_started(attempt)
     _watch(attempt, stop_signal)
+    job.returncode = os.waitstatus_to_exitcode(attempt.status)  # we reaped it: Popen must not wait or warn
     return _write_exit(attempt)
 
 
@@ -520,12 +521,13 @@ def _watch(a: _Attempt, stop_signal: _StopSignal) -> None:
         while True:
             poller.poll(POLL_INTERVAL_MS)
             now = time.monotonic()
+            # before reaping: a cooperative job exits right after it sees stop.flag, and that is still a stop
+            _check_stop(a, stop_signal, now)
             if _reap_all(a) and pidfd is not None:
                 # a reaped pidfd stays readable: unregister it or the poll would spin
                 poller.unregister(pidfd)
                 os.close(pidfd)
                 pidfd = None
-            _check_stop(a, stop_signal, now)
             if a.status is None and a.stop_mono is None:
                 continue  # the usual case: the job runs and nobody asked anything
             tree = _descendants(os.getpid())
