@@ -27,7 +27,7 @@ from watcher.supervisor import LaunchSpec, Supervisor
 FAKE = Path(__file__).resolve().parent / "fake_trainers"
 
 
-def _wait(predicate, timeout_s: float = 10.0, what: str = "condition"):
+def _wait(predicate, timeout_s: float = 30.0, what: str = "condition"):
     """Poll until ``predicate`` returns something truthy."""
     deadline = time.monotonic() + timeout_s
     while not (value := predicate()):
@@ -56,14 +56,14 @@ class Runner:
         return paths
 
     def finish(self, paths: JobPaths) -> Diagnosis | None:
-        record = _wait(lambda: self.sup.read_exit(paths), 15, f"the exit record of {paths.dir.name}")
+        record = _wait(lambda: self.sup.read_exit(paths), 30, f"the exit record of {paths.dir.name}")
         return diagnose(record, read_tail(paths.log), read_metrics_tail(paths.metrics))
 
     def run(self, script: str, *args: str, **overrides: object) -> Diagnosis | None:
         return self.finish(self.start(script, *args, **overrides))
 
     def job_pid(self, paths: JobPaths) -> int:
-        _wait(lambda: "ready" in read_tail(paths.log), 10, "the job to print ready")
+        _wait(lambda: "ready" in read_tail(paths.log), 30, "the job to print ready")
         return self.sup.read_started(paths)["job_pid"]
 
     def cleanup(self) -> None:

@@ -26,7 +26,7 @@ FAKE = Path(__file__).resolve().parent / "fake_trainers"
 T = TypeVar("T")
 
 
-def wait_until(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = "condition") -> T:
+def wait_until(predicate: Callable[[], T], timeout_s: float = 30.0, what: str = "condition") -> T:
     """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -91,11 +91,11 @@ class Jobs:
         paths = self.folder(name)
         return paths, self.sup.launch(self.spec(paths, argv, **overrides))
 
-    def wait_exit(self, paths: JobPaths, timeout_s: float = 10.0) -> dict:
+    def wait_exit(self, paths: JobPaths, timeout_s: float = 30.0) -> dict:
         return wait_until(lambda: self.sup.read_exit(paths), timeout_s, f"the exit record of {paths.dir.name}")
 
     def wait_ready(self, paths: JobPaths) -> None:
-        wait_until(lambda: "ready" in log_text(paths), 10.0, f"{paths.dir.name} to print ready")
+        wait_until(lambda: "ready" in log_text(paths), 30.0, f"{paths.dir.name} to print ready")
 
     def cleanup(self) -> None:
         for paths in self.made:
@@ -187,13 +187,18 @@ def test_stop_kills_a_sigterm_ignoring_tree_with_a_double_forked_grandchild(jobs
 
 
 def test_cooperative_job_checkpoints_and_exits_zero_without_signals(jobs: Jobs) -> None:
-    paths, _ = jobs.launch(py("cooperative.py"), stop_grace_s=5.0)
-    jobs.wait_ready(paths)
-    paths.stop_flag.touch()
-    record = jobs.wait_exit(paths)
-    assert record["exit_code"] == 0 and record["stop_reason"] == "stop_flag"
-    assert record["signals_sent"] == []
-    assert (paths.checkpoints / "step-1" / "state.txt").read_text() == "step 1\n"
+    # polling every 1 ms, these jobs see the flag and exit long before the supervisor's next look:
+    # the stop must still be recorded as a stop
+    launched = [jobs.launch(py("cooperative.py", "0.001"), name=f"coop{i}", stop_grace_s=5.0) for i in range(3)]
+    for paths, _ in launched:
+        jobs.wait_ready(paths)
+    for paths, _ in launched:
+        paths.stop_flag.touch()
+    for paths, _ in launched:
+        record = jobs.wait_exit(paths)
+        assert record["exit_code"] == 0 and record["stop_reason"] == "stop_flag"
+        assert record["signals_sent"] == []
+        assert (paths.checkpoints / "step-1" / "state.txt").read_text() == "step 1\n"
 
 
 def test_timeout_creates_the_stop_flag_and_records_timeout(jobs: Jobs) -> None:
@@ -219,12 +224,13 @@ def test_job_keeps_running_when_the_watcher_side_process_is_sigkilled(jobs: Jobs
     spec_file.write_text(json.dumps(jobs.spec(paths, py("sleeps.py")).to_dict()))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     launcher = subprocess.Popen([sys.executable, str(FAKE / "launcher.py"), str(spec_file)], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         supervisor_pid = int(launcher.stdout.readline())
         jobs.wait_ready(paths)
+        assert os.getsid(supervisor_pid) == supervisor_pid, "the supervisor leads its own session"
     finally:
-        launcher.kill()
+        os.killpg(launcher.pid, signal.SIGKILL)  # the watcher and its whole process group (Ctrl-C reaches a group)
         launcher.wait(10)
         launcher.stdout.close()
     job_pid = jobs.sup.read_started(paths)["job_pid"]
@@ -410,17 +416,20 @@ def _drain(fd: int) -> bytes:
 
 
 def test_launch_is_fast(jobs: Jobs) -> None:
-    to_start, to_exit = [], []
+    to_return, to_start, to_exit = [], [], []
     for i in range(30):
         paths = jobs.folder(f"fast{i}")
         spec = jobs.spec(paths, ("true",))
         t0 = time.perf_counter()
         jobs.sup.launch(spec)
+        to_return.append(time.perf_counter() - t0)
         wait_until(lambda: paths.started.exists() or paths.exit_record.exists(), 5, "the start record")
         to_start.append(time.perf_counter() - t0)
         jobs.wait_exit(paths)
         to_exit.append(time.perf_counter() - t0)
         jobs.sup.reap()
-    # the product's goal is <= 15 ms drop-to-start; a loaded CI box gets headroom
-    assert statistics.median(to_start) < 0.05, to_start
-    assert statistics.median(to_exit) < 0.2, to_exit
+    # the product's goal is <= 15 ms drop-to-start (about 5 ms here when idle); exec'ing a fresh Python
+    # for each supervisor would cost 30+ ms; the bound leaves room for a loaded 2-core box
+    assert statistics.median(to_return) < 0.05, to_return
+    assert statistics.median(to_start) < 0.1, to_start
+    assert statistics.median(to_exit) < 0.5, to_exit
