@@ -82,7 +82,7 @@ def verify(folder: Path) -> dict:
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
     if not manifest_path.is_file():
-        if (folder / STATE_FILE).is_file() or (folder / "trainer_state.json").is_file():
+        if step_of(folder) is not None or folder.name.endswith(".tmp") or (folder / STATE_FILE).is_file():
             raise CheckpointError(f"{folder}: incomplete checkpoint (no {MANIFEST}: the save was interrupted); resume from an older step-N or ckpt_latest")
         raise CheckpointError(f"{folder}: not a resumable checkpoint (weights only, no {MANIFEST}); give a checkpoints/step-N folder")
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))

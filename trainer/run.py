@@ -191,13 +191,13 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
 
 
-def handle_oom(exc: BaseException, config: TrainConfig, run: RunState, inv: Invocation) -> None:
-    """The OOM event (with the knobs in effect and the ladder advice) and the final stderr line."""
+def record_oom(exc: BaseException, config: TrainConfig, run: RunState, inv: Invocation) -> str:
+    """The OOM event (with the knobs in effect and the ladder advice); returns the final stderr line."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     advice = ladder.advice(config)
     run.metrics.event(ladder.OOM_EVENT, f"out of memory: {first}", attempt=inv.attempt, advice=advice,
                       **ladder.knobs_of(config))
-    print(f"trainq: out of memory: {first}; {advice}", file=sys.stderr, flush=True)
+    return f"trainq: out of memory: {first}; {advice}"
 
 
 def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState, inv: Invocation, timing: dict) -> int:
@@ -272,8 +272,9 @@ def main_run(job_dir: Path, resume_arg: str | None) -> int:
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if not is_oom(exc):
             raise
-        handle_oom(exc, config, run, inv)
+        line = record_oom(exc, config, run, inv)
         finish("oom", trainer, tokenizer, config, run, inv, timing)
+        print(line, file=sys.stderr, flush=True)  # last, so the watcher's diagnosis finds it as the evidence line
         return EXIT_OOM
     outcome = run.stop_reason or "done"
     code = finish(outcome, trainer, tokenizer, config, run, inv, timing)
