@@ -393,8 +393,8 @@ def _detach(spec: LaunchSpec, lock_fd: int) -> int:
 def _reset_signals() -> None:
     """Default disposition for every signal, empty mask, SIGPIPE ignored (a dead reader must not kill us)."""
     for sig in signal.valid_signals():
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            continue
+        if sig in (signal.SIGKILL, signal.SIGSTOP) or signal.getsignal(sig) is signal.SIG_DFL:
+            continue  # getsignal is cheap; a sigaction for each of 64 signals is not free
         try:
             signal.signal(sig, signal.SIG_DFL)
         except (OSError, ValueError):
