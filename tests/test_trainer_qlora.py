@@ -1,0 +1,117 @@
+"""In-process checks on the real stack: QLoRA on the CPU (4-bit base untouched, correct LoRA gradients) and
+gradient-accumulation invariance of the loss. Uses trainer.run's own segment runner on the tiny model."""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer_util import build_tiny, records, write_job
+from trainer.callbacks import RunState
+from trainer.config import load_config
+from trainer.data import PadCollator, load_data, tokenize
+from trainer.faults import Faults
+from trainer.metrics import MetricsWriter
+from trainer.modeling import load_tokenizer, resolve_precision
+from trainer.run import Invocation, run_segment
+
+bnb = pytest.importorskip("bitsandbytes")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(autouse=True)
+def keep_sigterm_handler():
+    """run_segment's caller installs a SIGTERM handler in real runs; leave pytest's as it was."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def train_in_process(job: Path):
+    """Run one training segment in this process; returns (Trainer, tokenizer)."""
+    config = load_config(job)
+    data = load_data(config.train_file, config.eval_file, config.eval_fraction)
+    tokenizer = load_tokenizer(config.model)
+    datasets = (tokenize(data.train, tokenizer, config.seq_len), tokenize(data.eval, tokenizer, config.seq_len))
+    run = RunState(config=config, ckpt_dir=job / "checkpoints", stop_flag=job / "stop.flag",
+                   metrics=MetricsWriter(job / "metrics.jsonl"), faults=Faults())
+    inv = Invocation(job, job / "metrics.jsonl", job / "stop.flag", 1, None)
+    return run_segment(config, resolve_precision("fp32"), datasets, tokenizer, run, None, inv), tokenizer
+
+
+def frozen_4bit(model) -> dict[str, bytes]:
+    """The packed bytes (and quantization constants) of every 4-bit base weight."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            out[name] = module.weight.data.cpu().numpy().tobytes() + module.weight.quant_state.absmax.cpu().numpy().tobytes()
+    return out
+
+
+def lora_grads(model, batch) -> dict[str, torch.Tensor]:
+    """Gradients of the LoRA parameters on one batch (train mode, no dropout in these jobs)."""
+    model.train()
+    model.zero_grad()
+    model(**batch).loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def swap_in_dequantized(model) -> int:
+    """Replace every 4-bit base layer under a LoRA layer with an fp32 nn.Linear holding its dequantized weight."""
+    swapped = 0
+    for module in list(model.modules()):
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, bnb.nn.Linear4bit):
+            weight = bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state).float()
+            dense = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=base.bias is not None)
+            dense.weight = torch.nn.Parameter(weight, requires_grad=False)
+            module.base_layer = dense
+            swapped += 1
+    return swapped
+
+
+def test_qlora_on_cpu_keeps_4bit_base_bitwise_and_gradients_match_dequantized(tiny, tmp_path):
+    job = write_job(tmp_path / "job", tiny, method="qlora", max_steps=8, eval_every=2, batch_size=4, lr=0.01,
+                    lora={"r": 8, "alpha": 16, "dropout": 0.0}, checkpoint={"every_steps": 3, "keep": 2}, log_every=4)
+    trainer, tokenizer = train_in_process(job)
+    model = trainer.model
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(m.support_avx512bf16_for_cpu is False for m in layers)
+    assert len(records(job, "eval")) == 4 and len(records(job, "checkpoint")) >= 2
+
+    from trainer.modeling import disable_avx512bf16_repack, load_base
+
+    fresh = load_base(trainer.run.config, resolve_precision("fp32"))
+    disable_avx512bf16_repack(fresh)
+    before = frozen_4bit(fresh)
+    after = {name.removeprefix("base_model.model."): v for name, v in frozen_4bit(model).items()}
+    after = {name.removesuffix(".base_layer"): v for name, v in after.items()}
+    assert before.keys() == after.keys() and before == after, "evals and saves must not touch the 4-bit base"
+
+    model.eval()
+    trainer.evaluate()  # the trap fires after an eval pass: take gradients right after one
+    batch = PadCollator(tokenizer.pad_token_id)([trainer.train_dataset[i] for i in range(4)])
+    quantized = lora_grads(model, batch)
+    assert swap_in_dequantized(model) == len(layers)
+    reference = lora_grads(model, batch)
+    worst = max(float((quantized[n] - reference[n]).norm() / reference[n].norm().clamp_min(1e-12)) for n in reference)
+    print(f"QLoRA LoRA-gradient relative error vs dequantized reference: {worst:.2e}")
+    assert worst < 1e-3
+
+
+def test_loss_does_not_depend_on_the_accumulation_split(tiny, tmp_path):
+    losses = {}
+    for batch, accum in ((8, 1), (1, 8)):
+        job = write_job(tmp_path / f"b{batch}", tiny, batch_size=batch, grad_accum=accum, max_steps=3, eval_every=None,
+                        lora={"dropout": 0.0}, checkpoint={"every_steps": 100})
+        train_in_process(job)
+        losses[(batch, accum)] = [r["loss"] for r in records(job, "step")]
+    print(f"step losses batch8xaccum1 {losses[(8, 1)]} vs batch1xaccum8 {losses[(1, 8)]}")
+    for a, b in zip(losses[(8, 1)], losses[(1, 8)]):
+        assert abs(a - b) <= 1e-4 * abs(a)
