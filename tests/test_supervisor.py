@@ -378,13 +378,17 @@ def test_fork_is_safe_while_another_thread_logs(jobs: Jobs, tmp_path: Path) -> N
     thread.start()
     try:
         launched = [jobs.launch(("true",), name=f"t{i}") for i in range(20)]
-        records = [jobs.wait_exit(paths) for paths, _ in launched]
+        from_thread = jobs.folder("from-thread")  # a launch from a non-main thread resets signals too
+        launcher = threading.Thread(target=jobs.sup.launch, args=(jobs.spec(from_thread, ("true",)),))
+        launcher.start()
+        launcher.join()
+        records = [jobs.wait_exit(paths) for paths in [p for p, _ in launched] + [from_thread]]
     finally:
         stop.set()
         thread.join()
         log.removeHandler(handler)
         handler.close()
-    assert [r["exit_code"] for r in records] == [0] * 20
+    assert [r["exit_code"] for r in records] == [0] * 21
 
 
 def test_watcher_signal_handlers_set_a_flag_and_wake_the_pipe(jobs: Jobs) -> None:

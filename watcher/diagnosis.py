@@ -9,7 +9,6 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from watcher.contract import EXIT_DATA, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, RECORD_EVENT
 
@@ -173,7 +172,8 @@ def diagnose(exit: dict, log_tail: str, metrics_tail: list[dict] | None = None,
     lines = [ln.strip() for ln in strip_ansi(log_tail or "").splitlines() if ln.strip()]
     if stop_reason == "timeout":
         return _make("timeout", f"stopped at the timeout ({exit.get('stop_requested_at') or 'time unknown'})")
-    return (_from_trainer(metrics_tail) or _from_spawn_error(exit) or _from_stop_or_code(exit, lines)
+    return (_from_trainer(metrics_tail) or _from_executor(exit) or _from_spawn_error(exit)
+            or _from_stop_or_code(exit, lines)
             or _from_signal(exit, lines, kernel_log) or _from_log(lines) or _unknown(exit, lines))
 
 
@@ -185,6 +185,15 @@ def _from_trainer(metrics_tail: list[dict] | None) -> Diagnosis | None:
             return Diagnosis(record["kind"], str(record.get("advice") or advice_for(record["kind"])),
                              _clip(str(evidence)))
     return None
+
+
+def _from_executor(exit: dict) -> Diagnosis | None:
+    """An exit record the executor wrote itself (Slurm ended the job: NODE_FAIL, OUT_OF_MEMORY...) names its kind."""
+    said = exit.get("executor_diagnosis")
+    if not isinstance(said, dict) or said.get("kind") not in KINDS:
+        return None
+    return Diagnosis(said["kind"], str(said.get("advice") or advice_for(said["kind"])),
+                     _clip(str(said.get("evidence") or "")))
 
 
 def _from_spawn_error(exit: dict) -> Diagnosis | None:
