@@ -437,3 +437,10 @@ def test_launch_is_fast(jobs: Jobs) -> None:
     assert statistics.median(to_return) < 0.05, to_return
     assert statistics.median(to_start) < 0.1, to_start
     assert statistics.median(to_exit) < 0.5, to_exit
+
+
+def test_launch_into_a_missing_folder_raises_spawn_failed(jobs: Jobs, tmp_path: Path) -> None:
+    paths = JobPaths(tmp_path / "running" / "never-made")
+    with pytest.raises(SpawnFailed, match="never-made.*check that the job folder exists"):
+        jobs.sup.launch(jobs.spec(paths, ("true",)))
+    assert not jobs.sup.forked_pids
