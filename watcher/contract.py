@@ -123,3 +123,13 @@ class JobPaths:
     @property
     def slurm_script(self) -> Path:
         return self.dir / "slurm.sh"
+
+    @property
+    def launch_spec(self) -> Path:
+        """The attempt's LaunchSpec as JSON, for a supervisor started outside the watcher (Slurm)."""
+        return self.dir / "launch.json"
+
+    @property
+    def slurm_record(self) -> Path:
+        """What the watcher submitted to Slurm for the current attempt (its Slurm job id, sbatch argv)."""
+        return self.dir / "slurm.json"

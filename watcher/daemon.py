@@ -441,6 +441,10 @@ class Watcher:
 
     def _request(self, job: Job) -> Request:
         res = job.spec.resources
+        if getattr(self.executor, "places_resources", False):
+            # Slurm places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
+            return Request(job_id=job.id, priority=job.priority, order=job.order, gpus=0, disk_gb=res.disk_gb,
+                           allow_battery=True, disk_path=self._disk_path(job))
         return Request(
             job_id=job.id, priority=job.priority, order=job.order, gpus=res.gpus,
             gpu_memory_gb=res.gpu_memory_gb, ram_gb=res.ram_gb, disk_gb=res.disk_gb,
@@ -448,7 +452,7 @@ class Watcher:
         )
 
     def _holding(self, job: Job) -> Holding:
-        res = job.spec.resources if job.spec else None
+        res = job.spec.resources if job.spec and not getattr(self.executor, "places_resources", False) else None
         rss_gb = ((job.usage or {}).get("rss_mb") or 0.0) / 1024
         return Holding(job_id=job.id, gpus=tuple(job.run.get("gpus") or ()),
                        ram_gb=res.ram_gb if res else 0.0, disk_gb=res.disk_gb if res else 0.0, rss_gb=rss_gb,

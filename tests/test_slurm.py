@@ -1,0 +1,353 @@
+"""executor: slurm against a real single-node Slurm (../shared/slurm/start-slurm.sh, 2 fake GPUs).
+
+Every test drives the real watcher (in-process ``tick`` or a real ``python -m watcher`` process) with
+``executor: slurm``; jobs are real batch jobs run by slurmd under the real supervisor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import FAKE, PY, REPO, drop, tick_until, wait_until
+from watcher.contract import JobPaths
+from watcher.slurm import EXIT_NOT_SHARED, SlurmExecutor, batch_env, batch_script, time_limit_min
+
+pytestmark = pytest.mark.slurm
+
+SLURM_DIR = REPO.parent / "shared" / "slurm"
+CTLD_PID = Path("/run/trainq-slurm/slurmctld.pid")
+#: Slurm settings for the in-process watcher: a fast poll, room for several batch jobs at once
+SLURM = {"executor": "slurm", "slurm": {"poll_s": 0.2}, "max_concurrent": 4}
+
+
+def _sh(script: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SLURM_DIR / script)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, **env), stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster():
+    """Bring up the one-node cluster for this module (skip when it cannot be), stop it afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("the single-node Slurm needs root (start-slurm.sh)")
+    if not (SLURM_DIR / "start-slurm.sh").exists():
+        pytest.skip(f"{SLURM_DIR}/start-slurm.sh not found")
+    started = _sh("start-slurm.sh", SLURM_FAKE_GPUS="2")
+    if started.returncode != 0:
+        pytest.skip(f"cannot start Slurm: {(started.stderr or started.stdout).strip().splitlines()[-1:]}")
+    yield
+    _sh("stop-slurm.sh")
+
+
+def _live_slurm_ids() -> list[str]:
+    out = subprocess.run(["squeue", "-h", "--me", "-o", "%i"], capture_output=True, text=True, timeout=60).stdout
+    return out.split()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_slurm_jobs():
+    """Cancel whatever a test left queued or running, so no job process outlives it."""
+    yield
+    ids = _live_slurm_ids()
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=60)
+        wait_until(lambda: not _live_slurm_ids(), 30, 0.1, "leftover Slurm jobs to end")
+
+
+def slurm_state(slurm_id: str) -> str:
+    """Slurm's final state for the job (waits out COMPLETING)."""
+
+    def ended() -> str:
+        out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%T", "-j", slurm_id], capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+        return "" if out in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") else out
+
+    return wait_until(ended, 30, 0.1, f"slurm job {slurm_id} to end")
+
+
+def run_json(job_dir: Path) -> dict:
+    return json.loads((job_dir / "run.json").read_text())
+
+
+def job_file(**fields: object) -> str:
+    fields.setdefault("approved", True)
+    return yaml.safe_dump(fields, sort_keys=False)
+
+
+def finished(queue_dir: Path, job_id: str) -> Path | None:
+    for state in ("done", "failed"):
+        path = queue_dir / state / job_id
+        if (path / "run.json").exists():
+            return path
+    return None
+
+
+def status_job(queue_dir: Path, job_id: str) -> dict | None:
+    try:
+        status = json.loads((queue_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return next((j for j in status["jobs"] if j["id"] == job_id), None)
+
+
+# -- pure parts ------------------------------------------------------------------------------------
+
+
+def test_time_limit_rounds_up_to_minutes_and_leaves_room_for_trainqs_own_timeout():
+    assert time_limit_min(None, 120, 5) is None
+    assert time_limit_min(1, 0, 0) == 2  # 1 s + 60 s margin
+    assert time_limit_min(3600, 120, 5) == 64
+    assert time_limit_min(0, 0, 0) == 1
+
+
+def test_batch_env_drops_the_watchers_gpu_choice_and_slurm_variables():
+    env = {"CUDA_VISIBLE_DEVICES": "0", "SLURM_JOB_ID": "9", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "A": "b"}
+    assert batch_env(env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "A": "b"}
+
+
+def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
+    paths = JobPaths(tmp_path / "not there")
+    script = tmp_path / "slurm.sh"
+    script.write_text(batch_script(paths, 1, ["sbatch", "x"], sys.executable, str(REPO)))
+    done = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == EXIT_NOT_SHARED
+    assert "not visible on Slurm node" in done.stderr and "shared" in done.stderr and str(paths.dir) in done.stderr
+
+
+# -- through Slurm -----------------------------------------------------------------------------------
+
+
+def test_command_job_reaches_done_through_slurm(queue_dir, watcher):
+    w = watcher(**SLURM)
+    drop(queue_dir, "hello.yaml", job_file(name="hello job", command=["sh", "-c", "echo hi from $TRAINQ_JOB_ID; pwd"],
+                                           resources={"ram_gb": 1}, timeout="5m"))
+    done = tick_until(w, lambda: finished(queue_dir, "hello"), 30, "hello to finish")
+    assert done.parent.name == "done"
+    run = run_json(done)
+    slurm_id = run["attempts"][-1]["slurm_job_id"]
+    assert run["status"] == "done" and run["executor"] == "slurm" and run["slurm_job_id"] == slurm_id
+    assert run["attempts"][-1]["exit_code"] == 0
+    assert "hi from hello" in (done / "output.log").read_text()
+    sbatch = json.loads((done / "slurm.json").read_text())["sbatch"]
+    assert "--job-name=hello job" in sbatch and "--mem=1024M" in sbatch and "--time=9" in sbatch
+    assert (done / f"slurm-{slurm_id}.out").exists()
+    assert slurm_state(slurm_id) == "COMPLETED"
+
+
+def test_exit_codes_and_diagnoses_come_back_from_the_node(queue_dir, watcher):
+    w = watcher(**SLURM)
+    drop(queue_dir, "three.yaml", job_file(command=["sh", "-c", "echo boom; exit 3"]))
+    drop(queue_dir, "oom.yaml", job_file(command=["sh", "-c", "echo 'CUDA out of memory'; exit 67"]))
+    tick_until(w, lambda: finished(queue_dir, "three") and finished(queue_dir, "oom"), 30, "both to fail")
+    three, oom = run_json(queue_dir / "failed" / "three"), run_json(queue_dir / "failed" / "oom")
+    assert three["attempts"][-1]["exit_code"] == 3 and three["diagnosis"]["kind"] == "unknown"
+    assert "boom" in three["diagnosis"]["evidence"]
+    assert oom["attempts"][-1]["exit_code"] == 67 and oom["diagnosis"]["kind"] == "oom"
+
+
+def test_two_gpu_jobs_get_different_devices_and_a_third_waits_for_slurm(queue_dir, watcher, tmp_path):
+    # the watcher's own machine shows GPUs too: its choice must not reach the batch jobs, Slurm's must
+    local_gpus = tmp_path / "gpus.json"
+    local_gpus.write_text(json.dumps([{"index": i, "name": "Sim", "memory_total_mb": 6144, "memory_used_mb": 0,
+                                       "utilization_pct": 0, "processes": []} for i in (0, 1)]))
+    w = watcher(**SLURM, simulate_gpus=str(local_gpus))
+    cmd = ["sh", "-c", "echo CVD=$CUDA_VISIBLE_DEVICES; while [ ! -e $TRAINQ_STOP_FLAG ]; do sleep 0.05; done"]
+    for name in ("g1", "g2", "g3"):
+        drop(queue_dir, f"{name}.yaml", job_file(command=cmd, resources={"gpus": 1}, stop_grace="5s"))
+    logs = [queue_dir / "running" / n / "output.log" for n in ("g1", "g2")]
+    tick_until(w, lambda: all("CVD=" in (p.read_text() if p.exists() else "") for p in logs), 30, "two to start")
+    seen = sorted(line for p in logs for line in p.read_text().splitlines() if line.startswith("CVD="))
+    assert seen == ["CVD=0", "CVD=1"]
+    tick_until(w, lambda: (w.jobs["g3"].run.get("waiting_for") or "").startswith("Slurm: "), 10, "g3 to wait")
+    assert w.jobs["g3"].run["waiting_for"] == "Slurm: Resources"
+    assert status_job(queue_dir, "g3") is not None
+    for name in ("g1", "g2"):
+        (queue_dir / "running" / name / "stop.flag").touch()
+    log3 = queue_dir / "running" / "g3" / "output.log"
+    tick_until(w, lambda: log3.exists() and "CVD=" in log3.read_text(), 30, "g3 to start")
+    (queue_dir / "running" / "g3" / "stop.flag").touch()
+    tick_until(w, lambda: all(finished(queue_dir, n) for n in ("g1", "g2", "g3")), 30, "all to stop")
+    assert {run_json(queue_dir / "failed" / n)["status"] for n in ("g1", "g2", "g3")} == {"cancelled"}
+
+
+def test_stop_flag_reaches_the_job_on_the_node(queue_dir, watcher):
+    w = watcher(**SLURM)
+    drop(queue_dir, "coop.yaml", job_file(command=[PY, str(FAKE / "cooperative.py")], resume_args=["--resume"]))
+    log = queue_dir / "running" / "coop" / "output.log"
+    tick_until(w, lambda: log.exists() and "ready" in log.read_text(), 30, "coop to start")
+    (queue_dir / "running" / "coop" / "stop.flag").touch()
+    done = tick_until(w, lambda: finished(queue_dir, "coop"), 20, "coop to stop")
+    run = run_json(done)
+    assert run["status"] == "cancelled" and run["attempts"][-1]["exit_code"] == 0
+    assert (done / "checkpoints" / "step-1" / "state.txt").exists()
+    assert slurm_state(run["slurm_job_id"]) == "COMPLETED"
+
+
+def test_scancel_fallback_when_the_supervisor_cannot_stop_the_job(queue_dir, watcher):
+    w = watcher(**SLURM)
+    w.executor.scancel_margin_s = 0.5  # the real margin is 10 s; only the wait shrinks here
+    drop(queue_dir, "stuck.yaml", job_file(command=[PY, str(FAKE / "ignores_sigterm_with_grandchildren.py")],
+                                           stop_grace="1s"))
+    started = queue_dir / "running" / "stuck" / "supervisor.json"
+    tick_until(w, lambda: started.exists() and (queue_dir / "running" / "stuck" / "pids.txt").exists(), 30,
+               "stuck to start")
+    supervisor_pid = json.loads(started.read_text())["supervisor_pid"]
+    os.kill(supervisor_pid, signal.SIGSTOP)  # a hung supervisor (or an unreachable node) cannot escalate
+    (queue_dir / "running" / "stuck" / "stop.flag").touch()
+    done = tick_until(w, lambda: finished(queue_dir, "stuck"), 40, "scancel to end stuck")
+    run = run_json(done)
+    assert run["status"] == "cancelled"
+    assert slurm_state(run["slurm_job_id"]) == "CANCELLED"
+    pids = [int(p) for p in (done / "pids.txt").read_text().split()]
+    wait_until(lambda: not any(_alive(p) for p in pids), 15, what="the job's processes to be gone")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_stop_while_queued_in_slurm_cancels_at_once(queue_dir, watcher):
+    w = watcher(**SLURM)
+    drop(queue_dir, "later.yaml", job_file(command=["true"], slurm={"sbatch_args": ["--begin=now+1hour"]}))
+    tick_until(w, lambda: "later" in w.jobs and w.jobs["later"].run.get("waiting_for") == "Slurm: BeginTime", 15,
+               "later to wait in Slurm")
+    assert (queue_dir / "running" / "later").is_dir()
+    (queue_dir / "running" / "later" / "stop.flag").touch()
+    done = tick_until(w, lambda: finished(queue_dir, "later"), 15, "later to be cancelled")
+    run = run_json(done)
+    assert run["status"] == "cancelled" and slurm_state(run["slurm_job_id"]) == "CANCELLED"
+    assert not (done / "supervisor.json").exists()
+
+
+def test_trainqs_own_timeout_fires_before_slurms_limit(queue_dir, watcher):
+    w = watcher(**SLURM)
+    drop(queue_dir, "slow.yaml", job_file(command=[PY, str(FAKE / "sleeps.py")], timeout="2s", stop_grace="1s"))
+    done = tick_until(w, lambda: finished(queue_dir, "slow"), 30, "slow to time out")
+    run = run_json(done)
+    assert run["status"] == "timeout" and run["diagnosis"]["kind"] == "timeout"
+    assert "--time=2" in json.loads((done / "slurm.json").read_text())["sbatch"]
+    assert slurm_state(run["slurm_job_id"]) == "FAILED"  # the supervisor ended it (143), not Slurm's TIMEOUT
+
+
+def test_slurm_refusing_the_job_fails_it_with_slurms_words(queue_dir, watcher):
+    w = watcher(**SLURM)
+    drop(queue_dir, "nopart.yaml", job_file(command=["true"], slurm={"partition": "no-such-partition"}))
+    done = tick_until(w, lambda: finished(queue_dir, "nopart"), 15, "nopart to fail")
+    run = run_json(done)
+    assert run["status"] == "failed" and "Slurm refused the job" in run["error"]
+    assert "partition" in run["error"].lower()
+
+
+def test_job_folder_the_node_cannot_see_is_diagnosed(queue_dir, watcher):
+    """A job run as a user who cannot enter the queue folder is what a node without the shared filesystem sees."""
+    w = watcher(**SLURM)
+    os.chmod(queue_dir.parent, 0o700)
+    drop(queue_dir, "hidden.yaml", job_file(command=["true"], slurm={"sbatch_args": ["--uid=nobody"]}))
+    done = tick_until(w, lambda: finished(queue_dir, "hidden"), 30, "hidden to fail")
+    run = run_json(done)
+    assert run["status"] == "failed"
+    assert "shared filesystem" in run["diagnosis"]["evidence"]
+    assert "mount" in run["diagnosis"]["advice"] and "same path" in run["diagnosis"]["advice"]
+    assert "without an exit record" in (done / "output.log").read_text()
+
+
+def test_slurm_preemption_retries_and_resumes(queue_dir, watcher):
+    w = watcher(**SLURM)
+    cmd = ["sh", "-c", "echo attempt $TRAINQ_ATTEMPT args \"$*\"; [ -n \"$1\" ] && exit 0; "
+                       "mkdir -p checkpoints/ckpt_latest; exec " + f"{PY} {FAKE / 'preempted.py'}", "sh"]
+    drop(queue_dir, "pre.yaml", job_file(command=cmd, resume_args=["--resume", "{resume_from}"],
+                                         retries={"max": 1, "on": ["preempted"], "backoff": 0}))
+    log = queue_dir / "running" / "pre" / "output.log"
+    tick_until(w, lambda: log.exists() and "ready" in log.read_text(), 30, "pre to start")
+    slurm_id = w.jobs["pre"].run["slurm_job_id"]
+    subprocess.run(["scancel", slurm_id], check=True, timeout=60)  # what a preempting scheduler does: SIGTERM
+    done = tick_until(w, lambda: finished(queue_dir, "pre"), 30, "pre to be retried and finish")
+    run = run_json(done)
+    assert run["status"] == "done" and len(run["attempts"]) == 2
+    assert run["attempts"][0]["diagnosis"]["kind"] == "preempted"
+    assert run["attempts"][1]["slurm_job_id"] != slurm_id
+    assert "attempt 2 args --resume" in (done / "output.log").read_text()
+
+
+def test_watcher_restart_readopts_the_slurm_job(queue_dir, watcher_process):
+    (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({**SLURM, "settle_s": 0.1}))
+    first = watcher_process()
+    drop(queue_dir, "long.yaml", job_file(command=[PY, str(FAKE / "cooperative.py")]))
+    started = queue_dir / "running" / "long" / "supervisor.json"
+    wait_until(lambda: started.exists(), 30, what="long to start")
+    slurm_id = run_json(queue_dir / "running" / "long")["slurm_job_id"]
+    first.kill()
+    second = watcher_process()
+    wait_until(lambda: (status_job(queue_dir, "long") or {}).get("status") == "running"
+               and json.loads((queue_dir / "status.json").read_text())["watcher"]["pid"] == second.proc.pid,
+               15, what="the new watcher to adopt long")
+    (queue_dir / "running" / "long" / "stop.flag").touch()
+    wait_until(lambda: finished(queue_dir, "long"), 20, what="long to stop under the new watcher")
+    run = run_json(queue_dir / "failed" / "long")
+    assert run["status"] == "cancelled" and len(run["attempts"]) == 1
+    assert run["attempts"][0]["slurm_job_id"] == slurm_id
+
+
+def test_slurm_down_jobs_wait_and_run_once_it_is_back(queue_dir, watcher_process):
+    (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({**SLURM, "settle_s": 0.1}))
+    watcher_process()
+    drop(queue_dir, "before.yaml", job_file(command=["sh", "-c", "while [ ! -e $TRAINQ_STOP_FLAG ]; do sleep 0.05;"
+                                                                 " done; echo finished"]))
+    wait_until(lambda: (queue_dir / "running" / "before" / "supervisor.json").exists(), 30, what="before to start")
+    ctld = int(CTLD_PID.read_text())
+    try:
+        os.kill(ctld, signal.SIGTERM)
+        wait_until(lambda: not Path(f"/proc/{ctld}").exists(), 30, what="slurmctld to stop")
+        drop(queue_dir, "during.yaml", job_file(command=["echo", "ran after all"]))
+        wait_until(lambda: ((status_job(queue_dir, "during") or {}).get("waiting_for") or "")
+                   .startswith("Slurm is not reachable: "), 40, what="during to wait for Slurm")
+        (queue_dir / "running" / "before" / "stop.flag").touch()  # a running job ends fine without the controller
+        wait_until(lambda: finished(queue_dir, "before"), 20, what="before to finish while Slurm is down")
+        assert (queue_dir / "pending" / "during").is_dir()
+    finally:
+        restarted = _sh("start-slurm.sh", SLURM_FAKE_GPUS="2")
+        assert restarted.returncode == 0, restarted.stderr
+    done = wait_until(lambda: finished(queue_dir, "during"), 60, what="during to run once Slurm is back")
+    assert done.parent.name == "done" and "ran after all" in (done / "output.log").read_text()
+    assert run_json(queue_dir / "failed" / "before")["status"] == "cancelled"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """The tiny model and data, built by ``python -m trainer.tiny DIR``."""
+    out = tmp_path_factory.mktemp("tiny")
+    subprocess.run([PY, "-m", "trainer.tiny", str(out)], check=True, cwd=REPO, timeout=300,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True)
+    return out
+
+
+def test_tiny_train_job_reaches_done_through_slurm(queue_dir, watcher, tiny):
+    w = watcher(**SLURM)
+    train = {"model": str(tiny / "model"), "data": {"train": str(tiny / "train.jsonl")}, "method": "lora",
+             "max_steps": 6, "batch_size": 2, "seq_len": 32, "checkpoint": {"every_steps": 3, "keep": 1}}
+    drop(queue_dir, "tiny.yaml", job_file(train=train, env={"OMP_NUM_THREADS": "1"}, resources={"ram_gb": 2}))
+    done = tick_until(w, lambda: finished(queue_dir, "tiny"), 150, "the train job to finish")
+    assert done.parent.name == "done", (done / "output.log").read_text()[-2000:]
+    assert (done / "summary.json").exists() and (done / "metrics.jsonl").exists()
+    assert run_json(done)["attempts"][-1]["slurm_job_id"]
+
+
+def test_executor_needs_no_slurm_to_be_built(tmp_path):
+    """Constructing the executor runs nothing; only launch and the polls talk to Slurm."""
+    from watcher.config import WatcherConfig
+
+    ex = SlurmExecutor(WatcherConfig.from_dict({"executor": "slurm"}), tmp_path)
+    assert ex.process_tree(JobPaths(tmp_path)) == [] and ex.waiting_for(JobPaths(tmp_path), {}) is None
+    ex.close()
