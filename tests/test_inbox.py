@@ -231,7 +231,7 @@ def test_approval_rules_yaml_12(queue_dir, watcher):
     w.report.write(w, time.time(), force=True)
     status = json.loads((queue_dir / "status.json").read_text())
     assert status["counts"]["awaiting_approval"] == 3 and status["counts"]["inbox"] == 3
-    hints = {j["id"]: j["error"] for j in status["jobs"] if j["state"] == "awaiting_approval"}
+    hints = {j["id"]: j["approval_hint"] for j in status["jobs"] if j["state"] == "awaiting_approval"}
     assert "string" in (hints["str.yaml"] or "")
     assert states(queue_dir)["pending"] == [] and states(queue_dir)["failed"] == []
     # editing in place to the boolean submits it

@@ -30,7 +30,7 @@ from .errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError, Spaw
 from .folders import Folders, JobState, QueueRoot
 from .fsutil import remove_quietly, touch
 from .inbox import Inbox, InboxEvents, start_observer
-from .jobs import Job, judge_exit, latest_checkpoint, load_job, new_run, should_retry, supervisor_lost
+from .jobs import Job, judge_exit, latest_checkpoint, load_job, new_run, relative_to_job, should_retry, supervisor_lost
 from .jobspec import JobSpec, load_job_file
 from .recovery import recover
 from .report import Report
@@ -94,7 +94,7 @@ class Watcher:
             self._observer.stop()
             self._observer.join(timeout=2)
             self._observer = None
-        self.report.write(self, time.time(), force=True, state="stopped")
+        self.report.write(self, time.time(), force=True, state="stopping")
         self.probe.close()
         self.executor.close()
         if self._lock_fd is not None:
@@ -249,7 +249,7 @@ class Watcher:
 
     def _requeue_for_retry(self, job: Job, outcome, now: float) -> None:
         backoff_s = job.spec.retries.backoff_s if job.spec else 0.0
-        resume = latest_checkpoint(job.paths) if job.spec and job.spec.has_resume else None
+        resume = relative_to_job(latest_checkpoint(job.paths), job.paths) if job.spec and job.spec.has_resume else None
         total = 1 + (job.spec.retries.max if job.spec else 0)
         job.run.update(
             status="pending",
@@ -307,7 +307,7 @@ class Watcher:
             logger.warning("job %s: retry.flag ignored (%s)", job_id,
                            "rejected jobs cannot run; fix and resubmit the file" if job else "unreadable run.json")
             return
-        resume = latest_checkpoint(paths) if job.spec and job.spec.has_resume else None
+        resume = relative_to_job(latest_checkpoint(paths), paths) if job.spec and job.spec.has_resume else None
         job.run.update(status="pending", finished_at=None, not_before=None, resume_from=resume,
                        waiting_for=None, diagnosis=None, error=None, stop_requested_at=None)
         job.run.pop("stop_requested_by", None)
@@ -401,7 +401,7 @@ class Watcher:
         if not pending:
             return
         running = self._jobs_in(JobState.RUNNING)
-        machine = self.probe.sample(self._disk_paths(pending))
+        machine = self.probe.sample(self._disk_paths(pending + running))
         requests, waiting = [], []
         for job in pending:
             not_before = _parse_time(job.run.get("not_before"))
@@ -481,10 +481,11 @@ class Watcher:
 
     def _launch(self, job: Job, decision, now: float) -> None:
         attempt = job.attempt + 1
-        resume_from = job.run.get("resume_from") if job.spec.has_resume else None
         job.dir = self.folders.start(job.id)
         job.state = JobState.RUNNING
         paths = job.paths
+        # resolved now, where the folder is: it moved since the checkpoint was written
+        resume_from = latest_checkpoint(paths) if job.spec.has_resume and job.run.get("resume_from") else None
         for stale in (paths.exit_record, paths.started, paths.stop_flag):
             remove_quietly(stale)
         values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or ""}

@@ -162,14 +162,41 @@ def supervisor_lost(started: dict | None) -> Outcome:
 
 
 def latest_checkpoint(paths: JobPaths) -> str | None:
-    """Where a resumed attempt starts: ``checkpoints/ckpt_latest``, else the newest ``checkpoint`` record."""
+    """Where a resumed attempt starts, as an absolute path inside the job folder *where it is now*.
+
+    ``checkpoints/ckpt_latest`` first, else the newest ``checkpoint`` record of metrics.jsonl.
+    Records carry the absolute path of the folder the job was in then (running/ID), so they are
+    rebased onto the current folder: the job folder moves between states, checkpoints move with it.
+    """
     latest = paths.ckpt_latest
     if latest.exists():
         return str(latest.resolve())
     for record in reversed(read_metrics_tail(paths.metrics, max_bytes=262144)):
-        if record.get("type") == "checkpoint" and record.get("path") and os.path.exists(record["path"]):
-            return str(record["path"])
+        if record.get("type") != "checkpoint" or not record.get("path"):
+            continue
+        rebased = _rebase(Path(record["path"]), paths)
+        if rebased is not None and rebased.exists():
+            return str(rebased)
     return None
+
+
+def _rebase(path: Path, paths: JobPaths) -> Path | None:
+    """``…/running/ID/checkpoints/step-N`` → ``<current job folder>/checkpoints/step-N``."""
+    parts = path.parts
+    if paths.checkpoints.name not in parts:
+        return path if path.is_absolute() else None
+    i = len(parts) - 1 - parts[::-1].index(paths.checkpoints.name)
+    return paths.checkpoints.joinpath(*parts[i + 1:])
+
+
+def relative_to_job(path: str | None, paths: JobPaths) -> str | None:
+    """A checkpoint path as run.json records it: relative to the job folder when inside it."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).relative_to(paths.dir.resolve()))
+    except ValueError:
+        return path
 
 
 def should_retry(job: Job, outcome: Outcome) -> bool:

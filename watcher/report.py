@@ -17,6 +17,7 @@ from . import __version__
 from .folders import JobState, QueueRoot
 from .progress import LogProgress, MetricsTail
 from .admission import resources_dict
+from .html import CurveStore
 from .status import StatusSnapshot, StatusWriter
 from .units import iso_utc, parse_iso
 
@@ -59,9 +60,11 @@ class Report:
     writer: StatusWriter | None = None
 
     def __post_init__(self) -> None:
+        self.curves = CurveStore()
         self.writer = StatusWriter(
             self.root.status_json, self.root.status_html,
             status_s=self.config.status_s, heartbeat_s=self.config.heartbeat_s,
+            keep_finished=self.config.keep_finished, curves=self.curves,
         )
 
     def touch(self) -> None:
@@ -81,7 +84,7 @@ class Report:
                 "name": (e["spec"].name or name), "priority": e["spec"].priority, "attempt": 0,
                 "pid": None, "submitted_at": None, "started_at": None, "finished_at": None,
                 "waiting_for": "approval: set approved: true in the file", "health": None, "progress": None,
-                "dir": f"inbox/{name}", "error": e["spec"].approval_hint, "diagnosis": None,
+                "dir": f"inbox/{name}", "error": None, "diagnosis": None, "approval_hint": e["spec"].approval_hint,
             }
             for name, (_sig, e) in list(entries.items())
         ]
@@ -123,7 +126,11 @@ class Report:
             if readers is None or readers.metrics.path != job.paths.metrics:
                 started = parse_iso((job.current_attempt() or {}).get("started_at"))
                 readers = job.readers = _Readers(MetricsTail(job.paths.metrics, started), LogProgress(job.paths.log))
-            if readers.metrics.poll() or readers.log.poll():
+            new_metrics = readers.metrics.poll()
+            new_log = readers.log.poll()
+            if new_metrics:
+                self.curves.feed(job.id, readers.metrics.new_records)
+            if new_metrics or new_log:
                 self.dirty = True
             if now - readers.usage_at >= USAGE_EVERY_S:
                 readers.usage_at = now
@@ -169,6 +176,7 @@ class Report:
             + [_entry(j, self.root) for j in pending[:MAX_LISTED]]
             + list(reversed(self.recent.values()))
         )
+        self.curves.retain([j.id for j in running] + list(self.recent))
         machine = watcher.probe.sample([self.root.path])
         holdings = [watcher._holding(j) for j in running]
         return StatusSnapshot(
@@ -213,16 +221,16 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
     if job.usage is not None and job.state is JobState.RUNNING:
         entry["usage"] = job.usage
     if job.state in (JobState.DONE, JobState.FAILED):
-        entry["outputs"] = _outputs(job)
+        entry["outputs"] = _outputs(job, root)
     return entry
 
 
-def _outputs(job: "Job") -> dict | None:
+def _outputs(job: "Job", root: QueueRoot) -> dict | None:
     """Paths of a finished train job's artifacts that exist (adapter, summary, loss.png)."""
     paths = job.paths
     found = {}
     for key, path in (("adapter", paths.dir / "adapter"), ("model", paths.dir / "model"),
                       ("summary", paths.summary), ("loss_png", paths.loss_png)):
         if path.exists():
-            found[key] = str(path)
+            found[key] = str(path.relative_to(root.path))
     return found or None

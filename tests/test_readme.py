@@ -1,0 +1,31 @@
+"""The README stays true: the job-file reference matches the schemas, and the commands it shows exist."""
+from __future__ import annotations
+
+import re
+import subprocess
+
+from conftest import PY, REPO
+
+
+def test_job_reference_in_readme_matches_the_schemas():
+    from watcher.docs import END, START, reference
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    inside = text.split(START, 1)[1].split(END, 1)[0]
+    assert inside.strip() == reference().strip(), "run: python -m watcher.docs --write README.md"
+
+
+def test_readme_two_commands_are_make_targets_and_ci_runs_the_test_one():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## Two commands.*?```sh\n(.*?)```", text, re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["make demo", "make test"]
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_cli_commands_named_in_readme_exist():
+    help_text = subprocess.run([PY, "-m", "watcher", "--help"], capture_output=True, text=True, cwd=REPO).stdout
+    for command in ("init", "watch", "validate", "submit", "status", "logs", "stop", "retry", "demo"):
+        assert command in help_text
