@@ -591,7 +591,7 @@ class Watcher:
         job.health = "stalled"
         logger.warning("job %s: stalled: no new output for %gs", job.id, now - job.last_activity)
         self.report.touch()
-        if "stalled" in job.spec.retries.on and job.attempt < 1 + job.spec.retries.max:
+        if "stalled" in job.spec.retries.on:  # the user opted in: end it (retried while attempts remain)
             job.run.update(stop_requested_by="stalled", stall_after_s=stall_after)
             job.save(durable=False)
             touch(job.paths.stop_flag)
