@@ -23,7 +23,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from watcher.contract import EXIT_FAILED, EXIT_USAGE
+from watcher.contract import EXIT_FAILED
 
 #: offline, quiet: models load only from local folders, and nothing phones home
 _ENV_DEFAULTS = {
@@ -69,5 +69,3 @@ if __name__ == "__main__":
     sys.stderr.flush()
     os._exit(exit_code)  # interpreter shutdown with torch loaded costs ~1.3 s
 
-
-__all__ = ["main", "EXIT_USAGE"]

@@ -9,7 +9,6 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from watcher.contract import EXIT_DATA
 

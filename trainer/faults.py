@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from watcher.contract import ENV_TRAINER_FAULTS
+from watcher.contract import ENV_TRAINER_FAULTS, EXIT_USAGE
 
 _INT_LIST_KEYS = ("nan_at", "spike_at", "oom_at")
 _INT_KEYS = ("nan_after", "oom_if_batch_over", "stop_at", "sigterm_at", "kill_in_save")
@@ -26,6 +26,8 @@ _FLOAT_KEYS = ("sleep_per_step",)
 
 class FaultSpecError(ValueError):
     """Raised when TRAINQ_TRAINER_FAULTS cannot be parsed."""
+
+    exit_code = EXIT_USAGE
 
 
 @dataclass(frozen=True)

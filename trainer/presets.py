@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from watcher.contract import ENV_SIMULATE_GPUS
+from watcher.contract import ENV_SIMULATE_GPUS, EXIT_USAGE
 
 MIB = 1024 * 1024
 #: share of free GPU memory a preset may plan to use
@@ -34,6 +34,8 @@ MIN_RANK = 8
 
 class PresetError(Exception):
     """Raised when nothing fits the GPU (the message carries the smallest estimate)."""
+
+    exit_code = EXIT_USAGE
 
 
 @dataclass(frozen=True)

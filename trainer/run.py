@@ -21,9 +21,9 @@ from trainer.data import MAX_REPORTED_BAD_ROWS, PadCollator, load_data, tokenize
 from trainer.faults import parse_faults
 from trainer.metrics import MetricsWriter, read_records
 from trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
-from trainer.presets import Knobs, ModelShape, PresetError, choose, free_gpu_mb
+from trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
 from watcher.contract import (ENV_ATTEMPT, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
-                              EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_USAGE, RECORD_DONE, JobPaths)
+                              EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, RECORD_DONE, JobPaths)
 from watcher.units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -283,5 +283,3 @@ def main_run(job_dir: Path, resume_arg: str | None) -> int:
               f"(lr x{run.lr_scale:g}); lower lr or check the data", file=sys.stderr, flush=True)
     return code
 
-
-__all__ = ["main_run", "EXIT_USAGE", "PresetError"]
