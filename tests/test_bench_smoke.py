@@ -1,0 +1,107 @@
+"""The benchmark suite still runs and still prints its table: bench/run_all.py --quick on two cheap sections."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.run_all import BY_NAME, HEADER, probe_rows, section_kwargs, trainer_rows  # noqa: E402
+
+#: a real bench_trainer.py output (abridged numbers), the format run_all.py folds into rows
+TRAINER_OUTPUT = """
+40 LoRA steps on the small tiny model (median of 1; OMP_NUM_THREADS=1)
+
+| runner | train s | whole process s | train ratio vs trainq | whole ratio vs trainq |
+|---|---|---|---|---|
+| trainq | 2.20 | 9.10 | 1.000 | 1.000 |
+| plain Trainer | 2.00 | 8.50 | 1.100 | 1.071 |
+| bare loop | 1.80 | 7.90 | 1.222 | 1.152 |
+
+| stop latency (flag touched -> exited) | 0.41 s | checkpoint complete: True |
+"""
+
+
+def _table_rows(markdown: str) -> list[list[str]]:
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    assert lines[0] == "| " + " | ".join(HEADER) + " |", lines[0]
+    assert lines[1] == "|---|---|---|---|---|"
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def _ms(cell: str) -> float:
+    assert cell.endswith(" ms"), cell
+    return float(cell.removesuffix(" ms"))
+
+
+def test_quick_latency_and_help_print_the_table(tmp_path: Path) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "run_all.py"), "--quick", "--only", "latency,help", "--count", "8",
+         "--out", str(out), "--tmp", str(work)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = (out / "latest.md").read_text(encoding="utf-8")
+    assert table in done.stdout
+    assert "load average" in table
+    rows = {cells[0]: cells for cells in _table_rows(table)}
+    median = rows["1. drop→start latency, median"]
+    assert 0 < _ms(median[1]) < 5000
+    assert median[2].startswith("inotifywait loop ") and 0 < _ms(median[2].removeprefix("inotifywait loop ")) < 5000
+    assert median[3] == "≤ 15 ms" and median[4] in ("yes", "**no**")
+    assert "1. drop→start latency, p95" in rows
+    assert any(name.startswith("4. `python -m watcher --help`") for name in rows)
+
+    report = json.loads((out / "latest.json").read_text(encoding="utf-8"))
+    assert set(report["sections"]) == {"latency", "help"}
+    assert all(facts["error"] is None for facts in report["sections"].values())
+    latency = next(r for r in report["rows"] if r["metric"] == "1. drop→start latency, median")
+    assert len(latency["values"]["trainq_s"]) == 8 and len(latency["values"]["floor_s"]) == 8
+
+    assert list(work.iterdir()) == [], "a section left its temp folder behind"
+    marker = str(work)
+    leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if any(marker in c for c in p.info["cmdline"] or ())]
+    assert leftovers == [], f"benchmark processes left running: {leftovers}"
+
+
+def test_an_unknown_section_is_refused_with_the_list(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "run_all.py"), "--only", "latnecy",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "latnecy" in done.stderr and "throughput" in done.stderr
+    assert not (tmp_path / "latest.md").exists()
+
+
+def test_trainer_output_folds_into_rows() -> None:
+    rows = trainer_rows(TRAINER_OUTPUT)
+    assert rows[0].metric.startswith("8. trainer: 40 LoRA steps")
+    assert rows[0].trainq == "2.20 s" and rows[0].peer == "plain Trainer 2.00 s, bare loop 1.80 s"
+    assert rows[1].trainq == "1.10× / 1.22×"
+    assert rows[-1].trainq == "0.41 s" and rows[-1].met is True
+
+
+def test_trainer_output_without_a_table_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="no runner table"):
+        trainer_rows("Traceback (most recent call last):\n  boom\n")
+
+
+def test_probe_json_folds_into_rows() -> None:
+    data = {"seconds": 2.0, "baseline_cpu_pct": 0.05,
+            "real (no NVML here)": {"sample_us": 50.0, "tree_usage_us": 20.0, "tick_us": 120.0, "cpu_pct_at_1hz": 0.3},
+            "real, no cache": {"sample_us": 90.0, "tree_usage_us": 40.0, "tick_us": 300.0}}
+    rows = probe_rows(data)
+    assert [r.trainq for r in rows] == ["0.30 % (120 µs/tick)"]
+    assert rows[0].peer == "sleep-only loop 0.05 %"
+
+
+def test_count_overrides_only_the_main_count() -> None:
+    assert section_kwargs(BY_NAME["throughput"], quick=True, count=7) == {"jobs": 7, "runs": 1}
+    assert section_kwargs(BY_NAME["idle"], quick=False, count=5) == {"seconds": 5.0}
+    assert section_kwargs(BY_NAME["trainer"], quick=True, count=3) == {"quick": True}
