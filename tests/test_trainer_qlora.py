@@ -115,3 +115,16 @@ def test_loss_does_not_depend_on_the_accumulation_split(tiny, tmp_path):
     print(f"step losses batch8xaccum1 {losses[(8, 1)]} vs batch1xaccum8 {losses[(1, 8)]}")
     for a, b in zip(losses[(8, 1)], losses[(1, 8)]):
         assert abs(a - b) <= 1e-4 * abs(a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_precision_auto_and_qlora_on_cuda(tiny, tmp_path):
+    major, _ = torch.cuda.get_device_capability(0)
+    expected = "bf16" if major >= 8 else "fp16" if major == 7 else "fp32"
+    assert resolve_precision("auto").name == expected
+    job = write_job(tmp_path / "job", tiny, method="qlora", max_steps=6, eval_every=3, lora={"r": 8, "dropout": 0.0})
+    trainer, _ = train_in_process(job)
+    steps = records(job, "step")
+    assert len(steps) == 6 and all(r["loss"] is not None for r in steps) and steps[-1]["peak_mem_mb"] > 0
+    assert next(trainer.model.parameters()).is_cuda
