@@ -176,7 +176,7 @@ def _trainq_serial(work: Path, jobs: int, profile_to: Path | None) -> float:
         start = time.monotonic()
         for name in names:
             q.drop_staged(name)
-        wait_until(lambda: q.count("done") + q.count("failed") >= jobs, 600, interval_s=0.01,
+        wait_until(lambda: q.count("done") + q.count("failed") >= jobs, 600, interval_s=0.02,
                    what=f"{jobs} jobs to finish")
         elapsed = time.monotonic() - start
     if q.count("failed"):
@@ -258,10 +258,11 @@ def bench_burst(base: Path, files: int, profile_dir: Path | None = None) -> list
             for name in names:
                 q.drop_staged(name)
             renamed_s = time.monotonic() - start
-            wait_until(lambda: q.count("pending") + q.count("failed") >= files, 600, interval_s=0.05,
+            # 10 Hz: listing a 10,000-entry folder costs ms, and the watcher needs the CPU
+            wait_until(lambda: q.count("pending") + q.count("failed") >= files, 600, interval_s=0.1,
                        what=f"{files} files in pending/")
             elapsed = time.monotonic() - start
-            wait_until(lambda: _status_count(q.root, "pending") >= files, 120, interval_s=0.05,
+            wait_until(lambda: _status_count(q.root, "pending") >= files, 120, interval_s=0.1,
                        what="status.json to count every pending job")
             shown_s = time.monotonic() - start
         size_kb = (q.root / "status.json").stat().st_size / 1024
@@ -300,7 +301,8 @@ def bench_idle(base: Path, seconds: float, profile_dir: Path | None = None) -> l
             rss_mb = proc.memory_info().rss / 2**20
     values = {"seconds": seconds, "cpu_pct": cpu_pct, "rss_mb": rss_mb}
     return [
-        Row("idle", f"4. idle watcher CPU over {seconds:g} s", f"{cpu_pct:.2f} %", "—", f"≤ {IDLE_CPU_GOAL_PCT:g} %",
+        Row("idle", f"4. idle watcher CPU over {seconds:g} s", f"{cpu_pct:.2f} %", "—",
+            f"≤ {IDLE_CPU_GOAL_PCT:g} %",
             cpu_pct <= IDLE_CPU_GOAL_PCT, values),
         Row("idle", "4. idle watcher RSS", f"{rss_mb:.0f} MB", "—", f"≤ {IDLE_RSS_GOAL_MB:g} MB",
             rss_mb <= IDLE_RSS_GOAL_MB),
@@ -407,8 +409,8 @@ def _fill(q: Queue, jobs: int) -> None:
             q.drop_staged(f"{prefix}-{i:03d}.yaml")
         wait_until(lambda: _status_count(q.root, state) >= jobs, 120, interval_s=0.02,
                    what=f"status.json to show {jobs} {state}")
-    wait_until(lambda: _status_count(q.root, "inbox") == 0 and len((read_status(q.root) or {}).get("jobs", ())) >= 3 * jobs,
-               60, interval_s=0.02, what="status.json to list every job")
+    wait_until(lambda: len((read_status(q.root) or {}).get("jobs", ())) >= 3 * jobs, 60, interval_s=0.02,
+               what="status.json to list every job")
 
 
 def _status_cost(root: Path, jobs: int, reads: int, poll_s: float) -> list[Row]:

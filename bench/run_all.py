@@ -73,10 +73,12 @@ def trainer_rows(text: str) -> list[Row]:
         Row("trainer", f"8. trainer: {steps} LoRA steps, training wall time", f"{ours[0]:.2f} s",
             f"plain Trainer {plain[0]:.2f} s, bare loop {bare[0]:.2f} s", "—", None, values),
         Row("trainer", "8. trainer: training time vs plain Trainer / vs bare loop",
-            f"{ours[0] / plain[0]:.2f}× / {ours[0] / bare[0]:.2f}×", f"plain Trainer vs bare loop {plain[0] / bare[0]:.2f}×",
+            f"{ours[0] / plain[0]:.2f}× / {ours[0] / bare[0]:.2f}×",
+            f"plain Trainer vs bare loop {plain[0] / bare[0]:.2f}×",
             "—", None),
         Row("trainer", "8. trainer: whole process (imports, load, train, save) vs plain Trainer",
-            f"{ours[1]:.2f} s ({ours[1] / plain[1]:.2f}×)", f"plain Trainer {plain[1]:.2f} s, bare loop {bare[1]:.2f} s",
+            f"{ours[1]:.2f} s ({ours[1] / plain[1]:.2f}×)",
+            f"plain Trainer {plain[1]:.2f} s, bare loop {bare[1]:.2f} s",
             "—", None),
     ]
     stop = re.search(r"\|\s*stop latency[^|]*\|\s*([\d.]+) s\s*\|\s*checkpoint complete: (\w+)", text)
@@ -107,7 +109,8 @@ def probe_rows(data: dict) -> list[Row]:
             continue
         rows.append(Row("probes", f"9. resource probes at 1 Hz, {name}: CPU share ({data['seconds']:g} s)",
                         f"{figures['cpu_pct_at_1hz']:.2f} % ({figures['tick_us']:.0f} µs/tick)",
-                        f"sleep-only loop {baseline:.2f} %", "—", None, {name: figures, "baseline_cpu_pct": baseline}))
+                        f"sleep-only loop {baseline:.2f} %", "—", None,
+                        {name: figures, "baseline_cpu_pct": baseline}))
     return rows
 
 
@@ -134,7 +137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", action="append", default=[], metavar="NAME[,NAME]",
                         help=f"run only these sections (repeatable): {', '.join(BY_NAME)}")
     parser.add_argument("--count", type=int, help="override the main count of every chosen section")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where latest.md/latest.json go (default bench/results)")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="where latest.md/latest.json go (default bench/results)")
     parser.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where temp workspaces go (default /tmp)")
     parser.add_argument("--profile", action="store_true", help="run the queue sections' watchers under cProfile")
     args = parser.parse_args(argv)
@@ -159,25 +163,31 @@ def run_sections(args: argparse.Namespace) -> tuple[list[Row], dict]:
     """Run each chosen section once (readopt and status share a run); rows in section order, and per-section facts."""
     rows: list[Row] = []
     facts: dict = {}
-    done_fns: dict[Callable, list[Row]] = {}
+    outcomes: dict[Callable, list[Row] | Exception] = {}
     profile_dir = args.out if args.profile else None
     for section in args.sections:
         load = load_average()
         started = time.monotonic()
-        try:
-            if section.run not in done_fns:
-                print(f"bench: {section.name} (load {load[0]:.2f}) ...", file=sys.stderr, flush=True)
-                done_fns[section.run] = section.run(args.tmp, **section_kwargs(section, args.quick, args.count),
-                                                    profile_dir=profile_dir)
-            got = [r for r in done_fns[section.run] if r.section == section.name]
-            facts[section.name] = {"load_at_start": load, "seconds": time.monotonic() - started, "error": None}
-        except Exception as exc:  # one broken section must not lose the others' figures
-            logger.exception("bench %s failed", section.name)
-            done_fns[section.run] = []
-            got = [Row(section.name, f"{section.name}: FAILED", str(exc).splitlines()[0][:200], met=False)]
-            facts[section.name] = {"load_at_start": load, "seconds": time.monotonic() - started, "error": str(exc)}
-        rows.extend(got)
+        if section.run not in outcomes:
+            print(f"bench: {section.name} (load {load[0]:.2f}) ...", file=sys.stderr, flush=True)
+            outcomes[section.run] = _run_one(section, args, profile_dir)
+        outcome = outcomes[section.run]
+        error = str(outcome) if isinstance(outcome, Exception) else None
+        facts[section.name] = {"load_at_start": load, "seconds": time.monotonic() - started, "error": error}
+        if error is not None:
+            rows.append(Row(section.name, f"{section.name}: FAILED", error.splitlines()[0][:200], met=False))
+        else:
+            rows.extend(r for r in outcome if r.section == section.name)
     return rows, facts
+
+
+def _run_one(section: Section, args: argparse.Namespace, profile_dir: Path | None) -> list[Row] | Exception:
+    """The section's rows, or the exception that stopped it (one broken section must not lose the others)."""
+    try:
+        return section.run(args.tmp, **section_kwargs(section, args.quick, args.count), profile_dir=profile_dir)
+    except Exception as exc:
+        logger.exception("bench %s failed", section.name)
+        return exc
 
 
 def render(rows: list[Row], meta: dict) -> str:
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     atomic_write(args.out / "latest.md", table)
     atomic_write(args.out / "latest.json", json.dumps({**meta, "sections": facts, "rows": [r.to_dict() for r in rows]},
-                                                indent=1, default=float) + "\n")
+                                                indent=1, default=str) + "\n")
     if args.profile:
         write_profiles(args.out)
     return 1 if any(f["error"] for f in facts.values()) else 0

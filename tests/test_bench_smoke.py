@@ -12,7 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.run_all import BY_NAME, HEADER, probe_rows, section_kwargs, trainer_rows  # noqa: E402
+from bench._common import Row  # noqa: E402
+from bench.run_all import (  # noqa: E402
+    BY_NAME, HEADER, Section, parse_args, probe_rows, run_sections, section_kwargs, trainer_rows,
+)
 
 #: a real bench_trainer.py output (abridged numbers), the format run_all.py folds into rows
 TRAINER_OUTPUT = """
@@ -105,3 +108,23 @@ def test_count_overrides_only_the_main_count() -> None:
     assert section_kwargs(BY_NAME["throughput"], quick=True, count=7) == {"jobs": 7, "runs": 1}
     assert section_kwargs(BY_NAME["idle"], quick=False, count=5) == {"seconds": 5.0}
     assert section_kwargs(BY_NAME["trainer"], quick=True, count=3) == {"quick": True}
+
+
+def test_a_failing_section_is_reported_for_every_name_sharing_it(tmp_path: Path) -> None:
+    calls = []
+
+    def broken(base: Path, n: int, profile_dir: Path | None = None) -> list[Row]:
+        calls.append(n)
+        raise RuntimeError("watcher exited with status 1: boom")
+
+    def fine(base: Path, n: int, profile_dir: Path | None = None) -> list[Row]:
+        return [Row("ok", "fine row", "1 ms")]
+
+    args = parse_args(["--quick", "--out", str(tmp_path), "--tmp", str(tmp_path)])
+    args.sections = [Section("a", broken, {"n": 5}, {"n": 1}), Section("b", broken, {"n": 5}, {"n": 1}),
+                     Section("ok", fine, {"n": 5}, {"n": 1})]
+    rows, facts = run_sections(args)
+    assert calls == [1], "a function shared by two sections must run once"
+    assert [r.metric for r in rows] == ["a: FAILED", "b: FAILED", "fine row"]
+    assert rows[0].met is False and "boom" in rows[0].trainq
+    assert facts["a"]["error"] and facts["b"]["error"] and facts["ok"]["error"] is None
