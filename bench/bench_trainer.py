@@ -154,7 +154,7 @@ def main() -> int:
         latency, complete = stop_latency(work, tiny)
     med = {k: (statistics.median(t for t, _ in v), statistics.median(w for _, w in v)) for k, v in results.items()}
     print(f"\n{steps} LoRA steps on the small tiny model (median of {repeats}; OMP_NUM_THREADS=1)\n")
-    print("| runner | train s | whole process s | train ratio vs trainq | whole ratio vs trainq |")
+    print("| runner | train s | whole process s | trainq/runner (train) | trainq/runner (whole) |")
     print("|---|---|---|---|---|")
     for name, (train_s, whole_s) in med.items():
         print(f"| {name} | {train_s:.2f} | {whole_s:.2f} | {med['trainq'][0] / train_s:.3f} | {med['trainq'][1] / whole_s:.3f} |")
