@@ -190,6 +190,10 @@ def _bounds(series: dict[str, list]) -> tuple[float, float, float, float]:
     return x0, x1, lo, hi
 
 
+#: legend text per curve
+_CURVE_NAMES = {"loss": "train", "eval_loss": "eval"}
+
+
 def render_curve(curve: dict | None) -> str:
     """Inline SVG of the train (and eval) loss by step; empty string when there is nothing to draw."""
     curve = curve or {}
@@ -205,12 +209,14 @@ def render_curve(curve: dict | None) -> str:
     lines = "".join(
         f'<polyline class="{k}" points="{svg.get(k) or " ".join(map(_svg_xy, pts))}"/>' for k, pts in series.items()
     )
+    # a key only for the curves drawn: before the first eval there is no eval line to point at
+    keys = "".join(f'<span class="key"><i class="k {k}"></i>{_CURVE_NAMES[k]}</span>' for k in series)
     return (
         f'<svg class="curve" viewBox="{view}" preserveAspectRatio="none" role="img" '
         f'aria-label="loss by step">{lines}</svg>'
         f'<div class="axis"><span>step {format_number(x0)}</span>'
-        f'<span><i class="k loss"></i>train <i class="k eval_loss"></i>eval · loss {format_number(lo, 3)}'
-        f'–{format_number(hi, 3)}</span><span>step {format_number(x1)}</span></div>'
+        f'<span>{keys} loss {format_number(lo, 3)}–{format_number(hi, 3)}</span>'
+        f'<span>step {format_number(x1)}</span></div>'
     )
 
 
@@ -341,14 +347,19 @@ def _gpu_card(gpu: dict) -> str:
                         for p in gpu.get("foreign") or ())
     facts = [
         ("memory", f"{format_number(used, 6)} / {format_number(total, 6)} MB"),
-        ("utilisation", f'{format_number(gpu.get("utilization_pct"))}%'),
-        ("temperature", f'{format_number(gpu.get("temperature_c"))} °C'),
-        ("held by", _e(gpu.get("held_by") or "free")),
+        ("utilisation", _unit(gpu.get("utilization_pct"), "%")),
+        ("temperature", _unit(gpu.get("temperature_c"), " °C")),
+        ("held by", _e(gpu.get("held_by")) if gpu.get("held_by") else '<span class="none">nobody (free)</span>'),
     ]
     sim = ' <span class="badge sim">simulated</span>' if gpu.get("simulated") else ""
     return (f'<article class="gpu"><h3>GPU {_e(gpu.get("index"))} · {_e(gpu.get("name"))}{sim}</h3>'
             f'<meter value="{float(used)}" min="0" max="{float(total) or 1.0}"></meter>{_facts(facts, "two")}'
             f'<div class="dir">other processes: {foreign or "none"}</div></article>')
+
+
+def _unit(value: object, unit: str) -> str:
+    """A reading with its unit, or a bare dash when the GPU does not report it."""
+    return "–" if value is None else f"{format_number(value)}{unit}"
 
 
 def _machine(snapshot: dict) -> str:
@@ -384,7 +395,7 @@ dt{color:#667}dd{margin:0;font-variant-numeric:tabular-nums;overflow:hidden;text
 svg.curve{width:100%;height:90px;background:#fafbfd;border:1px solid #eef}
 polyline{fill:none;stroke-width:1.5;vector-effect:non-scaling-stroke}polyline.loss{stroke:#1d5fd6}polyline.eval_loss{stroke:#e07a00}
 .axis{display:flex;justify-content:space-between;color:#778;font-size:11px}
-i.k{display:inline-block;width:10px;height:3px;vertical-align:middle}i.k.loss{background:#1d5fd6}i.k.eval_loss{background:#e07a00}
+.key{margin-right:8px;white-space:nowrap}i.k{display:inline-block;width:12px;height:3px;vertical-align:middle;margin-right:3px}i.k.loss{background:#1d5fd6}i.k.eval_loss{background:#e07a00}
 table{border-collapse:collapse;width:100%;background:#fff}th,td{border-bottom:1px solid #eef;padding:4px 6px;text-align:left;vertical-align:top}
 .status.done{color:#17803d}.status.failed,.status.timeout,.error{color:#b3261e}.status.cancelled{color:#b26b00}
 dl.two{grid-template-columns:repeat(2,minmax(0,1fr))}.banner code{background:rgba(255,255,255,.2);color:#fff}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.padding import Padding
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
@@ -39,6 +40,11 @@ def _label(job: dict) -> Text:
     if name and name != job_id:
         text.append(f" ({job_id})", style="dim")
     return text
+
+
+def _sub(text: Text) -> Padding:
+    """A detail line under a job, indented two columns on every line it wraps to."""
+    return Padding(text, (0, 0, 0, 2), expand=False)
 
 
 def _age_s(iso: str | None, now: float) -> float | None:
@@ -72,7 +78,7 @@ def _bar(progress: dict, width: int) -> Table:
     if step is None or not total:
         row.add_row(Text(f"step {step if step is not None else '–'}"))
         return row
-    bar_width = max(10, width - 30)
+    bar_width = max(10, width - 32)
     pct = 100.0 * min(step, total) / total
     row.add_row(ProgressBar(total=total, completed=min(step, total), width=bar_width),
                 Text(f"{step}/{total} {pct:3.0f}%"))
@@ -86,10 +92,10 @@ def _running_job(job: dict, width: int) -> Group:
     title.append(f"  {health}", style="green" if health == "healthy" else "yellow")
     title.append(f"  attempt {job.get('attempt')}", style="dim")
     facts = Text(
-        f"  loss {format_number(progress.get('loss'))} · eval {format_number(progress.get('eval_loss'))}"
+        f"loss {format_number(progress.get('loss'))} · eval {format_number(progress.get('eval_loss'))}"
         f" · {format_number(progress.get('tokens_per_s'))} tok/s · ETA {format_eta(progress.get('eta_s'))}"
     )
-    return Group(title, _bar(progress, width), facts)
+    return Group(title, _sub(_bar(progress, width)), _sub(facts))
 
 
 def _section(title: str, count: int) -> Text:
@@ -108,9 +114,9 @@ def _pending(snapshot: dict) -> list[RenderableType]:
     for job in jobs:
         line = _label(job)
         line.append(f"  prio {job.get('priority')}", style="dim")
-        if job.get("waiting_for"):
-            line.append(f"  waiting for: {job['waiting_for']}", style="yellow")
         lines.append(line)
+        if job.get("waiting_for"):
+            lines.append(_sub(Text(f"waiting for: {job['waiting_for']}", style="yellow")))
     return [_section("Pending", len(jobs)), *(lines or [Text("  nothing is waiting", style="dim")])]
 
 
@@ -122,19 +128,20 @@ def _awaiting(snapshot: dict) -> list[RenderableType]:
     return [_section("Awaiting approval", len(jobs)), *lines]
 
 
-def _finished_job(job: dict) -> Text:
+def _finished_job(job: dict) -> Group:
     status = str(job.get("status"))
     line = Text.assemble(_label(job), "  ", (status, _STATUS_STYLE.get(status, "")))
+    details: list[RenderableType] = []
     diagnosis = job.get("diagnosis") or {}
     if diagnosis:
         line.append(f" ({diagnosis.get('kind')})", style="red")
-        line.append(f"\n  advice: {diagnosis.get('advice')}")
+        details.append(_sub(Text(f"advice: {diagnosis.get('advice')}")))
     if job.get("error") and not diagnosis:
-        line.append(f"\n  error: {job['error']}", style="red")
+        details.append(_sub(Text(f"error: {job['error']}", style="red")))
     loss_png = (job.get("outputs") or {}).get("loss_png")
     if loss_png:
-        line.append(f"\n  loss plot: {loss_png}", style="dim")
-    return line
+        details.append(_sub(Text(f"loss plot: {loss_png}", style="dim")))
+    return Group(line, *details)
 
 
 def _finished(snapshot: dict) -> list[RenderableType]:
@@ -143,8 +150,8 @@ def _finished(snapshot: dict) -> list[RenderableType]:
     return [_section("Recently finished", len(jobs)), *body]
 
 
-def _gpu_line(gpu: dict) -> Text:
-    text = Text(f"  GPU {gpu.get('index')} {gpu.get('name')}", style="bold")
+def _gpu_line(gpu: dict) -> Padding:
+    text = Text(f"GPU {gpu.get('index')} {gpu.get('name')}", style="bold")
     parts = [f"{format_number(gpu.get('memory_used_mb'), 6)}/{format_number(gpu.get('memory_total_mb'), 6)} MB"]
     if gpu.get("utilization_pct") is not None:
         parts.append(f"{format_number(gpu['utilization_pct'])}% busy")
@@ -154,15 +161,15 @@ def _gpu_line(gpu: dict) -> Text:
     text.append("  " + " · ".join(parts))
     if gpu.get("foreign"):
         text.append(f" · {len(gpu['foreign'])} foreign process(es)", style="yellow")
-    return text
+    return _sub(text)
 
 
 def _machine(snapshot: dict) -> list[RenderableType]:
     res = snapshot.get("resources") or {}
     ram = res.get("ram") or {}
-    lines: list[RenderableType] = [Text(
-        f"  RAM {format_number(ram.get('available_gb'), 3)}/{format_number(ram.get('total_gb'), 3)} GB free"
-    )]
+    lines: list[RenderableType] = [_sub(Text(
+        f"RAM {format_number(ram.get('available_gb'), 3)}/{format_number(ram.get('total_gb'), 3)} GB free"
+    ))]
     lines += [_gpu_line(g) for g in res.get("gpus") or ()]
     return [Text("\nMachine", style="bold underline"), *lines]
 
