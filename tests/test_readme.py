@@ -29,3 +29,14 @@ def test_cli_commands_named_in_readme_exist():
     help_text = subprocess.run([PY, "-m", "watcher", "--help"], capture_output=True, text=True, cwd=REPO).stdout
     for command in ("init", "watch", "validate", "submit", "status", "logs", "stop", "retry", "demo"):
         assert command in help_text
+
+
+def test_examples_validate_and_carry_the_editor_schema_line():
+    from watcher.jobspec import load_job_file
+
+    examples = sorted((REPO / "queue" / "examples").glob("*.yaml"))
+    assert {p.name for p in examples} >= {"lora-cpu.yaml", "qlora-6gb.yaml", "command-resume.yaml"}
+    for path in examples:
+        assert path.read_text().startswith("# yaml-language-server: $schema=../../schemas/job.schema.json")
+        spec = load_job_file(path)
+        assert spec.is_train or spec.resume_args
