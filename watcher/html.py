@@ -190,6 +190,13 @@ def _bounds(series: dict[str, list]) -> tuple[float, float, float, float]:
     return x0, x1, lo, hi
 
 
+def _points(pts: list, preformatted: str | None) -> str:
+    """A polyline's points attribute."""
+    text = preformatted or " ".join(map(_svg_xy, pts))
+    # one point (the first eval) is a zero-length line: its round caps draw it as a dot
+    return f"{text} {text}" if len(pts) == 1 else text
+
+
 #: legend text per curve
 _CURVE_NAMES = {"loss": "train", "eval_loss": "eval"}
 
@@ -206,9 +213,7 @@ def render_curve(curve: dict | None) -> str:
     # the viewBox maps data coordinates (step, -loss) onto the plot, so points need no per-render scaling
     view = "%.10g %.6g %.10g %.6g" % (x0, -hi - pad, dx, dy + 2 * pad)
     svg = curve.get("svg") or {}
-    lines = "".join(
-        f'<polyline class="{k}" points="{svg.get(k) or " ".join(map(_svg_xy, pts))}"/>' for k, pts in series.items()
-    )
+    lines = "".join(f'<polyline class="{k}" points="{_points(pts, svg.get(k))}"/>' for k, pts in series.items())
     # a key only for the curves drawn: before the first eval there is no eval line to point at
     keys = "".join(f'<span class="key"><i class="k {k}"></i>{_CURVE_NAMES[k]}</span>' for k in series)
     return (
@@ -393,7 +398,7 @@ dt{color:#667}dd{margin:0;font-variant-numeric:tabular-nums;overflow:hidden;text
 .badge{font-size:11px;border-radius:10px;padding:1px 7px;background:#e3e6ec;font-weight:normal}
 .badge.healthy{background:#d8f0df}.badge.stalled{background:#ffe2b3}.badge.stopping{background:#f6d2cf}
 svg.curve{width:100%;height:90px;background:#fafbfd;border:1px solid #eef}
-polyline{fill:none;stroke-width:1.5;vector-effect:non-scaling-stroke}polyline.loss{stroke:#1d5fd6}polyline.eval_loss{stroke:#e07a00}
+polyline{fill:none;stroke-width:1.5;stroke-linecap:round;stroke-linejoin:round;vector-effect:non-scaling-stroke}polyline.eval_loss{stroke-width:3}polyline.loss{stroke:#1d5fd6}polyline.eval_loss{stroke:#e07a00}
 .axis{display:flex;justify-content:space-between;color:#778;font-size:11px}
 .key{margin-right:8px;white-space:nowrap}i.k{display:inline-block;width:12px;height:3px;vertical-align:middle;margin-right:3px}i.k.loss{background:#1d5fd6}i.k.eval_loss{background:#e07a00}
 table{border-collapse:collapse;width:100%;background:#fff}th,td{border-bottom:1px solid #eef;padding:4px 6px;text-align:left;vertical-align:top}
