@@ -1,0 +1,420 @@
+"""Issue #8 acceptance: status.html in a real headless Chromium and `trainq status --follow` in a real tmux,
+both watching a real train job (tiny model, CPU) under a real watcher process with a simulated GPU."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PY, drop, wait_until
+from test_train_queue import job_entry, tiny, train_job  # noqa: F401  (tiny is a module fixture)
+from watcher.fsutil import atomic_write
+from watcher.html import CurveStore, render_curve, render_html
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+TMUX = shutil.which("tmux")
+#: the installed `trainq` script beside the venv's python; `python -m watcher` is the same program
+TRAINQ = [str(Path(PY).with_name("trainq"))] if Path(PY).with_name("trainq").exists() else [PY, "-m", "watcher"]
+#: steps of the observed job: with 0.3 s of sleep per step it runs long enough to watch it move (~10-30 s)
+STEPS = 24
+SIM_GPU = [{"index": 0, "name": "Sim 6GB", "memory_total_mb": 6144, "memory_used_mb": 512,
+            "utilization_pct": 37, "processes": []}]
+#: a console.error the test sends itself, to prove the console listener is live
+PROBE = "trainq-console-probe"
+
+
+def _start_watcher_and_job(queue_dir: Path, watcher_process, tiny: Path, job_id: str) -> None:
+    """A real watcher seeing one simulated GPU, and a slow real LoRA job dropped into its inbox."""
+    gpus = queue_dir.parent / "gpus.json"
+    gpus.write_text(json.dumps(SIM_GPU))
+    watcher_process(env={"TRAINQ_SIMULATE_GPUS": str(gpus)})
+    train = {"max_steps": STEPS, "eval_every": 6, "checkpoint": {"every_steps": STEPS, "keep": 1}}
+    drop(queue_dir, f"{job_id}.yaml", train_job(tiny, faults="sleep_per_step=0.3", train=train))
+
+
+def _step(queue_dir: Path, job_id: str) -> int:
+    return ((job_entry(queue_dir, job_id).get("progress") or {}).get("step")) or 0
+
+
+def _wait_done(queue_dir: Path, job_id: str) -> Path:
+    done, failed = queue_dir / "done" / job_id, queue_dir / "failed" / job_id
+    wait_until(lambda: done.exists() or failed.exists(), 180, 0.2, f"{job_id} finished")
+    assert done.exists(), (failed / "output.log").read_text()[-2000:]
+    wait_until(lambda: job_entry(queue_dir, job_id).get("state") == "done", 15, 0.1, "status.json says done")
+    return done
+
+
+# -- a DevTools client over --remote-debugging-pipe (no websocket library needed) --------------------------
+
+class Browser:
+    """Headless Chromium driven through the DevTools protocol on fds 3/4 (NUL-separated JSON messages)."""
+
+    def __init__(self, profile: Path) -> None:
+        to_child_r, self._to_child = os.pipe()
+        self._from_child, from_child_w = os.pipe()
+
+        def _fds_3_and_4() -> None:
+            # dup first so that a pipe end already numbered 3 or 4 is not clobbered by the other dup2
+            a, b = os.dup(to_child_r), os.dup(from_child_w)
+            os.dup2(a, 3)
+            os.dup2(b, 4)
+
+        argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-default-apps",
+                f"--user-data-dir={profile}", "--remote-debugging-pipe", "about:blank"]
+        self.proc = subprocess.Popen(argv, pass_fds=(3, 4), preexec_fn=_fds_3_and_4, start_new_session=True,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self._buf, self._next_id, self.events = b"", 0, []
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        self.session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Runtime", "Log", "Network", "Page"):
+            self.call(f"{domain}.enable", session=True)
+        self.call("Emulation.setDeviceMetricsOverride",
+                  {"width": 1200, "height": 1600, "deviceScaleFactor": 1, "mobile": False}, session=True)
+
+    def _send(self, method: str, params: dict, session: bool) -> int:
+        self._next_id += 1
+        message = {"id": self._next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = self.session
+        os.write(self._to_child, json.dumps(message).encode() + b"\0")
+        return self._next_id
+
+    def _receive(self, timeout_s: float) -> dict | None:
+        deadline = time.monotonic() + timeout_s
+        while b"\0" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._from_child], [], [], left)[0]:
+                return None
+            chunk = os.read(self._from_child, 1 << 20)
+            if not chunk:
+                raise ConnectionError("chromium closed the DevTools pipe")
+            self._buf += chunk
+        message, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(message)
+
+    def call(self, method: str, params: dict | None = None, session: bool = False, timeout_s: float = 60) -> dict:
+        """Send one command and return its result; events that arrive meanwhile are kept in ``events``."""
+        wanted = self._send(method, params or {}, session)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            message = self._receive(deadline - time.monotonic())
+            if message is None:
+                break
+            if message.get("id") != wanted:
+                self.events.append(message)
+                continue
+            if "error" in message:
+                raise RuntimeError(f"{method}: {message['error']}")
+            return message["result"]
+        raise TimeoutError(f"chromium did not answer {method} within {timeout_s}s")
+
+    def evaluate(self, expression: str) -> object:
+        """The JSON value of ``expression`` in the page; None while the page is between two loads."""
+        try:
+            result = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=True)
+        except RuntimeError:
+            return None  # "execution context was destroyed": the page reloaded under us
+        if "exceptionDetails" in result:
+            return None
+        return result["result"].get("value")
+
+    def drain(self) -> None:
+        """Collect the events already sent."""
+        while (message := self._receive(0.05)) is not None:
+            self.events.append(message)
+
+    def console_problems(self) -> list[str]:
+        """console.error/assert calls, uncaught exceptions and error log entries seen so far."""
+        self.drain()
+        found = []
+        for event in self.events:
+            method, params = event.get("method"), event.get("params") or {}
+            if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+                found.append(" ".join(str(a.get("value", a.get("description"))) for a in params.get("args", ())))
+            elif method == "Runtime.exceptionThrown":
+                found.append(str(params.get("exceptionDetails")))
+            elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
+                found.append(params["entry"].get("text", ""))
+        return found
+
+    def requested_urls(self) -> list[str]:
+        """Every URL the page asked for, the page itself and its reloads included."""
+        self.drain()
+        return [e["params"]["request"]["url"] for e in self.events if e.get("method") == "Network.requestWillBeSent"]
+
+    def screenshot(self, path: Path) -> None:
+        data = self.call("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session=True)
+        path.write_bytes(base64.b64decode(data["data"]))
+
+    def close(self) -> None:
+        # chromium leaves helper processes in its session: end them all
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        os.close(self._to_child)
+        os.close(self._from_child)
+
+
+@pytest.fixture
+def browser(tmp_path: Path):
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    opened = Browser(tmp_path / "chromium-profile")
+    yield opened
+    opened.close()
+
+
+#: what the test reads from the live DOM in one evaluation
+DOM_FACTS = """JSON.stringify({
+  progress: [...document.querySelectorAll('progress[value]')].map(p => [p.value, p.max]),
+  lines: [...document.querySelectorAll('svg.curve polyline')].map(l => [l.getAttribute('class'), l.points.numberOfItems]),
+  text: document.body.innerText,
+  links: [...document.querySelectorAll('a')].map(a => a.getAttribute('href')),
+  stale: !document.getElementById('stale').hidden,
+  overflow: document.documentElement.scrollWidth - window.innerWidth,
+  loaded: document.readyState === 'complete'})"""
+
+
+def _dom(browser: Browser) -> dict | None:
+    facts = browser.evaluate(DOM_FACTS)
+    return json.loads(facts) if isinstance(facts, str) else None
+
+
+def _dom_where(browser: Browser, pred, timeout_s: float, what: str) -> dict:
+    """Poll the page (which reloads itself) until ``pred(facts)`` holds."""
+    seen: list[dict] = []
+
+    def check() -> dict | None:
+        facts = _dom(browser)
+        if facts and facts["loaded"]:
+            seen.append(facts)
+            return facts if pred(facts) else None
+        return None
+
+    try:
+        return wait_until(check, timeout_s, 0.25, what)
+    except pytest.fail.Exception:
+        last = seen[-1] if seen else {}
+        pytest.fail(f"{what}: last DOM {json.dumps({k: v for k, v in last.items() if k != 'text'})}\n"
+                    f"{last.get('text', '')[:1500]}")
+
+
+def test_status_html_in_chromium_follows_a_real_train_job(queue_dir, watcher_process, tiny, browser, tmp_path):
+    _start_watcher_and_job(queue_dir, watcher_process, tiny, "lora")
+    page = queue_dir / "status.html"
+    wait_until(lambda: _step(queue_dir, "lora") >= 1, 120, 0.1, "job past step 1")
+    browser.call("Page.navigate", {"url": page.as_uri()}, session=True)
+
+    first = _dom_where(browser, lambda f: f["progress"] and any(n >= 2 for _, n in f["lines"]), 30,
+                       "a progress bar and a curve with points")
+    step0, total = first["progress"][0]
+    assert total == STEPS and 0 < step0 < STEPS
+    assert {cls for cls, _ in first["lines"]} >= {"loss"}
+    text = first["text"]
+    for needle in ("Running", "lora", "ETA", "tokens/s", "GPU 0 · Sim 6GB", "simulated", "held by", "Pending",
+                   "Recently finished", "heartbeat"):
+        assert needle in text, needle
+    assert re.search(r"held by\s+lora", text), text
+    assert not first["stale"] and first["overflow"] <= 0
+
+    # never navigated again: only the page's own refresh can move the bar
+    later = _dom_where(browser, lambda f: f["progress"] and f["progress"][0][0] > step0 and
+                       "eval_loss" in {cls for cls, _ in f["lines"]}, 60, "progress rose and an eval point drawn")
+    assert later["progress"][0][0] > step0 and later["progress"][0][1] == STEPS
+    browser.screenshot(tmp_path / "running.png")
+    assert (tmp_path / "running.png").stat().st_size > 20_000
+
+    _wait_done(queue_dir, "lora")
+    finished = _dom_where(browser, lambda f: "done/lora/loss.png" in f["links"], 30, "loss.png link after done")
+    assert not finished["progress"] and "No job is running." in finished["text"]
+    assert re.search(r"held by\s+nobody \(free\)", finished["text"])  # the GPU went back
+    browser.screenshot(tmp_path / "finished.png")
+
+    assert browser.console_problems() == []
+    urls = browser.requested_urls()
+    assert len(urls) >= 3 and set(urls) == {page.as_uri()}, urls  # the page and its reloads, nothing else
+    # the listener is live: an error the test raises itself is seen
+    browser.evaluate(f"console.error('{PROBE}')")
+    wait_until(lambda: any(PROBE in p for p in browser.console_problems()), 5, 0.05, "probe console error seen")
+
+
+# -- the terminal twin in tmux ---------------------------------------------------------------------------------
+
+class Tmux:
+    """One tmux server on its own socket, one 80x40 window running a command."""
+
+    def __init__(self, socket: Path, command: list[str], env: dict[str, str]) -> None:
+        self.socket = socket
+        line = " ".join(_sh_quote(a) for a in command)
+        self.tmux("new-session", "-d", "-s", "faces", "-x", "80", "-y", "40", line, env=env)
+        # keep the pane after the command exits so its exit status can be read
+        self.tmux("set-option", "-t", "faces", "remain-on-exit", "on")
+
+    def tmux(self, *args: str, env: dict[str, str] | None = None) -> str:
+        done = subprocess.run([TMUX, "-S", str(self.socket), "-f", "/dev/null", *args], capture_output=True,
+                              text=True, timeout=20, env=env)
+        assert done.returncode == 0, f"tmux {' '.join(args)}: {done.stderr}"
+        return done.stdout
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", "faces")
+
+    def pane(self, field: str) -> str:
+        return self.tmux("display-message", "-p", "-t", "faces", f"#{{{field}}}").strip()
+
+    def close(self) -> None:
+        subprocess.run([TMUX, "-S", str(self.socket), "kill-server"], capture_output=True, timeout=20)
+
+
+def _sh_quote(arg: str) -> str:
+    return "'" + arg.replace("'", "'\\''") + "'"
+
+
+def _screen_step(screen: str) -> int | None:
+    for line in screen.splitlines():
+        parts = line.split()
+        for part in parts:
+            if part.endswith(f"/{STEPS}") and part.split("/")[0].isdigit():
+                return int(part.split("/")[0])
+    return None
+
+
+def _screen_where(term: Tmux, pred, timeout_s: float, what: str) -> str:
+    """Capture the pane until ``pred(screen)`` holds; the last screen goes into the failure message."""
+    seen = [""]
+
+    def check() -> str | None:
+        seen[0] = term.screen()
+        return seen[0] if pred(seen[0]) else None
+
+    try:
+        return wait_until(check, timeout_s, 0.1, what)
+    except pytest.fail.Exception:
+        pytest.fail(f"{what}; the screen was:\n{seen[0]}")
+
+
+@pytest.fixture
+def tmux_session(tmp_path: Path):
+    if TMUX is None:
+        pytest.skip("tmux is not installed (apt-get install tmux)")
+    made: list[Tmux] = []
+
+    def _start(command: list[str]) -> Tmux:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TMUX")}
+        env.update(LANG="C.UTF-8", LC_ALL="C.UTF-8")
+        made.append(Tmux(tmp_path / "tmux.sock", command, env))
+        return made[-1]
+
+    yield _start
+    for session in made:
+        session.close()
+
+
+def test_trainq_status_follow_in_tmux_redraws_in_place(queue_dir, watcher_process, tiny, tmux_session, tmp_path):
+    _start_watcher_and_job(queue_dir, watcher_process, tiny, "lora")
+    wait_until(lambda: _step(queue_dir, "lora") >= 1, 120, 0.1, "job past step 1")
+    term = tmux_session([*TRAINQ, "--root", str(queue_dir), "status", "--follow"])
+
+    first = _screen_where(term, _screen_step, 20, "a step on screen")
+    for needle in ("Running (1)", "lora", "tok/s", "ETA", "Pending (0)", "Recently finished (0)", "Machine",
+                   "GPU 0 Sim 6GB", "held by lora", "━"):
+        assert needle in first, f"{needle!r} not on screen:\n{first}"
+    (tmp_path / "screen-running.txt").write_text(first)  # kept for a person to look at
+    history = term.pane("history_size")
+    step0 = _screen_step(first)
+    second = _screen_where(term, lambda s: (_screen_step(s) or 0) > step0, 30, "the step on screen moved")
+    for screen in (first, second):
+        assert max(len(line) for line in screen.splitlines()) <= 80, screen
+        assert screen.count("Running (1)") == 1, screen  # redrawn, not appended
+    assert term.pane("history_size") == history, "the view scrolled instead of redrawing in place"
+
+    _wait_done(queue_dir, "lora")
+    done = _screen_where(term, lambda s: "loss plot:" in s, 20, "loss plot on screen")
+    assert "Running (0)" in done and "done/lora/loss.png" in done.replace("\n", ""), done
+
+    term.tmux("send-keys", "-t", "faces", "C-c")
+    # remain-on-exit makes tmux print the exit status on the dead pane
+    ended = _screen_where(term, lambda s: "Pane is dead" in s, 10, "trainq status --follow exited on Ctrl-C")
+    assert "Pane is dead (status 0," in ended and "Traceback" not in ended, ended
+    _check_plain_status_shows_loss_png(queue_dir)
+
+
+def _check_plain_status_shows_loss_png(queue_dir: Path) -> None:
+    """`trainq status` (once, not following) and `--json` after the job finished."""
+    env = dict(os.environ, COLUMNS="80", TERM="dumb")
+    shown = subprocess.run([*TRAINQ, "--root", str(queue_dir), "status"], capture_output=True, text=True,
+                           timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "loss plot: done/lora/loss.png" in shown.stdout and " done" in shown.stdout, shown.stdout
+    assert max(len(line) for line in shown.stdout.splitlines()) <= 80
+    as_json = subprocess.run([*TRAINQ, "--root", str(queue_dir), "status", "--json"], capture_output=True,
+                             text=True, timeout=60, env=env)
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["counts"]["done"] == 1
+
+
+
+
+# -- small things the screenshots showed ---------------------------------------------------------------------
+
+def test_curve_legend_names_only_the_curves_drawn() -> None:
+    assert "eval" not in render_curve({"loss": [(1, 2.0), (2, 1.5)]})
+    both = render_curve({"loss": [(1, 2.0), (2, 1.5)], "eval_loss": [(2, 1.7)]})
+    assert '<i class="k loss"></i>train' in both and '<i class="k eval_loss"></i>eval' in both
+    # the first eval alone would be an invisible one-point line: it is drawn as a dot
+    assert '<polyline class="eval_loss" points="2,-1.7 2,-1.7"/>' in both
+
+
+def test_gpu_card_without_readings_or_holder() -> None:
+    gpu = {"index": 0, "name": "Sim", "memory_total_mb": 6144, "memory_used_mb": 0, "utilization_pct": None,
+           "temperature_c": None, "held_by": None, "foreign": []}
+    page = render_html({"resources": {"gpus": [gpu]}}, {})
+    assert "°C" not in page and "nobody (free)" in page and "–%" not in page
+
+
+# -- what writing status.html costs ------------------------------------------------------------------------
+
+def test_writing_status_html_costs_under_2_percent_of_a_core_with_50_running_jobs(tmp_path: Path) -> None:
+    store = CurveStore()
+    for i in range(50):
+        store.feed(f"j{i}", ({"type": "step", "step": s, "loss": 3 / (1 + s / 1000) + i / 100}
+                             for s in range(1, 100_001, 7)))
+        store.feed(f"j{i}", ({"type": "eval", "step": s, "eval_loss": 3 / (1 + s / 1000)}
+                             for s in range(500, 100_001, 500)))
+    jobs = [{"id": f"j{i}", "state": "running", "status": "running", "name": f"job {i}", "priority": 0,
+             "attempt": 1, "pid": 1000 + i, "health": "healthy", "dir": f"running/j{i}", "gpus": [i % 8],
+             "started_at": "2026-01-01T00:00:00Z", "usage": {"rss_mb": 1234.5},
+             "progress": {"step": 50_000, "total_steps": 100_000, "epoch": 0.5, "loss": 1.23, "eval_loss": 1.3,
+                          "tokens_per_s": 910.5, "eta_s": 3600}} for i in range(50)]
+    gpus = [{"index": i, "name": "Sim 80GB", "memory_total_mb": 81920, "memory_used_mb": 40000,
+             "utilization_pct": 90, "temperature_c": 70, "held_by": f"j{i}", "foreign": [], "simulated": True}
+            for i in range(8)]
+    snapshot = {"schema_version": 1, "watcher": {"pid": 1, "host": "h", "version": "0.1.0", "state": "running",
+                                                 "started_at": "2026-01-01T00:00:00Z",
+                                                 "heartbeat_at": "2026-01-01T01:00:00Z"},
+                "counts": {"inbox": 0, "awaiting_approval": 0, "pending": 0, "running": 50, "done": 0, "failed": 0},
+                "jobs": jobs, "resources": {"ram": {"total_gb": 24, "available_gb": 12}, "disk": {}, "gpus": gpus}}
+    page = tmp_path / "status.html"
+    cpu = []
+    for _ in range(20):
+        started = time.process_time()
+        # what StatusWriter does once a second at most: curves, render, atomic write without fsync
+        atomic_write(page, render_html(snapshot, store.curves()), durable=False)
+        cpu.append(time.process_time() - started)
+    assert page.read_text().count("<polyline") == 100
+    # 2% of one core at one write per second is 20 ms of CPU per write
+    assert statistics.median(cpu) < 0.020, f"median {statistics.median(cpu) * 1e3:.1f} ms CPU per write"
