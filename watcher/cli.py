@@ -268,22 +268,15 @@ def _print_from(path: Path, offset: int) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from .contract import JobPaths
-    from .fsutil import touch
-
-    root = _root(args)
-    found = _find_job(root, args.id)
-    if found is None:
-        return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
-    state, path = found
-    if state in ("done", "failed"):
-        return _fail(f"job {args.id} already finished ({state}/)", EXIT_INVALID)
-    touch(JobPaths(path).stop_flag)
-    print(f"job {args.id}: stop requested ({state}/{args.id}/stop.flag)")
-    return EXIT_OK
+    return _touch_flag(args, "stop_flag", ("pending", "running"), "stop requested")
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
+    return _touch_flag(args, "retry_flag", ("failed",), "retry requested, resuming from its latest checkpoint")
+
+
+def _touch_flag(args: argparse.Namespace, flag: str, states: tuple[str, ...], what: str) -> int:
+    """Touch a job's stop.flag or retry.flag, exactly as a user would by hand."""
     from .contract import JobPaths
     from .fsutil import touch
 
@@ -292,8 +285,10 @@ def cmd_retry(args: argparse.Namespace) -> int:
     if found is None:
         return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
     state, path = found
-    if state != "failed":
-        return _fail(f"job {args.id} is in {state}/; only failed jobs can be retried", EXIT_INVALID)
-    touch(JobPaths(path).retry_flag)
-    print(f"job {args.id}: retry requested (failed/{args.id}/retry.flag)")
+    if state not in states:
+        return _fail(f"job {args.id} is in {state}/; this works only for jobs in {' or '.join(s + '/' for s in states)}",
+                     EXIT_INVALID)
+    flag_path = getattr(JobPaths(path), flag)
+    touch(flag_path)
+    print(f"job {args.id}: {what} ({state}/{args.id}/{flag_path.name})")
     return EXIT_OK
