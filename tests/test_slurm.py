@@ -122,6 +122,26 @@ def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
     assert "not visible on Slurm node" in done.stderr and "shared" in done.stderr and str(paths.dir) in done.stderr
 
 
+@pytest.mark.parametrize("state, status, kind", [
+    ("NODE_FAIL", "failed", "killed"), ("OUT_OF_MEMORY", "failed", "oom"), ("PREEMPTED", "failed", "preempted"),
+    ("CANCELLED", "failed", "preempted"), ("TIMEOUT", "timeout", "timeout"), ("BOOT_FAIL", "failed", "killed"),
+])
+def test_slurm_ending_a_job_itself_gets_an_exit_record_and_diagnosis(tmp_path, state, status, kind):
+    from watcher.config import WatcherConfig
+    from watcher.jobs import judge_exit
+    from watcher.slurm import SlurmJob
+
+    paths = JobPaths(tmp_path / "job")
+    paths.dir.mkdir()
+    paths.started.write_text(json.dumps({"attempt": 1, "job_pid": 4242, "started_at": "2026-01-01T00:00:00Z"}))
+    ex = SlurmExecutor(WatcherConfig.from_dict({"executor": "slurm"}), tmp_path)
+    record = ex._synthesize(paths, {"n": 1}, "424242", SlurmJob(state, "None", "node7"))
+    assert json.loads(paths.exit_record.read_text()) == record and record["attempt"] == 1
+    outcome = judge_exit({"status": "running"}, record, paths)
+    assert (outcome.status, outcome.diagnosis.kind) == (status, kind)
+    assert state in paths.log.read_text() and "node7" in paths.log.read_text()
+
+
 # -- through Slurm -----------------------------------------------------------------------------------
 
 
@@ -300,6 +320,29 @@ def test_watcher_restart_readopts_the_slurm_job(queue_dir, watcher_process):
     assert run["attempts"][0]["slurm_job_id"] == slurm_id
 
 
+def test_watcher_dying_right_after_sbatch_does_not_submit_the_job_twice(queue_dir, watcher, tmp_path):
+    """run.json never learnt the Slurm id, the job is still queued in Slurm: slurm.json keeps it from a resubmit."""
+    w = watcher(**SLURM)
+    name = f"once-{os.getpid()}-{time.time_ns()}"
+    drop(queue_dir, "once.yaml", job_file(name=name, command=["true"], slurm={"sbatch_args": ["--begin=now+1hour"]}))
+    running = queue_dir / "running" / "once"
+    tick_until(w, lambda: "once" in w.jobs and w.jobs["once"].run.get("waiting_for") == "Slurm: BeginTime", 15,
+               "once to wait in Slurm")
+    w.close()
+    run = run_json(running)  # as if the watcher died between sbatch and writing run.json
+    run.update(attempt=0, attempts=[], slurm_job_id=None, status="pending")
+    (running / "run.json").write_text(json.dumps(run))
+    w2 = watcher(**SLURM)
+    assert w2.jobs["once"].state.value == "running"  # adopted, not put back to pending
+    assert w2.jobs["once"].attempt == 1
+    (running / "stop.flag").touch()
+    done = tick_until(w2, lambda: finished(queue_dir, "once"), 20, "once to end")
+    assert run_json(done)["status"] == "cancelled" and len(run_json(done)["attempts"]) == 1
+    submitted = subprocess.run(["squeue", "-h", "-t", "all", "-n", name, "-o", "%i|%T"], capture_output=True,
+                               text=True, timeout=60).stdout.split()
+    assert len(submitted) == 1 and submitted[0].endswith("|CANCELLED")
+
+
 def test_slurm_down_jobs_wait_and_run_once_it_is_back(queue_dir, watcher_process):
     (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({**SLURM, "settle_s": 0.1}))
     watcher_process()
@@ -309,7 +352,6 @@ def test_slurm_down_jobs_wait_and_run_once_it_is_back(queue_dir, watcher_process
     ctld = int(CTLD_PID.read_text())
     try:
         os.kill(ctld, signal.SIGTERM)
-        wait_until(lambda: not Path(f"/proc/{ctld}").exists(), 30, what="slurmctld to stop")
         drop(queue_dir, "during.yaml", job_file(command=["echo", "ran after all"]))
         wait_until(lambda: ((status_job(queue_dir, "during") or {}).get("waiting_for") or "")
                    .startswith("Slurm is not reachable: "), 40, what="during to wait for Slurm")
@@ -317,11 +359,29 @@ def test_slurm_down_jobs_wait_and_run_once_it_is_back(queue_dir, watcher_process
         wait_until(lambda: finished(queue_dir, "before"), 20, what="before to finish while Slurm is down")
         assert (queue_dir / "pending" / "during").is_dir()
     finally:
-        restarted = _sh("start-slurm.sh", SLURM_FAKE_GPUS="2")
-        assert restarted.returncode == 0, restarted.stderr
+        _restart_controller(ctld)
     done = wait_until(lambda: finished(queue_dir, "during"), 60, what="during to run once Slurm is back")
     assert done.parent.name == "done" and "ran after all" in (done / "output.log").read_text()
     assert run_json(queue_dir / "failed" / "before")["status"] == "cancelled"
+
+
+def _restart_controller(old_pid: int) -> None:
+    """Wait for the stopped slurmctld to be gone (SIGKILL after 60 s), then bring the cluster back."""
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{old_pid}/stat") as f:
+                return f.read().split(") ")[-1][0] == "Z"
+        except OSError:
+            return True
+
+    deadline = time.monotonic() + 60
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not gone():
+        os.kill(old_pid, signal.SIGKILL)
+        wait_until(gone, 10, 0.1, "the old slurmctld to die")
+    restarted = _sh("start-slurm.sh", SLURM_FAKE_GPUS="2")
+    assert restarted.returncode == 0, (restarted.stdout + restarted.stderr)[-2000:]
 
 
 @pytest.fixture(scope="module")

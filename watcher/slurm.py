@@ -29,6 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from .contract import JobPaths
@@ -77,7 +78,7 @@ _UNREACHABLE = re.compile(
 _EXIT_CODE = re.compile(r"\bExitCode=(\d+):(\d+)")
 #: signal numbers on Linux (only supervisor.py imports ``signal``)
 SIGKILL, SIGTERM = 9, 15
-_SIGNAL_NAMES = {SIGKILL: "SIGKILL", SIGTERM: "SIGTERM"}
+_SIGNAL_NAMES = MappingProxyType({SIGKILL: "SIGKILL", SIGTERM: "SIGTERM"})
 #: environment the watcher must not hand to a batch job: Slurm's own allocation wins on the node
 _DROPPED_ENV = ("CUDA_VISIBLE_DEVICES",)
 
@@ -227,7 +228,16 @@ class SlurmExecutor:
         return self._within_grace(paths, slurm_id)
 
     def read_started(self, paths: JobPaths) -> dict | None:
-        return read_json(paths.started)
+        """The supervisor's start record; before it exists, what slurm.json says was submitted (if not finished)."""
+        started = read_json(paths.started)
+        if started is not None:
+            return started
+        submitted = read_json(paths.slurm_record) or {}
+        if not submitted.get("slurm_job_id") or _attempt_ended(paths, submitted.get("attempt")):
+            return None
+        # recovery needs this when the watcher died between sbatch and run.json: the attempt exists in Slurm
+        return {"attempt": submitted.get("attempt"), "supervisor_pid": None, "job_pid": None,
+                "started_at": submitted.get("submitted_at"), "slurm_job_id": submitted["slurm_job_id"]}
 
     def read_exit(self, paths: JobPaths, attempt: dict) -> dict | None:
         """The supervisor's exit record; or, once Slurm ended the job without one, a record written in its place."""
@@ -240,6 +250,8 @@ class SlurmExecutor:
         job = self._state(slurm_id)
         if job is None or not job.has_ended or supervisor_holds_lock(paths) or self._within_grace(paths, slurm_id):
             return None
+        if attempt.get("ended_at"):
+            return None  # finished long ago; its exit.json was cleared for a next attempt that never reached sbatch
         _refresh_listing(paths.dir)  # an NFS client may cache "no exit.json"; listing the folder revalidates
         record = read_json(paths.exit_record) or self._synthesize(paths, attempt, slurm_id, job)
         self._forget(slurm_id)
@@ -261,7 +273,7 @@ class SlurmExecutor:
         slurm_id = self._slurm_id(paths, attempt)
         job = self._state(slurm_id) if slurm_id else None
         if job is None:
-            return None
+            return self._down if slurm_id and not paths.started.exists() else None
         if job.state in QUEUED_STATES:
             reason = job.reason if job.reason and job.reason != "None" else "queued"
             return f"Slurm: {reason}"
@@ -424,12 +436,14 @@ class SlurmExecutor:
     def _slurm_id(self, paths: JobPaths, attempt: dict) -> str | None:
         """The attempt's Slurm job id: from run.json, else from slurm.json (the watcher died right after sbatch)."""
         slurm_id = attempt.get("slurm_job_id")
-        if slurm_id:
-            return str(slurm_id)
+        if slurm_id and not attempt.get("ended_at"):
+            return str(slurm_id)  # the usual case: no file to read
         record = read_json(paths.slurm_record) or {}
-        if record.get("slurm_job_id") and record.get("attempt") in (attempt.get("n"), None):
+        known, submitted = attempt.get("n"), int(record.get("attempt") or 0)
+        if record.get("slurm_job_id") and (known is None or submitted > int(known)
+                                           or (submitted == int(known) and not slurm_id)):
             return str(record["slurm_job_id"])
-        return None
+        return str(slurm_id) if slurm_id else None
 
     # -- when Slurm ended the job without an exit record ----------------------------------------
     def _synthesize(self, paths: JobPaths, attempt: dict, slurm_id: str, job: SlurmJob) -> dict:
@@ -540,6 +554,12 @@ def _outcome(exit_code: int | None, signal: int | None, stop_reason: str | None,
             diagnosis["advice"] = advice
     return {"exit_code": exit_code, "signal": signal, "stop_reason": stop_reason, "evidence": evidence,
             "diagnosis": diagnosis}
+
+
+def _attempt_ended(paths: JobPaths, n: object) -> bool:
+    """True when run.json records attempt ``n`` as finished."""
+    attempts = (read_json(paths.run) or {}).get("attempts") or []
+    return any(a.get("n") == n and a.get("ended_at") for a in attempts if isinstance(a, dict))
 
 
 def _parse_squeue(out: str) -> dict[str, SlurmJob]:
