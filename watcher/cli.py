@@ -116,8 +116,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_watch(args: argparse.Namespace) -> int:
     from .config import load_watcher_config
-    from .daemon import Watcher
-    from .errors import InvalidJobSpec, WatcherError
+    from .errors import InvalidJobSpec
 
     root = _root(args)
     if not root.is_dir():
@@ -128,7 +127,17 @@ def cmd_watch(args: argparse.Namespace) -> int:
         for line in exc.lines():
             print(f"trainq: {root / line}" if not line.startswith("/") else f"trainq: {line}", file=sys.stderr)
         return EXIT_INVALID
-    _setup_logging(root / "watcher.log", verbose=args.verbose, quiet=args.quiet)
+    listener = _setup_logging(root / "watcher.log", verbose=args.verbose, quiet=args.quiet)
+    try:
+        return _watch(root, config, args)
+    finally:
+        listener.stop()
+
+
+def _watch(root: Path, config, args: argparse.Namespace) -> int:
+    from .daemon import Watcher
+    from .errors import WatcherError
+
     watcher = Watcher(root, config, polling=args.polling)
     try:
         watcher.start()
@@ -158,17 +167,24 @@ def _run_until_idle(watcher) -> None:
         watcher._wait(watcher._next_wait_s())
 
 
-def _setup_logging(log_file: Path, verbose: bool, quiet: bool) -> None:
-    level = logging.DEBUG if verbose else logging.INFO
+def _setup_logging(log_file: Path, verbose: bool, quiet: bool) -> logging.handlers.QueueListener:
+    """watcher.log (and stderr unless quiet), written by a background thread so the loop never waits on disk."""
+    import logging.handlers
+    import queue
+
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
     handlers: list[logging.Handler] = [logging.FileHandler(log_file, encoding="utf-8")]
     if not quiet:
         handlers.append(logging.StreamHandler(sys.stderr))
-    root_logger = logging.getLogger("watcher")
-    root_logger.setLevel(level)
     for handler in handlers:
         handler.setFormatter(fmt)
-        root_logger.addHandler(handler)
+    records: queue.SimpleQueue = queue.SimpleQueue()
+    listener = logging.handlers.QueueListener(records, *handlers, respect_handler_level=False)
+    watcher_logger = logging.getLogger("watcher")
+    watcher_logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    watcher_logger.addHandler(logging.handlers.QueueHandler(records))
+    listener.start()
+    return listener
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -5,7 +5,9 @@ admit_inbox → start_pending → watch_running → write_status. Tests call ``t
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import heapq
 import logging
 import os
 import select
@@ -30,7 +32,7 @@ from .errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError, Spaw
 from .folders import Folders, JobState, QueueRoot
 from .fsutil import remove_quietly, touch
 from .inbox import Inbox, InboxEvents, start_observer
-from .jobs import Job, judge_exit, latest_checkpoint, load_job, new_run, relative_to_job, should_retry, supervisor_lost
+from .jobs import Job, JobIndex, judge_exit, latest_checkpoint, load_job, new_run, relative_to_job, should_retry, supervisor_lost
 from .jobspec import JobSpec, load_job_file
 from .recovery import recover
 from .report import Report
@@ -46,6 +48,10 @@ logger = logging.getLogger(__name__)
 RUNNING_POLL_S = 0.2
 #: how many inbox files one tick takes at most, so status stays fresh during a 10,000-file burst
 ADMIT_BATCH = 2000
+#: how many pending jobs, in start order, admission plans per pass (plus 2 x max_concurrent)
+PLAN_HEAD = 50
+#: how often admission re-plans when nothing of ours changed (free RAM, GPUs may have), seconds
+PLAN_EVERY_S = 0.5
 
 
 class Watcher:
@@ -59,7 +65,7 @@ class Watcher:
         self.folders = Folders(self.root)
         self.executor = make_executor(config, self.root.path)
         self.probe = ResourceProbe(simulate_gpus=config.simulate_gpus, env=self.env)
-        self.jobs: dict[str, Job] = {}
+        self.jobs = JobIndex()
         self.report = Report(self.root, config, started_at=time.time())
         self.inbox: Inbox | None = None
         self.paused = False
@@ -72,6 +78,8 @@ class Watcher:
         self._signals = None
         self._last_rescan = 0.0
         self._last_running_poll = 0.0
+        self._plan_due = True
+        self._last_plan = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, *, install_signals: bool = True) -> None:
@@ -193,6 +201,7 @@ class Watcher:
         if paused != self.paused:
             logger.info("watcher %d: %s", os.getpid(), "paused (pause.flag)" if paused else "resumed")
             self.paused = paused
+            self._plan_due = True
             self.report.touch()
 
     # -- finishing ---------------------------------------------------------------------------
@@ -242,7 +251,7 @@ class Watcher:
         job.save()
         ok = outcome.status == "done"
         job.dir = self.folders.finish(job.id, ok)
-        job.state = JobState.DONE if ok else JobState.FAILED
+        self.jobs.move(job, JobState.DONE if ok else JobState.FAILED)
         kind = f" ({outcome.diagnosis.kind})" if outcome.diagnosis else ""
         logger.info("job %s: running -> %s, %s%s", job.id, job.state.value, outcome.status, kind)
         self._retire(job, now)
@@ -263,19 +272,21 @@ class Watcher:
         remove_quietly(job.paths.stop_flag)
         job.save()
         job.dir = self.folders.requeue(job.id, JobState.RUNNING)
-        job.state = JobState.PENDING
+        self.jobs.move(job, JobState.PENDING)
         job.readers = None
+        self._plan_due = True
         logger.info("job %s: running -> pending, retry after %s in %gs%s", job.id, outcome.diagnosis.kind,
                     backoff_s, f" (resume from {resume})" if resume else "")
         self.report.touch()
 
     def _retire(self, job: Job, now: float) -> None:
         """A job reached done/ or failed/: it leaves the live index, the report keeps it as recent."""
-        self.jobs.pop(job.id, None)
+        self._plan_due = True
+        self.jobs.remove(job.id)
         self.report.finished(job, now)
 
     def _drop(self, job: Job) -> None:
-        self.jobs.pop(job.id, None)
+        self.jobs.remove(job.id)
         self.folders.forget(job.id)
         self.report.touch()
 
@@ -293,7 +304,7 @@ class Watcher:
                        stop_requested_at=iso_utc(now))
         job.save()
         job.dir = self.folders.fail(job.id, JobState.PENDING)
-        job.state = JobState.FAILED
+        self.jobs.move(job, JobState.FAILED)
         logger.info("job %s: pending -> failed, cancelled (stop.flag)", job.id)
         self._retire(job, now)
 
@@ -313,8 +324,8 @@ class Watcher:
         job.run.pop("stop_requested_by", None)
         job.save()
         job.dir = self.folders.requeue(job_id, state)
-        job.state = JobState.PENDING
-        self.jobs[job_id] = job
+        self.jobs.move(job, JobState.PENDING)
+        self.jobs.add(job)
         self.report.unfinished(job_id, state)
         logger.info("job %s: %s -> pending, retry requested%s", job_id, state.value,
                     f" (resume from {resume})" if resume else "")
@@ -374,7 +385,7 @@ class Watcher:
             return
         job_id, path = claimed
         run["id"] = job_id
-        self.jobs[job_id] = Job(job_id, JobState.PENDING, path, run, spec)
+        self.jobs.add(Job(job_id, JobState.PENDING, path, run, spec))
         logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, cand.name, spec.priority)
         self.report.touch()
 
@@ -396,34 +407,34 @@ class Watcher:
 
     # -- starting ----------------------------------------------------------------------------
     def start_pending(self, now: float) -> None:
-        """Ask admission which pending jobs fit now, and start them."""
-        pending = sorted(self._jobs_in(JobState.PENDING), key=Job.sort_key)
+        """Ask admission which pending jobs fit now, and start them.
+
+        Only the head of the queue (in start order) is planned each pass: a job deep in a
+        10,000-job queue cannot start before those ahead of it, and planning all of them every
+        tick made throughput fall with queue length. Every job is still checked once, when it
+        first becomes pending, for whether this machine can ever run it.
+        """
+        pending = self._jobs_in(JobState.PENDING)
         if not pending:
             return
         running = self._jobs_in(JobState.RUNNING)
-        machine = self.probe.sample(self._disk_paths(pending + running))
-        requests, waiting = [], []
-        for job in pending:
-            not_before = _parse_time(job.run.get("not_before"))
-            if not_before and not_before > now:
-                waiting.append(job)
-                continue
-            requests.append(self._request(job))
-        limits = Limits(
-            max_concurrent=self.config.max_concurrent,
-            gpu_ids=self.config.gpus,
-            min_free_ram_gb=self.config.min_free_ram_gb,
-            min_free_disk_gb=self.config.min_free_disk_gb,
-            paused=self.paused,
-        )
+        unchecked = [j for j in pending if not j.checked]
+        if not self._plan_due and not unchecked and now - self._last_plan < PLAN_EVERY_S:
+            return
+        self._plan_due, self._last_plan = False, now
+        head = heapq.nsmallest(PLAN_HEAD + 2 * self.config.max_concurrent, pending, key=Job.sort_key)
+        machine = self.probe.sample(self._disk_paths(head + running))
+        limits = self._limits()
+        holdings = [self._holding(j) for j in running]
+        self._reject_unsatisfiable(unchecked, holdings, machine, limits, now)
         unavailable = self.executor.unavailable(now)
         if unavailable:
-            self._all_wait(pending, unavailable)
+            self._all_wait(head, unavailable)
             return
-        decisions = plan(requests, [self._holding(j) for j in running], machine, limits)
-        for decision in decisions:
+        requests = [self._request(j) for j in head if j.state is JobState.PENDING and not _later(j, now)]
+        for decision in plan(requests, holdings, machine, limits):
             job = self.jobs.get(decision.job_id)
-            if job is None:
+            if job is None or job.state is not JobState.PENDING:
                 continue
             if decision.unsatisfiable:
                 self._fail_unsatisfiable(job, decision.unsatisfiable, now)
@@ -432,6 +443,26 @@ class Watcher:
             elif job.run.get("waiting_for") != decision.waiting_for:
                 job.run["waiting_for"] = decision.waiting_for
                 self.report.touch()
+
+    def _limits(self) -> Limits:
+        return Limits(
+            max_concurrent=self.config.max_concurrent,
+            gpu_ids=self.config.gpus,
+            min_free_ram_gb=self.config.min_free_ram_gb,
+            min_free_disk_gb=self.config.min_free_disk_gb,
+            paused=self.paused,
+        )
+
+    def _reject_unsatisfiable(self, jobs: list[Job], holdings, machine, limits: Limits, now: float) -> None:
+        """A job this machine can never run fails at once instead of waiting forever."""
+        if not jobs:
+            return
+        as_if_paused = dataclasses.replace(limits, paused=True)  # only the "never" checks run
+        never = {d.job_id: d.unsatisfiable for d in plan([self._request(j) for j in jobs], holdings, machine, as_if_paused)}
+        for job in jobs:
+            job.checked = True
+            if never.get(job.id):
+                self._fail_unsatisfiable(job, never[job.id], now)
 
     def _all_wait(self, jobs: list[Job], reason: str) -> None:
         for job in jobs:
@@ -475,19 +506,18 @@ class Watcher:
         )
         job.save()
         job.dir = self.folders.fail(job.id, JobState.PENDING)
-        job.state = JobState.FAILED
+        self.jobs.move(job, JobState.FAILED)
         logger.info("job %s: pending -> failed, unsatisfiable: %s", job.id, reason)
         self._retire(job, now)
 
     def _launch(self, job: Job, decision, now: float) -> None:
         attempt = job.attempt + 1
         job.dir = self.folders.start(job.id)
-        job.state = JobState.RUNNING
+        self.jobs.move(job, JobState.RUNNING)
         paths = job.paths
         # resolved now, where the folder is: it moved since the checkpoint was written
         resume_from = latest_checkpoint(paths) if job.spec.has_resume and job.run.get("resume_from") else None
-        for stale in (paths.exit_record, paths.started, paths.stop_flag):
-            remove_quietly(stale)
+        remove_quietly(paths.stop_flag)  # a stop for an earlier attempt (the supervisor clears its own records)
         values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or ""}
         spec = LaunchSpec(
             job_dir=str(paths.dir),
@@ -530,7 +560,7 @@ class Watcher:
         job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[])
         job.save(durable=False)
         job.dir = self.folders.requeue(job.id, JobState.RUNNING)
-        job.state = JobState.PENDING
+        self.jobs.move(job, JobState.PENDING)
         logger.warning("job %s: running -> pending, executor unavailable: %s", job.id, reason)
         self.report.touch()
 
@@ -598,10 +628,10 @@ class Watcher:
 
     # -- helpers -----------------------------------------------------------------------------
     def _jobs_in(self, state: JobState) -> list[Job]:
-        return [j for j in self.jobs.values() if j.state is state]
+        return self.jobs.in_state(state)
 
     def _count(self, state: JobState) -> int:
-        return sum(1 for j in self.jobs.values() if j.state is state)
+        return self.jobs.count(state)
 
 
 def _banner(job_id: str, attempt: int, now: float, resume_from: str | None) -> str:
@@ -615,6 +645,12 @@ def _spawn_outcome(message: str):
 
     return Outcome("failed", Diagnosis("unknown", "Check the job's command and cwd; the process could not be started.",
                                        message))
+
+
+def _later(job: Job, now: float) -> bool:
+    """A retry still inside its backoff."""
+    not_before = _parse_time(job.run.get("not_before"))
+    return bool(not_before and not_before > now)
 
 
 def _parse_time(text: str | None) -> float | None:

@@ -38,6 +38,7 @@ class Job:
     activity_sig: tuple = field(default_factory=tuple)
     usage: dict | None = None
     pids: tuple[int, ...] = ()
+    checked: bool = False  # admission has checked that this machine can ever run it
 
     @property
     def paths(self) -> JobPaths:
@@ -222,3 +223,50 @@ def load_job(job_dir: Path, state: JobState) -> Job | None:
         spec = None
     run.setdefault("id", job_dir.name)
     return Job(job_dir.name, state, job_dir, run, spec)
+
+
+class JobIndex:
+    """The live jobs (pending and running) by id and by state, so a tick never scans 10,000 jobs to find 3."""
+
+    def __init__(self) -> None:
+        self._all: dict[str, Job] = {}
+        self._by_state: dict[JobState, dict[str, Job]] = {state: {} for state in JobState}
+
+    def add(self, job: Job) -> None:
+        self.remove(job.id)
+        self._all[job.id] = job
+        self._by_state[job.state][job.id] = job
+
+    def remove(self, job_id: str) -> Job | None:
+        job = self._all.pop(job_id, None)
+        if job is not None:
+            self._by_state[job.state].pop(job_id, None)
+        return job
+
+    def move(self, job: Job, state: JobState) -> None:
+        """Record that ``job``'s folder moved to ``state``."""
+        self._by_state[job.state].pop(job.id, None)
+        job.state = state
+        if job.id in self._all:
+            self._by_state[state][job.id] = job
+
+    def in_state(self, state: JobState) -> list[Job]:
+        return list(self._by_state[state].values())
+
+    def count(self, state: JobState) -> int:
+        return len(self._by_state[state])
+
+    def get(self, job_id: str) -> Job | None:
+        return self._all.get(job_id)
+
+    def values(self):
+        return self._all.values()
+
+    def __getitem__(self, job_id: str) -> Job:
+        return self._all[job_id]
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._all
+
+    def __len__(self) -> int:
+        return len(self._all)

@@ -61,10 +61,10 @@ def _recover_pending(watcher: "Watcher", job_id: str, now: float) -> None:
     if job.run.get("status") in FINAL_STATUSES:  # the move to failed/ was interrupted
         job.save()
         job.dir = watcher.folders.fail(job_id, JobState.PENDING)
-        job.state = JobState.FAILED
+        watcher.jobs.move(job, JobState.FAILED)
         return
     job.run["status"] = "pending"
-    watcher.jobs[job_id] = job
+    watcher.jobs.add(job)
 
 
 def _recover_running(watcher: "Watcher", job_id: str, now: float) -> None:
@@ -75,7 +75,7 @@ def _recover_running(watcher: "Watcher", job_id: str, now: float) -> None:
         job.run["id"] = job_id
     executor = watcher.executor
     started = executor.read_started(job.paths)
-    watcher.jobs[job_id] = job
+    watcher.jobs.add(job)
     attempt = job.current_attempt() or {}
     if executor.is_alive(job.paths, attempt):
         _adopt(job, started, now)
@@ -127,7 +127,7 @@ def _never_started(watcher: "Watcher", job: Job) -> None:
     job.run.update(status="pending", waiting_for=None)
     job.save()
     job.dir = watcher.folders.requeue(job.id, JobState.RUNNING)
-    job.state = JobState.PENDING
+    watcher.jobs.move(job, JobState.PENDING)
     logger.info("job %s: running -> pending, its attempt never started", job.id)
 
 

@@ -146,9 +146,10 @@ class Report:
         if now - self.last_recount >= RECOUNT_EVERY_S:
             self.last_recount = now
             self.recount()
-        due = now - self.last_write >= self.config.heartbeat_s
-        if not (self.dirty or due or force):
-            return
+        since = now - self.last_write
+        due = since >= self.config.heartbeat_s or (self.dirty and since >= self.config.status_s)
+        if not (due or force):
+            return  # building a snapshot costs ms: only when it may be written
         snapshot = self.snapshot(watcher, now, state)
         if force:
             self.writer.force_write(snapshot, now)
