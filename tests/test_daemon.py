@@ -4,14 +4,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-from conftest import FAKE, PY, REPO, drop, tick_until
+from conftest import PY, REPO, drop, tick_until
 from watcher.contract import JobPaths
 from watcher.errors import QueueLocked
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import drop, tick_until, wait_until
+from conftest import drop, tick_until
 from watcher.folders import id_from_name
 from watcher.inbox import is_candidate_name
 

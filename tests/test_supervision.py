@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import psutil
 
-from conftest import FAKE, PY, drop, job_processes, tick_until, wait_until
+from conftest import FAKE, PY, job_processes, tick_until
 
 RESUMABLE = r'''
 import json, os, sys

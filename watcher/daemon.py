@@ -11,7 +11,6 @@ import heapq
 import logging
 import os
 import select
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from .contract import (
     ENV_STOP_FLAG,
     JobPaths,
 )
-from .errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError, SpawnFailed, WatcherError
+from .errors import InvalidJobSpec, QueueLocked, QueueLayoutError, SpawnFailed
 from .folders import Folders, JobState, QueueRoot
 from .fsutil import remove_quietly, touch
 from .inbox import Inbox, InboxEvents, start_observer
@@ -378,7 +377,7 @@ class Watcher:
         return self._order_last
 
     def _accept(self, cand, spec: JobSpec, now: float) -> None:
-        run = new_run(spec, self._next_order(), now, name=cand.name)
+        run = new_run(spec, self._next_order(), now, name=_stem(cand.name))
         claimed = self.folders.claim(cand.path, JobState.PENDING, run)
         self.inbox.taken(cand.name)
         if claimed is None:
@@ -390,7 +389,7 @@ class Watcher:
         self.report.touch()
 
     def _reject(self, cand, exc: InvalidJobSpec, now: float) -> None:
-        run = new_run(None, self._next_order(), now, name=cand.name)
+        run = new_run(None, self._next_order(), now, name=_stem(cand.name))
         run.update(status="rejected", finished_at=iso_utc(now), errors=[p.to_dict() for p in exc.problems],
                    error=exc.lines()[0] if exc.problems else "invalid job file")
         claimed = self.folders.claim(cand.path, JobState.FAILED, run)
@@ -675,8 +674,9 @@ def _ids_with_retry_flag(state_dir: Path) -> list[str]:
     return [e.name for e in entries if not e.name.startswith(".") and JobPaths(Path(e.path)).retry_flag.exists()]
 
 
-def host_name() -> str:
-    return socket.gethostname()
 
 
-__all__ = ["Watcher", "WatcherError", "Problem"]
+def _stem(file_name: str) -> str:
+    """``lora.yaml`` → ``lora``: the display name of a job without ``name:``."""
+    stem, dot, suffix = file_name.rpartition(".")
+    return stem if dot and suffix.lower() in ("yaml", "yml") and stem else file_name

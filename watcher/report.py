@@ -10,7 +10,6 @@ import os
 import socket
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import __version__
