@@ -1,0 +1,233 @@
+"""Starting pending jobs: ask admission which fit, launch them through the executor, say why the rest wait."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .admission import Holding, Limits, Request, plan
+from .contract import (
+    ATTEMPT_BANNER_PREFIX,
+    ENV_ATTEMPT,
+    ENV_JOB_DIR,
+    ENV_JOB_ID,
+    ENV_METRICS,
+    ENV_RESUME_FROM,
+    ENV_STOP_FLAG,
+)
+from .errors import SpawnFailed
+from .executor import ExecutorUnavailable
+from .folders import JobState
+from .fsutil import remove_quietly
+from .diagnosis import Diagnosis
+from .jobs import Job, Outcome, latest_checkpoint
+from .supervisor import LaunchSpec
+from .units import iso_utc, parse_iso
+
+logger = logging.getLogger(__name__)
+
+#: how many pending jobs, in start order, admission plans per pass (plus 2 x max_concurrent)
+PLAN_HEAD = 50
+#: how often admission re-plans when nothing of ours changed (free RAM, GPUs may have), seconds
+PLAN_EVERY_S = 0.5
+
+
+class Starting:
+    """The part of the Watcher that turns pending jobs into running attempts (a mixin of Watcher)."""
+
+    # -- starting ----------------------------------------------------------------------------
+    def start_pending(self, now: float) -> None:
+        """Ask admission which pending jobs fit now, and start them.
+
+        Only the head of the queue (in start order) is planned each pass: a job deep in a
+        10,000-job queue cannot start before those ahead of it, and planning all of them every
+        tick made throughput fall with queue length. Every job is still checked once, when it
+        first becomes pending, for whether this machine can ever run it.
+        """
+        pending = self._jobs_in(JobState.PENDING)
+        if not pending:
+            return
+        running = self._jobs_in(JobState.RUNNING)
+        unchecked = [j for j in pending if not j.checked]
+        if not self._plan_due and not unchecked and now - self._last_plan < PLAN_EVERY_S:
+            return
+        self._plan_due, self._last_plan = False, now
+        head = heapq.nsmallest(PLAN_HEAD + 2 * self.config.max_concurrent, pending, key=Job.sort_key)
+        machine = self.probe.sample(self._disk_paths(head + running))
+        limits = self._limits()
+        holdings = [self._holding(j) for j in running]
+        self._reject_unsatisfiable(unchecked, holdings, machine, limits, now)
+        unavailable = self.executor.unavailable(now)
+        if unavailable:
+            self._all_wait(head, unavailable)
+            return
+        requests = [self._request(j) for j in head if j.state is JobState.PENDING and not _later(j, now)]
+        for decision in plan(requests, holdings, machine, limits):
+            job = self.jobs.get(decision.job_id)
+            if job is None or job.state is not JobState.PENDING:
+                continue
+            if decision.unsatisfiable:
+                self._fail_unsatisfiable(job, decision.unsatisfiable, now)
+            elif decision.start:
+                self._launch(job, decision, now)
+            elif job.run.get("waiting_for") != decision.waiting_for:
+                job.run["waiting_for"] = decision.waiting_for
+                self.report.touch()
+
+    def _limits(self) -> Limits:
+        return Limits(
+            max_concurrent=self.config.max_concurrent,
+            gpu_ids=self.config.gpus,
+            min_free_ram_gb=self.config.min_free_ram_gb,
+            min_free_disk_gb=self.config.min_free_disk_gb,
+            paused=self.paused,
+        )
+
+    def _reject_unsatisfiable(self, jobs: list[Job], holdings, machine, limits: Limits, now: float) -> None:
+        """A job this machine can never run fails at once instead of waiting forever."""
+        if not jobs:
+            return
+        as_if_paused = dataclasses.replace(limits, paused=True)  # only the "never" checks run
+        never = {d.job_id: d.unsatisfiable for d in plan([self._request(j) for j in jobs], holdings, machine, as_if_paused)}
+        for job in jobs:
+            job.checked = True
+            if never.get(job.id):
+                self._fail_unsatisfiable(job, never[job.id], now)
+
+    def _all_wait(self, jobs: list[Job], reason: str) -> None:
+        for job in jobs:
+            if job.run.get("waiting_for") != reason:
+                job.run["waiting_for"] = reason
+                self.report.touch()
+
+    def _request(self, job: Job) -> Request:
+        res = job.spec.resources
+        if getattr(self.executor, "places_resources", False):
+            # Slurm places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
+            return Request(job_id=job.id, priority=job.priority, order=job.order, gpus=0, disk_gb=res.disk_gb,
+                           allow_battery=True, disk_path=self._disk_path(job))
+        return Request(
+            job_id=job.id, priority=job.priority, order=job.order, gpus=res.gpus,
+            gpu_memory_gb=res.gpu_memory_gb, ram_gb=res.ram_gb, disk_gb=res.disk_gb,
+            allow_battery=res.allow_battery, disk_path=self._disk_path(job),
+        )
+
+    def _holding(self, job: Job) -> Holding:
+        res = job.spec.resources if job.spec and not getattr(self.executor, "places_resources", False) else None
+        rss_gb = ((job.usage or {}).get("rss_mb") or 0.0) / 1024
+        return Holding(job_id=job.id, gpus=tuple(job.run.get("gpus") or ()),
+                       ram_gb=res.ram_gb if res else 0.0, disk_gb=res.disk_gb if res else 0.0, rss_gb=rss_gb,
+                       pids=job.pids, disk_path=self._disk_path(job))
+
+    def _disk_path(self, job: Job) -> Path:
+        cwd = job.spec.cwd if job.spec else None
+        if cwd and "{" not in cwd and os.path.isdir(cwd):
+            return Path(cwd)
+        return self.root.path
+
+    def _disk_paths(self, jobs: list[Job]) -> list[Path]:
+        return sorted({self._disk_path(j) for j in jobs[:50]} | {self.root.path})
+
+    def _fail_unsatisfiable(self, job: Job, reason: str, now: float) -> None:
+        job.run.update(
+            status="failed", finished_at=iso_utc(now), waiting_for=None, error=reason,
+            diagnosis={"kind": "unsatisfiable", "advice": "Lower the job's resources to what this machine has, "
+                       "or run it on a bigger machine.", "evidence": reason},
+        )
+        job.save()
+        job.dir = self.folders.fail(job.id, JobState.PENDING)
+        self.jobs.move(job, JobState.FAILED)
+        logger.info("job %s: pending -> failed, unsatisfiable: %s", job.id, reason)
+        self._retire(job, now)
+
+    def _launch(self, job: Job, decision, now: float) -> None:
+        attempt = job.attempt + 1
+        job.dir = self.folders.start(job.id)
+        self.jobs.move(job, JobState.RUNNING)
+        paths = job.paths
+        # resolved now, where the folder is: it moved since the checkpoint was written
+        resume_from = latest_checkpoint(paths) if job.spec.has_resume and job.run.get("resume_from") else None
+        remove_quietly(paths.stop_flag)  # a stop for an earlier attempt (the supervisor clears its own records)
+        values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or ""}
+        spec = LaunchSpec(
+            job_dir=str(paths.dir),
+            argv=tuple(job.spec.launch_argv(values, sys.executable, resume=bool(resume_from))),
+            env=self._job_env(job, values, decision, resume_from),
+            cwd=job.spec.launch_cwd(values) or str(paths.dir),
+            attempt=attempt,
+            stop_grace_s=job.spec.stop_grace_s,
+            kill_after_s=self.config.kill_after_s,
+            timeout_s=job.spec.timeout_s,
+            banner=_banner(job.id, attempt, now, resume_from),
+        )
+        job.run.update(status="running", attempt=attempt, waiting_for=None, not_before=None,
+                       gpus=list(decision.gpus), stop_requested_at=None)
+        job.run["started_at"] = job.run.get("started_at") or iso_utc(now)
+        record = {"n": attempt, "pid": None, "job_pid": None, "started_at": iso_utc(now),
+                  "resumed_from": resume_from, "gpus": list(decision.gpus)}
+        try:
+            record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.slurm))
+        except ExecutorUnavailable as exc:
+            self._unlaunch(job, str(exc))
+            return
+        except SpawnFailed as exc:
+            job.run["attempts"].append(record)
+            self._finish(job, _spawn_outcome(str(exc)), {"spawn_error": str(exc)}, now)
+            return
+        job.run["attempts"].append(record)
+        job.run["executor"] = self.executor.name
+        if record.get("slurm_job_id"):
+            job.run["slurm_job_id"] = record["slurm_job_id"]
+        job.save(durable=False)
+        job.health, job.last_activity, job.activity_sig, job.readers = "healthy", now, (), None
+        gpus = ",".join(map(str, decision.gpus)) or "none"
+        where = f"slurm job {record['slurm_job_id']}" if record.get("slurm_job_id") else f"pid {record.get('pid')}"
+        logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
+        self.report.touch()
+
+    def _unlaunch(self, job: Job, reason: str) -> None:
+        """The executor could not take the attempt (Slurm down): back to pending, nothing lost."""
+        job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[])
+        job.save(durable=False)
+        job.dir = self.folders.requeue(job.id, JobState.RUNNING)
+        self.jobs.move(job, JobState.PENDING)
+        logger.warning("job %s: running -> pending, executor unavailable: %s", job.id, reason)
+        self.report.touch()
+
+    def _job_env(self, job: Job, values: dict, decision, resume_from: str | None) -> dict[str, str]:
+        env = {k: v for k, v in self.env.items() if not k.startswith("TRAINQ_") or k == "TRAINQ_TRAINER_FAULTS"}
+        env.update(job.spec.launch_env(values))
+        env.update(decision.env)
+        paths = job.paths
+        env.update({
+            ENV_JOB_ID: job.id,
+            ENV_JOB_DIR: str(paths.dir),
+            ENV_STOP_FLAG: str(paths.stop_flag),
+            ENV_METRICS: str(paths.metrics),
+            ENV_ATTEMPT: values["attempt"],
+        })
+        if resume_from:
+            env[ENV_RESUME_FROM] = resume_from
+        return env
+
+
+def _banner(job_id: str, attempt: int, now: float, resume_from: str | None) -> str:
+    """The one-line separator the supervisor writes to output.log before an attempt."""
+    resume = f", resuming from {resume_from}" if resume_from else ""
+    return f"{ATTEMPT_BANNER_PREFIX}job {job_id}, attempt {attempt}, started {iso_utc(now)}{resume} ====="
+
+
+def _spawn_outcome(message: str) -> Outcome:
+    """The attempt never started (fork failed, lock held): a failure whose evidence is the reason."""
+    return Outcome("failed", Diagnosis("unknown", "Check the job's command and cwd; the process could not be started.",
+                                       message))
+
+
+def _later(job: Job, now: float) -> bool:
+    """A retry still inside its backoff."""
+    not_before = parse_iso(job.run.get("not_before"))
+    return bool(not_before and not_before > now)
