@@ -6,11 +6,11 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import psutil
+from conftest import wait_until
 import pytest
 
 from watcher.contract import ENV_SIMULATE_GPUS
@@ -21,18 +21,6 @@ TWO_GPUS = [
      "temperature_c": 41, "compute_capability": "8.6"},
     {"index": 1, "name": "Sim 6GB", "memory_total_mb": 6144},
 ]
-
-
-def wait_until(predicate: Callable[[], object], timeout_s: float = 5.0) -> object:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(0.02)
 
 
 @pytest.fixture

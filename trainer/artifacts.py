@@ -1,12 +1,12 @@
 """What a finished run leaves in the job folder: adapter/ (or model/), summary.json, loss.png, env.json, SHA256SUMS."""
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import sys
 from pathlib import Path
 
+from trainer.checkpoints import sha256_file
 from trainer.metrics import read_records
 from watcher.contract import RECORD_EVAL, RECORD_STEP
 from watcher.fsutil import atomic_write, atomic_write_json
@@ -94,21 +94,13 @@ def make_readable(folder: Path) -> None:
             path.chmod(0o644)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_sums(job_dir: Path, names: list[str]) -> None:
     """SHA256SUMS (``sha256sum -c`` format, paths relative to the job folder) over the named files and folders."""
     lines = []
     for name in names:
         target = job_dir / name
         files = sorted(p for p in target.rglob("*") if p.is_file()) if target.is_dir() else [target]
-        lines += [f"{_sha256(p)}  {p.relative_to(job_dir)}\n" for p in files if p.is_file()]
+        lines += [f"{sha256_file(p)}  {p.relative_to(job_dir)}\n" for p in files if p.is_file()]
     atomic_write(job_dir / SUMS_FILE, "".join(lines))
 
 

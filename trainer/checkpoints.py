@@ -43,7 +43,8 @@ def step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -70,7 +71,7 @@ def seal(folder: Path) -> dict:
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         path.chmod(0o644)  # safetensors writes 0600
         _fsync_file(path)
-        files[str(path.relative_to(folder))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        files[str(path.relative_to(folder))] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     manifest = {"complete": True, "files": files}
     atomic_write_json(folder / MANIFEST, manifest)
     return manifest
@@ -95,7 +96,7 @@ def _verify_file(folder: Path, name: str, info: dict) -> None:
     path = folder / name
     if not path.is_file() or path.stat().st_size != info["size"]:
         raise CheckpointError(f"{folder}: {name} is missing or has the wrong size; the checkpoint is damaged, resume from an older one")
-    if info["size"] <= HASH_LIMIT_BYTES and _sha256(path) != info["sha256"]:
+    if info["size"] <= HASH_LIMIT_BYTES and sha256_file(path) != info["sha256"]:
         raise CheckpointError(f"{folder}: {name} does not match its sha256 in {MANIFEST}; the checkpoint is damaged")
 
 
