@@ -113,8 +113,9 @@ class Watcher(Starting, Finishing):
             pass
 
     def _wait(self, timeout_s: float) -> None:
-        readable, _, _ = select.select([self._wake_r], [], [], max(0.0, timeout_s))
-        if readable:
+        wake_fds = [self._wake_r, *self.executor.wake_fds()]  # the spawner helper says when a job ended
+        readable, _, _ = select.select(wake_fds, [], [], max(0.0, timeout_s))
+        if self._wake_r in readable:
             try:
                 while os.read(self._wake_r, 4096):
                     pass

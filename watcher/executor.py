@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from .contract import JobPaths
 from .errors import WatcherError
-from .supervisor import LaunchSpec, Supervisor
+from .spawner import SpawningSupervisor
+from .supervisor import LaunchSpec
 
 if TYPE_CHECKING:
     from .config import WatcherConfig
@@ -57,6 +58,9 @@ class Executor(Protocol):
     def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
         """Escalate a stop the supervisor cannot carry out itself (scancel after the grace)."""
 
+    def wake_fds(self) -> list[int]:
+        """Extra fds whose readability means an attempt may have ended (the loop selects on them)."""
+
     def close(self) -> None:
         """Release what the executor holds."""
 
@@ -67,7 +71,7 @@ class LocalExecutor:
     name = "local"
 
     def __init__(self) -> None:
-        self.supervisor = Supervisor()
+        self.supervisor = SpawningSupervisor()
 
     def unavailable(self, now: float) -> str | None:
         return None
@@ -99,8 +103,11 @@ class LocalExecutor:
     def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
         return None  # the supervisor escalates by itself
 
+    def wake_fds(self) -> list[int]:
+        return self.supervisor.wake_fds()
+
     def close(self) -> None:
-        return None
+        self.supervisor.close()
 
 
 def make_executor(config: "WatcherConfig", root: Path) -> Executor:

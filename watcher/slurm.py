@@ -293,6 +293,9 @@ class SlurmExecutor:
             logger.info("job %s: scancel %s (stop requested, %s)", paths.dir.name, slurm_id, why)
             self._scancel(slurm_id, paths)
 
+    def wake_fds(self) -> list[int]:
+        return []  # Slurm's news arrives by polling squeue
+
     def close(self) -> None:
         if self._query is not None:
             self._query.close()
