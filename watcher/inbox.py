@@ -97,7 +97,8 @@ class InboxEvents(FileSystemEventHandler):
                 self._hints.pop(name, None)
             else:
                 self._hints[name] = hint
-        self._wake()
+        if hint is not None:  # a file that left the inbox (often our own claim) gives the loop nothing to do
+            self._wake()
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.is_directory:
