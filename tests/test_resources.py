@@ -208,3 +208,40 @@ def test_tree_usage_sums_gpu_memory_of_the_tree(tmp_path: Path, spawn: Callable)
     assert probe.tree_usage([job.pid])["gpu_memory_mb"] == 750
     assert probe.tree_usage([job.pid, other.pid])["gpu_memory_mb"] == 1050
     assert probe.tree_usage([]) == {"rss_mb": 0, "cpu_pct": 0, "gpu_memory_mb": 0}
+
+
+def _has_nvidia_driver() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        return True
+    except Exception:  # noqa: BLE001 - any NVML failure means: no usable driver here
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_nvidia_driver(), reason="needs an NVIDIA driver (NVML)")
+def test_real_nvml_reports_every_gpu_with_memory_and_our_own_processes() -> None:
+    """On a GPU machine: names, memory, utilisation, compute capability, and a CUDA process we start."""
+    probe = ResourceProbe(env={}, cache_s=0.0)
+    try:
+        gpus, error = probe.gpus()
+        assert error is None and gpus, "NVML is there but reported no GPU"
+        for gpu in gpus:
+            assert gpu.name and gpu.memory_total_mb > 0
+            assert 0 <= gpu.memory_used_mb <= gpu.memory_total_mb
+            assert gpu.compute_capability and "." in gpu.compute_capability
+        user = subprocess.Popen(
+            [sys.executable, "-c", "import torch, time; x = torch.ones(64 << 20, device='cuda'); time.sleep(30)"])
+        try:
+            seen = wait_until(lambda: any(p.pid == user.pid for g in probe.gpus()[0] for p in g.processes), 60)
+            assert seen
+            usage = probe.tree_usage([user.pid])
+            assert usage["gpu_memory_mb"] >= 200
+        finally:
+            user.kill()
+            user.wait()
+    finally:
+        probe.close()
