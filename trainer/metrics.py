@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from watcher.contract import RECORD_EVENT
+from watcher.diagnosis import parse_records
 
 
 def finite_or_none(value: object) -> object:
@@ -53,12 +54,4 @@ def read_records(path: Path) -> list[dict]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         return []
-    records = []
-    for line in lines:
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-    return records
+    return parse_records(lines)

@@ -114,8 +114,13 @@ def read_tail(path: str | os.PathLike, max_bytes: int = 65536) -> str:
 
 def read_metrics_tail(path: str | os.PathLike, max_bytes: int = 65536) -> list[dict]:
     """The JSON objects in the last ``max_bytes`` of metrics.jsonl (broken lines skipped)."""
+    return parse_records(read_tail(path, max_bytes).splitlines())
+
+
+def parse_records(lines: list[str]) -> list[dict]:
+    """The JSON objects among ``lines`` (metrics.jsonl records); torn or foreign lines are skipped."""
     records = []
-    for line in read_tail(path, max_bytes).splitlines():
+    for line in lines:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
