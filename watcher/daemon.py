@@ -70,7 +70,7 @@ class Watcher(Starting, Finishing):
         self.root.check_single_filesystem()
         self._take_root_lock()
         remove_quietly(self.root.stop_flag)
-        events = InboxEvents(self.root.inbox, self.wake)
+        events = InboxEvents(self.root.inbox, self.wake, flags=(self.root.stop_flag, self.root.pause_flag))
         self.inbox = Inbox(self.root.inbox, self.config.settle_s, events)
         self._observer = start_observer([self.root.inbox, self.root.path], events, self.polling)
         if install_signals:

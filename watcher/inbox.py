@@ -76,9 +76,10 @@ class Candidate:
 class InboxEvents(FileSystemEventHandler):
     """watchdog handler: records per-name hints and wakes the loop; never touches files."""
 
-    def __init__(self, inbox: Path, wake: Callable[[], None]):
+    def __init__(self, inbox: Path, wake: Callable[[], None], flags: Iterable[Path] = ()):
         self.inbox = str(inbox)
         self._wake = wake
+        self._flags = {str(p) for p in flags}  # the root's stop.flag / pause.flag: act on them at once
         self._lock = threading.Lock()
         self._hints: dict[str, str] = {}
 
@@ -102,6 +103,9 @@ class InboxEvents(FileSystemEventHandler):
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.is_directory:
+            return
+        if os.fsdecode(event.src_path) in self._flags or os.fsdecode(getattr(event, "dest_path", "")) in self._flags:
+            self._wake()
             return
         if isinstance(event, FileMovedEvent):
             self._set(self._name(event.src_path), None)
@@ -238,7 +242,7 @@ def start_observer(paths: list[Path], handler: FileSystemEventHandler, polling: 
             from watchdog.observers.inotify import InotifyObserver
 
             # full events: a file renamed into the inbox must read as "moved in" (ready), not "created"
-            observer = InotifyObserver(generate_full_events=True)
+            observer = InotifyObserver(generate_full_events=True, timeout=0.5)
         except (ImportError, OSError):
             from watchdog.observers import Observer
 
