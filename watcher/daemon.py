@@ -11,6 +11,7 @@ import logging
 import os
 import select
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import __version__
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: how many inbox files one tick takes at most, so status stays fresh during a 10,000-file burst
 ADMIT_BATCH = 2000
+#: from this many ready files on, validation runs on a small thread pool ahead of the claims
+PARALLEL_VALIDATE_MIN = 16
 
 
 class Watcher(Starting, Finishing):
@@ -58,6 +61,7 @@ class Watcher(Starting, Finishing):
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._observer = None
         self._signals = None
+        self._pool: ThreadPoolExecutor | None = None
         self._last_rescan = 0.0
         self._last_running_poll = 0.0
         self._plan_due = True
@@ -87,6 +91,9 @@ class Watcher(Starting, Finishing):
         self.report.write(self, time.time(), force=True, state="stopping")
         self.probe.close()
         self.executor.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -192,38 +199,58 @@ class Watcher(Starting, Finishing):
         """Validate every complete inbox file: accept, reject, or leave it awaiting approval."""
         candidates = self.inbox.scan()
         self.report.inbox_seen(candidates)
-        taken = 0
-        for cand in self.inbox.ready(candidates, now):
-            if taken >= ADMIT_BATCH:
-                self.wake()
-                break
-            if self._admit_one(cand, now):
-                taken += 1
+        todo = [c for c in self.inbox.ready(candidates, now) if not self._known_awaiting(c)]
+        if len(todo) > ADMIT_BATCH:
+            todo = todo[:ADMIT_BATCH]
+            self.wake()  # the rest next pass, so status.json stays fresh during a burst
+        for cand, result in self._validated(todo):
+            self._admit_one(cand, result, now)
         live = {c.name for c in candidates}
         for name in [n for n in self._awaiting if n not in live]:
             del self._awaiting[name]
         self.report.awaiting(self._awaiting)
 
-    def _admit_one(self, cand, now: float) -> bool:
-        sig = (cand.size, cand.mtime_ns, cand.ino)
+    def _known_awaiting(self, cand) -> bool:
+        """A file already found valid but unapproved, unchanged since: nothing to do."""
         cached = self._awaiting.get(cand.name)
-        if cached is not None and cached[0] == sig:
-            return False
+        return cached is not None and cached[0] == (cand.size, cand.mtime_ns, cand.ino)
+
+    def _validated(self, cands: list):
+        """(candidate, JobSpec | InvalidJobSpec | None) in drop order.
+
+        A burst is validated on two threads running ahead of the loop, which claims in order:
+        claims are filesystem calls that release the GIL, so reading and checking the next files
+        overlaps them. Claims (the folder state machine) stay on the loop's thread.
+        """
+        if len(cands) < PARALLEL_VALIDATE_MIN:
+            return ((c, self._validate(c)) for c in cands)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainq-validate")
+        return zip(cands, self._pool.map(self._validate, cands))
+
+    def _validate(self, cand) -> JobSpec | InvalidJobSpec | None:
+        """The file's JobSpec, the InvalidJobSpec listing its problems, or None when it vanished."""
         display = f"inbox/{cand.name}"
         try:
             spec = load_job_file(cand.path, display)
             self._check_allowed(spec, display)
         except InvalidJobSpec as exc:
-            self._reject(cand, exc, now)
-            return True
+            return exc
         except FileNotFoundError:
-            return False
-        if not spec.approved:
-            self._awaiting[cand.name] = (sig, {"name": cand.name, "spec": spec, "seen_at": now})
-            return False
-        self._awaiting.pop(cand.name, None)
-        self._accept(cand, spec, now)
-        return True
+            return None
+        return spec
+
+    def _admit_one(self, cand, result: JobSpec | InvalidJobSpec | None, now: float) -> None:
+        if result is None:
+            return
+        if isinstance(result, InvalidJobSpec):
+            self._reject(cand, result, now)
+        elif not result.approved:
+            sig = (cand.size, cand.mtime_ns, cand.ino)
+            self._awaiting[cand.name] = (sig, {"name": cand.name, "spec": result, "seen_at": now})
+        else:
+            self._awaiting.pop(cand.name, None)
+            self._accept(cand, result, now)
 
     def _check_allowed(self, spec: JobSpec, display: str) -> None:
         problem = check_command_allowed(spec, self.config)
