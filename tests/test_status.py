@@ -180,7 +180,7 @@ def test_html_follows_status_at_most_every_html_every_s(tmp_path: Path) -> None:
 _READER = r"""
 import json, sys, os
 import jsonschema
-path, stop, schema_path = sys.argv[1:4]
+path, stop, schema_path, count_path = sys.argv[1:5]
 validator = jsonschema.Draft202012Validator(json.load(open(schema_path)))
 reads = bad = 0
 problems = []
@@ -192,6 +192,9 @@ while not os.path.exists(stop):
     except FileNotFoundError:
         continue
     reads += 1
+    if reads % 10 == 0:
+        with open(count_path, "w") as c:
+            c.write(str(reads))
     try:
         validator.validate(json.loads(raw))
     except (ValueError, jsonschema.ValidationError) as e:
@@ -205,14 +208,18 @@ def test_concurrent_reader_never_sees_partial_or_invalid_file(tmp_path: Path) ->
     path, stop = tmp_path / "status.json", tmp_path / "stop"
     writer = StatusWriter(path, None, status_s=0.0)
     writer.force_write(_snapshot(), T0)
-    reader = subprocess.Popen([sys.executable, "-c", _READER, str(path), str(stop), str(SCHEMAS / "status.schema.json")],
-                              stdout=subprocess.PIPE, text=True)
+    count = tmp_path / "reads"
+    reader = subprocess.Popen([sys.executable, "-c", _READER, str(path), str(stop), str(SCHEMAS / "status.schema.json"),
+                               str(count)], stdout=subprocess.PIPE, text=True)
     try:
         assert reader.stdout.readline().strip() == "ready"
         many = [job_entry(f"p{i}", "pending", f"pending/p{i}", waiting_for="x" * (i % 97)) for i in range(60)]
-        for i in range(500):
+        i, deadline = 0, time.monotonic() + 60
+        # at least 500 writes, and on until the reader has read 50 times (a loaded machine reads slowly)
+        while i < 500 or (_reads_so_far(count) < 50 and time.monotonic() < deadline):
             jobs = list(_snapshot(step=i).jobs) + many[: i % 60]
             assert writer.maybe_write(_snapshot(jobs, heartbeat=T0 + i, step=i), T0 + i * 0.01)
+            i += 1
         stop.touch()
         out, _ = reader.communicate(timeout=30)
     finally:
@@ -274,3 +281,10 @@ def test_maybe_write_cost_for_100_jobs(tmp_path: Path) -> None:
         assert not writer.maybe_write(snapshot, T0 + 1 + i * 0.001)
     per_call_us = (time.perf_counter() - started) / len(snapshots) * 1e6
     assert per_call_us < 2000, per_call_us
+
+
+def _reads_so_far(count: Path) -> int:
+    try:
+        return int(count.read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0

@@ -44,7 +44,6 @@ _ALLOWED = {
     (JobState.RUNNING, JobState.FAILED),  # finish with failure
     (JobState.RUNNING, JobState.PENDING),  # retry after backoff, or never actually started
     (JobState.FAILED, JobState.PENDING),  # retry.flag
-    (JobState.DONE, JobState.PENDING),  # retry.flag on a done job is refused earlier; kept for recover()
 }
 
 
