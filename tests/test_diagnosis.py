@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -22,63 +21,28 @@ from watcher.diagnosis import (
     stalled_diagnosis,
     unsatisfiable_diagnosis,
 )
-from watcher.supervisor import LaunchSpec, Supervisor
+from test_supervisor import Jobs
 
 FAKE = Path(__file__).resolve().parent / "fake_trainers"
 
 
-def _wait(predicate, timeout_s: float = 30.0, what: str = "condition"):
-    """Poll until ``predicate`` returns something truthy."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
-    return value
-
-
-class Runner:
-    """Runs a fake trainer under a real supervisor and diagnoses how it ended."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.sup = Supervisor()
-        self.made: list[JobPaths] = []
+class Runner(Jobs):
+    """Runs a fake trainer under a real supervisor and diagnoses how it ended (cleanup: Jobs')."""
 
     def start(self, script: str, *args: str, **overrides: object) -> JobPaths:
-        paths = JobPaths(self.root / f"job{len(self.made)}")
-        paths.dir.mkdir()
-        self.made.append(paths)
-        fields = dict(job_dir=str(paths.dir), argv=(sys.executable, str(FAKE / script), *args), env={},
-                      cwd=str(paths.dir), attempt=1, stop_grace_s=0.5, kill_after_s=1.0)
-        fields.update(overrides)
-        self.sup.launch(LaunchSpec(**fields))
-        return paths
+        argv = overrides.pop("argv", (sys.executable, str(FAKE / script), *args))
+        return self.launch(argv, name=f"job{len(self.made)}", **overrides)[0]
 
     def finish(self, paths: JobPaths) -> Diagnosis | None:
-        record = _wait(lambda: self.sup.read_exit(paths), 30, f"the exit record of {paths.dir.name}")
+        record = self.wait_exit(paths)
         return diagnose(record, read_tail(paths.log), read_metrics_tail(paths.metrics))
 
     def run(self, script: str, *args: str, **overrides: object) -> Diagnosis | None:
         return self.finish(self.start(script, *args, **overrides))
 
     def job_pid(self, paths: JobPaths) -> int:
-        _wait(lambda: "ready" in read_tail(paths.log), 30, "the job to print ready")
+        self.wait_ready(paths)
         return self.sup.read_started(paths)["job_pid"]
-
-    def cleanup(self) -> None:
-        for paths in self.made:
-            started = self.sup.read_started(paths)
-            if started and self.sup.is_alive(paths):
-                try:
-                    os.kill(started["supervisor_pid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self.sup.kill_leftovers(paths)
-        deadline = time.monotonic() + 10
-        while self.sup.forked_pids and time.monotonic() < deadline:
-            self.sup.reap()
-            time.sleep(0.01)
 
 
 @pytest.fixture
