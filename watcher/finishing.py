@@ -9,7 +9,7 @@ from pathlib import Path
 from .contract import JobPaths
 from .folders import JobState
 from .fsutil import remove_quietly, touch
-from .jobs import Job, judge_exit, latest_checkpoint, load_job, relative_to_job, should_retry, supervisor_lost
+from .jobs import Job, judge_exit, load_job, resume_point, should_retry, supervisor_lost
 from .units import iso_utc, parse_iso
 
 logger = logging.getLogger(__name__)
@@ -27,31 +27,36 @@ class Finishing:
         forced = now - self._last_running_poll >= RUNNING_POLL_S
         for job in self._jobs_in(JobState.RUNNING):
             attempt = job.current_attempt() or {}
-            record = self.executor.read_exit(job.paths, attempt)
-            if record is not None and record.get("attempt") == job.attempt:
-                self._finish(job, judge_exit(job.run, record, job.paths), record, now)
-            elif forced and not self.executor.is_alive(job.paths, attempt):
-                record = self.executor.read_exit(job.paths, attempt)  # it may have landed just now
-                if record is not None and record.get("attempt") == job.attempt:
-                    self._finish(job, judge_exit(job.run, record, job.paths), record, now)
-                else:
+            if self._finish_from_record(job, attempt, now):
+                continue
+            if forced and not self.executor.is_alive(job.paths, attempt):
+                # the record may have landed between the two looks; only without one is the supervisor lost
+                if not self._finish_from_record(job, attempt, now):
                     self._finish_lost(job, now)
         if forced:
             self._last_running_poll = now
+
+    def _finish_from_record(self, job: Job, attempt: dict, now: float) -> bool:
+        """Finish ``job`` from its current attempt's exit record; False while there is none."""
+        record = self.executor.read_exit(job.paths, attempt)
+        if record is None or record.get("attempt") != job.attempt:
+            return False
+        self._finish(job, judge_exit(job.run, record, job.paths), record, now)
+        return True
 
     def _finish_lost(self, job: Job, now: float) -> None:
         killed = self.executor.kill_leftovers(job.paths, job.current_attempt() or {})
         if killed:
             logger.warning("job %s: killed %d leftover process(es) of a dead supervisor", job.id, killed)
-        self._finish(job, supervisor_lost(self.executor.read_started(job.paths)), {}, now)
+        started = self.executor.read_started(job.paths) or {}
+        record = {"job_pid": started.get("job_pid")} if started.get("attempt") == job.attempt else {}
+        self._finish(job, supervisor_lost(started), record, now)
 
     def _finish(self, job: Job, outcome, record: dict, now: float) -> None:
         attempt = job.current_attempt()
         if attempt is not None:
-            started = self.executor.read_started(job.paths) or {}
-            if started.get("attempt") == job.attempt:
-                attempt["job_pid"] = started.get("job_pid")
             attempt.update(
+                job_pid=record.get("job_pid", attempt.get("job_pid")),
                 ended_at=record.get("ended_at") or iso_utc(now),
                 exit_code=record.get("exit_code"),
                 signal=record.get("signal"),
@@ -75,7 +80,7 @@ class Finishing:
 
     def _requeue_for_retry(self, job: Job, outcome, now: float) -> None:
         backoff_s = job.spec.retries.backoff_s if job.spec else 0.0
-        resume = relative_to_job(latest_checkpoint(job.paths), job.paths) if job.spec and job.spec.has_resume else None
+        resume = resume_point(job)
         total = 1 + (job.spec.retries.max if job.spec else 0)
         job.run.update(
             status="pending",
@@ -135,7 +140,7 @@ class Finishing:
             logger.warning("job %s: retry.flag ignored (%s)", job_id,
                            "rejected jobs cannot run; fix and resubmit the file" if job else "unreadable run.json")
             return
-        resume = relative_to_job(latest_checkpoint(paths), paths) if job.spec and job.spec.has_resume else None
+        resume = resume_point(job)
         job.run.update(status="pending", finished_at=None, not_before=None, resume_from=resume,
                        waiting_for=None, diagnosis=None, error=None, stop_requested_at=None)
         job.run.pop("stop_requested_by", None)

@@ -189,6 +189,13 @@ def _rebase(path: Path, paths: JobPaths) -> Path | None:
     return paths.checkpoints.joinpath(*parts[i + 1:])
 
 
+def resume_point(job: Job) -> str | None:
+    """Where the job's next attempt would resume, relative to its folder; None without resume semantics."""
+    if job.spec is None or not job.spec.has_resume:
+        return None
+    return relative_to_job(latest_checkpoint(job.paths), job.paths)
+
+
 def relative_to_job(path: str | None, paths: JobPaths) -> str | None:
     """A checkpoint path as run.json records it: relative to the job folder when inside it."""
     if path is None:

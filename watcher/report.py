@@ -17,7 +17,7 @@ from .folders import JobState, QueueRoot
 from .progress import LogProgress, MetricsTail
 from .admission import resources_dict
 from .html import CurveStore
-from .status import StatusSnapshot, StatusWriter
+from .status import StatusSnapshot, StatusWriter, job_entry
 from .units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
@@ -78,13 +78,9 @@ class Report:
 
     def awaiting(self, entries: dict) -> None:
         listed = [
-            {
-                "id": name, "state": "awaiting_approval", "status": "awaiting_approval",
-                "name": (e["spec"].name or name), "priority": e["spec"].priority, "attempt": 0,
-                "pid": None, "submitted_at": None, "started_at": None, "finished_at": None,
-                "waiting_for": "approval: set approved: true in the file", "health": None, "progress": None,
-                "dir": f"inbox/{name}", "error": None, "diagnosis": None, "approval_hint": e["spec"].approval_hint,
-            }
+            job_entry(name, "awaiting_approval", f"inbox/{name}", name=e["spec"].name or name,
+                      priority=e["spec"].priority, waiting_for="approval: set approved: true in the file",
+                      approval_hint=e["spec"].approval_hint)
             for name, (_sig, e) in list(entries.items())
         ]
         if listed != self.awaiting_entries:

@@ -23,7 +23,7 @@ from .errors import SpawnFailed
 from .executor import ExecutorUnavailable
 from .folders import JobState
 from .fsutil import remove_quietly
-from .diagnosis import Diagnosis
+from .diagnosis import Diagnosis, unsatisfiable_diagnosis
 from .jobs import Job, Outcome, latest_checkpoint
 from .supervisor import LaunchSpec
 from .units import iso_utc, parse_iso
@@ -133,11 +133,8 @@ class Starting:
         return sorted({self._disk_path(j) for j in jobs[:50]} | {self.root.path})
 
     def _fail_unsatisfiable(self, job: Job, reason: str, now: float) -> None:
-        job.run.update(
-            status="failed", finished_at=iso_utc(now), waiting_for=None, error=reason,
-            diagnosis={"kind": "unsatisfiable", "advice": "Lower the job's resources to what this machine has, "
-                       "or run it on a bigger machine.", "evidence": reason},
-        )
+        job.run.update(status="failed", finished_at=iso_utc(now), waiting_for=None, error=reason,
+                       diagnosis=unsatisfiable_diagnosis(reason).to_dict())
         job.save()
         job.dir = self.folders.fail(job.id, JobState.PENDING)
         self.jobs.move(job, JobState.FAILED)
