@@ -161,8 +161,7 @@ def _run_until_idle(watcher) -> None:
     while not watcher._should_exit():
         now = time.time()
         watcher.tick(now)
-        busy = any(True for _ in watcher.jobs.values())
-        if not busy and watcher.report.inbox_count == len(watcher.report.awaiting_entries):
+        if not len(watcher.jobs) and watcher.report.inbox_count == len(watcher.report.awaiting_entries):
             return
         watcher._wait(watcher._next_wait_s())
 

@@ -38,7 +38,7 @@ def recover(watcher: "Watcher") -> None:
     _seed_recent(watcher)
     orders = [j.order for j in watcher.jobs.values()]
     watcher._order_last = max(orders + [time.time_ns()])
-    running = sum(1 for j in watcher.jobs.values() if j.state is JobState.RUNNING)
+    running = watcher.jobs.count(JobState.RUNNING)
     logger.info("watcher: recovered %d pending and %d running job(s)", len(watcher.jobs) - running, running)
 
 
