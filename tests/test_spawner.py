@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 from pathlib import Path
 
@@ -20,19 +21,57 @@ def spec_for(tmp_path: Path, name: str, argv: tuple[str, ...]) -> LaunchSpec:
                       stop_grace_s=0.5, kill_after_s=0.5)
 
 
-def test_launches_go_through_the_helper_and_exits_are_reported(tmp_path):
+def test_launches_go_through_the_helper_and_exits_are_announced(tmp_path):
     sup = SpawningSupervisor()
     try:
         spec = spec_for(tmp_path, "a", ("sh", "-c", "echo through-the-helper"))
         pid = sup.launch(spec)
         helper = sup._spawner._proc.pid
         assert helper != os.getpid() and pid not in sup.forked_pids  # not forked by this (watcher) process
-        assert sup.wake_fds(), "the loop must be able to wait on the helper"
+        assert psutil.Process(pid).ppid() == helper
         paths = JobPaths(Path(spec.job_dir))
-        wait_until(lambda: sup.read_exit(paths), 10)
+        # the supervisor announces its exit record on a pipe the loop selects on
+        wait_until(lambda: select.select(sup.wake_fds(), [], [], 0.5)[0] and sup.reap() is not None
+                   and sup.read_exit(paths), 10, what="the exit notice")
         assert "through-the-helper" in paths.log.read_text()
-        reaped = []
-        wait_until(lambda: reaped.extend(sup.reap()) or pid in reaped, 10, what="the helper's exit notice")
+        assert not sup.is_alive(paths), "the lock is released once the exit record is there"
+    finally:
+        sup.close()
+
+
+def test_a_pooled_supervisor_runs_one_attempt_after_another(tmp_path):
+    sup = SpawningSupervisor()
+    try:
+        first = spec_for(tmp_path, "first", ("sh", "-c", "echo one; exit 3"))
+        pid = sup.launch(first)
+        first_paths = JobPaths(Path(first.job_dir))
+        wait_until(lambda: sup.read_exit(first_paths), 10)
+        second = spec_for(tmp_path, "second", ("sh", "-c", "echo two"))
+        wait_until(lambda: sup.reap() is not None and sup.launch(second), 10, what="the second launch")
+        second_paths = JobPaths(Path(second.job_dir))
+        wait_until(lambda: sup.read_exit(second_paths), 10)
+        assert sup.read_started(second_paths)["supervisor_pid"] == pid, "the same process supervised both"
+        assert sup.read_exit(first_paths)["exit_code"] == 3 and sup.read_exit(second_paths)["exit_code"] == 0
+        assert "two" not in first_paths.log.read_text() and "one" not in second_paths.log.read_text()
+        assert psutil.Process(pid).is_running(), "it waits for a third"
+    finally:
+        sup.close()
+    wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10,
+               what="the pooled supervisor to leave with its helper")
+
+
+def test_a_supervisor_told_to_stop_leaves_after_its_attempt(tmp_path):
+    sup = SpawningSupervisor()
+    try:
+        spec = spec_for(tmp_path, "stopped", ("sleep", "30"))
+        pid = sup.launch(spec)
+        paths = JobPaths(Path(spec.job_dir))
+        wait_until(lambda: sup.read_started(paths), 10)
+        os.kill(pid, signal.SIGTERM)
+        record = wait_until(lambda: sup.read_exit(paths), 10)
+        assert record["stop_reason"] == "sigterm"
+        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10,
+                   what="the stopped supervisor to leave instead of waiting for another attempt")
     finally:
         sup.close()
 

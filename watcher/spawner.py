@@ -7,6 +7,11 @@ from here. The helper runs the same ``Supervisor.launch`` (lock first, then fork
 held" still means "attempt alive" and a helper that dies mid-launch leaves either a supervisor
 holding the lock or no attempt at all — the states ``recover()`` already handles.
 
+The helper keeps one supervisor forked and detached ahead of time (``Supervisor.warm_up``), so a
+launch only hands it the job: it takes the lock, opens output.log and answers. Each supervisor also
+writes a byte to a notice pipe whose read end the watcher holds, the moment its exit record is
+written, so the watcher moves on without waiting for that process to be torn down and reaped.
+
 Protocol over the helper's stdin/stdout, one JSON object per line:
   watcher → helper: ``{"spec": LaunchSpec.to_dict()}``
   helper → watcher: ``{"pid": N}`` or ``{"error": "..."}`` (one reply per request, in order),
@@ -17,6 +22,7 @@ Like supervisor.py, this module starts processes, so it imports ``subprocess`` a
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import select
@@ -47,22 +53,33 @@ class Spawner:
         self._proc: subprocess.Popen | None = None
         self._buffer = b""
         self._exited: list[int] = []
+        self._replies: list[dict] = []
+        self._notices: int | None = None
 
     def start(self) -> None:
         """Start the helper (a fresh interpreter importing only the supervisor's modules)."""
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "watcher.spawner"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, bufsize=0,
-        )
+        notices, notify = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # supervisors must never block on it
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "watcher.spawner", "--notify-fd", str(notify)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, bufsize=0, pass_fds=(notify,),
+            )
+        except OSError:
+            os.close(notices)
+            raise
+        finally:
+            os.close(notify)
+        self._notices = notices
         os.set_blocking(self._proc.stdout.fileno(), False)
 
     @property
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def fileno(self) -> int | None:
-        """The fd to select on: readable when the helper has news (an exited supervisor)."""
-        return self._proc.stdout.fileno() if self.is_running else None
+    def filenos(self) -> list[int]:
+        """The fds to select on: readable when the helper has news or a supervisor wrote its exit record."""
+        fds = [self._proc.stdout.fileno()] if self.is_running else []
+        return fds + ([self._notices] if self._notices is not None else [])
 
     def launch(self, spec: LaunchSpec) -> int:
         """Ask the helper to launch ``spec``; the supervisor's pid. SpawnFailed / SpawnerGone."""
@@ -79,17 +96,18 @@ class Spawner:
 
     def _next_reply(self, deadline: float) -> dict:
         while True:
-            for message in self._read_messages():
-                if "exited" in message:
-                    self._exited.append(int(message["exited"]))
-                else:
-                    return message
+            if self._replies:
+                return self._replies.pop(0)
+            self._read_messages()
+            if self._replies:
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.is_running:
                 raise SpawnerGone("the spawner helper did not answer")
             select.select([self._proc.stdout], [], [], min(remaining, 0.5))
 
-    def _read_messages(self) -> list[dict]:
+    def _read_messages(self) -> None:
+        """Read what the helper wrote: exit notices to ``_exited``, launch answers to ``_replies``."""
         try:
             chunk = self._proc.stdout.read(65536)
         except (BlockingIOError, ValueError):
@@ -97,19 +115,36 @@ class Spawner:
         if chunk:
             self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]
+        for message in (json.loads(line) for line in lines if line.strip()):
+            if "exited" in message:
+                self._exited.append(int(message["exited"]))
+            else:
+                self._replies.append(message)
 
     def reaped(self) -> list[int]:
-        """Pids of supervisors the helper has reaped since the last call."""
+        """Pids of supervisors the helper has reaped since the last call (exit notices are drained too)."""
+        self._drain_notices()
         if self.is_running:
-            for message in self._read_messages():
-                if "exited" in message:
-                    self._exited.append(int(message["exited"]))
+            self._read_messages()
         exited, self._exited = self._exited, []
         return exited
 
+    def _drain_notices(self) -> None:
+        if self._notices is None:
+            return
+        try:
+            while os.read(self._notices, 4096):
+                pass
+        except BlockingIOError:
+            return
+        os.close(self._notices)  # end of file: the helper and every supervisor it forked are gone
+        self._notices = None
+
     def close(self) -> None:
         """Stop the helper; supervisors it forked keep running (they never depended on it)."""
+        if self._notices is not None:
+            os.close(self._notices)
+            self._notices = None
         if self._proc is None:
             return
         try:
@@ -160,8 +195,7 @@ class SpawningSupervisor(Supervisor):
         return reaped
 
     def wake_fds(self) -> list[int]:
-        fd = self._spawner.fileno() if self._spawner is not None else None
-        return [fd] if fd is not None else []
+        return self._spawner.filenos() if self._spawner is not None else []
 
     def close(self) -> None:
         if self._spawner is not None:
@@ -183,10 +217,16 @@ def _supervisor_it_may_have_forked(spec: LaunchSpec) -> int | None:
     return None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """The helper's loop: launch what the watcher asks, report what it reaps, leave with the watcher."""
+    parser = argparse.ArgumentParser(prog="python -m watcher.spawner")
+    parser.add_argument("--notify-fd", type=int, help="write end of the watcher's exit-notice pipe")
+    args = parser.parse_args(argv)
+    if args.notify_fd is not None:
+        os.set_inheritable(args.notify_fd, False)  # supervisors keep it explicitly; jobs never see it
     watcher_pid = os.getppid()
-    supervisor = Supervisor()
+    supervisor = Supervisor(args.notify_fd, keep_warm=True)
+    supervisor.warm_up()
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears SIGCHLD
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
@@ -194,22 +234,22 @@ def main() -> int:
     stdin, out = sys.stdin.buffer.raw, sys.stdout.buffer
     pending = b""
     while True:
-        readable, _, _ = select.select([stdin, wake_r], [], [], 1.0)
+        readable, _, _ = select.select([stdin, wake_r, *supervisor.wait_fds()], [], [], 1.0)
         if wake_r in readable:
             _drain(wake_r)
         for pid in supervisor.reap():
             _send(out, {"exited": pid})
+        if stdin in readable:
+            chunk = os.read(stdin.fileno(), 65536)
+            if not chunk:
+                return 0
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:  # the watcher moved these jobs to running/ before asking: launch them
+                _send(out, _launch(supervisor, line))
         if os.getppid() != watcher_pid:
-            return 0  # the watcher is gone: launch nothing more for it
-        if stdin not in readable:
-            continue
-        chunk = os.read(stdin.fileno(), 65536)
-        if not chunk:
-            return 0
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            _send(out, _launch(supervisor, line))
+            return 0  # the watcher is gone: it asks for nothing more
+        supervisor.warm_up()  # the next launch finds a supervisor waiting
 
 
 def _send(out, message: dict) -> None:
