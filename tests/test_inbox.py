@@ -85,7 +85,9 @@ BAD_FILES = {
 def test_bad_files_are_rejected_one_line_each_and_disturb_nothing(queue_dir, watcher):
     w = watcher()
     drop(queue_dir, "bystander.yaml", "approved: true\ncommand: [sleep, '30']\nstop_grace: 0.5\n")
-    tick_until(w, lambda: "bystander" in states(queue_dir)["running"])
+    # run.json of a started job is written once it has run 50 ms (a trivial job gets one final write)
+    tick_until(w, lambda: "bystander" in states(queue_dir)["running"]
+               and run_json(queue_dir, "running", "bystander")["status"] == "running")
     bystander_run = (queue_dir / "running" / "bystander" / "run.json").read_bytes()
     for name, (data, _) in BAD_FILES.items():
         (queue_dir / ".staging").mkdir(exist_ok=True)

@@ -56,6 +56,7 @@ class Watcher(Starting, Finishing):
         self.paused = False
         self.stopping = False
         self._awaiting: dict[str, tuple[tuple, dict]] = {}
+        self._concluded: list = []  # (Job, Outcome) out of the live index, final write pending (finishing.py)
         self._order_last = 0
         self._lock_fd: int | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -88,6 +89,8 @@ class Watcher(Starting, Finishing):
             self._observer.stop()
             self._observer.join(timeout=2)
             self._observer = None
+        self.retire_concluded(time.time())
+        self._save_started(time.time(), all_now=True)
         self.report.write(self, time.time(), force=True, state="stopping")
         self.probe.close()
         self.executor.close()
@@ -133,6 +136,9 @@ class Watcher(Starting, Finishing):
         wait = min(self.config.rescan_s, self.config.status_s)
         if self._count(JobState.RUNNING):
             wait = min(wait, RUNNING_POLL_S)
+            save_in = self._next_started_save_s(time.time())
+            if save_in is not None:
+                wait = min(wait, save_in)
         return wait
 
     def _take_root_lock(self) -> None:
@@ -158,8 +164,11 @@ class Watcher(Starting, Finishing):
         if rescan:
             self._last_rescan = now
             self.honor_job_flags(now)
-        self.admit_inbox(now)
-        self.start_pending(now)
+        try:
+            self.admit_inbox(now)
+            self.start_pending(now)  # before retiring: the next job need not wait for the last one's writes
+        finally:
+            self.retire_concluded(now)
         self.watch_running(now)
         self.report.write(self, now)
 

@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 
 #: how often running jobs are polled for exit records when no SIGCHLD can tell us (re-adopted jobs), seconds
 RUNNING_POLL_S = 0.2
+#: a launched job's run.json is written once it has run this long (a job that ends sooner gets one final write)
+STARTED_SAVE_AFTER_S = 0.05
 
 
 class Finishing:
@@ -23,25 +25,31 @@ class Finishing:
 
     # -- finishing ---------------------------------------------------------------------------
     def reap_finished(self, now: float) -> None:
-        """Finish every running job whose attempt ended (exit record, or a supervisor that vanished)."""
+        """Conclude every running job whose attempt ended (exit record, or a supervisor that vanished).
+
+        A concluded job leaves the live index at once, so its slot is free for ``start_pending``
+        in this same tick; its run.json and folder move follow in ``retire_concluded``. A crash
+        in between loses nothing: the folder is still in running/ with its exit record, and
+        ``recover()`` finishes it from that.
+        """
         forced = now - self._last_running_poll >= RUNNING_POLL_S
         for job in self._jobs_in(JobState.RUNNING):
             attempt = job.current_attempt() or {}
-            if self._finish_from_record(job, attempt, now):
+            if self._conclude_from_record(job, attempt, now):
                 continue
             if forced and not self.executor.is_alive(job.paths, attempt):
                 # the record may have landed between the two looks; only without one is the supervisor lost
-                if not self._finish_from_record(job, attempt, now):
+                if not self._conclude_from_record(job, attempt, now):
                     self._finish_lost(job, now)
         if forced:
             self._last_running_poll = now
 
-    def _finish_from_record(self, job: Job, attempt: dict, now: float) -> bool:
-        """Finish ``job`` from its current attempt's exit record; False while there is none."""
+    def _conclude_from_record(self, job: Job, attempt: dict, now: float) -> bool:
+        """Conclude ``job`` from its current attempt's exit record; False while there is none."""
         record = self.executor.read_exit(job.paths, attempt)
         if record is None or record.get("attempt") != job.attempt:
             return False
-        self._finish(job, judge_exit(job.run, record, job.paths), record, now)
+        self._conclude(job, judge_exit(job.run, record, job.paths), record, now)
         return True
 
     def _finish_lost(self, job: Job, now: float) -> None:
@@ -53,6 +61,12 @@ class Finishing:
         self._finish(job, supervisor_lost(started), record, now)
 
     def _finish(self, job: Job, outcome, record: dict, now: float) -> None:
+        """Conclude the attempt and, unless it is retried, write the job's final state and move its folder now."""
+        self._conclude(job, outcome, record, now)
+        self.retire_concluded(now)
+
+    def _conclude(self, job: Job, outcome, record: dict, now: float) -> None:
+        """Record how the attempt ended; retry it, or take the job out of the live index for retiring."""
         attempt = job.current_attempt()
         if attempt is not None:
             attempt.update(
@@ -70,13 +84,22 @@ class Finishing:
             self._requeue_for_retry(job, outcome, now)
             return
         job.run.update(status=outcome.status, finished_at=iso_utc(now), waiting_for=None, gpus=[])
-        job.save()
-        ok = outcome.status == "done"
-        job.dir = self.folders.finish(job.id, ok)
-        self.jobs.move(job, JobState.DONE if ok else JobState.FAILED)
-        kind = f" ({outcome.diagnosis.kind})" if outcome.diagnosis else ""
-        logger.info("job %s: running -> %s, %s%s", job.id, job.state.value, outcome.status, kind)
-        self._retire(job, now)
+        job.unsaved_since = None  # the final write below covers the launch's
+        self.jobs.remove(job.id)
+        self._concluded.append((job, outcome))
+        self._plan_due = True
+
+    def retire_concluded(self, now: float) -> None:
+        """Write each concluded job's final run.json (durably) and move its folder to done/ or failed/."""
+        while self._concluded:
+            job, outcome = self._concluded.pop(0)
+            job.save()
+            ok = outcome.status == "done"
+            job.dir = self.folders.finish(job.id, ok)
+            job.state = JobState.DONE if ok else JobState.FAILED
+            kind = f" ({outcome.diagnosis.kind})" if outcome.diagnosis else ""
+            logger.info("job %s: running -> %s, %s%s", job.id, job.state.value, outcome.status, kind)
+            self._retire(job, now)
 
     def _requeue_for_retry(self, job: Job, outcome, now: float) -> None:
         backoff_s = job.spec.retries.backoff_s if job.spec else 0.0
@@ -155,6 +178,7 @@ class Finishing:
     # -- running jobs ------------------------------------------------------------------------
     def watch_running(self, now: float) -> None:
         """Mark stop requests, track health (stalls) and progress of running jobs."""
+        self._save_started(now)
         for job in self._jobs_in(JobState.RUNNING):
             if job.run.get("status") == "running" and job.paths.stop_flag.exists():
                 job.run.update(status="stopping", stop_requested_at=iso_utc(now))
@@ -170,6 +194,23 @@ class Finishing:
             self._note_executor_wait(job)
             self._check_stall(job, now)
         self.report.update_progress(self, now)
+
+    def _save_started(self, now: float, *, all_now: bool = False) -> None:
+        """Write run.json of jobs launched at least STARTED_SAVE_AFTER_S ago (every one with ``all_now``).
+
+        A trivial job is over before that: its one write then carries its final state, which halves
+        the run.json writes of a queue of short jobs. ``recover()`` already accepts a run.json that
+        lags the supervisor's start record, so a crash in this window loses nothing.
+        """
+        for job in self._jobs_in(JobState.RUNNING):
+            if job.unsaved_since is not None and (all_now or now - job.unsaved_since >= STARTED_SAVE_AFTER_S):
+                job.unsaved_since = None
+                job.save(durable=False)
+
+    def _next_started_save_s(self, now: float) -> float | None:
+        """Seconds until the next deferred run.json write is due; None when none waits."""
+        due = [j.unsaved_since for j in self._jobs_in(JobState.RUNNING) if j.unsaved_since is not None]
+        return max(0.0, min(due) + STARTED_SAVE_AFTER_S - now) if due else None
 
     def _note_executor_wait(self, job: Job) -> None:
         reason = self.executor.waiting_for(job.paths, job.current_attempt() or {})

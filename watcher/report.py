@@ -6,7 +6,6 @@ The daemon feeds events in (a job finished, the inbox changed); ``write`` builds
 """
 from __future__ import annotations
 
-import heapq
 import os
 import socket
 from collections import OrderedDict
@@ -118,6 +117,8 @@ class Report:
     def update_progress(self, watcher: "Watcher", now: float) -> None:
         """Read new metrics/log lines of running jobs; measure their process trees now and then."""
         for job in watcher._jobs_in(JobState.RUNNING):
+            if job.unsaved_since is not None:
+                continue  # just launched: looked at once it has run a moment (most trivial jobs are over by then)
             readers = job.readers
             if readers is None or readers.metrics.path != job.paths.metrics:
                 started = parse_iso((job.current_attempt() or {}).get("started_at"))
@@ -159,7 +160,7 @@ class Report:
     def snapshot(self, watcher: "Watcher", now: float, state: str | None = None) -> StatusSnapshot:
         running = sorted(watcher.jobs.in_state(JobState.RUNNING), key=lambda j: j.order)
         # the next to start, without sorting a 10,000-job queue on every write
-        pending = heapq.nsmallest(MAX_LISTED, watcher.jobs.in_state(JobState.PENDING), key=lambda j: j.sort_key())
+        pending = watcher.jobs.pending_head(MAX_LISTED)
         counts = dict(self.counts)
         counts.update(
             inbox=self.inbox_count,

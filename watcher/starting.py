@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import os
 import sys
@@ -34,6 +33,8 @@ logger = logging.getLogger(__name__)
 PLAN_HEAD = 50
 #: how often admission re-plans when nothing of ours changed (free RAM, GPUs may have), seconds
 PLAN_EVERY_S = 0.5
+#: jobs planned beyond the free slots when a slot frees between full plans
+PLAN_MARGIN = 8
 
 
 class Starting:
@@ -43,20 +44,27 @@ class Starting:
     def start_pending(self, now: float) -> None:
         """Ask admission which pending jobs fit now, and start them.
 
-        Only the head of the queue (in start order) is planned each pass: a job deep in a
-        10,000-job queue cannot start before those ahead of it, and planning all of them every
-        tick made throughput fall with queue length. Every job is still checked once, when it
-        first becomes pending, for whether this machine can ever run it.
+        Only the head of the queue (in start order) is planned: a job deep in a 10,000-job
+        queue cannot start before those ahead of it. When a slot has just freed, the head is
+        the free slots plus PLAN_MARGIN jobs; every PLAN_EVERY_S it is PLAN_HEAD jobs, which also
+        refreshes why each listed job waits and lets a job further back fill a slot the head
+        cannot use. Every job is still checked once, when it first becomes pending, for whether
+        this machine can ever run it.
         """
-        pending = self._jobs_in(JobState.PENDING)
-        if not pending:
+        unchecked = self.jobs.take_unchecked()
+        if not self.jobs.count(JobState.PENDING):
+            return
+        full = now - self._last_plan >= PLAN_EVERY_S
+        if not (self._plan_due or unchecked or full):
             return
         running = self._jobs_in(JobState.RUNNING)
-        unchecked = [j for j in pending if not j.checked]
-        if not self._plan_due and not unchecked and now - self._last_plan < PLAN_EVERY_S:
-            return
-        self._plan_due, self._last_plan = False, now
-        head = heapq.nsmallest(PLAN_HEAD + 2 * self.config.max_concurrent, pending, key=Job.sort_key)
+        depth = PLAN_HEAD + 2 * self.config.max_concurrent
+        if not full:
+            depth = min(depth, max(0, self.config.max_concurrent - len(running)) + PLAN_MARGIN)
+        else:
+            self._last_plan = now
+        self._plan_due = False
+        head = self.jobs.pending_head(depth)
         machine = self.probe.sample(self._disk_paths(head + running))
         limits = self._limits()
         holdings = [self._holding(j) for j in running]
@@ -179,7 +187,7 @@ class Starting:
         job.run["executor"] = self.executor.name
         if record.get("slurm_job_id"):
             job.run["slurm_job_id"] = record["slurm_job_id"]
-        job.save(durable=False)
+        job.unsaved_since = now  # written by watch_running once it has run a moment (finishing.py)
         job.health, job.last_activity, job.activity_sig, job.readers = "healthy", now, (), None
         gpus = ",".join(map(str, decision.gpus)) or "none"
         where = f"slurm job {record['slurm_job_id']}" if record.get("slurm_job_id") else f"pid {record.get('pid')}"
