@@ -12,6 +12,7 @@ import os
 import select
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
@@ -19,7 +20,7 @@ from .config import WatcherConfig, check_command_allowed
 from .errors import InvalidJobSpec, QueueLocked, QueueLayoutError
 from .folders import Folders, JobState, QueueRoot
 from .fsutil import remove_quietly
-from .inbox import Inbox, InboxEvents, start_observer
+from .inbox import Inbox, InboxEvents, schedule, start_observer
 from .jobs import Job, JobIndex, new_run
 from .jobspec import JobSpec, load_job_file
 from .finishing import RUNNING_POLL_S, Finishing
@@ -35,8 +36,10 @@ logger = logging.getLogger(__name__)
 
 #: how many inbox files one tick takes at most, so status stays fresh during a 10,000-file burst
 ADMIT_BATCH = 2000
-#: from this many ready files on, validation runs on a small thread pool ahead of the claims
+#: from this many ready files on, validation and claims run on a small thread pool
 PARALLEL_VALIDATE_MIN = 16
+#: threads that validate and claim a burst
+ADMIT_THREADS = 2
 
 
 class Watcher(Starting, Finishing):
@@ -77,9 +80,10 @@ class Watcher(Starting, Finishing):
         remove_quietly(self.root.stop_flag)
         events = InboxEvents(self.root.inbox, self.wake, flags=(self.root.stop_flag, self.root.pause_flag))
         self.inbox = Inbox(self.root.inbox, self.config.settle_s, events)
-        self._observer = start_observer([self.root.inbox, self.root.path], events, self.polling)
+        self._observer = start_observer(self.root.inbox, self.root.path, events, self.polling)
         if install_signals:
             self._signals = install_watcher_signal_handlers(self._wake_w)
+        self.executor.start()
         recover(self)
         logger.info("watcher %d: watching %s (trainq %s)", os.getpid(), self.root.path, __version__)
 
@@ -179,8 +183,7 @@ class Watcher(Starting, Finishing):
             logger.warning("queue: %s was missing; recreated it", folder)
         if self.root.inbox in created and self._observer is not None:
             self._observer.unschedule_all()
-            self._observer.schedule(self.inbox.events, str(self.root.inbox), recursive=False)
-            self._observer.schedule(self.inbox.events, str(self.root.path), recursive=False)
+            schedule(self._observer, self.root.inbox, self.root.path, self.inbox.events)
         if any(f != self.root.inbox for f in created):
             self._forget_vanished_jobs()
 
@@ -212,8 +215,8 @@ class Watcher(Starting, Finishing):
         if len(todo) > ADMIT_BATCH:
             todo = todo[:ADMIT_BATCH]
             self.wake()  # the rest next pass, so status.json stays fresh during a burst
-        for cand, result in self._validated(todo):
-            self._admit_one(cand, result, now)
+        for cand, taken in self._taken(todo, now):
+            self._admit_one(cand, taken, now)
         live = {c.name for c in candidates}
         for name in [n for n in self._awaiting if n not in live]:
             del self._awaiting[name]
@@ -224,18 +227,33 @@ class Watcher(Starting, Finishing):
         cached = self._awaiting.get(cand.name)
         return cached is not None and cached[0] == (cand.size, cand.mtime_ns, cand.ino)
 
-    def _validated(self, cands: list):
-        """(candidate, JobSpec | InvalidJobSpec | None) in drop order.
+    def _taken(self, cands: list, now: float):
+        """(candidate, _Taken) in drop order: each file validated and, unless it awaits approval, claimed.
 
-        A burst is validated on two threads running ahead of the loop, which claims in order:
-        claims are filesystem calls that release the GIL, so reading and checking the next files
-        overlaps them. Claims (the folder state machine) stay on the loop's thread.
+        Acceptance order is fixed here, in drop order, before any work starts. A burst is then
+        validated and claimed on a few threads: claims are filesystem calls (mkdir, create,
+        link, unlink: about 2 ms each here) that release the GIL, so several overlap. The
+        index, the report and the inbox's bookkeeping stay on the loop's thread.
         """
+        orders = [self._next_order() for _ in cands]
         if len(cands) < PARALLEL_VALIDATE_MIN:
-            return ((c, self._validate(c)) for c in cands)
+            return ((c, self._take(c, order, now)) for c, order in zip(cands, orders))
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainq-validate")
-        return zip(cands, self._pool.map(self._validate, cands))
+            self._pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="trainq-admit")
+        return zip(cands, self._pool.map(self._take, cands, orders, [now] * len(cands)))
+
+    def _take(self, cand, order: int, now: float) -> "_Taken":
+        """Validate one inbox file and claim it into pending/ (or failed/ when invalid); any thread."""
+        result = self._validate(cand)
+        if result is None or (isinstance(result, JobSpec) and not result.approved):
+            return _Taken(result)
+        if isinstance(result, InvalidJobSpec):
+            run = new_run(None, order, now, name=_stem(cand.name))
+            run.update(status="rejected", finished_at=iso_utc(now), errors=[p.to_dict() for p in result.problems],
+                       error=result.lines()[0] if result.problems else "invalid job file")
+            return _Taken(result, run, self.folders.claim(cand.path, JobState.FAILED, run))
+        run = new_run(result, order, now, name=_stem(cand.name))
+        return _Taken(result, run, self.folders.claim(cand.path, JobState.PENDING, run))
 
     def _validate(self, cand) -> JobSpec | InvalidJobSpec | None:
         """The file's JobSpec, the InvalidJobSpec listing its problems, or None when it vanished."""
@@ -249,17 +267,17 @@ class Watcher(Starting, Finishing):
             return None
         return spec
 
-    def _admit_one(self, cand, result: JobSpec | InvalidJobSpec | None, now: float) -> None:
+    def _admit_one(self, cand, taken: "_Taken", now: float) -> None:
+        result = taken.result
         if result is None:
             return
         if isinstance(result, InvalidJobSpec):
-            self._reject(cand, result, now)
+            self._rejected(cand, taken, now)
         elif not result.approved:
             sig = (cand.size, cand.mtime_ns, cand.ino)
             self._awaiting[cand.name] = (sig, {"name": cand.name, "spec": result, "seen_at": now})
         else:
-            self._awaiting.pop(cand.name, None)
-            self._accept(cand, result, now)
+            self._accepted(cand, taken)
 
     def _check_allowed(self, spec: JobSpec, display: str) -> None:
         problem = check_command_allowed(spec, self.config)
@@ -270,33 +288,28 @@ class Watcher(Starting, Finishing):
         self._order_last = max(self._order_last + 1, time.time_ns())
         return self._order_last
 
-    def _accept(self, cand, spec: JobSpec, now: float) -> None:
-        run = new_run(spec, self._next_order(), now, name=_stem(cand.name))
-        claimed = self.folders.claim(cand.path, JobState.PENDING, run)
+    def _accepted(self, cand, taken: "_Taken") -> None:
+        self._awaiting.pop(cand.name, None)
         self.inbox.taken(cand.name)
-        if claimed is None:
-            return
-        job_id, path = claimed
-        run["id"] = job_id
-        self.jobs.add(Job(job_id, JobState.PENDING, path, run, spec))
-        logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, cand.name, spec.priority)
+        if taken.claimed is None:
+            return  # it vanished meanwhile
+        job_id, path = taken.claimed
+        taken.run["id"] = job_id
+        self.jobs.add(Job(job_id, JobState.PENDING, path, taken.run, taken.result))
+        logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, cand.name, taken.result.priority)
         self.report.touch()
 
-    def _reject(self, cand, exc: InvalidJobSpec, now: float) -> None:
-        run = new_run(None, self._next_order(), now, name=_stem(cand.name))
-        run.update(status="rejected", finished_at=iso_utc(now), errors=[p.to_dict() for p in exc.problems],
-                   error=exc.lines()[0] if exc.problems else "invalid job file")
-        claimed = self.folders.claim(cand.path, JobState.FAILED, run)
+    def _rejected(self, cand, taken: "_Taken", now: float) -> None:
         self.inbox.taken(cand.name)
         self._awaiting.pop(cand.name, None)
-        if claimed is None:
+        if taken.claimed is None:
             return
-        job_id, path = claimed
-        run["id"] = job_id
-        for line in exc.lines():
+        job_id, path = taken.claimed
+        taken.run["id"] = job_id
+        for line in taken.result.lines():
             logger.warning("job %s: rejected: %s", job_id, line)
         logger.info("job %s: inbox/%s -> failed, rejected", job_id, cand.name)
-        self.report.finished(Job(job_id, JobState.FAILED, path, run, None), now)
+        self.report.finished(Job(job_id, JobState.FAILED, path, taken.run, None), now)
 
     # -- helpers -----------------------------------------------------------------------------
     def _jobs_in(self, state: JobState) -> list[Job]:
@@ -304,6 +317,15 @@ class Watcher(Starting, Finishing):
 
     def _count(self, state: JobState) -> int:
         return self.jobs.count(state)
+
+
+@dataclass
+class _Taken:
+    """What ``Watcher._take`` did with one inbox file."""
+
+    result: JobSpec | InvalidJobSpec | None
+    run: dict | None = None
+    claimed: tuple[str, Path] | None = None  # (id, folder), None when the file vanished or was not claimed
 
 
 def _stem(file_name: str) -> str:

@@ -28,6 +28,9 @@ class Executor(Protocol):
 
     name: str
 
+    def start(self) -> None:
+        """Get ready to launch (the watcher is starting); never blocks for long."""
+
     def unavailable(self, now: float) -> str | None:
         """Why no attempt can be launched now (in words), or None when ready."""
 
@@ -72,6 +75,10 @@ class LocalExecutor:
 
     def __init__(self) -> None:
         self.supervisor = SpawningSupervisor()
+
+    def start(self) -> None:
+        # now, not at the first launch: a launch then only writes one line to a running helper
+        self.supervisor.start_spawner()
 
     def unavailable(self, now: float) -> str | None:
         return None

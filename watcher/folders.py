@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -136,6 +137,7 @@ class Folders:
     def __init__(self, root: QueueRoot):
         self.root = root
         self._known_ids: set[str] = set()
+        self._ids_lock = threading.Lock()
 
     def load_ids(self) -> dict[JobState, list[str]]:
         """List every job folder by state (hidden and temporary names skipped) and remember the ids."""
@@ -158,21 +160,23 @@ class Folders:
 
         Ids in use are known from ``load_ids`` at start-up plus every id handed out since, so
         no folder of any state is looked up per claim (a 10,000-file burst must stay fast).
+        Safe on several threads: an id is taken from the known set under a lock before its mkdir.
         """
         base = id_from_name(file_name)
         n = 1
         while True:
-            job_id = base if n == 1 else _with_suffix(base, n)
-            n += 1
-            if job_id in self._known_ids:
-                continue
+            with self._ids_lock:
+                while True:
+                    job_id = base if n == 1 else _with_suffix(base, n)
+                    n += 1
+                    if job_id not in self._known_ids:
+                        self._known_ids.add(job_id)
+                        break
             path = self.root.job_dir(state, job_id)
             try:
                 os.mkdir(path)
             except FileExistsError:
-                self._known_ids.add(job_id)
-                continue
-            self._known_ids.add(job_id)
+                continue  # a folder nobody told us about: it stays known, try the next suffix
             return job_id, path
 
     def claim(self, inbox_file: Path, state: JobState, run: dict) -> tuple[str, Path] | None:

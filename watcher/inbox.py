@@ -82,6 +82,8 @@ class InboxEvents(FileSystemEventHandler):
         self._flags = {str(p) for p in flags}  # the root's stop.flag / pause.flag: act on them at once
         self._lock = threading.Lock()
         self._hints: dict[str, str] = {}
+        self._set_at: dict[str, int] = {}  # name -> generation of its latest hint
+        self._generation = 0
 
     def _name(self, path: str | bytes) -> str | None:
         path = os.fsdecode(path)
@@ -94,10 +96,13 @@ class InboxEvents(FileSystemEventHandler):
         if name is None:
             return
         with self._lock:
+            self._generation += 1
             if hint is None:
                 self._hints.pop(name, None)
+                self._set_at.pop(name, None)
             else:
                 self._hints[name] = hint
+                self._set_at[name] = self._generation
         if hint is not None:  # a file that left the inbox (often our own claim) gives the loop nothing to do
             self._wake()
 
@@ -124,6 +129,19 @@ class InboxEvents(FileSystemEventHandler):
     def forget(self, name: str) -> None:
         with self._lock:
             self._hints.pop(name, None)
+            self._set_at.pop(name, None)
+
+    def generation(self) -> int:
+        """A counter of hints set so far (see ``prune``)."""
+        with self._lock:
+            return self._generation
+
+    def prune(self, live: set[str], before: int) -> None:
+        """Drop hints, set before generation ``before``, for names not in ``live`` (deletions are not watched)."""
+        with self._lock:
+            for name in [n for n in self._hints if n not in live and self._set_at.get(n, 0) <= before]:
+                del self._hints[name]
+                self._set_at.pop(name, None)
 
 
 class Inbox:
@@ -138,6 +156,7 @@ class Inbox:
     def scan(self) -> list[Candidate]:
         """Every candidate (regular file or symlink) in drop order: mtime, then name."""
         found = []
+        generation = self.events.generation() if self.events else 0
         try:
             entries = list(os.scandir(self.path))
         except FileNotFoundError:
@@ -159,6 +178,8 @@ class Inbox:
         for name in list(self._seen):
             if name not in live:
                 del self._seen[name]
+        if self.events:
+            self.events.prune(live, generation)
         return found
 
     def ready(self, candidates: Iterable[Candidate], now: float) -> list[Candidate]:
@@ -231,24 +252,61 @@ def _fd_writable(pid: str, fd: str) -> bool:
     return False
 
 
-def start_observer(paths: list[Path], handler: FileSystemEventHandler, polling: bool) -> BaseObserver:
-    """Start a watchdog observer on ``paths`` (non-recursive); ``polling`` for network filesystems."""
+#: what the inbox watch needs: files arriving (created, moved in), written, closed after writing.
+#: Not opens and closes without writing (our own validation reads), not attribute changes and
+#: deletions (our own claims link and unlink): each event crosses three watchdog threads.
+INBOX_EVENTS = (FileCreatedEvent, FileModifiedEvent, FileClosedEvent, FileMovedEvent)
+#: what the queue root's watch needs: stop.flag and pause.flag appearing and going (not every
+#: watcher.log or status.json write)
+ROOT_EVENTS = (FileCreatedEvent, FileDeletedEvent, FileMovedEvent)
+
+_INOTIFY_MASKS = {
+    FileCreatedEvent: "IN_CREATE",
+    FileModifiedEvent: "IN_MODIFY",
+    FileClosedEvent: "IN_CLOSE_WRITE",
+    FileMovedEvent: "IN_MOVE",
+    FileDeletedEvent: "IN_DELETE",
+}
+
+
+def start_observer(inbox: Path, root: Path, handler: FileSystemEventHandler, polling: bool) -> BaseObserver:
+    """Start a watchdog observer on the inbox and the queue root (non-recursive); ``polling`` for network filesystems."""
     if polling:
         from watchdog.observers.polling import PollingObserver
 
         observer: BaseObserver = PollingObserver(timeout=0.5)
     else:
         try:
-            from watchdog.observers.inotify import InotifyObserver
-
-            # full events: a file renamed into the inbox must read as "moved in" (ready), not "created"
-            observer = InotifyObserver(generate_full_events=True, timeout=0.5)
+            observer = _inotify_observer()
         except (ImportError, OSError):
             from watchdog.observers import Observer
 
             observer = Observer()
-    for path in paths:
-        observer.schedule(handler, str(path), recursive=False)
+    schedule(observer, inbox, root, handler)
     observer.daemon = True
     observer.start()
+    return observer
+
+
+def schedule(observer: BaseObserver, inbox: Path, root: Path, handler: FileSystemEventHandler) -> None:
+    """Watch ``inbox`` and ``root`` for the events each needs."""
+    observer.schedule(handler, str(inbox), recursive=False, event_filter=list(INBOX_EVENTS))
+    observer.schedule(handler, str(root), recursive=False, event_filter=list(ROOT_EVENTS))
+
+
+def _inotify_observer() -> BaseObserver:
+    """An inotify observer with full move events whose kernel watch asks only for the filtered events."""
+    from watchdog.observers.inotify import InotifyFullEmitter, InotifyObserver
+    from watchdog.observers.inotify_c import InotifyConstants
+
+    class Emitter(InotifyFullEmitter):
+        def get_event_mask_from_filter(self):
+            mask = InotifyConstants.IN_DELETE_SELF
+            for cls in self._event_filter or _INOTIFY_MASKS:
+                mask |= getattr(InotifyConstants, _INOTIFY_MASKS[cls])
+            return mask
+
+    # full events: a file renamed into the inbox must read as "moved in" (ready), not "created"
+    observer = InotifyObserver(generate_full_events=True, timeout=0.5)
+    observer._emitter_class = Emitter  # watchdog offers no argument for the emitter class
     return observer

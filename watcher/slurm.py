@@ -293,6 +293,9 @@ class SlurmExecutor:
             logger.info("job %s: scancel %s (stop requested, %s)", paths.dir.name, slurm_id, why)
             self._scancel(slurm_id, paths)
 
+    def start(self) -> None:
+        return None  # sbatch and squeue run on demand
+
     def wake_fds(self) -> list[int]:
         return []  # Slurm's news arrives by polling squeue
 

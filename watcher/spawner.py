@@ -165,8 +165,12 @@ class SpawningSupervisor(Supervisor):
         self._spawner: Spawner | None = None
         self._spawner_failed = False
 
+    def start_spawner(self) -> None:
+        """Start the helper now (it imports and forks its first supervisor while the watcher goes on)."""
+        self._ensure_spawner()
+
     def _ensure_spawner(self) -> None:
-        """Start the helper on first use (a watcher that never launches never starts one)."""
+        """Start the helper if it is not started yet (and has not failed to start)."""
         if self._spawner is not None or self._spawner_failed:
             return
         self._spawner = Spawner()
