@@ -1,11 +1,16 @@
 """Every job attempt runs under its own small supervisor process, so the watcher can die or restart freely.
 
-``Supervisor.launch`` takes the job's lock, forks the already-loaded watcher (no fresh interpreter: launch
-must cost a few milliseconds) and returns. The forked child detaches (own session, own fds, default signal
-dispositions), becomes a child subreaper, starts the job with its output going straight to ``output.log``,
-writes the start record, watches stop.flag / timeout / its own SIGTERM, escalates stop → SIGTERM → SIGKILL
-over its whole process tree, and writes the exit record only once every process of the attempt is gone.
-The lock is held from before the fork until the supervisor exits, so "lock held" means "attempt alive".
+A supervisor detaches (own session, no inherited fds, default signal dispositions), becomes a child
+subreaper, takes the job's lock, starts the job with its output going straight to ``output.log``,
+writes the start record, watches stop.flag / timeout / its own SIGTERM, escalates stop → SIGTERM →
+SIGKILL over its whole process tree, and writes the exit record only once every process of the
+attempt is gone; then it releases the lock. "Lock held" means "attempt alive".
+
+``Supervisor.launch`` either forks one on the spot (taking the lock before the fork) or, with
+``keep_warm`` (the spawner helper), hands the job to a ``SupervisorPool`` member forked and detached
+ahead of time, which answers once it holds the lock. A pooled supervisor runs one attempt at a time
+and then waits for the next instead of exiting: a trivial attempt then costs no fork, no detaching
+and no process teardown.
 
 This is the only watcher module that imports ``subprocess`` or ``signal``.
 """
