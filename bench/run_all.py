@@ -17,8 +17,10 @@ import os
 import platform
 import pstats
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_queue  # noqa: E402
-from bench._common import PY, REPO, Row, bench_env, load_average  # noqa: E402
+from bench._common import PY, REPO, Row, bench_env, load_average, remove_workspaces, spread_out  # noqa: E402
 from watcher.fsutil import atomic_write  # noqa: E402
 
 logger = logging.getLogger("bench")
@@ -140,6 +142,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="where latest.md/latest.json go (default bench/results)")
     parser.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where temp workspaces go (default /tmp)")
+    parser.add_argument("--no-spread", action="store_true",
+                        help="do not chattr +T the run's folder: workspaces then land next to recently deleted "
+                             "files, which on a journal-less ext4 slows every file creation (trainq's and peers')")
     parser.add_argument("--profile", action="store_true", help="run the queue sections' watchers under cProfile")
     args = parser.parse_args(argv)
     names = [n.strip() for item in args.only for n in item.split(",") if n.strip()]
@@ -220,10 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.tmp.mkdir(parents=True, exist_ok=True)
+    args.tmp = Path(tempfile.mkdtemp(prefix="trainq-bench-", dir=args.tmp))  # this run's, removed at its end
+    if not args.no_spread:
+        spread_out(args.tmp)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpus": os.cpu_count(), "python": platform.python_version(),
             "mode": "quick" if args.quick else "full", "load_start": load_average(),
             "command": " ".join(["bench/run_all.py", *(argv if argv is not None else sys.argv[1:])])}
-    rows, facts = run_sections(args)
+    try:
+        rows, facts = run_sections(args)
+    finally:
+        remove_workspaces()
+        shutil.rmtree(args.tmp, ignore_errors=True)
     meta["load_end"] = load_average()
     table = render(rows, meta)
     print(table)
