@@ -231,9 +231,9 @@ class Watcher(Starting, Finishing):
         """(candidate, _Taken) in drop order: each file validated and, unless it awaits approval, claimed.
 
         Acceptance order is fixed here, in drop order, before any work starts. A burst is then
-        validated and claimed on a few threads: claims are filesystem calls (mkdir, create,
-        link, unlink: about 2 ms each here) that release the GIL, so several overlap. The
-        index, the report and the inbox's bookkeeping stay on the loop's thread.
+        validated and claimed on ADMIT_THREADS threads: claims are filesystem calls (mkdir,
+        create, link, unlink) that release the GIL, so they overlap with the next file's
+        validation. The index, the report and the inbox's bookkeeping stay on the loop's thread.
         """
         orders = [self._next_order() for _ in cands]
         if len(cands) < PARALLEL_VALIDATE_MIN:
