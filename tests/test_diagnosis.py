@@ -21,9 +21,7 @@ from watcher.diagnosis import (
     stalled_diagnosis,
     unsatisfiable_diagnosis,
 )
-from test_supervisor import Jobs
-
-FAKE = Path(__file__).resolve().parent / "fake_trainers"
+from test_supervisor import FAKE, Jobs
 
 
 class Runner(Jobs):

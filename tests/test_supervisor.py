@@ -12,30 +12,18 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Iterator
 
 import psutil
 import pytest
 
+from conftest import wait_until
 from watcher.contract import ENV_JOB_DIR, JobPaths
 from watcher.errors import SpawnFailed
 from watcher.supervisor import LaunchSpec, Supervisor, install_watcher_signal_handlers
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).resolve().parent / "fake_trainers"
-T = TypeVar("T")
-
-
-def wait_until(predicate: Callable[[], T], timeout_s: float = 30.0, what: str = "condition") -> T:
-    """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def py(script: str, *args: str) -> tuple[str, ...]:
@@ -92,10 +80,10 @@ class Jobs:
         return paths, self.sup.launch(self.spec(paths, argv, **overrides))
 
     def wait_exit(self, paths: JobPaths, timeout_s: float = 30.0) -> dict:
-        return wait_until(lambda: self.sup.read_exit(paths), timeout_s, f"the exit record of {paths.dir.name}")
+        return wait_until(lambda: self.sup.read_exit(paths), timeout_s, what=f"the exit record of {paths.dir.name}")
 
     def wait_ready(self, paths: JobPaths) -> None:
-        wait_until(lambda: "ready" in log_text(paths), 30.0, f"{paths.dir.name} to print ready")
+        wait_until(lambda: "ready" in log_text(paths), 30.0, what=f"{paths.dir.name} to print ready")
 
     def cleanup(self) -> None:
         for paths in self.made:
@@ -137,8 +125,8 @@ def test_launch_writes_start_and_exit_records_and_the_log(jobs: Jobs) -> None:
     lines = log_text(paths).splitlines()
     assert lines[0] == "=== trainq: hello attempt 1 ===", "banner is one line, first in output.log"
     assert "hello from hello attempt 1" in lines and "hi there" in lines
-    wait_until(lambda: not jobs.sup.is_alive(paths), 5, "the lock to be released")
-    wait_until(lambda: pid in jobs.sup.reap() or not jobs.sup.forked_pids, 5, "the supervisor to be reaped")
+    wait_until(lambda: not jobs.sup.is_alive(paths), 5, what="the lock to be released")
+    wait_until(lambda: pid in jobs.sup.reap() or not jobs.sup.forked_pids, 5, what="the supervisor to be reaped")
 
 
 def test_lock_is_held_while_running_and_a_second_launch_is_refused(jobs: Jobs) -> None:
@@ -157,7 +145,7 @@ def test_lock_is_held_while_running_and_a_second_launch_is_refused(jobs: Jobs) -
     record = jobs.wait_exit(paths)
     assert record["stop_reason"] == "stop_flag" and record["signal_name"] == "SIGTERM"
     assert record["signals_sent"] == ["SIGTERM"], "sleeps.py dies of SIGTERM, so no SIGKILL is needed"
-    wait_until(lambda: not jobs.sup.is_alive(paths), 5, "is_alive to flip to False")
+    wait_until(lambda: not jobs.sup.is_alive(paths), 5, what="is_alive to flip to False")
 
 
 def test_is_alive_is_false_without_a_lock_file_or_an_unheld_one(jobs: Jobs) -> None:
@@ -239,7 +227,7 @@ def test_job_keeps_running_when_the_watcher_side_process_is_sigkilled(jobs: Jobs
     paths.stop_flag.touch()
     record = jobs.wait_exit(paths)
     assert record["stop_reason"] == "stop_flag" and record["signal_name"] == "SIGTERM"
-    wait_until(lambda: not jobs.sup.is_alive(paths), 5, "the orphaned supervisor to exit")
+    wait_until(lambda: not jobs.sup.is_alive(paths), 5, what="the orphaned supervisor to exit")
 
 
 def test_sigkilled_supervisor_leaves_no_exit_record_and_kill_leftovers_cleans_up(jobs: Jobs) -> None:
@@ -247,12 +235,12 @@ def test_sigkilled_supervisor_leaves_no_exit_record_and_kill_leftovers_cleans_up
     jobs.wait_ready(paths)
     pids = [int(p) for p in (paths.dir / "pids.txt").read_text().split()]
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: pid in jobs.sup.reap(), 5, "the killed supervisor to be reaped")
+    wait_until(lambda: pid in jobs.sup.reap(), 5, what="the killed supervisor to be reaped")
     assert not jobs.sup.is_alive(paths), "a dead supervisor's lock is free"
     assert jobs.sup.read_exit(paths) is None
     assert not any(is_gone(p) for p in pids), "the job outlives its killed supervisor"
     assert jobs.sup.kill_leftovers(paths) == 3
-    wait_until(lambda: all(is_gone(p) for p in pids), 5, "the leftovers to die")
+    wait_until(lambda: all(is_gone(p) for p in pids), 5, what="the leftovers to die")
     assert job_processes(paths.dir) == []
     assert jobs.sup.kill_leftovers(paths) == 0
 
@@ -345,7 +333,7 @@ def test_job_gets_default_signals_and_no_inherited_fds(jobs: Jobs) -> None:
         # grep, not python: the interpreter ignores SIGPIPE and SIGXFSZ itself at start-up
         sig_paths, _ = jobs.launch(("grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"), name="signals")
         fd_paths, pid = jobs.launch(py("reports_fds.py", "--sleep"), name="fds")
-        wait_until(lambda: jobs.sup.read_started(fd_paths), 10, "the start record")
+        wait_until(lambda: jobs.sup.read_started(fd_paths), 10, what="the start record")
         supervisor_fds = {fd: os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR2])
@@ -403,12 +391,12 @@ def test_watcher_signal_handlers_set_a_flag_and_wake_the_pipe(jobs: Jobs) -> Non
     try:
         assert not state.stop_requested
         os.kill(os.getpid(), signal.SIGTERM)
-        wait_until(lambda: state.stop_requested, 5, "the SIGTERM flag")
+        wait_until(lambda: state.stop_requested, 5, what="the SIGTERM flag")
         assert os.read(wake_r, 100)
         paths, pid = jobs.launch(("true",))
         jobs.wait_exit(paths)
-        wait_until(lambda: _drain(wake_r), 5, "a wakeup byte from SIGCHLD")
-        wait_until(lambda: pid in jobs.sup.reap(), 5, "the supervisor to be reaped")
+        wait_until(lambda: _drain(wake_r), 5, what="a wakeup byte from SIGCHLD")
+        wait_until(lambda: pid in jobs.sup.reap(), 5, what="the supervisor to be reaped")
     finally:
         state.restore()
         os.close(wake_r)
@@ -431,7 +419,7 @@ def test_launch_is_fast(jobs: Jobs) -> None:
         t0 = time.perf_counter()
         jobs.sup.launch(spec)
         to_return.append(time.perf_counter() - t0)
-        wait_until(lambda: paths.started.exists() or paths.exit_record.exists(), 5, "the start record")
+        wait_until(lambda: paths.started.exists() or paths.exit_record.exists(), 5, what="the start record")
         to_start.append(time.perf_counter() - t0)
         jobs.wait_exit(paths)
         to_exit.append(time.perf_counter() - t0)

@@ -84,7 +84,6 @@ class Finishing:
             self._requeue_for_retry(job, outcome, now)
             return
         job.run.update(status=outcome.status, finished_at=iso_utc(now), waiting_for=None, gpus=[])
-        job.unsaved_since = None  # the final write below covers the launch's
         self.jobs.remove(job.id)
         self._concluded.append((job, outcome))
         self._plan_due = True
@@ -204,8 +203,7 @@ class Finishing:
         """
         for job in self._jobs_in(JobState.RUNNING):
             if job.unsaved_since is not None and (all_now or now - job.unsaved_since >= STARTED_SAVE_AFTER_S):
-                job.unsaved_since = None
-                job.save(durable=False)
+                job.save(durable=False)  # clears unsaved_since
 
     def _next_started_save_s(self, now: float) -> float | None:
         """Seconds until the next deferred run.json write is due; None when none waits."""

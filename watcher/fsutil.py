@@ -1,4 +1,4 @@
-"""The one atomic-write helper, and small file reads that tolerate races."""
+"""Atomic writes (the usual one, and one that publishes before it syncs), and small file reads that tolerate races."""
 from __future__ import annotations
 
 import json
@@ -15,21 +15,13 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, durable: bool = 
     path = os.fspath(path)
     if isinstance(data, str):
         data = data.encode("utf-8")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    tmp, fd = _temp_holding(path, data, mode)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
         if durable:
             os.fsync(fd)
     finally:
         os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
+    _rename_over(tmp, path)
 
 
 def publish_then_sync(path: str | os.PathLike, data: bytes, published: Callable[[], None]) -> None:
@@ -40,21 +32,36 @@ def publish_then_sync(path: str | os.PathLike, data: bytes, published: Callable[
     the rename and the fsync can leave it empty, which readers take as "no record".
     """
     path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    tmp, fd = _temp_holding(path, data, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
+        _rename_over(tmp, path)
         published()
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _temp_holding(path: str, data: bytes, mode: int) -> tuple[str, int]:
+    """A temp file beside ``path`` with ``data`` written: its name and its still-open fd."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        raise
+    return tmp, fd
+
+
+def _rename_over(tmp: str, path: str) -> None:
+    """Rename ``tmp`` over ``path``; the temp file does not outlive a failure."""
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
 
 
 def atomic_write_json(path: str | os.PathLike, obj: object, *, durable: bool = True) -> None:
