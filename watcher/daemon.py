@@ -19,7 +19,7 @@ from . import __version__
 from .config import WatcherConfig, check_command_allowed
 from .errors import InvalidJobSpec, QueueLocked, QueueLayoutError
 from .folders import Folders, JobState, QueueRoot
-from .fsutil import remove_quietly
+from .fsutil import drain, remove_quietly
 from .inbox import Inbox, InboxEvents, schedule, start_observer
 from .jobs import Job, JobIndex, new_run
 from .jobspec import JobSpec, load_job_file
@@ -130,11 +130,7 @@ class Watcher(Starting, Finishing):
         wake_fds = [self._wake_r, *self.executor.wake_fds()]  # the spawner helper says when a job ended
         readable, _, _ = select.select(wake_fds, [], [], max(0.0, timeout_s))
         if self._wake_r in readable:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            drain(self._wake_r)
 
     def _next_wait_s(self) -> float:
         wait = min(self.config.rescan_s, self.config.status_s)

@@ -79,6 +79,16 @@ def read_json(path: str | os.PathLike) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
+def drain(fd: int) -> bool:
+    """Read away everything waiting on the non-blocking pipe ``fd``; True at end of file (no writer left)."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        return False
+    return True
+
+
 def touch(path: str | os.PathLike) -> None:
     """Create ``path`` if missing (like ``touch``), leaving an existing file's content alone."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from watcher.contract import JobPaths
 from watcher.errors import SpawnFailed
+from watcher.fsutil import drain
 from watcher.supervisor import LaunchSpec, Supervisor, is_alive
 
 #: how long the watcher waits for the helper's answer to one launch before forking itself (seconds)
@@ -130,15 +131,9 @@ class Spawner:
         return exited
 
     def _drain_notices(self) -> None:
-        if self._notices is None:
-            return
-        try:
-            while os.read(self._notices, 4096):
-                pass
-        except BlockingIOError:
-            return
-        os.close(self._notices)  # end of file: the helper and every supervisor it forked are gone
-        self._notices = None
+        if self._notices is not None and drain(self._notices):
+            os.close(self._notices)  # end of file: the helper and every supervisor it forked are gone
+            self._notices = None
 
     def close(self) -> None:
         """Stop the helper; supervisors it forked keep running (they never depended on it)."""
@@ -240,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         readable, _, _ = select.select([stdin, wake_r, *supervisor.wait_fds()], [], [], 1.0)
         if wake_r in readable:
-            _drain(wake_r)
+            drain(wake_r)
         for pid in supervisor.reap():
             _send(out, {"exited": pid})
         if stdin in readable:
@@ -272,14 +267,6 @@ def _launch(supervisor: Supervisor, line: bytes) -> dict:
         return {"error": str(exc)}
     except (ValueError, KeyError, TypeError) as exc:
         return {"error": f"bad launch request: {exc}"}
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
 
 
 if __name__ == "__main__":
