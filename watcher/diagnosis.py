@@ -117,13 +117,13 @@ def read_metrics_tail(path: str | os.PathLike, max_bytes: int = 65536) -> list[d
     return parse_records(read_tail(path, max_bytes).splitlines())
 
 
-def parse_records(lines: list[str]) -> list[dict]:
+def parse_records(lines: list[str] | list[bytes]) -> list[dict]:
     """The JSON objects among ``lines`` (metrics.jsonl records); torn or foreign lines are skipped."""
     records = []
     for line in lines:
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or (bytes) not UTF-8
             continue
         if isinstance(obj, dict):
             records.append(obj)

@@ -16,6 +16,7 @@ from collections import deque
 from pathlib import Path
 
 from watcher.contract import RECORD_CHECKPOINT, RECORD_EVAL
+from watcher.diagnosis import parse_records
 
 logger = logging.getLogger(__name__)
 
@@ -100,20 +101,12 @@ def _whole(value: object) -> int | None:
     return int(number) if number is not None and number >= 0 else None
 
 
-def _parse_record(line: bytes) -> dict | None:
-    try:
-        record = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def _parse_records(lines: list[bytes]) -> list[dict]:
     """JSON objects among ``lines``; malformed lines are skipped."""
     if not lines:
         return []
     if not all(line.lstrip()[:1] == b"{" and line.rstrip()[-1:] == b"}" for line in lines):
-        return _parse_each(lines)
+        return parse_records(lines)
     try:
         # one C-level parse for the whole batch (a backlog of 100k lines is common after a restart)
         records = json.loads(b"[" + b",".join(lines) + b"]")
@@ -121,12 +114,8 @@ def _parse_records(lines: list[bytes]) -> list[dict]:
         records = None
     if records is None or len(records) != len(lines):
         # a line holding two objects would merge into the batch: a count mismatch means parse line by line
-        return _parse_each(lines)
+        return parse_records(lines)
     return [r for r in records if type(r) is dict]
-
-
-def _parse_each(lines: list[bytes]) -> list[dict]:
-    return [r for r in map(_parse_record, lines) if r is not None]
 
 
 #: record fields copied into progress when present and finite
