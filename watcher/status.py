@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from watcher.fsutil import atomic_write
+from watcher.fsutil import atomic_write, read_json
 from watcher.html import CurveStore, render_html
 
 logger = logging.getLogger(__name__)
@@ -246,8 +246,5 @@ def _has_excess(jobs: tuple[dict, ...], keep_finished: int) -> bool:
 
 def load_status(path: Path) -> StatusSnapshot | None:
     """Read status.json; None when missing or unreadable (a writer replaces it atomically, so never partial)."""
-    try:
-        data = json.loads(Path(path).read_bytes())
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        return None
-    return StatusSnapshot.from_dict(data) if isinstance(data, dict) else None
+    data = read_json(path)
+    return StatusSnapshot.from_dict(data) if data is not None else None

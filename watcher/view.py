@@ -1,7 +1,6 @@
 """`trainq status`: status.json drawn for a terminal with rich (the twin of status.html)."""
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -14,6 +13,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from watcher.fsutil import read_json
 from watcher.html import STALE_HEARTBEAT_S, format_eta, format_number
 from watcher.units import parse_iso
 
@@ -183,14 +183,6 @@ def render_status(snapshot: dict, width: int = 80, now: float | None = None) -> 
     )
 
 
-def _read(status_path: Path) -> dict | None:
-    try:
-        data = json.loads(status_path.read_bytes())
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _view(snapshot: dict | None, status_path: Path, width: int) -> RenderableType:
     return Text(missing_message(status_path)) if snapshot is None else render_status(snapshot, width)
 
@@ -203,7 +195,7 @@ def print_status(status_path: Path, follow: bool = False, json_out: bool = False
     console = Console()
     if follow:
         return _follow(status_path, console)
-    snapshot = _read(status_path)
+    snapshot = read_json(status_path)
     if snapshot is None:
         print(missing_message(status_path), file=sys.stderr)
         return 1
@@ -221,13 +213,13 @@ def _print_json(status_path: Path) -> int:
 
 
 def _follow(status_path: Path, console: Console) -> int:
-    snapshot = _read(status_path)
+    snapshot = read_json(status_path)
     try:
         with Live(_view(snapshot, status_path, console.width), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(FOLLOW_EVERY_S)
                 # keep the last good picture if the file vanished for a moment (queue moved, disk hiccup)
-                snapshot = _read(status_path) or snapshot
+                snapshot = read_json(status_path) or snapshot
                 live.update(_view(snapshot, status_path, console.width), refresh=True)
     except KeyboardInterrupt:
         return 0
