@@ -240,7 +240,7 @@ def _quoted(text: str) -> str:
 
 
 class WatcherProc:
-    """A real ``python -m watcher --root ROOT watch -q`` (optionally under cProfile)."""
+    """A real ``python -m trainq.watcher --root ROOT watch -q`` (optionally under cProfile)."""
 
     def __init__(self, root: Path, profile_to: Path | None = None):
         self.root = root
@@ -254,7 +254,7 @@ class WatcherProc:
         self.started_at = time.time()
         with open(self.root.parent / "watcher.stderr", "ab") as err:
             self.proc = subprocess.Popen(
-                [*prefix, "-m", "watcher", "--root", str(self.root), "watch", "-q"],
+                [*prefix, "-m", "trainq.watcher", "--root", str(self.root), "watch", "-q"],
                 cwd=REPO, env=bench_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
             )
         return self

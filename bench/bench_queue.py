@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from watcher.units import parse_iso
+from trainq.watcher.units import parse_iso
 from bench._common import (
     PY, REPO, BenchError, Queue, Row, WatcherProc, bench_env, fmt_ms, fmt_s, job_yaml, median,
     percentile, read_status, running_watcher, wait_until, workspace,
@@ -310,11 +310,11 @@ def bench_idle(base: Path, seconds: float, profile_dir: Path | None = None) -> l
 
 
 def bench_help(base: Path, runs: int, profile_dir: Path | None = None) -> list[Row]:
-    """Median wall time of ``python -m watcher --help`` and ``trainq --help``, next to a bare ``python -c pass``."""
+    """Median wall time of ``python -m trainq.watcher --help`` and ``trainq --help``, next to a bare ``python -c pass``."""
     del base, profile_dir  # no workspace and no watcher needed
     floor = median(_wall_times([PY, "-c", "pass"], runs))
     rows = []
-    commands = {"python -m watcher --help": [PY, "-m", "watcher", "--help"]}
+    commands = {"python -m trainq.watcher --help": [PY, "-m", "trainq.watcher", "--help"]}
     console = Path(PY).parent / "trainq"
     if console.exists():
         commands["trainq --help"] = [str(console), "--help"]

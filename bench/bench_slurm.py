@@ -62,9 +62,9 @@ def bare_burst(n: int, out_dir: Path) -> float:
 
 
 def start_watcher(root: Path, max_concurrent: int) -> subprocess.Popen:
-    subprocess.run([sys.executable, "-m", "watcher", "init", str(root)], cwd=REPO, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "trainq.watcher", "init", str(root)], cwd=REPO, check=True, capture_output=True)
     (root / "watcher.yaml").write_text(f"executor: slurm\nmax_concurrent: {max_concurrent}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "watcher", "--root", str(root), "watch", "-q"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "trainq.watcher", "--root", str(root), "watch", "-q"], cwd=REPO,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=dict(os.environ, PYTHONPATH=str(REPO)))
     deadline = time.monotonic() + 30

@@ -1,7 +1,7 @@
 """Trainer overhead and stop latency, printed as a markdown table.
 
-Same model (``python -m trainer.tiny --size small``), same LoRA, batch, seq_len, optimizer and schedule, three ways:
-``python -m trainer`` (trainq), a plain transformers Trainer script, and a bare PyTorch loop. Training wall time
+Same model (``python -m trainq.trainer.tiny --size small``), same LoRA, batch, seq_len, optimizer and schedule, three ways:
+``python -m trainq.trainer`` (trainq), a plain transformers Trainer script, and a bare PyTorch loop. Training wall time
 excludes imports and model loading; whole-process time includes everything. Stop latency: stop.flag touched ->
 process exited with a complete checkpoint.
 
@@ -28,8 +28,8 @@ _COMMON = r"""
 import os, sys, time, json
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
-from trainer.data import load_data, tokenize, PadCollator
-from trainer.modeling import load_tokenizer
+from trainq.trainer.data import load_data, tokenize, PadCollator
+from trainq.trainer.modeling import load_tokenizer
 from transformers import AutoModelForCausalLM, set_seed
 from peft import LoraConfig, get_peft_model
 S = json.loads(sys.argv[2]); steps = int(sys.argv[3]); d = sys.argv[1]
@@ -80,7 +80,7 @@ def env() -> dict[str, str]:
 
 def build_model(work: Path) -> Path:
     """The small benchmark model and data."""
-    subprocess.run([sys.executable, "-m", "trainer.tiny", str(work / "tiny"), "--size", "small"], check=True,
+    subprocess.run([sys.executable, "-m", "trainq.trainer.tiny", str(work / "tiny"), "--size", "small"], check=True,
                    cwd=REPO, env=env(), capture_output=True)
     return work / "tiny"
 
@@ -97,10 +97,10 @@ def write_job(job: Path, tiny: Path, steps: int) -> Path:
 
 
 def run_trainq(work: Path, tiny: Path, steps: int, tag: str) -> tuple[float, float]:
-    """(train seconds, whole-process seconds) of `python -m trainer`."""
+    """(train seconds, whole-process seconds) of `python -m trainq.trainer`."""
     job = write_job(work / f"job-{tag}", tiny, steps)
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "trainer", str(job)], check=True, cwd=REPO, env=env(), capture_output=True)
+    subprocess.run([sys.executable, "-m", "trainq.trainer", str(job)], check=True, cwd=REPO, env=env(), capture_output=True)
     whole = time.perf_counter() - start
     return json.loads((job / "summary.json").read_text())["durations_s"]["train"], whole
 
@@ -117,7 +117,7 @@ def run_script(code: str, tiny: Path, steps: int) -> tuple[float, float]:
 def stop_latency(work: Path, tiny: Path) -> tuple[float, bool]:
     """Seconds from touching stop.flag to the process having exited; and whether a complete checkpoint exists."""
     job = write_job(work / "job-stop", tiny, 100_000)
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", str(job)], cwd=REPO, env=env(),
+    proc = subprocess.Popen([sys.executable, "-m", "trainq.trainer", str(job)], cwd=REPO, env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         metrics = job / "metrics.jsonl"

@@ -67,7 +67,7 @@ def write_job(queue_dir: Path) -> Callable[..., Path]:
 @pytest.fixture
 def watcher_config():
     """Build a WatcherConfig with test-friendly cadences; override fields by keyword."""
-    from watcher.config import WatcherConfig
+    from trainq.watcher.config import WatcherConfig
 
     def _make(**overrides: object) -> WatcherConfig:
         base = {"settle_s": 0.1, "rescan_s": 0.2, "status_s": 0.1, "kill_after_s": 1.0}
@@ -80,7 +80,7 @@ def watcher_config():
 @pytest.fixture
 def watcher(queue_dir: Path, watcher_config):
     """An in-process Watcher on ``queue_dir``; tests call ``tick(now)`` (or ``run_until``)."""
-    from watcher.daemon import Watcher
+    from trainq.watcher.daemon import Watcher
 
     made: list[Watcher] = []
 
@@ -106,7 +106,7 @@ def tick_until(w, pred: Callable[[], object], timeout_s: float = 15.0, what: str
 
 
 class WatcherProcess:
-    """A real ``python -m watcher watch`` on a queue root."""
+    """A real ``python -m trainq.watcher watch`` on a queue root."""
 
     def __init__(self, root: Path, env: dict | None = None, args: tuple[str, ...] = ()):
         self.root = root
@@ -117,7 +117,7 @@ class WatcherProcess:
 
     def start(self) -> "WatcherProcess":
         self.proc = subprocess.Popen(
-            [PY, "-m", "watcher", "--root", str(self.root), "watch", "-q", *self.args],
+            [PY, "-m", "trainq.watcher", "--root", str(self.root), "watch", "-q", *self.args],
             cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=open(self.root / "watcher.stderr", "ab"),
         )

@@ -60,7 +60,7 @@ def test_quick_latency_and_help_print_the_table(tmp_path: Path) -> None:
     assert median[2].startswith("inotifywait loop ") and 0 < _ms(median[2].removeprefix("inotifywait loop ")) < 5000
     assert median[3] == "≤ 15 ms" and median[4] in ("yes", "**no**")
     assert "1. drop→start latency, p95" in rows
-    assert any(name.startswith("4. `python -m watcher --help`") for name in rows)
+    assert any(name.startswith("4. `python -m trainq.watcher --help`") for name in rows)
 
     report = json.loads((out / "latest.json").read_text(encoding="utf-8"))
     assert set(report["sections"]) == {"latency", "help"}

@@ -10,7 +10,7 @@ from conftest import PY, REPO, tick_until
 
 
 def trainq(*args: str, root: Path | None = None, check_rc: int | None = None) -> subprocess.CompletedProcess:
-    cmd = [PY, "-m", "watcher"] + (["--root", str(root)] if root else []) + list(args)
+    cmd = [PY, "-m", "trainq.watcher"] + (["--root", str(root)] if root else []) + list(args)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     if check_rc is not None:
         assert proc.returncode == check_rc, proc.stdout + proc.stderr

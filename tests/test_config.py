@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from watcher.config import WatcherConfig, check_command_allowed, load_watcher_config
-from watcher.errors import InvalidWatcherConfig
-from watcher.jobspec import SCHEMAS_DIR, JobSpec, parse_job_text
+from trainq.watcher.config import WatcherConfig, check_command_allowed, load_watcher_config
+from trainq.watcher.errors import InvalidWatcherConfig
+from trainq.watcher.jobspec import SCHEMAS_DIR, JobSpec, parse_job_text
 
 
 def write_settings(root: Path, text: str) -> Path:

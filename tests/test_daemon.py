@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from conftest import PY, REPO, drop, tick_until
-from watcher.contract import JobPaths
-from watcher.errors import QueueLocked
+from trainq.watcher.contract import JobPaths
+from trainq.watcher.errors import QueueLocked
 
 SCHEMAS = REPO / "schemas"
 
@@ -22,7 +22,7 @@ def load(root: Path, rel: str) -> dict:
 
 
 def validator(name: str) -> jsonschema.Draft202012Validator:
-    from watcher.jobspec import schema_validator
+    from trainq.watcher.jobspec import schema_validator
 
     return schema_validator(SCHEMAS, name)
 
@@ -140,7 +140,7 @@ def test_root_stop_flag_stops_the_watcher_not_the_jobs(queue_dir, watcher, write
 
 
 def test_second_watcher_refuses_and_names_the_pid(queue_dir, watcher, watcher_config):
-    from watcher.daemon import Watcher
+    from trainq.watcher.daemon import Watcher
 
     watcher()
     second = Watcher(queue_dir, watcher_config())
@@ -201,7 +201,7 @@ def test_bad_watcher_yaml_stops_startup_with_a_clear_error(queue_dir):
     import subprocess
 
     (queue_dir / "watcher.yaml").write_text("max_concurrent: lots\nsettle: 1\n")
-    proc = subprocess.run([PY, "-m", "watcher", "--root", str(queue_dir), "watch", "--once"], cwd=REPO,
+    proc = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "watch", "--once"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "watcher.yaml" in proc.stderr and "max_concurrent" in proc.stderr

@@ -9,8 +9,8 @@ from typing import Iterator
 
 import pytest
 
-from watcher.contract import EXIT_DATA, EXIT_FAILED, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, JobPaths
-from watcher.diagnosis import (
+from trainq.watcher.contract import EXIT_DATA, EXIT_FAILED, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, JobPaths
+from trainq.watcher.diagnosis import (
     KINDS,
     Diagnosis,
     advice_for,

@@ -1,4 +1,4 @@
-"""A real ``python -m watcher`` process, driven only through files, as users drive it."""
+"""A real ``python -m trainq.watcher`` process, driven only through files, as users drive it."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import jsonschema
 import psutil
 
 from conftest import PY, REPO, drop, job_processes, wait_until
-from watcher.units import parse_iso
+from trainq.watcher.units import parse_iso
 
 
 def read_status(root: Path) -> dict | None:
@@ -25,7 +25,7 @@ def read_status(root: Path) -> dict | None:
 
 
 def status_validator():
-    from watcher.jobspec import schema_validator
+    from trainq.watcher.jobspec import schema_validator
 
     return schema_validator(REPO / "schemas", "status.schema.json")
 
@@ -73,7 +73,7 @@ def test_heartbeat_keeps_beating_when_idle(queue_dir, watcher_process):
 def test_second_watcher_process_refuses_naming_the_pid(queue_dir, watcher_process):
     wp = watcher_process()
     wait_until(lambda: read_status(queue_dir), 10)
-    proc = subprocess.run([PY, "-m", "watcher", "--root", str(queue_dir), "watch", "--once"], cwd=REPO,
+    proc = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "watch", "--once"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert str(wp.proc.pid) in proc.stderr

@@ -18,13 +18,13 @@ import pytest
 
 from conftest import PY, drop, wait_until
 from test_train_queue import job_entry, tiny, train_job  # noqa: F401  (tiny is a module fixture)
-from watcher.fsutil import atomic_write
-from watcher.html import CurveStore, render_curve, render_html
+from trainq.watcher.fsutil import atomic_write
+from trainq.watcher.html import CurveStore, render_curve, render_html
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 TMUX = shutil.which("tmux")
-#: the installed `trainq` script beside the venv's python; `python -m watcher` is the same program
-TRAINQ = [str(Path(PY).with_name("trainq"))] if Path(PY).with_name("trainq").exists() else [PY, "-m", "watcher"]
+#: the installed `trainq` script beside the venv's python; `python -m trainq.watcher` is the same program
+TRAINQ = [str(Path(PY).with_name("trainq"))] if Path(PY).with_name("trainq").exists() else [PY, "-m", "trainq.watcher"]
 #: steps of the observed job: with 0.3 s of sleep per step it runs long enough to watch it move (~10-30 s)
 STEPS = 24
 SIM_GPU = [{"index": 0, "name": "Sim 6GB", "memory_total_mb": 6144, "memory_used_mb": 512,

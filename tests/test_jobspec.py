@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from watcher.errors import InvalidJobSpec, Problem
-from watcher.jobspec import (
+from trainq.watcher.errors import InvalidJobSpec, Problem
+from trainq.watcher.jobspec import (
     DEFAULT_RETRY_ON, JOB_SCHEMA, MAX_JOB_FILE_BYTES, SCHEMAS_DIR, JobSpec, Resources, Retries, expand_placeholders,
     load_job_file, parse_job_text, schema_problems, schema_validator,
 )
-from watcher.units import DURATION_PATTERN
+from trainq.watcher.units import DURATION_PATTERN
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "tests" / "data" / "jobs"
@@ -172,7 +172,7 @@ def test_fifo_named_like_a_job_file_returns_promptly(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     out = run_python(
         "from pathlib import Path\nfrom watcher.errors import InvalidJobSpec\n"
-        "from watcher.jobspec import load_job_file\n"
+        "from trainq.watcher.jobspec import load_job_file\n"
         f"try:\n    load_job_file(Path({str(fifo)!r}))\nexcept InvalidJobSpec as exc:\n    print(exc)\n"
     )
     assert "a FIFO" in out and "not a regular file" in out
@@ -406,7 +406,7 @@ def test_train_job_launch() -> None:
     values = {"job_dir": "/q/running/t", "job_id": "t", "attempt": "1", "resume_from": "/q/running/t/checkpoints/x"}
     assert spec.is_train and spec.has_resume and spec.command is None
     assert spec.train["max_steps"] == 40
-    assert spec.launch_argv(values, "/venv/bin/python", resume=False) == ["/venv/bin/python", "-m", "trainer",
+    assert spec.launch_argv(values, "/venv/bin/python", resume=False) == ["/venv/bin/python", "-m", "trainq.trainer",
                                                                           "/q/running/t"]
     assert spec.launch_argv(values, "/venv/bin/python", resume=True)[-2:] == ["--resume-from",
                                                                              "/q/running/t/checkpoints/x"]

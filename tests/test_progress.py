@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from watcher.progress import LogProgress, MetricsTail
+from trainq.watcher.progress import LogProgress, MetricsTail
 
 T0 = 1_780_000_000.0
 

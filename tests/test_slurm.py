@@ -1,6 +1,6 @@
 """executor: slurm against a real single-node Slurm (../shared/slurm/start-slurm.sh, 2 fake GPUs).
 
-Every test drives the real watcher (in-process ``tick`` or a real ``python -m watcher`` process) with
+Every test drives the real watcher (in-process ``tick`` or a real ``python -m trainq.watcher`` process) with
 ``executor: slurm``; jobs are real batch jobs run by slurmd under the real supervisor.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from conftest import FAKE, PY, REPO, drop, tick_until, wait_until
-from watcher.contract import JobPaths
-from watcher.slurm import EXIT_NOT_SHARED, SlurmExecutor, batch_env, batch_script, time_limit_min
+from trainq.watcher.contract import JobPaths
+from trainq.watcher.slurm import EXIT_NOT_SHARED, SlurmExecutor, batch_env, batch_script, time_limit_min
 
 pytestmark = pytest.mark.slurm
 
@@ -127,9 +127,9 @@ def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
     ("CANCELLED", "failed", "preempted"), ("TIMEOUT", "timeout", "timeout"), ("BOOT_FAIL", "failed", "killed"),
 ])
 def test_slurm_ending_a_job_itself_gets_an_exit_record_and_diagnosis(tmp_path, state, status, kind):
-    from watcher.config import WatcherConfig
-    from watcher.jobs import judge_exit
-    from watcher.slurm import SlurmJob
+    from trainq.watcher.config import WatcherConfig
+    from trainq.watcher.jobs import judge_exit
+    from trainq.watcher.slurm import SlurmJob
 
     paths = JobPaths(tmp_path / "job")
     paths.dir.mkdir()
@@ -387,9 +387,9 @@ def _restart_controller(old_pid: int) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    """The tiny model and data, built by ``python -m trainer.tiny DIR``."""
+    """The tiny model and data, built by ``python -m trainq.trainer.tiny DIR``."""
     out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([PY, "-m", "trainer.tiny", str(out)], check=True, cwd=REPO, timeout=300,
+    subprocess.run([PY, "-m", "trainq.trainer.tiny", str(out)], check=True, cwd=REPO, timeout=300,
                    env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True)
     return out
 
@@ -407,7 +407,7 @@ def test_tiny_train_job_reaches_done_through_slurm(queue_dir, watcher, tiny):
 
 def test_executor_needs_no_slurm_to_be_built(tmp_path):
     """Constructing the executor runs nothing; only launch and the polls talk to Slurm."""
-    from watcher.config import WatcherConfig
+    from trainq.watcher.config import WatcherConfig
 
     ex = SlurmExecutor(WatcherConfig.from_dict({"executor": "slurm"}), tmp_path)
     assert ex.process_tree(JobPaths(tmp_path)) == [] and ex.waiting_for(JobPaths(tmp_path), {}) is None

@@ -9,9 +9,9 @@ from pathlib import Path
 import psutil
 
 from conftest import wait_until
-from watcher.contract import JobPaths
-from watcher.spawner import SpawningSupervisor
-from watcher.supervisor import LaunchSpec
+from trainq.watcher.contract import JobPaths
+from trainq.watcher.spawner import SpawningSupervisor
+from trainq.watcher.supervisor import LaunchSpec
 
 
 def spec_for(tmp_path: Path, name: str, argv: tuple[str, ...]) -> LaunchSpec:

@@ -18,9 +18,9 @@ import psutil
 import pytest
 
 from conftest import wait_until
-from watcher.contract import ENV_JOB_DIR, JobPaths
-from watcher.errors import SpawnFailed
-from watcher.supervisor import LaunchSpec, Supervisor, install_watcher_signal_handlers
+from trainq.watcher.contract import ENV_JOB_DIR, JobPaths
+from trainq.watcher.errors import SpawnFailed
+from trainq.watcher.supervisor import LaunchSpec, Supervisor, install_watcher_signal_handlers
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).resolve().parent / "fake_trainers"
@@ -279,7 +279,7 @@ def test_standalone_entry_point_runs_in_the_foreground(jobs: Jobs) -> None:
     spec_file = paths.dir.parent / "spec.json"
     spec_file.write_text(json.dumps({"job_dir": "ignored", "argv": list(py("exits_1.py")), "banner": "== hand"}))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "watcher.supervisor", str(paths.dir), "--spec", str(spec_file)],
+    done = subprocess.run([sys.executable, "-m", "trainq.watcher.supervisor", str(paths.dir), "--spec", str(spec_file)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 1, done.stderr
     record = jobs.sup.read_exit(paths)
@@ -294,7 +294,7 @@ def test_standalone_supervisor_forwards_its_sigterm_to_the_job(jobs: Jobs) -> No
     spec_file = paths.dir.parent / "spec.json"
     spec_file.write_text(json.dumps({"job_dir": str(paths.dir), "argv": list(py("sleeps.py"))}))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "watcher.supervisor", str(paths.dir), "--spec", str(spec_file)],
+    proc = subprocess.Popen([sys.executable, "-m", "trainq.watcher.supervisor", str(paths.dir), "--spec", str(spec_file)],
                             cwd=REPO, env=env)
     try:
         jobs.wait_ready(paths)
@@ -311,7 +311,7 @@ def test_standalone_supervisor_forwards_its_sigterm_to_the_job(jobs: Jobs) -> No
 def test_standalone_rejects_a_bad_spec(tmp_path: Path) -> None:
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps({"argv": []}))
-    done = subprocess.run([sys.executable, "-m", "watcher.supervisor", str(tmp_path), "--spec", str(spec_file)],
+    done = subprocess.run([sys.executable, "-m", "trainq.watcher.supervisor", str(tmp_path), "--spec", str(spec_file)],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     assert done.returncode == 2 and "argv" in done.stderr and str(spec_file) in done.stderr
 

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch", reason="the training stack (pip install -e 
 def tiny(tmp_path_factory) -> Path:
     """The tiny model and dataset, built once for this module."""
     out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([PY, "-m", "trainer.tiny", str(out)], check=True, cwd=REPO, capture_output=True, timeout=300)
+    subprocess.run([PY, "-m", "trainq.trainer.tiny", str(out)], check=True, cwd=REPO, capture_output=True, timeout=300)
     return out
 
 

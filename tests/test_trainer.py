@@ -1,4 +1,4 @@
-"""The real trainer as real processes (`python -m trainer JOB_DIR`) on the tiny model: runs, stops, kills, resumes."""
+"""The real trainer as real processes (`python -m trainq.trainer JOB_DIR`) on the tiny model: runs, stops, kills, resumes."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 
 from tests.trainer_util import (adapter_tensors, build_tiny, events, max_abs_diff, output, records, run_trainer,
                                 start_trainer, summary, trainer_env, wait_until, write_job)
-from watcher.contract import EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_USAGE
+from trainq.watcher.contract import EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_USAGE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -109,7 +109,7 @@ def test_kill_during_save_never_becomes_latest(tiny, tmp_path):
     assert (ckpts / "step-000008.tmp").is_dir() and not (ckpts / "step-000008.tmp" / "manifest.json").exists()
     assert os.readlink(ckpts / "ckpt_latest") == "step-000004"
     shutil.copytree(ckpts / "step-000008.tmp", ckpts / "step-000008")  # a half-written folder under the final name
-    from trainer.checkpoints import CheckpointError, resolve_resume
+    from trainq.trainer.checkpoints import CheckpointError, resolve_resume
 
     assert resolve_resume(ckpts / "ckpt_latest").name == "step-000004"
     with pytest.raises(CheckpointError, match="incomplete checkpoint"):
@@ -171,6 +171,6 @@ def test_oom_gives_advice_and_next_attempt_takes_a_rung(tiny, tmp_path):
 
 
 def test_help_says_how_to_run_by_hand():
-    result = subprocess.run([os.sys.executable, "-m", "trainer", "--help"], capture_output=True, text=True,
+    result = subprocess.run([os.sys.executable, "-m", "trainq.trainer", "--help"], capture_output=True, text=True,
                             env=trainer_env(), cwd=Path(__file__).resolve().parent.parent, timeout=60)
-    assert result.returncode == 0 and "python -m trainer JOB_DIR" in result.stdout and "stop.flag" in result.stdout
+    assert result.returncode == 0 and "python -m trainq.trainer JOB_DIR" in result.stdout and "stop.flag" in result.stdout

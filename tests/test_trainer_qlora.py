@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from tests.trainer_util import build_tiny, records, write_job
-from trainer.callbacks import RunState
-from trainer.config import load_config
-from trainer.data import PadCollator, load_data, tokenize
-from trainer.faults import Faults
-from trainer.metrics import MetricsWriter
-from trainer.modeling import load_tokenizer, resolve_precision
-from trainer.run import Invocation, run_segment
+from trainq.trainer.callbacks import RunState
+from trainq.trainer.config import load_config
+from trainq.trainer.data import PadCollator, load_data, tokenize
+from trainq.trainer.faults import Faults
+from trainq.trainer.metrics import MetricsWriter
+from trainq.trainer.modeling import load_tokenizer, resolve_precision
+from trainq.trainer.run import Invocation, run_segment
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -85,7 +85,7 @@ def test_qlora_on_cpu_keeps_4bit_base_bitwise_and_gradients_match_dequantized(ti
     assert layers and all(m.support_avx512bf16_for_cpu is False for m in layers)
     assert len(records(job, "eval")) == 4 and len(records(job, "checkpoint")) >= 2
 
-    from trainer.modeling import disable_avx512bf16_repack, load_base
+    from trainq.trainer.modeling import disable_avx512bf16_repack, load_base
 
     fresh = load_base(trainer.run.config, resolve_precision("fp32"))
     disable_avx512bf16_repack(fresh)

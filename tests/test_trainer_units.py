@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer import checkpoints, ladder
-from trainer.config import ConfigError, load_config
-from trainer.data import IGNORE_INDEX, DataError, Row, encode, load_data, read_rows, split
-from trainer.faults import FaultSpecError, parse_faults
-from trainer.presets import Knobs, ModelShape, PresetError, choose, estimate
+from trainq.trainer import checkpoints, ladder
+from trainq.trainer.config import ConfigError, load_config
+from trainq.trainer.data import IGNORE_INDEX, DataError, Row, encode, load_data, read_rows, split
+from trainq.trainer.faults import FaultSpecError, parse_faults
+from trainq.trainer.presets import Knobs, ModelShape, PresetError, choose, estimate
 
 # Published shapes (config.json of each model family)
 QWEN25_05B = ModelShape(hidden=896, layers=24, intermediate=4864, vocab=151936, heads=14, kv_heads=2, tied=True)

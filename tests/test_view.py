@@ -14,8 +14,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from watcher.units import iso_utc
-from watcher.view import render_status
+from trainq.watcher.units import iso_utc
+from trainq.watcher.view import render_status
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -61,7 +61,7 @@ def test_stale_heartbeat_says_watcher_not_responding() -> None:
 
 
 def _status_cmd(status_path: Path, *, follow: bool = False, json_out: bool = False) -> list[str]:
-    code = ("import sys; from pathlib import Path; from watcher.view import print_status; "
+    code = ("import sys; from pathlib import Path; from trainq.watcher.view import print_status; "
             f"sys.exit(print_status(Path(sys.argv[1]), follow={follow}, json_out={json_out}))")
     return [sys.executable, "-c", code, str(status_path)]
 

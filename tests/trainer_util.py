@@ -1,4 +1,4 @@
-"""Helpers for the trainer tests: a tiny model, job folders, real `python -m trainer` processes, polling."""
+"""Helpers for the trainer tests: a tiny model, job folders, real `python -m trainq.trainer` processes, polling."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ BASE_TRAIN = {
 
 def build_tiny(out_dir: Path) -> Path:
     """Build the tiny model and data in-process (the test process has torch loaded anyway)."""
-    from trainer.tiny import build
+    from trainq.trainer.tiny import build
 
     if not (out_dir / "model" / "config.json").is_file():
         build(out_dir)
@@ -50,10 +50,10 @@ def trainer_env(**extra: str) -> dict[str, str]:
 
 
 def start_trainer(job_dir: Path, *args: str, **env: str) -> subprocess.Popen:
-    """Start `python -m trainer JOB_DIR` with output into JOB_DIR/output.log."""
+    """Start `python -m trainq.trainer JOB_DIR` with output into JOB_DIR/output.log."""
     log = open(job_dir / "output.log", "ab")
     try:
-        return subprocess.Popen([sys.executable, "-m", "trainer", str(job_dir), *args], cwd=REPO,
+        return subprocess.Popen([sys.executable, "-m", "trainq.trainer", str(job_dir), *args], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT, env=trainer_env(**env))
     finally:
         log.close()

@@ -1,1 +1,1 @@
-"""trainq's built-in trainer (``python -m trainer JOB_DIR``); the watcher never imports this package."""
+"""trainq's built-in trainer (``python -m trainq.trainer JOB_DIR``); the watcher never imports this package."""

@@ -2,10 +2,10 @@
 
 Run by hand on any folder holding a job.yaml with a ``train:`` block::
 
-    python -m trainer.tiny queue/demo            # a tiny model + data to try it on
-    python -m trainer JOB_DIR                    # trains; writes into JOB_DIR
+    python -m trainq.trainer.tiny queue/demo            # a tiny model + data to try it on
+    python -m trainq.trainer JOB_DIR                    # trains; writes into JOB_DIR
     touch JOB_DIR/stop.flag                      # checkpoint and stop (exit 0, outcome "stopped")
-    python -m trainer JOB_DIR --resume-from JOB_DIR/checkpoints/ckpt_latest
+    python -m trainq.trainer JOB_DIR --resume-from JOB_DIR/checkpoints/ckpt_latest
 
 Writes: metrics.jsonl (a record per step), checkpoints/step-NNNNNN/ + ckpt_latest/ckpt_best links,
 adapter/ (model/ for method: full), summary.json, loss.png, env.json, SHA256SUMS.
@@ -23,7 +23,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from watcher.contract import EXIT_FAILED
+from trainq.watcher.contract import EXIT_FAILED
 
 #: offline, quiet: models load only from local folders, and nothing phones home
 _ENV_DEFAULTS = {
@@ -35,7 +35,7 @@ _ENV_DEFAULTS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line: JOB_DIR and an optional checkpoint to resume from."""
-    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m trainq.trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("job_dir", type=Path, help="folder holding job.yaml (outputs are written here)")
     parser.add_argument("--resume-from", metavar="DIR", default=None,
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes are not the user's business
     try:
-        from trainer.run import main_run
+        from trainq.trainer.run import main_run
 
         return main_run(args.job_dir, args.resume_from)
     except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes

@@ -6,10 +6,10 @@ import platform
 import sys
 from pathlib import Path
 
-from trainer.checkpoints import sha256_file
-from trainer.metrics import read_records
-from watcher.contract import RECORD_EVAL, RECORD_STEP
-from watcher.fsutil import atomic_write, atomic_write_json
+from trainq.trainer.checkpoints import sha256_file
+from trainq.trainer.metrics import read_records
+from trainq.watcher.contract import RECORD_EVAL, RECORD_STEP
+from trainq.watcher.fsutil import atomic_write, atomic_write_json
 
 SUMS_FILE = "SHA256SUMS"
 ENV_FILE = "env.json"

@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 
-from trainer import checkpoints
-from trainer.config import TrainConfig
-from trainer.faults import Faults
-from trainer.metrics import MetricsWriter
-from trainer.modeling import fingerprint, trainable_state
-from watcher.contract import CKPT_BEST, CKPT_LATEST, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_STEP
-from watcher.fsutil import atomic_write_json, touch
+from trainq.trainer import checkpoints
+from trainq.trainer.config import TrainConfig
+from trainq.trainer.faults import Faults
+from trainq.trainer.metrics import MetricsWriter
+from trainq.trainer.modeling import fingerprint, trainable_state
+from trainq.watcher.contract import CKPT_BEST, CKPT_LATEST, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_STEP
+from trainq.watcher.fsutil import atomic_write_json, touch
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from jsonschema import Draft202012Validator
 
-from watcher.contract import EXIT_USAGE
-from watcher.yaml12 import YamlError, load_yaml12
+from trainq.watcher.contract import EXIT_USAGE
+from trainq.watcher.yaml12 import YamlError, load_yaml12
 
 #: the schema this module validates against (shipped beside the package in the repo)
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "train.schema.json"
@@ -157,7 +157,7 @@ def read_job(job_dir: Path) -> tuple[dict, dict]:
     try:
         text = spec.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{spec}: no job.yaml in this folder; python -m trainer JOB_DIR needs JOB_DIR/job.yaml") from None
+        raise ConfigError(f"{spec}: no job.yaml in this folder; python -m trainq.trainer JOB_DIR needs JOB_DIR/job.yaml") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{spec}: not UTF-8 text") from None
     try:

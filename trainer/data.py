@@ -10,7 +10,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from watcher.contract import EXIT_DATA
+from trainq.watcher.contract import EXIT_DATA
 
 logger = logging.getLogger(__name__)
 

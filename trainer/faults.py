@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from watcher.contract import ENV_TRAINER_FAULTS, EXIT_USAGE
+from trainq.watcher.contract import ENV_TRAINER_FAULTS, EXIT_USAGE
 
 _INT_LIST_KEYS = ("nan_at", "spike_at", "oom_at")
 _INT_KEYS = ("nan_after", "oom_if_batch_over", "stop_at", "sigterm_at", "kill_in_save")
@@ -80,7 +80,7 @@ def parse_faults(text: str | None) -> Faults:
             elif key in _FLOAT_KEYS:
                 values[key] = float(value)
             else:
-                raise FaultSpecError(f"{ENV_TRAINER_FAULTS}: unknown fault {key!r} (see python -m trainer --help)")
+                raise FaultSpecError(f"{ENV_TRAINER_FAULTS}: unknown fault {key!r} (see python -m trainq.trainer --help)")
         except ValueError as exc:
             if isinstance(exc, FaultSpecError):
                 raise

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import TrainConfig
-from watcher.contract import RECORD_EVENT
+from trainq.trainer.config import TrainConfig
+from trainq.watcher.contract import RECORD_EVENT
 
 #: the ladder halves seq_len no further than this
 MIN_SEQ_LEN = 32

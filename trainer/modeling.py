@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.config import TrainConfig
+from trainq.trainer.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

@@ -14,17 +14,17 @@ from pathlib import Path
 import torch
 from transformers import PrinterCallback, TrainingArguments
 
-from trainer import artifacts, checkpoints, ladder
-from trainer.callbacks import RunState, TrainqCallback, TrainqTrainer
-from trainer.config import TrainConfig, load_config
-from trainer.data import MAX_REPORTED_BAD_ROWS, PadCollator, load_data, tokenize
-from trainer.faults import parse_faults
-from trainer.metrics import MetricsWriter, read_records
-from trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
-from trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
-from watcher.contract import (ENV_ATTEMPT, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
+from trainq.trainer import artifacts, checkpoints, ladder
+from trainq.trainer.callbacks import RunState, TrainqCallback, TrainqTrainer
+from trainq.trainer.config import TrainConfig, load_config
+from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, PadCollator, load_data, tokenize
+from trainq.trainer.faults import parse_faults
+from trainq.trainer.metrics import MetricsWriter, read_records
+from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
+from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
+from trainq.watcher.contract import (ENV_ATTEMPT, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
                               EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, RECORD_DONE, JobPaths)
-from watcher.units import iso_utc
+from trainq.watcher.units import iso_utc
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Build a tiny random-weight causal LM, its tokenizer and learnable data, offline and byte-identical.
 
-Usage: ``python -m trainer.tiny DIR [--size tiny|small]`` writes ``DIR/model/`` (Llama config, safetensors
+Usage: ``python -m trainq.trainer.tiny DIR [--size tiny|small]`` writes ``DIR/model/`` (Llama config, safetensors
 weights, a byte-level BPE tokenizer trained here), ``DIR/train.jsonl`` and ``DIR/eval.jsonl``, then prints the paths.
 ``tiny`` (~0.2M params) is for tests; ``small`` (a few million) for benchmarks.
 """
@@ -111,7 +111,7 @@ def build(out_dir: Path, size_name: str = "tiny") -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: build and print the paths."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.tiny", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m trainq.trainer.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="output folder (created)")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="tiny for tests, small for benchmarks")
     args = parser.parse_args(argv)

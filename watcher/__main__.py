@@ -1,4 +1,4 @@
-"""``python -m watcher`` is the ``trainq`` command."""
+"""``python -m trainq.watcher`` is the ``trainq`` command."""
 import sys
 
 from .cli import main

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from watcher.resources import GpuInfo, GpuProcess, MachineState
+from trainq.watcher.resources import GpuInfo, GpuProcess, MachineState
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_INVALID = 2
 
-logger = logging.getLogger("watcher")
+logger = logging.getLogger("trainq.watcher")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``trainq`` console script and ``python -m watcher``."""
+    """Entry point of the ``trainq`` console script and ``python -m trainq.watcher``."""
     args = _parser().parse_args(argv)
     if not getattr(args, "func", None):
         _parser().print_help()
@@ -177,7 +177,7 @@ def _setup_logging(log_file: Path, verbose: bool, quiet: bool) -> Callable[[], N
     handlers: list[logging.Handler] = [logging.FileHandler(log_file, encoding="utf-8")]
     if not quiet:
         handlers.append(logging.StreamHandler(sys.stderr))
-    watcher_logger = logging.getLogger("watcher")
+    watcher_logger = logging.getLogger("trainq.watcher")
     watcher_logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     for handler in handlers:
         handler.setFormatter(fmt)

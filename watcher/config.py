@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from watcher.contract import ENV_SIMULATE_GPUS
-from watcher.errors import InvalidWatcherConfig, Problem
-from watcher.jobspec import SCHEMAS_DIR, JobSpec, foreign_value_problems, parse_mapping, read_spec_text
-from watcher.schema_errors import schema_problems, schema_validator, shown, sort_problems
-from watcher.units import parse_duration_s
+from trainq.watcher.contract import ENV_SIMULATE_GPUS
+from trainq.watcher.errors import InvalidWatcherConfig, Problem
+from trainq.watcher.jobspec import SCHEMAS_DIR, JobSpec, foreign_value_problems, parse_mapping, read_spec_text
+from trainq.watcher.schema_errors import schema_problems, schema_validator, shown, sort_problems
+from trainq.watcher.units import parse_duration_s
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Builds the tiny local model and dataset (no hub), drops the example LoRA job into the inbox,
 runs the watcher until the queue is idle, and says where the adapter, summary and loss plot are.
 Everything goes through the same files a user would touch; the watcher never imports the
-trainer (the trainer runs as ``python -m trainer`` in the job's own process).
+trainer (the trainer runs as ``python -m trainq.trainer`` in the job's own process).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def run_demo(root: Path) -> int:
     demo_dir = root / "demo"
     if not (demo_dir / "model").is_dir():
         print(f"demo: building the tiny model and dataset in {demo_dir}/ ...", flush=True)
-        subprocess.run([sys.executable, "-m", "trainer.tiny", str(demo_dir)], check=True)
+        subprocess.run([sys.executable, "-m", "trainq.trainer.tiny", str(demo_dir)], check=True)
     job_file = _submit_example(root)
     job_id = _id_for(job_file)
     print(f"demo: submitted {job_file.relative_to(root.parent) if root.parent in job_file.parents else job_file}",
@@ -60,7 +60,7 @@ def _id_for(job_file: Path) -> str:
 
 def _watch_until_done(root: Path, job_id: str) -> None:
     """Run a watcher until idle; if one already runs on this root, wait for the job instead."""
-    cmd = [sys.executable, "-m", "watcher", "--root", str(root), "watch", "--until-idle"]
+    cmd = [sys.executable, "-m", "trainq.watcher", "--root", str(root), "watch", "--until-idle"]
     proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
     sys.stderr.write(proc.stderr)
     if proc.returncode == 0:

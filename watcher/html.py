@@ -10,7 +10,7 @@ from html import escape
 from operator import itemgetter
 from typing import Iterable
 
-from watcher.contract import RECORD_EVAL
+from trainq.watcher.contract import RECORD_EVAL
 
 #: most points kept per curve however long the run
 MAX_CURVE_POINTS = 300

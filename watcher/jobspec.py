@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from watcher.errors import InvalidJobSpec, Problem
-from watcher.schema_errors import schema_problems, schema_validator, shown, sort_problems
-from watcher.units import parse_duration_s
-from watcher.yaml12 import YamlError, load_yaml12
+from trainq.watcher.errors import InvalidJobSpec, Problem
+from trainq.watcher.schema_errors import schema_problems, schema_validator, shown, sort_problems
+from trainq.watcher.units import parse_duration_s
+from trainq.watcher.yaml12 import YamlError, load_yaml12
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class JobSpec:
     def launch_argv(self, values: dict[str, str], python: str, resume: bool) -> list[str]:
         """The argv to start: the expanded command (+ resume_args when resuming), or the built-in trainer."""
         if self.is_train:
-            argv = [python, "-m", "trainer", values["job_dir"]]
+            argv = [python, "-m", "trainq.trainer", values["job_dir"]]
             return argv + (["--resume-from", values["resume_from"]] if resume else [])
         argv = [expand_placeholders(a, values) for a in self.command or ()]
         if resume and self.resume_args:

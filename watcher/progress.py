@@ -15,8 +15,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from watcher.contract import RECORD_CHECKPOINT, RECORD_EVAL
-from watcher.diagnosis import parse_records
+from trainq.watcher.contract import RECORD_CHECKPOINT, RECORD_EVAL
+from trainq.watcher.diagnosis import parse_records
 
 logger = logging.getLogger(__name__)
 

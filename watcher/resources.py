@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import psutil
 
-from watcher.contract import ENV_SIMULATE_GPUS
+from trainq.watcher.contract import ENV_SIMULATE_GPUS
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import referencing
 import referencing.exceptions
 import referencing.jsonschema
 
-from watcher.errors import Problem
-from watcher.units import DURATION_PATTERN
+from trainq.watcher.errors import Problem
+from trainq.watcher.units import DURATION_PATTERN
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 ``launch`` writes ``launch.json`` (the LaunchSpec) and ``slurm.sh`` into the job folder and submits
 the script with ``sbatch --parsable``; on the node the script checks that the job folder is visible
-and execs ``python -m watcher.supervisor JOB_DIR --spec JOB_DIR/launch.json``, so stop.flag, the
+and execs ``python -m trainq.watcher.supervisor JOB_DIR --spec JOB_DIR/launch.json``, so stop.flag, the
 timeout, output.log, supervisor.json and exit.json work exactly as with the local executor. The
 queue root must therefore be on a filesystem the watcher's machine and every node share.
 
@@ -505,7 +505,7 @@ filesystem that the watcher's machine and every node mount at the same path (NFS
 fi
 PYTHONPATH={q(package_parent)}${{PYTHONPATH:+:$PYTHONPATH}}
 export PYTHONPATH
-exec {q(python)} -m watcher.supervisor "$JOB_DIR" --spec "$JOB_DIR/{paths.launch_spec.name}"
+exec {q(python)} -m trainq.watcher.supervisor "$JOB_DIR" --spec "$JOB_DIR/{paths.launch_spec.name}"
 """
 
 

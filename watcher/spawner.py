@@ -32,10 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-from watcher.contract import JobPaths
-from watcher.errors import SpawnFailed
-from watcher.fsutil import drain
-from watcher.supervisor import LaunchSpec, Supervisor, is_alive
+from trainq.watcher.contract import JobPaths
+from trainq.watcher.errors import SpawnFailed
+from trainq.watcher.fsutil import drain
+from trainq.watcher.supervisor import LaunchSpec, Supervisor, is_alive
 
 #: how long the watcher waits for the helper's answer to one launch before forking itself (seconds)
 REPLY_TIMEOUT_S = 5.0
@@ -62,7 +62,7 @@ class Spawner:
         notices, notify = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # supervisors must never block on it
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "watcher.spawner", "--notify-fd", str(notify)],
+                [sys.executable, "-m", "trainq.watcher.spawner", "--notify-fd", str(notify)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, bufsize=0, pass_fds=(notify,),
             )
         except OSError:
@@ -218,7 +218,7 @@ def _supervisor_it_may_have_forked(spec: LaunchSpec) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     """The helper's loop: launch what the watcher asks, report what it reaps, leave with the watcher."""
-    parser = argparse.ArgumentParser(prog="python -m watcher.spawner")
+    parser = argparse.ArgumentParser(prog="python -m trainq.watcher.spawner")
     parser.add_argument("--notify-fd", type=int, help="write end of the watcher's exit-notice pipe")
     args = parser.parse_args(argv)
     if args.notify_fd is not None:

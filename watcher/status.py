@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from watcher.fsutil import atomic_write, read_json
-from watcher.html import CurveStore, render_html
+from trainq.watcher.fsutil import atomic_write, read_json
+from trainq.watcher.html import CurveStore, render_html
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, NoReturn
 
 import psutil
 
-from watcher.contract import (
+from trainq.watcher.contract import (
     ENV_ATTEMPT,
     ENV_JOB_DIR,
     ENV_JOB_ID,
@@ -47,9 +47,9 @@ from watcher.contract import (
     EXIT_USAGE,
     JobPaths,
 )
-from watcher.errors import SpawnFailed
-from watcher.fsutil import atomic_write_json, publish_then_sync, read_json, remove_quietly, touch
-from watcher.units import iso_utc
+from trainq.watcher.errors import SpawnFailed
+from trainq.watcher.fsutil import atomic_write_json, publish_then_sync, read_json, remove_quietly, touch
+from trainq.watcher.units import iso_utc
 
 logger = logging.getLogger(__name__)
 
@@ -1031,9 +1031,9 @@ def shell_status(record: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m watcher.supervisor JOB_DIR --spec FILE.json``: exits with the job's status."""
+    """``python -m trainq.watcher.supervisor JOB_DIR --spec FILE.json``: exits with the job's status."""
     parser = argparse.ArgumentParser(
-        prog="python -m watcher.supervisor",
+        prog="python -m trainq.watcher.supervisor",
         description="Run one attempt of a trainq job in the foreground under its supervisor.")
     parser.add_argument("job_dir", help="the job folder (its lock, output.log and records live there)")
     parser.add_argument("--spec", required=True, help="LaunchSpec as JSON (job_dir inside it is replaced)")

@@ -13,9 +13,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from watcher.fsutil import read_json
-from watcher.html import STALE_HEARTBEAT_S, format_eta, format_number
-from watcher.units import parse_iso
+from trainq.watcher.fsutil import read_json
+from trainq.watcher.html import STALE_HEARTBEAT_S, format_eta, format_number
+from trainq.watcher.units import parse_iso
 
 logger = logging.getLogger(__name__)
 

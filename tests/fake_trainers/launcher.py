@@ -3,7 +3,7 @@ import json
 import sys
 import time
 
-from watcher.supervisor import LaunchSpec, Supervisor
+from trainq.watcher.supervisor import LaunchSpec, Supervisor
 
 spec = LaunchSpec.from_dict(json.loads(open(sys.argv[1]).read()))
 print(Supervisor().launch(spec), flush=True)
