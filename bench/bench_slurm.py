@@ -6,7 +6,7 @@ Same cluster, same run, same trivial command (``true``), ``--jobs`` of each (def
   from calling ``sbatch`` until ``squeue -t all`` shows COMPLETED (polled every 20 ms);
 * burst: all jobs at once (max_concurrent = jobs); time until the last one is done / COMPLETED.
 
-Needs the single-node Slurm (root): ``bash ../shared/slurm/start-slurm.sh`` is run if squeue fails.
+Needs the one-node Slurm of ``tests/slurm/start.sh`` (root); the bench starts it and points SLURM_CONF at it.
 Run: ``.venv/bin/python bench/bench_slurm.py [--jobs 20]``. Prints a markdown table.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SLURM_DIR = REPO.parent / "shared" / "slurm"
+SLURM_DIR = REPO / "tests" / "slurm"
 #: how often both sides look for the end of a job (s)
 POLL_S = 0.02
 
@@ -121,8 +121,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20)
     args = parser.parse_args()
+    started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], check=True, capture_output=True, text=True)
+    os.environ["SLURM_CONF"] = started.stdout.strip().splitlines()[-1].partition("=")[2]
     if not squeue_ok():
-        subprocess.run(["bash", str(SLURM_DIR / "start-slurm.sh")], check=True, capture_output=True)
+        raise SystemExit("squeue does not answer; see tests/slurm/start.sh")
     with tempfile.TemporaryDirectory(prefix="bench-slurm-") as tmp:
         tmp_path = Path(tmp)
         bare_s = bare_serial(args.jobs, tmp_path)

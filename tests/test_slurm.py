@@ -1,4 +1,4 @@
-"""executor: slurm against a real single-node Slurm (../shared/slurm/start-slurm.sh, 2 fake GPUs).
+"""executor: slurm against a real single-node Slurm (tests/slurm/start.sh: 8 CPUs, 2 fake GPUs).
 
 Every test drives the real watcher (in-process ``tick`` or a real ``python -m trainq.watcher`` process) with
 ``executor: slurm``; jobs are real batch jobs run by slurmd under the real supervisor.
@@ -22,29 +22,39 @@ from trainq.watcher.slurm import EXIT_NOT_SHARED, SlurmExecutor, batch_env, batc
 
 pytestmark = pytest.mark.slurm
 
-SLURM_DIR = REPO.parent / "shared" / "slurm"
-CTLD_PID = Path("/run/trainq-slurm/slurmctld.pid")
+SLURM_DIR = REPO / "tests" / "slurm"
+#: where tests/slurm/start.sh keeps the cluster (config, state, pid files); never /etc/slurm
+CLUSTER_DIR = Path(os.environ.get("TRAINQ_SLURM_DIR", "/run/trainq-test-slurm"))
+CTLD_PID = CLUSTER_DIR / "slurmctld.pid"
 #: Slurm settings for the in-process watcher: a fast poll, room for several batch jobs at once
 SLURM = {"executor": "slurm", "slurm": {"poll_s": 0.2}, "max_concurrent": 4}
+#: tests/slurm/start.sh's exit status when Slurm's Debian packages are not installed
+EXIT_NOT_INSTALLED = 3
 
 
-def _sh(script: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SLURM_DIR / script)], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, **env), stdin=subprocess.DEVNULL)
+def _sh(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SLURM_DIR / script), *args], capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def slurm_cluster():
-    """Bring up the one-node cluster for this module (skip when it cannot be), stop it afterwards."""
+    """Bring up the repository's one-node cluster for this module (skip, saying why, when it cannot be)."""
     if os.geteuid() != 0:
-        pytest.skip("the single-node Slurm needs root (start-slurm.sh)")
-    if not (SLURM_DIR / "start-slurm.sh").exists():
-        pytest.skip(f"{SLURM_DIR}/start-slurm.sh not found")
-    started = _sh("start-slurm.sh", SLURM_FAKE_GPUS="2")
-    if started.returncode != 0:
-        pytest.skip(f"cannot start Slurm: {(started.stderr or started.stdout).strip().splitlines()[-1:]}")
+        pytest.skip("the one-node Slurm of tests/slurm/start.sh needs root")
+    started = _sh("start.sh")
+    if started.returncode == EXIT_NOT_INSTALLED:
+        pytest.skip(started.stderr.strip().splitlines()[-1])
+    assert started.returncode == 0, f"tests/slurm/start.sh failed:\n{started.stderr[-3000:]}"
+    conf = started.stdout.strip().splitlines()[-1].partition("=")[2]
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf  # sbatch, squeue, the watcher and its batch jobs all read it
     yield
-    _sh("stop-slurm.sh")
+    _sh("stop.sh")
+    if previous is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = previous
 
 
 def _live_slurm_ids() -> list[str]:
@@ -381,7 +391,7 @@ def _restart_controller(old_pid: int) -> None:
     if not gone():
         os.kill(old_pid, signal.SIGKILL)
         wait_until(gone, 10, 0.1, "the old slurmctld to die")
-    restarted = _sh("start-slurm.sh", SLURM_FAKE_GPUS="2")
+    restarted = _sh("start.sh")
     assert restarted.returncode == 0, (restarted.stdout + restarted.stderr)[-2000:]
 
 

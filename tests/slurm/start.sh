@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# tests/slurm/start.sh — a one-node Slurm (munged + slurmctld + slurmd) for trainq's tests, without systemd.
+#
+# Needs root and Debian's packages (`slurmctld slurmd slurm-client munge`, see .ci/system-deps). It never
+# touches /etc/slurm: its slurm.conf lives in $TRAINQ_SLURM_DIR, and every Slurm command finds it through
+# SLURM_CONF (print it with `tests/slurm/start.sh --env`). Idempotent: when the cluster is up it only checks it.
+#
+#   TRAINQ_SLURM_DIR   where config, state, spool, logs and pid files go (default /run/trainq-test-slurm)
+#   SLURM_FAKE_GPUS=N  fake GPUs declared as GRES (default 2): char devices like /dev/null, so `--gres=gpu:1`
+#                      jobs get distinct CUDA_VISIBLE_DEVICES on a machine without GPUs
+#   SLURM_CPUS=N       CPUs the node advertises (default 8, more than a small VM has, so several test jobs
+#                      run at once; above the real count Slurm needs SlurmdParameters=config_overrides)
+#   SLURM_READY_TIMEOUT seconds to wait for the node to be idle (default 60)
+# Exit 0 and the line `SLURM_CONF=...` on stdout when the node is ready; exit 1 with the reason on stderr;
+# exit 3 when Slurm's packages are missing (tests skip then).
+set -euo pipefail
+BASE=${TRAINQ_SLURM_DIR:-/run/trainq-test-slurm}
+CONF=$BASE/slurm.conf
+if [ "${1:-}" = --env ]; then echo "SLURM_CONF=$CONF"; exit 0; fi
+FAKE_GPUS=${SLURM_FAKE_GPUS:-2}
+READY_TIMEOUT=${SLURM_READY_TIMEOUT:-60}
+log() { printf '[tests/slurm/start %s] %s\n' "$(date +%T)" "$*" >&2; }
+die() {
+  printf 'tests/slurm/start.sh: %s\n' "$*" >&2
+  for f in "$BASE/log/slurmctld.log" "$BASE/log/slurmd.log"; do
+    [ -f "$f" ] && { echo "---- tail $f" >&2; tail -n 8 "$f" >&2; }
+  done
+  exit 1
+}
+for tool in munged munge slurmctld slurmd sbatch squeue; do
+  command -v "$tool" >/dev/null 2>&1 || { echo "tests/slurm/start.sh: $tool not installed (apt-get install slurmctld slurmd slurm-client munge)" >&2; exit 3; }
+done
+[ "$(id -u)" = 0 ] || die "needs root (slurmd runs jobs as their users)"
+export SLURM_CONF=$CONF
+
+alive() {   # alive NAME: the daemon whose pid file is $BASE/NAME.pid runs
+  local pid
+  pid=$(cat "$BASE/$1.pid" 2>/dev/null) || return 1
+  [[ "$pid" =~ ^[0-9]+$ ]] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ]
+}
+
+mkdir -p "$BASE"/{state,spool,log,fakegpu}
+chmod 0755 "$BASE"
+
+# munge: Slurm's authentication. Use a munged that already answers, else start one (system paths).
+if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+  mkdir -p /etc/munge /run/munge /var/lib/munge /var/log/munge
+  if [ ! -s /etc/munge/munge.key ]; then
+    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+  fi
+  chown munge:munge /etc/munge /etc/munge/munge.key /run/munge /var/lib/munge /var/log/munge
+  chmod 0700 /etc/munge; chmod 0400 /etc/munge/munge.key; chmod 0755 /run/munge
+  rm -f /run/munge/munged.pid /run/munge/munge.socket.2 /run/munge/munge.socket.2.lock
+  runuser -u munge -- munged || die "munged did not start"
+  for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
+  munge -n | unmunge >/dev/null 2>&1 || die "munged runs but munge -n | unmunge fails"
+  cp /run/munge/munged.pid "$BASE/munged.pid"   # ours: stop.sh stops it
+fi
+
+# slurm.conf: the real topology, CPUs as asked, 90 % of the memory (a node is drained for less than it says)
+hw=$(slurmd -C | head -n 1)
+field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" <<<"$hw"; }
+REAL_CPUS=$(field CPUs); MEM=$(( $(field RealMemory) * 9 / 10 ))
+CPUS=${SLURM_CPUS:-8}
+HOST=$(hostname -s)
+gres_node=""; gres_types=""; overrides=""
+[ "$CPUS" -gt "$REAL_CPUS" ] && overrides="SlurmdParameters=config_overrides"
+if [ "$FAKE_GPUS" -gt 0 ]; then
+  gres_types="GresTypes=gpu"; gres_node="Gres=gpu:$FAKE_GPUS"
+  for ((i = 0; i < FAKE_GPUS; i++)); do
+    [ -c "$BASE/fakegpu/gpu$i" ] || { rm -f "$BASE/fakegpu/gpu$i"; mknod "$BASE/fakegpu/gpu$i" c 1 3; }
+  done
+fi
+conf="# written by trainq's tests/slurm/start.sh: one node, no slurmdbd, no cgroups
+ClusterName=trainqtest
+SlurmctldHost=$HOST(127.0.0.1)
+SlurmUser=root
+AuthType=auth/munge
+CredType=cred/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+DefMemPerCPU=256
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$BASE/log/jobcomp.txt
+ReturnToService=2
+MinJobAge=3600
+KillWait=5
+SchedulerParameters=sched_min_interval=100000
+StateSaveLocation=$BASE/state
+SlurmdSpoolDir=$BASE/spool
+SlurmctldPidFile=$BASE/slurmctld.pid
+SlurmdPidFile=$BASE/slurmd.pid
+SlurmctldLogFile=$BASE/log/slurmctld.log
+SlurmdLogFile=$BASE/log/slurmd.log
+$gres_types
+$overrides
+NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM $gres_node State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+gres="AutoDetect=off"
+[ "$FAKE_GPUS" -gt 0 ] && gres+=$'\n'"NodeName=$HOST Name=gpu File=$BASE/fakegpu/gpu[0-$((FAKE_GPUS - 1))]"
+
+changed=0
+[ "$(cat "$CONF" 2>/dev/null)" = "$conf" ] || { printf '%s\n' "$conf" >"$CONF"; changed=1; }
+[ "$(cat "$BASE/gres.conf" 2>/dev/null)" = "$gres" ] || { printf '%s\n' "$gres" >"$BASE/gres.conf"; changed=1; }
+if [ $changed = 1 ] && { alive slurmctld || alive slurmd; }; then
+  log "configuration changed: restarting slurmd and slurmctld"
+  "$(dirname "$0")/stop.sh" --keep-munge >&2
+fi
+
+busy() { ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
+if ! alive slurmctld; then
+  busy 6817 && die "port 6817 is taken by a slurmctld this script did not start (ss -ltnp | grep 6817)"
+  slurmctld -f "$CONF" || die "slurmctld did not start"
+fi
+if ! alive slurmd; then
+  busy 6818 && die "port 6818 is taken by a slurmd this script did not start (ss -ltnp | grep 6818)"
+  slurmd -f "$CONF" || die "slurmd did not start"
+fi
+
+deadline=$(( $(date +%s) + READY_TIMEOUT )); resumed=0; state=""
+while :; do
+  state=$(sinfo -h -n "$HOST" -o %T 2>/dev/null || true)
+  case "$state" in
+    idle|mixed|allocated|completing) break ;;
+    down*|drain*|fail*)
+      [ $resumed = 1 ] || { scontrol update NodeName="$HOST" State=RESUME >/dev/null 2>&1 || true; resumed=1; } ;;
+  esac
+  [ "$(date +%s)" -lt "$deadline" ] || die "node $HOST not ready after ${READY_TIMEOUT}s (state '${state:-no answer}')"
+  alive slurmctld || die "slurmctld died"
+  alive slurmd || die "slurmd died"
+  sleep 0.2
+done
+log "node $HOST is $state (CPUs=$CPUS, ${MEM} MB, $FAKE_GPUS fake GPUs)"
+echo "SLURM_CONF=$CONF"
