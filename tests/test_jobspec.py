@@ -171,7 +171,7 @@ def test_fifo_named_like_a_job_file_returns_promptly(tmp_path: Path) -> None:
     fifo = tmp_path / "x.yaml"
     os.mkfifo(fifo)
     out = run_python(
-        "from pathlib import Path\nfrom watcher.errors import InvalidJobSpec\n"
+        "from pathlib import Path\nfrom trainq.watcher.errors import InvalidJobSpec\n"
         "from trainq.watcher.jobspec import load_job_file\n"
         f"try:\n    load_job_file(Path({str(fifo)!r}))\nexcept InvalidJobSpec as exc:\n    print(exc)\n"
     )
@@ -183,7 +183,7 @@ def test_fifo_swapped_in_after_the_check_is_not_read(tmp_path: Path) -> None:
     fifo = tmp_path / "x.yaml"
     os.mkfifo(fifo)
     out = run_python(
-        "from pathlib import Path\nfrom watcher.jobspec import _read_at_most\n"
+        "from pathlib import Path\nfrom trainq.watcher.jobspec import _read_at_most\n"
         f"print(_read_at_most(Path({str(fifo)!r}), 100, False))\n"
     )
     assert "FIFO" in out
