@@ -31,6 +31,9 @@ ENV_STOP_FLAG = "TRAINQ_STOP_FLAG"
 ENV_METRICS = "TRAINQ_METRICS"
 ENV_ATTEMPT = "TRAINQ_ATTEMPT"
 ENV_RESUME_FROM = "TRAINQ_RESUME_FROM"
+#: given to on_finish hooks only (with TRAINQ_JOB_ID and TRAINQ_JOB_DIR)
+ENV_STATUS = "TRAINQ_STATUS"
+ENV_DIAGNOSIS = "TRAINQ_DIAGNOSIS"
 #: test switch for the trainer (documented in trainer/README section of the main README)
 ENV_TRAINER_FAULTS = "TRAINQ_TRAINER_FAULTS"
 #: simulated GPUs file (CONTRACT section 7)
@@ -96,6 +99,16 @@ class JobPaths:
     @property
     def ckpt_best(self) -> Path:
         return self.checkpoints / CKPT_BEST
+
+    @property
+    def hook_log(self) -> Path:
+        """Output of the job's on_finish hook (CONTRACT section 9)."""
+        return self.dir / "hook.log"
+
+    @property
+    def hook_record(self) -> Path:
+        """Created (O_EXCL) by the one hook runner of a conclusion, then its outcome: runs the hook exactly once."""
+        return self.dir / "hook.json"
 
     @property
     def summary(self) -> Path:

@@ -24,6 +24,7 @@ from .inbox import Inbox, InboxEvents, schedule, start_observer
 from .jobs import Job, JobIndex, new_run
 from .jobspec import JobSpec, load_job_file
 from .finishing import RUNNING_POLL_S, Finishing
+from .workflows import Workflows
 from .recovery import recover
 from .starting import Starting
 from .report import Report
@@ -42,7 +43,7 @@ PARALLEL_VALIDATE_MIN = 16
 ADMIT_THREADS = 2
 
 
-class Watcher(Starting, Finishing):
+class Watcher(Starting, Finishing, Workflows):
     """The daemon: owns the queue root while it runs."""
 
     def __init__(self, root: Path, config: WatcherConfig, *, polling: bool = False, env: dict | None = None):
@@ -70,6 +71,7 @@ class Watcher(Starting, Finishing):
         self._last_running_poll = 0.0
         self._plan_due = True
         self._last_plan = 0.0
+        self.init_workflows()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, *, install_signals: bool = True) -> None:
@@ -164,12 +166,14 @@ class Watcher(Starting, Finishing):
         if rescan:
             self._last_rescan = now
             self.honor_job_flags(now)
+            self.recheck_unknown(now)
         try:
             self.admit_inbox(now)
             self.start_pending(now)  # before retiring: the next job need not wait for the last one's writes
         finally:
             self.retire_concluded(now)
         self.watch_running(now)
+        self.hooks.reap()
         self.report.write(self, now)
 
     def check_layout(self) -> None:
@@ -241,14 +245,16 @@ class Watcher(Starting, Finishing):
     def _take(self, cand, order: int, now: float) -> "_Taken":
         """Validate one inbox file and claim it into pending/ (or failed/ when invalid); any thread."""
         result = self._validate(cand)
-        if result is None or (isinstance(result, JobSpec) and not result.approved):
-            return _Taken(result)
+        if result is None or (isinstance(result, JobSpec) and (not result.approved or result.sweep)):
+            return _Taken(result)  # a sweep is claimed on the loop's thread (workflows.py)
         if isinstance(result, InvalidJobSpec):
             run = new_run(None, order, now, name=_stem(cand.name))
             run.update(status="rejected", finished_at=iso_utc(now), errors=[p.to_dict() for p in result.problems],
                        error=result.lines()[0] if result.problems else "invalid job file")
             return _Taken(result, run, self.folders.claim(cand.path, JobState.FAILED, run))
         run = new_run(result, order, now, name=_stem(cand.name))
+        if result.fork_of:
+            run["lineage"] = self.lineage_of(result.fork_of)
         return _Taken(result, run, self.folders.claim(cand.path, JobState.PENDING, run))
 
     def _validate(self, cand) -> JobSpec | InvalidJobSpec | None:
@@ -272,8 +278,10 @@ class Watcher(Starting, Finishing):
         elif not result.approved:
             sig = (cand.size, cand.mtime_ns, cand.ino)
             self._awaiting[cand.name] = (sig, {"name": cand.name, "spec": result, "seen_at": now})
+        elif result.sweep:
+            self.admit_sweep(cand, result, now)
         else:
-            self._accepted(cand, taken)
+            self._accepted(cand, taken, now)
 
     def _check_allowed(self, spec: JobSpec, display: str) -> None:
         problem = check_command_allowed(spec, self.config)
@@ -284,16 +292,18 @@ class Watcher(Starting, Finishing):
         self._order_last = max(self._order_last + 1, time.time_ns())
         return self._order_last
 
-    def _accepted(self, cand, taken: "_Taken") -> None:
+    def _accepted(self, cand, taken: "_Taken", now: float) -> None:
         self._awaiting.pop(cand.name, None)
         self.inbox.taken(cand.name)
         if taken.claimed is None:
             return  # it vanished meanwhile
         job_id, path = taken.claimed
         taken.run["id"] = job_id
-        self.jobs.add(Job(job_id, JobState.PENDING, path, taken.run, taken.result))
+        job = Job(job_id, JobState.PENDING, path, taken.run, taken.result)
+        self.jobs.add(job)
         logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, cand.name, taken.result.priority)
         self.report.touch()
+        self.admit_workflow(job, now)
 
     def _rejected(self, cand, taken: "_Taken", now: float) -> None:
         self.inbox.taken(cand.name)
@@ -306,6 +316,8 @@ class Watcher(Starting, Finishing):
             logger.warning("job %s: rejected: %s", job_id, line)
         logger.info("job %s: inbox/%s -> failed, rejected", job_id, cand.name)
         self.report.finished(Job(job_id, JobState.FAILED, path, taken.run, None), now)
+        self.deps.finished[job_id] = "rejected"
+        self.deps_changed(job_id, now)
 
     # -- helpers -----------------------------------------------------------------------------
     def _jobs_in(self, state: JobState) -> list[Job]:

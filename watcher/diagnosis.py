@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from trainq.watcher.contract import EXIT_DATA, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, RECORD_EVENT
 
-KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "unknown")
+KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "dependency", "unknown")
 
 #: longest evidence line kept (characters)
 EVIDENCE_MAX_CHARS = 300
@@ -41,6 +41,8 @@ _ADVICE = {
                  "to resume it from its latest checkpoint.",
     "unsatisfiable": "This machine can never run the job: lower resources (gpus, gpu_memory_gb, ram_gb, disk_gb) "
                      "to what the machine has, then submit it again.",
+    "dependency": "A job this one runs after did not end done: fix and retry that job, then retry this one "
+                  "(or use after_policy: any to run whatever their outcome).",
     "unknown": "Read the end of output.log (trainq logs ID) for the error, fix its cause, then touch retry.flag.",
 }
 

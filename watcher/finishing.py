@@ -128,6 +128,7 @@ class Finishing:
         self._plan_due = True
         self.jobs.remove(job.id)
         self.report.finished(job, now)
+        self.workflow_concluded(job, now)
 
     def _drop(self, job: Job) -> None:
         self.jobs.remove(job.id)
@@ -171,6 +172,7 @@ class Finishing:
         self.jobs.move(job, JobState.PENDING)
         self.jobs.add(job)
         self.report.unfinished(job_id, state)
+        self.workflow_requeued(job, now)
         logger.info("job %s: %s -> pending, retry requested%s", job_id, state.value,
                     f" (resume from {resume})" if resume else "")
 

@@ -199,6 +199,35 @@ class Folders:
             return None
         return job_id, path
 
+    def claim_sweep(self, inbox_file: Path, total: int, staging_prefix: str) -> tuple[str, Path] | None:
+        """Take a sweep file into ``pending/<staging_prefix><id>/job.yaml``; None if it vanished meanwhile.
+
+        The sweep id is the first of ``stem``, ``stem-2``, … such that neither it nor any of its
+        jobs' ids ``<id>-1`` … ``<id>-<total>`` is in use; all of them are reserved at once. The
+        staging folder is hidden, so no job is ever read from it; workflows.py writes the jobs.
+        """
+        base = id_from_name(inbox_file.name)[: MAX_ID_LEN - len(f"-{total}")]
+        n = 1
+        with self._ids_lock:
+            while True:
+                sweep_id = base if n == 1 else _with_suffix(base, n)[: MAX_ID_LEN - len(f"-{total}")]
+                n += 1
+                ids = [sweep_id] + [f"{sweep_id}-{i}" for i in range(1, total + 1)]
+                staging = self.root.state_dir(JobState.PENDING) / f"{staging_prefix}{sweep_id}"
+                if any(i in self._known_ids for i in ids) or staging.exists():
+                    continue
+                if any(self.root.job_dir(s, i).exists() for s in JobState for i in ids[:2]):
+                    continue  # folders nobody told us about
+                self._known_ids.update(ids)
+                break
+        os.mkdir(staging)
+        try:
+            _link_or_rename(inbox_file, staging / JobPaths(staging).spec.name)
+        except FileNotFoundError:
+            staging.rmdir()
+            return None
+        return sweep_id, staging
+
     def _undo_reservation(self, paths: JobPaths) -> None:
         for leftover in (paths.run,):
             try:

@@ -11,6 +11,7 @@ from operator import itemgetter
 from typing import Iterable
 
 from trainq.watcher.contract import RECORD_EVAL
+from trainq.watcher.sweepview import sweep_html
 
 #: most points kept per curve however long the run
 MAX_CURVE_POINTS = 300
@@ -422,7 +423,7 @@ def render_html(snapshot: dict, curves: dict[str, dict]) -> str:
     """The whole status page for a status.json object and CurveStore.curves()."""
     body = "".join((
         _header(snapshot), _counts(snapshot), _running(snapshot, curves), _pending(snapshot),
-        _awaiting(snapshot), _finished(snapshot), _machine(snapshot),
+        _awaiting(snapshot), _finished(snapshot), sweep_html(list(snapshot.get("jobs") or ())), _machine(snapshot),
     ))
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'

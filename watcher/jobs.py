@@ -40,6 +40,7 @@ class Job:
     pids: tuple[int, ...] = ()
     checked: bool = False  # admission has checked that this machine can ever run it
     unsaved_since: float | None = None  # launched at this time, run.json not yet written since
+    held: bool = False  # pending on dependencies: out of the start order (workflows.py)
 
     @property
     def paths(self) -> JobPaths:
@@ -248,6 +249,7 @@ class JobIndex:
         self._order: list[tuple[tuple[int, int, str], str]] = []  # (sort key, id) of pending jobs, sorted
         self._keys: dict[str, tuple[int, int, str]] = {}  # id -> its key in _order
         self._unchecked: dict[str, Job] = {}
+        self._held: dict[str, Job] = {}  # pending jobs waiting on dependencies, outside _order
 
     def add(self, job: Job) -> None:
         self.remove(job.id)
@@ -269,12 +271,14 @@ class JobIndex:
 
     def _enter(self, job: Job, state: JobState) -> None:
         self._by_state[state][job.id] = job
-        if state is JobState.PENDING:
+        if state is JobState.PENDING and not job.held:
             key = job.sort_key()
             self._keys[job.id] = key
             bisect.insort(self._order, (key, job.id))
-            if not job.checked:
-                self._unchecked[job.id] = job
+        if state is JobState.PENDING and not job.checked:
+            self._unchecked[job.id] = job
+        if state is JobState.PENDING and job.held:
+            self._held[job.id] = job
 
     def _leave(self, job: Job) -> None:
         self._by_state[job.state].pop(job.id, None)
@@ -284,6 +288,25 @@ class JobIndex:
             if i < len(self._order) and self._order[i] == (key, job.id):
                 del self._order[i]
         self._unchecked.pop(job.id, None)
+        self._held.pop(job.id, None)
+
+    def hold(self, job: Job) -> None:
+        """Take a pending job out of the start order while it waits on dependencies."""
+        self._leave(job)
+        job.held = True
+        if job.id in self._all:
+            self._enter(job, job.state)
+
+    def release(self, job: Job) -> None:
+        """Put a held job back into the start order."""
+        self._leave(job)
+        job.held = False
+        if job.id in self._all:
+            self._enter(job, job.state)
+
+    def held(self, n: int) -> list[Job]:
+        """Up to ``n`` pending jobs held on dependencies, in start order."""
+        return sorted(self._held.values(), key=Job.sort_key)[:n] if self._held else []
 
     def pending_head(self, n: int) -> list[Job]:
         """The first ``n`` pending jobs in start order (priority, then acceptance order)."""

@@ -22,6 +22,7 @@ from trainq.watcher.errors import InvalidJobSpec, Problem
 from trainq.watcher.schema_errors import schema_problems, schema_validator, shown, sort_problems
 from trainq.watcher.units import parse_duration_s
 from trainq.watcher.yaml12 import YamlError, load_yaml12
+from trainq.watcher.sweeps import workflow_problems
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ JOB_SCHEMA = "job.schema.json"
 #: deepest nesting of lists/mappings accepted (real job files use 3 or 4; deeper would exhaust recursion)
 MAX_NESTING = 32
 
-_PLACEHOLDER = re.compile(r"\{(job_dir|job_id|attempt|resume_from)\}")
+_PLACEHOLDER = re.compile(r"\{(job_dir|job_id|attempt|resume_from|after:[A-Za-z0-9._-]+)\}")
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 _FOREIGN_NAMES = MappingProxyType(
@@ -52,7 +53,7 @@ _TOP_LEVEL_NAMES = MappingProxyType(
 
 
 def expand_placeholders(template: str, values: dict[str, str]) -> str:
-    """Replace ``{job_dir}``, ``{job_id}``, ``{attempt}``, ``{resume_from}``; a missing value becomes ""."""
+    """Replace ``{job_dir}``, ``{job_id}``, ``{attempt}``, ``{resume_from}``, ``{after:ID}``; a missing value becomes ""."""
     if "{" not in template:
         return template
     return _PLACEHOLDER.sub(lambda m: str(values.get(m.group(1), "")), template)
@@ -141,6 +142,12 @@ class JobSpec:
     resume_args: tuple[str, ...] | None
     slurm: dict | None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+    after: tuple[str, ...] = ()  # job or sweep ids this job waits for (CONTRACT section 9)
+    after_policy: str = "ok"
+    on_finish: tuple[str, ...] | None = None
+    sweep: dict | None = None
+    fork_of: str | None = None
+    from_checkpoint: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict, display: str = "<job>") -> JobSpec:
@@ -236,7 +243,21 @@ def _build(data: dict) -> JobSpec:
         resume_args=None if resume_args is None else tuple(_argv_item(a) for a in resume_args),
         slurm=data.get("slurm"),
         raw=data,
+        **_workflow_fields(data),
     )
+
+
+def _workflow_fields(data: dict) -> dict:
+    """The CONTRACT section 9 fields: after, after_policy, on_finish, sweep, fork_of, from_checkpoint."""
+    after = data.get("after", ())
+    hook = data.get("on_finish")
+    if isinstance(hook, str):
+        hook = shlex.split(hook)
+    return {"after": tuple(dict.fromkeys([after] if isinstance(after, str) else after)),
+            "after_policy": data.get("after_policy", "ok"),
+            "on_finish": None if hook is None else tuple(_argv_item(a) for a in hook),
+            "sweep": data.get("sweep"), "fork_of": data.get("fork_of"),
+            "from_checkpoint": data.get("from_checkpoint")}
 
 
 def _duration_or_none(data: dict, key: str) -> float | None:
@@ -263,6 +284,7 @@ def _semantic_problems(data: dict) -> list[Problem]:
             shlex.split(command)
         except ValueError as exc:
             problems.append(Problem("command", f"cannot be split like a shell would: {exc} (check the quotes)"))
+    problems += workflow_problems(data, _job_problems)
     if "train" in data and "resume_args" in data:
         problems.append(Problem("resume_args", "only applies to command jobs; train jobs resume from their "
                                                "checkpoints by themselves (remove resume_args)"))

@@ -32,8 +32,11 @@ def recover(watcher: "Watcher") -> None:
     _unlink_claimed_inbox_names(watcher, found)
     for job_id in found[JobState.PENDING]:
         _recover_pending(watcher, job_id, now)
+    watcher.resume_sweeps(now)
     for job_id in found[JobState.RUNNING]:
         _recover_running(watcher, job_id, now)
+    for job in sorted(watcher.jobs.in_state(JobState.PENDING), key=lambda j: j.order):
+        watcher.admit_workflow(job, now)  # hold again on dependencies (they are not kept anywhere but job.yaml)
     watcher.report.recount()
     _seed_recent(watcher)
     orders = [j.order for j in watcher.jobs.values()]
@@ -184,4 +187,5 @@ def _seed_recent(watcher: "Watcher") -> None:
         job = load_job(path, state)
         if job is not None:
             report.finished(job, 0.0, count=False)  # recount() already counted it
+            watcher.recovered_finished(job)
 

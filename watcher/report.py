@@ -18,6 +18,7 @@ from .progress import LogProgress, MetricsTail
 from .admission import resources_dict
 from .html import CurveStore
 from .status import StatusSnapshot, StatusWriter, job_entry
+from .sweepview import workflow_entry
 from .units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
@@ -161,6 +162,8 @@ class Report:
         running = sorted(watcher.jobs.in_state(JobState.RUNNING), key=lambda j: j.order)
         # the next to start, without sorting a 10,000-job queue on every write
         pending = watcher.jobs.pending_head(MAX_LISTED)
+        if len(pending) < MAX_LISTED:  # then those held on dependencies (workflows.py)
+            pending += watcher.jobs.held(MAX_LISTED - len(pending))
         counts = dict(self.counts)
         counts.update(
             inbox=self.inbox_count,
@@ -220,6 +223,7 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
         entry["usage"] = job.usage
     if job.state in (JobState.DONE, JobState.FAILED):
         entry["outputs"] = _outputs(job, root)
+    entry.update(workflow_entry(job))
     return entry
 
 

@@ -156,8 +156,11 @@ class Starting:
         paths = job.paths
         # resolved now, where the folder is: it moved since the checkpoint was written
         resume_from = latest_checkpoint(paths) if job.spec.has_resume and job.run.get("resume_from") else None
+        if attempt == 1 and job.spec.from_checkpoint and not job.spec.is_train:
+            resume_from = job.spec.from_checkpoint  # a fork started from its parent's checkpoint (CONTRACT section 9)
         remove_quietly(paths.stop_flag)  # a stop for an earlier attempt (the supervisor clears its own records)
-        values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or ""}
+        values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
+                  **self.after_values(job)}
         spec = LaunchSpec(
             job_dir=str(paths.dir),
             argv=tuple(job.spec.launch_argv(values, sys.executable, resume=bool(resume_from))),
@@ -193,6 +196,7 @@ class Starting:
         where = f"slurm job {record['slurm_job_id']}" if record.get("slurm_job_id") else f"pid {record.get('pid')}"
         logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
         self.report.touch()
+        self.deps_changed(job.id, now)
 
     def _unlaunch(self, job: Job, reason: str) -> None:
         """The executor could not take the attempt (Slurm down): back to pending, nothing lost."""

@@ -16,6 +16,7 @@ from rich.text import Text
 from trainq.watcher.fsutil import read_json
 from trainq.watcher.html import STALE_HEARTBEAT_S, format_eta, format_number
 from trainq.watcher.units import parse_iso
+from trainq.watcher.sweepview import sweep_lines
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +180,13 @@ def render_status(snapshot: dict, width: int = 80, now: float | None = None) -> 
     now = time.time() if now is None else now
     return Group(
         _header(snapshot, now), _counts(snapshot), *_running(snapshot, width), *_pending(snapshot),
-        *_awaiting(snapshot), *_finished(snapshot), *_machine(snapshot),
+        *_awaiting(snapshot), *_finished(snapshot), *_sweeps(snapshot), *_machine(snapshot),
     )
+
+
+def _sweeps(snapshot: dict) -> list[RenderableType]:
+    lines = sweep_lines(list(snapshot.get("jobs") or ()))
+    return [Text("\nSweeps", style="bold underline"), *(Text("  " + line) for line in lines)] if lines else []
 
 
 def _view(snapshot: dict | None, status_path: Path, width: int) -> RenderableType:

@@ -1,0 +1,159 @@
+"""``on_finish`` hooks: run once per conclusion of a job, never blocking the watcher, even across a crash.
+
+The watcher starts a small detached runner (``python -m trainq.watcher.hooks JOB_DIR``) for a
+concluded job whose job.yaml declares ``on_finish`` and whose folder has no ``hook.json`` yet.
+The runner creates ``hook.json`` with O_EXCL before it starts the hook: whoever creates it runs
+the hook, every other runner (a restarted watcher's, say) exits at once. So a watcher killed
+between the job's end and the hook runs it after restart (``recover()`` starts the runner for
+recently finished jobs without ``hook.json``), and a watcher killed while the hook runs does
+not run it again (the runner lives in its own session and finishes). A retry (retry.flag)
+removes ``hook.json``: its conclusion is a new one.
+
+The runner kills the hook's process group after ``HOOK_TIMEOUT_S``; its output goes to
+``hook.log``; its outcome to ``hook.json``. It never touches run.json, so it never changes the
+job's status. (This module imports subprocess and signal besides supervisor.py: the runner is a
+process of its own, like the supervisor, and shares nothing with the watcher's supervision.)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainq.watcher.contract import ENV_DIAGNOSIS, ENV_JOB_DIR, ENV_JOB_ID, ENV_STATUS, JobPaths
+from trainq.watcher.fsutil import atomic_write_json, read_json
+from trainq.watcher.units import iso_utc
+
+logger = logging.getLogger(__name__)
+
+#: longest a hook may run before its process group is killed, seconds (CONTRACT section 9)
+HOOK_TIMEOUT_S = 60.0
+#: after SIGTERM at the timeout, SIGKILL follows this much later, seconds
+HOOK_KILL_AFTER_S = 2.0
+#: statuses that are conclusions with a hook (a rejected job never ran and has no valid job.yaml)
+HOOK_STATUSES = ("done", "failed", "cancelled", "timeout")
+
+
+def hook_due(paths: JobPaths, spec, status: str | None) -> bool:
+    """A concluded job with an on_finish hook that no runner has taken yet."""
+    return bool(spec is not None and spec.on_finish and status in HOOK_STATUSES and not paths.hook_record.exists())
+
+
+class HookLauncher:
+    """The watcher's side: starts runners and reaps them without ever waiting."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self._runners: list[subprocess.Popen] = []
+
+    def launch(self, job_id: str, job_dir: Path) -> None:
+        """Start the runner for ``job_dir`` (a concluded job's final folder)."""
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trainq.watcher.hooks", str(job_dir)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                close_fds=True, start_new_session=True, env=self.env,
+            )
+        except OSError as exc:
+            logger.warning("job %s: could not start its on_finish hook runner: %s", job_id, exc)
+            return
+        self._runners.append(proc)
+        logger.info("job %s: on_finish hook started (runner pid %d)", job_id, proc.pid)
+
+    def reap(self) -> None:
+        """Collect runners that exited (never blocks)."""
+        if self._runners:
+            self._runners = [p for p in self._runners if p.poll() is None]
+
+    def running(self) -> int:
+        return len(self._runners)
+
+
+def run_hook(job_dir: Path, timeout_s: float = HOOK_TIMEOUT_S) -> int:
+    """The runner: take the conclusion's hook.json (O_EXCL) or exit, run the hook, record its outcome."""
+    from trainq.watcher.errors import InvalidJobSpec
+    from trainq.watcher.jobspec import load_job_file
+
+    paths = JobPaths(job_dir)
+    run = read_json(paths.run) or {}
+    try:
+        spec = load_job_file(paths.spec)
+    except (InvalidJobSpec, OSError):
+        return 0
+    if not spec.on_finish:
+        return 0
+    started = time.time()
+    record = {"state": "running", "runner_pid": os.getpid(), "status": run.get("status"),
+              "attempt": run.get("attempt"), "started_at": iso_utc(started)}
+    try:
+        fd = os.open(paths.hook_record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        return 0  # another runner took this conclusion
+    with os.fdopen(fd, "w") as f:  # readers use read_json, which takes a half-written file for absent
+        f.write(json.dumps(record))
+    record.update(_run(paths, run, spec.on_finish, timeout_s))
+    record.update(state="ended", ended_at=iso_utc(time.time()))
+    atomic_write_json(paths.hook_record, record)
+    return 0
+
+
+def _run(paths: JobPaths, run: dict, argv_template: tuple[str, ...], timeout_s: float) -> dict:
+    job_id = run.get("id") or paths.dir.name
+    status = str(run.get("status") or "")
+    diagnosis = (run.get("diagnosis") or {}).get("kind") or ""
+    values = {"job_id": job_id, "status": status}
+    argv = [_expand(a, values) for a in argv_template]
+    env = dict(os.environ, **{ENV_JOB_ID: job_id, ENV_JOB_DIR: str(paths.dir), ENV_STATUS: status,
+                              ENV_DIAGNOSIS: diagnosis})
+    with open(paths.hook_log, "ab") as log:
+        log.write(f"===== trainq: on_finish of {job_id} ({status}), started {iso_utc(time.time())} =====\n".encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=str(paths.dir), env=env, start_new_session=True, close_fds=True)
+        except OSError as exc:
+            log.write(f"trainq: could not start the hook {argv[0]!r}: {exc.strerror or exc}\n".encode())
+            return {"exit_code": None, "timed_out": False, "error": f"could not start {argv[0]!r}: {exc}"}
+        try:
+            code = proc.wait(timeout=timeout_s)
+            return {"exit_code": code, "timed_out": False}
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            log.write(f"trainq: the hook ran past {timeout_s:g}s and was killed\n".encode())
+            return {"exit_code": proc.returncode, "timed_out": True}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, wait_s in ((signal.SIGTERM, HOOK_KILL_AFTER_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _expand(template: str, values: dict[str, str]) -> str:
+    for key, value in values.items():
+        template = template.replace("{" + key + "}", value)
+    return template
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m trainq.watcher.hooks JOB_DIR", file=sys.stderr)
+        return 2
+    timeout_s = float(os.environ.get("TRAINQ_HOOK_TIMEOUT_S") or HOOK_TIMEOUT_S)
+    return run_hook(Path(argv[0]), timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
