@@ -335,7 +335,7 @@ def test_on_as_a_key_stays_the_string_on() -> None:
 # -- durations --
 
 @pytest.mark.parametrize("written,seconds", [("90", 90.0), ("90s", 90.0), ("10m", 600.0), ("1.5h", 5400.0),
-                                             ("6h", 21600.0), ('"500ms"', 0.5), ("2.5", 2.5), ('"120"', 120.0)])
+                                             ("6h", 21600.0), ('"1500ms"', 1.5), ("2.5", 2.5), ('"120"', 120.0)])
 def test_durations(written: str, seconds: float) -> None:
     spec = parse_job_text(f"approved: true\n{CMD}timeout: {written}\nstop_grace: {written}\nstall_after: {written}\n"
                           f"retries: {{backoff: {written}}}\n", "x")

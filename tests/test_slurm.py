@@ -299,7 +299,7 @@ def test_slurm_preemption_retries_and_resumes(queue_dir, watcher):
     cmd = ["sh", "-c", "echo attempt $TRAINQ_ATTEMPT args \"$*\"; [ -n \"$1\" ] && exit 0; "
                        "mkdir -p checkpoints/ckpt_latest; exec " + f"{PY} {FAKE / 'preempted.py'}", "sh"]
     drop(queue_dir, "pre.yaml", job_file(command=cmd, resume_args=["--resume", "{resume_from}"],
-                                         retries={"max": 1, "on": ["preempted"], "backoff": 0}))
+                                         retries={"max": 1, "on": ["preempted"], "backoff": "1s"}))
     log = queue_dir / "running" / "pre" / "output.log"
     tick_until(w, lambda: log.exists() and "ready" in log.read_text(), 30, "pre to start")
     slurm_id = w.jobs["pre"].run["slurm_job_id"]

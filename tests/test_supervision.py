@@ -74,7 +74,7 @@ def test_timeout_is_a_stop_recorded_as_timeout(queue_dir, watcher, write_job):
 def test_retry_resumes_from_the_checkpoint_with_resume_args(queue_dir, watcher, write_job):
     w = watcher()
     write_job("resumable", command=[PY, "-c", RESUMABLE], resume_args=["--resume", "{resume_from}"],
-              retries={"max": 1, "on": ["unknown"], "backoff": "0.5s"})
+              retries={"max": 1, "on": ["unknown"], "backoff": "1s"})
     tick_until(w, lambda: (queue_dir / "pending" / "resumable").exists()
                and run_of(queue_dir, "pending", "resumable")["attempt"] == 1, 20)
     waiting = run_of(queue_dir, "pending", "resumable")
@@ -92,7 +92,7 @@ def test_retry_resumes_from_the_checkpoint_with_resume_args(queue_dir, watcher, 
 
 def test_no_retry_when_the_kind_is_not_listed(queue_dir, watcher, write_job):
     w = watcher()
-    write_job("once", command=[PY, "-c", "import sys; sys.exit(1)"], retries={"max": 3, "on": ["oom"], "backoff": 0})
+    write_job("once", command=[PY, "-c", "import sys; sys.exit(1)"], retries={"max": 3, "on": ["oom"], "backoff": "1s"})
     tick_until(w, lambda: (queue_dir / "failed" / "once").exists(), 20)
     assert run_of(queue_dir, "failed", "once")["attempt"] == 1
 
@@ -120,7 +120,7 @@ def test_stall_shows_in_status_and_retries_when_asked(queue_dir, watcher, write_
     tick_until(w, lambda: (queue_dir / "failed" / "quiet").exists(), 15)
 
     write_job("stuck", command=["sh", "-c", "echo $TRAINQ_ATTEMPT; sleep 60"], stall_after="0.5s", stop_grace="0.5s",
-              retries={"max": 1, "on": ["stalled"], "backoff": 0})
+              retries={"max": 1, "on": ["stalled"], "backoff": "1s"})
     tick_until(w, lambda: (queue_dir / "failed" / "stuck").exists(), 30)
     run = run_of(queue_dir, "failed", "stuck")
     assert run["attempt"] == 2

@@ -123,7 +123,7 @@ def test_sigkill_watcher_during_training_then_restart_adopts_it(queue_dir, watch
 
 def test_sigkill_trainer_retries_from_last_checkpoint(queue_dir, watcher_process, tiny):
     watcher_process()
-    job = train_job(tiny, faults="sleep_per_step=0.2", retries={"max": 1, "on": ["killed"], "backoff": 0})
+    job = train_job(tiny, faults="sleep_per_step=0.2", retries={"max": 1, "on": ["killed"], "backoff": "1s"})
     drop(queue_dir, "crash.yaml", job)
     ckpt = queue_dir / "running" / "crash" / "checkpoints" / "ckpt_latest"
     wait_until(ckpt.exists, 180, 0.1, "first checkpoint")

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from trainq.watcher.contract import ENV_SIMULATE_GPUS
 from trainq.watcher.errors import InvalidWatcherConfig, Problem
-from trainq.watcher.jobspec import SCHEMAS_DIR, JobSpec, foreign_value_problems, parse_mapping, read_spec_text
+from trainq.watcher.jobspec import (
+    SCHEMAS_DIR, JobSpec, control_problems, duration_problems, foreign_value_problems, parse_mapping, read_spec_text,
+)
 from trainq.watcher.schema_errors import schema_problems, schema_validator, shown, sort_problems
 from trainq.watcher.units import parse_duration_s
 
@@ -57,7 +59,9 @@ class WatcherConfig:
     def from_dict(cls, data: Mapping, root: Path | None = None, display: str = WATCHER_FILE) -> WatcherConfig:
         """Validate a settings mapping and build the config; relative ``simulate_gpus`` resolves against ``root``."""
         problems = foreign_value_problems(dict(data)) or sort_problems(
-            schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data)) + _interval_problems(data))
+            schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data)) + _interval_problems(data)
+            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS) + (("slurm", "poll_s"),))
+            + _string_problems(data))
         if problems:
             raise InvalidWatcherConfig(display, problems)
         return _build(data, root)
@@ -87,6 +91,20 @@ def _interval_problems(data: Mapping) -> list[Problem]:
         checks.append(("slurm.poll_s", slurm.get("poll_s")))
     return [Problem(key, f"must be a duration greater than 0 (got {shown(value)})")
             for key, value in checks if _is_zero_duration(value)]
+
+
+def _string_problems(data: Mapping) -> list[Problem]:
+    """Control characters in the settings that become paths or argv."""
+    strings = [("simulate_gpus", data.get("simulate_gpus"))]
+    for key in ("allow_commands", "env_passthrough"):
+        if isinstance(data.get(key), list):
+            strings += [(f"{key}[{i}]", item) for i, item in enumerate(data[key])]
+    slurm = data.get("slurm")
+    if isinstance(slurm, Mapping):
+        strings.append(("slurm.partition", slurm.get("partition")))
+        if isinstance(slurm.get("sbatch_args"), list):
+            strings += [(f"slurm.sbatch_args[{i}]", a) for i, a in enumerate(slurm["sbatch_args"])]
+    return control_problems(strings)
 
 
 def _is_zero_duration(value: object) -> bool:

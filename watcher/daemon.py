@@ -20,7 +20,7 @@ from .config import WatcherConfig, check_command_allowed
 from .errors import InvalidJobSpec, QueueLocked, QueueLayoutError
 from .folders import Folders, JobState, QueueRoot
 from .fsutil import drain, remove_quietly
-from .inbox import Inbox, InboxEvents, schedule, start_observer
+from .inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
 from .jobs import Job, JobIndex, new_run
 from .jobspec import JobSpec, load_job_file
 from .finishing import RUNNING_POLL_S, Finishing
@@ -248,18 +248,21 @@ class Watcher(Starting, Finishing, Workflows):
         if result is None or (isinstance(result, JobSpec) and (not result.approved or result.sweep)):
             return _Taken(result)  # a sweep is claimed on the loop's thread (workflows.py)
         if isinstance(result, InvalidJobSpec):
-            run = new_run(None, order, now, name=_stem(cand.name))
+            run = new_run(None, order, now, name=_stem(printable_name(cand.name)))
             run.update(status="rejected", finished_at=iso_utc(now), errors=[p.to_dict() for p in result.problems],
                        error=result.lines()[0] if result.problems else "invalid job file")
             return _Taken(result, run, self.folders.claim(cand.path, JobState.FAILED, run))
-        run = new_run(result, order, now, name=_stem(cand.name))
+        run = new_run(result, order, now, name=_stem(printable_name(cand.name)))
         if result.fork_of:
             run["lineage"] = self.lineage_of(result.fork_of)
         return _Taken(result, run, self.folders.claim(cand.path, JobState.PENDING, run))
 
     def _validate(self, cand) -> JobSpec | InvalidJobSpec | None:
         """The file's JobSpec, the InvalidJobSpec listing its problems, or None when it vanished."""
-        display = f"inbox/{cand.name}"
+        display = f"inbox/{printable_name(cand.name)}"
+        bad_name = name_problem(cand.name)
+        if bad_name is not None:
+            return InvalidJobSpec(display, [bad_name])
         try:
             spec = load_job_file(cand.path, display)
             self._check_allowed(spec, display)
@@ -301,7 +304,8 @@ class Watcher(Starting, Finishing, Workflows):
         taken.run["id"] = job_id
         job = Job(job_id, JobState.PENDING, path, taken.run, taken.result)
         self.jobs.add(job)
-        logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, cand.name, taken.result.priority)
+        logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, printable_name(cand.name),
+                    taken.result.priority)
         self.report.touch()
         self.admit_workflow(job, now)
 
@@ -314,7 +318,7 @@ class Watcher(Starting, Finishing, Workflows):
         taken.run["id"] = job_id
         for line in taken.result.lines():
             logger.warning("job %s: rejected: %s", job_id, line)
-        logger.info("job %s: inbox/%s -> failed, rejected", job_id, cand.name)
+        logger.info("job %s: inbox/%s -> failed, rejected", job_id, printable_name(cand.name))
         self.report.finished(Job(job_id, JobState.FAILED, path, taken.run, None), now)
         self.deps.finished[job_id] = "rejected"
         self.deps_changed(job_id, now)

@@ -27,6 +27,8 @@ from watchdog.events import (
 )
 from watchdog.observers.api import BaseObserver
 
+from .errors import Problem
+
 logger = logging.getLogger(__name__)
 
 #: suffixes editors and downloaders use for files still being written (CONTRACT section 2)
@@ -48,6 +50,31 @@ def is_candidate_name(name: str) -> bool:
     if lower.endswith(_TEMP_SUFFIXES):
         return False
     return lower.endswith((".yaml", ".yml"))
+
+
+def printable_name(name: str) -> str:
+    """A file name as logs, errors, status.json and the terminal show it.
+
+    Bytes that are not UTF-8 (kept by Python as surrogates) become U+FFFD, and control characters
+    are escaped (``\\n``, ``\\x1b``), so a name can never forge a log line or drive a terminal.
+    """
+    text = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
+def name_problem(name: str) -> Problem | None:
+    """Why an inbox file's name is refused (not UTF-8), or None."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = name.encode("utf-8", "surrogateescape")
+        bad = name[exc.start].encode("utf-8", "surrogateescape").hex()
+        offset = len(name[:exc.start].encode("utf-8", "surrogateescape"))
+        return Problem("", f"the file name is not valid UTF-8 (byte 0x{bad} at byte {offset} of {len(raw)}); "
+                           "rename the file to UTF-8 and drop it again")
+    return None
 
 
 @dataclass

@@ -19,9 +19,9 @@ from pathlib import Path
 from types import MappingProxyType
 
 from trainq.watcher.errors import InvalidJobSpec, Problem
-from trainq.watcher.schema_errors import schema_problems, schema_validator, shown, sort_problems
-from trainq.watcher.units import parse_duration_s
-from trainq.watcher.yaml12 import YamlError, load_yaml12
+from trainq.watcher.schema_errors import field_name, schema_problems, schema_validator, shown, sort_problems
+from trainq.watcher.units import DURATION_PATTERN, MAX_DURATION_TEXT, parse_duration_s
+from trainq.watcher.yaml12 import MAX_INT_DIGITS, HugeInt, YamlError, load_yaml12
 from trainq.watcher.sweeps import workflow_problems
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,18 @@ DEFAULT_BACKOFF_S = 30.0
 JOB_SCHEMA = "job.schema.json"
 #: deepest nesting of lists/mappings accepted (real job files use 3 or 4; deeper would exhaust recursion)
 MAX_NESTING = 32
+#: largest magnitude of any integer in a job file or watcher.yaml (fits a C long; schemas bound fields further)
+MAX_INT = 2**63 - 1
+#: most retries a job may ask for (job.schema.json says the same): run.json holds one record per attempt
+MAX_RETRIES = 100
+#: shortest retry backoff, in seconds: a job failing at once must not spin the loop
+MIN_BACKOFF_S = 1.0
+#: the job file's durations (schema-checked for form; their size is checked here)
+DURATION_FIELDS = (("timeout",), ("stop_grace",), ("stall_after",), ("retries", "backoff"))
+#: C0 controls and DEL: never in a command, an env entry, a cwd or a name (a NUL kills the exec; ESC forges logs)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: the control characters argv items and env values may hold: a ``python -c`` script spans lines
+_LINE_BREAKS = "\t\n\r"
 
 _PLACEHOLDER = re.compile(r"\{(job_dir|job_id|attempt|resume_from|after:[A-Za-z0-9._-]+)\}")
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
@@ -288,7 +300,78 @@ def _semantic_problems(data: dict) -> list[Problem]:
     if "train" in data and "resume_args" in data:
         problems.append(Problem("resume_args", "only applies to command jobs; train jobs resume from their "
                                                "checkpoints by themselves (remove resume_args)"))
+    return problems + _control_problems(data) + duration_problems(data, DURATION_FIELDS) + _backoff_problems(data)
+
+
+def duration_problems(data: dict, fields: tuple[tuple[str, ...], ...]) -> list[Problem]:
+    """Well-formed duration strings longer than MAX_DURATION_S (numbers are bounded by the schema)."""
+    problems = []
+    for keys in fields:
+        value = _dig(data, keys)
+        if not isinstance(value, str) or len(value) > 64 or not re.search(DURATION_PATTERN, value):
+            continue  # absent, a number, or malformed: the schema reports those
+        try:
+            parse_duration_s(value)
+        except ValueError:
+            problems.append(Problem(".".join(keys), f"must be at most {MAX_DURATION_TEXT} (got {shown(value)})"))
     return problems
+
+
+def _backoff_problems(data: dict) -> list[Problem]:
+    value = _dig(data, ("retries", "backoff"))
+    try:
+        too_short = value is not None and parse_duration_s(value) < MIN_BACKOFF_S
+    except ValueError:
+        return []  # the schema (or duration_problems) says why
+    if not too_short:
+        return []
+    return [Problem("retries.backoff", f"must be at least {MIN_BACKOFF_S:g}s, so a job that fails at once "
+                                       f"does not spin the queue (got {shown(value)})")]
+
+
+def _dig(data: object, keys: tuple[str, ...]) -> object:
+    for key in keys:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def _control_problems(data: dict) -> list[Problem]:
+    """Control characters in what becomes an argv, an environment, a folder name or a log line.
+
+    Argv items and env values may hold tabs and line breaks (``python -c`` scripts span lines);
+    names, env keys and cwd may not.
+    """
+    strings: list[tuple[str, object]] = [("name", data.get("name")), ("cwd", data.get("cwd")),
+                                         ("slurm.partition", _dig(data, ("slurm", "partition")))]
+    multiline: list[tuple[str, object]] = [("command", data.get("command"))]
+    for key in ("command", "resume_args"):
+        if isinstance(data.get(key), list):
+            multiline += [(f"{key}[{i}]", item) for i, item in enumerate(data[key])]
+    if isinstance(_dig(data, ("slurm", "sbatch_args")), list):
+        strings += [(f"slurm.sbatch_args[{i}]", a) for i, a in enumerate(data["slurm"]["sbatch_args"])]
+    problems: list[Problem] = []
+    env = data.get("env")
+    if isinstance(env, dict):
+        problems += [Problem("env", f"key {shown(k)}: {_control_at(k)}") for k in env if _control_at(k)]
+        multiline += [(f"env.{field_name(k)}", v) for k, v in env.items() if not _control_at(k)]
+    return problems + control_problems(strings) + control_problems(multiline, allowed=_LINE_BREAKS)
+
+
+def control_problems(strings: list[tuple[str, object]], allowed: str = "") -> list[Problem]:
+    """A Problem for each (field, value) whose string value holds a control character not in ``allowed``."""
+    return [Problem(path, _control_at(value, allowed)) for path, value in strings
+            if isinstance(value, str) and _control_at(value, allowed)]
+
+
+def _control_at(text: str, allowed: str = "") -> str | None:
+    """Why ``text`` is refused for a control character (other than those in ``allowed``), or None."""
+    match = _CONTROL.search(text.translate({ord(c): " " for c in allowed}) if allowed else text)
+    if match is None:
+        return None
+    return (f"contains a control character (U+{ord(match.group()):04X} at character {match.start() + 1}); "
+            "only printable text is allowed here")
 
 
 def foreign_value_problems(data: object) -> list[Problem]:
@@ -305,7 +388,8 @@ def foreign_value_problems(data: object) -> list[Problem]:
         elif isinstance(value, dict):
             problems += [Problem(path, f"key {shown(k)} must be a string (put it in quotes)") for k in value
                          if not isinstance(k, str)]
-            stack += [(f"{path}.{k}" if path else k, depth + 1, v) for k, v in value.items() if isinstance(k, str)]
+            stack += [(f"{path}.{field_name(k)}" if path else field_name(k), depth + 1, v)
+                      for k, v in value.items() if isinstance(k, str)]
         elif isinstance(value, list):
             stack += [(f"{path}[{i}]", depth + 1, item) for i, item in enumerate(value)]
         else:
@@ -316,6 +400,10 @@ def foreign_value_problems(data: object) -> list[Problem]:
 def _scalar_problems(path: str, value: object) -> list[Problem]:
     if isinstance(value, float) and not math.isfinite(value):
         return [Problem(path, f"must be a finite number (got {value})")]
+    if isinstance(value, HugeInt) or (isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT):
+        digits = value.digits if isinstance(value, HugeInt) else len(str(abs(value)))
+        return [Problem(path, f"is an integer of {digits} digits; integers here are at most {MAX_INT_DIGITS} digits "
+                              f"(at most {MAX_INT})")]
     if value is None or isinstance(value, (str, int, float)):
         return []
     what = _FOREIGN_NAMES.get(type(value).__name__, f"a YAML {type(value).__name__}")

@@ -20,7 +20,7 @@ import referencing.exceptions
 import referencing.jsonschema
 
 from trainq.watcher.errors import Problem
-from trainq.watcher.units import DURATION_PATTERN
+from trainq.watcher.units import DURATION_PATTERN, MAX_DURATION_S, MAX_DURATION_TEXT
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,19 @@ def path_text(parts: tuple | list) -> str:
     """``("retries", "on", 1)`` → ``retries.on[1]``."""
     out = ""
     for part in parts:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        out += f"[{part}]" if isinstance(part, int) else (f".{field_name(part)}" if out else field_name(part))
     return out
+
+
+def field_name(key: object) -> str:
+    """A key as field paths show it: cut to 40 characters, non-printable characters escaped.
+
+    Errors quote at most the key of a line they do not understand, never its value: the
+    watcher may read files the person who dropped them cannot.
+    """
+    text = str(key)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def shown(value: object) -> str:
@@ -138,10 +149,12 @@ def _message(error: jsonschema.ValidationError) -> str:
 
 def _value_message(error: jsonschema.ValidationError) -> str:
     kind, value, limit, got = error.validator, error.instance, error.validator_value, shown(error.instance)
-    if _is_duration(error.schema) and kind in ("type", "pattern", "minimum"):
+    if _is_duration(error.schema) and kind in ("type", "pattern", "minimum", "maxLength"):
         return f"expected {_DURATION_HINT} (got {got})"
+    if _is_duration(error.schema) and kind == "maximum":
+        return f"must be at most {MAX_DURATION_TEXT} ({MAX_DURATION_S} s) (got {got})"
     if kind in ("type", "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
-        return f"must be {_expected(error.schema)} (got {got})"
+        return f"must be {_expected(error.schema, bound=kind)} (got {got})"
     if kind in ("enum", "const"):
         choices = list(limit) if kind == "enum" else [limit]
         return f"must be {_choices(choices)} (got {got}){_suggestion(value, choices)}"
@@ -171,7 +184,7 @@ def _is_duration(schema: object) -> bool:
     return isinstance(schema, dict) and schema.get("pattern") == DURATION_PATTERN
 
 
-def _expected(schema: object) -> str:
+def _expected(schema: object, bound: str | None = None) -> str:
     """What a subschema accepts, in words: ``an integer >= 0``, ``a list of strings, or a string``."""
     if not isinstance(schema, dict):
         return "a valid value"
@@ -184,8 +197,17 @@ def _expected(schema: object) -> str:
     if not types:
         return str(schema.get("title", "a valid value")).lower()
     text = _or_list([_type_phrase(t, schema) for t in types])
-    bounds = " and ".join(f"{op} {_number(schema[key])}" for key, op in _BOUNDS if key in schema)
+    bounds = " and ".join(f"{op} {_number(schema[key])}" for key, op in _BOUNDS if _names_bound(schema, key, bound))
     return f"{text} {bounds}" if bounds and len(types) == 1 else text
+
+
+def _names_bound(schema: dict, key: str, failed: str | None) -> bool:
+    """Whether a message about the ``failed`` keyword names the bound ``key`` (a wrong type: only a floor >= 0)."""
+    if key not in schema:
+        return False
+    if failed == "type":
+        return key in ("minimum", "exclusiveMinimum") and schema[key] >= 0
+    return failed is None or failed == key
 
 
 def _or_list(words: list[str]) -> str:
@@ -234,9 +256,11 @@ def _unknown_key_message(key: str, schema: dict) -> str:
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6) or difflib.get_close_matches(
         key.lower(), known, n=1, cutoff=0.6)
     home = close[0] if close else _key_home(key, schema)
+    key = f"'{field_name(key)}'"
     if home:
-        return f"unknown key '{key}' (did you mean '{home}'?)"
-    return f"unknown key '{key}'; allowed here: {', '.join(known)}" if known else f"unknown key '{key}'"
+        return f"unknown key {key} (did you mean '{home}'?)"
+    return f"unknown key {key}; allowed here: {', '.join(known)}" if known else f"unknown key {key}"
+
 
 
 def _key_home(key: str, schema: dict) -> str | None:

@@ -40,15 +40,51 @@ def _construct_bool(loader: yaml.SafeLoader, node: yaml.Node) -> bool:
     return loader.construct_scalar(node).lower() == "true"
 
 
-def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+#: most digits an integer in a file may have; longer ones become ``HugeInt`` (int() of 5,000 digits raises,
+#: and any integer past 2**63 is out of every range a job file has)
+MAX_INT_DIGITS = 19
+
+
+class HugeInt(str):
+    """An integer literal too long to be a value: kept as its text so validation can name the field."""
+
+    @property
+    def digits(self) -> int:
+        return sum(ch.isalnum() for ch in self) - (2 if self.lstrip("+-").startswith(("0o", "0x")) else 0)
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int | HugeInt:
     text = loader.construct_scalar(node)
+    body = text.lstrip("+-")
+    if len(body) > MAX_INT_DIGITS + (2 if body.startswith(("0o", "0x")) else 0):
+        return HugeInt(text)
     if text.startswith(("0o", "0x")):
         return int(text, 0)
     return int(text, 10)
 
 
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """Like PyYAML's, but a key written twice is an error naming the key and both lines (PyYAML keeps the last)."""
+    seen: dict[object, int] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode):
+            continue  # unhashable keys are PyYAML's to refuse
+        key = loader.construct_object(key_node)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise DuplicateKey(_key_text(key), seen[key], line)
+        seen[key] = line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+def _key_text(key: object) -> str:
+    text = str(key)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 Yaml12Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
 Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+Yaml12Loader.construct_mapping = _construct_mapping  # type: ignore[method-assign]
 
 
 class YamlError(ValueError):
@@ -57,6 +93,14 @@ class YamlError(ValueError):
     def __init__(self, message: str, line: int | None = None):
         self.line = line
         super().__init__(f"line {line}: {message}" if line else message)
+
+
+class DuplicateKey(YamlError):
+    """A mapping key written twice."""
+
+    def __init__(self, key: str, first_line: int, line: int):
+        super().__init__(f"duplicate key '{key}' (first at line {first_line}, again at line {line}); "
+                         "keep one of them", line)
 
 
 def _refuse_aliases(text: str) -> None:
