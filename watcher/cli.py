@@ -139,8 +139,8 @@ def _watch(root: Path, config, args: argparse.Namespace) -> int:
     from .daemon import Watcher
     from .errors import WatcherError
 
-    watcher = Watcher(root, config, polling=args.polling)
     try:
+        watcher = Watcher(root, config, polling=args.polling)
         watcher.start()
     except WatcherError as exc:
         logger.error("%s", exc)

@@ -17,8 +17,10 @@ from pathlib import Path
 
 from . import __version__
 from .config import WatcherConfig, check_command_allowed
-from .errors import InvalidJobSpec, QueueLocked, QueueLayoutError
-from .folders import Folders, JobState, QueueRoot
+from .containment import ENV_WATCHER_FAULTS, Containment, Faults, is_disk_full
+from .diskfull import DISK_FULL_RETRY_S, DiskFullHandling
+from .errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError
+from .folders import Folders, JobState, QueueRoot, id_from_name
 from .fsutil import drain, remove_quietly
 from .inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
 from .jobs import Job, JobIndex, new_run
@@ -43,7 +45,7 @@ PARALLEL_VALIDATE_MIN = 16
 ADMIT_THREADS = 2
 
 
-class Watcher(Starting, Finishing, Workflows):
+class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
     """The daemon: owns the queue root while it runs."""
 
     def __init__(self, root: Path, config: WatcherConfig, *, polling: bool = False, env: dict | None = None):
@@ -55,11 +57,14 @@ class Watcher(Starting, Finishing, Workflows):
         self.executor = make_executor(config, self.root.path)
         self.probe = ResourceProbe(simulate_gpus=config.simulate_gpus, env=self.env)
         self.jobs = JobIndex()
+        self.faults = Faults.parse(self.env.get(ENV_WATCHER_FAULTS))  # a test switch (README, "Switches")
+        self.disk_full = None  # a DiskFull while writes fail for lack of space (diskfull.py)
         self.report = Report(self.root, config, started_at=time.time())
         self.inbox: Inbox | None = None
         self.paused = False
         self.stopping = False
         self._awaiting: dict[str, tuple[tuple, dict]] = {}
+        self._unclaimable: dict[str, tuple] = {}  # inbox files not even rejectable (a second fault): name -> signature
         self._concluded: list = []  # (Job, Outcome) out of the live index, final write pending (finishing.py)
         self._order_last = 0
         self._lock_fd: int | None = None
@@ -95,9 +100,10 @@ class Watcher(Starting, Finishing, Workflows):
             self._observer.stop()
             self._observer.join(timeout=2)
             self._observer = None
-        self.retire_concluded(time.time())
-        self._save_started(time.time(), all_now=True)
-        self.report.write(self, time.time(), force=True, state="stopping")
+        if self.disk_full is None:  # else the next watcher's recover() finishes from the folders
+            self.retire_concluded(time.time())
+            self._save_started(time.time(), all_now=True)
+        self.write_status(time.time(), force=True, state="stopping")
         self.probe.close()
         self.executor.close()
         if self._pool is not None:
@@ -135,7 +141,7 @@ class Watcher(Starting, Finishing, Workflows):
             drain(self._wake_r)
 
     def _next_wait_s(self) -> float:
-        wait = min(self.config.rescan_s, self.config.status_s)
+        wait = min(self.config.rescan_s, self.config.status_s, DISK_FULL_RETRY_S)
         if self._count(JobState.RUNNING):
             wait = min(wait, RUNNING_POLL_S)
             save_in = self._next_started_save_s(time.time())
@@ -157,24 +163,53 @@ class Watcher(Starting, Finishing, Workflows):
 
     # -- the loop --------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        """One pass over the queue."""
+        """One pass over the queue; with a full disk only watching, and retrying until space frees."""
         self.executor.reap()
         self.check_layout()
         self.honor_root_flags()
+        if self.disk_full is not None:
+            self.retry_after_disk_full(now)
+        if self.disk_full is None:
+            self._work(now)
+        else:
+            self.watch_running(now)
+        self.hooks.reap()
+        self.write_status(now)
+
+    def _work(self, now: float) -> None:
         self.reap_finished(now)
         rescan = now - self._last_rescan >= self.config.rescan_s
-        if rescan:
+        if rescan and self.disk_full is None:
             self._last_rescan = now
             self.honor_job_flags(now)
             self.recheck_unknown(now)
         try:
-            self.admit_inbox(now)
-            self.start_pending(now)  # before retiring: the next job need not wait for the last one's writes
+            if self.disk_full is None:
+                self.admit_inbox(now)
+            if self.disk_full is None:
+                self.start_pending(now)  # before retiring: the next job need not wait for the last one's writes
         finally:
             self.retire_concluded(now)
         self.watch_running(now)
-        self.hooks.reap()
-        self.report.write(self, now)
+
+    def write_status(self, now: float, *, force: bool = False, state: str | None = None) -> None:
+        """status.json and status.html; a full disk is noted, not raised."""
+        try:
+            self.report.write(self, now, force=force, state=state)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self.note_disk_full(exc, "status.json")
+
+    def rebuild_from_disk(self) -> None:
+        """Forget the in-memory index and read it again from the folders (after a full disk)."""
+        self.jobs = JobIndex()
+        self.deps = type(self.deps)()  # rebuilt from job.yaml files by recover(), as at start-up
+        self._deps_queue = []
+        self._concluded = []
+        self._awaiting.clear()
+        self._plan_due = True
+        recover(self)
 
     def check_layout(self) -> None:
         """Recreate queue folders a user deleted, instead of crash-looping."""
@@ -216,16 +251,34 @@ class Watcher(Starting, Finishing, Workflows):
             todo = todo[:ADMIT_BATCH]
             self.wake()  # the rest next pass, so status.json stays fresh during a burst
         for cand, taken in self._taken(todo, now):
-            self._admit_one(cand, taken, now)
+            if taken.disk_full is not None:
+                self.note_disk_full(taken.disk_full, f"inbox/{cand.name}")
+                continue
+            try:
+                self._admit_one(cand, taken, now)
+            except Exception as exc:  # noqa: BLE001 - the admit guard, once the file is a job folder
+                self._contain_admitted(cand, taken, exc)
         live = {c.name for c in candidates}
         for name in [n for n in self._awaiting if n not in live]:
             del self._awaiting[name]
+        for name in [n for n in self._unclaimable if n not in live]:
+            del self._unclaimable[name]
         self.report.awaiting(self._awaiting)
+
+    def _contain_admitted(self, cand, taken: "_Taken", exc: Exception) -> None:
+        if taken.claimed is None:
+            logger.error("inbox/%s: internal error while admitting it", cand.name, exc_info=(type(exc), exc, exc.__traceback__))
+            return
+        job_id, path = taken.claimed
+        state = JobState.PENDING if path.parent.name == JobState.PENDING.value else JobState.FAILED
+        job = self.jobs.get(job_id) or Job(job_id, state, path, dict(taken.run, id=job_id))
+        self.job_failed_in(job, "admit", exc)
 
     def _known_awaiting(self, cand) -> bool:
         """A file already found valid but unapproved, unchanged since: nothing to do."""
+        sig = (cand.size, cand.mtime_ns, cand.ino)
         cached = self._awaiting.get(cand.name)
-        return cached is not None and cached[0] == (cand.size, cand.mtime_ns, cand.ino)
+        return (cached is not None and cached[0] == sig) or self._unclaimable.get(cand.name) == sig
 
     def _taken(self, cands: list, now: float):
         """(candidate, _Taken) in drop order: each file validated and, unless it awaits approval, claimed.
@@ -243,7 +296,36 @@ class Watcher(Starting, Finishing, Workflows):
         return zip(cands, self._pool.map(self._take, cands, orders, [now] * len(cands)))
 
     def _take(self, cand, order: int, now: float) -> "_Taken":
-        """Validate one inbox file and claim it into pending/ (or failed/ when invalid); any thread."""
+        """Validate one inbox file and claim it into pending/ (or failed/ when invalid); any thread.
+
+        The admit step's guard: a full disk is reported back; anything unexpected rejects the file.
+        """
+        try:
+            self.faults.check("admit", id_from_name(cand.name))
+            return self._take_unguarded(cand, order, now)
+        except Exception as exc:  # noqa: BLE001 - containment: one file's trouble stays that file's
+            if is_disk_full(exc):
+                return _Taken(None, disk_full=exc)
+            return self._reject_internal(cand, order, now, exc)
+
+    def _reject_internal(self, cand, order: int, now: float, exc: Exception) -> "_Taken":
+        """Admitting ``cand`` raised: reject it with the exception as its error (traceback in watcher.log)."""
+        logger.error("inbox/%s: internal error while admitting it; rejecting the file", cand.name,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        problem = Problem("", f"internal error while admitting this file ({type(exc).__name__}: {exc}); "
+                              "see watcher.log, and report it")
+        result = InvalidJobSpec(f"inbox/{cand.name}", [problem])
+        run = new_run(None, order, now, name=_stem(cand.name))
+        run.update(status="rejected", finished_at=iso_utc(now), errors=[problem.to_dict()], error=result.lines()[0])
+        try:
+            return _Taken(result, run, self.folders.claim(cand.path, JobState.FAILED, run))
+        except Exception as exc2:  # noqa: BLE001 - a second fault: leave the file, skip it until it changes
+            if is_disk_full(exc2):
+                return _Taken(None, disk_full=exc2)
+            logger.error("inbox/%s: could not reject it either (%s); leaving it in the inbox", cand.name, exc2)
+            return _Taken(None, unclaimable=True)
+
+    def _take_unguarded(self, cand, order: int, now: float) -> "_Taken":
         result = self._validate(cand)
         if result is None or (isinstance(result, JobSpec) and (not result.approved or result.sweep)):
             return _Taken(result)  # a sweep is claimed on the loop's thread (workflows.py)
@@ -274,6 +356,8 @@ class Watcher(Starting, Finishing, Workflows):
 
     def _admit_one(self, cand, taken: "_Taken", now: float) -> None:
         result = taken.result
+        if taken.unclaimable:
+            self._unclaimable[cand.name] = (cand.size, cand.mtime_ns, cand.ino)
         if result is None:
             return
         if isinstance(result, InvalidJobSpec):
@@ -338,6 +422,8 @@ class _Taken:
     result: JobSpec | InvalidJobSpec | None
     run: dict | None = None
     claimed: tuple[str, Path] | None = None  # (id, folder), None when the file vanished or was not claimed
+    disk_full: OSError | None = None  # claiming it ran out of space (the file stays in the inbox)
+    unclaimable: bool = False  # admitting it failed, and so did rejecting it
 
 
 def _stem(file_name: str) -> str:

@@ -63,3 +63,12 @@ class QueueLocked(QueueLayoutError):
             f"{root}: another watcher ({who}) already runs on this queue root; "
             "stop it (touch stop.flag) or use --root for another queue"
         )
+
+
+class JobFolderRemoved(WatcherError):
+    """Raised when a job's folder vanished under the watcher (someone ran ``rm -rf`` on it)."""
+
+    def __init__(self, job_id: str, where: str):
+        self.job_id = job_id
+        self.where = where
+        super().__init__(f"job {job_id}: its folder {where} was removed")

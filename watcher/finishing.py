@@ -34,15 +34,23 @@ class Finishing:
         """
         forced = now - self._last_running_poll >= RUNNING_POLL_S
         for job in self._jobs_in(JobState.RUNNING):
-            attempt = job.current_attempt() or {}
-            if self._conclude_from_record(job, attempt, now):
-                continue
-            if forced and not self.executor.is_alive(job.paths, attempt):
-                # the record may have landed between the two looks; only without one is the supervisor lost
-                if not self._conclude_from_record(job, attempt, now):
-                    self._finish_lost(job, now)
+            self.guarded(job, "finish", self._reap_one, job, forced, now)
+            if self.disk_full is not None:
+                return
         if forced:
             self._last_running_poll = now
+
+    def _reap_one(self, job: Job, forced: bool, now: float) -> None:
+        attempt = job.current_attempt() or {}
+        if self._conclude_from_record(job, attempt, now):
+            return
+        if forced and not self.executor.is_alive(job.paths, attempt):
+            if not job.dir.exists():
+                self.forget_removed(job)  # rm -rf: its supervisor (if any) stops the attempt by itself
+                return
+            # the record may have landed between the two looks; only without one is the supervisor lost
+            if not self._conclude_from_record(job, attempt, now):
+                self._finish_lost(job, now)
 
     def _conclude_from_record(self, job: Job, attempt: dict, now: float) -> bool:
         """Conclude ``job`` from its current attempt's exit record; False while there is none."""
@@ -81,7 +89,7 @@ class Finishing:
         job.run["diagnosis"] = outcome.diagnosis.to_dict() if outcome.diagnosis else None
         job.run["error"] = record.get("spawn_error") or (outcome.diagnosis.evidence if outcome.diagnosis else None)
         if should_retry(job, outcome):
-            self._requeue_for_retry(job, outcome, now)
+            self.guarded(job, "retry", self._requeue_for_retry, job, outcome, now)
             return
         job.run.update(status=outcome.status, finished_at=iso_utc(now), waiting_for=None, gpus=[])
         self.jobs.remove(job.id)
@@ -90,15 +98,19 @@ class Finishing:
 
     def retire_concluded(self, now: float) -> None:
         """Write each concluded job's final run.json (durably) and move its folder to done/ or failed/."""
-        while self._concluded:
-            job, outcome = self._concluded.pop(0)
-            job.save()
-            ok = outcome.status == "done"
-            job.dir = self.folders.finish(job.id, ok)
-            job.state = JobState.DONE if ok else JobState.FAILED
-            kind = f" ({outcome.diagnosis.kind})" if outcome.diagnosis else ""
-            logger.info("job %s: running -> %s, %s%s", job.id, job.state.value, outcome.status, kind)
-            self._retire(job, now)
+        while self._concluded and self.disk_full is None:
+            job, outcome = self._concluded[0]
+            self.guarded(job, "finish", self._retire_one, job, outcome, now)
+            self._concluded = [(j, o) for j, o in self._concluded if j is not job]
+
+    def _retire_one(self, job: Job, outcome, now: float) -> None:
+        job.save()
+        ok = outcome.status == "done"
+        job.dir = self.folders.finish(job.id, ok)
+        job.state = JobState.DONE if ok else JobState.FAILED
+        kind = f" ({outcome.diagnosis.kind})" if outcome.diagnosis else ""
+        logger.info("job %s: running -> %s, %s%s", job.id, job.state.value, outcome.status, kind)
+        self._retire(job, now)
 
     def _requeue_for_retry(self, job: Job, outcome, now: float) -> None:
         backoff_s = job.spec.retries.backoff_s if job.spec else 0.0
@@ -138,11 +150,12 @@ class Finishing:
     # -- flags -------------------------------------------------------------------------------
     def honor_job_flags(self, now: float) -> None:
         """stop.flag in pending/ cancels; retry.flag in failed/ requeues with resume."""
+        self.forget_removed_folders()
         for job in self._jobs_in(JobState.PENDING):
             if job.paths.stop_flag.exists():
-                self.cancel_pending(job, now)
+                self.guarded(job, "finish", self.cancel_pending, job, now)
         for job_id in _ids_with_retry_flag(self.root.state_dir(JobState.FAILED)):
-            self.retry_finished(job_id, JobState.FAILED, now)
+            self.guarded_id(job_id, JobState.FAILED, "retry", self.retry_finished, job_id, JobState.FAILED, now)
 
     def cancel_pending(self, job: Job, now: float) -> None:
         job.run.update(status="cancelled", finished_at=iso_utc(now), waiting_for=None,
@@ -181,20 +194,23 @@ class Finishing:
         """Mark stop requests, track health (stalls) and progress of running jobs."""
         self._save_started(now)
         for job in self._jobs_in(JobState.RUNNING):
-            if job.run.get("status") == "running" and job.paths.stop_flag.exists():
-                job.run.update(status="stopping", stop_requested_at=iso_utc(now))
-                job.health = "stopping"
-                job.save(durable=False)
-                logger.info("job %s: stop requested (stop.flag); grace %gs", job.id,
-                            job.spec.stop_grace_s if job.spec else 0)
-                self.report.touch()
-            if job.run.get("status") == "stopping":
-                requested = parse_iso(job.run.get("stop_requested_at")) or now
-                grace = job.spec.stop_grace_s if job.spec else 0.0
-                self.executor.enforce_stop(job.paths, job.current_attempt() or {}, requested, grace, now)
-            self._note_executor_wait(job)
-            self._check_stall(job, now)
-        self.report.update_progress(self, now)
+            self.guarded(job, "watch", self._watch_one, job, now)
+
+    def _watch_one(self, job: Job, now: float) -> None:
+        if job.run.get("status") == "running" and job.paths.stop_flag.exists():
+            job.run.update(status="stopping", stop_requested_at=iso_utc(now))
+            job.health = "stopping"
+            job.save(durable=False)
+            logger.info("job %s: stop requested (stop.flag); grace %gs", job.id,
+                        job.spec.stop_grace_s if job.spec else 0)
+            self.report.touch()
+        if job.run.get("status") == "stopping":
+            requested = parse_iso(job.run.get("stop_requested_at")) or now
+            grace = job.spec.stop_grace_s if job.spec else 0.0
+            self.executor.enforce_stop(job.paths, job.current_attempt() or {}, requested, grace, now)
+        self._note_executor_wait(job)
+        self._check_stall(job, now)
+        self.report.update_progress(self, job, now)
 
     def _save_started(self, now: float, *, all_now: bool = False) -> None:
         """Write run.json of jobs launched at least STARTED_SAVE_AFTER_S ago (every one with ``all_now``).
@@ -205,7 +221,7 @@ class Finishing:
         """
         for job in self._jobs_in(JobState.RUNNING):
             if job.unsaved_since is not None and (all_now or now - job.unsaved_since >= STARTED_SAVE_AFTER_S):
-                job.save(durable=False)  # clears unsaved_since
+                self.guarded(job, "start", job.save, durable=False)  # clears unsaved_since
 
     def _next_started_save_s(self, now: float) -> float | None:
         """Seconds until the next deferred run.json write is due; None when none waits."""

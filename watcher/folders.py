@@ -17,7 +17,7 @@ from enum import Enum
 from pathlib import Path
 
 from .contract import JobPaths
-from .errors import IllegalTransition, QueueLayoutError
+from .errors import IllegalTransition, JobFolderRemoved, QueueLayoutError
 from .fsutil import atomic_write_json, same_filesystem
 
 logger = logging.getLogger(__name__)
@@ -191,12 +191,15 @@ class Folders:
             raise IllegalTransition(f"{inbox_file.name}: cannot claim an inbox file straight into {state.value}/")
         job_id, path = self._reserve_dir(state, inbox_file.name)
         paths = JobPaths(path)
-        atomic_write_json(paths.run, dict(run, id=job_id), durable=False)
         try:
+            atomic_write_json(paths.run, dict(run, id=job_id), durable=False)
             _link_or_rename(inbox_file, paths.spec)
         except FileNotFoundError:
             self._undo_reservation(paths)
             return None
+        except BaseException:  # a full disk, most often: no folder may stay in pending/ without its job
+            self._undo_reservation(paths)
+            raise
         return job_id, path
 
     def claim_sweep(self, inbox_file: Path, total: int, staging_prefix: str) -> tuple[str, Path] | None:
@@ -238,15 +241,20 @@ class Folders:
             paths.dir.rmdir()
         except OSError:
             logger.warning("%s: could not remove an abandoned claim folder", paths.dir)
+            return
+        self.forget(paths.dir.name)
 
     def move(self, job_id: str, src: JobState, dst: JobState) -> Path:
         """Rename the job folder from ``src`` to ``dst`` (one atomic step)."""
         if (src, dst) not in _ALLOWED:
             raise IllegalTransition(f"job {job_id}: {src.value} -> {dst.value} is not a legal move")
         target = self.root.job_dir(dst, job_id)
+        source = self.root.job_dir(src, job_id)
         try:
-            os.rename(self.root.job_dir(src, job_id), target)
+            os.rename(source, target)
         except OSError as exc:
+            if exc.errno == errno.ENOENT and not source.exists():
+                raise JobFolderRemoved(job_id, f"{src.value}/{job_id}") from None
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 raise IllegalTransition(f"job {job_id}: {dst.value}/{job_id} already exists") from None
             raise

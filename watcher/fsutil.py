@@ -19,6 +19,9 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, durable: bool = 
     try:
         if durable:
             os.fsync(fd)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
     finally:
         os.close(fd)
     _rename_over(tmp, path)
@@ -49,10 +52,37 @@ def _temp_holding(path: str, data: bytes, mode: int) -> tuple[str, int]:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-    except BaseException:
+    except BaseException:  # a full disk, most often: the temp file must not stay behind
         os.close(fd)
+        _unlink_quietly(tmp)
         raise
     return tmp, fd
+
+
+def remove_stale_temps(folder: str | os.PathLike, names: tuple[str, ...]) -> int:
+    """Remove ``NAME.PID.tmp`` files of ``names`` in ``folder`` whose writer (PID) is gone or is us; how many."""
+    removed = 0
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    for entry in entries:
+        if not entry.name.endswith(".tmp"):
+            continue
+        stem, _, pid = entry.name[:-len(".tmp")].rpartition(".")
+        if stem in names and pid.isdigit() and (int(pid) == os.getpid() or not _pid_exists(int(pid))):
+            removed += remove_quietly(entry.path)
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _rename_over(tmp: str, path: str) -> None:

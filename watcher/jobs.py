@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .contract import ATTEMPT_BANNER_PREFIX, JobPaths
+from .errors import JobFolderRemoved
 from .diagnosis import SIGKILL, Diagnosis, diagnose, read_kernel_log, read_metrics_tail, read_tail, stalled_diagnosis
 from .folders import JobState
 from .fsutil import atomic_write_json, read_json
@@ -41,6 +42,7 @@ class Job:
     checked: bool = False  # admission has checked that this machine can ever run it
     unsaved_since: float | None = None  # launched at this time, run.json not yet written since
     held: bool = False  # pending on dependencies: out of the start order (workflows.py)
+    contained: str | None = None  # the step whose internal error failed this job (containment.py)
 
     @property
     def paths(self) -> JobPaths:
@@ -67,8 +69,13 @@ class Job:
         return (-self.priority, self.order, self.id)
 
     def save(self, durable: bool = True) -> None:
-        """Write run.json atomically."""
-        atomic_write_json(self.paths.run, self.run, durable=durable)
+        """Write run.json atomically; JobFolderRemoved when the folder was removed by hand."""
+        try:
+            atomic_write_json(self.paths.run, self.run, durable=durable)
+        except FileNotFoundError:
+            if self.dir.exists():
+                raise
+            raise JobFolderRemoved(self.id, f"{self.state.value}/{self.id}") from None
         self.unsaved_since = None
 
     def current_attempt(self) -> dict | None:
@@ -117,6 +124,8 @@ class Outcome:
 def judge_exit(run: dict, exit_record: dict, paths: JobPaths) -> Outcome:
     """Turn an exit record plus what the watcher knew (stop requested, stall) into a status and diagnosis."""
     reason = exit_record.get("stop_reason")
+    if run.get("stop_requested_by") == "internal_error" and run.get("diagnosis"):
+        return Outcome("failed", Diagnosis.from_dict(run["diagnosis"]))  # containment.py stopped it
     if run.get("stop_requested_by") == "stalled" and reason != "timeout":
         return Outcome("failed", stalled_diagnosis(float(run.get("stall_after_s") or 0)))
     if reason != "timeout" and (reason == "stop_flag" or run.get("status") == "stopping"):

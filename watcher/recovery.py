@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .contract import JobPaths
 from .folders import JobState
-from .fsutil import atomic_write_json, remove_quietly
+from .fsutil import atomic_write_json, remove_quietly, remove_stale_temps
 from .jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
 from .units import iso_utc
 
@@ -30,13 +30,14 @@ def recover(watcher: "Watcher") -> None:
     now = time.time()
     found = watcher.folders.load_ids()
     _unlink_claimed_inbox_names(watcher, found)
+    _remove_stale_temp_files(watcher, found)
     for job_id in found[JobState.PENDING]:
-        _recover_pending(watcher, job_id, now)
+        watcher.guarded_id(job_id, JobState.PENDING, "recover", _recover_pending, watcher, job_id, now)
     watcher.resume_sweeps(now)
     for job_id in found[JobState.RUNNING]:
-        _recover_running(watcher, job_id, now)
+        watcher.guarded_id(job_id, JobState.RUNNING, "recover", _recover_running, watcher, job_id, now)
     for job in sorted(watcher.jobs.in_state(JobState.PENDING), key=lambda j: j.order):
-        watcher.admit_workflow(job, now)  # hold again on dependencies (they are not kept anywhere but job.yaml)
+        watcher.guarded(job, "recover", watcher.admit_workflow, job, now)  # hold again on dependencies (kept only in job.yaml)
     watcher.report.recount()
     _seed_recent(watcher)
     orders = [j.order for j in watcher.jobs.values()]
@@ -134,9 +135,20 @@ def _never_started(watcher: "Watcher", job: Job) -> None:
     logger.info("job %s: running -> pending, its attempt never started", job.id)
 
 
+def _remove_stale_temp_files(watcher: "Watcher", found: dict) -> None:
+    """Temp files of atomic writes a killed watcher left: status.json's, status.html's, run.json's in running/."""
+    root = watcher.root
+    removed = remove_stale_temps(root.path, (root.status_json.name, root.status_html.name))
+    for job_id in found[JobState.RUNNING]:
+        removed += remove_stale_temps(root.job_dir(JobState.RUNNING, job_id), ("run.json",))
+    if removed:
+        logger.info("queue: removed %d temp file(s) left by an interrupted write", removed)
+
+
 def _remove_abandoned_claim(paths: JobPaths) -> None:
     """A claim interrupted before job.yaml moved in: the inbox file is still in the inbox."""
     remove_quietly(paths.run)
+    remove_stale_temps(paths.dir, (paths.run.name,))
     try:
         paths.dir.rmdir()
         logger.info("queue: removed interrupted claim %s", paths.dir)

@@ -115,29 +115,28 @@ class Report:
                 self.dirty = True
 
     # -- progress ------------------------------------------------------------------------------
-    def update_progress(self, watcher: "Watcher", now: float) -> None:
-        """Read new metrics/log lines of running jobs; measure their process trees now and then."""
-        for job in watcher._jobs_in(JobState.RUNNING):
-            if job.unsaved_since is not None:
-                continue  # just launched: looked at once it has run a moment (most trivial jobs are over by then)
-            readers = job.readers
-            if readers is None or readers.metrics.path != job.paths.metrics:
-                started = parse_iso((job.current_attempt() or {}).get("started_at"))
-                readers = job.readers = _Readers(MetricsTail(job.paths.metrics, started), LogProgress(job.paths.log))
-            new_metrics = readers.metrics.poll()
-            new_log = readers.log.poll()
-            if new_metrics:
-                self.curves.feed(job.id, readers.metrics.new_records)
-            if new_metrics or new_log:
+    def update_progress(self, watcher: "Watcher", job: "Job", now: float) -> None:
+        """Read new metrics/log lines of a running job; measure its process tree now and then."""
+        if job.unsaved_since is not None:
+            return  # just launched: looked at once it has run a moment (most trivial jobs are over by then)
+        readers = job.readers
+        if readers is None or readers.metrics.path != job.paths.metrics:
+            started = parse_iso((job.current_attempt() or {}).get("started_at"))
+            readers = job.readers = _Readers(MetricsTail(job.paths.metrics, started), LogProgress(job.paths.log))
+        new_metrics = readers.metrics.poll()
+        new_log = readers.log.poll()
+        if new_metrics:
+            self.curves.feed(job.id, readers.metrics.new_records)
+        if new_metrics or new_log:
+            self.dirty = True
+        if now - readers.usage_at >= USAGE_EVERY_S:
+            readers.usage_at = now
+            pids = watcher.executor.process_tree(job.paths)
+            job.pids = tuple(pids)
+            usage = watcher.probe.tree_usage(pids) if pids else None
+            if usage != job.usage:
+                job.usage = usage
                 self.dirty = True
-            if now - readers.usage_at >= USAGE_EVERY_S:
-                readers.usage_at = now
-                pids = watcher.executor.process_tree(job.paths)
-                job.pids = tuple(pids)
-                usage = watcher.probe.tree_usage(pids) if pids else None
-                if usage != job.usage:
-                    job.usage = usage
-                    self.dirty = True
 
     # -- writing -------------------------------------------------------------------------------
     def write(self, watcher: "Watcher", now: float, force: bool = False, state: str | None = None) -> None:
@@ -185,6 +184,7 @@ class Report:
                 "pid": os.getpid(), "host": socket.gethostname(), "version": __version__,
                 "state": state or ("stopping" if watcher.stopping else "paused" if watcher.paused else "running"),
                 "started_at": iso_utc(self.started_at), "heartbeat_at": iso_utc(now),
+                "disk_full": watcher.disk_full is not None, "problems": watcher.problems(),
             },
             counts=counts,
             jobs=tuple(listed),

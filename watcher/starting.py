@@ -67,24 +67,46 @@ class Starting:
         head = self.jobs.pending_head(depth)
         machine = self.probe.sample(self._disk_paths(head + running))
         limits = self._limits()
-        holdings = [self._holding(j) for j in running]
+        holdings = self._per_job(running, self._holding, "plan")
         self._reject_unsatisfiable(unchecked, holdings, machine, limits, now)
         unavailable = self.executor.unavailable(now)
         if unavailable:
             self._all_wait(head, unavailable)
             return
-        requests = [self._request(j) for j in head if j.state is JobState.PENDING and not _later(j, now)]
-        for decision in plan(requests, holdings, machine, limits):
+        waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now)]
+        for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
             job = self.jobs.get(decision.job_id)
             if job is None or job.state is not JobState.PENDING:
                 continue
             if decision.unsatisfiable:
-                self._fail_unsatisfiable(job, decision.unsatisfiable, now)
+                self.guarded(job, "plan", self._fail_unsatisfiable, job, decision.unsatisfiable, now)
             elif decision.start:
-                self._launch(job, decision, now)
+                self.guarded(job, "start", self._launch, job, decision, now)
             elif job.run.get("waiting_for") != decision.waiting_for:
                 job.run["waiting_for"] = decision.waiting_for
                 self.report.touch()
+            if self.disk_full is not None:
+                return
+
+    def _per_job(self, jobs: list[Job], make, step: str) -> list:
+        """``make(job)`` for each job, each inside its guard (a job whose value cannot be built is failed)."""
+        made = [self.guarded(job, step, make, job) for job in jobs]
+        return [m for m in made if m is not None]
+
+    def _plan(self, requests: list[Request], holdings: list[Holding], machine, limits: Limits) -> list:
+        """admission.plan; if it raises, plan each job alone to find the one it fails on, fail that one, plan the rest."""
+        try:
+            return plan(requests, holdings, machine, limits)
+        except Exception:  # noqa: BLE001 - find the job it fails on below
+            logger.debug("admission failed on a batch of %d; planning each job alone", len(requests), exc_info=True)
+        fine = []
+        for request in requests:
+            job = self.jobs.get(request.job_id)
+            if job is None:
+                continue
+            if self.guarded(job, "plan", plan, [request], holdings, machine, limits) is not None:
+                fine.append(request)
+        return plan(fine, holdings, machine, limits)
 
     def _limits(self) -> Limits:
         return Limits(
@@ -100,11 +122,12 @@ class Starting:
         if not jobs:
             return
         as_if_paused = dataclasses.replace(limits, paused=True)  # only the "never" checks run
-        never = {d.job_id: d.unsatisfiable for d in plan([self._request(j) for j in jobs], holdings, machine, as_if_paused)}
+        requests = self._per_job(jobs, self._request, "plan")
+        never = {d.job_id: d.unsatisfiable for d in self._plan(requests, holdings, machine, as_if_paused)}
         for job in jobs:
             job.checked = True
-            if never.get(job.id):
-                self._fail_unsatisfiable(job, never[job.id], now)
+            if never.get(job.id) and job.state is JobState.PENDING:
+                self.guarded(job, "plan", self._fail_unsatisfiable, job, never[job.id], now)
 
     def _all_wait(self, jobs: list[Job], reason: str) -> None:
         for job in jobs:

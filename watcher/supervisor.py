@@ -73,6 +73,8 @@ LEFTOVER_RESCAN_S = 0.02
 POOLED_MAX_ATTEMPTS = 1000
 #: pooled supervisors kept waiting; more than that leave when their attempt ends
 POOL_IDLE_MAX = 4
+#: how often a supervisor retries writing its exit record while the disk is full (s)
+EXIT_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -782,10 +784,13 @@ def _write_started(a: _Attempt) -> None:
         create_time = psutil.Process(a.job_pid).create_time()
     except psutil.Error:
         create_time = None
-    atomic_write_json(a.paths.started, {
-        "attempt": a.spec.attempt, "supervisor_pid": os.getpid(), "job_pid": a.job_pid, "pgid": a.job_pid,
-        "started_at": iso_utc(a.started_at), "job_create_time": create_time, "boot_time": psutil.boot_time(),
-    }, durable=False)  # a crash kills the job too, and then the record no longer matters
+    try:
+        atomic_write_json(a.paths.started, {
+            "attempt": a.spec.attempt, "supervisor_pid": os.getpid(), "job_pid": a.job_pid, "pgid": a.job_pid,
+            "started_at": iso_utc(a.started_at), "job_create_time": create_time, "boot_time": psutil.boot_time(),
+        }, durable=False)  # a crash kills the job too, and then the record no longer matters
+    except OSError as exc:  # a full disk or a removed folder must not kill the job; the lock still says it runs
+        _note(a.log_fd, f"cannot write the start record ({exc.strerror})")
 
 
 def _record_spawn_error(spec: LaunchSpec, log_fd: int, exc: OSError, started_at: float,
@@ -795,7 +800,7 @@ def _record_spawn_error(spec: LaunchSpec, log_fd: int, exc: OSError, started_at:
     _note(log_fd, f"cannot start the job: {reason}")
     code = EXIT_NOT_FOUND if exc.errno in (errno.ENOENT, errno.ENOTDIR) else EXIT_NOT_EXECUTABLE
     record = _exit_record(spec, None, started_at, status_code=code, spawn_error=reason)
-    _publish_exit(JobPaths(Path(spec.job_dir)), record, ended)
+    _publish_exit(JobPaths(Path(spec.job_dir)), record, ended, log_fd)
     return record
 
 
@@ -861,6 +866,9 @@ def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
     elif _exists(a.paths.stop_flag):
         _request_stop(a, "stop_flag", now,
                       f"stop requested ({a.paths.stop_flag.name}); SIGTERM in {a.spec.stop_grace_s:g} s")
+    elif not _exists(a.paths.dir):  # rm -rf of the job folder: a stop, as stop.flag would do it
+        _request_stop(a, "folder_removed", now,
+                      f"the job folder {a.paths.dir} was removed; SIGTERM in {a.spec.stop_grace_s:g} s")
     elif a.spec.timeout_s is not None and now - a.started_mono >= a.spec.timeout_s:
         a.created_stop_flag = not _exists(a.paths.stop_flag)
         touch(a.paths.stop_flag)  # lets the job checkpoint before it is terminated
@@ -919,13 +927,50 @@ def _write_exit(a: _Attempt, ended: Callable[[], None]) -> dict:
     if a.created_stop_flag:
         remove_quietly(a.paths.stop_flag)  # ours, from the timeout: a retry must not start out stopped
     record = _exit_record(a.spec, a.job_pid, a.started_at, raw_status=a.status, attempt=a)
-    _publish_exit(a.paths, record, ended)
+    _publish_exit(a.paths, record, ended, a.log_fd)
     return record
 
 
-def _publish_exit(paths: JobPaths, record: dict, ended: Callable[[], None]) -> None:
-    """The watcher may go on as soon as the record can be read; the fsync follows."""
-    publish_then_sync(paths.exit_record, (json.dumps(record, indent=1) + "\n").encode(), ended)
+def _publish_exit(paths: JobPaths, record: dict, ended: Callable[[], None], log_fd: int = 2) -> None:
+    """The watcher may go on as soon as the record can be read; the fsync follows.
+
+    A full disk does not lose the record: the lock stays held (the attempt still counts as alive,
+    so nobody guesses its end) and the write is retried every EXIT_RETRY_S until it gets through.
+    A job folder removed by hand gets no record: the attempt just ends.
+    """
+    data = (json.dumps(record, indent=1) + "\n").encode()
+    once = _Once(ended)
+    noted = False
+    while True:
+        try:
+            publish_then_sync(paths.exit_record, data, once)
+            return
+        except FileNotFoundError:
+            if _exists(paths.dir):
+                raise
+            once()
+            return
+        except OSError as exc:
+            if once.called:
+                return  # published: only its fsync failed, and readers have it
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            if not noted:
+                _note(log_fd, f"cannot write the exit record ({exc.strerror}); retrying every {EXIT_RETRY_S:g} s")
+                noted = True
+            time.sleep(EXIT_RETRY_S)
+
+
+class _Once:
+    """Calls ``fn`` the first time it is called, never again."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn, self.called = fn, False
+
+    def __call__(self) -> None:
+        if not self.called:
+            self.called = True
+            self.fn()
 
 
 def _exit_record(spec: LaunchSpec, job_pid: int | None, started_at: float, *, raw_status: int | None = None,

@@ -1,0 +1,134 @@
+"""One job's trouble stays that job's: deleted folders, injected faults in every per-job step.
+
+The faults come from the watcher's documented test switch TRAINQ_WATCHER_FAULTS (README,
+"Switches"), which raises a real exception inside the named step for the named job.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import FAKE, PY, job_processes, tick_until, wait_until
+
+
+def load(root: Path, rel: str) -> dict:
+    return json.loads((root / rel).read_text())
+
+
+def status(root: Path) -> dict:
+    return load(root, "status.json")
+
+
+# -- deleted folders ---------------------------------------------------------------------------
+def test_rm_rf_of_a_waiting_job_is_forgotten_with_one_log_line(queue_dir, watcher, write_job, caplog):
+    """Was: FileNotFoundError out of tick() when start_pending renamed the vanished folder."""
+    (queue_dir / "pause.flag").touch()
+    w = watcher()
+    write_job("gone")
+    write_job("stays")
+    tick_until(w, lambda: (queue_dir / "pending" / "gone").is_dir() and (queue_dir / "pending" / "stays").is_dir())
+    shutil.rmtree(queue_dir / "pending" / "gone")
+    (queue_dir / "pause.flag").unlink()
+    with caplog.at_level(logging.INFO, logger="trainq.watcher"):
+        tick_until(w, lambda: (queue_dir / "done" / "stays").is_dir(), what="the other job runs")
+        tick_until(w, lambda: status(queue_dir)["counts"]["pending"] == 0)
+    lines = [r.getMessage() for r in caplog.records if "gone" in r.getMessage()]
+    assert len(lines) == 1 and "removed" in lines[0], lines
+    assert not (queue_dir / "running" / "gone").exists() and not (queue_dir / "failed" / "gone").exists()
+    assert "gone" not in [j["id"] for j in status(queue_dir)["jobs"]]
+
+
+def test_rm_rf_of_a_waiting_job_in_backoff_or_behind_others(queue_dir, watcher, write_job):
+    """A pending job the loop never touches (another one runs) is still noticed on the next rescan."""
+    w = watcher(max_concurrent=1)
+    write_job("busy", command=[PY, str(FAKE / "sleeps.py")], stop_grace="1s")
+    tick_until(w, lambda: (queue_dir / "running" / "busy").is_dir())
+    write_job("queued")
+    tick_until(w, lambda: (queue_dir / "pending" / "queued").is_dir())
+    shutil.rmtree(queue_dir / "pending" / "queued")
+    tick_until(w, lambda: status(queue_dir)["counts"]["pending"] == 0, what="the removed job forgotten")
+    (queue_dir / "running" / "busy" / "stop.flag").touch()
+    tick_until(w, lambda: (queue_dir / "failed" / "busy").is_dir())
+
+
+def test_rm_rf_of_a_running_job_stops_its_processes_and_the_loop_goes_on(queue_dir, watcher, write_job, caplog):
+    """Was: FileNotFoundError writing run.json into the vanished folder (the loop died)."""
+    w = watcher(max_concurrent=1)
+    write_job("victim", command=[PY, str(FAKE / "sleeps.py")], stop_grace="1s")
+    tick_until(w, lambda: (queue_dir / "running" / "victim").is_dir())
+    wait_until(lambda: job_processes(queue_dir), what="the job process")
+    procs = job_processes(queue_dir)
+    with caplog.at_level(logging.INFO, logger="trainq.watcher"):
+        shutil.rmtree(queue_dir / "running" / "victim")
+        tick_until(w, lambda: status(queue_dir)["counts"]["running"] == 0, what="the removed job forgotten")
+        write_job("next")
+        tick_until(w, lambda: (queue_dir / "done" / "next").is_dir(), what="the next job runs")
+    gone, alive = psutil.wait_procs(procs, timeout=20)
+    assert not alive, "the removed job's processes were not stopped"
+    lines = [r.getMessage() for r in caplog.records if "victim" in r.getMessage() and "removed" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert not any((queue_dir / s / "victim").exists() for s in ("pending", "running", "done", "failed"))
+
+
+# -- one injected fault per step ------------------------------------------------------------------
+FAULTS = ",".join(f"{step}:f-{step}" for step in ("admit", "plan", "start", "watch", "finish", "retry", "recover"))
+
+
+def test_an_exception_in_any_step_fails_only_that_job_and_the_watcher_lives(queue_dir, watcher_process, write_job):
+    """TRAINQ_WATCHER_FAULTS raises inside each guarded step; each job ends visible, the pid stays the same."""
+    (queue_dir / "pause.flag").touch()
+    first = watcher_process()
+    write_job("f-recover")
+    wait_until(lambda: (queue_dir / "pending" / "f-recover").is_dir(), 20, what="f-recover accepted")
+    first.stop()
+    (queue_dir / "pause.flag").unlink()
+    wp = watcher_process(env={"TRAINQ_WATCHER_FAULTS": FAULTS})
+    pid = wp.proc.pid
+    wait_until(lambda: (queue_dir / "failed" / "f-recover").is_dir(), 20, what="f-recover failed by recovery")
+    write_job("f-admit")
+    write_job("f-plan")
+    write_job("f-start")
+    write_job("f-watch", command=[PY, str(FAKE / "sleeps.py")], stop_grace="1s")
+    write_job("f-finish")
+    write_job("f-retry", command=[PY, "-c", "raise SystemExit(3)"], retries={"max": 2, "on": ["unknown"], "backoff": "1s"})
+    write_job("ok", command=[PY, "-c", "print('fine')"], priority=-1)
+    names = ["f-recover", "f-admit", "f-plan", "f-start", "f-watch", "f-finish", "f-retry"]
+    wait_until(lambda: all((queue_dir / "failed" / n / "run.json").exists() for n in names)
+               and (queue_dir / "done" / "ok").is_dir(), 60, 0.2, what="every job to end")
+    assert wp.proc.poll() is None, "the watcher died"
+    for name in names:
+        run = load(queue_dir, f"failed/{name}/run.json")
+        want = "rejected" if name == "f-admit" else "failed"
+        assert run["status"] == want, (name, run["status"])
+        text = json.dumps(run)
+        assert "InjectedFault" in text and name.split("-")[1] in text, (name, run.get("error"))
+        if name != "f-admit":
+            assert run["diagnosis"]["kind"] == "unknown" and "InjectedFault" in run["diagnosis"]["evidence"], name
+    assert load(queue_dir, "failed/f-retry/run.json")["attempt"] == 1, "the retry step failed, so no second attempt"
+    wait_until(lambda: status(queue_dir)["counts"]["failed"] == len(names), 10, what="status.json counts")
+    snap = status(queue_dir)
+    assert snap["watcher"]["pid"] == pid
+    listed = {j["id"]: j for j in snap["jobs"]}
+    assert all(listed[n]["state"] == "failed" and "InjectedFault" in (listed[n]["error"] or "") for n in names)
+    log = (queue_dir / "watcher.log").read_text()
+    assert log.count("Traceback (most recent call last)") >= len(names)
+    for step in ("admit", "plan", "start", "watch", "finish", "retry", "recover"):
+        assert f"step {step}" in log, step
+
+
+def test_a_bad_fault_switch_stops_startup_with_one_line(queue_dir):
+    import subprocess
+
+    from conftest import REPO
+
+    proc = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "watch", "--once"],
+                          env={**__import__("os").environ, "TRAINQ_WATCHER_FAULTS": "nosuchstep:x"},
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "TRAINQ_WATCHER_FAULTS" in proc.stderr and "nosuchstep" in proc.stderr
