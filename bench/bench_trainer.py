@@ -28,7 +28,8 @@ _COMMON = r"""
 import os, sys, time, json
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
-from trainq.trainer.data import load_data, tokenize, PadCollator
+from trainq.trainer.data import tokenize, PadCollator
+from trainq.trainer.sources import load_data
 from trainq.trainer.modeling import load_tokenizer
 from transformers import AutoModelForCausalLM, set_seed
 from peft import LoraConfig, get_peft_model

@@ -11,7 +11,8 @@ import torch
 from tests.trainer_util import build_tiny, records, write_job
 from trainq.trainer.callbacks import RunState
 from trainq.trainer.config import load_config
-from trainq.trainer.data import PadCollator, load_data, tokenize
+from trainq.trainer.data import PadCollator, tokenize
+from trainq.trainer.sources import load_data
 from trainq.trainer.faults import Faults
 from trainq.trainer.metrics import MetricsWriter
 from trainq.trainer.modeling import load_tokenizer, resolve_precision

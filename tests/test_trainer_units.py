@@ -9,7 +9,8 @@ import pytest
 
 from trainq.trainer import checkpoints, ladder
 from trainq.trainer.config import ConfigError, load_config
-from trainq.trainer.data import IGNORE_INDEX, DataError, Row, encode, load_data, read_rows, split
+from trainq.trainer.data import IGNORE_INDEX, DataError, Row, encode, read_rows, split
+from trainq.trainer.sources import load_data
 from trainq.trainer.faults import FaultSpecError, parse_faults
 from trainq.trainer.presets import Knobs, ModelShape, PresetError, choose, estimate
 
@@ -140,26 +141,31 @@ def test_held_out_split_is_deterministic_and_never_leaks(tmp_path):
     assert [r.line for r in split(rows, 0.2)[1]] == [r.line for r in held]
 
 
-class _Tok:
-    """A real-enough tokenizer stand-in for masking arithmetic: one id per character."""
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tests.trainer_util import build_tiny
+    from trainq.trainer.modeling import load_tokenizer
 
-    bos_token_id, eos_token_id, chat_template = 1, 2, None
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [10 + (ord(c) % 50) for c in text]}
-
-
-def test_prompt_tokens_are_masked_out_of_the_loss():
-    row = Row("f", 1, "prompt", {"prompt": "abc", "completion": "de"}, "0" * 64)
-    example = encode(row, _Tok(), seq_len=64)
-    assert example["labels"][:4] == [IGNORE_INDEX] * 4  # bos + 3 prompt tokens
-    assert example["labels"][4:] == example["input_ids"][4:] and example["input_ids"][-1] == 2
+    return load_tokenizer(str(build_tiny(tmp_path_factory.mktemp("tiny")) / "model"))
 
 
-def test_messages_without_template_join_role_and_content():
-    row = Row("f", 1, "messages", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "0" * 64)
-    example = encode(row, _Tok(), seq_len=4)
-    assert len(example["input_ids"]) == 4 and example["labels"] == example["input_ids"]
+def test_prompt_tokens_are_masked_out_of_the_loss(tokenizer):
+    row = Row("f", 1, "prompt", {"prompt": "the red cat", "completion": " is red."}, "0" * 64)
+    example = encode(row, tokenizer, seq_len=64)
+    prompt_len = 1 + len(tokenizer("the red cat", add_special_tokens=False)["input_ids"])
+    assert example["labels"][:prompt_len] == [IGNORE_INDEX] * prompt_len
+    assert example["labels"][prompt_len:] == example["input_ids"][prompt_len:]
+    assert example["input_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_messages_without_template_train_on_assistant_contents_only(tokenizer):
+    messages = [{"role": "user", "content": "the dog"}, {"role": "assistant", "content": "is brown."}]
+    row = Row("f", 1, "messages", {"messages": messages}, "0" * 64)
+    example = encode(row, tokenizer, seq_len=64)
+    kept = [t for t in example["labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(kept).strip() == "is brown." + tokenizer.eos_token  # the token " is" carries the space
+    assert encode(row, tokenizer, seq_len=64, train_on="all")["labels"] == example["input_ids"]
+    assert len(encode(row, tokenizer, seq_len=4)["input_ids"]) == 4
 
 
 # -- config --------------------------------------------------------------------------------------------------

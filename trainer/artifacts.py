@@ -105,7 +105,9 @@ def write_sums(job_dir: Path, names: list[str]) -> None:
 
 
 def save_final(trainer, tokenizer, out_dir: Path) -> None:
-    """The final adapter (lora/qlora) or model (full) plus tokenizer; weights only, never labelled resumable."""
+    """The final adapter (lora/qlora) or model (full) plus tokenizer; weights only, never labelled resumable.
+    The saved config gets its KV cache back (training turned it off for packing)."""
+    trainer.model.config.use_cache = True
     trainer.save_model(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     make_readable(out_dir)

@@ -67,6 +67,11 @@ class RunState:
     resumed_lr_scale: float | None = None
     resumed_fingerprint: str | None = None
     last_checkpoint: Path | None = None
+    trainer: object | None = None  # the current segment's Trainer (an OOM leaves it behind for the summary)
+    packing: object | None = None  # packing.PackingDecision, made once per process
+    tokens_before: int = 0  # tokens of earlier attempts (from the resumed checkpoint)
+    resumed_step: int = 0
+    data_files: tuple = ()
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """Signal handler: only sets a flag; the next step boundary acts on it."""
@@ -100,6 +105,8 @@ class TrainqTrainer(Trainer):
         step = self.state.global_step + 1
         if self._fault_nan(step):
             loss = loss * float("nan")
+        if step in self.run.faults.nan_grad_at and step not in self.run.nan_consumed and loss.requires_grad:
+            loss.register_hook(lambda grad: grad * float("nan"))  # gradients NaN, the loss value untouched
         if step in self.run.faults.spike_at:
             loss = loss + SPIKE_FAULT_LOSS / max(self.current_gradient_accumulation_steps, 1)
         return (loss, result[1]) if return_outputs else loss
@@ -141,6 +148,7 @@ def _trainq_state(trainer: TrainqTrainer, run: RunState) -> dict:
         "samples_seen": state.global_step * run.config.effective_batch,
         "best_eval_loss": run.best_eval_loss, "best_step": run.best_step, "lr_scale": run.lr_scale,
         "rollbacks": run.rollbacks, "trainable_fingerprint": fingerprint(trainable_state(trainer.model)),
+        "tokens_seen": run.tokens_before + run.tokens_seen, "data_files": [f.to_dict() for f in run.data_files],
         "config": run.config.to_dict(), "time": time.time(),
     }
 
@@ -189,6 +197,8 @@ class TrainqCallback(TrainerCallback):
         self.step_started = time.perf_counter()
         self.last_save = time.monotonic()
         self.step_nonfinite = False
+        self.step_nonfinite_grad = False
+        self.step_lr: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         """Apply a rollback's lr halving and verify a resumed adapter before the first step."""
@@ -223,8 +233,13 @@ class TrainqCallback(TrainerCallback):
         self.step_started = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        """A non-finite step is not applied: drop its gradients so the optimizer leaves weights and moments alone."""
-        self.step_nonfinite = not math.isfinite(float(self.trainer.step_loss))
+        """A non-finite step (loss, or gradient norm with a finite loss) is not applied: drop its gradients so the
+        optimizer leaves weights and moments alone. Also note the lr this step applies (the scheduler moves on after)."""
+        optimizer = self.trainer.optimizer
+        self.step_lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+        grad_norm = self.trainer.last_grad_norm
+        self.step_nonfinite_grad = grad_norm is not None and not math.isfinite(grad_norm)
+        self.step_nonfinite = self.step_nonfinite_grad or not math.isfinite(float(self.trainer.step_loss))
         if self.step_nonfinite:
             for param in self.trainer.model.parameters():
                 param.grad = None
@@ -234,8 +249,10 @@ class TrainqCallback(TrainerCallback):
         elapsed = time.perf_counter() - self.step_started
         loss, tokens = self.trainer.pop_step()
         self.run.tokens_seen += tokens
-        self._record_step(state, loss, tokens, elapsed, kwargs["optimizer"])
-        nonfinite = self._guard_nonfinite(state, control, loss)
+        bad = self.step_nonfinite or not math.isfinite(loss)
+        self.step_nonfinite = self.step_nonfinite_grad = False
+        self._record_step(state, loss, tokens, elapsed, bad)
+        nonfinite = self._guard_nonfinite(state, control, loss, bad)
         if self.run.stop_reason == "rollback":
             return control
         if not nonfinite:
@@ -247,28 +264,33 @@ class TrainqCallback(TrainerCallback):
             control.should_evaluate = True
         return control
 
-    def _record_step(self, state, loss: float, tokens: int, elapsed: float, optimizer) -> None:
-        lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+    def _record_step(self, state, loss: float, tokens: int, elapsed: float, bad: bool) -> None:
+        lr = self.step_lr
         self.run.metrics.write(
             RECORD_STEP, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch, loss=loss, lr=lr,
             grad_norm=self.trainer.last_grad_norm, tokens_per_s=tokens / elapsed if elapsed > 0 else None,
-            time=time.time(), peak_mem_mb=round(peak_mem_mb(), 1), **({} if math.isfinite(loss) else {"nonfinite": True}),
+            time=time.time(), peak_mem_mb=round(peak_mem_mb(), 1), **({"nonfinite": True} if bad else {}),
         )
         every = self.run.config.log_every
-        if state.global_step % every == 0 or state.global_step in (1, state.max_steps) or not math.isfinite(loss):
-            print(f"step {state.global_step}/{state.max_steps}: loss {loss:.4f}, lr {lr:.1e}, {elapsed * 1000:.0f}ms", flush=True)
+        if state.global_step % every == 0 or state.global_step in (1, state.max_steps) or bad:
+            print(f"step {state.global_step}/{state.max_steps}: loss {loss:.4f}, lr {lr or 0:.1e}, {elapsed * 1000:.0f}ms", flush=True)
 
-    def _guard_nonfinite(self, state, control, loss: float) -> bool:
-        """Count non-finite steps; the third in a row asks run.py to roll back. True when this step was non-finite."""
+    def _guard_nonfinite(self, state, control, loss: float, bad: bool) -> bool:
+        """Count non-finite steps (loss or gradients); the third in a row asks run.py to roll back.
+        True when this step was non-finite."""
         step = state.global_step
-        if math.isfinite(loss):
+        if not bad:
             self.run.nonfinite_streak = 0
             self.run.last_loss = loss
             return False
         self.run.nan_consumed.add(step)
         self.run.nonfinite_streak += 1
-        self.run.metrics.event("nonfinite_loss", f"step {step}: non-finite loss; the step was not applied",
-                               step=step, streak=self.run.nonfinite_streak)
+        if math.isfinite(loss):
+            self.run.metrics.event("nonfinite_grad", f"step {step}: non-finite gradients with a finite loss ({loss:.4f}); "
+                                   "the step was not applied", step=step, streak=self.run.nonfinite_streak, loss=loss)
+        else:
+            self.run.metrics.event("nonfinite_loss", f"step {step}: non-finite loss; the step was not applied",
+                                   step=step, streak=self.run.nonfinite_streak)
         if self.run.nonfinite_streak >= NONFINITE_STREAK:
             self.run.stop_reason = "rollback"
             control.should_training_stop = True

@@ -45,7 +45,7 @@ class TrainConfig:
     """Every knob of a train job, with relative paths already resolved."""
 
     model: str
-    train_file: str
+    train_sources: tuple[tuple[str, float], ...]  # (file, weight): weight 2 repeats every row twice, 0.5 keeps half
     eval_file: str | None = None
     method: str = "lora"
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -68,6 +68,21 @@ class TrainConfig:
     oom_ladder: str = "auto"
     eval_fraction: float = 0.05
     allow_changed_schedule: bool = False
+    train_on: str = "assistant"
+    packing: bool | None = None  # None: on where the model's attention honours position_ids
+    max_bad_rows: float = 0  # a count (>= 1) or a share of rows (< 1)
+    allow_changed_data: bool = False
+    debug: bool = False
+    export_merge: bool = False
+    report_to: tuple[str, ...] = ()
+    gradient_checkpointing: bool | None = None  # None: on for QLoRA on a GPU
+    optim: str = "adamw_torch"
+    data_cache: bool = True
+
+    @property
+    def train_file(self) -> str:
+        """The first training file (for messages)."""
+        return self.train_sources[0][0]
 
     @property
     def effective_batch(self) -> int:
@@ -77,14 +92,21 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, block: dict, base_dirs: tuple[Path, ...]) -> TrainConfig:
         """Build from an already schema-valid ``train:`` block; relative paths resolve against ``base_dirs``."""
-        values = {k: v for k, v in block.items() if k not in ("data", "lora", "checkpoint")}
+        values = {k: v for k, v in block.items() if k not in ("data", "lora", "checkpoint", "export", "report_to")}
         values["model"] = _resolve(block["model"], base_dirs)
         data = block["data"]
         if isinstance(data, str):
-            values["train_file"] = _resolve(data, base_dirs)
+            values["train_sources"] = ((_resolve(data, base_dirs), 1.0),)
         else:
-            values["train_file"] = _resolve(data["train"], base_dirs)
+            train = data["train"] if isinstance(data["train"], list) else [data["train"]]
+            values["train_sources"] = tuple(
+                (_resolve(t, base_dirs), 1.0) if isinstance(t, str) else (_resolve(t["path"], base_dirs), float(t.get("weight", 1)))
+                for t in train)
             values["eval_file"] = _resolve(data["eval"], base_dirs) if "eval" in data else None
+            if "max_bad_rows" in data:
+                values["max_bad_rows"] = data["max_bad_rows"]
+        values["export_merge"] = bool(block.get("export", {}).get("merge", False))
+        values["report_to"] = tuple(block.get("report_to", ()))
         lora = dict(block.get("lora", {}))
         if isinstance(lora.get("target_modules"), list):
             lora["target_modules"] = tuple(lora["target_modules"])
@@ -95,6 +117,8 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """Plain JSON-able form (written into checkpoints and env.json)."""
         out = asdict(self)
+        out["train_sources"] = [list(t) for t in self.train_sources]
+        out["report_to"] = list(self.report_to)
         if isinstance(self.lora.target_modules, tuple):
             out["lora"]["target_modules"] = list(self.lora.target_modules)
         return out
@@ -103,6 +127,8 @@ class TrainConfig:
     def from_saved(cls, saved: dict) -> TrainConfig:
         """Inverse of ``to_dict`` (paths are already absolute)."""
         values = dict(saved)
+        values["train_sources"] = tuple(tuple(t) for t in values["train_sources"])
+        values["report_to"] = tuple(values.get("report_to", ()))
         lora = dict(values.pop("lora"))
         if isinstance(lora.get("target_modules"), list):
             lora["target_modules"] = tuple(lora["target_modules"])
@@ -195,8 +221,11 @@ def _check_paths(config: TrainConfig, spec: str) -> None:
         raise ConfigError(f"{spec}: train.model: {config.model} is not a folder; give a local model folder (config, weights, tokenizer)")
     if not (Path(config.model) / "config.json").is_file():
         raise ConfigError(f"{spec}: train.model: {config.model} has no config.json; give a folder saved by save_pretrained")
-    field_name = "train.data" if config.eval_file is None else "train.data.train"
-    if not Path(config.train_file).is_file():
-        raise ConfigError(f"{spec}: {field_name}: {config.train_file} does not exist")
+    for index, (path, _weight) in enumerate(config.train_sources):
+        field_name = "train.data" if config.eval_file is None and len(config.train_sources) == 1 else "train.data.train"
+        if len(config.train_sources) > 1:
+            field_name += f".{index}"
+        if not Path(path).is_file():
+            raise ConfigError(f"{spec}: {field_name}: {path} does not exist")
     if config.eval_file is not None and not Path(config.eval_file).is_file():
         raise ConfigError(f"{spec}: train.data.eval: {config.eval_file} does not exist")

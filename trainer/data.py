@@ -1,7 +1,9 @@
 """JSONL training data: parse and check rows, split off a held-out share by hash, tokenize, pad.
 
 Row formats: ``{"text"}``; ``{"prompt", "completion"}`` (loss on the completion only); ``{"messages": [{"role",
-"content"}, ...]}`` (the tokenizer's chat template when it has one, else ``role: content`` lines).
+"content"}, ...]}``, alpaca ``{"instruction", "input"?, "output"}`` and ShareGPT ``{"conversations": [{"from",
+"value"}, ...]}`` (chat rows: the tokenizer's chat template when it has one, else ``role: content`` lines; loss on the
+assistant turns unless ``train_on: all``, see chat.py).
 """
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import json
 import logging
 from dataclasses import dataclass
 
+from trainq.trainer.chat import IGNORE_INDEX, UnmaskableTemplate, encode_messages
 from trainq.watcher.contract import EXIT_DATA
 
 logger = logging.getLogger(__name__)
 
-#: label value the loss ignores (transformers' convention)
-IGNORE_INDEX = -100
+#: ShareGPT speaker names -> chat roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "tool": "tool", "function_call": "assistant", "observation": "tool"}
 #: bad rows listed by line in the event record (the count is always exact)
 MAX_REPORTED_BAD_ROWS = 20
 
@@ -71,7 +75,16 @@ def classify(record: object) -> tuple[str | None, str | None]:
     if "messages" in record:
         reason = _check_messages(record["messages"])
         return (None, reason) if reason else ("messages", None)
-    return None, "no text, prompt+completion or messages field"
+    if "instruction" in record or "output" in record:
+        ok = all(isinstance(record.get(k), str) for k in ("instruction", "output")) and record["output"] \
+            and isinstance(record.get("input", ""), str)
+        return ("alpaca", None) if ok else (None, "alpaca rows need string instruction and non-empty output (input optional)")
+    if "conversations" in record:
+        turns = record["conversations"]
+        ok = isinstance(turns, list) and turns and all(
+            isinstance(t, dict) and t.get("from") in SHAREGPT_ROLES and isinstance(t.get("value"), str) for t in turns)
+        return ("sharegpt", None) if ok else (None, f"conversations must be a non-empty list of {{from, value}} with from in {sorted(SHAREGPT_ROLES)}")
+    return None, "no text, prompt+completion, messages, instruction+output or conversations field"
 
 
 def read_rows(path: str) -> tuple[list[Row], list[BadRow]]:
@@ -123,14 +136,20 @@ def split(rows: list[Row], fraction: float) -> tuple[list[Row], list[Row]]:
     return (train, held) if train else (rows, [])
 
 
-def _messages_text(messages: list[dict], tokenizer) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False)
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+def as_messages(row: Row) -> list[dict]:
+    """The conversation of a messages, alpaca or ShareGPT row as ``[{role, content}, ...]``."""
+    rec = row.record
+    if row.kind == "alpaca":
+        user = rec["instruction"] + (f"\n\n{rec['input']}" if rec.get("input") else "")
+        return [{"role": "user", "content": user}, {"role": "assistant", "content": rec["output"]}]
+    if row.kind == "sharegpt":
+        return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in rec["conversations"]]
+    return rec["messages"]
 
 
-def encode(row: Row, tokenizer, seq_len: int) -> dict[str, list[int]]:
-    """Token ids and labels for one row, truncated to ``seq_len``; prompts are masked out of the loss."""
+def encode(row: Row, tokenizer, seq_len: int, train_on: str = "assistant") -> dict[str, list[int]]:
+    """Token ids and labels for one row, truncated to ``seq_len``; prompts (and, for chat rows with
+    ``train_on: assistant``, everything but the assistant turns) are masked out of the loss."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     rec = row.record
@@ -138,10 +157,14 @@ def encode(row: Row, tokenizer, seq_len: int) -> dict[str, list[int]]:
         prompt = bos + tokenizer(rec["prompt"], add_special_tokens=False)["input_ids"]
         completion = tokenizer(rec["completion"], add_special_tokens=False)["input_ids"] + eos
         ids, labels = prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
-    else:
-        text = rec["text"] if row.kind == "text" else _messages_text(rec["messages"], tokenizer)
-        ids = bos + tokenizer(text, add_special_tokens=False)["input_ids"] + eos
+    elif row.kind == "text":
+        ids = bos + tokenizer(rec["text"], add_special_tokens=False)["input_ids"] + eos
         labels = list(ids)
+    else:
+        try:
+            ids, labels = encode_messages(as_messages(row), tokenizer, train_on)
+        except UnmaskableTemplate as exc:
+            raise DataError(f"{row.file}: line {row.line}: train.train_on: {exc}") from None
     return {"input_ids": ids[:seq_len], "labels": labels[:seq_len]}
 
 
@@ -158,11 +181,11 @@ class TokenizedDataset:
         return self.examples[index]
 
 
-def tokenize(rows: list[Row], tokenizer, seq_len: int) -> TokenizedDataset:
+def tokenize(rows: list[Row], tokenizer, seq_len: int, train_on: str = "assistant") -> TokenizedDataset:
     """Encode every row; rows whose labels are all masked (prompt filled seq_len) are dropped with a warning."""
     examples = []
     for row in rows:
-        example = encode(row, tokenizer, seq_len)
+        example = encode(row, tokenizer, seq_len, train_on)
         if all(label == IGNORE_INDEX for label in example["labels"][1:]):
             logger.warning("%s: line %d: prompt fills seq_len %d; row skipped", row.file, row.line, seq_len)
             continue
@@ -187,24 +210,3 @@ class PadCollator:
             labels.append(f["labels"] + [IGNORE_INDEX] * pad)
             mask.append([1] * len(f["input_ids"]) + [0] * pad)
         return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "attention_mask": torch.tensor(mask)}
-
-
-@dataclass(frozen=True)
-class LoadedData:
-    """Rows for training and evaluation, plus what was rejected."""
-
-    train: list[Row]
-    eval: list[Row]
-    bad: list[BadRow]
-
-
-def load_data(train_file: str, eval_file: str | None, eval_fraction: float) -> LoadedData:
-    """Read and check the data files (no tokenizer needed: this runs before the model loads)."""
-    train_rows, bad = read_rows(train_file)
-    require_rows(train_file, train_rows, bad)
-    if eval_file is None:
-        train_rows, eval_rows = split(train_rows, eval_fraction)
-        return LoadedData(train_rows, eval_rows, bad)
-    eval_rows, eval_bad = read_rows(eval_file)
-    require_rows(eval_file, eval_rows, eval_bad)
-    return LoadedData(train_rows, eval_rows, bad + eval_bad)

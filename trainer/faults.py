@@ -3,6 +3,7 @@
 Comma-separated ``key=value`` items; steps are 1-based optimizer steps, ``;`` or ``,`` separates a list:
   nan_at=5,6,7        the loss of each listed step becomes NaN, once per process (a rollback replays it cleanly)
   nan_after=5         every step from 5 on is NaN (also after rollbacks: drives the run to EXIT_NAN)
+  nan_grad_at=5       the gradients of step 5 become NaN while its loss stays finite (once per process)
   spike_at=12         add 50 to the loss of step 12 (gradients unchanged)
   oom_at=3            raise torch.OutOfMemoryError in step 3
   oom_if_batch_over=2 raise torch.OutOfMemoryError in every step while batch_size > 2 (tests the OOM ladder)
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from trainq.watcher.contract import ENV_TRAINER_FAULTS, EXIT_USAGE
 
-_INT_LIST_KEYS = ("nan_at", "spike_at", "oom_at")
+_INT_LIST_KEYS = ("nan_at", "nan_grad_at", "spike_at", "oom_at")
 _INT_KEYS = ("nan_after", "oom_if_batch_over", "stop_at", "sigterm_at", "kill_in_save")
 _FLOAT_KEYS = ("sleep_per_step",)
 
@@ -36,6 +37,7 @@ class Faults:
 
     nan_at: frozenset[int] = frozenset()
     nan_after: int | None = None
+    nan_grad_at: frozenset[int] = frozenset()
     spike_at: frozenset[int] = frozenset()
     oom_at: frozenset[int] = frozenset()
     oom_if_batch_over: int | None = None

@@ -72,7 +72,10 @@ def disable_avx512bf16_repack(model: torch.nn.Module) -> int:
 
 
 def uses_gradient_checkpointing(config: TrainConfig) -> bool:
-    """The QLoRA recipe checkpoints activations on the GPU; on the CPU memory is not the constraint."""
+    """``gradient_checkpointing`` as set; unset: the QLoRA recipe checkpoints activations on the GPU (on the CPU
+    memory is not the constraint)."""
+    if config.gradient_checkpointing is not None:
+        return config.gradient_checkpointing
     return config.method == "qlora" and torch.cuda.is_available()
 
 

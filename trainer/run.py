@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from transformers import PrinterCallback, TrainingArguments
 
-from trainq.trainer import artifacts, checkpoints, ladder
+from trainq.trainer import artifacts, checkpoints, ladder, packing
 from trainq.trainer.callbacks import RunState, TrainqCallback, TrainqTrainer
 from trainq.trainer.config import TrainConfig, load_config
-from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, PadCollator, load_data, tokenize
+from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError
+from trainq.trainer.sources import LoadedData, changed_files, load_data, tokenize_cached
 from trainq.trainer.faults import parse_faults
 from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
@@ -35,7 +36,11 @@ EXIT_FOR = {"done": EXIT_OK, "stopped": EXIT_OK, "preempted": EXIT_PREEMPTED, "n
 
 
 class ScheduleChanged(checkpoints.CheckpointError):
-    """Raised when a resume would change max_steps/epochs/batch/accum without allow_changed_schedule."""
+    """Raised when a resume would change the schedule, lr, seq_len or dropout without allow_changed_schedule."""
+
+
+class DataChanged(DataError):
+    """Raised when a data file's content differs from the checkpoint's without allow_changed_data."""
 
 
 @dataclass(frozen=True)
@@ -105,10 +110,20 @@ def pin_to_checkpoint(config: TrainConfig, saved: dict) -> TrainConfig:
                                grad_accum=saved["grad_accum"], lora_r=saved["lora"]["r"])
 
 
+#: knobs a resume must keep (beyond max_steps/epochs/batch), each read from the config and a checkpoint's config dict
+_RESUME_KNOBS = {"lr": (lambda c: c.lr, lambda d: d.get("lr")),
+                 "scheduler": (lambda c: c.scheduler, lambda d: d.get("scheduler")),
+                 "warmup_ratio": (lambda c: c.warmup_ratio, lambda d: d.get("warmup_ratio")),
+                 "lora.dropout": (lambda c: c.lora.dropout, lambda d: d.get("lora", {}).get("dropout"))}
+
+
 def check_schedule(config: TrainConfig, saved: dict, laddered: bool, folder: Path) -> None:
-    """Refuse a changed max_steps/epochs/batch/accum vs the checkpoint unless allowed (the ladder keeps the effective batch)."""
-    keys = ["max_steps", "epochs"] + ([] if laddered else ["batch_size", "grad_accum"])
+    """Refuse a changed max_steps/epochs/batch/accum/lr/scheduler/warmup/seq_len/dropout vs the checkpoint unless
+    allowed (the ladder keeps the effective batch and may halve seq_len)."""
+    keys = ["max_steps", "epochs"] + ([] if laddered else ["batch_size", "grad_accum", "seq_len"])
     changed = [f"{k} {saved.get(k)} -> {getattr(config, k)}" for k in keys if saved.get(k) != getattr(config, k)]
+    changed += [f"{name} {old(saved)} -> {new(config)}" for name, (new, old) in _RESUME_KNOBS.items()
+                if old(saved) is not None and old(saved) != new(config)]
     if laddered and saved["batch_size"] * saved["grad_accum"] != config.effective_batch:
         changed.append(f"effective batch {saved['batch_size'] * saved['grad_accum']} -> {config.effective_batch}")
     if saved["lora"]["r"] != config.lora.r and config.method != "full":
@@ -117,25 +132,59 @@ def check_schedule(config: TrainConfig, saved: dict, laddered: bool, folder: Pat
         raise ScheduleChanged(f"{folder}: resume would change {', '.join(changed)}; set train.allow_changed_schedule: true to accept")
 
 
+def check_data(config: TrainConfig, state: dict, data: LoadedData, folder: Path, metrics: MetricsWriter) -> None:
+    """Refuse data whose content differs from what the checkpoint trained on, unless allow_changed_data."""
+    if "data_files" not in state:
+        return
+    changes = changed_files(state["data_files"], data.files)
+    if not changes:
+        return
+    if not config.allow_changed_data:
+        raise DataChanged(f"{folder}: resume refused: {'; '.join(changes)}; restore the data or set "
+                          "train.allow_changed_data: true to train on the new data")
+    metrics.event("data_changed", f"resuming on changed data (allow_changed_data): {'; '.join(changes)}", changes=changes)
+
+
 # -- the run ------------------------------------------------------------------------------------------------
 
-def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_eval: bool, lr_scale: float) -> TrainingArguments:
-    """The Trainer knobs users know, mapped 1:1 from the train: block; checkpoints and logs are trainq's."""
+def total_steps(config: TrainConfig, train_rows: int) -> int:
+    """Optimizer steps of the whole run (as the Trainer counts them: the last partial accumulation still steps)."""
+    if config.max_steps:
+        return config.max_steps
+    batches = math.ceil(train_rows / config.batch_size)
+    return max(math.ceil(config.epochs * math.ceil(batches / config.grad_accum)), 1)
+
+
+def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_eval: bool, lr_scale: float,
+                  train_rows: int, job_dir: Path | None = None) -> TrainingArguments:
+    """The Trainer knobs users know, mapped 1:1 from the train: block; checkpoints and logs are trainq's.
+    Warm-up is passed as a whole number of steps, which every transformers version reads the same way."""
     length = {"max_steps": config.max_steps} if config.max_steps else {"num_train_epochs": config.epochs}
+    warmup_steps = math.ceil(config.warmup_ratio * total_steps(config, train_rows))
+    reporting = {"report_to": list(config.report_to) or "none", "logging_strategy": "no"}
+    if config.report_to:
+        reporting.update(logging_strategy="steps", logging_steps=config.log_every,
+                         logging_dir=str((job_dir or out_dir.parent) / "tensorboard"))
+    gradient_checkpointing = config.gradient_checkpointing if config.method != "qlora" else False  # peft prepares qlora
     return TrainingArguments(
         output_dir=str(out_dir), per_device_train_batch_size=config.batch_size,
         per_device_eval_batch_size=config.batch_size, gradient_accumulation_steps=config.grad_accum,
-        learning_rate=config.lr * lr_scale, lr_scheduler_type=config.scheduler, warmup_steps=config.warmup_ratio,
-        weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm, seed=config.seed,
+        learning_rate=config.lr * lr_scale, lr_scheduler_type=config.scheduler, warmup_steps=warmup_steps,
+        weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm, seed=config.seed, optim=config.optim,
+        gradient_checkpointing=bool(gradient_checkpointing),
         bf16=precision.name == "bf16", fp16=precision.name == "fp16", use_cpu=not torch.cuda.is_available(),
         eval_strategy="steps" if has_eval and config.eval_every else "no", eval_steps=config.eval_every,
-        save_strategy="no", logging_strategy="no", logging_nan_inf_filter=False, report_to="none",
+        save_strategy="no", logging_nan_inf_filter=False, **reporting,
         disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, **length,
     )
 
 
-def report_bad_rows(bad: list, metrics: MetricsWriter) -> None:
-    """Bad rows go to stderr (by line) and into one event record."""
+def report_data(data: LoadedData, metrics: MetricsWriter) -> None:
+    """Each file's sha256 and row counts (one ``data`` event); bad rows within the limit to stderr and an event."""
+    metrics.event("data", "; ".join(f"{f.role} {f.path}: {f.rows} rows, {f.bad_rows} bad, sha256 {f.sha256[:12]}"
+                                    for f in data.files), files=[f.to_dict() for f in data.files],
+                  train_rows=len(data.train), eval_rows=len(data.eval))
+    bad = data.bad
     if not bad:
         return
     for row in bad[:MAX_REPORTED_BAD_ROWS]:
@@ -148,14 +197,20 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
     """Build model + Trainer and train, resuming from ``resume``; returns the Trainer."""
     model = build_model(config, precision)
     trainable, total = count_params(model)
+    if run.packing is None:
+        run.packing = packing.decide(config.packing, model, str(inv.job_dir / "job.yaml"))
+        run.metrics.event("packing", f"packing {'on' if run.packing.enabled else 'off'}: {run.packing.reason}",
+                          **run.packing.to_dict())
     print(f"trainq: {config.method} on {Path(config.model).name}: {trainable:,} trainable of {total:,} params, "
-          f"{precision.name}, {len(datasets[0])} train / {len(datasets[1] or [])} eval rows", flush=True)
+          f"{precision.name}, {len(datasets[0])} train / {len(datasets[1] or [])} eval rows, "
+          f"packing {'on' if run.packing.enabled else 'off'} ({run.packing.reason})", flush=True)
     callback = TrainqCallback(run, has_eval=datasets[1] is not None)
+    args = training_args(config, precision, run.ckpt_dir, datasets[1] is not None, run.lr_scale, len(datasets[0]), inv.job_dir)
     trainer = TrainqTrainer(
-        model=model, args=training_args(config, precision, run.ckpt_dir, datasets[1] is not None, run.lr_scale),
-        train_dataset=datasets[0], eval_dataset=datasets[1], data_collator=PadCollator(tokenizer.pad_token_id),
-        callbacks=[callback], run=run,
+        model=model, args=args, train_dataset=datasets[0], eval_dataset=datasets[1],
+        data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled), callbacks=[callback], run=run,
     )
+    run.trainer = trainer
     callback.trainer = trainer
     trainer.remove_callback(PrinterCallback)  # trainq prints its own one line per interval
     if resume is not None:
@@ -172,11 +227,11 @@ def train_with_rollbacks(config, precision, datasets, tokenizer, run: RunState, 
         trainer = run_segment(config, precision, datasets, tokenizer, run, resume, inv)
         if run.stop_reason != "rollback":
             return trainer
-        run.rollbacks += 1
         step = trainer.state.global_step
-        if run.rollbacks >= MAX_ROLLBACKS:
+        if run.rollbacks + 1 >= MAX_ROLLBACKS:
             run.stop_reason = "nan"
             return trainer
+        run.rollbacks += 1  # counts rollbacks carried out (summary.json and the final message agree)
         resume = checkpoints.newest_complete(run.ckpt_dir)
         run.lr_scale /= 2
         target = resume.name if resume else "the start"
@@ -200,25 +255,47 @@ def record_oom(exc: BaseException, config: TrainConfig, run: RunState, inv: Invo
     return f"trainq: out of memory: {first}; {advice}"
 
 
+def _relative(path: Path | None, job_dir: Path) -> str | None:
+    """A path inside the job folder as seen from it (the folder moves between queue states); others stay absolute."""
+    if path is None:
+        return None
+    try:
+        return str(path.resolve().relative_to(job_dir.resolve()))
+    except ValueError:
+        return str(path)
+
+
 def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState, inv: Invocation, timing: dict) -> int:
     """Final artifacts, summary.json, loss.png, SHA256SUMS and the done record; returns the exit code."""
+    trainer = trainer or run.trainer
     final_dir = inv.job_dir / ("model" if config.method == "full" else "adapter")
     names = ["summary.json", "loss.png", artifacts.ENV_FILE]
+    merged = None
     if outcome == "done" and trainer is not None:
         artifacts.save_final(trainer, tokenizer, final_dir)
         names.insert(0, final_dir.name)
+        if config.export_merge and config.method != "full":
+            from trainq.trainer.export import export_merged
+
+            merged = export_merged(trainer.model, config, tokenizer, inv.job_dir / "merged", run.metrics)
+            names.insert(1, merged.name)
     now = time.time()
     state = trainer.state if trainer is not None else None
     train_s = time.perf_counter() - run.train_started if run.train_started else 0.0
+    ckpt = lambda step: _relative(run.ckpt_dir / checkpoints.step_dir_name(step), inv.job_dir)  # noqa: E731
     summary = {
-        "outcome": outcome, "exit_code": EXIT_FOR[outcome], "steps": state.global_step if state else 0,
+        "outcome": outcome, "exit_code": EXIT_FOR[outcome], "steps": state.global_step if state else run.resumed_step,
         "total_steps": state.max_steps if state else None, "final_loss": run.last_loss,
         "final_eval_loss": run.last_eval_loss, "best_eval_loss": run.best_eval_loss, "best_step": run.best_step,
-        "best_checkpoint": str((run.ckpt_dir / checkpoints.step_dir_name(run.best_step)).resolve()) if run.best_step else None,
-        "latest_checkpoint": str(run.last_checkpoint.resolve()) if run.last_checkpoint else None,
-        "output": str(final_dir) if outcome == "done" else None, "attempt": inv.attempt,
-        "resumed_from": str(inv.resume_from) if inv.resume_from else None, "rollbacks": run.rollbacks,
-        "tokens_per_s": run.tokens_seen / train_s if train_s > 0 else None, "tokens": run.tokens_seen,
+        "best_checkpoint": ckpt(run.best_step) if run.best_step else None,
+        "latest_checkpoint": _relative(run.last_checkpoint, inv.job_dir),
+        "output": final_dir.name if outcome == "done" else None, "merged": merged.name if merged else None,
+        "attempt": inv.attempt, "resumed_from": _relative(inv.resume_from, inv.job_dir) if inv.resume_from else None,
+        "rollbacks": run.rollbacks,
+        "tokens_per_s": run.tokens_seen / train_s if train_s > 0 else None,
+        "tokens": run.tokens_before + run.tokens_seen, "tokens_this_attempt": run.tokens_seen,
+        "packing": run.packing.to_dict() if run.packing else None, "train_on": config.train_on,
+        "data": [f.to_dict() for f in run.data_files],
         "durations_s": {"setup": round(timing["setup"], 3), "train": round(train_s, 3), "total": round(now - timing["start"], 3)},
         "started_at": iso_utc(timing["start"]), "finished_at": iso_utc(now),
     }
@@ -234,6 +311,18 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
     return EXIT_FOR[outcome]
 
 
+def settle_config(config: TrainConfig, inv: Invocation, metrics: MetricsWriter, data: LoadedData):
+    """Preset, OOM ladder and the resume checks; returns (config, resume folder, its saved state, preset info)."""
+    resume = checkpoints.resolve_resume(inv.resume_from) if inv.resume_from else None
+    saved = checkpoints.read_state(resume) if resume else None
+    config, preset_info = (pin_to_checkpoint(config, saved["config"]), None) if saved else apply_preset(config, metrics)
+    config, laddered = apply_ladder(config, inv, metrics)
+    if saved:
+        check_schedule(config, saved["config"], laddered, resume)
+        check_data(config, saved, data, resume, metrics)
+    return config, resume, saved, preset_info
+
+
 def main_run(job_dir: Path, resume_arg: str | None) -> int:
     """Everything after argument parsing; errors with an exit code propagate to __main__."""
     timing = {"start": time.time()}
@@ -241,29 +330,33 @@ def main_run(job_dir: Path, resume_arg: str | None) -> int:
     config = load_config(inv.job_dir)
     faults = parse_faults(os.environ.get(ENV_TRAINER_FAULTS))
     metrics = MetricsWriter(inv.metrics)
-    data = load_data(config.train_file, config.eval_file, config.eval_fraction)
-    report_bad_rows(data.bad, metrics)
+    data = load_data(config.train_sources, config.eval_file, config.eval_fraction, config.max_bad_rows)
+    report_data(data, metrics)
+    config, resume, saved, preset_info = settle_config(config, inv, metrics, data)
+    if config.debug and resume is None:
+        from trainq.trainer.debugrun import run_debug
 
-    resume = checkpoints.resolve_resume(inv.resume_from) if inv.resume_from else None
-    saved = checkpoints.read_state(resume) if resume else None
-    config, preset_info = (pin_to_checkpoint(config, saved["config"]), None) if saved else apply_preset(config, metrics)
-    config, laddered = apply_ladder(config, inv, metrics)
-    if saved:
-        check_schedule(config, saved["config"], laddered, resume)
+        code = run_debug(config, inv, metrics)
+        if code is not None:
+            return code
     metrics.event("start", f"attempt {inv.attempt}: {config.method}, pid {os.getpid()}" + (f", resuming from {resume}" if resume else ""),
                   attempt=inv.attempt, pid=os.getpid(), resume_from=str(resume) if resume else None)
 
     precision = resolve_precision(config.precision)
     tokenizer = load_tokenizer(config.model)
-    train_set = tokenize(data.train, tokenizer, config.seq_len)
-    eval_set = tokenize(data.eval, tokenizer, config.seq_len) if data.eval else None
-    artifacts.write_env(inv.job_dir, artifacts.environment(config.to_dict(), {"name": precision.name, "reason": precision.reason}, preset_info))
+    cache_dir = inv.job_dir / ".cache" / "tokenized" if config.data_cache else None
+    train_set, eval_set, cached = tokenize_cached(data, tokenizer, config.seq_len, config.train_on, config.eval_fraction, cache_dir)
+    if cached:
+        print(f"trainq: tokenized data from the cache ({len(train_set)} train rows)", flush=True)
+    env = artifacts.environment(config.to_dict(), {"name": precision.name, "reason": precision.reason}, preset_info)
+    artifacts.write_env(inv.job_dir, {**env, "data": [f.to_dict() for f in data.files]})
 
     run = RunState(config=config, ckpt_dir=JobPaths(inv.job_dir).checkpoints, stop_flag=inv.stop_flag, metrics=metrics,
-                   faults=faults, attempt=inv.attempt)
+                   faults=faults, attempt=inv.attempt, data_files=data.files)
     if saved:
         run.lr_scale, run.rollbacks = saved["lr_scale"], saved.get("rollbacks", 0)
         run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]
+        run.tokens_before, run.resumed_step = saved.get("tokens_seen", 0), saved["step"]
     signal.signal(signal.SIGTERM, run.on_sigterm)
     timing["setup"] = time.time() - timing["start"]
     trainer = None
@@ -279,7 +372,6 @@ def main_run(job_dir: Path, resume_arg: str | None) -> int:
     outcome = run.stop_reason or "done"
     code = finish(outcome, trainer, tokenizer, config, run, inv, timing)
     if outcome == "nan":
-        print(f"trainq: training diverged: non-finite loss persisted through {run.rollbacks - 1} rollbacks "
+        print(f"trainq: training diverged: non-finite loss persisted through {run.rollbacks} rollbacks "
               f"(lr x{run.lr_scale:g}); lower lr or check the data", file=sys.stderr, flush=True)
     return code
-

@@ -1,0 +1,83 @@
+"""Padding-free packing: a micro-batch becomes one flattened row with position_ids restarting per example.
+
+transformers' ``DataCollatorWithFlattening`` builds the batch; models whose attention builds its mask with
+``masking_utils`` (sdpa, eager, flex) or uses flash-attention's varlen path keep the examples apart from the
+position_ids alone -- but only without a KV cache: with ``use_cache`` on (the default of most configs, also in
+train mode) the mask builder skips the packed-sequence check and the rows attend to each other silently
+(measured on transformers 5.24: logits off by 0.35 on the tiny model). So training runs with
+``config.use_cache = False`` (restored before the final save). Whether *this* model keeps packed rows apart is
+checked once at start-up, not assumed: two short rows run
+packed and separately must give the same logits. ``packing`` unset: on when the check passes, off (with the
+reason logged) when not; ``packing: true`` on a model that fails it is an error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainq.trainer.config import ConfigError
+
+#: the probe's two rows (token ids are taken modulo the vocabulary)
+_PROBE_LENGTHS = (5, 7)
+#: largest logit difference, relative to the logits' scale, that still counts as "the same" per dtype
+_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+@dataclass(frozen=True)
+class PackingDecision:
+    """Whether batches are packed, and why."""
+
+    enabled: bool
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"enabled": self.enabled, "reason": self.reason}
+
+
+def probe(model) -> tuple[bool, float]:
+    """(packed logits match separate ones, the relative difference) on two short rows."""
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    rows = [torch.arange(3, 3 + n, device=device) % vocab for n in _PROBE_LENGTHS]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            apart = [model(input_ids=r[None]).logits[0].float() for r in rows]
+            positions = torch.cat([torch.arange(len(r), device=device) for r in rows])[None]
+            packed = model(input_ids=torch.cat(rows)[None], position_ids=positions).logits[0].float()
+    finally:
+        model.train(was_training)
+    expected = torch.cat(apart)
+    diff = float((packed - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
+    dtype = next(model.parameters()).dtype
+    return diff <= _TOLERANCE.get(dtype, 3e-2), diff
+
+
+def decide(requested: bool | None, model, spec: str) -> PackingDecision:
+    """Resolve ``packing`` for this model; ConfigError when packing was asked for and the model cannot."""
+    if requested is False:
+        return PackingDecision(False, "packing: false in the job")
+    model.config.use_cache = False  # training never reads a cache; with one, packed rows would mix (see above)
+    attn = getattr(model.config, "_attn_implementation", None) or "default"
+    ok, diff = probe(model)
+    if ok:
+        why = "as configured" if requested else "default"
+        return PackingDecision(True, f"{why}: {attn} attention keeps packed rows apart (probe difference {diff:.1e})")
+    reason = (f"{type(model).__name__} with {attn} attention mixes packed rows (probe difference {diff:.2g}): "
+              "its attention does not honour position_ids")
+    if requested:
+        raise ConfigError(f"{spec}: train.packing: true, but {reason}; set packing: false")
+    return PackingDecision(False, f"off: {reason}")
+
+
+def collator(pad_id: int, enabled: bool):
+    """The batch builder: flattening when packing, else padding to the longest row."""
+    if enabled:
+        from transformers import DataCollatorWithFlattening
+
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    from trainq.trainer.data import PadCollator
+
+    return PadCollator(pad_id)
