@@ -43,7 +43,8 @@ def test_lora_run_converges_and_writes_every_artifact(reference):
     assert "step 8/24: loss " in output(reference)
     result = summary(reference)
     assert result["outcome"] == "done" and result["steps"] == 24 and result["best_eval_loss"] is not None
-    assert Path(result["best_checkpoint"]).is_dir()
+    assert result["best_checkpoint"] == "checkpoints/step-000024" and (reference / result["best_checkpoint"]).is_dir()
+    assert result["output"] == "adapter" and result["latest_checkpoint"] == "checkpoints/step-000024"
     assert (reference / "loss.png").read_bytes()[:8] == PNG_MAGIC
     env = json.loads((reference / "env.json").read_text())
     assert env["torch"] and env["transformers"] and env["peft"] and env["config"]["max_steps"] == 24

@@ -71,11 +71,19 @@ class RunState:
     packing: object | None = None  # packing.PackingDecision, made once per process
     tokens_before: int = 0  # tokens of earlier attempts (from the resumed checkpoint)
     resumed_step: int = 0
+    resumed_from: Path | None = None  # the step-N folder this attempt resumed from
     data_files: tuple = ()
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """Signal handler: only sets a flag; the next step boundary acts on it."""
         self.sigterm_received = True
+
+
+def _rows_in(inputs: dict) -> int:
+    """Examples in a micro-batch: its rows, or the sequences flattened into one packed row."""
+    if "attention_mask" not in inputs and "position_ids" in inputs:
+        return int((inputs["position_ids"] == 0).sum())
+    return inputs["input_ids"].shape[0]
 
 
 class TrainqTrainer(Trainer):
@@ -90,7 +98,7 @@ class TrainqTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One micro-batch; also sums the raw loss and tokens of the current optimizer step."""
-        self._maybe_fake_oom(inputs["input_ids"].shape[0])
+        self._maybe_fake_oom(_rows_in(inputs))
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_loss = self.step_loss + loss.detach().float().cpu()
         self.step_tokens += int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()

@@ -290,7 +290,7 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
         "best_checkpoint": ckpt(run.best_step) if run.best_step else None,
         "latest_checkpoint": _relative(run.last_checkpoint, inv.job_dir),
         "output": final_dir.name if outcome == "done" else None, "merged": merged.name if merged else None,
-        "attempt": inv.attempt, "resumed_from": _relative(inv.resume_from, inv.job_dir) if inv.resume_from else None,
+        "attempt": inv.attempt, "resumed_from": _relative(run.resumed_from, inv.job_dir),
         "rollbacks": run.rollbacks,
         "tokens_per_s": run.tokens_seen / train_s if train_s > 0 else None,
         "tokens": run.tokens_before + run.tokens_seen, "tokens_this_attempt": run.tokens_seen,
@@ -352,7 +352,7 @@ def main_run(job_dir: Path, resume_arg: str | None) -> int:
     artifacts.write_env(inv.job_dir, {**env, "data": [f.to_dict() for f in data.files]})
 
     run = RunState(config=config, ckpt_dir=JobPaths(inv.job_dir).checkpoints, stop_flag=inv.stop_flag, metrics=metrics,
-                   faults=faults, attempt=inv.attempt, data_files=data.files)
+                   faults=faults, attempt=inv.attempt, data_files=data.files, resumed_from=resume)
     if saved:
         run.lr_scale, run.rollbacks = saved["lr_scale"], saved.get("rollbacks", 0)
         run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]
