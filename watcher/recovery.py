@@ -90,7 +90,7 @@ def _recover_running(watcher: "Watcher", job_id: str, now: float) -> None:
         return
     _sync_attempt(job, started or record)
     if record is not None and record.get("attempt") == job.attempt:
-        logger.info("job %s: finished while no watcher ran; recording its exit", job_id)
+        logger.info("job %s: its attempt ended unseen (no watcher, or a full disk); recording its exit", job_id)
         watcher._finish(job, judge_exit(job.run, record, job.paths), record, now)
     else:
         watcher._finish_lost(job, now)
