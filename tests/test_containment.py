@@ -132,3 +132,33 @@ def test_a_bad_fault_switch_stops_startup_with_one_line(queue_dir):
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "TRAINQ_WATCHER_FAULTS" in proc.stderr and "nosuchstep" in proc.stderr
+
+
+# -- recovery never harms a stranger ------------------------------------------------------------------
+def test_recovery_after_a_reboot_fails_the_job_as_killed_and_signals_no_stranger(queue_dir, watcher):
+    """A running/ folder left by a watcher that ran before a reboot, its recorded pgid reused by a stranger."""
+    import os
+    import subprocess
+
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                                env={k: v for k, v in os.environ.items() if not k.startswith("TRAINQ_")})
+    try:
+        job = queue_dir / "running" / "before-reboot"
+        job.mkdir()
+        (job / "job.yaml").write_text("approved: true\ncommand: [sleep, '1000']\n")
+        (job / "run.json").write_text(json.dumps({
+            "schema_version": 1, "id": "before-reboot", "name": "before-reboot", "status": "running", "priority": 0,
+            "order": 1, "submitted_at": "2026-01-01T00:00:00Z", "started_at": "2026-01-01T00:00:01Z",
+            "attempt": 1, "attempts": [{"n": 1, "pid": 4242, "started_at": "2026-01-01T00:00:01Z"}]}))
+        born = psutil.Process(stranger.pid).create_time() - 1.0  # "the job" started just before the stranger
+        (job / "supervisor.json").write_text(json.dumps({
+            "attempt": 1, "supervisor_pid": 4242, "job_pid": stranger.pid, "pgid": stranger.pid,
+            "job_create_time": born, "boot_time": psutil.boot_time() - 86400,
+            "boot_id": "00000000-0000-0000-0000-000000000000"}))
+        watcher()
+        run = load(queue_dir, "failed/before-reboot/run.json")
+        assert run["status"] == "failed" and run["diagnosis"]["kind"] == "killed"
+        assert stranger.poll() is None, "recovery killed a process that was not the job's"
+    finally:
+        stranger.kill()
+        stranger.wait()

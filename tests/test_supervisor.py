@@ -442,3 +442,49 @@ def _signals_in(mask_hex: str) -> set[int]:
     """Signal numbers set in a /proc/PID/status signal mask."""
     mask = int(mask_hex.strip(), 16)
     return {n for n in range(1, 65) if mask & (1 << (n - 1))}
+
+
+# -- recovery never harms a stranger (issue 12 item 5) ------------------------------------------------
+@pytest.fixture
+def stranger() -> Iterator[psutil.Process]:
+    """A live process group trainq did not start (its own session, no TRAINQ_JOB_DIR)."""
+    env = {k: v for k, v in os.environ.items() if k != ENV_JOB_DIR}
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=True, env=env)
+    try:
+        yield psutil.Process(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def fake_start_record(paths: JobPaths, **fields: object) -> None:
+    paths.dir.mkdir(parents=True, exist_ok=True)
+    paths.started.write_text(json.dumps({"attempt": 1, "supervisor_pid": 999999, "job_pid": fields["pgid"], **fields}))
+
+
+@pytest.mark.parametrize("boot", ["boot_id", "boot_time"])
+def test_kill_leftovers_signals_nothing_for_a_start_record_from_another_boot(tmp_path, stranger, boot) -> None:
+    """Was: the recorded pgid matched a stranger's group created after the 'job', and it was SIGKILLed."""
+    paths = JobPaths(tmp_path / "running" / "old")
+    other_boot = {"boot_id": "00000000-0000-0000-0000-000000000000"} if boot == "boot_id" else \
+        {"boot_time": psutil.boot_time() - 86400}
+    fake_start_record(paths, pgid=stranger.pid, job_create_time=stranger.create_time() - 1.0, **other_boot)
+    assert Supervisor().kill_leftovers(paths) == 0
+    assert stranger.is_running() and stranger.status() != psutil.STATUS_ZOMBIE
+
+
+def test_kill_leftovers_leaves_a_reused_process_group_alone(tmp_path, stranger) -> None:
+    """Same boot, but the group's leader started at another time than the recorded job: the id was reused."""
+    from trainq.watcher.supervisor import boot_id
+
+    paths = JobPaths(tmp_path / "running" / "reused")
+    fake_start_record(paths, pgid=stranger.pid, job_create_time=stranger.create_time() - 5.0,
+                      boot_id=boot_id(), boot_time=psutil.boot_time())
+    assert Supervisor().kill_leftovers(paths) == 0
+    assert stranger.is_running() and stranger.status() != psutil.STATUS_ZOMBIE
+
+
+def test_start_record_carries_the_boot_id(jobs: Jobs) -> None:
+    paths, _ = jobs.launch(py("succeeds.py"))
+    jobs.wait_exit(paths)
+    assert jobs.sup.read_started(paths)["boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()

@@ -69,6 +69,12 @@ SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 LEFTOVER_KILL_DEADLINE_S = 5.0
 #: pause between kill_leftovers passes (s)
 LEFTOVER_RESCAN_S = 0.02
+#: names the current boot; a new value after every reboot (Linux)
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+#: a process whose start time is this close to the recorded one is the recorded process (s)
+START_TIME_TOLERANCE_S = 0.05
+#: boot times (for records without a boot id) this close are the same boot (s)
+BOOT_TIME_TOLERANCE_S = 2.0
 #: attempts one pooled supervisor runs before it leaves (bounds anything it might accumulate)
 POOLED_MAX_ATTEMPTS = 1000
 #: pooled supervisors kept waiting; more than that leave when their attempt ends
@@ -304,7 +310,9 @@ def kill_leftovers(paths: JobPaths) -> int:
     """SIGKILL every process whose TRAINQ_JOB_DIR is this job folder (or in the job's process group).
 
     For a supervisor that died while its job lives on; call it before moving the job folder. Repeats until
-    nothing is left (a job may fork while being killed) or LEFTOVER_KILL_DEADLINE_S passes.
+    nothing is left (a job may fork while being killed) or LEFTOVER_KILL_DEADLINE_S passes. Never signals
+    a stranger: a start record from another boot means nothing of the job can be alive, and the process
+    group counts only while its leader is the very process the record names (same start time).
     """
     killed: set[int] = set()
     deadline = time.monotonic() + LEFTOVER_KILL_DEADLINE_S
@@ -332,7 +340,11 @@ def _leftover_pids(paths: JobPaths) -> set[int]:
     """Live (non-zombie) processes that belong to the job folder ``paths.dir``."""
     job_dirs = {os.path.normpath(str(paths.dir)), os.path.realpath(paths.dir)}
     started = read_json(paths.started) or {}
-    pgid, born = started.get("pgid"), started.get("job_create_time")
+    if not is_this_boot(started):
+        logger.info("job %s: its start record is from an earlier boot, so none of its processes can be alive; "
+                    "signalling nothing", paths.dir.name)
+        return set()
+    pgid, born = _job_group(started), started.get("job_create_time")
     found = set()
     for proc in psutil.process_iter():
         if proc.pid == os.getpid():
@@ -345,6 +357,41 @@ def _leftover_pids(paths: JobPaths) -> set[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError, PermissionError):
             continue
     return found
+
+
+def boot_id() -> str | None:
+    """This boot's id (Linux), or None where there is none."""
+    try:
+        return BOOT_ID_PATH.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def is_this_boot(started: dict) -> bool:
+    """False when a start record provably comes from another boot (boot id, or boot time for older records)."""
+    recorded, current = started.get("boot_id"), boot_id()
+    if recorded and current:
+        return recorded == current
+    boot_time = started.get("boot_time")
+    if isinstance(boot_time, (int, float)):
+        return abs(boot_time - psutil.boot_time()) <= BOOT_TIME_TOLERANCE_S
+    return True
+
+
+def _job_group(started: dict) -> int | None:
+    """The recorded process group id, while its leader is still the recorded job process; else None.
+
+    A pid is reused once its process is gone: a live leader with another start time is a stranger's
+    group. With the leader gone, only TRAINQ_JOB_DIR identifies the job's processes.
+    """
+    pgid, born = started.get("pgid"), started.get("job_create_time")
+    if not isinstance(pgid, int) or pgid <= 1 or not isinstance(born, (int, float)):
+        return None
+    try:
+        leader_born = psutil.Process(pgid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return pgid if abs(leader_born - born) <= START_TIME_TOLERANCE_S else None
 
 
 def _has_job_dir(proc: psutil.Process, job_dirs: set[str]) -> bool:
@@ -788,6 +835,7 @@ def _write_started(a: _Attempt) -> None:
         atomic_write_json(a.paths.started, {
             "attempt": a.spec.attempt, "supervisor_pid": os.getpid(), "job_pid": a.job_pid, "pgid": a.job_pid,
             "started_at": iso_utc(a.started_at), "job_create_time": create_time, "boot_time": psutil.boot_time(),
+            "boot_id": boot_id(),
         }, durable=False)  # a crash kills the job too, and then the record no longer matters
     except OSError as exc:  # a full disk or a removed folder must not kill the job; the lock still says it runs
         _note(a.log_fd, f"cannot write the start record ({exc.strerror})")
