@@ -336,7 +336,7 @@ def main_run(job_dir: Path, resume_arg: str | None) -> int:
     if config.debug and resume is None:
         from trainq.trainer.debugrun import run_debug
 
-        code = run_debug(config, inv, metrics)
+        code = run_debug(config, inv.job_dir, inv.stop_flag, total_steps(config, len(data.train)), metrics)
         if code is not None:
             return code
     metrics.event("start", f"attempt {inv.attempt}: {config.method}, pid {os.getpid()}" + (f", resuming from {resume}" if resume else ""),
