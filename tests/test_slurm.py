@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,9 +119,13 @@ def test_time_limit_rounds_up_to_minutes_and_leaves_room_for_trainqs_own_timeout
     assert time_limit_min(0, 0, 0) == 1
 
 
-def test_batch_env_drops_the_watchers_gpu_choice_and_slurm_variables():
-    env = {"CUDA_VISIBLE_DEVICES": "0", "SLURM_JOB_ID": "9", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "A": "b"}
-    assert batch_env(env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "A": "b"}
+def test_batch_env_passes_only_the_jobs_own_variables_and_never_the_nodes():
+    env = {"CUDA_VISIBLE_DEVICES": "0", "SLURM_JOB_ID": "9", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "A": "b",
+           "SECRET_TOKEN": "x", "TMPDIR": "/watcher/tmp", "GPU_DEVICE_ORDINAL": "1", "TRAINQ_JOB_ID": "j"}
+    assert batch_env(env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TRAINQ_JOB_ID": "j"}
+    # the job's own env (or env_passthrough) names what passes; Slurm's allocation still wins on the node
+    assert batch_env(env, {"A", "TMPDIR", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID"}) == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TRAINQ_JOB_ID": "j", "A": "b", "TMPDIR": "/watcher/tmp"}
 
 
 def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
@@ -422,3 +427,51 @@ def test_executor_needs_no_slurm_to_be_built(tmp_path):
     ex = SlurmExecutor(WatcherConfig.from_dict({"executor": "slurm"}), tmp_path)
     assert ex.process_tree(JobPaths(tmp_path)) == [] and ex.waiting_for(JobPaths(tmp_path), {}) is None
     ex.close()
+
+
+# -- liveness without flock ----------------------------------------------------------------------------
+
+NO_FLOCK_C = r"""
+#include <errno.h>
+#include <sys/file.h>
+/* flock() as on Lustre mounted without -o flock, or NFS without a lock manager: every call fails ENOLCK */
+int flock(int fd, int operation) { (void)fd; (void)operation; errno = ENOLCK; return -1; }
+"""
+
+
+@pytest.fixture
+def no_flock(tmp_path) -> Path:
+    """A shared object that makes every flock() fail with ENOLCK when LD_PRELOADed (built with the system cc)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler (cc/gcc) to build the flock shim")
+    source, shim = tmp_path / "no_flock.c", tmp_path / "no_flock.so"
+    source.write_text(NO_FLOCK_C)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(shim), str(source)], check=True, timeout=120)
+    probe = subprocess.run([PY, "-c", "import fcntl, sys; fcntl.flock(sys.stdin.fileno(), fcntl.LOCK_EX)"],
+                           env=dict(os.environ, LD_PRELOAD=str(shim)), capture_output=True, text=True, timeout=60)
+    assert probe.returncode != 0 and "No locks available" in probe.stderr, probe.stderr  # the shim works
+    return shim
+
+
+def test_without_flock_the_job_runs_once_and_the_watcher_stays_up(queue_dir, watcher_process, no_flock, tmp_path):
+    """flock fails everywhere (watcher and node): Slurm's state and the heartbeat carry liveness, nothing crashes."""
+    counter = tmp_path / "runs.txt"
+    (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({**SLURM, "settle_s": 0.1}))
+    w = watcher_process(env={"LD_PRELOAD": str(no_flock)})
+    # the batch job's own environment gets the shim too, so the node-side supervisor cannot flock either
+    sbatch = [f"--export=ALL,LD_PRELOAD={no_flock}"]
+    drop(queue_dir, "nolock.yaml", job_file(command=["sh", "-c", f"echo run >> {counter}; sleep 4; echo finished"],
+                                            slurm={"sbatch_args": sbatch}))
+    done = wait_until(lambda: finished(queue_dir, "nolock"), 60, what="nolock to finish")
+    run = run_json(done)
+    assert done.parent.name == "done", (done / "output.log").read_text()
+    assert len(run["attempts"]) == 1 and counter.read_text() == "run\n"
+    log = (done / "output.log").read_text()
+    assert "finished" in log and "flock" in log  # the supervisor says it runs without the lock
+    assert (done / "heartbeat.json").exists()
+    assert w.proc.poll() is None, (queue_dir / "watcher.stderr").read_text()[-2000:]
+    # the watcher keeps working: a second job runs too
+    drop(queue_dir, "second.yaml", job_file(command=["true"], slurm={"sbatch_args": sbatch}))
+    assert wait_until(lambda: finished(queue_dir, "second"), 60, what="second to finish").parent.name == "done"
+    assert w.proc.poll() is None

@@ -30,10 +30,13 @@ _POSITIVE_DURATIONS = ("rescan_s", "status_s", "heartbeat_s")
 _DURATIONS = ("settle_s", "rescan_s", "status_s", "heartbeat_s", "kill_after_s")
 #: seconds between Slurm job-state polls
 DEFAULT_SLURM_POLL_S = 2.0
+#: seconds the watcher waits for a node's exit record after Slurm ended the job (NFS caches attributes 60 s)
+DEFAULT_SLURM_EXIT_GRACE_S = 60.0
 
 
 def _default_slurm() -> dict:
-    return {"partition": None, "sbatch_args": [], "poll_s": DEFAULT_SLURM_POLL_S}
+    return {"partition": None, "sbatch_args": [], "poll_s": DEFAULT_SLURM_POLL_S,
+            "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S}
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
     defaults = WatcherConfig()
     slurm = {**_default_slurm(), **data.get("slurm", {})}
     slurm["poll_s"] = parse_duration_s(slurm["poll_s"])
+    slurm["exit_grace_s"] = parse_duration_s(slurm["exit_grace_s"])
     slurm["sbatch_args"] = list(slurm["sbatch_args"])
     gpus, allowed = data.get("gpus"), data.get("allow_commands")
     return WatcherConfig(

@@ -143,6 +143,15 @@ class JobPaths:
         return self.dir / "launch.json"
 
     @property
+    def heartbeat(self) -> Path:
+        """Rewritten by the node-side supervisor every few seconds while a Slurm attempt lives (watcher/node.py)."""
+        return self.dir / "heartbeat.json"
+
+    def slurm_claim(self, attempt: int) -> Path:
+        """Created (O_EXCL) by the first Slurm job that starts attempt ``attempt``; a duplicate submission finds it."""
+        return self.dir / f"slurm-attempt-{attempt}.claim"
+
+    @property
     def slurm_record(self) -> Path:
         """What the watcher submitted to Slurm for the current attempt (its Slurm job id, sbatch argv)."""
         return self.dir / "slurm.json"

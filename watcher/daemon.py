@@ -157,6 +157,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             holder = os.read(fd, 64).decode(errors="replace").strip()
             os.close(fd)
             raise QueueLocked(str(self.root.path), int(holder) if holder.isdigit() else None) from None
+        except OSError as exc:  # ENOLCK, EOPNOTSUPP: a shared filesystem without (working) flock
+            logger.warning("cannot flock %s (%s): nothing stops a second watcher on this queue root; "
+                           "run only one", self.root.lock_file, exc.strerror)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd

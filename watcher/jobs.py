@@ -133,8 +133,13 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths) -> Outcome:
     if reason is None and exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
         return Outcome("done", None)
     diagnosis = diagnose(exit_record, attempt_log_tail(paths), attempt_metrics(paths, run),
-                         kernel_log=read_kernel_log() if _was_sigkilled(exit_record) else None)
+                         kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record) else None)
     return Outcome("timeout" if reason == "timeout" else "failed", diagnosis)
+
+
+def _ran_here(exit_record: dict) -> bool:
+    """False for a Slurm attempt: this machine's kernel log says nothing about a node's OOM kills."""
+    return not exit_record.get("slurm_job_id")
 
 
 def _was_sigkilled(exit_record: dict) -> bool:

@@ -1,106 +1,79 @@
 """``executor: slurm``: each attempt's supervisor runs as a Slurm batch job on one of the cluster's nodes.
 
-``launch`` writes ``launch.json`` (the LaunchSpec) and ``slurm.sh`` into the job folder and submits
-the script with ``sbatch --parsable``; on the node the script checks that the job folder is visible
-and execs ``python -m trainq.watcher.supervisor JOB_DIR --spec JOB_DIR/launch.json``, so stop.flag, the
-timeout, output.log, supervisor.json and exit.json work exactly as with the local executor. The
-queue root must therefore be on a filesystem the watcher's machine and every node share.
+``launch`` writes ``launch.json`` (the LaunchSpec, mode 0600) and ``slurm.sh`` into the job folder, records the
+submission in ``slurm.json`` *before* running ``sbatch`` (its tag: ``--comment=trainq:<queue>:<job>:<attempt>:
+<token>``), and submits. On the node, slurm.sh checks that the job folder is visible and execs
+``python -m trainq.watcher.node`` (claim, heartbeat, the supervisor in the foreground).
 
-The supervisor's exit record is the truth. Slurm's view comes from ONE background ``squeue`` per
-``poll_s`` for every tracked job (never plain ``sacct``, which answers nothing when accounting is
-off), so the watcher's loop never waits for a slow or dead controller. When Slurm ended a job
-without the supervisor writing its record (NODE_FAIL, OUT_OF_MEMORY, a kill, a job folder the
-node cannot see) ``read_exit`` writes one in its place, with a diagnosis.
-
-This module imports ``subprocess`` (running Slurm's commands is its job); supervisor.py still owns
-every process of an attempt.
+Liveness: Slurm's job state is the authority (one background ``squeue`` per ``poll_s`` for every job, see
+slurm_state.py); when Slurm says a job ended, its node's exit record, ``heartbeat.json`` and — where flock works
+on the shared filesystem — the supervisor's lock decide. An sbatch that got no answer is never repeated blindly:
+the submission stays *unconfirmed* until its tag shows up in squeue (adopted), the node's claim file names it,
+or a full ``squeue -t all`` proves it does not exist (then it is submitted again under the same tag).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
-import re
+import secrets
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from .contract import JobPaths
 from .errors import SpawnFailed
 from .executor import ExecutorUnavailable
 from .fsutil import atomic_write, atomic_write_json, read_json
-from .supervisor import LaunchSpec, is_alive as supervisor_holds_lock
+from .node import HEARTBEAT_S
+from .slurm_state import (
+    EXIT_NOT_SHARED, GONE, NO_ANSWER, QUEUED_STATES, REFUSED, RUNNING_STATES, SIGKILL, SIGNAL_NAMES, SLURM_OUTPUT,
+    SlurmJob, SqueueQuery, ended_outcome, find_tagged, first_line, id_order, make_tag, oom_evidence, parse_squeue,
+    queue_key, run, show_job, tag_attempt,
+)
+from .supervisor import LaunchSpec, lock_state
 from .units import iso_utc
 
 if TYPE_CHECKING:
     from .config import WatcherConfig
 
+__all__ = ["EXIT_NOT_SHARED", "SlurmExecutor", "SlurmJob", "SlurmOptions", "batch_env", "batch_script",
+           "ended_outcome", "signal_lead_s", "time_limit_min"]
+
 logger = logging.getLogger(__name__)
 
-#: Slurm states in which a batch job is queued or still has processes
-LIVE_STATES = frozenset({
-    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
-    "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD",
-})
-#: states in which the job has not started yet (waiting_for shows Slurm's reason)
-QUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
-#: pseudo-state: squeue was asked about the id and no longer knows it (purged after MinJobAge)
-GONE = "GONE"
-#: exit status of slurm.sh when the job folder is not visible on the node (sysexits EX_CONFIG)
-EXIT_NOT_SHARED = 78
-#: exit statuses of slurm.sh when the watcher's Python cannot be run on the node (as a shell reports it)
-EXIT_NO_PYTHON = (126, 127)
-#: Slurm's own output file in the job folder (only the batch script's and slurmstepd's messages land here)
-SLURM_OUTPUT = "slurm-%j.out"
 #: seconds added to timeout + stop_grace + kill_after for --time, so trainq's own timeout path runs first
 TIME_LIMIT_MARGIN_S = 60.0
 #: seconds after stop_grace + kill_after before enforce_stop falls back to scancel (the supervisor goes first)
 SCANCEL_MARGIN_S = 10.0
-#: seconds a started job may be ended in Slurm before its exit record shows up (shared filesystems lag)
-EXIT_RECORD_GRACE_S = 5.0
-#: a squeue that has not answered after this long is killed and Slurm counted as unreachable (s)
-QUERY_TIMEOUT_S = 60.0
-#: sbatch, scancel and scontrol get this long (s); sbatch alone waits ~9 s for a dead controller
+#: sbatch, scancel, scontrol and the tag lookup get this long (s); sbatch gives up by itself after MessageTimeout
 COMMAND_TIMEOUT_S = 60.0
-#: stderr fragments meaning "the controller cannot be reached" (the job is fine, Slurm is not)
-_UNREACHABLE = re.compile(
-    r"Unable to contact slurm controller|Socket timed out|Connection refused|Zero Bytes were transmitted"
-    r"|Communication connection failure|Could not establish a configuration source|Unable to establish|"
-    r"Transport endpoint|Slurm backup controller in standby mode|slurm_persist_conn|Unable to resolve",
-    re.IGNORECASE)
-_EXIT_CODE = re.compile(r"\bExitCode=(\d+):(\d+)")
-#: signal numbers on Linux (only supervisor.py imports ``signal``)
-SIGKILL, SIGTERM = 9, 15
-_SIGNAL_NAMES = MappingProxyType({SIGKILL: "SIGKILL", SIGTERM: "SIGTERM"})
-#: environment the watcher must not hand to a batch job: Slurm's own allocation wins on the node
-_DROPPED_ENV = ("CUDA_VISIBLE_DEVICES",)
-
-_NOT_SHARED_ADVICE = ("Put the queue root on a filesystem that the watcher's machine and every Slurm node mount at "
-                      "the same path (NFS, Lustre, BeeGFS...), then touch retry.flag.")
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    """One batch job as squeue last showed it."""
-
-    state: str
-    reason: str = ""
-    node: str = ""
-
-    @property
-    def is_live(self) -> bool:
-        return self.state in LIVE_STATES
-
-    @property
-    def has_ended(self) -> bool:
-        return self.state not in LIVE_STATES and self.state != GONE
+#: the least warning --signal gives before the time limit (s): slurmctld checks time limits every 30 s
+SIGNAL_MIN_LEAD_S = 60
+#: the signal Slurm sends the batch job's supervisor before the time limit (it stops the job like a timeout)
+TIME_LIMIT_SIGNAL = "USR1"
+#: a heartbeat unchanged for this many periods means the node-side supervisor is gone
+HEARTBEAT_STALE_PERIODS = 3
+#: squeue answers that must miss an unconfirmed submission's tag before a full lookup may resubmit it
+UNCONFIRMED_POLLS = 2
+#: at most this many ended jobs are asked about (scontrol) per poll; the rest wait for the next one
+MAX_DEPARTED_PER_POLL = 50
+#: variables trainq itself sets for every job (GPU numbering that matches NVML's)
+TRAINQ_OWNED_ENV = ("CUDA_DEVICE_ORDER",)
+#: variables Slurm sets on the node for the job's allocation: the watcher's values never replace them
+NODE_OWNED_ENV = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                  "TMPDIR", "HOSTNAME", "HOME", "USER", "LOGNAME", "PWD", "SHELL")
+#: per-task rendezvous variables for multi-node jobs, from Slurm's own (torchrun reads MASTER_ADDR/PORT, NODE_RANK)
+RENDEZVOUS_SH = ('MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; '
+                 'export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))} '
+                 'WORLD_SIZE=$SLURM_NTASKS RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID NODE_RANK=$SLURM_NODEID '
+                 'NNODES=$SLURM_NNODES LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; exec "$@"')
 
 
 @dataclass(frozen=True)
@@ -115,13 +88,21 @@ class SlurmOptions:
     chdir: str
     output: str
     extra: tuple[str, ...]
+    comment: str = ""
+    signal_lead_s: int = SIGNAL_MIN_LEAD_S
+    requeue: bool = False
+    nodes: int = 1
+    tasks_per_node: int = 1
 
     def argv(self, script: Path) -> list[str]:
         """``sbatch --parsable ...`` for ``script``; extra args last, so watcher.yaml and job file win."""
-        argv = ["sbatch", "--parsable", "--no-requeue", f"--job-name={self.job_name}", f"--output={self.output}",
-                f"--chdir={self.chdir}"]
+        argv = ["sbatch", "--parsable", "--requeue" if self.requeue else "--no-requeue", "--export=NONE",
+                f"--job-name={self.job_name}", f"--comment={self.comment}", f"--output={self.output}",
+                f"--chdir={self.chdir}", f"--signal=B:{TIME_LIMIT_SIGNAL}@{self.signal_lead_s}"]
         if self.partition:
             argv.append(f"--partition={self.partition}")
+        if self.nodes > 1 or self.tasks_per_node > 1:
+            argv += [f"--nodes={self.nodes}", f"--ntasks-per-node={self.tasks_per_node}"]
         if self.gpus:
             argv.append(f"--gres=gpu:{self.gpus}")
         if self.mem_mb:
@@ -131,30 +112,15 @@ class SlurmOptions:
         return argv + list(self.extra) + [str(script)]
 
 
-class _Query:
-    """One squeue running in the background; output goes to temporary files so it can never block on a pipe."""
+@dataclass
+class _Unconfirmed:
+    """A submission whose sbatch got no answer: it may or may not exist in Slurm."""
 
-    def __init__(self, argv: list[str], ids: tuple[str, ...]):
-        self.ids = ids
-        self.started = time.monotonic()
-        self._out = tempfile.TemporaryFile()
-        self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err,
-                                     close_fds=True)
-
-    def result(self) -> tuple[int, str, str] | None:
-        """(returncode, stdout, stderr) once squeue exited, else None; never blocks."""
-        if self.proc.poll() is None:
-            return None
-        return self.proc.returncode, _read_all(self._out), _read_all(self._err)
-
-    def close(self) -> None:
-        """Kill (if still running), reap, and drop the temporary files."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._out.close()
-        self._err.close()
+    paths: JobPaths
+    attempt: int
+    tag: str
+    argv: list[str]
+    missed: int = 0
 
 
 class SlurmExecutor:
@@ -167,21 +133,28 @@ class SlurmExecutor:
     def __init__(self, config: "WatcherConfig", root: Path):
         slurm = dict(config.slurm or {})
         self.root = Path(root)
+        self.key = queue_key(self.root)
         self.partition: str | None = slurm.get("partition")
         self.sbatch_args = tuple(str(a) for a in slurm.get("sbatch_args") or ())
         self.poll_s = float(slurm.get("poll_s") or 2.0)
+        self.exit_grace_s = float(slurm.get("exit_grace_s", 60.0))
+        self.passthrough = frozenset(getattr(config, "env_passthrough", None) or ())
         self.kill_after_s = float(config.kill_after_s)
         self.scancel_margin_s = SCANCEL_MARGIN_S
+        self.command_timeout_s = COMMAND_TIMEOUT_S
+        self.heartbeat_stale_s = HEARTBEAT_STALE_PERIODS * HEARTBEAT_S
         self.python = sys.executable
         self.package_parent = str(Path(__file__).resolve().parent.parent)
         self._jobs: dict[str, SlurmJob] = {}
         self._tracked: set[str] = set()
         self._ended_seen: dict[str, float] = {}
         self._cancelled: set[str] = set()
-        self._query: _Query | None = None
+        self._unconfirmed: dict[str, _Unconfirmed] = {}
+        self._beats: dict[str, tuple[object, float]] = {}
+        self._exit_read_mono: dict[str, float] = {}
+        self._query: SqueueQuery | None = None
         self._last_query_mono = -math.inf
         self._probe_wanted_mono = -math.inf
-        self._stale = False
         self._down: str | None = None
 
     # -- the Executor protocol -----------------------------------------------------------------
@@ -192,20 +165,31 @@ class SlurmExecutor:
         return self._down
 
     def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None) -> dict:
-        """Write launch.json and slurm.sh into the job folder and sbatch the script; returns the Slurm job id."""
+        """Record the submission in slurm.json, then sbatch it; returns the Slurm job id (None while unconfirmed)."""
         if self._down is not None:
             raise ExecutorUnavailable(self._down)
-        spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir), env=batch_env(spec.env))
-        paths = JobPaths(Path(spec.job_dir))
-        options = self.options_for(spec, job_name, slurm_options or {})
+        job_dir = os.path.abspath(spec.job_dir)
+        resources, declared_env = _job_file(Path(job_dir))
+        spec = dataclasses.replace(spec, job_dir=job_dir, env=batch_env(spec.env, declared_env | self.passthrough))
+        paths = JobPaths(Path(job_dir))
+        options = self.options_for(spec, job_name, slurm_options or {}, resources)
+        if options.nodes > 1 or options.tasks_per_node > 1:
+            spec = dataclasses.replace(spec, argv=srun_argv(spec.argv, options.nodes * options.tasks_per_node))
         argv = options.argv(paths.slurm_script)
-        atomic_write_json(paths.launch_spec, spec.to_dict())
+        atomic_write(paths.launch_spec, _json(spec.to_dict()), mode=0o600)  # it holds the job's environment
         atomic_write(paths.slurm_script, batch_script(paths, spec.attempt, argv, self.python, self.package_parent),
                      mode=0o755)
-        slurm_id = self._submit(argv, paths)
-        atomic_write_json(paths.slurm_record, {"attempt": spec.attempt, "slurm_job_id": slurm_id,
-                                               "submitted_at": iso_utc(time.time()), "sbatch": argv})
-        self._track(slurm_id, SlurmJob("PENDING", "None"))
+        record = {"attempt": spec.attempt, "slurm_job_id": None, "tag": options.comment, "requeue": options.requeue,
+                  "submitted_at": iso_utc(time.time()), "sbatch": argv}
+        atomic_write_json(paths.slurm_record, record)  # before sbatch: a crash right after it can still find the job
+        try:
+            slurm_id = self._submit(argv, paths)
+        except _NoAnswer as exc:
+            logger.warning("job %s: %s; looking for tag %s before submitting again", paths.dir.name, exc,
+                           options.comment)
+            self._unconfirmed[str(paths.dir)] = _Unconfirmed(paths, spec.attempt, options.comment, argv)
+            return {"slurm_job_id": None, "pid": None}
+        self._confirm(paths, record, slurm_id)
         logger.debug("job %s: sbatch %s -> slurm job %s", paths.dir.name, shlex.join(argv[1:]), slurm_id)
         return {"slurm_job_id": slurm_id, "pid": None}
 
@@ -214,18 +198,16 @@ class SlurmExecutor:
         self._poll(start=True)
 
     def is_alive(self, paths: JobPaths, attempt: dict) -> bool:
-        """True while Slurm holds the job (queued or running), its supervisor holds the lock, or Slurm is unknown."""
-        if supervisor_holds_lock(paths):
-            return True
+        """Slurm's state first; once Slurm says the job ended: the heartbeat, the lock (where flock works), a grace."""
         slurm_id = self._slurm_id(paths, attempt)
         if slurm_id is None:
-            return False
+            return self._unconfirmed_for(paths, attempt) is not None or lock_state(paths) is True
         job = self._state(slurm_id)
         if job is None or job.is_live:
             return True  # unknown (not asked yet, or Slurm unreachable) is never taken for dead
-        if job.state == GONE:
-            return False
-        return self._within_grace(paths, slurm_id)
+        if self._node_still_alive(paths, slurm_id):
+            return True
+        return job.state != GONE and self._within_grace(paths, slurm_id)
 
     def read_started(self, paths: JobPaths) -> dict | None:
         """The supervisor's start record; before it exists, what slurm.json says was submitted (if not finished)."""
@@ -233,29 +215,41 @@ class SlurmExecutor:
         if started is not None:
             return started
         submitted = read_json(paths.slurm_record) or {}
-        if not submitted.get("slurm_job_id") or _attempt_ended(paths, submitted.get("attempt")):
+        if not submitted.get("attempt") or _attempt_ended(paths, submitted.get("attempt")):
             return None
         # recovery needs this when the watcher died between sbatch and run.json: the attempt exists in Slurm
         return {"attempt": submitted.get("attempt"), "supervisor_pid": None, "job_pid": None,
-                "started_at": submitted.get("submitted_at"), "slurm_job_id": submitted["slurm_job_id"]}
+                "started_at": submitted.get("submitted_at"), "slurm_job_id": submitted.get("slurm_job_id")}
 
     def read_exit(self, paths: JobPaths, attempt: dict) -> dict | None:
-        """The supervisor's exit record; or, once Slurm ended the job without one, a record written in its place."""
-        record = read_json(paths.exit_record)
+        """The node's exit record once it can be final; or, once Slurm ended the job without one, one written here.
+
+        While Slurm shows the batch job queued or running nothing is read (the record is written just before the
+        batch job ends); while Slurm is unknown the folder is looked at once per poll_s.
+        """
         slurm_id = self._slurm_id(paths, attempt)
-        if record is not None or slurm_id is None:
-            if record is not None and slurm_id is not None:
-                self._forget(slurm_id)
-            return record
+        if slurm_id is None:
+            return None if self._unconfirmed_for(paths, attempt) else self._own_record(paths, attempt)
         job = self._state(slurm_id)
-        if job is None or not job.has_ended or supervisor_holds_lock(paths) or self._within_grace(paths, slurm_id):
+        if job is not None and (job.state in QUEUED_STATES or job.state in RUNNING_STATES):
             return None
-        if attempt.get("ended_at"):
-            return None  # finished long ago; its exit.json was cleared for a next attempt that never reached sbatch
+        if job is None or not (job.has_ended or job.state == GONE):  # COMPLETING, or Slurm unknown
+            if not self._exit_read_due(slurm_id) or self._requeues(paths):
+                return None  # a requeueing job's record is final only once Slurm says the job ended
+        record = self._own_record(paths, attempt)
+        if record is not None:
+            if _was_sigkilled(record) and job is not None and not (job.has_ended or job.state == GONE):
+                return None  # Slurm's final state says whether its OOM handling killed it
+            self._forget(slurm_id)
+            return _with_slurm_view(record, slurm_id, job)
+        if job is None or not (job.has_ended or job.state == GONE) or attempt.get("ended_at"):
+            return None
+        if self._node_still_alive(paths, slurm_id) or self._within_grace(paths, slurm_id):
+            return None
         _refresh_listing(paths.dir)  # an NFS client may cache "no exit.json"; listing the folder revalidates
-        record = read_json(paths.exit_record) or self._synthesize(paths, attempt, slurm_id, job)
+        record = self._own_record(paths, attempt) or self._synthesize(paths, attempt, slurm_id, job)
         self._forget(slurm_id)
-        return record
+        return _with_slurm_view(record, slurm_id, job)
 
     def kill_leftovers(self, paths: JobPaths, attempt: dict) -> int:
         """Nothing of the attempt runs on this machine; a batch job Slurm still holds is cancelled."""
@@ -271,9 +265,11 @@ class SlurmExecutor:
     def waiting_for(self, paths: JobPaths, attempt: dict) -> str | None:
         """"Slurm: Resources" (Slurm's pending reason) while the batch job is queued, else None."""
         slurm_id = self._slurm_id(paths, attempt)
+        if slurm_id is None and attempt and self._unconfirmed_for(paths, attempt):
+            return "Slurm: submission not confirmed (sbatch got no answer); looking for it by its tag"
         job = self._state(slurm_id) if slurm_id else None
         if job is None:
-            return self._down if slurm_id and not paths.started.exists() else None
+            return self._down if slurm_id and self._down and not paths.started.exists() else None
         if job.state in QUEUED_STATES:
             reason = job.reason if job.reason and job.reason != "None" else "queued"
             return f"Slurm: {reason}"
@@ -287,7 +283,7 @@ class SlurmExecutor:
         job = self._state(slurm_id) if slurm_id else None
         if job is None or not job.is_live or slurm_id in self._cancelled:
             return
-        queued = job.state in QUEUED_STATES and not paths.started.exists()
+        queued = job.state in QUEUED_STATES
         if queued or now - stop_requested_at >= grace_s + self.kill_after_s + self.scancel_margin_s:
             why = "still queued in Slurm" if queued else "its supervisor did not end it in time"
             logger.info("job %s: scancel %s (stop requested, %s)", paths.dir.name, slurm_id, why)
@@ -305,10 +301,13 @@ class SlurmExecutor:
             self._query = None
 
     # -- sbatch options ------------------------------------------------------------------------
-    def options_for(self, spec: LaunchSpec, job_name: str, job_slurm: dict) -> SlurmOptions:
+    def options_for(self, spec: LaunchSpec, job_name: str, job_slurm: dict, resources: dict | None = None,
+                    token: str | None = None) -> SlurmOptions:
         """The attempt's sbatch options from its LaunchSpec, its resources, watcher.yaml and the job's slurm block."""
-        resources = _resources(Path(spec.job_dir))
-        gpus = int(resources.get("gpus") or 0)
+        if resources is None:
+            resources = _job_file(Path(spec.job_dir))[0]
+        nodes = int(resources.get("nodes") or 1)
+        gpus = int(resources.get("gpus_per_node") or resources.get("gpus") or 0)
         ram_gb = resources.get("ram_gb")
         return SlurmOptions(
             job_name=job_name,
@@ -319,51 +318,54 @@ class SlurmExecutor:
             chdir=spec.cwd,
             output=str(Path(spec.job_dir) / SLURM_OUTPUT),
             extra=self.sbatch_args + tuple(str(a) for a in job_slurm.get("sbatch_args") or ()),
+            comment=make_tag(self.key, Path(spec.job_dir).name, spec.attempt, token or secrets.token_hex(4)),
+            signal_lead_s=signal_lead_s(spec.stop_grace_s, spec.kill_after_s),
+            requeue=bool(job_slurm.get("requeue")),
+            nodes=nodes,
+            tasks_per_node=int(resources.get("tasks_per_node") or 1),
         )
 
     # -- talking to Slurm ------------------------------------------------------------------------
     def _submit(self, argv: list[str], paths: JobPaths) -> str:
-        """Run sbatch; ExecutorUnavailable when Slurm cannot be reached, SpawnFailed when it refuses the job."""
+        """Run sbatch: the id; ExecutorUnavailable when refused at the door, _NoAnswer when it may exist anyway."""
         try:
-            done = _run(argv)
+            done = run(argv, self.command_timeout_s)
         except FileNotFoundError:
             raise self._went_down("sbatch is not on PATH; install the Slurm client or fix PATH") from None
         except subprocess.TimeoutExpired:
-            raise self._went_down(f"sbatch did not answer in {COMMAND_TIMEOUT_S:g} s") from None
-        first = _first_line(done.stderr)
+            raise _NoAnswer(f"sbatch did not answer in {self.command_timeout_s:g} s") from None
+        first = first_line(done.stderr)
         if done.returncode == 0 and done.stdout.strip():
             return done.stdout.strip().splitlines()[-1].split(";")[0]
-        if _UNREACHABLE.search(done.stderr):
+        if NO_ANSWER.search(done.stderr):
+            raise _NoAnswer(first)
+        if REFUSED.search(done.stderr):
             raise self._went_down(first)
         raise SpawnFailed(f"{paths.dir}: Slurm refused the job: {first or f'sbatch exited {done.returncode}'}; "
                           "fix slurm.partition / slurm.sbatch_args in the job file or watcher.yaml")
 
+    def _confirm(self, paths: JobPaths, record: dict, slurm_id: str) -> None:
+        """The submission exists as ``slurm_id``: record it in slurm.json and track it."""
+        atomic_write_json(paths.slurm_record, {**record, "slurm_job_id": slurm_id})
+        self._unconfirmed.pop(str(paths.dir), None)
+        self._track(slurm_id, SlurmJob("PENDING", "None"))
+
     def _went_down(self, detail: str) -> ExecutorUnavailable:
         self._down = f"Slurm is not reachable: {detail}"
-        self._stale = True
         logger.warning("slurm: %s", self._down)
         return ExecutorUnavailable(self._down)
 
-    def _scancel(self, slurm_id: str, paths: JobPaths) -> None:
+    def _scancel(self, slurm_id: str, paths: JobPaths | None) -> None:
+        where = paths.dir.name if paths else "duplicate"
         try:
-            done = _run(["scancel", slurm_id])
+            done = run(["scancel", slurm_id], self.command_timeout_s)
         except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
-            logger.warning("job %s: scancel %s failed: %s", paths.dir.name, slurm_id, exc)
+            logger.warning("job %s: scancel %s failed: %s", where, slurm_id, exc)
             return
         if done.returncode != 0:
-            logger.warning("job %s: scancel %s failed: %s", paths.dir.name, slurm_id, _first_line(done.stderr))
+            logger.warning("job %s: scancel %s failed: %s", where, slurm_id, first_line(done.stderr))
             return
         self._cancelled.add(slurm_id)
-        self._stale = True
-
-    def _exit_status(self, slurm_id: str) -> tuple[int | None, int | None]:
-        """(exit code, signal) of the batch script from ``scontrol show job`` (kept for MinJobAge), or Nones."""
-        try:
-            done = _run(["scontrol", "-o", "show", "job", slurm_id])
-        except (FileNotFoundError, subprocess.TimeoutExpired):
-            return None, None
-        match = _EXIT_CODE.search(done.stdout)
-        return (int(match.group(1)), int(match.group(2))) if match else (None, None)
 
     # -- the cached squeue -----------------------------------------------------------------------
     def _state(self, slurm_id: str) -> SlurmJob | None:
@@ -380,64 +382,163 @@ class SlurmExecutor:
         self._tracked.add(slurm_id)
         if seed is not None:
             self._jobs[slurm_id] = seed
-        else:
-            self._stale = True  # recovery asks about ids we never saw: the next reap queries at once
 
     def _forget(self, slurm_id: str) -> None:
-        for store in (self._jobs, self._ended_seen):
+        for store in (self._jobs, self._ended_seen, self._beats, self._exit_read_mono):
             store.pop(slurm_id, None)
         self._tracked.discard(slurm_id)
         self._cancelled.discard(slurm_id)
 
     def _poll(self, start: bool) -> None:
-        """Take a finished squeue's answer; with ``start``, launch the next one when poll_s has passed."""
+        """Take a finished squeue's answer; with ``start``, launch the next one when poll_s has passed.
+
+        At most one squeue per poll_s, whatever the number of jobs, and none while nothing is tracked and no
+        launch asked whether Slurm is up.
+        """
         now = time.monotonic()
         if self._query is not None:
             result = self._query.result()
-            if result is None and now - self._query.started > QUERY_TIMEOUT_S:
-                result = (-1, "", f"squeue did not answer in {QUERY_TIMEOUT_S:g} s")
             if result is None:
                 return
             query, self._query = self._query, None
             query.close()
-            self._absorb(query.ids, *result)
-        wanted = self._tracked or now - self._probe_wanted_mono < 2 * self.poll_s
-        if start and wanted and (self._stale or now - self._last_query_mono >= self.poll_s):
-            self._start_query(now)
+            self._absorb(*result)
+        wanted = self._tracked or self._unconfirmed or now - self._probe_wanted_mono < 2 * self.poll_s
+        if start and wanted and now - self._last_query_mono >= self.poll_s:
+            self._last_query_mono = now
+            try:
+                self._query = SqueueQuery()
+            except OSError as exc:
+                self._absorb(-1, "", f"cannot run squeue ({exc.strerror}); install the Slurm client or fix PATH")
 
-    def _start_query(self, now: float) -> None:
-        ids = tuple(sorted(self._tracked, key=_id_order))
-        argv = (["squeue", "-h", "-t", "all", "-o", "%i|%T|%r|%B", "-j", ",".join(ids)] if ids
-                else ["squeue", "-h", "--me", "-o", "%i"])
-        self._last_query_mono, self._stale = now, False
-        try:
-            self._query = _Query(argv, ids)
-        except OSError as exc:
-            self._absorb(ids, -1, "", f"cannot run squeue ({exc.strerror}); install the Slurm client or fix PATH")
-
-    def _absorb(self, ids: tuple[str, ...], returncode: int, out: str, err: str) -> None:
-        """Turn one squeue answer into job states (ids it did not list are GONE) and reachability."""
-        if returncode != 0 and "Invalid job id" not in err:
-            self._down = f"Slurm is not reachable: {_first_line(err) or f'squeue exited {returncode}'}"
+    def _absorb(self, returncode: int, out: str, err: str) -> None:
+        """One squeue answer: live jobs' states, departed jobs' final states, duplicates, unconfirmed submissions."""
+        if returncode != 0:
+            self._down = f"Slurm is not reachable: {first_line(err) or f'squeue exited {returncode}'}"
             logger.debug("slurm: %s", self._down)
             return
         if self._down is not None:
             logger.info("slurm: reachable again")
         self._down = None
-        seen = _parse_squeue(out) if returncode == 0 else {}
+        seen = parse_squeue(out)
         now = time.monotonic()
-        for slurm_id in ids:
-            job = seen.get(slurm_id, SlurmJob(GONE))
-            self._jobs[slurm_id] = job
-            if job.has_ended:
-                self._ended_seen.setdefault(slurm_id, now)
+        departed = []
+        for slurm_id in sorted(self._tracked, key=id_order):
+            if slurm_id in seen:
+                self._jobs[slurm_id] = seen[slurm_id]
+            elif self._jobs.get(slurm_id) is None or self._jobs[slurm_id].is_live:
+                departed.append(slurm_id)
+        for slurm_id in departed[:MAX_DEPARTED_PER_POLL]:  # left the live states: ask once how it ended
+            job = show_job(slurm_id, self.command_timeout_s)
+            if job is not None:
+                self._jobs[slurm_id] = job
+                if not job.is_live:
+                    self._ended_seen.setdefault(slurm_id, now)
+        self._cancel_duplicates(seen)
+        self._resolve_unconfirmed(seen)
+
+    def _cancel_duplicates(self, seen: dict[str, SlurmJob]) -> None:
+        """Two live Slurm jobs for one attempt of this queue: keep the tracked one, scancel the other."""
+        by_attempt: dict[str, list[str]] = {}
+        for slurm_id, job in seen.items():
+            attempt = tag_attempt(job.comment, self.key)
+            if attempt is not None:
+                by_attempt.setdefault(attempt, []).append(slurm_id)
+        for ids in by_attempt.values():
+            if len(ids) > 1 and any(i in self._tracked for i in ids):
+                for extra in (i for i in ids if i not in self._tracked and i not in self._cancelled):
+                    logger.warning("slurm: job %s duplicates an attempt already running as %s; scancel", extra,
+                                   ",".join(i for i in ids if i in self._tracked))
+                    self._scancel(extra, None)
+
+    def _resolve_unconfirmed(self, seen: dict[str, SlurmJob]) -> None:
+        """Adopt an unconfirmed submission seen by its tag or claim; submit it again once proven absent."""
+        for key, pending in list(self._unconfirmed.items()):
+            found = sorted((i for i, j in seen.items() if j.comment == pending.tag), key=id_order)
+            claimed = str((read_json(pending.paths.slurm_claim(pending.attempt)) or {}).get("slurm_job_id") or "")
+            if claimed or found:
+                self._adopt(pending, claimed or found[0])
+                continue
+            pending.missed += 1
+            if pending.missed < UNCONFIRMED_POLLS:
+                continue
+            try:  # the live squeue does not list a job that already ended: ask Slurm about every job it knows
+                everything = find_tagged(pending.tag, self.command_timeout_s)
+            except (OSError, subprocess.SubprocessError) as exc:
+                logger.info("job %s: tag lookup failed (%s); trying again next poll", pending.paths.dir.name, exc)
+                continue
+            if everything:
+                self._adopt(pending, everything[0][0])
+                continue
+            logger.warning("job %s: Slurm has no job tagged %s; submitting attempt %d again", pending.paths.dir.name,
+                           pending.tag, pending.attempt)
+            try:
+                slurm_id = self._submit(pending.argv, pending.paths)
+            except _NoAnswer:
+                pending.missed = 0
+                continue
+            except (ExecutorUnavailable, SpawnFailed) as exc:
+                logger.warning("job %s: resubmission failed: %s", pending.paths.dir.name, exc)
+                continue
+            self._adopt(pending, slurm_id)
+
+    def _adopt(self, pending: _Unconfirmed, slurm_id: str) -> None:
+        logger.info("job %s: attempt %d is Slurm job %s (tag %s)", pending.paths.dir.name, pending.attempt,
+                    slurm_id, pending.tag)
+        record = read_json(pending.paths.slurm_record) or {"attempt": pending.attempt, "tag": pending.tag}
+        self._confirm(pending.paths, record, slurm_id)
+
+    def _unconfirmed_for(self, paths: JobPaths, attempt: dict) -> _Unconfirmed | None:
+        """The attempt's submission that got no answer; re-registered from slurm.json after a watcher restart."""
+        pending = self._unconfirmed.get(str(paths.dir))
+        if pending is not None or attempt.get("ended_at"):
+            return pending
+        record = read_json(paths.slurm_record) or {}
+        if (record.get("tag") and not record.get("slurm_job_id") and attempt.get("n") in (None, record.get("attempt"))
+                and not _attempt_ended(paths, record.get("attempt"))):
+            pending = _Unconfirmed(paths, int(record["attempt"]), str(record["tag"]), list(record.get("sbatch") or []))
+            self._unconfirmed[str(paths.dir)] = pending
+        return pending
+
+    # -- the node's signs of life -------------------------------------------------------------------
+    def _node_still_alive(self, paths: JobPaths, slurm_id: str) -> bool:
+        """After Slurm said the job ended: a supervisor holding its lock, or a heartbeat still moving."""
+        if lock_state(paths) is True:
+            return True
+        beat = read_json(paths.heartbeat) or {}
+        if str(beat.get("slurm_job_id")) != slurm_id or beat.get("ended"):
+            return False
+        now = time.monotonic()
+        seen = self._beats.get(slurm_id)
+        if seen is None or seen[0] != beat.get("beats"):
+            self._beats[slurm_id] = (beat.get("beats"), now)  # it moved (or we look for the first time)
+            return True
+        return now - seen[1] < self.heartbeat_stale_s
 
     def _within_grace(self, paths: JobPaths, slurm_id: str) -> bool:
-        """A supervisor that started may have written exit.json that this machine cannot see yet."""
+        """A supervisor that started may have written exit.json that this machine cannot see yet (NFS caching)."""
         first = self._ended_seen.get(slurm_id)
         if first is None or not paths.started.exists():
             return False
-        return time.monotonic() - first < EXIT_RECORD_GRACE_S
+        return time.monotonic() - first < self.exit_grace_s
+
+    def _exit_read_due(self, slurm_id: str) -> bool:
+        """At most one look at exit.json per poll_s for a job whose state Slurm does not tell right now."""
+        now = time.monotonic()
+        if now - self._exit_read_mono.get(slurm_id, -math.inf) < self.poll_s:
+            return False
+        self._exit_read_mono[slurm_id] = now
+        return True
+
+    def _requeues(self, paths: JobPaths) -> bool:
+        return bool((read_json(paths.slurm_record) or {}).get("requeue"))
+
+    def _own_record(self, paths: JobPaths, attempt: dict) -> dict | None:
+        """exit.json if it is this attempt's (a retried job's folder still holds the previous attempt's)."""
+        record = read_json(paths.exit_record)
+        if record is None or (attempt.get("n") is not None and record.get("attempt") != attempt.get("n")):
+            return None
+        return record
 
     def _slurm_id(self, paths: JobPaths, attempt: dict) -> str | None:
         """The attempt's Slurm job id: from run.json, else from slurm.json (the watcher died right after sbatch)."""
@@ -448,20 +549,21 @@ class SlurmExecutor:
         known, submitted = attempt.get("n"), int(record.get("attempt") or 0)
         if record.get("slurm_job_id") and (known is None or submitted > int(known)
                                            or (submitted == int(known) and not slurm_id)):
+            if known is not None and submitted == int(known) and not attempt.get("ended_at"):
+                attempt["slurm_job_id"] = str(record["slurm_job_id"])  # adopted after an unanswered sbatch
             return str(record["slurm_job_id"])
         return str(slurm_id) if slurm_id else None
 
     # -- when Slurm ended the job without an exit record ----------------------------------------
     def _synthesize(self, paths: JobPaths, attempt: dict, slurm_id: str, job: SlurmJob) -> dict:
         """Write exit.json in the supervisor's place, and say in output.log what Slurm did."""
-        code, sig = self._exit_status(slurm_id) if job.state in ("FAILED", "COMPLETED") else (None, None)
-        outcome = ended_outcome(job, code, sig, paths, slurm_id, self.python)
+        outcome = ended_outcome(job, job.exit_code, job.exit_signal, paths, slurm_id, self.python)
         started = read_json(paths.started) or {}
         now = time.time()
         record = {
             "attempt": attempt.get("n") or (read_json(paths.slurm_record) or {}).get("attempt"),
             "job_pid": started.get("job_pid"), "exit_code": outcome["exit_code"], "signal": outcome["signal"],
-            "signal_name": _SIGNAL_NAMES.get(outcome["signal"]), "started_at": started.get("started_at"),
+            "signal_name": SIGNAL_NAMES.get(outcome["signal"]), "started_at": started.get("started_at"),
             "ended_at": iso_utc(now), "stop_reason": outcome["stop_reason"],
             "stop_requested_at": iso_utc(now) if outcome["stop_reason"] == "timeout" else None,
             "signals_sent": [], "spawn_error": None, "slurm_job_id": slurm_id, "slurm_state": job.state,
@@ -475,12 +577,23 @@ class SlurmExecutor:
         return record
 
 
+class _NoAnswer(Exception):
+    """sbatch reached the controller but got no answer: the job may exist."""
+
+
 # -- pure helpers (tests call these directly) ------------------------------------------------------
 
 
-def batch_env(env: dict[str, str]) -> dict[str, str]:
-    """The job's env for the batch job: no GPU choice of the watcher's and no SLURM_* of the watcher's own shell."""
-    return {k: v for k, v in env.items() if k not in _DROPPED_ENV and not k.startswith("SLURM_")}
+def batch_env(env: dict[str, str], keep: frozenset[str] | set[str] = frozenset()) -> dict[str, str]:
+    """The environment a batch job gets from the watcher: TRAINQ_* and the ``keep`` names (the job's own ``env``
+    and watcher.yaml's ``env_passthrough``), never SLURM_* nor what Slurm sets for the allocation on the node."""
+    out = {}
+    for key, value in env.items():
+        if key.startswith("SLURM_") or (key in NODE_OWNED_ENV and key not in keep) or key == "CUDA_VISIBLE_DEVICES":
+            continue
+        if key.startswith("TRAINQ_") or key in keep or key in TRAINQ_OWNED_ENV:
+            out[key] = value
+    return out
 
 
 def time_limit_min(timeout_s: float | None, stop_grace_s: float, kill_after_s: float) -> int | None:
@@ -490,13 +603,25 @@ def time_limit_min(timeout_s: float | None, stop_grace_s: float, kill_after_s: f
     return max(1, math.ceil((timeout_s + stop_grace_s + kill_after_s + TIME_LIMIT_MARGIN_S) / 60))
 
 
+def signal_lead_s(stop_grace_s: float, kill_after_s: float) -> int:
+    """--signal's lead before the time limit: the stop grace plus the kill delay, at least SIGNAL_MIN_LEAD_S."""
+    return min(65535, max(SIGNAL_MIN_LEAD_S, math.ceil(stop_grace_s + kill_after_s)))
+
+
+def srun_argv(argv: tuple[str, ...], tasks: int) -> tuple[str, ...]:
+    """The command under srun: ``tasks`` tasks over the allocation, each with its rendezvous variables."""
+    return ("srun", "--export=ALL", f"--ntasks={tasks}", "--kill-on-bad-exit=1", "sh", "-c", RENDEZVOUS_SH,
+            "trainq-task", *argv)
+
+
 def batch_script(paths: JobPaths, attempt: int, argv: list[str], python: str, package_parent: str) -> str:
-    """slurm.sh: check the job folder is visible on the node, then exec the attempt's supervisor (cd-independent)."""
+    """slurm.sh: check the job folder is visible on the node, then exec the node side of the attempt."""
     q = shlex.quote
     return f"""#!/bin/sh
 # trainq job {paths.dir.name}, attempt {attempt}: written by the watcher and submitted with
 #   {shlex.join(argv)}
-# It runs the attempt's supervisor, which writes output.log, supervisor.json and exit.json in the job folder.
+# It runs the attempt's supervisor, which writes output.log, supervisor.json, heartbeat.json and exit.json in the
+# job folder.
 JOB_DIR={q(str(paths.dir))}
 if [ ! -r "$JOB_DIR/{paths.launch_spec.name}" ]; then
   echo "trainq: job folder $JOB_DIR is not visible on Slurm node $(hostname): the queue root must be on a shared \
@@ -505,61 +630,27 @@ filesystem that the watcher's machine and every node mount at the same path (NFS
 fi
 PYTHONPATH={q(package_parent)}${{PYTHONPATH:+:$PYTHONPATH}}
 export PYTHONPATH
-exec {q(python)} -m trainq.watcher.supervisor "$JOB_DIR" --spec "$JOB_DIR/{paths.launch_spec.name}"
+exec {q(python)} -m trainq.watcher.node "$JOB_DIR" --attempt {attempt}
 """
 
 
-def ended_outcome(job: SlurmJob, code: int | None, sig: int | None, paths: JobPaths, slurm_id: str,
-                  python: str) -> dict:
-    """How a batch job that left no exit record ended: exit_code, signal, stop_reason, evidence, diagnosis."""
-    node = f" on node {job.node}" if job.node and job.node != "(null)" else ""
-    stopped = "stop_flag" if paths.stop_flag.exists() else None
-    by_state = {
-        "CANCELLED": (None, SIGTERM, stopped, "preempted", f"Slurm cancelled the job{node} (scancel)"),
-        "PREEMPTED": (None, SIGTERM, None, "preempted", f"Slurm preempted the job{node}"),
-        "NODE_FAIL": (None, SIGKILL, None, "killed", f"Slurm node{node or ''} failed while running the job"),
-        "BOOT_FAIL": (None, SIGKILL, None, "killed", f"Slurm could not boot the node{node} for the job"),
-        "OUT_OF_MEMORY": (None, SIGKILL, None, "oom", f"Slurm killed the job{node}: out of memory (more than its "
-                                                      "--mem, from resources.ram_gb)"),
-        "TIMEOUT": (None, SIGKILL, "timeout", "timeout", f"Slurm's time limit ended the job{node}"),
-        "DEADLINE": (None, SIGKILL, "timeout", "timeout", f"Slurm's deadline ended the job{node}"),
-    }
-    if job.state in by_state:
-        exit_code, signal, stop_reason, kind, evidence = by_state[job.state]
-        return _outcome(exit_code, signal, stop_reason, None if stop_reason else kind, evidence)
-    if job.state == "COMPLETED":  # slurm.sh exits with the job's status, so 0 means the job succeeded
-        return _outcome(0, None, stopped, None, f"Slurm reports COMPLETED{node}")
-    return _failed_outcome(code, sig, paths, slurm_id, python, node)
+def _with_slurm_view(record: dict, slurm_id: str, job: SlurmJob | None) -> dict:
+    """The node's record plus what Slurm says: its id and final state; OUT_OF_MEMORY makes a SIGKILL an oom."""
+    record = dict(record, slurm_job_id=record.get("slurm_job_id") or slurm_id)
+    if job is not None and job.has_ended:
+        record.setdefault("slurm_state", job.state)
+    if job is not None and job.state == "OUT_OF_MEMORY" and not record.get("executor_diagnosis"):
+        node = f" on node {job.node}" if job.node else ""
+        record["executor_diagnosis"] = {"kind": "oom", "evidence": oom_evidence(node)}
+    return record
 
 
-def _failed_outcome(code: int | None, sig: int | None, paths: JobPaths, slurm_id: str, python: str,
-                    node: str) -> dict:
-    """FAILED (or an unknown state): the job folder not visible, no Python on the node, a kill, or the output's tail."""
-    output = paths.dir / SLURM_OUTPUT.replace("%j", slurm_id)
-    tail = _tail_lines(output)
-    if code == EXIT_NOT_SHARED or (not output.exists() and not paths.started.exists()):
-        evidence = tail or (f"Slurm could not start the job{node}: it cannot see or write the job folder "
-                            f"{paths.dir} (no {output.name} was written); the queue root must be on a shared filesystem")
-        return _outcome(None, None, None, "unknown", evidence, _NOT_SHARED_ADVICE)
-    if code in EXIT_NO_PYTHON:
-        return _outcome(code, None, None, "unknown", tail or f"cannot run {python}{node}",
-                        f"Install trainq's Python at {python} on every Slurm node (or keep the watcher's virtualenv "
-                        "on the shared filesystem), then touch retry.flag.")
-    if sig:
-        return _outcome(None, sig, None, "killed" if sig == SIGKILL else "unknown",
-                        f"the supervisor was killed by signal {sig}{node}" + (f": {tail}" if tail else ""))
-    return _outcome(code, None, None, "unknown", tail or f"Slurm reports FAILED{node} (exit code {code})")
+def _was_sigkilled(record: dict) -> bool:
+    return record.get("signal") == SIGKILL or record.get("exit_code") == 128 + SIGKILL
 
 
-def _outcome(exit_code: int | None, signal: int | None, stop_reason: str | None, kind: str | None,
-             evidence: str, advice: str | None = None) -> dict:
-    diagnosis = None
-    if kind is not None:
-        diagnosis = {"kind": kind, "evidence": evidence}
-        if advice:
-            diagnosis["advice"] = advice
-    return {"exit_code": exit_code, "signal": signal, "stop_reason": stop_reason, "evidence": evidence,
-            "diagnosis": diagnosis}
+def _json(obj: object) -> str:
+    return json.dumps(obj, indent=1, ensure_ascii=False) + "\n"
 
 
 def _attempt_ended(paths: JobPaths, n: object) -> bool:
@@ -568,19 +659,8 @@ def _attempt_ended(paths: JobPaths, n: object) -> bool:
     return any(a.get("n") == n and a.get("ended_at") for a in attempts if isinstance(a, dict))
 
 
-def _parse_squeue(out: str) -> dict[str, SlurmJob]:
-    """``id|STATE|reason|node`` lines into SlurmJobs by id."""
-    jobs = {}
-    for line in out.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) >= 2 and parts[0]:
-            jobs[parts[0]] = SlurmJob(parts[1].split()[0] if parts[1] else "UNKNOWN",
-                                      parts[2] if len(parts) > 2 else "", parts[3] if len(parts) > 3 else "")
-    return jobs
-
-
-def _resources(job_dir: Path) -> dict:
-    """The job file's resources block (gpus, ram_gb) as the watcher validated it."""
+def _job_file(job_dir: Path) -> tuple[dict, set[str]]:
+    """The job file's resources block and the names of its own ``env`` entries, as the watcher validated them."""
     from .errors import WatcherError
     from .jobspec import load_job_file
 
@@ -588,35 +668,8 @@ def _resources(job_dir: Path) -> dict:
         spec = load_job_file(JobPaths(job_dir).spec, f"{job_dir.name}/job.yaml")
     except (WatcherError, OSError) as exc:
         raise SpawnFailed(f"{job_dir}: cannot read job.yaml for Slurm's options ({exc}); submit the job again") from exc
-    return spec.resources.to_dict()
-
-
-def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=COMMAND_TIMEOUT_S, check=False)
-
-
-def _read_all(f) -> str:
-    f.seek(0)
-    return f.read().decode("utf-8", errors="replace")
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
-
-
-def _id_order(slurm_id: str) -> tuple[int, str]:
-    return (int(slurm_id), "") if slurm_id.isdigit() else (0, slurm_id)
-
-
-def _tail_lines(path: Path, max_chars: int = 300) -> str:
-    """The last lines of Slurm's output file, joined, at most ``max_chars``."""
-    try:
-        text = path.read_bytes()[-4096:].decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return " | ".join(lines)[-max_chars:]
+    resources = spec.resources.to_dict()
+    return resources, set(spec.env)
 
 
 def _refresh_listing(folder: Path) -> None:

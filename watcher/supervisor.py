@@ -65,6 +65,8 @@ EXIT_SUPERVISOR_ERROR = 70
 PR_SET_CHILD_SUBREAPER = 36
 #: signals that ask a supervisor to stop its job at once (preemption, Ctrl-C, hang-up); recorded as "sigterm"
 SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: the signal that says a batch system's time limit is near: stop.flag now, SIGTERM after stop_grace ("timeout")
+TIME_LIMIT_SIGNAL = signal.SIGUSR1
 #: how long kill_leftovers keeps killing a job tree that forks while being killed (s)
 LEFTOVER_KILL_DEADLINE_S = 5.0
 #: pause between kill_leftovers passes (s)
@@ -148,9 +150,11 @@ class _Attempt:
 
 
 class _StopSignal:
-    """Set by the supervisor's own SIGTERM/SIGINT/SIGHUP handler (which does nothing else)."""
+    """Set by the supervisor's own SIGTERM/SIGINT/SIGHUP handler and its SIGUSR1 handler (which do nothing else)."""
 
     received = False
+    #: SIGUSR1: the batch system's time limit is near (Slurm's --signal=B:USR1@lead); stop like a timeout
+    time_limit = False
 
 
 class WatcherSignals:
@@ -215,7 +219,7 @@ class Supervisor:
         if pid is not None:
             return pid
         paths = JobPaths(Path(spec.job_dir))
-        lock_fd = _take_lock(paths, spec.attempt)
+        lock_fd, _ = _take_lock(paths, spec.attempt)
         try:
             _clear_records(paths)  # safe: we hold the lock, so no supervisor of this job runs to write them
             pid = os.fork()
@@ -283,19 +287,42 @@ class Supervisor:
 
 
 def is_alive(paths: JobPaths) -> bool:
-    """True iff a supervisor holds ``paths.lock``; probes with a fresh open file and releases at once."""
+    """True iff a supervisor holds ``paths.lock``; where flock does not work, iff the recorded supervisor runs here."""
+    held = lock_state(paths)
+    if held is None:
+        return _recorded_supervisor_runs(paths)
+    return held
+
+
+def lock_state(paths: JobPaths) -> bool | None:
+    """True: a supervisor holds ``paths.lock``; False: none does; None: flock does not work on this filesystem.
+
+    Probes with a fresh open file and a shared lock (two probes at once must not see each other), released at once.
+    """
     try:
         fd = os.open(paths.lock, os.O_RDONLY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return False
     try:
-        # shared, not exclusive: two probes at once must not see each other as a live supervisor
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
+    except OSError:
+        return None  # ENOLCK (NFS without a lock manager), EOPNOTSUPP/ENOSYS (Lustre without -o flock), ...
     finally:
         os.close(fd)  # closing drops our probe lock too
     return False
+
+
+def _recorded_supervisor_runs(paths: JobPaths) -> bool:
+    """The start record's supervisor pid runs on this machine, started no later than the job (pid reuse guard)."""
+    started = read_json(paths.started) or {}
+    try:
+        proc = psutil.Process(int(started["supervisor_pid"]))
+        born = started.get("job_create_time")
+        return proc.status() != psutil.STATUS_ZOMBIE and (born is None or proc.create_time() <= born + 0.01)
+    except (KeyError, TypeError, ValueError, psutil.Error):
+        return False
 
 
 def process_tree(paths: JobPaths) -> list[int]:
@@ -407,8 +434,13 @@ def _in_job_group(proc: psutil.Process, pgid: int | None, born: float | None) ->
     return os.getpgid(proc.pid) == pgid and proc.create_time() >= born - 0.01
 
 
-def _take_lock(paths: JobPaths, attempt: int) -> int:
-    """Open and exclusively flock ``paths.lock``; SpawnFailed when someone still runs this job."""
+def _take_lock(paths: JobPaths, attempt: int, *, required: bool = True) -> tuple[int, str | None]:
+    """Open and exclusively flock ``paths.lock``: (fd, None); SpawnFailed when someone still runs this job.
+
+    Where flock does not work on the job folder's filesystem (ENOLCK, EOPNOTSUPP...), SpawnFailed when the lock
+    is ``required``, else (fd, why): a Slurm node then runs unlocked (Slurm's job state and the heartbeat say
+    whether the attempt lives; see watcher/node.py).
+    """
     try:
         fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
@@ -420,7 +452,14 @@ def _take_lock(paths: JobPaths, attempt: int) -> int:
         os.close(fd)
         raise SpawnFailed(f"{paths.lock}: another supervisor still runs this job; "
                           f"wait for it to exit (or stop it) before starting attempt {attempt}") from exc
-    return fd
+    except OSError as exc:
+        why = f"flock on {paths.lock} failed ({exc.strerror})"
+        if not required:
+            return fd, why
+        os.close(fd)
+        raise SpawnFailed(f"{why}: the queue root's filesystem has no working flock; keep the queue root on a "
+                          "local filesystem (or one mounted with flock), or use executor: slurm") from exc
+    return fd, None
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -504,7 +543,7 @@ def _await_job(requests: int, replies: int) -> tuple[LaunchSpec, int, int] | Non
         try:
             spec = LaunchSpec.from_dict(json.loads(line))
             paths = JobPaths(Path(spec.job_dir))
-            lock_fd = _take_lock(paths, spec.attempt)
+            lock_fd, _ = _take_lock(paths, spec.attempt)
         except (SpawnFailed, ValueError, TypeError) as exc:
             _reply(replies, {"error": str(exc)})
             continue
@@ -788,8 +827,12 @@ def _install_stop_handlers() -> _StopSignal:
     def on_stop(_signum: int, _frame: object) -> None:
         stop_signal.received = True
 
+    def on_time_limit(_signum: int, _frame: object) -> None:
+        stop_signal.time_limit = True
+
     for sig in SUPERVISOR_STOP_SIGNALS:
         signal.signal(sig, on_stop)
+    signal.signal(TIME_LIMIT_SIGNAL, on_time_limit)
     return stop_signal
 
 
@@ -917,11 +960,13 @@ def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
     elif not _exists(a.paths.dir):  # rm -rf of the job folder: a stop, as stop.flag would do it
         _request_stop(a, "folder_removed", now,
                       f"the job folder {a.paths.dir} was removed; SIGTERM in {a.spec.stop_grace_s:g} s")
-    elif a.spec.timeout_s is not None and now - a.started_mono >= a.spec.timeout_s:
+    elif stop_signal.time_limit or (a.spec.timeout_s is not None and now - a.started_mono >= a.spec.timeout_s):
         a.created_stop_flag = not _exists(a.paths.stop_flag)
         touch(a.paths.stop_flag)  # lets the job checkpoint before it is terminated
-        _request_stop(a, "timeout", now, f"timeout after {a.spec.timeout_s:g} s; created "
-                                         f"{a.paths.stop_flag.name}; SIGTERM in {a.spec.stop_grace_s:g} s")
+        why = ("the batch system's time limit is near (SIGUSR1)" if stop_signal.time_limit
+               else f"timeout after {a.spec.timeout_s:g} s")
+        _request_stop(a, "timeout", now, f"{why}; created {a.paths.stop_flag.name}; "
+                                         f"SIGTERM in {a.spec.stop_grace_s:g} s")
 
 
 def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:
@@ -1097,15 +1142,21 @@ def _write(fd: int, text: str) -> None:
 # ---------------------------------------------------------------- standalone entry point
 
 
-def run_in_foreground(spec: LaunchSpec) -> dict:
-    """Take the lock and supervise in this process (Slurm, by hand); returns the exit record."""
+def run_in_foreground(spec: LaunchSpec, *, lock_required: bool = True) -> dict:
+    """Take the lock and supervise in this process (Slurm, by hand); returns the exit record.
+
+    ``lock_required=False`` (a Slurm node) runs on, with a note in output.log, where flock does not work.
+    """
     spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir))
     paths = JobPaths(Path(spec.job_dir))
-    lock_fd = _take_lock(paths, spec.attempt)
+    lock_fd, unlocked = _take_lock(paths, spec.attempt, required=lock_required)
     remove_quietly(paths.exit_record)
     remove_quietly(paths.started)
     _reset_signals()
     log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    if unlocked:
+        _note(log_fd, f"{unlocked}; running without the lock (Slurm's job state and "
+                      f"{paths.heartbeat.name} tell the watcher this attempt is alive)")
     try:
         return _supervise(spec, log_fd, _load_prctl())
     except BaseException:
