@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -146,14 +147,23 @@ def test_any_command_allowed_without_a_list() -> None:
     assert check_command_allowed(command_job("rm -rf /tmp/x"), WatcherConfig()) is None
 
 
-def test_allow_commands_by_basename_and_by_full_path() -> None:
-    config = WatcherConfig(allow_commands=("python", "/opt/tools/run.sh"))
-    assert check_command_allowed(command_job("python x.py"), config) is None
-    assert check_command_allowed(command_job("/usr/bin/python x.py"), config) is None
-    assert check_command_allowed(command_job("/opt/tools/run.sh --fast"), config) is None
-    assert check_command_allowed(command_job("/opt/tools/../tools/run.sh"), config) is None
-    assert check_command_allowed(command_job("/elsewhere/run.sh"), config) is not None
-    assert check_command_allowed(command_job("run.sh"), config) is not None
+def test_allow_commands_compare_real_paths(tmp_path: Path) -> None:
+    tool = tmp_path / "tools" / "run.sh"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    (tmp_path / "link.sh").symlink_to(tool)
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(tool, tmp_path / "elsewhere" / "run.sh")
+    config = WatcherConfig(allow_commands=("echo", str(tool)))
+    echo = os.path.realpath(shutil.which("echo"))
+    assert check_command_allowed(command_job("echo x"), config) is None
+    assert check_command_allowed(command_job(f"{echo} x"), config) is None
+    assert check_command_allowed(command_job(f"{tool} --fast"), config) is None
+    assert check_command_allowed(command_job(f"{tmp_path}/tools/../tools/run.sh"), config) is None
+    assert check_command_allowed(command_job(f"{tmp_path}/link.sh"), config) is None  # same real path
+    assert check_command_allowed(command_job(f"{tmp_path}/elsewhere/run.sh"), config) is not None
+    assert check_command_allowed(command_job("run.sh"), config) is not None  # not on the watcher's PATH
 
 
 def test_disallowed_command_problem_names_field_and_remedy() -> None:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from trainq.watcher.allow import command_problem
 from trainq.watcher.contract import ENV_SIMULATE_GPUS
 from trainq.watcher.errors import InvalidWatcherConfig, Problem
 from trainq.watcher.jobspec import (
@@ -174,19 +175,12 @@ def _read_settings(path: Path) -> dict:
     return data
 
 
-def check_command_allowed(spec: JobSpec, config: WatcherConfig) -> Problem | None:
-    """A Problem when a command job's executable is not in ``allow_commands``; train jobs are always allowed.
+def check_command_allowed(spec: JobSpec, config: WatcherConfig, values: Mapping[str, str] | None = None,
+                          path_env: str | None = None) -> Problem | None:
+    """A Problem when a command job may not start under ``allow_commands`` (allow.py); train jobs always may.
 
-    A bare name in the list matches the executable's basename; an entry with a slash must equal its path.
+    ``values`` are the placeholder values (job_dir, job_id, ...); ``path_env`` the watcher's PATH
+    (default: this process's).
     """
-    if config.allow_commands is None or spec.is_train or not spec.command:
-        return None
-    executable = spec.command[0]
-    for allowed in config.allow_commands:
-        if "/" in allowed and os.path.normpath(allowed) == os.path.normpath(executable):
-            return None
-        if "/" not in allowed and os.path.basename(executable) == allowed:
-            return None
-    listed = ", ".join(config.allow_commands) or "nothing"
-    return Problem("command", f"'{executable}' is not in allow_commands of watcher.yaml (allowed: {listed}); "
-                              "ask whoever runs the queue to add it, or use an allowed program")
+    path_env = os.environ.get("PATH", os.defpath) if path_env is None else path_env
+    return command_problem(spec, config.allow_commands, values or {}, path_env)

@@ -350,7 +350,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             return InvalidJobSpec(display, [bad_name])
         try:
             spec = load_job_file(cand.path, display)
-            self._check_allowed(spec, display)
+            self._check_allowed(spec, display, cand.name)
         except InvalidJobSpec as exc:
             return exc
         except FileNotFoundError:
@@ -373,8 +373,13 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         else:
             self._accepted(cand, taken, now)
 
-    def _check_allowed(self, spec: JobSpec, display: str) -> None:
-        problem = check_command_allowed(spec, self.config)
+    def _check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
+        """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's)."""
+        if self.config.allow_commands is None:
+            return
+        job_id = id_from_name(file_name)
+        values = {"job_dir": str(self.root.job_dir(JobState.PENDING, job_id)), "job_id": job_id, "attempt": "1"}
+        problem = check_command_allowed(spec, self.config, values, self.env.get("PATH", ""))
         if problem is not None:
             raise InvalidJobSpec(display, [problem])
 

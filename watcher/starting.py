@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .admission import Holding, Limits, Request, plan
+from .allow import command_problem, executable_for
 from .contract import (
     ATTEMPT_BANNER_PREFIX,
     ENV_ATTEMPT,
@@ -184,6 +185,10 @@ class Starting:
         remove_quietly(paths.stop_flag)  # a stop for an earlier attempt (the supervisor clears its own records)
         values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
                   **self.after_values(job)}
+        problem = command_problem(job.spec, self.config.allow_commands, values, self.env.get("PATH", ""))
+        if problem is not None:
+            self._refuse(job, problem, now)
+            return
         spec = LaunchSpec(
             job_dir=str(paths.dir),
             argv=tuple(job.spec.launch_argv(values, sys.executable, resume=bool(resume_from))),
@@ -194,6 +199,8 @@ class Starting:
             kill_after_s=self.config.kill_after_s,
             timeout_s=job.spec.timeout_s,
             banner=_banner(job.id, attempt, now, resume_from),
+            executable=self._checked_executable(job, values),
+            inherit_env=self.executor.name != "slurm",  # a batch job needs its node's SLURM_* environment
         )
         job.run.update(status="running", attempt=attempt, waiting_for=None, not_before=None,
                        gpus=list(decision.gpus), stop_requested_at=None)
@@ -220,6 +227,24 @@ class Starting:
         logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
         self.report.touch()
         self.deps_changed(job.id, now)
+
+    def _checked_executable(self, job: Job, values: dict) -> str | None:
+        """The real path allow_commands approved, so exactly that is exec'd (None: no list, or a train job)."""
+        if self.config.allow_commands is None or job.spec.is_train:
+            return None
+        return executable_for(job.spec, values, self.env.get("PATH", ""))
+
+    def _refuse(self, job: Job, problem, now: float) -> None:
+        """allow_commands refuses the job at start (written into pending/ by hand, or the list changed)."""
+        error = f"{job.id}/job.yaml: {problem.path}: {problem.message}"
+        job.run.update(status="rejected", finished_at=iso_utc(now), waiting_for=None, error=error,
+                       errors=[problem.to_dict()])
+        job.save()
+        job.dir = self.folders.finish(job.id, ok=False)
+        self.jobs.move(job, JobState.FAILED)
+        logger.warning("job %s: rejected at start: %s", job.id, error)
+        logger.info("job %s: running -> failed, rejected", job.id)
+        self._retire(job, now)
 
     def _unlaunch(self, job: Job, reason: str) -> None:
         """The executor could not take the attempt (Slurm down): back to pending, nothing lost."""

@@ -98,6 +98,10 @@ class LaunchSpec:
     kill_after_s: float = 5.0
     timeout_s: float | None = None
     banner: str = ""
+    #: the real path to exec (argv[0] stays as written); set when allow_commands checked it
+    executable: str | None = None
+    #: False: ``env`` is the job's whole environment (env_passthrough applied), not added to the supervisor's
+    inherit_env: bool = True
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
@@ -848,7 +852,7 @@ def _become_subreaper(prctl: Callable[..., int] | None, log_fd: int) -> None:
 def _job_env(spec: LaunchSpec) -> dict[str, str]:
     """The supervisor's environment, the TRAINQ_* defaults for this job, then the spec's own variables."""
     paths = JobPaths(Path(spec.job_dir))
-    env = dict(os.environ)
+    env = dict(os.environ) if spec.inherit_env else {}
     env.update({
         ENV_JOB_ID: paths.dir.name,
         ENV_JOB_DIR: spec.job_dir,
@@ -863,7 +867,8 @@ def _job_env(spec: LaunchSpec) -> dict[str, str]:
 def _spawn(spec: LaunchSpec, log_fd: int) -> subprocess.Popen:
     """Start the job in its own process group; it inherits only stdin=/dev/null and output.log."""
     return subprocess.Popen(
-        list(spec.argv), cwd=spec.cwd, env=_job_env(spec), stdin=subprocess.DEVNULL, stdout=log_fd,
+        list(spec.argv), executable=spec.executable, cwd=spec.cwd, env=_job_env(spec), stdin=subprocess.DEVNULL,
+        stdout=log_fd,
         stderr=subprocess.STDOUT, close_fds=True, start_new_session=True, restore_signals=True,
     )
 
