@@ -134,7 +134,8 @@ def test_sweep_of_command_jobs(queue_dir, watcher_process):
     assert "['2e-4']" in (queue_dir / "done" / "grid-3" / "output.log").read_text()
     wait_until(lambda: _where(queue_dir, "report") == "done", 20, what="after the whole sweep")
     assert _run(queue_dir, "report")["started_at"] >= max(_run(queue_dir, f"grid-{i}")["finished_at"] for i in range(1, 5))
-    entries = [e for e in _status(queue_dir)["jobs"] if e.get("sweep") == "grid"]
+    entries = wait_until(lambda: [e for e in _status(queue_dir).get("jobs", []) if e.get("sweep") == "grid"
+                                  and e["state"] == "done"], 10)
     assert len(entries) == 4 and entries[0]["params"]
     out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status"], capture_output=True,
                          text=True, cwd=REPO, timeout=60)
@@ -193,3 +194,32 @@ def test_on_finish_is_killed_at_its_limit_and_never_changes_the_status(queue_dir
     assert record["timed_out"] is True
     assert "was killed" in (queue_dir / "done" / "slow" / "hook.log").read_text()
     assert _run(queue_dir, "slow")["status"] == "done"
+
+
+def test_sweep_of_tiny_train_jobs_is_compared_in_status(queue_dir, watcher_process, tmp_path):
+    """Two learning rates on the tiny model: status.json and `trainq status` list them best eval loss first."""
+    pytest.importorskip("torch", reason="the training stack is not installed")
+    tiny = tmp_path / "tiny"
+    subprocess.run([PY, "-m", "trainq.trainer.tiny", str(tiny)], check=True, cwd=REPO, capture_output=True, timeout=300)
+    watcher_process()
+    train = {"model": str(tiny / "model"), "data": {"train": str(tiny / "train.jsonl"), "eval": str(tiny / "eval.jsonl")},
+             "method": "lora", "max_steps": 16, "batch_size": 4, "seq_len": 32, "eval_every": 8, "seed": 3,
+             "checkpoint": {"every_steps": 8, "keep": 1}}
+    _job(queue_dir, "lrs", train=train, sweep={"train.lr": [0.00001, 0.01]})
+    wait_until(lambda: all(_where(queue_dir, f"lrs-{i}") in ("done", "failed") for i in (1, 2)), 240, what="sweep")
+    assert [_where(queue_dir, f"lrs-{i}") for i in (1, 2)] == ["done", "done"]
+    def listed() -> dict:
+        found = {e["id"]: e for e in _status(queue_dir).get("jobs", []) if e.get("sweep") == "lrs"}
+        return found if all(e["state"] == "done" for e in found.values()) and len(found) == 2 else {}
+
+    entries = wait_until(listed, 10, what="status.json lists both finished jobs")
+    assert entries["lrs-2"]["params"] == {"train.lr": 0.01}
+    losses = {i: entries[i]["best_eval_loss"] for i in entries}
+    assert all(isinstance(v, float) for v in losses.values()) and losses["lrs-2"] < losses["lrs-1"], losses
+    out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status"], capture_output=True,
+                         text=True, cwd=REPO, timeout=60).stdout
+    rows = [line for line in out.splitlines() if line.strip().startswith("lrs-") and "best eval loss" in line]
+    assert "best eval loss first" in out and rows[0].split()[0] == "lrs-2", out
+    assert f"{losses['lrs-2']:.4f}" in rows[0] and "train.lr=0.01" in rows[0]
+    html = (queue_dir / "status.html").read_text()
+    assert "Sweep lrs" in html and html.index(f"{losses['lrs-2']:.4f}") < html.index(f"{losses['lrs-1']:.4f}")

@@ -163,6 +163,26 @@ def plan(requests: list[Request], holdings: list[Holding], machine: MachineState
     return [ledger.decide(req) for req in sorted(requests, key=lambda r: (-r.priority, r.order))]
 
 
+def gate_report(req: Request, holdings: list[Holding], machine: MachineState, limits: Limits) -> dict[str, str | None]:
+    """Each admission gate for one request as if it were first in line: why it holds (None: it passes).
+
+    Keys: ``never`` (this machine can never run it), ``pause``, ``max_concurrent``, ``battery``,
+    ``ram``, ``disk``, ``gpus``. For ``trainq why``, which shows every gate, not only the first.
+    """
+    ledger = _Ledger(machine, holdings, limits)
+    n = ledger._gpus_wanted(req)
+    usable = [i for i in ledger.gpus if ledger._gpu_problem(i, req) is None]
+    return {
+        "never": ledger._never_gpus(req, n) or ledger._never_ram(req) or ledger._never_disk(req),
+        "pause": "pause.flag is present: no job starts until it is removed" if limits.paused else None,
+        "max_concurrent": ledger._concurrency(),
+        "battery": ledger._battery(req),
+        "ram": ledger._ram(req),
+        "disk": ledger._disk(req),
+        "gpus": None if len(usable) >= n else ledger._gpu_words(req, n, len(usable)),
+    }
+
+
 class _Ledger:
     """What is left while plan() walks the queue; each job it starts is subtracted at once."""
 

@@ -87,6 +87,16 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("retry", help="run a failed job again, resuming from its latest checkpoint (touches retry.flag)")
     p.add_argument("id")
     p.set_defaults(func=cmd_retry)
+
+    p = sub.add_parser("why", help="say where a job is and why: every gate that holds it, or how it failed")
+    p.add_argument("id")
+    p.set_defaults(func=cmd_why)
+
+    p = sub.add_parser("fork", help="write a new job file into the inbox: ID's job.yaml with changes and fork_of: ID")
+    p.add_argument("id")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a field (train.lr=2e-4)")
+    p.add_argument("--from-checkpoint", action="store_true", help="start from ID's latest checkpoint (command jobs)")
+    p.set_defaults(func=cmd_fork)
     return parser
 
 
@@ -311,4 +321,34 @@ def _touch_flag(args: argparse.Namespace, flag: str, states: tuple[str, ...], wh
     flag_path = getattr(JobPaths(path), flag)
     touch(flag_path)
     print(f"job {args.id}: {what} ({state}/{args.id}/{flag_path.name})")
+    return EXIT_OK
+
+
+def cmd_why(args: argparse.Namespace) -> int:
+    from .why import explain
+
+    lines = explain(_root(args), args.id)
+    if lines is None:
+        return _fail(f"{_root(args)}: no job with id {args.id!r} (not in inbox/, pending/, running/, done/ or failed/)",
+                     EXIT_INVALID)
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    from .errors import InvalidJobSpec
+    from .fork import find_job_dir, fork_data, write_fork
+
+    root = _root(args)
+    job_dir = find_job_dir(root, args.id)
+    if job_dir is None:
+        return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
+    try:
+        data = fork_data(job_dir, args.id, args.set, args.from_checkpoint)
+    except InvalidJobSpec as exc:
+        for line in exc.lines():
+            print(line, file=sys.stderr)
+        return EXIT_INVALID
+    target = write_fork(root / "inbox", args.id, data)
+    print(f"{target}: fork of {args.id} submitted{'' if data.get('approved') is True else ' (awaiting approval)'}")
     return EXIT_OK
