@@ -76,6 +76,23 @@ def test_rm_rf_of_a_running_job_stops_its_processes_and_the_loop_goes_on(queue_d
     assert not any((queue_dir / s / "victim").exists() for s in ("pending", "running", "done", "failed"))
 
 
+
+def test_rm_rf_of_a_finished_job_is_forgotten_with_one_log_line(queue_dir, watcher, write_job, caplog):
+    w = watcher()
+    write_job("finished")
+    write_job("kept")
+    tick_until(w, lambda: (queue_dir / "done" / "finished").is_dir() and (queue_dir / "done" / "kept").is_dir())
+    tick_until(w, lambda: {"finished", "kept"} <= {j["id"] for j in status(queue_dir)["jobs"]})
+    with caplog.at_level(logging.INFO, logger="trainq.watcher"):
+        shutil.rmtree(queue_dir / "done" / "finished")
+        tick_until(w, lambda: "finished" not in {j["id"] for j in status(queue_dir)["jobs"]}, what="it unlisted")
+        tick_until(w, lambda: status(queue_dir)["counts"]["done"] == 1, what="the count")
+        for _ in range(5):
+            w.tick(time.time())
+    lines = [r.getMessage() for r in caplog.records if "finished" in r.getMessage() and "removed" in r.getMessage()]
+    assert len(lines) == 1 and "done/finished" in lines[0], lines
+
+
 # -- one injected fault per step ------------------------------------------------------------------
 FAULTS = ",".join(f"{step}:f-{step}" for step in ("admit", "plan", "start", "watch", "finish", "retry", "recover"))
 

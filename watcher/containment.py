@@ -137,7 +137,9 @@ class Containment:
         self.report.touch()
 
     def forget_removed_folders(self) -> None:
-        """Notice pending and running folders removed by hand (one listing per state, not a stat per job)."""
+        """Notice job folders removed by hand (one listing per live state, not a stat per job)."""
+        for job_id, state in self.report.forget_removed_recent():
+            logger.warning("job %s: folder %s/%s was removed; forgetting the job", job_id, state, job_id)
         for state in (JobState.PENDING, JobState.RUNNING):
             live = self.jobs.in_state(state)
             if not live:
@@ -168,9 +170,13 @@ class Containment:
     def _fail_contained(self, job: Job, step: str, exc: Exception, now: float) -> None:
         diagnosis = internal_error_diagnosis(step, exc).to_dict()
         error = f"internal error in step {step}: {type(exc).__name__}: {exc}"[:500]
+        if job.state is JobState.DONE:  # the failure came after the job had ended well: it stays done
+            self._forget_finished(job)
+            return
         if job.state is JobState.FAILED:  # retry.flag on a failed job: it stays failed, now saying why
             run = read_json(job.paths.run) or job.run
             atomic_write_json(job.paths.run, dict(run, error=error))
+            self._forget_finished(job)
             return
         if job.state is JobState.RUNNING and self.executor.is_alive(job.paths, job.current_attempt() or {}):
             self._stop_contained(job, error, diagnosis, now)
@@ -186,6 +192,12 @@ class Containment:
             self.jobs.move(job, JobState.FAILED)
         logger.info("job %s: -> failed, internal error in step %s", job.id, step)
         self._retire(job, now)
+
+    def _forget_finished(self, job: Job) -> None:
+        if self.jobs.get(job.id) is job:
+            self.jobs.remove(job.id)
+        self._concluded = [(j, o) for j, o in self._concluded if j is not job]
+        self.report.touch()
 
     def _stop_contained(self, job: Job, error: str, diagnosis: dict, now: float) -> None:
         """A live attempt: stop it like a stop.flag; it ends failed (judge_exit reads stop_requested_by)."""

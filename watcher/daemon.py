@@ -43,6 +43,8 @@ ADMIT_BATCH = 2000
 PARALLEL_VALIDATE_MIN = 16
 #: threads that validate and claim a burst
 ADMIT_THREADS = 2
+#: pause after an error no job's guard caught, so a repeating one does not spin the CPU, seconds
+LOOP_ERROR_PAUSE_S = 0.5
 
 
 class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
@@ -64,7 +66,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         self.paused = False
         self.stopping = False
         self._awaiting: dict[str, tuple[tuple, dict]] = {}
-        self._unclaimable: dict[str, tuple] = {}  # inbox files not even rejectable (a second fault): name -> signature
+        self._unclaimable: dict[str, tuple] = {}
+        self._loop_errors: dict[str, int] = {}  # errors outside any job's guard, by text: how often  # inbox files not even rejectable (a second fault): name -> signature
         self._concluded: list = []  # (Job, Outcome) out of the live index, final write pending (finishing.py)
         self._order_last = 0
         self._lock_fd: int | None = None
@@ -122,7 +125,20 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
                 self.tick(now)
             except QueueLayoutError as exc:
                 logger.error("watcher: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - the last net, for what no job's guard covers
+                self._loop_failed(exc)
             self._wait(self._next_wait_s())
+
+    def _loop_failed(self, exc: Exception) -> None:
+        """An error outside every job's guard: log it (the traceback once per kind), pause a moment, go on."""
+        key = f"{type(exc).__name__}: {exc}"[:300]
+        seen = self._loop_errors.get(key, 0)
+        self._loop_errors[key] = seen + 1
+        if seen == 0:
+            logger.error("watcher: internal error outside any one job; the loop goes on", exc_info=exc)
+        elif seen % 60 == 0:
+            logger.error("watcher: the same internal error again (%d times): %s", seen + 1, key)
+        time.sleep(LOOP_ERROR_PAUSE_S)  # the next pass should not spin on the same error
 
     def _should_exit(self) -> bool:
         return self.stopping or bool(self._signals and self._signals.stop_requested)

@@ -103,6 +103,17 @@ class Report:
         self.recent.pop(job_id, None)
         self.dirty = True
 
+    def forget_removed_recent(self) -> list[tuple[str, str]]:
+        """Drop listed finished jobs whose folder was removed by hand; their (id, state)."""
+        gone = [(job_id, e["state"]) for job_id, e in self.recent.items()
+                if not (self.root.path / e["dir"]).is_dir()]
+        for job_id, _state in gone:
+            self.recent.pop(job_id, None)
+        if gone:
+            self.recount()
+            self.dirty = True
+        return gone
+
     def recount(self) -> None:
         """Count done/ and failed/ from disk (users may delete finished folders)."""
         for state in (JobState.DONE, JobState.FAILED):
