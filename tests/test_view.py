@@ -60,6 +60,17 @@ def test_stale_heartbeat_says_watcher_not_responding() -> None:
     assert "watcher not responding" not in _text(_snapshot(heartbeat_age_s=2))
 
 
+def test_watcher_problems_such_as_a_full_disk_are_shown() -> None:
+    snapshot = _snapshot()
+    line = "disk full since 2026-11-30T19:00:00Z (status.json: No space left on device); no job is accepted"
+    snapshot["watcher"].update(disk_full=True, problems=[line])
+    assert "disk full since" in _text(snapshot, width=200)
+    from trainq.watcher.html import render_html
+
+    assert "disk full since" in render_html(snapshot, {})
+    assert "disk full" not in _text(_snapshot())
+
+
 def _status_cmd(status_path: Path, *, follow: bool = False, json_out: bool = False) -> list[str]:
     code = ("import sys; from pathlib import Path; from trainq.watcher.view import print_status; "
             f"sys.exit(print_status(Path(sys.argv[1]), follow={follow}, json_out={json_out}))")

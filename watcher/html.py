@@ -240,6 +240,7 @@ def _header(snapshot: dict) -> str:
         '<span id="age"></span>. Is <code>trainq watch</code> running?</div>'
         f'<noscript><div class="banner">JavaScript is off: if the heartbeat above is more than '
         f'{STALE_HEARTBEAT_S} s old, the watcher is not responding.</div></noscript>'
+        + "".join(f'<div class="banner">{_e(problem)}</div>' for problem in w.get("problems") or ())
     )
 
 

@@ -64,6 +64,8 @@ def _header(snapshot: dict, now: float) -> Text:
                     style="bold red")
     elif age is not None:
         text.append(f" · heartbeat {format_eta(age)} ago", style="dim")
+    for problem in w.get("problems") or ():
+        text.append(f"\n{problem}", style="bold red")
     return text
 
 
