@@ -119,3 +119,18 @@ def test_oom_summary_counts_the_steps_done_and_nan_grads_are_skipped(tiny, tmp_p
     from tests.trainer_util import adapter_tensors
 
     assert all(bool(t.isfinite().all()) for t in adapter_tensors(job / "adapter").values())
+
+
+def test_knobs_reach_the_trainer_and_warmup_is_whole_steps(tiny, tmp_path):
+    from trainq.trainer.config import load_config
+    from trainq.trainer.modeling import resolve_precision
+    from trainq.trainer.run import training_args
+
+    job = write_job(tmp_path / "job", tiny, max_steps=5, eval_every=None, gradient_checkpointing=True, optim="sgd",
+                    warmup_ratio=0.5, lr=0.05, checkpoint={"every_steps": 100})
+    args = training_args(load_config(job), resolve_precision("fp32"), job / "checkpoints", False, 1.0, 400, job)
+    assert args.gradient_checkpointing and args.optim == "sgd" and args.warmup_steps == 3
+    epochs = write_job(tmp_path / "epochs", tiny, max_steps=None, epochs=2, batch_size=4, grad_accum=2, warmup_ratio=0.1)
+    assert training_args(load_config(epochs), resolve_precision("fp32"), job, False, 1.0, 100, job).warmup_steps == 3
+    assert run_trainer(job) == EXIT_OK, output(job)
+    assert summary(job)["steps"] == 5 and all(r["loss"] is not None for r in records(job, "step"))

@@ -129,3 +129,44 @@ def test_precision_auto_and_qlora_on_cuda(tiny, tmp_path):
     steps = records(job, "step")
     assert len(steps) == 6 and all(r["loss"] is not None for r in steps) and steps[-1]["peak_mem_mb"] > 0
     assert next(trainer.model.parameters()).is_cuda
+
+
+def _has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def _gradient_error_after_eval(tiny: Path, tmp_path: Path, guard: bool) -> float:
+    """Worst relative LoRA-gradient error vs the de-quantized reference after one eval-mode forward pass."""
+    from trainq.trainer.modeling import build_model
+
+    job = write_job(tmp_path / f"guard-{guard}", tiny, method="qlora", lora={"r": 8, "alpha": 16, "dropout": 0.0})
+    config = load_config(job)
+    model = build_model(config, resolve_precision("fp32"))  # build_model applies the guard
+    if not guard:
+        for layer in model.modules():
+            if isinstance(layer, bnb.nn.Linear4bit):
+                layer.support_avx512bf16_for_cpu = True
+    tokenizer = load_tokenizer(config.model)
+    data = load_data(config.train_sources, config.eval_file, config.eval_fraction)
+    batch = PadCollator(tokenizer.pad_token_id)([tokenize(data.train[:4], tokenizer, 48)[i] for i in range(4)])
+    model.eval()
+    with torch.no_grad():
+        model(**batch)  # an eval pass: where the trap repacks the 4-bit weights
+    quantized = lora_grads(model, batch)
+    swap_in_dequantized(model)
+    reference = lora_grads(model, batch)
+    return max(float((quantized[n] - reference[n]).norm() / reference[n].norm().clamp_min(1e-12))
+               for n in reference if reference[n].norm() > 0)
+
+
+@pytest.mark.skipif(not _has_avx512_bf16(), reason="the repack trap needs a CPU with avx512_bf16 (/proc/cpuinfo)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend of bitsandbytes is what this checks")
+def test_avx512_bf16_guard_is_what_keeps_qlora_gradients_right(tiny, tmp_path):
+    with_guard = _gradient_error_after_eval(tiny, tmp_path, guard=True)
+    without = _gradient_error_after_eval(tiny, tmp_path, guard=False)
+    print(f"LoRA-gradient relative error after an eval pass: with the guard {with_guard:.2e}, without {without:.2e}")
+    assert with_guard < 1e-3
+    assert without > 0.05, "without the guard the repacked weights corrupt the gradients on this CPU"
