@@ -54,3 +54,19 @@ def test_merged_export_matches_adapter_plus_base(tiny, tmp_path, method):
     assert diff < LOGIT_TOLERANCE
     unmerged = logits(AutoModelForCausalLM.from_pretrained(str(tiny / "model"), local_files_only=True), ids)
     assert float((a - unmerged).abs().max()) > 100 * LOGIT_TOLERANCE, "the adapter changed the model"
+
+
+def test_report_to_tensorboard_writes_event_files_or_says_what_is_missing(tiny, tmp_path):
+    import importlib.util
+
+    from trainq.watcher.contract import EXIT_USAGE
+
+    job = write_job(tmp_path / "job", tiny, max_steps=4, eval_every=2, log_every=2, report_to=["tensorboard"],
+                    checkpoint={"every_steps": 100})
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        assert run_trainer(job) == EXIT_OK, output(job)
+        assert list((job / "tensorboard").glob("events.out.tfevents.*"))
+        assert "{'loss'" not in output(job), "the Trainer's own log dicts stay out of the log"
+    else:
+        assert run_trainer(job) == EXIT_USAGE
+        assert "train.report_to: tensorboard needs the tensorboard package" in output(job).strip().splitlines()[-1]

@@ -16,7 +16,7 @@ from transformers import PrinterCallback, TrainingArguments
 
 from trainq.trainer import artifacts, checkpoints, ladder, packing
 from trainq.trainer.callbacks import RunState, TrainqCallback, TrainqTrainer
-from trainq.trainer.config import TrainConfig, load_config
+from trainq.trainer.config import ConfigError, TrainConfig, load_config
 from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError
 from trainq.trainer.sources import LoadedData, changed_files, load_data, tokenize_cached
 from trainq.trainer.faults import parse_faults
@@ -163,8 +163,7 @@ def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_
     warmup_steps = math.ceil(config.warmup_ratio * total_steps(config, train_rows))
     reporting = {"report_to": list(config.report_to) or "none", "logging_strategy": "no"}
     if config.report_to:
-        reporting.update(logging_strategy="steps", logging_steps=config.log_every,
-                         logging_dir=str((job_dir or out_dir.parent) / "tensorboard"))
+        reporting.update(logging_strategy="steps", logging_steps=config.log_every)
     gradient_checkpointing = config.gradient_checkpointing if config.method != "qlora" else False  # peft prepares qlora
     return TrainingArguments(
         output_dir=str(out_dir), per_device_train_batch_size=config.batch_size,
@@ -311,6 +310,15 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
     return EXIT_FOR[outcome]
 
 
+def check_reporters(config: TrainConfig, job_dir: Path) -> None:
+    """``report_to: [tensorboard]`` needs a TensorBoard writer installed; say so before any work is done."""
+    import importlib.util
+
+    if "tensorboard" in config.report_to and not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+        raise ConfigError(f"{job_dir / 'job.yaml'}: train.report_to: tensorboard needs the tensorboard package in the "
+                          "trainer's environment (pip install 'trainq[tensorboard]'); remove it or install it")
+
+
 def settle_config(config: TrainConfig, inv: Invocation, metrics: MetricsWriter, data: LoadedData):
     """Preset, OOM ladder and the resume checks; returns (config, resume folder, its saved state, preset info)."""
     resume = checkpoints.resolve_resume(inv.resume_from) if inv.resume_from else None
@@ -328,6 +336,9 @@ def main_run(job_dir: Path, resume_arg: str | None) -> int:
     timing = {"start": time.time()}
     inv = Invocation.from_args(job_dir, resume_arg)
     config = load_config(inv.job_dir)
+    check_reporters(config, inv.job_dir)
+    if config.report_to:
+        os.environ["TENSORBOARD_LOGGING_DIR"] = str(inv.job_dir / "tensorboard")  # read by transformers' callback
     faults = parse_faults(os.environ.get(ENV_TRAINER_FAULTS))
     metrics = MetricsWriter(inv.metrics)
     data = load_data(config.train_sources, config.eval_file, config.eval_fraction, config.max_bad_rows)
