@@ -6,7 +6,7 @@ Writes ``OUT/latest.md`` (the table) and ``OUT/latest.json`` (every raw figure);
 bench/results/. ``--quick`` shrinks every count; ``--count`` overrides the main count of each chosen
 section (drops, jobs, files, runs or seconds); ``--profile`` runs the queue sections' watchers under
 cProfile and writes ``OUT/profile-*.txt``. Sections: latency, throughput, burst, idle, help, stop,
-readopt, status, trainer, probes. Exit status 0 when every section ran (goals met or not), 1 otherwise.
+readopt, status, trainer, probes, sweep. Exit status 0 when every section ran (goals met or not), 1 otherwise.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import bench_queue  # noqa: E402
+from bench import bench_queue, bench_sweep  # noqa: E402
 from bench._common import PY, REPO, Row, bench_env, load_average, remove_workspaces, spread_out  # noqa: E402
 from trainq.watcher.fsutil import atomic_write  # noqa: E402
 
@@ -129,6 +129,7 @@ SECTIONS = [
             {"jobs": 10, "reads": 200, "poll_s": 3.0}),
     Section("trainer", _bench_trainer, {"quick": False}, {"quick": True}),
     Section("probes", _bench_probes, {"seconds": 10.0, "calls": 1000}, {"seconds": 2.0, "calls": 200}),
+    Section("sweep", bench_sweep.bench_sweep, {"variants": 1000, "seconds": 20.0}, {"variants": 200, "seconds": 3.0}),
 ]
 BY_NAME = {s.name: s for s in SECTIONS}
 

@@ -223,3 +223,14 @@ def test_sweep_of_tiny_train_jobs_is_compared_in_status(queue_dir, watcher_proce
     assert f"{losses['lrs-2']:.4f}" in rows[0] and "train.lr=0.01" in rows[0]
     html = (queue_dir / "status.html").read_text()
     assert "Sweep lrs" in html and html.index(f"{losses['lrs-2']:.4f}") < html.index(f"{losses['lrs-1']:.4f}")
+
+
+def test_bench_sweep_section_runs(tmp_path):
+    """bench/run_all.py's sweep section on a small sweep: every row measured, status.json within bounds."""
+    sys.path.insert(0, str(REPO))
+    from bench.bench_sweep import bench_sweep
+
+    rows = bench_sweep(tmp_path, variants=60, seconds=0.5)
+    assert len(rows) == 6
+    sizes = [r for r in rows if "status.json size" in r.metric]
+    assert all(r.met for r in sizes), [r.cells() for r in rows]
