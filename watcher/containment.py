@@ -160,7 +160,10 @@ class Containment:
             return  # already stopping; once its attempt has ended it is failed below without that step
         try:
             self._fail_contained(job, step, exc, time.time())
-        except Exception:  # noqa: BLE001 - recording the failure failed too: keep the loop alive
+        except Exception as again:  # noqa: BLE001 - recording the failure failed too: keep the loop alive
+            if is_disk_full(again) or isinstance(again, JobFolderRemoved):
+                self.job_failed_in(job, step, again)  # noted (retried once space frees) or forgotten
+                return
             logger.error("job %s: could not record that failure either; leaving its folder %s as it is until "
                          "the watcher restarts", job.id, job.dir, exc_info=True)
             self.jobs.remove(job.id)

@@ -18,7 +18,7 @@ from pathlib import Path
 from . import __version__
 from .config import WatcherConfig, check_command_allowed
 from .containment import ENV_WATCHER_FAULTS, Containment, Faults, is_disk_full
-from .diskfull import DISK_FULL_RETRY_S, DiskFullHandling
+from .diskfull import DISK_FULL_RETRY_S, DiskFullHandling, take_reserve
 from .errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError
 from .folders import Folders, JobState, QueueRoot, id_from_name
 from .fsutil import drain, remove_quietly
@@ -87,6 +87,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         self.root.ensure_layout(create=True)
         self.root.check_single_filesystem()
         self._take_root_lock()
+        self._take_reserve()
         remove_quietly(self.root.stop_flag)
         events = InboxEvents(self.root.inbox, self.wake, flags=(self.root.stop_flag, self.root.pause_flag))
         self.inbox = Inbox(self.root.inbox, self.config.settle_s, events)
@@ -131,6 +132,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
 
     def _loop_failed(self, exc: Exception) -> None:
         """An error outside every job's guard: log it (the traceback once per kind), pause a moment, go on."""
+        if is_disk_full(exc):
+            self.note_disk_full(exc, "the loop")
+            return
         key = f"{type(exc).__name__}: {exc}"[:300]
         seen = self._loop_errors.get(key, 0)
         self._loop_errors[key] = seen + 1
@@ -164,6 +168,14 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             if save_in is not None:
                 wait = min(wait, save_in)
         return wait
+
+    def _take_reserve(self) -> None:
+        try:
+            take_reserve(self.root.reserve_file)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self.note_disk_full(exc, self.root.reserve_file.name)
 
     def _take_root_lock(self) -> None:
         fd = os.open(self.root.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)

@@ -89,6 +89,11 @@ class QueueRoot:
         return self.path / "pause.flag"
 
     @property
+    def reserve_file(self) -> Path:
+        """Space the watcher holds back, and gives up on a full disk so status.json can still say so."""
+        return self.path / ".trainq-reserve"
+
+    @property
     def lock_file(self) -> Path:
         """Held (flock) by the one watcher running on this root; holds its pid."""
         return self.path / ".watcher.lock"
