@@ -107,6 +107,7 @@ def test_full_disk_keeps_the_watcher_alive_records_the_true_outcome_and_resumes(
         assert (root / "running" / "long").is_dir(), "the job's end was guessed from a failed write"
         assert not (root / "running" / "long" / "exit.json").exists()  # its supervisor retries under its lock
         assert not temp_files(root), temp_files(root)
+        assert list((root / "pending").iterdir()) == [], "a failed claim left a folder in pending/"
 
         freed_at = time.time()
         for filler in small_disk.glob("filler*"):  # space frees: it carries on by itself
@@ -129,3 +130,31 @@ def test_full_disk_keeps_the_watcher_alive_records_the_true_outcome_and_resumes(
         watcher.terminate()
         watcher.wait(timeout=30)
         go.touch()
+
+
+def test_a_watcher_started_on_a_full_disk_stays_up_and_resumes(small_disk, tmp_path):
+    """Was: a crash at start-up on every restart while the disk stayed full (a crash-looping service)."""
+    root = small_disk / "queue"
+    for name in ("inbox", "pending", "running", "done", "failed"):
+        (root / name).mkdir(parents=True)
+    (root / "watcher.yaml").write_text("status_s: 0.3\nrescan_s: 0.5\nsettle_s: 0.1\n")
+    staged = job_file(root, "after", [PY, "-c", "pass"])
+    fill(small_disk / "filler")
+    os.rename(staged, root / "inbox" / "after.yaml")
+    stderr = open(tmp_path / "watcher.stderr", "wb")
+    watcher = subprocess.Popen([PY, "-m", "trainq.watcher", "--root", str(root), "watch"], cwd=REPO,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        wait_until(lambda: b"disk full" in (tmp_path / "watcher.stderr").read_bytes(), 30, 0.1,
+                   what="the watcher to notice the full disk")
+        time.sleep(2)
+        assert watcher.poll() is None, "the watcher died starting on a full disk"
+        assert (root / "inbox" / "after.yaml").exists()
+        for filler in small_disk.glob("filler*"):
+            filler.unlink()
+        wait_until(lambda: (root / "done" / "after" / "run.json").exists(), 30, 0.1, what="the job to run")
+        assert watcher.poll() is None
+        assert not temp_files(root), temp_files(root)
+    finally:
+        watcher.terminate()
+        watcher.wait(timeout=30)

@@ -188,9 +188,14 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         except OSError as exc:  # ENOLCK, EOPNOTSUPP: a shared filesystem without (working) flock
             logger.warning("cannot flock %s (%s): nothing stops a second watcher on this queue root; "
                            "run only one", self.root.lock_file, exc.strerror)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
+        pid = f"{os.getpid()}\n".encode()
+        try:  # over the old bytes first: on a full disk that needs no new block
+            os.pwrite(fd, pid, 0)
+            os.ftruncate(fd, len(pid))
+        except OSError as exc:  # the pid is only for the "locked by" message; a full disk must not stop us
+            if not is_disk_full(exc):
+                raise
 
     # -- the loop --------------------------------------------------------------------------
     def tick(self, now: float) -> None:
