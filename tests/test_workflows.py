@@ -234,3 +234,30 @@ def test_bench_sweep_section_runs(tmp_path):
     assert len(rows) == 6
     sizes = [r for r in rows if "status.json size" in r.metric]
     assert all(r.met for r in sizes), [r.cells() for r in rows]
+
+
+def test_a_sweep_interrupted_by_a_crash_is_finished_at_start_up(queue_dir, watcher_process):
+    """The watcher died after claiming a sweep file and writing one of its jobs: the next one writes the rest."""
+    staging = queue_dir / "pending" / ".sweep-part"
+    staging.mkdir()
+    (staging / "job.yaml").write_text(json.dumps({"approved": True, "command": ["echo", "{n}"], "sweep": {"n": [1, 2, 3]}}))
+    (queue_dir / "pending" / "part-1").mkdir()
+    (queue_dir / "pending" / "part-1" / "job.yaml").write_text(json.dumps({"approved": True, "command": ["echo", "1"]}))
+    (queue_dir / "pending" / "part-1" / "run.json").write_text(json.dumps(
+        {"schema_version": 1, "id": "part-1", "status": "pending", "attempt": 0, "attempts": [],
+         "sweep": {"id": "part", "index": 1, "params": {"n": 1}, "of": 3}}))
+    watcher_process()
+    wait_until(lambda: all(_where(queue_dir, f"part-{i}") == "done" for i in (1, 2, 3)), 30, what="the whole sweep")
+    assert not staging.exists() and _where(queue_dir, "part-4") is None
+    assert (queue_dir / "done" / "part-2" / "output.log").read_text().strip().endswith("2")
+
+
+def test_a_sweep_closing_a_cycle_is_rejected(queue_dir, watcher_process):
+    watcher_process()
+    _job(queue_dir, "b", after=["s"])
+    wait_until(lambda: _where(queue_dir, "b") == "pending", 15)
+    _job(queue_dir, "s", after=["b"], command=["echo", "{n}"], sweep={"n": [1, 2]})
+    wait_until(lambda: _where(queue_dir, "s-1") == "failed" and _where(queue_dir, "s-2") == "failed", 15)
+    assert "s-1 -> b -> s" in _run(queue_dir, "s-1")["error"]
+    wait_until(lambda: _where(queue_dir, "b") == "failed", 10)
+    assert _run(queue_dir, "b")["diagnosis"]["kind"] == "dependency"

@@ -85,6 +85,7 @@ class Workflows:
         self.deps = DependencyBook()
         self.hooks = HookLauncher(self.env)
         self._deps_queue: list[str] = []
+        self._sweeps_unfinished = False  # a sweep's expansion failed (a full disk): retried on each rescan
 
     # -- accepting -----------------------------------------------------------------------------
     def admit_workflow(self, job: Job, now: float) -> None:
@@ -243,7 +244,7 @@ class Workflows:
                     if held is None:
                         self.deps.dependents.get(dep, set()).discard(held_id)
                     else:
-                        self.check_deps(held, now)
+                        self.guarded(held, "plan", self.check_deps, held, now)
             self._deps_queue.pop(0)
 
     def _sweep_of(self, job_id: str) -> str | None:
@@ -260,7 +261,10 @@ class Workflows:
             if job is None:
                 self.deps.unknown.discard(job_id)
             else:
-                self.check_deps(job, now)
+                self.guarded(job, "plan", self.check_deps, job, now)
+        if self._sweeps_unfinished:
+            self._sweeps_unfinished = False
+            self.resume_sweeps(now)
 
     def _fail_dependency(self, job: Job, dead: DepState, now: float) -> None:
         diagnosis = Diagnosis("dependency", DEPENDENCY_ADVICE, dead.evidence or f"dependency {dead.dep_id} failed")
@@ -320,7 +324,11 @@ class Workflows:
         sweep_id, staging = claimed
         logger.info("sweep %s: inbox/%s -> %d job(s) %s-1 ... %s-%d", sweep_id, cand.name, total, sweep_id,
                     sweep_id, total)
-        self.expand_staged(sweep_id, staging, now, name=_stem(cand.name))
+        try:
+            self.expand_staged(sweep_id, staging, now, name=_stem(cand.name))
+        except OSError as exc:  # its staging folder keeps the file; the jobs written so far stay
+            logger.warning("sweep %s: writing its jobs failed (%s); trying again on the next rescan", sweep_id, exc)
+            self._sweeps_unfinished = True
 
     def expand_staged(self, sweep_id: str, staging: Path, now: float, name: str | None = None) -> None:
         """Write every variant of the staged sweep that is not in the queue yet, then drop the staging folder."""
@@ -331,15 +339,16 @@ class Workflows:
             return
         variants = expand(spec.raw)
         base = spec.name or name or sweep_id
-        made = [self._write_variant(sweep_id, v, len(variants), base, now) for v in variants]
+        self.deps.sweeps[sweep_id] = [f"{sweep_id}-{v.index}" for v in variants]
+        for variant in variants:
+            job = self._write_variant(sweep_id, variant, len(variants), base, now)
+            if job is not None:  # held on its dependencies before anything can start it
+                self.guarded(job, "admit", self.admit_workflow, job, now)
         remove_quietly(staging / "job.yaml")
         try:
             staging.rmdir()
         except OSError:
             logger.warning("sweep %s: could not remove its staging folder %s", sweep_id, staging)
-        self.deps.sweeps[sweep_id] = [f"{sweep_id}-{v.index}" for v in variants]
-        for job in [j for j in made if j is not None]:
-            self.admit_workflow(job, now)
         self.deps_changed(sweep_id, now)
         self.report.touch()
 
