@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from trainq.watcher.text import PrintableFormatter
 
 #: exit status for success, for invalid input (a bad job file, an unknown id), and for anything else
 EXIT_OK = 0
@@ -183,7 +184,7 @@ def _setup_logging(log_file: Path, verbose: bool, quiet: bool) -> Callable[[], N
     No queue and no thread: a 10,000-file burst logs 10,000 lines, and handing each to a writer
     thread cost more (thread wake-ups, the GIL passed back and forth) than the write itself.
     """
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
+    fmt = PrintableFormatter("%(asctime)s %(levelname)s %(message)s")
     handlers: list[logging.Handler] = [logging.FileHandler(log_file, encoding="utf-8")]
     if not quiet:
         handlers.append(logging.StreamHandler(sys.stderr))

@@ -4,6 +4,7 @@ Built once (by cli.py) and passed down; a bad file stops start-up with one line 
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 from collections.abc import Mapping
@@ -58,6 +59,7 @@ class WatcherConfig:
     slurm: dict = field(default_factory=_default_slurm)
     simulate_gpus: Path | None = None
     kill_after_s: float = 5.0
+    env_passthrough: tuple[str, ...] | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping, root: Path | None = None, display: str = WATCHER_FILE) -> WatcherConfig:
@@ -84,6 +86,8 @@ class WatcherConfig:
             out["allow_commands"] = list(self.allow_commands)
         if self.simulate_gpus is not None:
             out["simulate_gpus"] = str(self.simulate_gpus)
+        if self.env_passthrough is not None:
+            out["env_passthrough"] = list(self.env_passthrough)
         return out
 
 
@@ -126,13 +130,14 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
     slurm["poll_s"] = parse_duration_s(slurm["poll_s"])
     slurm["exit_grace_s"] = parse_duration_s(slurm["exit_grace_s"])
     slurm["sbatch_args"] = list(slurm["sbatch_args"])
-    gpus, allowed = data.get("gpus"), data.get("allow_commands")
+    gpus, allowed, passthrough = data.get("gpus"), data.get("allow_commands"), data.get("env_passthrough")
     return WatcherConfig(
         max_concurrent=int(data.get("max_concurrent", defaults.max_concurrent)),
         gpus=None if gpus is None else tuple(int(g) for g in gpus),
         min_free_ram_gb=float(data.get("min_free_ram_gb", 0.0)),
         min_free_disk_gb=float(data.get("min_free_disk_gb", 0.0)),
         allow_commands=None if allowed is None else tuple(allowed),
+        env_passthrough=None if passthrough is None else tuple(passthrough),
         keep_finished=int(data.get("keep_finished", defaults.keep_finished)),
         executor=data.get("executor", defaults.executor),
         slurm=slurm,
@@ -173,6 +178,14 @@ def _read_settings(path: Path) -> dict:
     if isinstance(data, Problem):
         raise InvalidWatcherConfig(WATCHER_FILE, [data])
     return data
+
+
+def passed_through(env: Mapping[str, str], patterns: tuple[str, ...] | None) -> dict[str, str]:
+    """The part of the watcher's environment jobs and hooks get: all of it without ``env_passthrough``,
+    else the variables whose names match one of its names or globs (``*``, ``?``, ``[...]``; case matters)."""
+    if patterns is None:
+        return dict(env)
+    return {k: v for k, v in env.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
 
 
 def check_command_allowed(spec: JobSpec, config: WatcherConfig, values: Mapping[str, str] | None = None,

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from trainq.watcher.contract import EXIT_DATA, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, RECORD_EVENT
+from trainq.watcher.fsutil import open_no_follow
 
 KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "dependency", "unknown")
 
@@ -103,11 +104,11 @@ def strip_ansi(text: str) -> str:
 def read_tail(path: str | os.PathLike, max_bytes: int = 65536) -> str:
     """The last ``max_bytes`` of a log, decoded leniently, without ANSI codes or a cut first line."""
     try:
-        with open(path, "rb") as f:
+        with open_no_follow(path) as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - max_bytes))
             data = f.read(max_bytes)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except OSError:  # gone, a folder, a symlink (never followed) or a FIFO (cannot seek)
         return ""
     if size > max_bytes:
         data = data.partition(b"\n")[2]  # the first line was cut in the middle

@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import re
+import stat
 import threading
 from dataclasses import dataclass
 from enum import Enum
@@ -60,6 +61,21 @@ class QueueRoot:
 
     def state_dir(self, state: JobState) -> Path:
         return self.path / state.value
+
+    def is_group_shared(self) -> bool:
+        """The root is shared with its group when it is group-writable or setgid (``chmod g+ws``).
+
+        Then job folders keep group access (the umask decides, as for any folder); otherwise they
+        are created 0700 and run.json 0600, since a job's env (in run.json's launch) may hold secrets.
+        """
+        try:
+            return bool(os.stat(self.path).st_mode & (stat.S_ISGID | stat.S_IWGRP))
+        except OSError:
+            return False
+
+    def job_dir_mode(self) -> int:
+        """The mode new job folders are created with (before the umask)."""
+        return 0o777 if self.is_group_shared() else 0o700
 
     def job_dir(self, state: JobState, job_id: str) -> Path:
         return self.path / state.value / job_id
@@ -179,7 +195,7 @@ class Folders:
                         break
             path = self.root.job_dir(state, job_id)
             try:
-                os.mkdir(path)
+                os.mkdir(path, self.root.job_dir_mode())
             except FileExistsError:
                 continue  # a folder nobody told us about: it stays known, try the next suffix
             return job_id, path
@@ -228,7 +244,7 @@ class Folders:
                     continue  # folders nobody told us about
                 self._known_ids.update(ids)
                 break
-        os.mkdir(staging)
+        os.mkdir(staging, self.root.job_dir_mode())
         try:
             _link_or_rename(inbox_file, staging / JobPaths(staging).spec.name)
         except FileNotFoundError:

@@ -1,10 +1,14 @@
 """Atomic writes (the usual one, and one that publishes before it syncs), and small file reads that tolerate races."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
+
+#: largest JSON record read (run.json of 100 attempts is ~100 KB; a job could grow its files without bound)
+MAX_JSON_BYTES = 16 * 1024 * 1024
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str, *, durable: bool = True, mode: int = 0o644) -> None:
@@ -95,18 +99,41 @@ def _rename_over(tmp: str, path: str) -> None:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: object, *, durable: bool = True) -> None:
-    """Serialise ``obj`` as indented JSON and write it atomically."""
-    atomic_write(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n", durable=durable)
+    """Serialise ``obj`` as indented JSON and write it atomically; 0600 inside a private (0700) folder, else 0644."""
+    atomic_write(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n", durable=durable, mode=_mode_beside(path))
+
+
+def _mode_beside(path: str | os.PathLike) -> int:
+    """A file is as private as its folder: 0600 where the folder grants nothing to group and others."""
+    try:
+        folder_mode = os.stat(os.path.dirname(os.fspath(path)) or ".").st_mode
+    except OSError:
+        return 0o644
+    return 0o600 if not folder_mode & 0o077 else 0o644
 
 
 def read_json(path: str | os.PathLike) -> dict | None:
-    """Return the JSON object in ``path``, or None when it is missing or not a JSON object."""
+    """Return the JSON object in ``path``, or None when it is missing, a symlink, or not a JSON object."""
     try:
-        with open(path, "rb") as f:
-            obj = json.loads(f.read())
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
+        with open_no_follow(path) as f:
+            obj = json.loads(f.read(MAX_JSON_BYTES))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
         return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EAGAIN, errno.ENXIO):
+            return None  # a symlink or a FIFO put in a job folder: never followed, never waited on
+        raise
     return obj if isinstance(obj, dict) else None
+
+
+def open_no_follow(path: str | os.PathLike) -> BinaryIO:
+    """Open for reading a file a job could replace (output.log, metrics.jsonl, run.json, ...).
+
+    O_NOFOLLOW: a symlink raises OSError(ELOOP) instead of letting the watcher read a file the
+    job's owner cannot; O_NONBLOCK: a FIFO never blocks the loop.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    return os.fdopen(fd, "rb")
 
 
 def drain(fd: int) -> bool:

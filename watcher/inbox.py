@@ -28,6 +28,7 @@ from watchdog.events import (
 from watchdog.observers.api import BaseObserver
 
 from .errors import Problem
+from .text import printable
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,7 @@ def printable_name(name: str) -> str:
     Bytes that are not UTF-8 (kept by Python as surrogates) become U+FFFD, and control characters
     are escaped (``\\n``, ``\\x1b``), so a name can never forge a log line or drive a terminal.
     """
-    text = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+    return printable(name)
 
 
 def name_problem(name: str) -> Problem | None:

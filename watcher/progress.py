@@ -11,12 +11,14 @@ import logging
 import math
 import os
 import re
+import stat
 import time
 from collections import deque
 from pathlib import Path
 
 from trainq.watcher.contract import RECORD_CHECKPOINT, RECORD_EVAL
 from trainq.watcher.diagnosis import parse_records
+from trainq.watcher.fsutil import open_no_follow
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +50,16 @@ class _LineReader:
         if self._unchanged():
             return []
         try:
-            with open(self.path, "rb") as f:
+            with open_no_follow(self.path) as f:
                 st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    return []
                 self._check_identity((st.st_dev, st.st_ino), st.st_size)
                 if st.st_size == self._offset:
                     return []
                 f.seek(self._offset)
                 chunk = f.read(MAX_READ_BYTES)
-        except (FileNotFoundError, NotADirectoryError):
+        except OSError:  # gone, or a symlink the job put there (never followed)
             return []
         self._offset += len(chunk)
         return self._split(chunk, separators)

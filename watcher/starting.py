@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .admission import Holding, Limits, Request, plan
 from .allow import command_problem, executable_for
+from .config import passed_through
 from .contract import (
     ATTEMPT_BANNER_PREFIX,
     ENV_ATTEMPT,
@@ -200,7 +201,7 @@ class Starting:
             timeout_s=job.spec.timeout_s,
             banner=_banner(job.id, attempt, now, resume_from),
             executable=self._checked_executable(job, values),
-            inherit_env=self.executor.name != "slurm",  # a batch job needs its node's SLURM_* environment
+            inherit_env=self.executor.name == "slurm",  # only a batch job adds to its environment: its node's SLURM_*
         )
         job.run.update(status="running", attempt=attempt, waiting_for=None, not_before=None,
                        gpus=list(decision.gpus), stop_requested_at=None)
@@ -256,7 +257,8 @@ class Starting:
         self.report.touch()
 
     def _job_env(self, job: Job, values: dict, decision, resume_from: str | None) -> dict[str, str]:
-        env = {k: v for k, v in self.env.items() if not k.startswith("TRAINQ_") or k == "TRAINQ_TRAINER_FAULTS"}
+        env = {k: v for k, v in passed_through(self.env, self.config.env_passthrough).items()
+               if not k.startswith("TRAINQ_") or k == "TRAINQ_TRAINER_FAULTS"}
         env.update(job.spec.launch_env(values))
         env.update(decision.env)
         paths = job.paths

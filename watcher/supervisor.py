@@ -27,6 +27,7 @@ import logging
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -438,6 +439,28 @@ def _in_job_group(proc: psutil.Process, pgid: int | None, born: float | None) ->
     return os.getpgid(proc.pid) == pgid and proc.create_time() >= born - 0.01
 
 
+def open_job_log(path: Path) -> int:
+    """output.log opened for appending, never through a symlink or into a FIFO the job put in its place.
+
+    Such a stand-in is removed and a fresh file made: the supervisor may run as a user the job's
+    owner is not, and must not append to whatever file a symlink names (O_NOFOLLOW).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    for _ in range(3):
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENXIO):  # a symlink; a FIFO nobody reads
+                raise
+        else:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+                return fd
+            os.close(fd)
+        remove_quietly(path)
+    raise OSError(errno.ELOOP, f"{path}: keeps being replaced by something that is not a plain file")
+
+
 def _take_lock(paths: JobPaths, attempt: int, *, required: bool = True) -> tuple[int, str | None]:
     """Open and exclusively flock ``paths.lock``: (fd, None); SpawnFailed when someone still runs this job.
 
@@ -446,7 +469,7 @@ def _take_lock(paths: JobPaths, attempt: int, *, required: bool = True) -> tuple
     whether the attempt lives; see watcher/node.py).
     """
     try:
-        fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
         raise SpawnFailed(f"{paths.dir}: cannot open {paths.lock.name} for attempt {attempt} "
                           f"({exc.strerror}); check that the job folder exists and is writable") from exc
@@ -759,7 +782,7 @@ def _detach(*keep: int | None) -> tuple[int | None, ...]:
 
 def _open_log(spec: LaunchSpec) -> int:
     """output.log (appended to) on stdout and stderr; returns 1, the fd supervisor notes go to."""
-    log = os.open(JobPaths(Path(spec.job_dir)).log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    log = open_job_log(JobPaths(Path(spec.job_dir)).log)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
@@ -1158,7 +1181,7 @@ def run_in_foreground(spec: LaunchSpec, *, lock_required: bool = True) -> dict:
     remove_quietly(paths.exit_record)
     remove_quietly(paths.started)
     _reset_signals()
-    log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    log_fd = open_job_log(paths.log)
     if unlocked:
         _note(log_fd, f"{unlocked}; running without the lock (Slurm's job state and "
                       f"{paths.heartbeat.name} tell the watcher this attempt is alive)")

@@ -16,6 +16,7 @@ from rich.text import Text
 from trainq.watcher.fsutil import read_json
 from trainq.watcher.html import STALE_HEARTBEAT_S, format_eta, format_number
 from trainq.watcher.units import parse_iso
+from trainq.watcher.text import printable_tree
 from trainq.watcher.sweepview import sweep_lines
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ def _machine(snapshot: dict) -> list[RenderableType]:
 def render_status(snapshot: dict, width: int = 80, now: float | None = None) -> RenderableType:
     """The whole status as one rich renderable: header, counts, running, pending, awaiting, finished, machine."""
     now = time.time() if now is None else now
+    snapshot = printable_tree(snapshot)  # names, ids and errors come from job files: no terminal escapes
     return Group(
         _header(snapshot, now), _counts(snapshot), *_running(snapshot, width), *_pending(snapshot),
         *_awaiting(snapshot), *_finished(snapshot), *_sweeps(snapshot), *_machine(snapshot),

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config import passed_through
 from .contract import JobPaths
 from .diagnosis import Diagnosis
 from .errors import InvalidJobSpec, Problem
@@ -83,7 +84,7 @@ class Workflows:
 
     def init_workflows(self) -> None:
         self.deps = DependencyBook()
-        self.hooks = HookLauncher(self.env)
+        self.hooks = HookLauncher(passed_through(self.env, self.config.env_passthrough))
         self._deps_queue: list[str] = []
         self._sweeps_unfinished = False  # a sweep's expansion failed (a full disk): retried on each rescan
 
@@ -357,7 +358,7 @@ class Workflows:
         if any((self.root.job_dir(s, job_id) / "job.yaml").exists() for s in JobState):
             return None  # written before a crash
         path = self.root.job_dir(JobState.PENDING, job_id)
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=self.root.job_dir_mode(), exist_ok=True)
         spec = JobSpec.from_dict(variant.data, f"pending/{job_id}/job.yaml")
         run = new_run(spec, self._next_order(), now, name=f"{base}-{variant.index}")
         run.update(id=job_id, sweep={"id": sweep_id, "index": variant.index, "params": variant.params, "of": total})
