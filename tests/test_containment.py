@@ -93,6 +93,21 @@ def test_rm_rf_of_a_finished_job_is_forgotten_with_one_log_line(queue_dir, watch
     assert len(lines) == 1 and "done/finished" in lines[0], lines
 
 
+
+def test_a_removed_job_resubmitted_under_its_id_is_not_ended_by_the_old_attempt(queue_dir, watcher, write_job):
+    """The old supervisor stops its job but writes no exit record into the new folder of the same id."""
+    w = watcher(max_concurrent=2)
+    write_job("same", command=[PY, str(FAKE / "sleeps.py")], stop_grace="2s")
+    tick_until(w, lambda: (queue_dir / "running" / "same" / "supervisor.json").exists())
+    shutil.rmtree(queue_dir / "running" / "same")
+    tick_until(w, lambda: status(queue_dir)["counts"]["running"] == 0, what="the removed job forgotten")
+    write_job("same", command=[PY, "-c", "import time; time.sleep(4)"])
+    tick_until(w, lambda: (queue_dir / "running" / "same" / "supervisor.json").exists(), what="the new job running")
+    tick_until(w, lambda: (queue_dir / "done" / "same").is_dir() or (queue_dir / "failed" / "same").is_dir(), 30)
+    run = load(queue_dir, "done/same/run.json")
+    assert run["status"] == "done" and run["attempts"][-1]["exit_code"] == 0
+
+
 # -- one injected fault per step ------------------------------------------------------------------
 FAULTS = ",".join(f"{step}:f-{step}" for step in ("admit", "plan", "start", "watch", "finish", "retry", "recover"))
 

@@ -152,6 +152,7 @@ class _Attempt:
     term_sent_mono: float | None = None
     signals_sent: list[str] = field(default_factory=list)
     created_stop_flag: bool = False
+    dir_ino: int | None = None  # the job folder's inode: a folder removed and made again is another job's
 
 
 class _StopSignal:
@@ -840,7 +841,8 @@ def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None,
         job = _spawn(spec, log_fd)
     except OSError as exc:
         return _record_spawn_error(spec, log_fd, exc, started_at, ended)
-    attempt = _Attempt(spec, JobPaths(Path(spec.job_dir)), log_fd, job.pid, started_at, started_mono)
+    attempt = _Attempt(spec, JobPaths(Path(spec.job_dir)), log_fd, job.pid, started_at, started_mono,
+                       dir_ino=_inode(spec.job_dir))
     _write_started(attempt)
     _watch(attempt, stop_signal)
     job.returncode = os.waitstatus_to_exitcode(attempt.status)  # we reaped it: Popen must not wait or warn
@@ -985,7 +987,7 @@ def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
     elif _exists(a.paths.stop_flag):
         _request_stop(a, "stop_flag", now,
                       f"stop requested ({a.paths.stop_flag.name}); SIGTERM in {a.spec.stop_grace_s:g} s")
-    elif not _exists(a.paths.dir):  # rm -rf of the job folder: a stop, as stop.flag would do it
+    elif _inode(a.paths.dir) != a.dir_ino:  # rm -rf of the job folder: a stop, as stop.flag would do it
         _request_stop(a, "folder_removed", now,
                       f"the job folder {a.paths.dir} was removed; SIGTERM in {a.spec.stop_grace_s:g} s")
     elif stop_signal.time_limit or (a.spec.timeout_s is not None and now - a.started_mono >= a.spec.timeout_s):
@@ -1048,6 +1050,9 @@ def _write_exit(a: _Attempt, ended: Callable[[], None]) -> dict:
     if a.created_stop_flag:
         remove_quietly(a.paths.stop_flag)  # ours, from the timeout: a retry must not start out stopped
     record = _exit_record(a.spec, a.job_pid, a.started_at, raw_status=a.status, attempt=a)
+    if a.stop_reason == "folder_removed":
+        ended()  # no record: the folder it would go to is gone (or is a new job's under the same id)
+        return record
     _publish_exit(a.paths, record, ended, a.log_fd)
     return record
 
@@ -1143,6 +1148,14 @@ def _children_of(pid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return kids
+
+
+def _inode(path: str | Path) -> int | None:
+    """The inode of ``path``, or None when it is gone."""
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
 
 
 def _exists(path: Path) -> bool:
