@@ -475,3 +475,150 @@ def test_without_flock_the_job_runs_once_and_the_watcher_stays_up(queue_dir, wat
     drop(queue_dir, "second.yaml", job_file(command=["true"], slurm={"sbatch_args": sbatch}))
     assert wait_until(lambda: finished(queue_dir, "second"), 60, what="second to finish").parent.name == "done"
     assert w.proc.poll() is None
+
+
+# -- submissions that cannot double ----------------------------------------------------------------
+
+
+def _tagged(queue_dir: Path, job_id: str) -> list[tuple[str, str]]:
+    """(Slurm id, state) of every Slurm job whose trainq tag names ``job_id`` of this queue."""
+    from trainq.watcher.slurm_state import queue_key
+
+    out = subprocess.run(["squeue", "--me", "-h", "-t", "all", "-o", "%i|%T|%k"], capture_output=True, text=True,
+                         timeout=60).stdout
+    rows = [line.split("|", 2) for line in out.splitlines() if line.count("|") >= 2]
+    return sorted((i, state) for i, state, tag in rows if tag.startswith(f"trainq:{queue_key(queue_dir)}:{job_id}:"))
+
+
+def test_a_hung_controller_across_sbatch_gives_exactly_one_slurm_job(queue_dir, watcher, tmp_path):
+    """slurmctld SIGSTOPped: sbatch times out although the controller will create the job; it is adopted by tag."""
+    w = watcher(**SLURM)
+    counter = tmp_path / "runs.txt"
+    ctld = int(CTLD_PID.read_text())
+    os.kill(ctld, signal.SIGSTOP)
+    try:
+        drop(queue_dir, "hung.yaml", job_file(command=["sh", "-c", f"echo run >> {counter}"]))
+        tick_until(w, lambda: "hung" in w.jobs and "not confirmed" in (w.jobs["hung"].run.get("waiting_for") or ""),
+                   60, "sbatch to time out against the stopped controller")
+        assert json.loads((queue_dir / "running" / "hung" / "slurm.json").read_text())["slurm_job_id"] is None
+    finally:
+        os.kill(ctld, signal.SIGCONT)
+    done = tick_until(w, lambda: finished(queue_dir, "hung"), 90, "hung to run once the controller is back")
+    run = run_json(done)
+    assert done.parent.name == "done" and len(run["attempts"]) == 1
+    assert counter.read_text() == "run\n"
+    ran = [(i, state) for i, state in _tagged(queue_dir, "hung") if state != "CANCELLED"]
+    assert len(ran) == 1, _tagged(queue_dir, "hung")
+    assert run["attempts"][0]["slurm_job_id"] == ran[0][0]
+    assert json.loads((done / "slurm.json").read_text())["slurm_job_id"] == ran[0][0]
+
+
+def test_a_duplicate_submission_runs_nothing(queue_dir, watcher, tmp_path):
+    """A second Slurm job for the same attempt (submitted by hand from slurm.sh) finds the claim and exits."""
+    w = watcher(**SLURM)
+    drop(queue_dir, "dup.yaml", job_file(command=["sh", "-c", f"echo run >> {tmp_path / 'runs.txt'}; sleep 3"]))
+    folder = queue_dir / "running" / "dup"
+    tick_until(w, lambda: (folder / "slurm-attempt-1.claim").exists(), 30, "dup to claim attempt 1")
+    again = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/dup-%j.out", str(folder / "slurm.sh")],
+                           capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert slurm_state(again) == "FAILED"  # exit 75 (EX_TEMPFAIL): it ran nothing
+    assert "already runs as Slurm job" in (tmp_path / f"dup-{again}.out").read_text()
+    done = tick_until(w, lambda: finished(queue_dir, "dup"), 30, "dup to finish")
+    assert done.parent.name == "done" and (tmp_path / "runs.txt").read_text() == "run\n"
+
+
+# -- polling that scales ---------------------------------------------------------------------------
+
+
+def test_one_squeue_per_poll_with_a_retried_job_queued_and_many_jobs(queue_dir, watcher, tmp_path, monkeypatch):
+    """Counts real squeue runs through a wrapper on PATH while a retried attempt and 6 other jobs wait in Slurm."""
+    calls = tmp_path / "squeue-calls"
+    wrapper = tmp_path / "bin" / "squeue"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/sh\necho x >> {calls}\nexec {shutil.which('squeue')} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    poll_s = 0.5
+    w = watcher(executor="slurm", slurm={"poll_s": poll_s}, max_concurrent=10)
+    drop(queue_dir, "retried.yaml", job_file(command=["sh", "-c", "exit 3"],
+                                             retries={"max": 1, "on": ["unknown"], "backoff": "3s"}))
+    tick_until(w, lambda: "retried" in w.jobs and w.jobs["retried"].run["attempts"]
+               and w.jobs["retried"].run["attempts"][0].get("ended_at"), 30, "attempt 1 to fail")
+    # fill the node so attempt 2 waits in Slurm's queue, then hold 6 more jobs there
+    subprocess.run(["sbatch", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 300"], check=True, timeout=60,
+                   capture_output=True)
+    for i in range(6):
+        drop(queue_dir, f"held{i}.yaml", job_file(command=["true"], slurm={"sbatch_args": ["--hold"]}))
+    tick_until(w, lambda: (w.jobs["retried"].run.get("attempt") == 2
+                           and w.jobs["retried"].run.get("waiting_for") in ("Slurm: Resources", "Slurm: Priority")
+                           and all((w.jobs.get(f"held{i}") and w.jobs[f"held{i}"].run.get("waiting_for") or "")
+                                   .startswith("Slurm: ") for i in range(6))), 30, "everything to wait in Slurm")
+    assert (queue_dir / "running" / "retried" / "exit.json").exists()  # attempt 1's record is still there
+    calls.write_text("")
+    start = time.monotonic()
+    while time.monotonic() - start < 5:
+        w.tick(time.time())
+        time.sleep(0.01)
+    elapsed = time.monotonic() - start
+    count = len(calls.read_text().splitlines())
+    assert 1 <= count <= elapsed / poll_s + 1, f"{count} squeue calls in {elapsed:.1f} s"
+    assert w.jobs["retried"].run.get("attempt") == 2 and "retried" not in [p.name for p in (queue_dir / "done").iterdir()]
+
+
+# -- Slurm's own signals -----------------------------------------------------------------------------
+
+
+def test_slurms_time_limit_warning_checkpoints_and_ends_as_timeout(queue_dir, watcher):
+    """--time=1 (Slurm's least): --signal=B:USR1 reaches the supervisor first, the job checkpoints, status timeout."""
+    w = watcher(**SLURM)
+    drop(queue_dir, "limit.yaml", job_file(command=[PY, str(FAKE / "cooperative.py")], stop_grace="30s",
+                                           slurm={"sbatch_args": ["--time=1"]}))
+    done = tick_until(w, lambda: finished(queue_dir, "limit"), 150, "Slurm's time limit warning to stop limit")
+    run = run_json(done)
+    sbatch = json.loads((done / "slurm.json").read_text())["sbatch"]
+    assert "--signal=B:USR1@60" in sbatch and "--time=1" in sbatch
+    log = (done / "output.log").read_text()
+    assert "time limit is near (SIGUSR1)" in log and "checkpoint written" in log
+    assert run["status"] == "timeout" and run["diagnosis"]["kind"] == "timeout", run
+    assert (done / "checkpoints" / "step-1" / "state.txt").exists()
+    assert not (done / "stop.flag").exists()  # the supervisor's own flag, removed so a retry does not start stopped
+    assert slurm_state(run["slurm_job_id"]) == "COMPLETED"  # ended by trainq before Slurm's kill
+
+
+# -- multi-node (srun) -------------------------------------------------------------------------------
+
+
+def test_a_two_task_job_runs_under_srun_with_its_rank_variables(queue_dir, watcher):
+    w = watcher(**SLURM)
+    show = "echo rank=$RANK/$WORLD_SIZE local=$LOCAL_RANK node=$NODE_RANK/$NNODES master=$MASTER_ADDR:$MASTER_PORT"
+    drop(queue_dir, "ranks.yaml", job_file(command=["sh", "-c", show], resources={"nodes": 1, "tasks_per_node": 2},
+                                           env={"FROM_JOB": "yes"}))
+    done = tick_until(w, lambda: finished(queue_dir, "ranks"), 60, "ranks to finish")
+    assert done.parent.name == "done", (done / "output.log").read_text()
+    lines = sorted(line for line in (done / "output.log").read_text().splitlines() if line.startswith("rank="))
+    slurm_id = run_json(done)["slurm_job_id"]
+    port = 20000 + int(slurm_id) % 20000
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    assert lines == [f"rank=0/2 local=0 node=0/1 master={host}:{port}", f"rank=1/2 local=1 node=0/1 master={host}:{port}"]
+    sbatch = json.loads((done / "slurm.json").read_text())["sbatch"]
+    assert "--nodes=1" in sbatch and "--ntasks-per-node=2" in sbatch
+    assert json.loads((done / "launch.json").read_text())["argv"][:4] == ["srun", "--export=ALL", "--ntasks=2",
+                                                                          "--kill-on-bad-exit=1"]
+
+
+# -- environment hygiene --------------------------------------------------------------------------------
+
+
+def test_the_node_keeps_slurms_variables_and_gets_only_the_jobs_env(queue_dir, watcher, monkeypatch):
+    monkeypatch.setenv("WATCHER_SECRET", "do-not-leak")
+    monkeypatch.setenv("GPU_DEVICE_ORDINAL", "7")
+    monkeypatch.setenv("TMPDIR", "/watcher-only-tmp")
+    w = watcher(**SLURM)
+    show = "echo secret=${WATCHER_SECRET:-none} ordinal=${GPU_DEVICE_ORDINAL:-unset} tmp=$TMPDIR mine=$MINE id=$SLURM_JOB_ID"
+    drop(queue_dir, "envy.yaml", job_file(command=["sh", "-c", show], env={"MINE": "from-job"}))
+    done = tick_until(w, lambda: finished(queue_dir, "envy"), 30, "envy to finish")
+    line = next(x for x in (done / "output.log").read_text().splitlines() if x.startswith("secret="))
+    slurm_id = run_json(done)["slurm_job_id"]
+    assert line == f"secret=none ordinal=unset tmp=/tmp mine=from-job id={slurm_id}"
+    assert (done / "launch.json").stat().st_mode & 0o777 == 0o600
+    assert "do-not-leak" not in (done / "launch.json").read_text()

@@ -92,26 +92,31 @@ class Resources:
     ram_gb: float = 0.0
     disk_gb: float = 0.0
     allow_battery: bool = False
+    #: Slurm only: nodes, GPUs per node and srun tasks per node (None: not asked for)
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    tasks_per_node: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> Resources:
         """Build from a schema-valid ``resources`` mapping."""
         gpus, mem = data.get("gpus"), data.get("gpu_memory_gb")
+        slurm = {key: int(data[key]) for key in ("nodes", "gpus_per_node", "tasks_per_node") if key in data}
         return cls(
             gpus=None if gpus is None else int(gpus),
             gpu_memory_gb=None if mem is None else float(mem),
             ram_gb=float(data.get("ram_gb", 0.0)),
             disk_gb=float(data.get("disk_gb", 0.0)),
             allow_battery=bool(data.get("allow_battery", False)),
+            **slurm,
         )
 
     def to_dict(self) -> dict:
         """The job-file form, leaving out what defaults to the machine."""
         out: dict = {"ram_gb": self.ram_gb, "disk_gb": self.disk_gb, "allow_battery": self.allow_battery}
-        if self.gpus is not None:
-            out["gpus"] = self.gpus
-        if self.gpu_memory_gb is not None:
-            out["gpu_memory_gb"] = self.gpu_memory_gb
+        for key in ("gpus", "gpu_memory_gb", "nodes", "gpus_per_node", "tasks_per_node"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
