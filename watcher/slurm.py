@@ -170,7 +170,9 @@ class SlurmExecutor:
             raise ExecutorUnavailable(self._down)
         job_dir = os.path.abspath(spec.job_dir)
         resources, declared_env = _job_file(Path(job_dir))
-        spec = dataclasses.replace(spec, job_dir=job_dir, env=batch_env(spec.env, declared_env | self.passthrough))
+        # the node's own environment (Slurm's variables, --export=NONE keeps the watcher's out) is the base
+        spec = dataclasses.replace(spec, job_dir=job_dir, env=batch_env(spec.env, declared_env | self.passthrough),
+                                   inherit_env=True)
         paths = JobPaths(Path(job_dir))
         options = self.options_for(spec, job_name, slurm_options or {}, resources)
         if options.nodes > 1 or options.tasks_per_node > 1:
