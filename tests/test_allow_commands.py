@@ -112,3 +112,25 @@ def test_resolution_rules(tmp_path: Path) -> None:
     assert all(is_loader_variable(n) for n in ("PATH", "LD_PRELOAD", "DYLD_INSERT_LIBRARIES", "PYTHONPATH"))
     assert not any(is_loader_variable(n) for n in ("HF_HOME", "CUDA_VISIBLE_DEVICES", "path", "MY_PATH"))
     assert "PATH" in LOADER_VARIABLES
+
+
+def test_on_finish_hook_is_held_to_the_list(queue_dir, watcher, evil):
+    w = watcher(allow_commands=["echo", "true"])
+    drop(queue_dir, "hook.yaml", f"approved: true\ncommand: [\"true\"]\non_finish: [{evil / 'echo'}]\n")
+    run = rejected(queue_dir, w, "hook")
+    assert run["errors"][0]["path"] == "on_finish" and f"resolves to {evil / 'echo'}" in run["error"]
+
+
+def test_on_finish_edited_after_acceptance_is_refused_when_it_runs(queue_dir, watcher, evil):
+    (queue_dir / "watcher.yaml").write_text("allow_commands: [echo, sleep]\n")  # what the hook runner reads
+    w = watcher(allow_commands=["echo", "sleep"])
+    drop(queue_dir, "late.yaml", "approved: true\ncommand: [sleep, '1']\non_finish: [echo, hook-ran]\n")
+    tick_until(w, lambda: (queue_dir / "running" / "late").exists())
+    spec = queue_dir / "running" / "late" / "job.yaml"
+    spec.write_text(spec.read_text().replace("on_finish: [echo, hook-ran]", f"on_finish: [{evil / 'echo'}]"))
+    tick_until(w, lambda: (queue_dir / "done" / "late" / "hook.json").exists()
+               and json.loads((queue_dir / "done" / "late" / "hook.json").read_text()).get("state") == "ended", 30)
+    record = json.loads((queue_dir / "done" / "late" / "hook.json").read_text())
+    assert "not in allow_commands" in record["error"]
+    assert "not run" in (queue_dir / "done" / "late" / "hook.log").read_text()
+    assert not (evil / "RAN").exists()

@@ -86,6 +86,7 @@ def test_duration_parser_is_linear_on_pathological_spaces() -> None:
     ("env", 'env: {"X\\x01": "1"}\n'),
     ("cwd", 'cwd: "/tmp/\\0x"\n'),
     ("resume_args[0]", 'resume_args: ["\\x1b]0;x"]\n'),
+    ("on_finish[1]", 'on_finish: [echo, "a\\0b"]\n'),
 ])
 def test_control_characters_are_rejected(field: str, text: str) -> None:
     base = "approved: true\n" if text.startswith("command") else CMD
@@ -198,3 +199,10 @@ def test_watcher_yaml_is_held_to_the_same_limits(tmp_path: Path, text: str, fiel
     assert [p.path for p in info.value.problems] == [field], info.value.problems
     if not field:
         assert "duplicate key 'max_concurrent'" in info.value.problems[0].message
+
+
+def test_yaml_errors_quote_nothing_of_the_file() -> None:
+    secret = "sk-live-0123456789abcdef"
+    for text in (f"a: !{secret} x\n", f"!!python/object:{secret} x: 1\n", f"{secret}\nmore: x\n", f"'{secret}"):
+        problems = problems_of(text)
+        assert secret not in " ".join(p.path + p.message for p in problems), problems

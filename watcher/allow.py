@@ -59,21 +59,44 @@ def allowed_real_paths(allowed: Sequence[str], path_env: str | None) -> dict[str
 
 def command_problem(spec: JobSpec, allowed: Sequence[str] | None, values: Mapping[str, str],
                     path_env: str | None) -> Problem | None:
-    """Why ``spec`` may not start under ``allowed`` (None: it may); train jobs are always allowed."""
-    if allowed is None or spec.is_train or not spec.command:
+    """Why ``spec`` may not start under ``allowed`` (None: it may).
+
+    Train jobs are always allowed; an ``on_finish`` hook is held to the list like a command (it runs
+    in the job folder).
+    """
+    if allowed is None:
         return None
-    env_problem = _env_problem(spec)
-    if env_problem is not None:
-        return env_problem
-    executable = executable_for(spec, values, path_env)
-    permitted = allowed_real_paths(allowed, path_env)
-    if executable is not None and executable in permitted:
+    if spec.command and not spec.is_train:
+        problem = _env_problem(spec) or _first_word_problem(
+            "command", spec.command[0], executable_for(spec, values, path_env), allowed, values, path_env)
+        if problem is not None:
+            return problem
+    hook = getattr(spec, "on_finish", None)
+    if hook:
+        cwd = values.get("job_dir") or "/"
+        real = resolve_executable(expand_placeholders(hook[0], dict(values)), cwd, path_env)
+        return _first_word_problem("on_finish", hook[0], real, allowed, values, path_env)
+    return None
+
+
+def hook_executable(argv0: str, job_dir: str, allowed: Sequence[str] | None,
+                    path_env: str | None) -> str | Problem | None:
+    """For the hook runner, as a hook runs: the checked real path to exec, why it may not run, or None (no list)."""
+    if allowed is None:
         return None
-    argv0 = expand_placeholders(spec.command[0], dict(values))
+    real = resolve_executable(argv0, job_dir, path_env)
+    return _first_word_problem("on_finish", argv0, real, allowed, {}, path_env) or real
+
+
+def _first_word_problem(field: str, written: str, executable: str | None, allowed: Sequence[str],
+                        values: Mapping[str, str], path_env: str | None) -> Problem | None:
+    if executable is not None and executable in allowed_real_paths(allowed, path_env):
+        return None
+    argv0 = expand_placeholders(written, dict(values))
     listed = ", ".join(allowed) or "nothing"
     where = f"it resolves to {executable}" if executable else "no such executable was found"
-    return Problem("command", f"'{field_name(argv0)}' is not in allow_commands of watcher.yaml (allowed: {listed}); "
-                              f"{where}; ask whoever runs the queue to add it, or use an allowed program")
+    return Problem(field, f"'{field_name(argv0)}' is not in allow_commands of watcher.yaml (allowed: {listed}); "
+                          f"{where}; ask whoever runs the queue to add it, or use an allowed program")
 
 
 def executable_for(spec: JobSpec, values: Mapping[str, str], path_env: str | None) -> str | None:

@@ -25,7 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+from trainq.watcher.allow import hook_executable
+from trainq.watcher.config import load_watcher_config
 from trainq.watcher.contract import ENV_DIAGNOSIS, ENV_JOB_DIR, ENV_JOB_ID, ENV_STATUS, JobPaths
+from trainq.watcher.errors import InvalidJobSpec, Problem
 from trainq.watcher.fsutil import atomic_write_json, read_json
 from trainq.watcher.units import iso_utc
 
@@ -102,6 +105,15 @@ def run_hook(job_dir: Path, timeout_s: float = HOOK_TIMEOUT_S) -> int:
     return 0
 
 
+def _allowed_executable(paths: JobPaths, argv0: str) -> str | Problem | None:
+    """allow_commands checked again as the hook runs (job.yaml could have been edited meanwhile)."""
+    try:
+        allowed = load_watcher_config(paths.dir.parent.parent, {}).allow_commands
+    except InvalidJobSpec as exc:
+        return Problem("on_finish", f"watcher.yaml is invalid, so allow_commands cannot be checked ({exc})")
+    return hook_executable(argv0, str(paths.dir), allowed, os.environ.get("PATH", os.defpath))
+
+
 def _run(paths: JobPaths, run: dict, argv_template: tuple[str, ...], timeout_s: float) -> dict:
     job_id = run.get("id") or paths.dir.name
     status = str(run.get("status") or "")
@@ -113,9 +125,14 @@ def _run(paths: JobPaths, run: dict, argv_template: tuple[str, ...], timeout_s: 
     with open(paths.hook_log, "ab") as log:
         log.write(f"===== trainq: on_finish of {job_id} ({status}), started {iso_utc(time.time())} =====\n".encode())
         log.flush()
+        executable = _allowed_executable(paths, argv[0])
+        if isinstance(executable, Problem):
+            log.write(f"trainq: the hook was not run: {executable.message}\n".encode())
+            return {"exit_code": None, "timed_out": False, "error": f"on_finish: {executable.message}"}
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=str(paths.dir), env=env, start_new_session=True, close_fds=True)
+            proc = subprocess.Popen(argv, executable=executable, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=str(paths.dir), env=env, start_new_session=True,
+                                    close_fds=True)
         except OSError as exc:
             log.write(f"trainq: could not start the hook {argv[0]!r}: {exc.strerror or exc}\n".encode())
             return {"exit_code": None, "timed_out": False, "error": f"could not start {argv[0]!r}: {exc}"}

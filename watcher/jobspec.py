@@ -350,8 +350,8 @@ def _control_problems(data: dict) -> list[Problem]:
     """
     strings: list[tuple[str, object]] = [("name", data.get("name")), ("cwd", data.get("cwd")),
                                          ("slurm.partition", _dig(data, ("slurm", "partition")))]
-    multiline: list[tuple[str, object]] = [("command", data.get("command"))]
-    for key in ("command", "resume_args"):
+    multiline: list[tuple[str, object]] = [("command", data.get("command")), ("on_finish", data.get("on_finish"))]
+    for key in ("command", "resume_args", "on_finish"):
         if isinstance(data.get(key), list):
             multiline += [(f"{key}[{i}]", item) for i, item in enumerate(data[key])]
     if isinstance(_dig(data, ("slurm", "sbatch_args")), list):

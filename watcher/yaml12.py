@@ -111,6 +111,14 @@ def _refuse_aliases(text: str) -> None:
             raise YamlError("anchors and aliases (&, *) are not allowed in job files", line)
 
 
+def _problem_text(exc: yaml.MarkedYAMLError) -> str:
+    """PyYAML's problem in words that quote nothing of the file (an unknown tag is the file's own text)."""
+    problem = str(exc.problem or exc.context)
+    if problem.startswith("could not determine a constructor for the tag"):
+        return "a YAML tag (!name) job files do not use; remove it"
+    return problem
+
+
 def load_yaml12(text: str) -> object:
     """Parse exactly one YAML 1.2 document; YamlError (with the line) on anything else."""
     try:
@@ -120,9 +128,9 @@ def load_yaml12(text: str) -> object:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else None
-        raise YamlError(f"YAML syntax error: {exc.problem or exc.context}", line) from None
+        raise YamlError(f"YAML syntax error: {_problem_text(exc)}", line) from None
     except yaml.YAMLError as exc:
-        raise YamlError(f"YAML error: {exc}") from None
+        raise YamlError(f"YAML error: {type(exc).__name__}") from None
     if len(docs) > 1:
         raise YamlError(f"expected one YAML document, found {len(docs)} (remove the extra '---')")
     return docs[0] if docs else None
