@@ -224,6 +224,19 @@ def test_sweep_of_tiny_train_jobs_is_compared_in_status(queue_dir, watcher_proce
     html = (queue_dir / "status.html").read_text()
     assert "Sweep lrs" in html and html.index(f"{losses['lrs-2']:.4f}") < html.index(f"{losses['lrs-1']:.4f}")
 
+    # fork the better one from its checkpoint: its weights, a fresh optimizer and schedule
+    fork = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "fork", "lrs-2", "--from-checkpoint",
+                           "--set", "train.max_steps=4", "--set", "train.eval_every=2"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert fork.returncode == 0, fork.stderr
+    wait_until(lambda: _where(queue_dir, "lrs-2-fork") in ("done", "failed"), 120, what="the fork")
+    assert _where(queue_dir, "lrs-2-fork") == "done", (queue_dir / "failed" / "lrs-2-fork" / "output.log").read_text()
+    assert "initial weights from" in (queue_dir / "done" / "lrs-2-fork" / "output.log").read_text()
+    first = lambda job: next(json.loads(line)["loss"] for line in (queue_dir / "done" / job / "metrics.jsonl")
+                             .read_text().splitlines() if '"type": "step"' in line or '"type":"step"' in line)
+    assert first("lrs-2-fork") < first("lrs-2") - 0.1, (first("lrs-2-fork"), first("lrs-2"))
+    assert _run(queue_dir, "lrs-2-fork")["lineage"]["fork_of"] == "lrs-2"
+
 
 def test_bench_sweep_section_runs(tmp_path):
     """bench/run_all.py's sweep section on a small sweep: every row measured, status.json within bounds."""

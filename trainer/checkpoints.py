@@ -206,3 +206,49 @@ def read_state(folder: Path) -> dict:
         return json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{folder}: no {STATE_FILE}; not a trainq checkpoint") from None
+
+
+def load_initial_weights(model, folder: Path, full: bool) -> int:
+    """Load a checkpoint's weights into a freshly built model (``trainq fork --from-checkpoint``); returns the count.
+
+    Only the weights: the optimizer, scheduler and step start fresh. The checkpoint is verified
+    against its manifest first, and every tensor must land on a parameter of the same shape, so
+    a fork never trains on from a silently fresh adapter (transformers#24252, axolotl#1134).
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    folder = resolve_resume(Path(folder))
+    verify(folder)
+    names = ["model.safetensors"] if full else ["adapter_model.safetensors"]
+    files = [folder / n for n in names if (folder / n).is_file()] or sorted(folder.glob("model-*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no {' or '.join(names)} to take initial weights from")
+    state: dict = {}
+    for path in files:
+        state.update(load_file(str(path)))
+    if full:
+        targets = dict(model.named_parameters())
+        wanted = state
+    else:
+        from peft import get_peft_model_state_dict
+
+        targets = get_peft_model_state_dict(model)
+        wanted = {k: v for k, v in state.items() if k in targets}
+    missing = sorted(set(targets) - set(wanted)) if not full else []
+    if not wanted or missing:
+        raise CheckpointError(f"{folder}: its weights do not fit this model ({len(wanted)} of {len(targets)} tensors "
+                              f"match{'; missing ' + ', '.join(missing[:3]) if missing else ''}); fork with the "
+                              "same model and lora settings")
+    for key, tensor in wanted.items():
+        if tuple(tensor.shape) != tuple(targets[key].shape):
+            raise CheckpointError(f"{folder}: {key} has shape {tuple(tensor.shape)}, this model's is "
+                                  f"{tuple(targets[key].shape)}; fork with the same lora.r and model")
+    if full:
+        model.load_state_dict(wanted, strict=False)
+    else:
+        from peft import set_peft_model_state_dict
+
+        with torch.no_grad():
+            set_peft_model_state_dict(model, wanted)
+    return len(wanted)

@@ -23,7 +23,7 @@ from trainq.trainer.faults import parse_faults
 from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
-from trainq.watcher.contract import (ENV_ATTEMPT, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
+from trainq.watcher.contract import (ENV_ATTEMPT, ENV_INIT_FROM, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
                               EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, RECORD_DONE, JobPaths)
 from trainq.watcher.units import iso_utc
 
@@ -52,6 +52,7 @@ class Invocation:
     stop_flag: Path
     attempt: int
     resume_from: Path | None
+    init_from: Path | None = None  # TRAINQ_INIT_FROM: a checkpoint's weights, with a fresh optimizer and schedule
 
     @classmethod
     def from_args(cls, job_dir: Path, resume_from: str | None) -> Invocation:
@@ -61,6 +62,7 @@ class Invocation:
             job_dir=paths.dir, metrics=Path(os.environ.get(ENV_METRICS) or paths.metrics),
             stop_flag=Path(os.environ.get(ENV_STOP_FLAG) or paths.stop_flag),
             attempt=int(os.environ.get(ENV_ATTEMPT) or 1), resume_from=Path(resume) if resume else None,
+            init_from=Path(os.environ[ENV_INIT_FROM]) if os.environ.get(ENV_INIT_FROM) else None,
         )
 
 
@@ -215,6 +217,11 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
     if resume is not None:
         saved = checkpoints.read_state(resume)
         run.resumed_fingerprint, run.resumed_lr_scale = saved["trainable_fingerprint"], saved["lr_scale"]
+    elif inv.init_from is not None:
+        loaded = checkpoints.load_initial_weights(model, inv.init_from, full=config.method == "full")
+        run.metrics.event("init_from", f"initial weights from {inv.init_from} ({loaded} tensors); fresh optimizer "
+                          "and schedule", path=str(inv.init_from), tensors=loaded)
+        print(f"trainq: initial weights from {inv.init_from} ({loaded} tensors); fresh optimizer and schedule", flush=True)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     return trainer
 

@@ -31,6 +31,8 @@ ENV_STOP_FLAG = "TRAINQ_STOP_FLAG"
 ENV_METRICS = "TRAINQ_METRICS"
 ENV_ATTEMPT = "TRAINQ_ATTEMPT"
 ENV_RESUME_FROM = "TRAINQ_RESUME_FROM"
+#: a train job forked with --from-checkpoint: initial weights for an attempt that does not resume
+ENV_INIT_FROM = "TRAINQ_INIT_FROM"
 #: given to on_finish hooks only (with TRAINQ_JOB_ID and TRAINQ_JOB_DIR)
 ENV_STATUS = "TRAINQ_STATUS"
 ENV_DIAGNOSIS = "TRAINQ_DIAGNOSIS"

@@ -14,6 +14,7 @@ from .config import passed_through
 from .contract import (
     ATTEMPT_BANNER_PREFIX,
     ENV_ATTEMPT,
+    ENV_INIT_FROM,
     ENV_JOB_DIR,
     ENV_JOB_ID,
     ENV_METRICS,
@@ -271,6 +272,8 @@ class Starting:
         })
         if resume_from:
             env[ENV_RESUME_FROM] = resume_from
+        elif job.spec.is_train and job.spec.from_checkpoint:
+            env[ENV_INIT_FROM] = job.spec.from_checkpoint  # weights only: fresh optimizer and schedule
         return env
 
 

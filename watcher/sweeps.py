@@ -45,10 +45,6 @@ class Variant:
 def workflow_problems(data: dict, job_problems: Callable[[dict], list[Problem]]) -> list[Problem]:
     """Rules for the section 9 fields JSON Schema cannot say; ``job_problems`` validates a variant."""
     problems = _hook_problems(data) + _after_ref_problems(data)
-    if "from_checkpoint" in data and "train" in data:
-        problems.append(Problem("from_checkpoint", "only applies to command jobs for now: the built-in trainer has no "
-                                                   "initial-weights option yet (fork a train job without "
-                                                   "--from-checkpoint, or retry it to resume)"))
     sweep = data.get("sweep")
     if isinstance(sweep, dict) and sweep and all(isinstance(v, list) and v for v in sweep.values()):
         problems += sweep_problems(data, job_problems)
