@@ -108,6 +108,19 @@ def test_a_removed_job_resubmitted_under_its_id_is_not_ended_by_the_old_attempt(
     assert run["status"] == "done" and run["attempts"][-1]["exit_code"] == 0
 
 
+
+def test_an_error_outside_any_job_is_logged_once_and_jobs_still_run(queue_dir, watcher_process, write_job):
+    """status.json made a folder by mistake: every status write fails; the loop's last net keeps the queue going."""
+    (queue_dir / "status.json").mkdir()
+    wp = watcher_process()
+    for n in range(3):
+        write_job(f"j{n}")
+    wait_until(lambda: all((queue_dir / "done" / f"j{n}").is_dir() for n in range(3)), 30, 0.1, what="jobs to run")
+    assert wp.proc.poll() is None
+    log = (queue_dir / "watcher.log").read_text()
+    assert log.count("IsADirectoryError") >= 1 and log.count("Traceback (most recent call last)") == 1, log[-2000:]
+
+
 # -- one injected fault per step ------------------------------------------------------------------
 FAULTS = ",".join(f"{step}:f-{step}" for step in ("admit", "plan", "start", "watch", "finish", "retry", "recover"))
 

@@ -107,7 +107,10 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         if self.disk_full is None:  # else the next watcher's recover() finishes from the folders
             self.retire_concluded(time.time())
             self._save_started(time.time(), all_now=True)
-        self.write_status(time.time(), force=True, state="stopping")
+        try:
+            self.write_status(time.time(), force=True, state="stopping")
+        except Exception as exc:  # noqa: BLE001 - shutting down: say it, and still release everything below
+            logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
         self.executor.close()
         if self._pool is not None:
