@@ -33,7 +33,8 @@ BATCH = 100
 BATCH_DRAIN_S = 90.0
 
 KEYS = ["approved", "name", "priority", "command", "train", "cwd", "env", "resources", "timeout", "stop_grace",
-        "stall_after", "retries", "resume_args", "slurm", "gpus", "ram_gb", "max", "on", "backoff", "x", "ãé", ""]
+        "stall_after", "retries", "resume_args", "slurm", "gpus", "ram_gb", "max", "on", "backoff", "x", "ãé", "",
+        "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint", "lr", "train.lr"]
 HOSTILE_TOKENS = [
     "9" * 400, "-" + "9" * 5000, "0x" + "f" * 3000, "1e999", "-.inf", ".nan", "99999999999999999999",
     '"99999999999999999999s"', '"1' + " " * 20_000 + 'x"', '"\\0"', '"a\\0b"', '"\\e[2J"', '"\\x1b]0;pwn\\x07"',

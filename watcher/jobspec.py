@@ -285,11 +285,28 @@ def _duration_or_none(data: dict, key: str) -> float | None:
 
 def _job_problems(data: dict) -> list[Problem]:
     """Every problem with a parsed job mapping: foreign values, schema, then cross-field rules."""
-    problems = foreign_value_problems(data)
+    clean = _scrub_numbers(data, 0)
+    problems = foreign_value_problems(clean)
+    numbers = [p for p in foreign_value_problems(data) if p not in problems] if clean is not data else []
     if problems:
-        return sort_problems(problems)
-    problems = schema_problems(schema_validator(SCHEMAS_DIR, JOB_SCHEMA), data)
-    return sort_problems(problems + _semantic_problems(data))
+        return sort_problems(problems + numbers)
+    # a number out of every range is reported once, by its path; the rest of the file is still checked
+    seen = {p.path for p in numbers}
+    problems = schema_problems(schema_validator(SCHEMAS_DIR, JOB_SCHEMA), clean) + _semantic_problems(clean)
+    return sort_problems(numbers + [p for p in problems if p.path not in seen])
+
+
+def _scrub_numbers(value: object, depth: int) -> object:
+    """``value`` with integers past MAX_INT and non-finite floats replaced by 0 (itself when it has none)."""
+    if depth > MAX_NESTING:
+        return value  # foreign_value_problems reports the nesting
+    if isinstance(value, dict):
+        items = {k: _scrub_numbers(v, depth + 1) for k, v in value.items()}
+        return value if all(items[k] is value[k] for k in value) else items
+    if isinstance(value, list):
+        new = [_scrub_numbers(v, depth + 1) for v in value]
+        return value if all(a is b for a, b in zip(new, value)) else new
+    return 0 if _scalar_problems("", value) and isinstance(value, (HugeInt, int, float)) else value
 
 
 def _semantic_problems(data: dict) -> list[Problem]:
