@@ -122,7 +122,8 @@ def test_dependencies_survive_a_watcher_restart(queue_dir, watcher_process):
 def test_sweep_of_command_jobs(queue_dir, watcher_process):
     """A 2x2 sweep: four concrete jobs, run.json sweep info, after: [sweep] waits for all four."""
     watcher_process()
-    _job(queue_dir, "report", after=["grid"], command=[PY, "-c", "print('all done')"])
+    _job(queue_dir, "report", after=["grid"], command=[PY, "-c", "import sys; print(open(sys.argv[1]).read())",
+                                                        "{after:grid-3}/output.log"])
     _job(queue_dir, "grid", command=[PY, "-c", "import sys,time; time.sleep(0.1); print(sys.argv[1:])", "{lr}"],
          sweep={"lr": ["1e-4", "2e-4"], "resources.ram_gb": [0, 0.001]})
     wait_until(lambda: all(_where(queue_dir, f"grid-{i}") == "done" for i in range(1, 5)), 40, what="sweep runs")
@@ -133,6 +134,7 @@ def test_sweep_of_command_jobs(queue_dir, watcher_process):
     assert "sweep" not in concrete and concrete["command"][-1] == "2e-4" and concrete["resources"] == {"ram_gb": 0}
     assert "['2e-4']" in (queue_dir / "done" / "grid-3" / "output.log").read_text()
     wait_until(lambda: _where(queue_dir, "report") == "done", 20, what="after the whole sweep")
+    assert "['2e-4']" in (queue_dir / "done" / "report" / "output.log").read_text()
     assert _run(queue_dir, "report")["started_at"] >= max(_run(queue_dir, f"grid-{i}")["finished_at"] for i in range(1, 5))
     entries = wait_until(lambda: [e for e in _status(queue_dir).get("jobs", []) if e.get("sweep") == "grid"
                                   and e["state"] == "done"], 10)

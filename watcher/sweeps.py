@@ -69,11 +69,17 @@ def _after_ref_problems(data: dict) -> list[Problem]:
     problems = []
     for path, text in _templated_strings(data):
         for ref in _AFTER_REF.findall(text):
-            if ref not in after:
+            head, _, index = ref.rpartition("-")
+            if ref not in after and not (head in after and index.isdigit()):  # a job of a sweep in after
                 listed = ", ".join(map(str, after)) or "nothing"
                 problems.append(Problem(path, f"{{after:{ref}}} names {ref!r}, which is not in after "
                                               f"(after lists {listed}); add it to after"))
     return problems
+
+
+def after_refs(data: dict) -> list[str]:
+    """Every ``{after:ID}`` id the job's command, cwd, env, resume_args and on_finish use."""
+    return list(dict.fromkeys(ref for _path, text in _templated_strings(data) for ref in _AFTER_REF.findall(text)))
 
 
 def _templated_strings(data: dict):

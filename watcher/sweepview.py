@@ -102,11 +102,12 @@ def sweep_html(jobs: list[dict]) -> str:
     parts = []
     for group in sweep_groups(jobs):
         keys = list(dict.fromkeys(k for r in group.rows for k in r.params))
-        head = "".join(f"<th>{html.escape(k)}</th>" for k in ["job", "status", *keys, "best eval loss"])
+        loss_head = ["best eval loss"] if group.has_losses else []
+        head = "".join(f"<th>{html.escape(k)}</th>" for k in ["job", "status", *keys, *loss_head])
         rows = "".join(
             f"<tr><td>{html.escape(r.job_id)}</td><td>{html.escape(r.status)}</td>"
             + "".join(f"<td>{html.escape(str(r.params.get(k, '')))}</td>" for k in keys)
-            + f"<td>{_loss_text(r.best_eval_loss)}</td></tr>"
+            + (f"<td>{_loss_text(r.best_eval_loss)}</td>" if group.has_losses else "") + "</tr>"
             for r in group.rows
         )
         parts.append(f'<section class="sweep"><h2>Sweep {html.escape(group.sweep_id)}</h2>'

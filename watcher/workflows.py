@@ -29,7 +29,7 @@ from .fsutil import atomic_write, atomic_write_json, read_json, remove_quietly
 from .hooks import HookLauncher, hook_due
 from .jobs import Job, new_run
 from .jobspec import JobSpec, load_job_file
-from .sweeps import expand, variant_text
+from .sweeps import after_refs, expand, variant_text
 from .units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class Workflows:
     def after_values(self, job: Job) -> dict[str, str]:
         """``{after:ID}`` → ID's job folder where it is now (done/ID once it ended)."""
         values = {}
-        for dep in job.spec.after if job.spec else ():
+        for dep in after_refs(job.spec.raw) if job.spec else ():
             for state in (JobState.DONE, JobState.FAILED, JobState.RUNNING, JobState.PENDING):
                 path = self.root.job_dir(state, dep)
                 if path.is_dir():
