@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
 
-from conftest import PY, REPO, tick_until
+from conftest import PY, REPO, tick_until, wait_until
+
+from trainq.watcher.folders import JobState
 
 
 def trainq(*args: str, root: Path | None = None, check_rc: int | None = None) -> subprocess.CompletedProcess:
@@ -20,7 +23,7 @@ def trainq(*args: str, root: Path | None = None, check_rc: int | None = None) ->
 def test_init_creates_the_five_folders(tmp_path):
     root = tmp_path / "q"
     out = trainq("init", str(root), check_rc=0)
-    assert {p.name for p in root.iterdir()} == {"inbox", "pending", "running", "done", "failed"}
+    assert {p.name for p in root.iterdir()} == {"inbox", "pending", "running", "done", "failed", "schemas"}
     assert str(root) in out.stdout
 
 
@@ -80,3 +83,254 @@ def test_help_is_fast():
     started = time.monotonic()
     trainq("--help", check_rc=0)
     assert time.monotonic() - started < 5  # the benchmark holds the real figure (<= 300 ms)
+
+
+# -- finding the queue, global options, version ------------------------------------------------------------
+
+def _trainq_in(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "TRAINQ_ROOT"}
+    full_env.update(env or {})
+    return subprocess.run([PY, "-m", "trainq.watcher", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=60, env=full_env)
+
+
+def test_root_after_the_command_and_version(queue_dir):
+    (queue_dir / "status.json").write_text(json.dumps({"schema_version": 1, "counts": {"done": 3}}))
+    out = trainq("status", "--json", "--root", str(queue_dir), check_rc=0)  # --root after the command
+    assert json.loads(out.stdout)["counts"]["done"] == 3
+    from importlib.metadata import version
+
+    assert trainq("--version", check_rc=0).stdout.strip() == f"trainq {version('trainq')}"
+
+
+def test_queue_is_found_by_env_then_dot_queue_then_user_config(tmp_path):
+    config_home = tmp_path / "config"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # nothing names a queue: the error lists every place it looked
+    out = _trainq_in(elsewhere, "pause", env={"XDG_CONFIG_HOME": str(config_home)})
+    assert out.returncode == 2, out.stderr
+    for place in ("--root", "$TRAINQ_ROOT", str(elsewhere / "queue"), str(config_home / "trainq" / "config.yaml")):
+        assert place in out.stderr, (place, out.stderr)
+    # the user config names the default root
+    served = tmp_path / "srv" / "queue"
+    _trainq_in(tmp_path, "init", str(served))
+    (config_home / "trainq").mkdir(parents=True)
+    (config_home / "trainq" / "config.yaml").write_text(f"root: {served}\n")
+    _trainq_in(elsewhere, "pause", env={"XDG_CONFIG_HOME": str(config_home)})
+    assert (served / "pause.flag").exists()
+    # ./queue wins over the config file, TRAINQ_ROOT over ./queue
+    _trainq_in(elsewhere, "init", "queue")
+    _trainq_in(elsewhere, "pause", env={"XDG_CONFIG_HOME": str(config_home)})
+    assert (elsewhere / "queue" / "pause.flag").exists()
+    other = tmp_path / "other"
+    _trainq_in(tmp_path, "init", str(other))
+    _trainq_in(elsewhere, "pause", env={"XDG_CONFIG_HOME": str(config_home), "TRAINQ_ROOT": str(other)})
+    assert (other / "pause.flag").exists()
+    # a wrong config file is one line naming the file and the key
+    (config_home / "trainq" / "config.yaml").write_text("queue: /x\n")
+    out = _trainq_in(config_home, "status", env={"XDG_CONFIG_HOME": str(config_home)})
+    assert out.returncode == 2 and "config.yaml: root:" in out.stderr, out.stderr
+
+
+def test_init_writes_the_schemas_and_schema_prints_an_absolute_path(tmp_path):
+    root = tmp_path / "q"
+    trainq("init", str(root), check_rc=0)
+    assert (root / "schemas" / "job.schema.json").read_text() == (REPO / "schemas" / "job.schema.json").read_text()
+    assert (root / "schemas" / "train.schema.json").exists()  # job.schema.json refers to it
+    path = Path(trainq("schema", "--path", check_rc=0).stdout.strip())
+    assert path.is_absolute() and path.name == "job.schema.json" and json.loads(path.read_text())["$schema"]
+
+
+# -- the management commands against a real watcher ----------------------------------------------------------
+
+FAST = "settle_s: 0.1\nrescan_s: 0.2\nstatus_s: 0.1\n"
+
+
+def _job(queue_dir: Path, name: str, command: str, extra: str = "") -> Path:
+    src = queue_dir.parent / f"{name}.yaml"
+    src.write_text(f"approved: true\ncommand: [sh, -c, {json.dumps(command)}]\n{extra}")
+    return src
+
+
+def _where(queue_dir: Path, job_id: str) -> str | None:
+    return next((s for s in ("pending", "running", "done", "failed") if (queue_dir / s / job_id).is_dir()), None)
+
+
+def _listed(queue_dir: Path) -> set[str]:
+    status = json.loads((queue_dir / "status.json").read_text())
+    return {j["id"] for j in status["jobs"]}
+
+
+def test_submit_prints_the_job_id_and_rm_removes_pending_running_and_finished(queue_dir, watcher_process):
+    (queue_dir / "watcher.yaml").write_text(FAST + "max_concurrent: 1\n")
+    watcher_process()
+    long = _job(queue_dir, "long", "echo started; sleep 60", "stop_grace: 60s\n")
+    assert trainq("submit", str(long), root=queue_dir, check_rc=0).stdout.strip() == "job long"
+    assert trainq("submit", str(long), root=queue_dir, check_rc=0).stdout.strip() == "job long-2"
+    quick = _job(queue_dir, "quick", "exit 0")
+    assert trainq("submit", str(quick), root=queue_dir, check_rc=0).stdout.strip() == "job quick"
+    wait_until(lambda: _where(queue_dir, "long") == "running", 30, what="long running")
+    # pending: gone at once, and the watcher forgets it
+    out = trainq("rm", "long-2", root=queue_dir, check_rc=0)
+    assert "removed (pending/long-2)" in out.stdout and _where(queue_dir, "long-2") is None
+    # running: stopped (--now skips its 60 s grace), then removed
+    started = time.monotonic()
+    out = trainq("rm", "--now", "long", root=queue_dir, check_rc=0)
+    assert "stopping now" in out.stdout and "removed (failed/long)" in out.stdout
+    assert time.monotonic() - started < 30
+    # finished: removed, and status.json stops listing it
+    wait_until(lambda: _where(queue_dir, "quick") == "done", 30,
+               what=f"quick done ({_where(queue_dir, 'quick')}; {(queue_dir / 'watcher.log').read_text()})")
+    trainq("rm", "quick", root=queue_dir, check_rc=0)
+    wait_until(lambda: not _listed(queue_dir) & {"long", "long-2", "quick"}, 15, what="status.json forgot them")
+    assert "no job with id 'nope'" in trainq("rm", "nope", root=queue_dir, check_rc=2).stderr
+    assert "Traceback" not in (queue_dir / "watcher.stderr").read_text()
+
+
+def test_edited_pending_job_is_reread_or_rejected_and_a_removed_one_forgotten(queue_dir, watcher, write_job):
+    w = watcher(max_concurrent=1, rescan_s=0.05, settle_s=0.05)
+    write_job("blocker", command=["sleep", "30"])
+    tick_until(w, lambda: (queue_dir / "running" / "blocker").exists())
+    for name in ("a", "b", "c"):
+        write_job(name, command=["echo", name])
+    tick_until(w, lambda: w.jobs.count(JobState.PENDING) == 3)
+    assert [j.id for j in w.jobs.pending_head(3)] == ["a", "b", "c"]
+    # priority by the CLI (rewrites the priority: line), an edit by hand (new command), a broken edit, an rm -r
+    trainq("priority", "c", "5", root=queue_dir, check_rc=0)
+    spec = queue_dir / "pending" / "b" / "job.yaml"
+    spec.write_text(spec.read_text().replace("- b", "- edited"))
+    (queue_dir / "pending" / "a" / "job.yaml").write_text("approved: true\ncommand: [echo]\nresources: {gpus: -1}\n")
+    tick_until(w, lambda: w.jobs.get("c") and w.jobs["c"].priority == 5 and w.jobs["b"].spec.command[-1] == "edited",
+               what="edits re-read")
+    assert [j.id for j in w.jobs.pending_head(2)] == ["c", "b"]
+    assert json.loads((queue_dir / "pending" / "c" / "run.json").read_text())["priority"] == 5
+    tick_until(w, lambda: (queue_dir / "failed" / "a").exists(), what="broken edit rejected")
+    run = json.loads((queue_dir / "failed" / "a" / "run.json").read_text())
+    assert run["status"] == "rejected" and run["errors"][0]["path"] == "resources.gpus", run
+    assert "pending/a/job.yaml: resources.gpus" in run["error"]
+    import shutil
+
+    shutil.rmtree(queue_dir / "pending" / "b")
+    tick_until(w, lambda: "b" not in w.jobs, what="removed pending job forgotten")
+    (queue_dir / "running" / "blocker" / "stop.flag").write_text("now\n")
+    tick_until(w, lambda: (queue_dir / "failed" / "blocker").exists(), 30, what="blocker stopped")
+    tick_until(w, lambda: (queue_dir / "done" / "c").exists(), 30, what="c ran")
+    assert "edited" not in (queue_dir / "done" / "c" / "output.log").read_text()
+
+
+def test_priority_and_edit_refuse_a_bad_file_and_leave_the_job_as_it_was(queue_dir, tmp_path):
+    job = queue_dir / "pending" / "j"
+    job.mkdir()
+    original = "# keep me\napproved: true\ncommand: [echo, hi]\npriority: 1\n"
+    (job / "job.yaml").write_text(original)
+    (job / "run.json").write_text(json.dumps({"schema_version": 1, "status": "pending", "attempts": []}))
+    editor = tmp_path / "editor.sh"
+    editor.write_text("#!/bin/sh\nsed -i 's/priority: 1/priority: high/' \"$1\"\n")
+    editor.chmod(0o755)
+    out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "edit", "j"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, EDITOR=str(editor)),
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and "pending/j/job.yaml: priority:" in out.stderr, out.stderr
+    assert (job / "job.yaml").read_text() == original
+    assert (tmp_path / "j.edited.yaml").read_text() == original.replace("priority: 1", "priority: high")
+    editor.write_text("#!/bin/sh\nsed -i 's/hi/there/' \"$1\"\n")
+    subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "edit", "j"], cwd=tmp_path, check=True,
+                   capture_output=True, timeout=60, env=dict(os.environ, EDITOR=str(editor)))
+    assert (job / "job.yaml").read_text() == original.replace("hi", "there")
+    trainq("priority", "j", "-3", root=queue_dir, check_rc=0)
+    assert (job / "job.yaml").read_text() == "# keep me\napproved: true\ncommand: [echo, there]\npriority: -3\n"
+    done = queue_dir / "done" / "k"
+    done.mkdir()
+    assert "not pending/" in trainq("priority", "k", "1", root=queue_dir, check_rc=2).stderr
+
+
+def test_pause_resume_wait_show_clean_and_the_messages(queue_dir, watcher_process):
+    (queue_dir / "watcher.yaml").write_text(FAST)
+    trainq("pause", root=queue_dir, check_rc=0)
+    assert (queue_dir / "pause.flag").exists()
+    # logs and status right after starting a watcher wait for it instead of failing
+    drop_dir = queue_dir.parent
+    _job(queue_dir, "ok", "echo fine; printf '{\"type\": \"step\", \"step\": 3, \"total_steps\": 3, \"loss\": 0.5}\\n' "
+                          ">> $TRAINQ_METRICS")
+    _job(queue_dir, "bad", f"echo about to fail; {PY} -c \"open('/nowhere/train.jsonl')\"")
+    (drop_dir / "broken.yaml").write_text("approved: true\ncommand: [echo]\npriority: high\n")
+    for name in ("ok", "bad", "broken"):
+        os.rename(drop_dir / f"{name}.yaml", queue_dir / "inbox" / f"{name}.yaml")
+    watcher_process()
+    out = trainq("logs", "ok", root=queue_dir, check_rc=0)
+    assert "pending: it has not started" in out.stdout and "paused" in out.stdout, out.stdout
+    assert "ok" in trainq("status", root=queue_dir, check_rc=0).stdout
+    rejected = trainq("logs", "broken", root=queue_dir, check_rc=0).stdout
+    assert "rejected" in rejected and "priority:" in rejected, rejected
+    refused = trainq("retry", "broken", root=queue_dir, check_rc=2).stderr
+    assert "cannot run again" in refused and "submit" in refused
+    assert not (queue_dir / "failed" / "broken" / "retry.flag").exists()
+    trainq("resume", root=queue_dir, check_rc=0)
+    assert not (queue_dir / "pause.flag").exists()
+    assert trainq("wait", "ok", root=queue_dir).returncode == 0
+    waited = trainq("wait", "ok", "bad", root=queue_dir)
+    assert waited.returncode == 1 and "job bad: failed" in waited.stdout, waited.stdout
+    shown = trainq("show", "bad", root=queue_dir, check_rc=0).stdout
+    for needle in ("job bad: failed, exit status 1", "attempts (1):", "exit 1", "evidence:",
+                   "/nowhere/train.jsonl", "advice:", "output.log", str(queue_dir / "failed" / "bad")):
+        assert needle in shown, (needle, shown)
+    assert "progress: step 3/3 · loss 0.5" in trainq("show", "ok", root=queue_dir, check_rc=0).stdout
+    # a finished job's row keeps its final loss and its times
+    wait_until(lambda: any(j["id"] == "ok" and j["state"] == "done" for j in json.loads(
+        (queue_dir / "status.json").read_text())["jobs"]), 15, what="status.json lists ok as done")
+    row = next(line for line in trainq("status", "--state", "done", root=queue_dir, check_rc=0).stdout.splitlines()
+               if line.startswith("ok "))
+    assert "done" in row and "3/3" in row and "0.5" in row, row
+    # a command job's missing file is not "training data"
+    assert "diagnosis: data" in shown and "training data" not in shown and "A file the command reads" in shown
+    listed = trainq("clean", "--failed", "--dry-run", root=queue_dir, check_rc=0).stdout
+    assert "would remove 2" in listed and (queue_dir / "failed" / "bad").exists()
+    assert "removed 0" in trainq("clean", "--older-than", "7d", root=queue_dir, check_rc=0).stdout
+    assert "removed 3" in trainq("clean", root=queue_dir, check_rc=0).stdout
+    assert not [p for s in ("done", "failed") for p in (queue_dir / s).iterdir()]
+    assert trainq("wait", "gone", root=queue_dir).returncode == 2
+
+
+def test_ignored_inbox_entries_are_listed_with_the_reason(queue_dir, watcher):
+    (queue_dir / "inbox" / "notes.txt").write_text("x")
+    (queue_dir / "inbox" / "drafts").mkdir()
+    (queue_dir / "inbox" / "job.json").write_text("{}")
+    (queue_dir / "inbox" / "odd.yaml").mkdir()
+    (queue_dir / "inbox" / ".hidden.yaml").write_text("x")
+    (queue_dir / "inbox" / "edit.yaml.swp").write_text("x")
+    w = watcher()
+    w.tick(time.time())
+    w.report.write(w, time.time(), force=True)
+    status = json.loads((queue_dir / "status.json").read_text())
+    ignored = {e["name"]: e["reason"] for e in status["ignored"]}
+    assert set(ignored) == {"notes.txt", "drafts", "job.json", "odd.yaml"}, ignored
+    assert "folder" in ignored["drafts"] and "*.yaml" in ignored["job.json"]
+    import jsonschema
+
+    jsonschema.validate(status, json.loads((REPO / "schemas" / "status.schema.json").read_text()))
+    assert "Ignored in inbox" in (queue_dir / "status.html").read_text()
+    assert "notes.txt" in trainq("status", root=queue_dir, check_rc=0).stdout
+
+
+def test_train_and_tiny_run_the_trainer_modules():
+    out = trainq("train", "--help", check_rc=0)
+    assert "usage: python -m trainq.trainer " in out.stdout and "job_dir" in out.stdout
+    assert "usage: python -m trainq.trainer.tiny" in trainq("tiny", "--help", check_rc=0).stdout
+
+
+def test_shell_completion_offers_commands_and_job_ids(queue_dir):
+    for state, job_id in (("pending", "lora-a"), ("done", "lora-b"), ("failed", "other")):
+        (queue_dir / state / job_id).mkdir()
+
+    def complete(line: str) -> list[str]:
+        env = dict(os.environ, _ARGCOMPLETE="1", COMP_LINE=line, COMP_POINT=str(len(line)), _ARGCOMPLETE_IFS="\n")
+        script = Path(PY).with_name("trainq")
+        # argcomplete answers on fd 8 (what bash's completion hook reads) and exits
+        done = subprocess.run(["sh", "-c", f"'{script}' 8>&1 9>/dev/null"], env=env, capture_output=True, text=True,
+                              timeout=60)
+        return done.stdout.split()
+
+    assert "priority" in complete("trainq pri")
+    assert complete(f"trainq --root {queue_dir} show lora") == ["lora-a", "lora-b"]
+    assert "--older-than" in complete("trainq clean --o")

@@ -256,9 +256,9 @@ def test_status_html_in_chromium_follows_a_real_train_job(queue_dir, watcher_pro
 # -- the terminal twin in tmux ---------------------------------------------------------------------------------
 
 class Tmux:
-    """One tmux server on its own socket, one 80x40 window running a command."""
+    """One tmux server on its own socket, one window (80x40 unless told) running a command."""
 
-    def __init__(self, socket: Path, command: list[str], env: dict[str, str]) -> None:
+    def __init__(self, socket: Path, command: list[str], env: dict[str, str], size: tuple[int, int] = (80, 40)) -> None:
         self.socket = socket
         self.status_file = socket.with_name("exit-status")
         # the shell records the exit status in a file: tmux 3.3a sometimes leaves a dead pane's process
@@ -268,7 +268,7 @@ class Tmux:
         line = (f"trap true INT; {' '.join(map(_sh_quote, command))}; "
                 f"echo $? > {_sh_quote(str(self.status_file))}.tmp; mv {_sh_quote(str(self.status_file))}.tmp "
                 f"{_sh_quote(str(self.status_file))}")
-        self.tmux("new-session", "-d", "-s", "faces", "-x", "80", "-y", "40", line, env=env)
+        self.tmux("new-session", "-d", "-s", "faces", "-x", str(size[0]), "-y", str(size[1]), line, env=env)
         # keep the pane, and what it shows, after the shell exits
         self.tmux("set-option", "-t", "faces", "remain-on-exit", "on")
 
@@ -328,10 +328,10 @@ def tmux_session(tmp_path: Path):
         pytest.skip("tmux is not installed (apt-get install tmux)")
     made: list[Tmux] = []
 
-    def _start(command: list[str]) -> Tmux:
+    def _start(command: list[str], size: tuple[int, int] = (80, 40)) -> Tmux:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TMUX")}
         env.update(LANG="C.UTF-8", LC_ALL="C.UTF-8", SHELL="/bin/sh")
-        made.append(Tmux(tmp_path / "tmux.sock", command, env))
+        made.append(Tmux(tmp_path / f"tmux-{len(made)}.sock", command, env, size))
         return made[-1]
 
     yield _start
@@ -344,9 +344,9 @@ def test_trainq_status_follow_in_tmux_redraws_in_place(queue_dir, watcher_proces
     wait_until(lambda: _step(queue_dir, "lora") >= 1, 120, 0.1, "job past step 1")
     term = tmux_session([*TRAINQ, "--root", str(queue_dir), "status", "--follow"])
 
-    first = _screen_where(term, _screen_step, 20, "a step on screen")
-    for needle in ("Running (1)", "lora", "tok/s", "ETA", "Pending (0)", "Recently finished (0)", "Machine",
-                   "GPU 0 Sim 6GB", "held by lora", "━"):
+    first = _screen_where(term, lambda s: _screen_step(s) and "ETA" in s, 30, "a step and its ETA on screen")
+    for needle in ("running 1", "lora ", "tok/s", "ETA", "pending 0", "done 0", "ID ", "REASON",
+                   "GPU 0 Sim 6GB", "held by lora"):
         assert needle in first, f"{needle!r} not on screen:\n{first}"
     (tmp_path / "screen-running.txt").write_text(first)  # kept for a person to look at
     history = term.pane("history_size")
@@ -354,12 +354,12 @@ def test_trainq_status_follow_in_tmux_redraws_in_place(queue_dir, watcher_proces
     second = _screen_where(term, lambda s: (_screen_step(s) or 0) > step0, 30, "the step on screen moved")
     for screen in (first, second):
         assert max(len(line) for line in screen.splitlines()) <= 80, screen
-        assert screen.count("Running (1)") == 1, screen  # redrawn, not appended
+        assert sum(line.startswith("lora ") for line in screen.splitlines()) == 1, screen  # redrawn, not appended
     assert term.pane("history_size") == history, "the view scrolled instead of redrawing in place"
 
     _wait_done(queue_dir, "lora")
     done = _screen_where(term, lambda s: "loss plot:" in s, 20, "loss plot on screen")
-    assert "Running (0)" in done and "done/lora/loss.png" in done.replace("\n", ""), done
+    assert "running 0" in done and "done/lora/loss.png" in done.replace("\n", ""), done
 
     term.tmux("send-keys", "-t", "faces", "C-c")
     wait_until(lambda: term.exit_status() is not None, 15, 0.05, "trainq status --follow exited on Ctrl-C")
@@ -431,3 +431,36 @@ def test_writing_status_html_costs_under_2_percent_of_a_core_with_50_running_job
     assert page.read_text().count("<polyline") == 100
     # 2% of one core at one write per second is 20 ms of CPU per write
     assert statistics.median(cpu) < 0.020, f"median {statistics.median(cpu) * 1e3:.1f} ms CPU per write"
+
+
+# -- 30 mixed jobs in tmux at 80x24 and 200x50 (issue 15) ---------------------------------------------------
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
+def test_thirty_mixed_jobs_fit_the_terminal_in_tmux(tmp_path, tmux_session, size):
+    from test_view import mixed_jobs
+
+    root = tmp_path / "q"
+    root.mkdir()
+    (root / "status.json").write_text(json.dumps(mixed_jobs(time.time())))
+    width, height = size
+    term = tmux_session([*TRAINQ, "status", "--follow", "--root", str(root)], size=size)
+    screen = _screen_where(term, lambda s: "GPU 0 Sim 6GB" in s and "f-oom" in s, 20, "the table on screen")
+    (tmp_path / f"screen-{width}x{height}.txt").write_text(screen)  # kept for a person to look at
+    lines = screen.rstrip("\n").splitlines()
+    assert len(lines) <= height and max(len(line) for line in lines) <= width, screen
+    assert "inbox 1 · awaiting 1 · pending 8 · running 3 · done 11 · failed 7" in screen
+    rows = [line for line in lines if line.startswith(("lora-run-", "lrs-", "draft", "f-", "done-"))]
+    for kind in ("oom", "unsatisfiable", "data", "nan", "unknown", "killed", "timeout"):  # every failure and its evidence
+        row = next(line for line in rows if line.startswith(f"f-{kind}"[:12]))
+        assert f"{kind}: " in row, row
+    assert "oom: OutOfMemoryError: CUDA" in screen and "unknown: ValueError: bad lr" in screen
+    if height >= 50:
+        assert len(rows) == 30 and "hidden" not in screen and "STARTED" in screen
+        assert "unsatisfiable: needs 500 GB RAM; this machine has 23.5 GB" in screen
+    else:
+        hidden = next(line for line in lines if "more row(s) hidden" in line)
+        shown_plus_hidden = len(rows) + int(hidden.split()[1])
+        assert shown_plus_hidden == 30, (hidden, screen)
+    term.tmux("send-keys", "-t", "faces", "C-c")
+    wait_until(lambda: term.exit_status() is not None, 15, 0.05, "status --follow exited on Ctrl-C")
+    assert term.exit_status() == 0

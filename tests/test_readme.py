@@ -37,6 +37,8 @@ def test_examples_validate_and_carry_the_editor_schema_line():
     examples = sorted((REPO / "queue" / "examples").glob("*.yaml"))
     assert {p.name for p in examples} >= {"lora-cpu.yaml", "qlora-6gb.yaml", "command-resume.yaml"}
     for path in examples:
-        assert path.read_text().startswith("# yaml-language-server: $schema=../../schemas/job.schema.json")
+        # the modeline works in any folder one level below a queue root (`trainq init` writes ROOT/schemas/)
+        assert path.read_text().startswith("# yaml-language-server: $schema=../schemas/job.schema.json")
+        assert (path.parent / "../schemas/job.schema.json").resolve() == (REPO / "schemas" / "job.schema.json")
         spec = load_job_file(path)
         assert spec.is_train or spec.resume_args

@@ -1,3 +1,4 @@
+# PYTHON_ARGCOMPLETE_OK  (argcomplete: `eval "$(register-python-argcomplete trainq)"` turns on completion)
 """``trainq``: a thin command line over the queue's files (argparse, logging set-up, env, exit codes).
 
 Every command does what a user could do by hand with an editor, ``cp``, ``touch`` and ``cat``;
@@ -15,6 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from trainq.watcher.text import PrintableFormatter
 
+from .cli_manage import add_commands, add_global_options, enable_completion, run_trainer_command
+from .fsutil import read_json
+from .locate import BadUserConfig, RootNotFound, locate_root
+from .manage import UsageError
+
 #: exit status for success, for invalid input (a bad job file, an unknown id), and for anything else
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -25,7 +31,12 @@ logger = logging.getLogger("trainq.watcher")
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``trainq`` console script and ``python -m trainq.watcher``."""
-    args = _parser().parse_args(argv)
+    passed = run_trainer_command(sys.argv[1:] if argv is None else argv)
+    if passed is not None:
+        return passed
+    parser = _parser()
+    enable_completion(parser)
+    args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         _parser().print_help()
         return EXIT_INVALID
@@ -35,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except BrokenPipeError:
         return EXIT_OK
+    except (RootNotFound, BadUserConfig) as exc:
+        return _fail(str(exc), EXIT_INVALID)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
         description="A training-job queue driven by files. Drop job YAML files into QUEUE/inbox/; "
         "read QUEUE/status.json. Every command here is a convenience over those files.",
     )
-    parser.add_argument("--root", help="queue root (default: $TRAINQ_ROOT, else ./queue)")
+    parser.add_argument("--root", help="queue root (default: $TRAINQ_ROOT, else ./queue, else root: in "
+                        "~/.config/trainq/config.yaml); accepted after the command too")
     sub = parser.add_subparsers(metavar="COMMAND")
 
     p = sub.add_parser("init", help="create a queue root with its five folders")
@@ -71,9 +85,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--approve", action="store_true", help="submit it with approved: true")
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("status", help="show the queue (from status.json)")
+    p = sub.add_parser("status", help="show the queue (from status.json), one line a job")
+    p.add_argument("pattern", nargs="?", metavar="GLOB", help="only jobs whose id or name matches (e.g. 'lora-*')")
     p.add_argument("--json", action="store_true", help="print status.json as it is")
-    p.add_argument("--follow", "-f", action="store_true", help="redraw until Ctrl-C")
+    p.add_argument("--follow", "-f", action="store_true", help="redraw until Ctrl-C, fitted to the terminal")
+    p.add_argument("--wide", "-w", action="store_true", help="every column, with advice and full evidence")
+    p.add_argument("--state", metavar="STATE[,STATE]", help="only these states or statuses (running, pending, "
+                   "awaiting, done, failed, cancelled, timeout, rejected, stopping)")
+    p.add_argument("--sweep", metavar="ID", help="only the jobs of this sweep")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("logs", help="print a job's output.log")
@@ -83,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stop", help="stop a job (touches its stop.flag)")
     p.add_argument("id")
+    p.add_argument("--now", action="store_true", help="skip the job's stop_grace (stop.flag holds `now`)")
     p.set_defaults(func=cmd_stop)
 
     p = sub.add_parser("retry", help="run a failed job again, resuming from its latest checkpoint (touches retry.flag)")
@@ -98,11 +118,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a field (train.lr=2e-4)")
     p.add_argument("--from-checkpoint", action="store_true", help="start from ID's latest checkpoint (command jobs)")
     p.set_defaults(func=cmd_fork)
+    add_commands(sub, _root)
+    add_global_options(parser, sub)
     return parser
 
 
-def _root(args: argparse.Namespace) -> Path:
-    return Path(args.root or os.environ.get("TRAINQ_ROOT") or "queue")
+def _root(args: argparse.Namespace, must_exist: bool = True) -> Path:
+    """--root, else $TRAINQ_ROOT, else ./queue, else the user config's root (locate.py); RootNotFound if none."""
+    return locate_root(args.root, must_exist=must_exist).path
 
 
 def _fail(message: str, code: int = EXIT_ERROR) -> int:
@@ -115,14 +138,18 @@ def cmd_init(args: argparse.Namespace) -> int:
     from .errors import QueueLayoutError
     from .folders import QueueRoot
 
-    root = QueueRoot(Path(args.dir) if args.dir else _root(args))
+    from .manage import write_schemas
+
+    root = QueueRoot(Path(args.dir) if args.dir else _root(args, must_exist=False))
     try:
         created = root.ensure_layout(create=True)
     except QueueLayoutError as exc:
         return _fail(str(exc))
     for folder in root.folders():
         (folder / ".gitkeep").touch(exist_ok=True)
-    print(f"{root.path}: queue ready ({len(created)} folder(s) created). Drop job files into {root.inbox}/")
+    schemas = write_schemas(root.path)
+    print(f"{root.path}: queue ready ({len(created)} folder(s) created; JSON Schemas in {schemas}/). "
+          f"Drop job files into {root.inbox}/")
     return EXIT_OK
 
 
@@ -205,7 +232,7 @@ def _setup_logging(log_file: Path, verbose: bool, quiet: bool) -> Callable[[], N
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(_root(args))
+    return run_demo(_root(args, must_exist=False))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -251,15 +278,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return _fail(f"{inbox}: no inbox; create the queue with `trainq init {_root(args)}`")
     target = inbox_name(inbox, source.name)
     atomic_write(inbox / f".{target.name}.tmp", text)  # hidden temp name: the watcher ignores it
+    ino = os.stat(inbox / f".{target.name}.tmp").st_ino  # before the rename: a watcher may take it at once
     os.replace(inbox / f".{target.name}.tmp", target)
-    print(f"{target}: submitted{'' if spec.approved else ' (awaiting approval: set approved: true)'}")
+    if not spec.approved:
+        print(f"{target}: submitted, awaiting approval (set approved: true in it to start it)")
+        return EXIT_OK
+    from .manage import claimed_id
+
+    print(claimed_id(_root(args), target, ino))
     return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .view import print_status
+    from .view import Filters, print_status
 
-    return print_status(_root(args) / "status.json", follow=args.follow, json_out=args.json) or EXIT_OK
+    filters = Filters(states=args.state, sweep=args.sweep, pattern=args.pattern)
+    return print_status(_root(args) / "status.json", follow=args.follow, json_out=args.json, wide=args.wide,
+                        filters=filters) or EXIT_OK
 
 
 def _find_job(root: Path, job_id: str) -> tuple[str, Path] | None:
@@ -272,16 +307,23 @@ def _find_job(root: Path, job_id: str) -> tuple[str, Path] | None:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     from .contract import JobPaths
+    from .manage import find_job, no_such_job, wait_for_claim
+    from .show import no_output_words
 
     root = _root(args)
-    found = _find_job(root, args.id)
+    found = find_job(root, args.id) or wait_for_claim(root, args.id)
     if found is None:
-        return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
+        return _fail(no_such_job(root, args.id), EXIT_INVALID)
+    words = no_output_words(root, found)
+    if words:
+        print(words, file=sys.stderr if args.follow else sys.stdout, flush=True)
+        if not args.follow:
+            return EXIT_OK
     offset = 0
     while True:
-        state, path = _find_job(root, args.id) or found
-        offset = _print_from(JobPaths(path).log, offset)
-        if not args.follow or state in ("done", "failed"):
+        found = find_job(root, args.id) or found
+        offset = _print_from(JobPaths(found.path).log, offset)
+        if not args.follow or found.state in ("done", "failed"):
             return EXIT_OK
         time.sleep(0.5)
 
@@ -299,29 +341,44 @@ def _print_from(path: Path, offset: int) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    return _touch_flag(args, "stop_flag", ("pending", "running"), "stop requested")
+    from .manage import request_stop
+
+    return _flag(args, ("pending", "running"), lambda path: request_stop(path, now=args.now),
+                 "stop requested" + (", without the grace" if args.now else ""))
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
-    return _touch_flag(args, "retry_flag", ("failed",), "retry requested, resuming from its latest checkpoint")
-
-
-def _touch_flag(args: argparse.Namespace, flag: str, states: tuple[str, ...], what: str) -> int:
-    """Touch a job's stop.flag or retry.flag, exactly as a user would by hand."""
     from .contract import JobPaths
     from .fsutil import touch
 
+    def retry(path: Path) -> Path:
+        run = read_json(JobPaths(path).run) or {}
+        if run.get("status") == "rejected":
+            raise UsageError(f"job {args.id} was rejected: its job file is invalid, so it cannot run again. "
+                             f"Fix the file and submit it again: `trainq submit {path / 'job.yaml'}` after editing "
+                             f"a copy (`trainq show {args.id}` lists the problems)")
+        touch(JobPaths(path).retry_flag)
+        return JobPaths(path).retry_flag
+
+    return _flag(args, ("failed",), retry, "retry requested, resuming from its latest checkpoint")
+
+
+def _flag(args: argparse.Namespace, states: tuple[str, ...], act: Callable[[Path], Path], what: str) -> int:
+    """Create a job's stop.flag or retry.flag, exactly as a user would by hand."""
+    from .manage import find_job, no_such_job
+
     root = _root(args)
-    found = _find_job(root, args.id)
+    found = find_job(root, args.id)
     if found is None:
-        return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
-    state, path = found
-    if state not in states:
-        return _fail(f"job {args.id} is in {state}/; this works only for jobs in {' or '.join(s + '/' for s in states)}",
-                     EXIT_INVALID)
-    flag_path = getattr(JobPaths(path), flag)
-    touch(flag_path)
-    print(f"job {args.id}: {what} ({state}/{args.id}/{flag_path.name})")
+        return _fail(no_such_job(root, args.id), EXIT_INVALID)
+    if found.state not in states:
+        return _fail(f"job {args.id} is in {found.state}/; this works only for jobs in "
+                     f"{' or '.join(s + '/' for s in states)}", EXIT_INVALID)
+    try:
+        flag_path = act(found.path)
+    except UsageError as exc:
+        return _fail(str(exc), EXIT_INVALID)
+    print(f"job {args.id}: {what} ({found.state}/{args.id}/{flag_path.name})")
     return EXIT_OK
 
 

@@ -27,6 +27,7 @@ from .jobs import Job, JobIndex, new_run
 from .jobspec import JobSpec, load_job_file
 from .finishing import RUNNING_POLL_S, Finishing
 from .workflows import Workflows
+from .pending_edits import PendingEdits
 from .recovery import recover
 from .starting import Starting
 from .report import Report
@@ -80,6 +81,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         self._plan_due = True
         self._last_plan = 0.0
         self.init_workflows()
+        self.pending_edits = PendingEdits()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, *, install_signals: bool = True) -> None:
@@ -222,6 +224,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             self._last_rescan = now
             self.honor_job_flags(now)
             self.recheck_unknown(now)
+            self.pending_edits.check(self, now)
         try:
             if self.disk_full is None:
                 self.admit_inbox(now)
@@ -284,7 +287,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
     def admit_inbox(self, now: float) -> None:
         """Validate every complete inbox file: accept, reject, or leave it awaiting approval."""
         candidates = self.inbox.scan()
-        self.report.inbox_seen(candidates)
+        self.report.inbox_seen(candidates, self.inbox.ignored)
         todo = [c for c in self.inbox.ready(candidates, now) if not self._known_awaiting(c)]
         if len(todo) > ADMIT_BATCH:
             todo = todo[:ADMIT_BATCH]
@@ -430,7 +433,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             return  # it vanished meanwhile
         job_id, path = taken.claimed
         taken.run["id"] = job_id
-        job = Job(job_id, JobState.PENDING, path, taken.run, taken.result)
+        job = Job(job_id, JobState.PENDING, path, taken.run, taken.result, spec_sig=(cand.size, cand.mtime_ns, cand.ino))
         self.jobs.add(job)
         logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, printable_name(cand.name),
                     taken.result.priority)

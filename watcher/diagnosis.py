@@ -47,6 +47,18 @@ _ADVICE = {
     "unknown": "Read the end of output.log (trainq logs ID) for the error, fix its cause, then touch retry.flag.",
 }
 
+#: advice for a command job where the trainer's advice names knobs it does not have (train: fields)
+_COMMAND_ADVICE = {
+    "oom": "Out of memory: make the command use less (a smaller batch or sequence length in its own arguments), "
+           "or ask for more with resources.gpu_memory_gb / ram_gb, then touch retry.flag.",
+    "nan": "The loss went non-finite: lower the learning rate your command uses, add warmup, or use bf16/fp32 "
+           "instead of fp16, then touch retry.flag to resume from its last checkpoint.",
+    "data": "A file the command reads is missing or unreadable (evidence above): check the paths in command, cwd "
+            "and env (relative paths start in cwd, by default the job folder), then submit the job again.",
+    "timeout": "The job ran past its timeout: raise timeout in the job file or make the command do less, then "
+               "touch retry.flag (it resumes only if the job declares resume_args).",
+}
+
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 
 #: log patterns per kind, most specific first; the last matching line of the tail is the evidence
@@ -91,8 +103,10 @@ class Diagnosis:
         return cls(kind=d["kind"], advice=d.get("advice") or advice_for(d["kind"]), evidence=d.get("evidence") or "")
 
 
-def advice_for(kind: str) -> str:
-    """The one actionable sentence for ``kind``."""
+def advice_for(kind: str, train: bool = True) -> str:
+    """The one actionable sentence for ``kind``, for a train job or (``train=False``) a command job."""
+    if not train and kind in _COMMAND_ADVICE:
+        return _COMMAND_ADVICE[kind]
     return _ADVICE.get(kind, _ADVICE["unknown"])
 
 
@@ -169,8 +183,19 @@ def unsatisfiable_diagnosis(reason: str) -> Diagnosis:
 
 
 def diagnose(exit: dict, log_tail: str, metrics_tail: list[dict] | None = None,
-             kernel_log: str | None = None) -> Diagnosis | None:
-    """Classify a finished attempt; None for a clean success or a user's stop (status cancelled, not a failure)."""
+             kernel_log: str | None = None, train: bool = True) -> Diagnosis | None:
+    """Classify a finished attempt; None for a clean success or a user's stop (status cancelled, not a failure).
+
+    ``train``: the job ran the built-in trainer; a command job's advice names no trainer knobs.
+    """
+    found = _classify(exit, log_tail, metrics_tail, kernel_log)
+    if found is None or train or found.advice != advice_for(found.kind):
+        return found  # the trainer's own advice, or the executor's, is kept as it was given
+    return Diagnosis(found.kind, advice_for(found.kind, train=False), found.evidence)
+
+
+def _classify(exit: dict, log_tail: str, metrics_tail: list[dict] | None,
+              kernel_log: str | None) -> Diagnosis | None:
     stop_reason = exit.get("stop_reason")
     code, sig = exit.get("exit_code"), exit.get("signal")
     if stop_reason is None and code == 0 and not sig:

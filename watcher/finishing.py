@@ -57,7 +57,7 @@ class Finishing:
         record = self.executor.read_exit(job.paths, attempt)
         if record is None or record.get("attempt") != job.attempt:
             return False
-        self._conclude(job, judge_exit(job.run, record, job.paths), record, now)
+        self._conclude(job, judge_exit(job.run, record, job.paths, job.spec), record, now)
         return True
 
     def _finish_lost(self, job: Job, now: float) -> None:

@@ -320,6 +320,15 @@ def _awaiting(snapshot: dict) -> str:
     return _table("Awaiting approval", "awaiting", ("job", "file", "to approve"), rows, "No file awaits approval.")
 
 
+def _ignored(snapshot: dict) -> str:
+    """Inbox entries that are not job files, with why (nothing when there are none)."""
+    rows = [f'<tr><td>inbox/{_e(e.get("name"))}</td><td class="why">{_e(e.get("reason"))}</td></tr>'
+            for e in snapshot.get("ignored") or ()]
+    if not rows:
+        return ""
+    return _table("Ignored in inbox", "ignored", ("entry", "why it is not taken"), rows, "")
+
+
 def _outcome(job: dict) -> str:
     diagnosis = job.get("diagnosis") or {}
     parts = [f'<b class="status {_e(job.get("status"))}">{_e(job.get("status"))}</b>']
@@ -424,7 +433,8 @@ def render_html(snapshot: dict, curves: dict[str, dict]) -> str:
     """The whole status page for a status.json object and CurveStore.curves()."""
     body = "".join((
         _header(snapshot), _counts(snapshot), _running(snapshot, curves), _pending(snapshot),
-        _awaiting(snapshot), _finished(snapshot), sweep_html(list(snapshot.get("jobs") or ())), _machine(snapshot),
+        _awaiting(snapshot), _ignored(snapshot), _finished(snapshot), sweep_html(list(snapshot.get("jobs") or ())),
+        _machine(snapshot),
     ))
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'

@@ -39,8 +39,32 @@ _VIM_PROBE = "4913"
 #: how often a file marked "being written" is re-checked against /proc for a lost close event (seconds)
 _WRITER_RECHECK_S = 2.0
 
+#: most non-job entries of the inbox listed in status.json's ``ignored``
+MAX_IGNORED_LISTED = 50
+
 WRITING = "writing"
 READY = "ready"
+
+
+def is_quiet_name(name: str) -> bool:
+    """Hidden files and editor/downloader temporaries: skipped without a word (they come and go)."""
+    return name.startswith((".", "#")) or name == _VIM_PROBE or name.lower().endswith(_TEMP_SUFFIXES)
+
+
+def ignored_reason(entry: os.DirEntry) -> str | None:
+    """Why an inbox entry that is not a job file is left alone; None for one that is skipped silently."""
+    if is_quiet_name(entry.name):
+        return None
+    try:
+        if entry.is_dir(follow_symlinks=False):
+            return "a folder: the inbox takes only job files"
+        if not entry.is_file(follow_symlinks=False) and not entry.is_symlink():
+            return "not a regular file"
+    except OSError:
+        return None
+    if not entry.name.lower().endswith((".yaml", ".yml")):
+        return "not a job file: only *.yaml and *.yml are taken"
+    return None
 
 
 def is_candidate_name(name: str) -> bool:
@@ -177,10 +201,13 @@ class Inbox:
         self.settle_s = settle_s
         self.events = events
         self._seen: dict[str, _Seen] = {}
+        #: entries the last scan left alone, with why (status.json ``ignored``), at most MAX_IGNORED_LISTED
+        self.ignored: list[dict] = []
 
     def scan(self) -> list[Candidate]:
         """Every candidate (regular file or symlink) in drop order: mtime, then name."""
         found = []
+        ignored = []
         generation = self.events.generation() if self.events else 0
         try:
             entries = list(os.scandir(self.path))
@@ -188,17 +215,25 @@ class Inbox:
             return []
         for entry in entries:
             if not is_candidate_name(entry.name):
+                if len(ignored) < MAX_IGNORED_LISTED:
+                    reason = ignored_reason(entry)
+                    if reason:
+                        ignored.append({"name": entry.name, "reason": reason})
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
-                continue  # FIFOs, sockets, folders named x.yaml: never touched
+                if len(ignored) < MAX_IGNORED_LISTED:  # FIFOs, sockets, folders named x.yaml: never touched
+                    what = "a folder named like a job file" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+                    ignored.append({"name": entry.name, "reason": what})
+                continue
             found.append(
                 Candidate(entry.name, Path(entry.path), st.st_size, st.st_mtime_ns, st.st_ino, stat.S_ISLNK(st.st_mode))
             )
         found.sort(key=lambda c: (c.mtime_ns, c.name))
+        self.ignored = sorted(ignored, key=lambda e: e["name"])
         live = {c.name for c in found}
         for name in list(self._seen):
             if name not in live:

@@ -43,6 +43,8 @@ class Job:
     unsaved_since: float | None = None  # launched at this time, run.json not yet written since
     held: bool = False  # pending on dependencies: out of the start order (workflows.py)
     contained: str | None = None  # the step whose internal error failed this job (containment.py)
+    spec_sig: tuple | None = None  # (size, mtime_ns, inode) of the job.yaml the spec was read from
+    spec_change: tuple | None = None  # (new sig, first seen at) of an edit not yet re-read (pending_edits.py)
 
     @property
     def paths(self) -> JobPaths:
@@ -121,8 +123,11 @@ class Outcome:
     diagnosis: Diagnosis | None
 
 
-def judge_exit(run: dict, exit_record: dict, paths: JobPaths) -> Outcome:
-    """Turn an exit record plus what the watcher knew (stop requested, stall) into a status and diagnosis."""
+def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | None = None) -> Outcome:
+    """Turn an exit record plus what the watcher knew (stop requested, stall) into a status and diagnosis.
+
+    ``spec`` says whether the job was the built-in trainer or a command: the advice differs.
+    """
     reason = exit_record.get("stop_reason")
     if run.get("stop_requested_by") == "internal_error" and run.get("diagnosis"):
         return Outcome("failed", Diagnosis.from_dict(run["diagnosis"]))  # containment.py stopped it
@@ -133,7 +138,8 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths) -> Outcome:
     if reason is None and exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
         return Outcome("done", None)
     diagnosis = diagnose(exit_record, attempt_log_tail(paths), attempt_metrics(paths, run),
-                         kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record) else None)
+                         kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record) else None,
+                         train=spec is None or spec.is_train)
     return Outcome("timeout" if reason == "timeout" else "failed", diagnosis)
 
 

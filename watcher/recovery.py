@@ -92,7 +92,7 @@ def _recover_running(watcher: "Watcher", job_id: str, now: float) -> None:
     _sync_attempt(job, started or record)
     if record is not None and record.get("attempt") == job.attempt:
         logger.info("job %s: its attempt ended unseen (no watcher, or a full disk); recording its exit", job_id)
-        watcher._finish(job, judge_exit(job.run, record, job.paths), record, now)
+        watcher._finish(job, judge_exit(job.run, record, job.paths, job.spec), record, now)
     else:
         watcher._finish_lost(job, now)
 

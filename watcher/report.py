@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .folders import JobState, QueueRoot
-from .progress import LogProgress, MetricsTail
+from .diagnosis import read_metrics_tail
+from .progress import PROGRESS_KEYS, LogProgress, MetricsTail
 from .admission import resources_dict
 from .html import CurveStore
 from .status import StatusSnapshot, StatusWriter, job_entry
@@ -54,6 +55,7 @@ class Report:
     recent: "OrderedDict[str, dict]" = field(default_factory=OrderedDict)
     inbox_count: int = 0
     awaiting_entries: list = field(default_factory=list)
+    ignored: list = field(default_factory=list)
     dirty: bool = True
     last_write: float = 0.0
     last_recount: float = 0.0
@@ -72,9 +74,12 @@ class Report:
         self.dirty = True
 
     # -- what the daemon reports ---------------------------------------------------------------
-    def inbox_seen(self, candidates: list) -> None:
+    def inbox_seen(self, candidates: list, ignored: list | None = None) -> None:
         if len(candidates) != self.inbox_count:
             self.inbox_count = len(candidates)
+            self.dirty = True
+        if ignored is not None and ignored != self.ignored:
+            self.ignored = list(ignored)
             self.dirty = True
 
     def awaiting(self, entries: dict) -> None:
@@ -92,7 +97,9 @@ class Report:
         """A job reached done/ or failed/ (``count``: it was not on disk at the last recount)."""
         if count:
             self.counts[job.state.value] += 1
-        self.recent[job.id] = _entry(job, self.root)
+        entry = _entry(job, self.root)
+        entry["progress"] = final_progress(entry.get("progress"), job)
+        self.recent[job.id] = entry
         self.recent.move_to_end(job.id)
         while len(self.recent) > self.config.keep_finished:
             self.recent.popitem(last=False)
@@ -200,6 +207,7 @@ class Report:
             counts=counts,
             jobs=tuple(listed),
             resources=resources_dict(machine, holdings),
+            ignored=tuple(self.ignored),
         )
 
 
@@ -236,6 +244,23 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
         entry["outputs"] = _outputs(job, root)
     entry.update(workflow_entry(job))
     return entry
+
+
+#: how much of a finished job's metrics.jsonl is read for its final progress (bytes)
+FINAL_METRICS_BYTES = 16384
+
+
+def final_progress(progress: dict | None, job: "Job") -> dict | None:
+    """A finished job's progress with the records written after the last poll (a short job was never polled)."""
+    merged = dict(progress or {})
+    for record in read_metrics_tail(job.paths.metrics, FINAL_METRICS_BYTES):
+        if record.get("type", "step") in ("step", "eval", "done"):
+            merged.update({k: record[k] for k in PROGRESS_KEYS if isinstance(record.get(k), (int, float))})
+    if not merged:
+        return None
+    if job.state is JobState.DONE:
+        merged["eta_s"] = 0
+    return {k: merged.get(k) for k in PROGRESS_KEYS}
 
 
 def _outputs(job: "Job", root: QueueRoot) -> dict | None:

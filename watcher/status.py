@@ -40,16 +40,20 @@ class StatusSnapshot:
     counts: dict
     jobs: tuple[dict, ...]
     resources: dict = field(default_factory=dict)
+    ignored: tuple[dict, ...] = ()  # inbox entries that are not job files, with why (CONTRACT section 2)
 
     def to_dict(self) -> dict:
-        """The status.json object."""
-        return {
+        """The status.json object (``ignored`` only when the inbox holds something that is not a job file)."""
+        data = {
             "schema_version": SCHEMA_VERSION,
             "watcher": self.watcher,
             "counts": self.counts,
             "jobs": list(self.jobs),
             "resources": self.resources,
         }
+        if self.ignored:
+            data["ignored"] = list(self.ignored)
+        return data
 
     @classmethod
     def from_dict(cls, d: dict) -> StatusSnapshot:
@@ -65,6 +69,7 @@ class StatusSnapshot:
             counts=dict(d.get("counts") or {}),
             jobs=tuple(d.get("jobs") or ()),
             resources=dict(d.get("resources") or {}),
+            ignored=tuple(d.get("ignored") or ()),
         )
 
 
@@ -208,7 +213,7 @@ class StatusWriter:
         if not _has_excess(snapshot.jobs, self.keep_finished):
             return snapshot
         jobs = select_jobs(snapshot.jobs, keep_finished=self.keep_finished)
-        return StatusSnapshot(snapshot.watcher, snapshot.counts, jobs, snapshot.resources)
+        return StatusSnapshot(snapshot.watcher, snapshot.counts, jobs, snapshot.resources, snapshot.ignored)
 
     def _maybe_write_html(self, now: float) -> None:
         if not self._html_dirty or self.html_path is None:
@@ -230,7 +235,7 @@ class StatusWriter:
 def _content(snapshot: StatusSnapshot) -> tuple:
     """Everything but heartbeat_at: what decides whether the file changed."""
     watcher = {k: v for k, v in snapshot.watcher.items() if k != "heartbeat_at"}
-    return (watcher, snapshot.counts, snapshot.jobs, snapshot.resources)
+    return (watcher, snapshot.counts, snapshot.jobs, snapshot.resources, snapshot.ignored)
 
 
 def _has_excess(jobs: tuple[dict, ...], keep_finished: int) -> bool:

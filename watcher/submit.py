@@ -7,8 +7,6 @@ from pathlib import Path
 from .errors import InvalidJobSpec, Problem
 from .jobspec import read_spec_text
 
-#: a top-level ``approved:`` line (not indented), whatever its value
-_APPROVED_LINE = re.compile(r"^approved[ \t]*:.*$", re.MULTILINE)
 
 
 def read_job_text(path: Path) -> str:
@@ -24,9 +22,20 @@ def read_job_text(path: Path) -> str:
 
 def approve_text(text: str) -> str:
     """The same text with ``approved: true``: the top-level line replaced, or one added at the top."""
-    if _APPROVED_LINE.search(text):
-        return _APPROVED_LINE.sub("approved: true", text, count=1)
-    return "approved: true\n" + text
+    return set_top_level(text, "approved", "true", at_top=True)
+
+
+def set_top_level(text: str, key: str, value: str, at_top: bool = False) -> str:
+    """The same text with the top-level (not indented) ``key:`` line set to ``key: value``; added if missing.
+
+    Only that one line changes, so the user's comments and layout stay as they wrote them.
+    """
+    line = re.compile(rf"^{re.escape(key)}[ \t]*:.*$", re.MULTILINE)
+    if line.search(text):
+        return line.sub(lambda _m: f"{key}: {value}", text, count=1)
+    if at_top:
+        return f"{key}: {value}\n" + text
+    return text + ("" if not text or text.endswith("\n") else "\n") + f"{key}: {value}\n"
 
 
 def inbox_name(inbox: Path, file_name: str) -> Path:

@@ -153,6 +153,7 @@ class _Attempt:
     signals_sent: list[str] = field(default_factory=list)
     created_stop_flag: bool = False
     dir_ino: int | None = None  # the job folder's inode: a folder removed and made again is another job's
+    grace_s: float | None = None  # the stop's grace: the spec's stop_grace_s, or 0 for a stop.flag saying "now"
 
 
 class _StopSignal:
@@ -985,8 +986,8 @@ def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
     if stop_signal.received:
         _request_stop(a, "sigterm", now, "the supervisor got a stop signal; forwarding SIGTERM to the job")
     elif _exists(a.paths.stop_flag):
-        _request_stop(a, "stop_flag", now,
-                      f"stop requested ({a.paths.stop_flag.name}); SIGTERM in {a.spec.stop_grace_s:g} s")
+        a.grace_s = 0.0 if _says_now(a.paths.stop_flag) else a.spec.stop_grace_s
+        _request_stop(a, "stop_flag", now, f"stop requested ({a.paths.stop_flag.name}); SIGTERM in {a.grace_s:g} s")
     elif _inode(a.paths.dir) != a.dir_ino:  # rm -rf of the job folder: a stop, as stop.flag would do it
         _request_stop(a, "folder_removed", now,
                       f"the job folder {a.paths.dir} was removed; SIGTERM in {a.spec.stop_grace_s:g} s")
@@ -1022,7 +1023,8 @@ def _term_due(a: _Attempt, now: float, got_stop_signal: bool) -> bool:
     """Leftovers of an exited job and our own SIGTERM go at once; a stop waits out stop_grace_s."""
     if a.status is not None or got_stop_signal:
         return True
-    return a.stop_mono is not None and now - a.stop_mono >= a.spec.stop_grace_s
+    grace_s = a.spec.stop_grace_s if a.grace_s is None else a.grace_s
+    return a.stop_mono is not None and now - a.stop_mono >= grace_s
 
 
 def _signal_tree(a: _Attempt, tree: list[int], sig: signal.Signals) -> None:
@@ -1156,6 +1158,15 @@ def _inode(path: str | Path) -> int | None:
         return os.stat(path).st_ino
     except OSError:
         return None
+
+
+def _says_now(stop_flag: Path) -> bool:
+    """A stop.flag holding ``now`` (``trainq stop --now``) asks for no grace."""
+    try:
+        with open(stop_flag, "rb") as f:
+            return f.read(16).strip().lower() == b"now"
+    except OSError:
+        return False
 
 
 def _exists(path: Path) -> bool:
