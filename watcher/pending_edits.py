@@ -83,7 +83,7 @@ def _reread(watcher: "Watcher", job: "Job", now: float) -> None:
     display = f"pending/{job.id}/job.yaml"
     try:
         spec = load_job_file(job.paths.spec, display)
-        watcher._check_allowed(spec, display)
+        watcher._check_allowed(spec, display, f"{job.id}.yaml")
     except InvalidJobSpec as exc:
         _reject(watcher, job, exc, now)
         return
