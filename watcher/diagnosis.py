@@ -49,7 +49,7 @@ _ADVICE = {
 
 #: advice for a command job where the trainer's advice names knobs it does not have (train: fields)
 _COMMAND_ADVICE = {
-    "oom": "Out of memory: make the command use less (a smaller batch or sequence length in its own arguments), "
+    "oom": "Out of memory: make the command use less per step (its own batch_size or sequence length arguments), "
            "or ask for more with resources.gpu_memory_gb / ram_gb, then touch retry.flag.",
     "nan": "The loss went non-finite: lower the learning rate your command uses, add warmup, or use bf16/fp32 "
            "instead of fp16, then touch retry.flag to resume from its last checkpoint.",
