@@ -206,3 +206,17 @@ def test_yaml_errors_quote_nothing_of_the_file() -> None:
     for text in (f"a: !{secret} x\n", f"!!python/object:{secret} x: 1\n", f"{secret}\nmore: x\n", f"'{secret}"):
         problems = problems_of(text)
         assert secret not in " ".join(p.path + p.message for p in problems), problems
+
+
+def test_hostile_job_yaml_written_into_pending_is_failed_by_recovery(queue_dir, watcher) -> None:
+    for name, extra in (("overflow", 'retries: {max: 2, backoff: "99999999999999999999s"}\n'),
+                        ("nul", 'env: {A: "x\\0y"}\n'), ("huge", "priority: " + "9" * 5000 + "\n")):
+        (queue_dir / "pending" / name).mkdir()
+        (queue_dir / "pending" / name / "job.yaml").write_text('approved: true\ncommand: ["true"]\n' + extra)
+    w = watcher()  # recovery validates what it adopts
+    tick_until(w, lambda: len(os.listdir(queue_dir / "failed")) == 3, timeout_s=30)
+    for name, field in (("overflow", "retries.backoff"), ("nul", "env.A"), ("huge", "priority")):
+        run = json.loads((queue_dir / "failed" / name / "run.json").read_text())
+        assert run["status"] == "rejected" and run["error"].startswith(f"pending/{name}/job.yaml: {field}: "), run
+    drop(queue_dir, "fine.yaml", f"approved: true\ncommand: [{PY}, -c, 'print(1)']\n")
+    tick_until(w, lambda: (queue_dir / "done" / "fine").exists(), timeout_s=30)

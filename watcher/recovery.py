@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .contract import JobPaths
+from .errors import InvalidJobSpec
 from .folders import JobState
 from .fsutil import atomic_write_json, remove_quietly, remove_stale_temps
 from .jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
+from .jobspec import load_job_file
 from .units import iso_utc
 
 if TYPE_CHECKING:
@@ -61,8 +63,9 @@ def _recover_pending(watcher: "Watcher", job_id: str, now: float) -> None:
         if job.spec is not None:
             job.run.update(priority=job.spec.priority, name=job.spec.name or job_id)
     if job.spec is None:
-        logger.warning("job %s: pending/%s/job.yaml no longer validates; failing it", job_id, job_id)
-        job.run.update(status="rejected", finished_at=iso_utc(now), error="job.yaml no longer validates")
+        error, errors = _validation_error(paths, job_id)
+        logger.warning("job %s: pending/%s/job.yaml no longer validates; failing it: %s", job_id, job_id, error)
+        job.run.update(status="rejected", finished_at=iso_utc(now), error=error, errors=errors)
     if job.run.get("status") in FINAL_STATUSES:  # the move to failed/ was interrupted
         job.save()
         job.dir = watcher.folders.fail(job_id, JobState.PENDING)
@@ -70,6 +73,17 @@ def _recover_pending(watcher: "Watcher", job_id: str, now: float) -> None:
         return
     job.run["status"] = "pending"
     watcher.jobs.add(job)
+
+
+def _validation_error(paths: JobPaths, job_id: str) -> tuple[str, list[dict]]:
+    """The first error line and every problem of a job.yaml that does not validate (named by field)."""
+    try:
+        load_job_file(paths.spec, f"pending/{job_id}/job.yaml")
+    except InvalidJobSpec as exc:
+        return exc.lines()[0], [p.to_dict() for p in exc.problems]
+    except OSError as exc:
+        return f"pending/{job_id}/job.yaml: cannot be read ({exc.strerror or exc})", []
+    return f"pending/{job_id}/job.yaml no longer validates", []
 
 
 def _recover_running(watcher: "Watcher", job_id: str, now: float) -> None:
