@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainq.watcher.diagnosis import parse_records, read_tail
+from trainq.watcher.fsutil import read_json
 
 if TYPE_CHECKING:
     from trainq.watcher.jobs import Job
 
-#: how much of metrics.jsonl is read for a finished job's best eval loss (bytes)
-BEST_EVAL_MAX_BYTES = 4 * 1024 * 1024
+#: how much of metrics.jsonl is read for a finished job's best eval loss when summary.json has none (bytes)
+BEST_EVAL_MAX_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,16 @@ def workflow_entry(job: "Job") -> dict:
     if sweep:
         out.update(sweep=sweep.get("id"), params=sweep.get("params"))
     if job.state.value in ("done", "failed") and job.spec is not None and job.spec.is_train:
-        out["best_eval_loss"] = best_eval_loss(job.paths.metrics)
+        out["best_eval_loss"] = best_eval_loss(job.paths.metrics, job.paths.summary)
     return out
 
 
-def best_eval_loss(metrics_path) -> float | None:
-    """The lowest finite ``eval_loss`` in metrics.jsonl (its last 4 MiB), or None."""
+def best_eval_loss(metrics_path, summary_path=None) -> float | None:
+    """summary.json's ``best_eval_loss``, else the lowest finite ``eval_loss`` in metrics.jsonl's tail, or None."""
+    summary = read_json(summary_path) if summary_path is not None else None
+    best = (summary or {}).get("best_eval_loss")
+    if isinstance(best, (int, float)) and math.isfinite(best):
+        return float(best)
     losses = [r.get("eval_loss") for r in parse_records(read_tail(metrics_path, BEST_EVAL_MAX_BYTES).splitlines())
               if r.get("type") == "eval"]
     finite = [float(x) for x in losses if isinstance(x, (int, float)) and math.isfinite(x)]
