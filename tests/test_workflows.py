@@ -276,3 +276,19 @@ def test_a_sweep_closing_a_cycle_is_rejected(queue_dir, watcher_process):
     assert "s-1 -> b -> s" in _run(queue_dir, "s-1")["error"]
     wait_until(lambda: _where(queue_dir, "b") == "failed", 10)
     assert _run(queue_dir, "b")["diagnosis"]["kind"] == "dependency"
+
+
+def test_on_finish_of_a_job_finished_just_before_a_crash_runs_once_at_start_up(queue_dir, watcher_process):
+    """The state a SIGKILL leaves right after the final move: done/ID with no hook.json. The next watcher runs it once."""
+    job = queue_dir / "done" / "quick"
+    job.mkdir()
+    (job / "job.yaml").write_text(json.dumps({"approved": True, "command": ["true"],
+                                              "on_finish": [PY, "-c", HOOK, "{job_id}:{status}", "0"]}))
+    (job / "run.json").write_text(json.dumps({"schema_version": 1, "id": "quick", "status": "done", "attempt": 1,
+                                              "attempts": [], "finished_at": "2026-01-01T00:00:00Z"}))
+    wp = watcher_process()
+    wait_until(lambda: (read_json(job / "hook.json") or {}).get("state") == "ended", 20, what="the hook")
+    wp.stop()
+    watcher_process()  # a second start must not run it again
+    time.sleep(2.0)
+    assert (job / "hook-runs.txt").read_text().splitlines() == ["quick:done done "]
