@@ -1,17 +1,27 @@
-"""Trainer overhead and stop latency, printed as a markdown table.
+"""Trainer overhead, packing speed-up and stop latency, printed as markdown tables.
 
-Same model (``python -m trainq.trainer.tiny --size small``), same LoRA, batch, seq_len, optimizer and schedule, three ways:
-``python -m trainq.trainer`` (trainq), a plain transformers Trainer script, and a bare PyTorch loop. Training wall time
-excludes imports and model loading; whole-process time includes everything. Stop latency: stop.flag touched ->
-process exited with a complete checkpoint.
+Overhead: same model (``python -m trainq.trainer.tiny --size small``), same rows, LoRA, batch, seq_len, optimizer and
+schedule, three ways: ``python -m trainq.trainer`` (trainq, packing off so every runner computes the same padded
+batches), a plain transformers Trainer script, and a bare PyTorch loop. Every runner is timed over the same window:
+``trainer.train()`` (dataloader and optimizer set-up, the steps; trainq's summary.json ``durations_s.train`` is that
+window) or, for the bare loop, from building its loader and optimizer to the last step. Whole-process time is the
+subprocess from start to exit (imports, model load, training, saving).
 
-    .venv/bin/python bench/bench_trainer.py [--quick] [--steps N] [--repeats N]
+Packing: a variable-length instruction set built here from a fixed seed (20-1000 tokens, log-normal like chat
+data), one epoch, trainq with packing vs the plain Trainer with padding (same model, rows, order, LoRA without
+dropout): real (non-pad) tokens/s, time to the epoch, and the largest step-loss difference between the two.
+
+Stop latency: stop.flag touched -> process exited with a complete checkpoint.
+
+    .venv/bin/python bench/bench_trainer.py [--quick] [--steps N] [--repeats N] [--packing-rows N]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -25,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {"batch_size": 4, "seq_len": 64, "lr": 1e-3, "r": 16, "alpha": 16, "dropout": 0.05, "seed": 42}
 
 _COMMON = r"""
-import os, sys, time, json
+import os, sys, time, json, math
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
 from trainq.trainer.data import tokenize, PadCollator
@@ -34,7 +44,7 @@ from trainq.trainer.modeling import load_tokenizer
 from transformers import AutoModelForCausalLM, set_seed
 from peft import LoraConfig, get_peft_model
 S = json.loads(sys.argv[2]); steps = int(sys.argv[3]); d = sys.argv[1]
-data = load_data(d + "/train.jsonl", None, 0.0)
+data = load_data(S.get("data", d + "/train.jsonl"), None, 0.0)
 tok = load_tokenizer(d + "/model")
 ds = tokenize(data.train, tok, S["seq_len"])
 set_seed(S["seed"])
@@ -44,22 +54,34 @@ collate = PadCollator(tok.pad_token_id)
 """
 
 PLAIN_TRAINER = _COMMON + r"""
-from transformers import Trainer, TrainingArguments
-args = TrainingArguments(output_dir=d + "/plain", per_device_train_batch_size=S["batch_size"], max_steps=steps,
-    learning_rate=S["lr"], lr_scheduler_type="cosine", warmup_steps=0.03, save_strategy="no", logging_strategy="no",
-    report_to="none", disable_tqdm=True, remove_unused_columns=False, use_cpu=True, seed=S["seed"])
-trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collate)
+from transformers import Trainer, TrainingArguments, TrainerCallback
+length = {"max_steps": steps} if steps > 0 else {"num_train_epochs": 1}
+total = steps if steps > 0 else math.ceil(len(ds) / S["batch_size"])
+args = TrainingArguments(output_dir=d + "/plain", per_device_train_batch_size=S["batch_size"], **length,
+    learning_rate=S["lr"], lr_scheduler_type="cosine", warmup_steps=math.ceil(0.03 * total), save_strategy="no",
+    logging_strategy="steps" if S.get("log_losses") else "no", logging_steps=1, report_to="none", disable_tqdm=True, remove_unused_columns=False,
+    use_cpu=True, seed=S["seed"])
+losses = []
+class Losses(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs: losses.append(logs["loss"])
+trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collate, callbacks=[Losses()])
+from transformers import PrinterCallback
+trainer.remove_callback(PrinterCallback)
 t0 = time.perf_counter(); trainer.train(); print("TRAIN_S", time.perf_counter() - t0, flush=True)
+print("TOKENS", sum(len(e["input_ids"]) for e in ds.examples), flush=True)
+print("LOSSES", json.dumps(losses), flush=True)
 os._exit(0)
 """
 
 BARE_LOOP = _COMMON + r"""
 from transformers import get_scheduler
+t0 = time.perf_counter()
 loader = torch.utils.data.DataLoader(ds, batch_size=S["batch_size"], shuffle=True, collate_fn=collate,
     generator=torch.Generator().manual_seed(S["seed"]))
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=S["lr"], fused=True)
-sched = get_scheduler("cosine", opt, num_warmup_steps=int(0.03 * steps), num_training_steps=steps)
-t0 = time.perf_counter(); done = 0; model.train()
+sched = get_scheduler("cosine", opt, num_warmup_steps=math.ceil(0.03 * steps), num_training_steps=steps)
+done = 0; model.train()
 while done < steps:
     for batch in loader:
         loss = model(**batch).loss
@@ -86,33 +108,79 @@ def build_model(work: Path) -> Path:
     return work / "tiny"
 
 
-def write_job(job: Path, tiny: Path, steps: int) -> Path:
-    """A trainq job with the shared settings (no eval, no checkpoint during the run)."""
+def write_job(job: Path, tiny: Path, steps: int, settings: dict = SETTINGS, packing: bool = False) -> Path:
+    """A trainq job with the shared settings (no eval, no checkpoint during the run); steps 0 means one epoch."""
     job.mkdir(parents=True, exist_ok=True)
-    train = {"model": str(tiny / "model"), "data": str(tiny / "train.jsonl"), "eval_fraction": 0, "method": "lora",
-             "max_steps": steps, "batch_size": SETTINGS["batch_size"], "seq_len": SETTINGS["seq_len"], "lr": SETTINGS["lr"],
-             "lora": {"r": SETTINGS["r"], "alpha": SETTINGS["alpha"], "dropout": SETTINGS["dropout"]},
-             "seed": SETTINGS["seed"], "log_every": 50, "checkpoint": {"every_minutes": 600, "keep": 1}}
+    length = {"max_steps": steps} if steps > 0 else {"epochs": 1}
+    train = {"model": str(tiny / "model"), "data": settings.get("data", str(tiny / "train.jsonl")), "eval_fraction": 0,
+             "method": "lora", **length, "batch_size": settings["batch_size"], "seq_len": settings["seq_len"],
+             "lr": settings["lr"], "lora": {"r": settings["r"], "alpha": settings["alpha"], "dropout": settings["dropout"]},
+             "seed": settings["seed"], "log_every": 50, "checkpoint": {"every_minutes": 600, "keep": 1},
+             "packing": packing, "data_cache": False}
     (job / "job.yaml").write_text(yaml.safe_dump({"approved": True, "train": train}))
     return job
 
 
-def run_trainq(work: Path, tiny: Path, steps: int, tag: str) -> tuple[float, float]:
-    """(train seconds, whole-process seconds) of `python -m trainq.trainer`."""
-    job = write_job(work / f"job-{tag}", tiny, steps)
+def run_trainq(work: Path, tiny: Path, steps: int, tag: str, settings: dict = SETTINGS, packing: bool = False) -> dict:
+    """train_s (the trainer.train() window), whole_s, tokens (real), losses of `python -m trainq.trainer`."""
+    job = write_job(work / f"job-{tag}", tiny, steps, settings, packing)
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "trainq.trainer", str(job)], check=True, cwd=REPO, env=env(), capture_output=True)
     whole = time.perf_counter() - start
-    return json.loads((job / "summary.json").read_text())["durations_s"]["train"], whole
+    summary = json.loads((job / "summary.json").read_text())
+    records = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"train_s": summary["durations_s"]["train"], "whole_s": whole, "tokens": summary["tokens"],
+            "losses": [r["loss"] for r in records if r.get("type") == "step"]}
 
 
-def run_script(code: str, tiny: Path, steps: int) -> tuple[float, float]:
-    """(train seconds, whole-process seconds) of a comparison script."""
+def run_script(code: str, tiny: Path, steps: int, settings: dict = SETTINGS) -> dict:
+    """train_s, whole_s (and tokens, losses where the script prints them) of a comparison script."""
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code, str(tiny), json.dumps(SETTINGS), str(steps)], check=True,
+    out = subprocess.run([sys.executable, "-c", code, str(tiny), json.dumps(settings), str(steps)], check=True,
                          cwd=REPO, env=env(), capture_output=True, text=True).stdout
     whole = time.perf_counter() - start
-    return float(next(line.split()[1] for line in out.splitlines() if line.startswith("TRAIN_S"))), whole
+    found = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines() if " " in line}
+    return {"train_s": float(found["TRAIN_S"]), "whole_s": whole, "tokens": int(found.get("TOKENS", 0)),
+            "losses": json.loads(found.get("LOSSES", "[]"))}
+
+
+#: the packing headline's data: lengths in tokens, log-normal (median ~150) clipped to 20..1000, fixed seed
+PACKING_SEED = 20261130
+PACKING_MIN_TOKENS, PACKING_MAX_TOKENS = 20, 1000
+
+
+def build_packing_data(tiny: Path, rows: int) -> tuple[Path, dict]:
+    """A variable-length text set for the packing comparison; returns its path and its length statistics."""
+    from trainq.trainer.modeling import load_tokenizer
+    from trainq.trainer.tiny import sentence
+
+    tokenizer = load_tokenizer(str(tiny / "model"))
+    rng = random.Random(PACKING_SEED)
+    lines, lengths = [], []
+    for _ in range(rows):
+        target = int(min(PACKING_MAX_TOKENS, max(PACKING_MIN_TOKENS, rng.lognormvariate(math.log(150), 0.9))))
+        ids: list[int] = []
+        while len(ids) < target:
+            ids += tokenizer(" " + sentence(rng), add_special_tokens=False)["input_ids"]
+        text = tokenizer.decode(ids[:target])
+        lines.append(json.dumps({"text": text}))
+        lengths.append(target)
+    path = tiny / "packing.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    lengths.sort()
+    return path, {"rows": rows, "median": lengths[rows // 2], "min": lengths[0], "max": lengths[-1],
+                  "mean": sum(lengths) / rows}
+
+
+def packing_comparison(work: Path, tiny: Path, rows: int) -> dict:
+    """One epoch on the variable-length set: trainq packed vs plain Trainer padded."""
+    data, stats = build_packing_data(tiny, rows)
+    settings = {**SETTINGS, "data": str(data), "seq_len": 1024, "dropout": 0.0, "log_losses": True}
+    packed = run_trainq(work, tiny, 0, "packed", settings, packing=True)
+    padded = run_script(PLAIN_TRAINER, tiny, 0, settings)
+    pairs = list(zip(packed["losses"], padded["losses"]))
+    return {"stats": stats, "packed": packed, "padded": padded, "steps": len(packed["losses"]),
+            "loss_diff": max((abs(a - b) for a, b in pairs if a is not None), default=float("nan"))}
 
 
 def stop_latency(work: Path, tiny: Path) -> tuple[float, bool]:
@@ -142,17 +210,20 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="40 steps, one repeat")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--packing-rows", type=int, default=160, help="rows of the variable-length packing set")
     args = parser.parse_args()
-    steps, repeats = (40, 1) if args.quick else (args.steps, args.repeats)
+    steps, repeats, packing_rows = (40, 1, 48) if args.quick else (args.steps, args.repeats, args.packing_rows)
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
         tiny = build_model(work)
         results: dict[str, list[tuple[float, float]]] = {"trainq": [], "plain Trainer": [], "bare loop": []}
         for i in range(repeats):  # interleaved so load changes hit every contender alike
-            results["trainq"].append(run_trainq(work, tiny, steps, str(i)))
-            results["plain Trainer"].append(run_script(PLAIN_TRAINER, tiny, steps))
-            results["bare loop"].append(run_script(BARE_LOOP, tiny, steps))
+            for name, result in (("trainq", run_trainq(work, tiny, steps, str(i))),
+                                 ("plain Trainer", run_script(PLAIN_TRAINER, tiny, steps)),
+                                 ("bare loop", run_script(BARE_LOOP, tiny, steps))):
+                results[name].append((result["train_s"], result["whole_s"]))
         latency, complete = stop_latency(work, tiny)
+        pack = packing_comparison(work, tiny, packing_rows)
     med = {k: (statistics.median(t for t, _ in v), statistics.median(w for _, w in v)) for k, v in results.items()}
     print(f"\n{steps} LoRA steps on the small tiny model (median of {repeats}; OMP_NUM_THREADS=1)\n")
     print("| runner | train s | whole process s | trainq/runner (train) | trainq/runner (whole) |")
@@ -160,6 +231,16 @@ def main() -> int:
     for name, (train_s, whole_s) in med.items():
         print(f"| {name} | {train_s:.2f} | {whole_s:.2f} | {med['trainq'][0] / train_s:.3f} | {med['trainq'][1] / whole_s:.3f} |")
     print(f"\n| stop latency (flag touched -> exited) | {latency:.2f} s | checkpoint complete: {complete} |")
+    st, packed, padded = pack["stats"], pack["packed"], pack["padded"]
+    rate = {k: r["tokens"] / r["train_s"] for k, r in (("packed", packed), ("padded", padded))}
+    print(f"\nPacking: 1 epoch of {st['rows']} rows, {st['min']}-{st['max']} tokens (median {st['median']}, mean "
+          f"{st['mean']:.0f}), seq_len 1024, batch {SETTINGS['batch_size']}, {pack['steps']} steps, LoRA without dropout\n")
+    print("| packing runner | real tokens | train s | real tokens/s | whole process s |")
+    print("|---|---|---|---|---|")
+    print(f"| trainq, packed | {packed['tokens']} | {packed['train_s']:.2f} | {rate['packed']:.0f} | {packed['whole_s']:.2f} |")
+    print(f"| plain Trainer, padded | {padded['tokens']} | {padded['train_s']:.2f} | {rate['padded']:.0f} | {padded['whole_s']:.2f} |")
+    print(f"\n| packing speed-up (real tokens/s, trainq packed / plain Trainer padded) | {rate['packed'] / rate['padded']:.2f}x "
+          f"| time to 1 epoch {padded['train_s'] / packed['train_s']:.2f}x shorter | max step-loss difference {pack['loss_diff']:.1e} |")
     return 0
 
 

@@ -61,7 +61,7 @@ class RunState:
     nonfinite_streak: int = 0
     nan_consumed: set[int] = field(default_factory=set)
     losses: deque = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
-    train_started: float = 0.0
+    train_s: float = 0.0  # seconds inside trainer.train() in this process (every segment)
     tokens_seen: int = 0
     save_pending: bool = False
     resumed_lr_scale: float | None = None
@@ -210,7 +210,6 @@ class TrainqCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         """Apply a rollback's lr halving and verify a resumed adapter before the first step."""
-        self.run.train_started = time.perf_counter()
         self.last_save = time.monotonic()
         self._rescale_lr(kwargs["optimizer"], kwargs["lr_scheduler"])
         if self.run.resumed_fingerprint is not None:

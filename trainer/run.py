@@ -222,7 +222,11 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
         run.metrics.event("init_from", f"initial weights from {inv.init_from} ({loaded} tensors); fresh optimizer "
                           "and schedule", path=str(inv.init_from), tensors=loaded)
         print(f"trainq: initial weights from {inv.init_from} ({loaded} tensors); fresh optimizer and schedule", flush=True)
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    started = time.perf_counter()
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    finally:
+        run.train_s += time.perf_counter() - started  # the trainer.train() window, as bench/ times the plain Trainer
     return trainer
 
 
@@ -287,7 +291,7 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
             names.insert(1, merged.name)
     now = time.time()
     state = trainer.state if trainer is not None else None
-    train_s = time.perf_counter() - run.train_started if run.train_started else 0.0
+    train_s = run.train_s
     ckpt = lambda step: _relative(run.ckpt_dir / checkpoints.step_dir_name(step), inv.job_dir)  # noqa: E731
     summary = {
         "outcome": outcome, "exit_code": EXIT_FOR[outcome], "steps": state.global_step if state else run.resumed_step,
