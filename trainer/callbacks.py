@@ -73,6 +73,7 @@ class RunState:
     resumed_step: int = 0
     resumed_from: Path | None = None  # the step-N folder this attempt resumed from
     data_files: tuple = ()
+    plotter: object | None = None  # plotter.LossPlotter, warmed up while training runs
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """Signal handler: only sets a flag; the next step boundary acts on it."""

@@ -20,6 +20,7 @@ from trainq.trainer.config import ConfigError, TrainConfig, load_config
 from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError
 from trainq.trainer.sources import LoadedData, changed_files, load_data, tokenize_cached
 from trainq.trainer.faults import parse_faults
+from trainq.trainer.plotter import LossPlotter
 from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
@@ -311,7 +312,8 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
     }
     summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
     artifacts.write_summary(inv.job_dir, summary)
-    artifacts.plot_loss(inv.metrics, inv.job_dir / "loss.png", f"{inv.job_dir.name}: {config.method} ({outcome})")
+    plotter = run.plotter or LossPlotter()
+    plotter.plot(inv.metrics, inv.job_dir / "loss.png", f"{inv.job_dir.name}: {config.method} ({outcome})")
     artifacts.write_sums(inv.job_dir, names)
     run.metrics.write(RECORD_DONE, outcome=outcome, step=summary["steps"], total_steps=summary["total_steps"],
                       loss=run.last_loss, eval_loss=run.last_eval_loss, exit_code=EXIT_FOR[outcome])
@@ -380,6 +382,7 @@ def main_run(job_dir: Path, resume_arg: str | None) -> int:
         run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]
         run.tokens_before, run.resumed_step = saved.get("tokens_seen", 0), saved["step"]
     signal.signal(signal.SIGTERM, run.on_sigterm)
+    run.plotter = LossPlotter().start()  # imports matplotlib on another core while the model trains
     timing["setup"] = time.time() - timing["start"]
     trainer = None
     try:

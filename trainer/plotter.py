@@ -1,0 +1,76 @@
+"""loss.png off the critical path: a helper process imports matplotlib while the model trains.
+
+``LossPlotter.start()`` launches ``python -m trainq.trainer.plotter``, which imports matplotlib at once (about a
+second, on another core) and then waits for one JSON line on stdin naming the metrics file, the output and the
+title. ``LossPlotter.plot()`` sends it and waits for the picture (tens of ms). If the helper cannot be started
+or fails, the plot is drawn in-process as before.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+#: how long finish() waits for the helper's picture before drawing it itself (s)
+PLOT_TIMEOUT_S = 60
+
+
+class LossPlotter:
+    """A warm matplotlib in a child process, used once."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> LossPlotter:
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "trainq.trainer.plotter"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError:
+            self.proc = None
+        return self
+
+    def plot(self, metrics_path: Path, out: Path, title: str) -> None:
+        """Draw ``out``; in this process when the helper is missing or fails."""
+        if self.proc is not None and self._ask(metrics_path, out, title):
+            return
+        from trainq.trainer.artifacts import plot_loss
+
+        plot_loss(metrics_path, out, title)
+
+    def _ask(self, metrics_path: Path, out: Path, title: str) -> bool:
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"metrics": str(metrics_path), "out": str(out), "title": title}).encode() + b"\n")
+            self.proc.stdin.close()
+            return self.proc.wait(timeout=PLOT_TIMEOUT_S) == 0
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+            return False
+
+    def close(self) -> None:
+        """End an unused helper (an error path that never plotted)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def main() -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401 - the import is the point: it is what takes the time
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # the trainer ended without asking
+    request = json.loads(line)
+    from trainq.trainer.artifacts import plot_loss
+
+    plot_loss(Path(request["metrics"]), Path(request["out"]), request["title"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
