@@ -334,3 +334,24 @@ def test_shell_completion_offers_commands_and_job_ids(queue_dir):
     assert "priority" in complete("trainq pri")
     assert complete(f"trainq --root {queue_dir} show lora") == ["lora-a", "lora-b"]
     assert "--older-than" in complete("trainq clean --o")
+
+
+def test_an_edited_after_holds_and_releases_a_pending_job(queue_dir, watcher, write_job):
+    w = watcher(rescan_s=0.05, settle_s=0.05, max_concurrent=2)
+    write_job("slow", command=["sleep", "30"])
+    tick_until(w, lambda: (queue_dir / "running" / "slow").exists())
+    (queue_dir / "pause.flag").touch()  # next stays pending while its file is edited
+    write_job("next", command=["echo", "next"])
+    tick_until(w, lambda: "next" in w.jobs)
+    spec = queue_dir / "pending" / "next" / "job.yaml"
+    spec.write_text(spec.read_text() + "after: [slow]\n")
+    tick_until(w, lambda: w.jobs["next"].held and "after slow (running)" in (w.jobs["next"].run["waiting_for"] or ""),
+               what="held on the new dependency")
+    spec.write_text(spec.read_text().replace("after: [slow]\n", ""))
+    tick_until(w, lambda: not w.jobs["next"].held and "after" not in (w.jobs["next"].run["waiting_for"] or ""),
+               what="released")
+    (queue_dir / "pause.flag").unlink()
+    tick_until(w, lambda: (queue_dir / "done" / "next").exists(), what="next ran without waiting for slow")
+    assert (queue_dir / "running" / "slow").exists()
+    (queue_dir / "running" / "slow" / "stop.flag").write_text("now\n")
+    tick_until(w, lambda: (queue_dir / "failed" / "slow").exists(), 30, what="slow stopped")

@@ -89,15 +89,29 @@ def _reread(watcher: "Watcher", job: "Job", now: float) -> None:
         return
     except FileNotFoundError:
         return  # it moved meanwhile; the next pass sees where
-    before = job.priority
+    before, old_after = job.priority, (job.spec.after if job.spec is not None else ())
     job.spec = spec
     job.run.update(priority=spec.priority, name=spec.name or job.run.get("name") or job.id)
-    job.save(durable=False)
     job.checked = False  # new resources: admission checks again whether this machine can ever run it
     watcher.jobs.add(job)  # re-sorted by its (new) priority
+    _rewire_dependencies(watcher, job, old_after, now)
+    if job.state is not JobState.PENDING:
+        return  # the new after: closed a cycle: rejected
+    job.save(durable=False)
     watcher._plan_due = True
     watcher.report.touch()
     logger.info("job %s: job.yaml changed; re-read (priority %d -> %d)", job.id, before, spec.priority)
+
+
+def _rewire_dependencies(watcher: "Watcher", job: "Job", old_after: tuple, now: float) -> None:
+    """An edited after: is followed: the old dependencies forgotten, the new ones held on (or a cycle rejected)."""
+    if old_after:
+        watcher.deps.forget(job.id, old_after)
+    if job.held and not job.spec.after:
+        watcher.jobs.release(job)
+        job.run["waiting_for"] = None
+    if job.spec.after:
+        watcher.admit_workflow(job, now)
 
 
 def _reject(watcher: "Watcher", job: "Job", exc: InvalidJobSpec, now: float, why: str | None = None) -> None:
