@@ -464,3 +464,67 @@ def test_thirty_mixed_jobs_fit_the_terminal_in_tmux(tmp_path, tmux_session, size
     term.tmux("send-keys", "-t", "faces", "C-c")
     wait_until(lambda: term.exit_status() is not None, 15, 0.05, "status --follow exited on Ctrl-C")
     assert term.exit_status() == 0
+
+
+def _mixed_real_jobs(queue_dir: Path) -> None:
+    """30 real job files: 3 running, a waiting sweep, awaiting, rejected, six kinds of failure, done jobs with loss."""
+    from conftest import FAKE
+
+    def job(name: str, command: list[str], **extra: object) -> None:
+        fields = {"approved": True, "command": command, **extra}
+        drop(queue_dir, f"{name}.yaml", json.dumps(fields))
+
+    for i in range(3):
+        job(f"train-{i}", [PY, str(FAKE / "metrics_then_sleep.py")], stop_grace="1s")
+    for name, script in (("oom", "oom.py"), ("nan", "nan.py"), ("data", "bad_data.py"), ("killed", "kills_itself.py"),
+                         ("unknown", "exits_1.py")):
+        job(f"fail-{name}", [PY, str(FAKE / script)], priority=10)
+    job("fail-timeout", ["sleep", "30"], timeout="1s", stop_grace="1s", priority=10)
+    job("fail-unsatisfiable", ["true"], resources={"ram_gb": 100000})
+    drop(queue_dir, "broken.yaml", "approved: true\ncommand: [echo]\npriority: high\n")
+    drop(queue_dir, "draft.yaml", "approved: false\ncommand: [echo]\n")
+    loss = "import json,os; open(os.environ['TRAINQ_METRICS'],'a').write(json.dumps({'type':'step','step':5,'total_steps':5,'loss':0.25})+'\\n')"
+    for i in range(11):
+        job(f"ok-{i}", [PY, "-c", loss], priority=5)
+    job("lrs", ["echo", "{lr}"], sweep={"lr": [f"{i}e-4" for i in range(1, 8)]}, after=["train-0"])
+
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
+def test_thirty_real_jobs_under_a_real_watcher_fit_the_terminal(queue_dir, watcher_process, tmux_session, tmp_path,
+                                                              size):
+    (queue_dir / "watcher.yaml").write_text("max_concurrent: 3\nsettle_s: 0.1\nrescan_s: 0.2\nstatus_s: 0.2\n")
+    watcher_process()
+    # the failures and done jobs first (priority), then the three long runners hold the three slots
+    _mixed_real_jobs(queue_dir)
+
+    def settled() -> bool:
+        status = json.loads((queue_dir / "status.json").read_text()) if (queue_dir / "status.json").exists() else {}
+        counts = status.get("counts") or {}
+        return counts.get("running") == 3 and counts.get("failed") == 8 and counts.get("done") == 11 and \
+            counts.get("pending") == 7 and counts.get("awaiting_approval") == 1
+
+    wait_until(settled, 90, 0.2, "3 running, 7 pending, 1 awaiting, 8 failed, 11 done")
+    width, height = size
+    term = tmux_session([*TRAINQ, "status", "--follow", "--root", str(queue_dir)], size=size)
+    screen = _screen_where(term, lambda s: "fail-oom" in s and "RAM " in s, 20, "the table on screen")
+    (tmp_path / f"real-{width}x{height}.txt").write_text(screen)  # kept for a person to look at
+    lines = screen.rstrip("\n").splitlines()
+    assert len(lines) <= height and max(len(line) for line in lines) <= width, screen
+    for kind in ("oom", "nan", "data", "killed", "unknown", "timeout", "unsatisfiable"):
+        row = next((line for line in lines if line.startswith(f"fail-{kind}"[:12])), None)
+        assert row is not None and f"{kind}: " in row, (kind, screen)
+    assert "MemoryError" in screen and "JSONDecodeError" in screen  # the evidence, not "Read output.log"
+    assert sum(line.startswith("train-") and " running " in line for line in lines) == 3
+    rows = [line for line in lines if line.startswith(("train-", "lrs-", "draft", "fail-", "ok-", "broken"))]
+    if height >= 50:
+        assert len(rows) == 30 and "hidden" not in screen, screen
+        assert "after train-0 (running)" in screen and "resources.gpus" not in screen
+        assert any(line.startswith("ok-") and "0.25" in line and "5/5" in line for line in lines), screen
+    else:
+        hidden = next(line for line in lines if "more row(s) hidden" in line)
+        assert len(rows) + int(hidden.split()[1]) == 30, (hidden, screen)
+    term.tmux("send-keys", "-t", "faces", "C-c")
+    wait_until(lambda: term.exit_status() is not None, 15, 0.05, "status --follow exited on Ctrl-C")
+    for i in range(3):
+        (queue_dir / "running" / f"train-{i}" / "stop.flag").write_text("now\n")
+    wait_until(lambda: not list((queue_dir / "running").iterdir()), 60, 0.2, "runners stopped")

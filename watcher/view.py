@@ -270,7 +270,7 @@ def _line(cells: dict[str, Text], widths: dict[str, int]) -> Text:
         if name not in widths:
             continue
         cell = cell.copy()
-        cell.truncate(widths[name], overflow="ellipsis", pad=name != "REASON")
+        cell.truncate(widths[name], overflow="ellipsis", pad=name not in ("REASON", "LOSS"))
         if name == "LOSS":
             cell.pad_left(widths[name] - cell.cell_len)
         line.append_text(Text(" ") if i else Text())
