@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainq.watcher.progress import LogProgress, MetricsTail
+from trainq.watcher.progress import MetricsTail, merge_progress
+from trainq.watcher.progress_log import LogProgress
 
 T0 = 1_780_000_000.0
 
@@ -52,7 +53,7 @@ def test_half_written_line_waits_for_its_end(tmp_path: Path) -> None:
     _append(path, b"\n")
     assert tail.poll() is True
     assert tail.progress == {"step": 3, "total_steps": 10, "epoch": 0.3, "loss": 1.5, "eval_loss": None,
-                             "tokens_per_s": 800.0, "eta_s": None}
+                             "lr": None, "grad_norm": None, "tokens_per_s": 800.0, "eta_s": None}
     assert tail.last_record_at == T0
     assert [r["step"] for r in tail.new_records] == [3]
     assert tail.poll() is False and tail.new_records == []
@@ -225,8 +226,9 @@ def test_log_progress_reads_trainer_dicts(tmp_path: Path) -> None:
     _append(path, b"{'loss': 2.1, 'grad_norm': 0.5, 'learning_rate': 0.0001, 'epoch': 0.1}\n")
     log = LogProgress(path)
     assert log.poll() is True
-    assert log.progress == {"step": None, "total_steps": None, "epoch": 0.1, "loss": 2.1, "eval_loss": None,
-                            "tokens_per_s": None, "eta_s": None}
+    # the newest bar (10/100, tqdm's own ETA 18 s until two polls give a rate) and the dict
+    assert log.progress == {"step": 10, "total_steps": 100, "epoch": 0.1, "loss": 2.1, "eval_loss": None,
+                            "lr": 0.0001, "grad_norm": 0.5, "tokens_per_s": None, "eta_s": 18}
     _append(path, b"{'eval_loss': '1.95', 'eval_runtime': '0.5', 'epoch': '0.2'}\n{'loss': '1.8'")
     assert log.poll() is True and log.progress["eval_loss"] == 1.95 and log.progress["loss"] == 2.1
     _append(path, b", 'grad_norm': '0.4', 'learning_rate': '9e-05', 'epoch': '0.3'}\n")
@@ -263,3 +265,81 @@ def test_log_progress_parses_what_transformers_prints(tmp_path: Path, capfd: pyt
     assert log.poll() is True, path.read_text()
     assert log.progress["loss"] == pytest.approx(2.346, abs=1e-3)
     assert log.progress["eval_loss"] == pytest.approx(2.01) and log.progress["epoch"] == 0.5
+
+
+# -- what a script with no trainq code prints (Hugging Face Trainer, tqdm, Lightning) ------------------
+
+
+def _bar(n: int, total: int, desc: str = "", remaining: str = "00:10", postfix: str = "") -> bytes:
+    pct = 100 * n // total
+    return f"\r{desc}{pct:3d}%|##        | {n}/{total} [00:05<{remaining}, 2.00it/s{postfix}]".encode()
+
+
+def test_tqdm_bar_last_segment_gives_step_total_and_eta(tmp_path: Path) -> None:
+    """tqdm redraws with a leading \\r: the newest bar is the unterminated last segment."""
+    path = tmp_path / "output.log"
+    _append(path, b"\rLoading weights: 100%|##########| 21/21 [00:00<00:00, 999it/s]\n")
+    _append(path, _bar(5, 120) + _bar(6, 120, remaining="01:57"))
+    log = LogProgress(path)
+    assert log.poll(now=T0) is True
+    progress = log.progress
+    assert (progress["step"], progress["total_steps"], progress["eta_s"]) == (6, 120, 117)  # tqdm's own ETA first
+    _append(path, _bar(26, 120) + b"\r" + b" " * 40 + b"\r{'loss': '2.5', 'learning_rate': '0.0004', 'epoch': '0.5'}\n")
+    _append(path, _bar(0, 8, remaining="?"))  # an evaluation bar: another total, not the run's
+    assert log.poll(now=T0 + 10) is True
+    progress = log.progress
+    # 21 steps in 10 s since the attempt's first bar (step 5): (120 - 26) / 2.1 = 45 s
+    assert (progress["step"], progress["total_steps"], progress["eta_s"]) == (26, 120, 45)
+    assert (progress["loss"], progress["lr"], progress["epoch"]) == (2.5, 0.0004, 0.5)
+    _append(path, b"\r\nWriting model shards: 100%|##########| 1/1 [00:00<00:00, 99it/s]\n")
+    assert log.poll(now=T0 + 11) is False and log.progress["step"] == 26
+
+
+def test_new_attempt_banner_restarts_the_rate(tmp_path: Path) -> None:
+    """After a resume the rate counts only the new attempt's steps (not the jump from 0 to the checkpoint)."""
+    path = tmp_path / "output.log"
+    _append(path, _bar(40, 60, remaining="00:20") + b"\n===== trainq: job a, attempt 2, started x =====\n")
+    _append(path, _bar(40, 200, remaining="00:02"))
+    log = LogProgress(path)
+    log.poll(now=T0)
+    assert log.progress["total_steps"] == 200 and log.progress["step"] == 40
+    assert log.progress["eta_s"] == 2  # tqdm's until this attempt has a rate of its own
+    _append(path, _bar(50, 200))
+    log.poll(now=T0 + 5)
+    assert log.progress["eta_s"] == 75  # 10 steps / 5 s
+
+
+def test_lightning_bar_gives_epoch_and_losses(tmp_path: Path) -> None:
+    path = tmp_path / "output.log"
+    _append(path, _bar(3, 10, desc="Sanity Checking DataLoader 0: "))
+    _append(path, _bar(45, 100, desc="Epoch 2: ", postfix=", v_num=0, train_loss=2.300, val_loss=2.500"))
+    log = LogProgress(path)
+    assert log.poll(now=T0) is True
+    progress = log.progress
+    assert progress["epoch"] == pytest.approx(2.45)
+    assert (progress["loss"], progress["eval_loss"], progress["step"]) == (2.3, 2.5, None)
+
+
+def test_a_record_never_hides_a_field_it_does_not_carry(tmp_path: Path) -> None:
+    """metrics.jsonl with only step records, and a Trainer printing loss: status shows both."""
+    log_path, metrics_path = tmp_path / "output.log", tmp_path / "metrics.jsonl"
+    _append(log_path, _bar(10, 100) + b"\r{'loss': '2.25', 'grad_norm': '0.75', 'epoch': '0.1'}\n")
+    _append(metrics_path, _line(type="checkpoint", step=10, path="out/checkpoint-10", time=T0))
+    log, tail = LogProgress(log_path), MetricsTail(metrics_path)
+    log.poll(now=T0)
+    tail.poll()
+    merged = merge_progress(tail.fields, log.fields)
+    assert (merged["step"], merged["total_steps"], merged["loss"], merged["grad_norm"]) == (10, 100, 2.25, 0.75)
+    _append(metrics_path, _line(type="step", step=11, loss=2.0, time=T0 + 1))
+    tail.poll()
+    merged = merge_progress(tail.fields, log.fields)
+    assert (merged["step"], merged["loss"], merged["total_steps"]) == (11, 2.0, 100)  # the newer value wins
+    assert merge_progress(MetricsTail(tmp_path / "none").fields, LogProgress(tmp_path / "none.log").fields) is None
+
+
+def test_metrics_lines_that_are_not_json_are_counted(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    _append(path, b"step 3 loss 2.0\n" + _line(type="step", step=3) + b"[1, 2]\n{\"type\": \"st\n")
+    tail = MetricsTail(path)
+    assert tail.poll() is True
+    assert tail.bad_lines == 3 and tail.progress["step"] == 3

@@ -9,6 +9,7 @@ import bisect
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .checkpoints import find_checkpoint, latest_checkpoint, note_skipped
 from .contract import ATTEMPT_BANNER_PREFIX, JobPaths
 from .errors import JobFolderRemoved
 from .diagnosis import SIGKILL, Diagnosis, diagnose, read_kernel_log, read_metrics_tail, read_tail, stalled_diagnosis
@@ -185,32 +186,13 @@ def supervisor_lost(started: dict | None) -> Outcome:
     )
 
 
-def latest_checkpoint(paths: JobPaths) -> str | None:
-    """Where a resumed attempt starts, as an absolute path inside the job folder *where it is now*.
-
-    ``checkpoints/ckpt_latest`` first, else the newest ``checkpoint`` record of metrics.jsonl.
-    Records carry the absolute path of the folder the job was in then (running/ID), so they are
-    rebased onto the current folder: the job folder moves between states, checkpoints move with it.
-    """
-    latest = paths.ckpt_latest
-    if latest.exists():
-        return str(latest.resolve())
-    for record in reversed(read_metrics_tail(paths.metrics, max_bytes=262144)):
-        if record.get("type") != "checkpoint" or not record.get("path"):
-            continue
-        rebased = _rebase(Path(record["path"]), paths)
-        if rebased is not None and rebased.exists():
-            return str(rebased)
-    return None
-
-
-def _rebase(path: Path, paths: JobPaths) -> Path | None:
-    """``…/running/ID/checkpoints/step-N`` → ``<current job folder>/checkpoints/step-N``."""
-    parts = path.parts
-    if paths.checkpoints.name not in parts:
-        return path if path.is_absolute() else None
-    i = len(parts) - 1 - parts[::-1].index(paths.checkpoints.name)
-    return paths.checkpoints.joinpath(*parts[i + 1:])
+def resume_checkpoint(job: Job) -> str | None:
+    """The absolute path an attempt starting now resumes from; checkpoints passed over are noted in output.log."""
+    if job.spec is None or not job.spec.has_resume:
+        return None
+    found = find_checkpoint(job.paths)
+    note_skipped(job.paths.log, found)
+    return found.path
 
 
 def resume_point(job: Job) -> str | None:

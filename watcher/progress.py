@@ -1,16 +1,15 @@
-"""Progress of running jobs, read incrementally from metrics.jsonl or from Trainer log lines in output.log.
+"""Progress of running jobs, read incrementally from metrics.jsonl (``MetricsTail``) and from what a
+training script prints into output.log (``progress_log.LogProgress``), merged field by field.
 
 Files are never re-read from the start while they grow: each reader keeps a byte offset and the
 unfinished last line. A file that shrinks or is replaced (new inode) is read again from 0.
 """
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import math
 import os
-import re
 import stat
 import time
 from collections import deque
@@ -29,9 +28,9 @@ MAX_LINE_BYTES = 1024 * 1024
 #: records kept for diagnosis (records_tail)
 TAIL_RECORDS = 20
 #: keys of a progress dict, in status.json order
-PROGRESS_KEYS = ("step", "total_steps", "epoch", "loss", "eval_loss", "tokens_per_s", "eta_s")
-#: a Hugging Face Trainer log dict as printed on stdout: {'loss': 2.1, 'grad_norm': 0.5, ...}
-_HF_DICT = re.compile(r"\{'(?:loss|eval_loss|train_loss|epoch|learning_rate|grad_norm)'[^{}\n\r]{0,2000}\}")
+PROGRESS_KEYS = ("step", "total_steps", "epoch", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "eta_s")
+#: the keys a reader sets (eta_s is derived)
+FIELD_KEYS = PROGRESS_KEYS[:-1]
 
 
 class _LineReader:
@@ -64,6 +63,11 @@ class _LineReader:
         self._offset += len(chunk)
         return self._split(chunk, separators)
 
+    @property
+    def partial(self) -> bytes:
+        """The unfinished last line (a progress bar redrawn with \\r lives here until the next redraw)."""
+        return self._partial
+
     def _unchanged(self) -> bool:
         """Cheap path for the common tick: one stat, no open, when nothing was appended."""
         try:
@@ -91,7 +95,7 @@ class _LineReader:
         return [line for line in lines if line.strip()]
 
 
-def _finite(value: object) -> float | None:
+def finite(value: object) -> float | None:
     """A finite number as float; None for anything else (NaN, inf, strings, bools)."""
     # type() rather than isinstance: bool is an int subclass and must not count as a number
     if type(value) not in (int, float) or not math.isfinite(value):
@@ -99,14 +103,14 @@ def _finite(value: object) -> float | None:
     return float(value)
 
 
-def _whole(value: object) -> int | None:
+def whole(value: object) -> int | None:
     """A non-negative integral number as int; None otherwise."""
-    number = _finite(value)
+    number = finite(value)
     return int(number) if number is not None and number >= 0 else None
 
 
 def _parse_records(lines: list[bytes]) -> list[dict]:
-    """JSON objects among ``lines``; malformed lines are skipped."""
+    """JSON objects among ``lines``; malformed lines are skipped (the caller counts them)."""
     if not lines:
         return []
     if not all(line.lstrip()[:1] == b"{" and line.rstrip()[-1:] == b"}" for line in lines):
@@ -122,8 +126,59 @@ def _parse_records(lines: list[bytes]) -> list[dict]:
     return [r for r in records if type(r) is dict]
 
 
-#: record fields copied into progress when present and finite
-_PROGRESS_FIELDS = (("total_steps", _whole), ("epoch", _finite), ("tokens_per_s", _finite), ("eval_loss", _finite))
+class Fields:
+    """The latest value of each progress field, when it was read, and this attempt's step rate.
+
+    ``read_at`` (when a value was read) decides which source wins a field in ``merge_progress``;
+    the rate uses the time each step happened (a record's ``time``, else when it was read).
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[str, float | int | None] = dict.fromkeys(FIELD_KEYS)
+        self.read_at: dict[str, float] = {}
+        self.anchor: tuple[int, float] | None = None  # (step, time) of this attempt's first step seen
+        self.newest: tuple[int, float] | None = None
+
+    def set(self, key: str, value: float | int | None, read_at: float) -> None:
+        self.values[key] = value
+        self.read_at[key] = read_at
+
+    def step(self, step: int, at: float, read_at: float, in_attempt: bool = True) -> None:
+        """A step reached at time ``at``; a step going backwards is a resume: throughput starts over."""
+        self.set("step", step, read_at)
+        if not in_attempt:
+            return
+        if self.anchor is None or (self.newest is not None and step < self.newest[0]):
+            self.anchor = (step, at)
+        self.newest = (step, at)
+
+    def restart_rate(self) -> None:
+        self.anchor = self.newest = None
+
+    def eta_s(self) -> int | None:
+        """Seconds to total_steps at this attempt's step rate; None until two steps were seen."""
+        total = self.values["total_steps"]
+        if total is None or self.anchor is None or self.newest is None:
+            return None
+        (step0, t0), (step1, t1) = self.anchor, self.newest
+        if step1 <= step0 or t1 <= t0:
+            return None
+        return max(0, round((total - step1) * (t1 - t0) / (step1 - step0)))
+
+    @property
+    def seen(self) -> bool:
+        return bool(self.read_at)
+
+    def progress(self, eta_s: int | None = None) -> dict | None:
+        """The status.json progress dict, or None before anything was read."""
+        if not self.seen:
+            return None
+        return {**self.values, "eta_s": self.eta_s() if eta_s is None else eta_s}
+
+
+#: record fields copied into progress when present and valid
+_PROGRESS_FIELDS = (("total_steps", whole), ("epoch", finite), ("tokens_per_s", finite), ("eval_loss", finite),
+                    ("lr", finite), ("grad_norm", finite))
 
 
 class MetricsTail:
@@ -136,14 +191,12 @@ class MetricsTail:
         self._reset()
 
     def _reset(self) -> None:
-        self._latest: dict[str, float | int | None] = dict.fromkeys(PROGRESS_KEYS)
-        self._seen_progress = False
-        self._anchor: tuple[int, float] | None = None  # (step, time) of this attempt's first step record
-        self._newest: tuple[int, float] | None = None
+        self.fields = Fields()
         self._last_record_at: float | None = None
         self._last_checkpoint: str | None = None
         self._tail: deque[dict] = deque(maxlen=TAIL_RECORDS)
         self.new_records: list[dict] = []
+        self.bad_lines = 0
 
     def poll(self) -> bool:
         """Read the complete lines appended since the last call; True if any record was new."""
@@ -152,63 +205,40 @@ class MetricsTail:
             self._reset()
         read_at = time.time()
         self.new_records = _parse_records(lines)
+        self.bad_lines += len(lines) - len(self.new_records)
         for record in self.new_records:
             self._apply(record, read_at)
         return bool(self.new_records)
 
     def _apply(self, record: dict, read_at: float) -> None:
-        at = _finite(record.get("time"))
+        at = finite(record.get("time"))
         at = read_at if at is None else at
         self._last_record_at = at
         self._tail.append(record)
         if record.get("type") == RECORD_CHECKPOINT and isinstance(record.get("path"), str):
             self._last_checkpoint = record["path"]
-        self._apply_progress(record, at)
+        self._apply_progress(record, at, read_at)
 
-    def _apply_progress(self, record: dict, at: float) -> None:
-        latest = self._latest
+    def _apply_progress(self, record: dict, at: float, read_at: float) -> None:
+        fields = self.fields
         for key, convert in _PROGRESS_FIELDS:
             if key in record:
                 value = convert(record[key])
                 if value is not None:
-                    latest[key] = value
-                    self._seen_progress = True
+                    fields.set(key, value, read_at)
         loss = record.get("loss")
         if type(loss) in (int, float) and record.get("type") != RECORD_EVAL:
             # a NaN loss is news: it replaces the last finite one with null rather than hiding it
-            latest["loss"] = _finite(loss)
-            self._seen_progress = True
-        step = _whole(record.get("step"))
+            fields.set("loss", finite(loss), read_at)
+        step = whole(record.get("step"))
         if step is not None:
-            self._apply_step(step, at)
-
-    def _apply_step(self, step: int, at: float) -> None:
-        self._seen_progress = True
-        self._latest["step"] = step
-        in_attempt = self.attempt_started_at is None or at >= self.attempt_started_at
-        if not in_attempt:
-            return
-        # a step going backwards is a resume from an earlier checkpoint: throughput starts over
-        if self._anchor is None or (self._newest is not None and step < self._newest[0]):
-            self._anchor = (step, at)
-        self._newest = (step, at)
-
-    def _eta_s(self) -> int | None:
-        total = self._latest["total_steps"]
-        if total is None or self._anchor is None or self._newest is None:
-            return None
-        (step0, t0), (step1, t1) = self._anchor, self._newest
-        if step1 <= step0 or t1 <= t0:
-            return None
-        rate = (step1 - step0) / (t1 - t0)
-        return max(0, round((total - step1) / rate))
+            in_attempt = self.attempt_started_at is None or at >= self.attempt_started_at
+            fields.step(step, at, read_at, in_attempt)
 
     @property
     def progress(self) -> dict | None:
-        """{step, total_steps, epoch, loss, eval_loss, tokens_per_s, eta_s}, or None before any progress."""
-        if not self._seen_progress:
-            return None
-        return {**self._latest, "eta_s": self._eta_s()}
+        """{step, total_steps, epoch, loss, eval_loss, lr, grad_norm, tokens_per_s, eta_s}, or None before any."""
+        return self.fields.progress()
 
     @property
     def last_record_at(self) -> float | None:
@@ -226,55 +256,24 @@ class MetricsTail:
         return list(self._tail)
 
 
-def _number(value: object) -> object:
-    """transformers 5 prints floats as strings ('2.1', formatted with .4g); turn those back into numbers."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return float(value)
-    except ValueError:
+def merge_progress(*sources: Fields) -> dict | None:
+    """One progress dict from several readers: each field from the source that read it last.
+
+    A source never hides a field it does not carry (a metrics record without ``loss`` leaves the
+    loss the Trainer printed); on a tie the earlier source wins (metrics.jsonl before output.log).
+    ``eta_s`` comes from the source that gave ``step``, else from any source that has one.
+    """
+    seen = [s for s in sources if s.seen]
+    if not seen:
         return None
-
-
-def _parse_hf_dict(text: str) -> dict | None:
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-class LogProgress:
-    """Progress of a command job without metrics, from the Trainer's log dicts printed into output.log."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._reader = _LineReader(self.path)
-        self._latest: dict[str, float | int | None] = dict.fromkeys(PROGRESS_KEYS)
-        self._seen = False
-
-    def poll(self) -> bool:
-        """Read lines appended since the last call; True if a new log dict was found."""
-        # tqdm redraws its bar with \r, so both end a line here
-        lines = self._reader.read_lines(b"\n\r")
-        if self._reader.restarted:
-            self._latest, self._seen = dict.fromkeys(PROGRESS_KEYS), False
-        found = False
-        for line in lines:
-            for match in _HF_DICT.finditer(line.decode("utf-8", "replace")):
-                found = self._apply(_parse_hf_dict(match.group(0))) or found
-        return found
-
-    def _apply(self, logged: dict | None) -> bool:
-        if not logged:
-            return False
-        for key in ("loss", "eval_loss", "epoch"):
-            if key in logged:
-                self._latest[key] = _finite(_number(logged[key]))
-        self._seen = True
-        return True
-
-    @property
-    def progress(self) -> dict | None:
-        """Same keys as MetricsTail.progress; step, total_steps and eta_s stay None (the dicts lack them)."""
-        return dict(self._latest) if self._seen else None
+    merged: dict[str, float | int | None] = {}
+    owner: dict[str, Fields] = {}
+    for key in FIELD_KEYS:
+        having = [s for s in seen if key in s.read_at]
+        best = max(having, key=lambda s: s.read_at[key], default=None)  # max keeps the first of equals
+        merged[key] = best.values[key] if best else None
+        if best:
+            owner[key] = best
+    etas = [s.eta_s() for s in ([owner["step"]] if "step" in owner else []) + seen]
+    merged["eta_s"] = next((eta for eta in etas if eta is not None), None)
+    return merged

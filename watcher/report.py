@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .folders import JobState, QueueRoot
 from .diagnosis import read_metrics_tail
-from .progress import PROGRESS_KEYS, LogProgress, MetricsTail
+from .progress import PROGRESS_KEYS, MetricsTail, merge_progress
+from .progress_log import LogProgress
 from .admission import resources_dict
 from .html import CurveStore
 from .status import StatusSnapshot, StatusWriter, job_entry
@@ -216,9 +217,7 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
     run = job.run
     attempt = job.current_attempt() or {}
     readers = job.readers
-    progress = None
-    if readers is not None:
-        progress = readers.metrics.progress or readers.log.progress
+    progress = merge_progress(readers.metrics.fields, readers.log.fields) if readers is not None else None
     entry = {
         "id": job.id,
         "state": job.state.value,
@@ -238,6 +237,8 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
         "diagnosis": run.get("diagnosis"),
         "gpus": list(run.get("gpus") or []),
     }
+    if readers is not None and readers.metrics.bad_lines:
+        entry["metrics_bad_lines"] = readers.metrics.bad_lines
     if job.usage is not None and job.state is JobState.RUNNING:
         entry["usage"] = job.usage
     if job.state in (JobState.DONE, JobState.FAILED):

@@ -26,7 +26,7 @@ from .executor import ExecutorUnavailable
 from .folders import JobState
 from .fsutil import remove_quietly
 from .diagnosis import Diagnosis, unsatisfiable_diagnosis
-from .jobs import Job, Outcome, latest_checkpoint
+from .jobs import Job, Outcome, resume_checkpoint
 from .supervisor import LaunchSpec
 from .units import iso_utc, parse_iso
 
@@ -181,7 +181,7 @@ class Starting:
         self.jobs.move(job, JobState.RUNNING)
         paths = job.paths
         # resolved now, where the folder is: it moved since the checkpoint was written
-        resume_from = latest_checkpoint(paths) if job.spec.has_resume and job.run.get("resume_from") else None
+        resume_from = resume_checkpoint(job) if job.run.get("resume_from") else None
         if attempt == 1 and job.spec.from_checkpoint and not job.spec.is_train:
             resume_from = job.spec.from_checkpoint  # a fork started from its parent's checkpoint (CONTRACT section 9)
         remove_quietly(paths.stop_flag)  # a stop for an earlier attempt (the supervisor clears its own records)

@@ -836,7 +836,7 @@ def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None,
     stop_signal = _install_stop_handlers()
     _become_subreaper(prctl, log_fd)
     if spec.banner:
-        _write(log_fd, spec.banner.splitlines()[0] + "\n")
+        _write_line(log_fd, spec.banner.splitlines()[0])
     started_at, started_mono = time.time(), time.monotonic()
     try:
         job = _spawn(spec, log_fd)
@@ -1180,7 +1180,29 @@ def _exists(path: Path) -> bool:
 
 def _note(log_fd: int, message: str) -> None:
     """A ``trainq:`` line in output.log, where the user reads the job's story."""
-    _write(log_fd, f"trainq: {message}\n")
+    _write_line(log_fd, f"trainq: {message}")
+
+
+def _write_line(log_fd: int, line: str) -> None:
+    """``line`` on a line of its own: after a newline when the log ends mid-line (a tqdm bar ends in ``\r``)."""
+    _write(log_fd, ("\n" if _ends_mid_line(log_fd) else "") + line + "\n")
+
+
+def _ends_mid_line(log_fd: int) -> bool:
+    """Whether the log's last byte is anything but a newline (read through /proc: the fd is write-only)."""
+    try:
+        size = os.fstat(log_fd).st_size
+        if size == 0:
+            return False
+        fd = os.open(f"/proc/self/fd/{log_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False  # no /proc: the note may follow a bar on its line, as before
+    try:
+        return os.pread(fd, 1, size - 1) != b"\n"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _write(fd: int, text: str) -> None:
