@@ -72,8 +72,8 @@ def find_checkpoint(paths: JobPaths, *, extra_dirs: tuple[Path, ...] = (), runni
     now = time.time() if now is None else now
     skipped: list[str] = []
 
-    def usable(path: Path) -> bool:
-        problem = incomplete_reason(path, running=running, now=now)
+    def usable(path: Path, named: bool = False) -> bool:
+        problem = incomplete_reason(path, running=running, now=now, named=named)
         if problem is None:
             return True
         if problem != _TOO_YOUNG:
@@ -81,12 +81,12 @@ def find_checkpoint(paths: JobPaths, *, extra_dirs: tuple[Path, ...] = (), runni
         return False
 
     for path in _recorded(paths):
-        if usable(path):
+        if usable(path, named=True):
             return Discovery(str(path), KIND_RECORD, tuple(skipped))
     latest = paths.ckpt_latest
     if os.path.lexists(latest) and latest.exists():
         resolved = latest.resolve()
-        if usable(resolved):
+        if usable(resolved, named=True):
             return Discovery(str(resolved), KIND_LATEST, tuple(skipped))
     walk = _Walk()
     for root in (paths.dir, *extra_dirs):
@@ -185,8 +185,13 @@ def _mtime(entry: os.DirEntry) -> float:
 _TOO_YOUNG = "too young"
 
 
-def incomplete_reason(path: Path, *, running: bool = False, now: float | None = None) -> str | None:
-    """Why ``path`` is not a checkpoint to resume from (None when it is one)."""
+def incomplete_reason(path: Path, *, running: bool = False, now: float | None = None,
+                      named: bool = False) -> str | None:
+    """Why ``path`` is not a checkpoint to resume from (None when it is one).
+
+    ``named``: the job itself named it (a record, ckpt_latest), so only evidence of an interrupted
+    save counts against it; a folder found by the walk must also hold something.
+    """
     try:
         st = path.stat()
     except OSError as exc:
@@ -194,7 +199,7 @@ def incomplete_reason(path: Path, *, running: bool = False, now: float | None = 
     if running and (now or time.time()) - _newest_mtime(path, st.st_mtime) < SETTLE_S:
         return _TOO_YOUNG
     if path.is_dir():
-        return _folder_problem(path)
+        return _folder_problem(path, named)
     return _file_problem(path, st.st_size)
 
 
@@ -208,12 +213,12 @@ def _newest_mtime(path: Path, mtime: float) -> float:
         return mtime
 
 
-def _folder_problem(path: Path) -> str | None:
+def _folder_problem(path: Path, named: bool) -> str | None:
     try:
         names = set(os.listdir(path))
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
-    if not names:
+    if not names and not named:
         return "empty folder"
     if _HF_DIR.match(path.name) and HF_STATE_FILE not in names:
         return f"incomplete (no {HF_STATE_FILE}; the Trainer writes it last, so the save was interrupted)"

@@ -360,7 +360,25 @@ def cmd_retry(args: argparse.Namespace) -> int:
         touch(JobPaths(path).retry_flag)
         return JobPaths(path).retry_flag
 
-    return _flag(args, ("failed",), retry, "retry requested, resuming from its latest checkpoint")
+    return _flag(args, ("failed",), retry, _retry_plan(_root(args), args.id))
+
+
+def _retry_plan(root: Path, job_id: str) -> str:
+    """What ``trainq retry`` will do: which checkpoint the next attempt resumes from, or that none exists."""
+    from .folders import JobState
+    from .jobs import load_job, resume_point
+    from .manage import find_job
+
+    found = find_job(root, job_id)
+    job = load_job(found.path, JobState.FAILED) if found is not None and found.state == "failed" else None
+    if job is None or job.spec is None:
+        return "retry requested"
+    if not job.spec.has_resume:
+        return "retry requested; it starts from the beginning (job.yaml has no resume_args)"
+    checkpoint = resume_point(job)
+    if checkpoint is None:
+        return "retry requested; no checkpoint found, it starts from the beginning"
+    return f"retry requested, resuming from {checkpoint}"
 
 
 def _flag(args: argparse.Namespace, states: tuple[str, ...], act: Callable[[Path], Path], what: str) -> int:
