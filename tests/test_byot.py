@@ -204,3 +204,49 @@ def test_hf_callback_stops_with_a_fresh_checkpoint_and_exits_0(queue_dir, watche
     assert int(preempted_at.name.split("-")[1]) >= step + 2
     wait_until(lambda: _in_state(queue_dir, "cb", "done"), 120, 0.2, "done")
     _assert_finished_like_reference(queue_dir, "cb", reference)
+
+
+def test_plain_pytorch_loop_example_stops_and_resumes_exactly(tmp_path):
+    """queue/examples/plain_loop.py (the README's loop): stop.flag saves step-N and exits 0; resuming ends
+    where an uninterrupted run ends."""
+    script = REPO / "queue" / "examples" / "plain_loop.py"
+
+    def run(job: Path, **env: str) -> str:
+        job.mkdir(exist_ok=True)
+        base = {"TRAINQ_JOB_DIR": str(job), "TRAINQ_METRICS": str(job / "metrics.jsonl"),
+                "TRAINQ_STOP_FLAG": str(job / "stop.flag")}
+        done = subprocess.run([PY, str(script), "--steps", "30", "--save-every", "10"], capture_output=True,
+                              text=True, env=dict(os.environ, **ENV, **base, **env), timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    whole = run(tmp_path / "whole")
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "stop.flag").touch()  # stopped at once: saves step-1 and exits 0
+    assert run(job) == ""
+    record = json.loads((job / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["type"] == "checkpoint" and record["path"] == str(job / "checkpoints" / "step-1")
+    (job / "stop.flag").unlink()
+    assert run(job, TRAINQ_RESUME_FROM=record["path"]) == whole
+    assert "done at step 30" in whole
+
+
+def test_lightning_callback_stops_with_a_checkpoint_and_resumes(queue_dir, watcher_process):
+    """A real Lightning script with TrainqLightningCallback: stop saves and exits 0; retry resumes to max_steps."""
+    pytest.importorskip("pytorch_lightning")
+    watcher_process()
+    job = {"approved": True, "command": [PY, str(FAKE / "lightning_script.py")], "env": ENV,
+           "resources": {"gpus": 0}, "stop_grace": "60s", "resume_args": ["--ckpt_path", "{resume_from}"]}
+    drop(queue_dir, "pl.yaml", yaml.safe_dump(job, sort_keys=False))
+    wait_until(lambda: (p := _progress(queue_dir, "pl")) and (p["step"] or 0) >= 5, 120, 0.1, "step 5")
+    _cli(queue_dir, "stop", "pl")
+    stopped = wait_until(lambda: _in_state(queue_dir, "pl", "failed"), 60, 0.1, "stopped")
+    assert stopped["status"] == "cancelled" and stopped["attempts"][-1]["exit_code"] == 0
+    [ckpt] = (queue_dir / "failed" / "pl" / "checkpoints").glob("trainq-step=*.ckpt")
+    step = int(ckpt.stem.split("=")[1])
+    assert f"resuming from checkpoints/{ckpt.name}" in _cli(queue_dir, "retry", "pl")
+    done = wait_until(lambda: _in_state(queue_dir, "pl", "done"), 120, 0.2, "done")
+    assert done["attempts"][-1]["resumed_from"].endswith(f"running/pl/checkpoints/{ckpt.name}")
+    log = (queue_dir / "done" / "pl" / "output.log").read_text()
+    assert f"resumed at global_step {step}" in log and "final global_step 40" in log
