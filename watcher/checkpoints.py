@@ -98,9 +98,9 @@ def find_checkpoint(paths: JobPaths, *, extra_dirs: tuple[Path, ...] = (), runni
     return Discovery(None, None, tuple(dict.fromkeys(skipped)))
 
 
-def latest_checkpoint(paths: JobPaths) -> str | None:
-    """The newest complete checkpoint's absolute path, or None (a job that is not running)."""
-    return find_checkpoint(paths).path
+def latest_checkpoint(paths: JobPaths, running: bool = False) -> str | None:
+    """The newest complete checkpoint's absolute path, or None (``running``: pass over ones still settling)."""
+    return find_checkpoint(paths, running=running).path
 
 
 # -- metrics records -----------------------------------------------------------------------------

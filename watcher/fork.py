@@ -46,11 +46,11 @@ def fork_data(job_dir: Path, job_id: str, sets: list[str], from_checkpoint: bool
         set_dotted(data, key, value)
     data["fork_of"] = job_id
     if from_checkpoint:
-        checkpoint = latest_checkpoint(JobPaths(job_dir))
+        checkpoint = latest_checkpoint(JobPaths(job_dir), running=job_dir.parent.name == "running")
         if checkpoint is None:
             raise InvalidJobSpec(display, [Problem("from_checkpoint", f"job {job_id} has no checkpoint yet "
-                                                                      "(no checkpoints/ckpt_latest, no checkpoint "
-                                                                      "record, no step-N folder)")])
+                                                                      "(no checkpoint record, no checkpoints/ckpt_latest, "
+                                                                      "no complete checkpoint-N, step-N or *.ckpt)")])
         data["from_checkpoint"] = checkpoint
     JobSpec.from_dict(data, display)  # the validator's own errors, before anything is written
     return data
