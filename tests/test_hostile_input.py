@@ -220,3 +220,13 @@ def test_hostile_job_yaml_written_into_pending_is_failed_by_recovery(queue_dir, 
         assert run["status"] == "rejected" and run["error"].startswith(f"pending/{name}/job.yaml: {field}: "), run
     drop(queue_dir, "fine.yaml", f"approved: true\ncommand: [{PY}, -c, 'print(1)']\n")
     tick_until(w, lambda: (queue_dir / "done" / "fine").exists(), timeout_s=30)
+
+
+def test_a_file_of_many_values_is_refused_quickly_with_few_lines() -> None:
+    started = time.monotonic()
+    assert "at most 20000" in one(CMD + "resume_args: [" + ",".join(["a"] * 300_000) + "]\n").message
+    problems = problems_of(CMD + "resume_args: [" + ",".join(["[1]"] * 19_000) + "]\n")
+    assert len(problems) == 51 and problems[-1].message.startswith("and more problems not listed")
+    many_keys = problems_of(CMD + "".join(f"k{i}: 1\n" for i in range(15_000)))
+    assert len(many_keys) == 51
+    assert time.monotonic() - started < 20  # was minutes of validation and 200,000 log lines per file

@@ -40,6 +40,8 @@ DEFAULT_STOP_GRACE_S = 120.0
 #: seconds a failed job waits before its retry
 DEFAULT_BACKOFF_S = 30.0
 JOB_SCHEMA = "job.schema.json"
+#: most lines plus commas a job file (or watcher.yaml) may have: real ones have tens; it bounds the parse time
+MAX_VALUES = 20_000
 #: deepest nesting of lists/mappings accepted (real job files use 3 or 4; deeper would exhaust recursion)
 MAX_NESTING = 32
 #: largest magnitude of any integer in a job file or watcher.yaml (fits a C long; schemas bound fields further)
@@ -525,6 +527,9 @@ def parse_mapping(text: str, what: str = "job fields", allow_empty: bool = False
         return {}
     if not text.strip():
         return Problem("", "the file is empty; write the job's fields (see schemas/job.schema.json)")
+    values = text.count("\n") + text.count(",")
+    if values > MAX_VALUES:  # counted before parsing: building 200,000 YAML nodes takes seconds
+        return Problem("", f"has {values} lines and list items; files here have at most {MAX_VALUES}")
     try:
         data = load_yaml12(text)
     except YamlError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import itertools
 import json
 import logging
 import re
@@ -31,6 +32,9 @@ _TYPE_NAMES = MappingProxyType({"integer": "an integer", "number": "a number", "
                                 "null": "null"})
 _PLURALS = MappingProxyType({"integer": "integers", "number": "numbers", "string": "strings", "boolean": "booleans",
                              "object": "mappings", "array": "lists", "null": "nulls"})
+#: most problems listed for one file (the rest are counted in one line)
+MAX_PROBLEMS = 50
+_MORE = "and more"
 _BOUNDS = (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
 _DURATION_HINT = "a duration like 90, 90s, 10m, 1.5h"
 #: keys people put at the top level that live elsewhere (difflib cannot find them: they are spelled right)
@@ -77,15 +81,22 @@ def _load_schema_file(file: Path) -> dict | None:
 def schema_problems(validator: jsonschema.Draft202012Validator, data: object) -> list[Problem]:
     """Every schema violation as a readable Problem, deduplicated and sorted by field path."""
     try:
-        errors = list(validator.iter_errors(data))
+        errors = list(itertools.islice(validator.iter_errors(data), MAX_PROBLEMS + 1))
     except referencing.exceptions.Unresolvable as exc:
         return [Problem("", f"cannot be checked: {exc} (a schema file is missing; reinstall trainq)")]
     return sort_problems([problem for error in errors for problem in _translate(error)])
 
 
 def sort_problems(problems: list[Problem]) -> list[Problem]:
-    """Deduplicated, whole-file problems first, then by field path (list indices in numeric order)."""
-    return sorted(dict.fromkeys(problems), key=_problem_key)
+    """Deduplicated, whole-file problems first, then by field path; at most MAX_PROBLEMS and a line saying so.
+
+    A 1 MiB file of 200,000 bad items must not become 200,000 lines of watcher.log and run.json.
+    """
+    ordered = sorted(dict.fromkeys(problems), key=_problem_key)
+    if len(ordered) <= MAX_PROBLEMS:
+        return ordered
+    kept = [p for p in ordered if not p.message.startswith(_MORE)][:MAX_PROBLEMS]
+    return kept + [Problem("", f"{_MORE} problems not listed (the first {MAX_PROBLEMS} are); fix these first")]
 
 
 def _problem_key(problem: Problem) -> tuple:
@@ -131,8 +142,9 @@ def _translate(error: jsonschema.ValidationError) -> list[Problem]:
     if error.validator in ("oneOf", "anyOf"):
         return _translate_alternatives(error)
     if error.validator in ("additionalProperties", "unevaluatedProperties"):
+        keys = _unknown_keys(error)
         return [Problem(path_text(parts + (key,)), _unknown_key_message(key, error.schema))
-                for key in _unknown_keys(error)]
+                for key in keys[:MAX_PROBLEMS + 1]]
     if error.validator == "required":
         missing = [key for key in error.validator_value if key not in error.instance]
         return [Problem(path_text(parts), f"missing required key '{key}'") for key in missing]
