@@ -8,11 +8,20 @@ Same cluster, same run, same trivial command (``true``), ``--jobs`` of each (def
 
 Needs the one-node Slurm of ``tests/slurm/start.sh`` (root); the bench starts it and points SLURM_CONF at it.
 Run: ``.venv/bin/python bench/bench_slurm.py [--jobs 20]``. Prints a markdown table.
+
+``--scale 10,100,1000`` measures instead what the watcher costs the controller and the shared filesystem
+while it tracks N jobs queued in Slurm (``--hold``): ``squeue`` runs per minute (a counting wrapper first on
+the watcher's PATH) and filesystem calls per second (``strace -f -c -e trace=%file`` attached to the watcher:
+open, stat, rename, unlink, ...), each over ``--window`` seconds (default 20) once all N are submitted.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -117,14 +126,81 @@ def trainq_burst(n: int, root: Path) -> float:
         proc.wait(timeout=30)
 
 
+def scale_point(n: int, root: Path, window_s: float) -> tuple[float, float, float]:
+    """(squeue runs per minute, filesystem calls per second, seconds to submit all) with ``n`` held jobs tracked."""
+    calls = root.parent / f"squeue-calls-{n}"
+    wrapper = root.parent / f"bin-{n}" / "squeue"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(f"#!/bin/sh\necho x >> {calls}\nexec {shutil.which('squeue')} \"$@\"\n")
+    wrapper.chmod(0o755)
+    subprocess.run([sys.executable, "-m", "trainq.watcher", "init", str(root)], cwd=REPO, check=True,
+                   capture_output=True)
+    (root / "watcher.yaml").write_text(f"executor: slurm\nmax_concurrent: {n}\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PATH=f"{wrapper.parent}:{os.environ['PATH']}")
+    proc = subprocess.Popen([sys.executable, "-m", "trainq.watcher", "--root", str(root), "watch", "-q"], cwd=REPO,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        t0 = time.monotonic()
+        for i in range(n):
+            staging = root / f".h{i}.tmp"
+            staging.write_text("approved: true\ncommand: [\"true\"]\nslurm: {sbatch_args: [--hold]}\n")
+            os.rename(staging, root / "inbox" / f"h{i}.yaml")
+        while sum(1 for _ in (root / "running").glob("*/slurm.json")) < n or not all_submitted(root, n):
+            if time.monotonic() - t0 > 60 + n:
+                raise SystemExit(f"only part of the {n} jobs reached Slurm")
+            time.sleep(0.5)
+        submit_s = time.monotonic() - t0
+        time.sleep(3)  # let the last launches' writes settle
+        calls.write_text("")
+        trace = subprocess.Popen(["strace", "-f", "-c", "-e", "trace=%file", "-p", str(proc.pid)],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(window_s)
+        trace.send_signal(signal.SIGINT)
+        summary = trace.communicate(timeout=60)[1]
+        squeue_per_min = len(calls.read_text().splitlines()) * 60 / window_s
+        total = re.search(r"^\s*100\.00\s+\S+\s+\S+\s+(\d+)", summary, re.MULTILINE)
+        fs_per_s = int(total.group(1)) / window_s if total else float("nan")
+        return squeue_per_min, fs_per_s, submit_s
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        subprocess.run(["scancel", "--me"], capture_output=True, timeout=120)
+
+
+def all_submitted(root: Path, n: int) -> bool:
+    done = 0
+    for path in (root / "running").glob("*/slurm.json"):
+        try:
+            done += bool(json.loads(path.read_text()).get("slurm_job_id"))
+        except (OSError, ValueError):
+            pass
+    return done >= n
+
+
+def scale(counts: list[int], window_s: float) -> None:
+    if shutil.which("strace") is None:
+        raise SystemExit("--scale needs strace (apt-get install strace)")
+    print(f"| jobs queued in Slurm (held) | squeue runs / min | filesystem calls / s | time to submit all (s) |")
+    print("|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="bench-slurm-scale-") as tmp:
+        for n in counts:
+            per_min, fs_per_s, submit_s = scale_point(n, Path(tmp) / f"q{n}", window_s)
+            print(f"| {n} | {per_min:.0f} | {fs_per_s:.1f} | {submit_s:.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20)
+    parser.add_argument("--scale", help="comma-separated job counts, e.g. 10,100,1000: controller and filesystem load")
+    parser.add_argument("--window", type=float, default=20.0, help="seconds measured per --scale point")
     args = parser.parse_args()
     started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], check=True, capture_output=True, text=True)
     os.environ["SLURM_CONF"] = started.stdout.strip().splitlines()[-1].partition("=")[2]
     if not squeue_ok():
         raise SystemExit("squeue does not answer; see tests/slurm/start.sh")
+    if args.scale:
+        scale([int(n) for n in args.scale.split(",")], args.window)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-slurm-") as tmp:
         tmp_path = Path(tmp)
         bare_s = bare_serial(args.jobs, tmp_path)
