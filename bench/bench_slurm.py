@@ -164,7 +164,18 @@ def scale_point(n: int, root: Path, window_s: float) -> tuple[float, float, floa
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-        subprocess.run(["scancel", "--me"], capture_output=True, timeout=120)
+        cancel_queue_jobs(root)
+
+
+def cancel_queue_jobs(root: Path) -> None:
+    """scancel the Slurm jobs of this queue only (their tag names its key); other users of the cluster keep theirs."""
+    from trainq.watcher.slurm_state import queue_key
+
+    out = subprocess.run(["squeue", "--me", "-h", "-o", "%i|%k"], capture_output=True, text=True, timeout=120).stdout
+    prefix = f"trainq:{queue_key(root)}:"
+    ids = [line.split("|")[0] for line in out.splitlines() if line.partition("|")[2].startswith(prefix)]
+    for i in range(0, len(ids), 200):
+        subprocess.run(["scancel", *ids[i:i + 200]], capture_output=True, timeout=120)
 
 
 def all_submitted(root: Path, n: int) -> bool:

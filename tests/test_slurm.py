@@ -5,6 +5,7 @@ Every test drives the real watcher (in-process ``tick`` or a real ``python -m tr
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -40,37 +41,53 @@ def _sh(script: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module", autouse=True)
 def slurm_cluster():
-    """Bring up the repository's one-node cluster for this module (skip, saying why, when it cannot be)."""
+    """Bring up the repository's one-node cluster for this module (skip, saying why, when it cannot be).
+
+    Several test runs on one machine share the cluster: each holds a shared flock on users.lock while it runs,
+    and the last one out (the one that gets it exclusively) stops the daemons.
+    """
     if os.geteuid() != 0:
         pytest.skip("the one-node Slurm of tests/slurm/start.sh needs root")
     started = _sh("start.sh")
     if started.returncode == EXIT_NOT_INSTALLED:
         pytest.skip(started.stderr.strip().splitlines()[-1])
     assert started.returncode == 0, f"tests/slurm/start.sh failed:\n{started.stderr[-3000:]}"
+    users = open(CLUSTER_DIR / "users.lock", "a")
+    fcntl.flock(users, fcntl.LOCK_SH)
     conf = started.stdout.strip().splitlines()[-1].partition("=")[2]
     previous = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = conf  # sbatch, squeue, the watcher and its batch jobs all read it
     yield
-    _sh("stop.sh")
+    try:
+        fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _sh("stop.sh")
+    except BlockingIOError:
+        pass  # another test run still uses the cluster
+    finally:
+        users.close()
     if previous is None:
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
 
 
-def _live_slurm_ids() -> list[str]:
-    out = subprocess.run(["squeue", "-h", "--me", "-o", "%i"], capture_output=True, text=True, timeout=60).stdout
-    return out.split()
+def _live_slurm_ids(prefix: str = "") -> list[str]:
+    """Queued or running Slurm jobs of this user whose comment starts with ``prefix``."""
+    out = subprocess.run(["squeue", "-h", "--me", "-o", "%i|%k"], capture_output=True, text=True, timeout=60).stdout
+    return [line.split("|")[0] for line in out.splitlines() if line.partition("|")[2].startswith(prefix)]
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_slurm_jobs():
-    """Cancel whatever a test left queued or running, so no job process outlives it."""
+def no_leftover_slurm_jobs(queue_dir):
+    """Cancel whatever the test's queue left queued or running (its tag names the queue; other runs keep theirs)."""
+    from trainq.watcher.slurm_state import queue_key
+
     yield
-    ids = _live_slurm_ids()
+    prefix = f"trainq:{queue_key(queue_dir)}:"
+    ids = _live_slurm_ids(prefix)
     if ids:
         subprocess.run(["scancel", *ids], capture_output=True, timeout=60)
-        wait_until(lambda: not _live_slurm_ids(), 30, 0.1, "leftover Slurm jobs to end")
+        wait_until(lambda: not _live_slurm_ids(prefix), 30, 0.1, "leftover Slurm jobs to end")
 
 
 def slurm_state(slurm_id: str) -> str:
@@ -530,7 +547,8 @@ def test_a_duplicate_submission_runs_nothing(queue_dir, watcher, tmp_path):
 # -- polling that scales ---------------------------------------------------------------------------
 
 
-def test_one_squeue_per_poll_with_a_retried_job_queued_and_many_jobs(queue_dir, watcher, tmp_path, monkeypatch):
+def test_one_squeue_per_poll_with_a_retried_job_queued_and_many_jobs(queue_dir, watcher, tmp_path, monkeypatch,
+                                                                     request):
     """Counts real squeue runs through a wrapper on PATH while a retried attempt and 6 other jobs wait in Slurm."""
     calls = tmp_path / "squeue-calls"
     wrapper = tmp_path / "bin" / "squeue"
@@ -545,8 +563,9 @@ def test_one_squeue_per_poll_with_a_retried_job_queued_and_many_jobs(queue_dir, 
     tick_until(w, lambda: "retried" in w.jobs and w.jobs["retried"].run["attempts"]
                and w.jobs["retried"].run["attempts"][0].get("ended_at"), 30, "attempt 1 to fail")
     # fill the node so attempt 2 waits in Slurm's queue, then hold 6 more jobs there
-    subprocess.run(["sbatch", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 300"], check=True, timeout=60,
-                   capture_output=True)
+    blocker = subprocess.run(["sbatch", "--parsable", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 300"],
+                             check=True, timeout=60, capture_output=True, text=True).stdout.strip()
+    request.addfinalizer(lambda: subprocess.run(["scancel", blocker], capture_output=True, timeout=60))
     for i in range(6):
         drop(queue_dir, f"held{i}.yaml", job_file(command=["true"], slurm={"sbatch_args": ["--hold"]}))
     tick_until(w, lambda: (w.jobs["retried"].run.get("attempt") == 2
@@ -562,7 +581,7 @@ def test_one_squeue_per_poll_with_a_retried_job_queued_and_many_jobs(queue_dir, 
     elapsed = time.monotonic() - start
     count = len(calls.read_text().splitlines())
     assert 1 <= count <= elapsed / poll_s + 1, f"{count} squeue calls in {elapsed:.1f} s"
-    assert w.jobs["retried"].run.get("attempt") == 2 and "retried" not in [p.name for p in (queue_dir / "done").iterdir()]
+    assert w.jobs["retried"].run.get("attempt") == 2 and not (queue_dir / "done" / "retried").exists()
 
 
 # -- Slurm's own signals -----------------------------------------------------------------------------
@@ -599,7 +618,8 @@ def test_a_two_task_job_runs_under_srun_with_its_rank_variables(queue_dir, watch
     slurm_id = run_json(done)["slurm_job_id"]
     port = 20000 + int(slurm_id) % 20000
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
-    assert lines == [f"rank=0/2 local=0 node=0/1 master={host}:{port}", f"rank=1/2 local=1 node=0/1 master={host}:{port}"]
+    assert lines == [f"rank=0/2 local=0 node=0/1 master={host}:{port}",
+                     f"rank=1/2 local=1 node=0/1 master={host}:{port}"]
     sbatch = json.loads((done / "slurm.json").read_text())["sbatch"]
     assert "--nodes=1" in sbatch and "--ntasks-per-node=2" in sbatch
     assert json.loads((done / "launch.json").read_text())["argv"][:4] == ["srun", "--export=ALL", "--ntasks=2",
@@ -614,7 +634,8 @@ def test_the_node_keeps_slurms_variables_and_gets_only_the_jobs_env(queue_dir, w
     monkeypatch.setenv("GPU_DEVICE_ORDINAL", "7")
     monkeypatch.setenv("TMPDIR", "/watcher-only-tmp")
     w = watcher(**SLURM)
-    show = "echo secret=${WATCHER_SECRET:-none} ordinal=${GPU_DEVICE_ORDINAL:-unset} tmp=$TMPDIR mine=$MINE id=$SLURM_JOB_ID"
+    show = ("echo secret=${WATCHER_SECRET:-none} ordinal=${GPU_DEVICE_ORDINAL:-unset} tmp=$TMPDIR mine=$MINE "
+            "id=$SLURM_JOB_ID")
     drop(queue_dir, "envy.yaml", job_file(command=["sh", "-c", show], env={"MINE": "from-job"}))
     done = tick_until(w, lambda: finished(queue_dir, "envy"), 30, "envy to finish")
     line = next(x for x in (done / "output.log").read_text().splitlines() if x.startswith("secret="))
@@ -622,3 +643,21 @@ def test_the_node_keeps_slurms_variables_and_gets_only_the_jobs_env(queue_dir, w
     assert line == f"secret=none ordinal=unset tmp=/tmp mine=from-job id={slurm_id}"
     assert (done / "launch.json").stat().st_mode & 0o777 == 0o600
     assert "do-not-leak" not in (done / "launch.json").read_text()
+
+
+def test_a_sigkill_the_supervisor_saw_is_an_oom_when_slurms_record_says_out_of_memory(tmp_path):
+    """The node's cgroup OOM kill: the supervisor records SIGKILL; Slurm's OUT_OF_MEMORY decides, not this host's dmesg."""
+    from trainq.watcher.jobs import judge_exit
+    from trainq.watcher.slurm import SlurmJob, _with_slurm_view
+
+    paths = JobPaths(tmp_path / "job")
+    paths.dir.mkdir()
+    paths.log.write_text("step 1\n")
+    record = {"attempt": 1, "exit_code": None, "signal": 9, "signal_name": "SIGKILL", "stop_reason": None}
+    seen = _with_slurm_view(record, "77", SlurmJob("OUT_OF_MEMORY", "OutOfMemory", "node3"))
+    assert seen["slurm_job_id"] == "77" and seen["slurm_state"] == "OUT_OF_MEMORY"
+    outcome = judge_exit({"status": "running"}, seen, paths)
+    assert (outcome.status, outcome.diagnosis.kind) == ("failed", "oom")
+    assert "node3" in outcome.diagnosis.evidence
+    plain = judge_exit({"status": "running"}, _with_slurm_view(record, "78", SlurmJob("FAILED")), paths)
+    assert plain.diagnosis.kind == "killed"  # no OOM evidence from Slurm, and this host's kernel log is not asked

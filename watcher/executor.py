@@ -61,6 +61,9 @@ class Executor(Protocol):
     def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
         """Escalate a stop the supervisor cannot carry out itself (scancel after the grace)."""
 
+    def folder_due(self, paths: JobPaths, attempt: dict, now: float) -> bool:
+        """Whether the watcher should look into the job folder this tick (stop.flag, stall, progress)."""
+
     def wake_fds(self) -> list[int]:
         """Extra fds whose readability means an attempt may have ended (the loop selects on them)."""
 
@@ -109,6 +112,9 @@ class LocalExecutor:
 
     def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
         return None  # the supervisor escalates by itself
+
+    def folder_due(self, paths: JobPaths, attempt: dict, now: float) -> bool:
+        return True  # a local folder is cheap to look at: every tick
 
     def wake_fds(self) -> list[int]:
         return self.supervisor.wake_fds()

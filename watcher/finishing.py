@@ -197,6 +197,9 @@ class Finishing:
             self.guarded(job, "watch", self._watch_one, job, now)
 
     def _watch_one(self, job: Job, now: float) -> None:
+        if not self.executor.folder_due(job.paths, job.current_attempt() or {}, now):
+            self._note_executor_wait(job)  # from memory (Slurm: once per poll for each job, spread over the polls)
+            return
         if job.run.get("status") == "running" and job.paths.stop_flag.exists():
             job.run.update(status="stopping", stop_requested_at=iso_utc(now))
             job.health = "stopping"

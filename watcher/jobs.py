@@ -139,8 +139,8 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
     if reason is None and exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
         return Outcome("done", None)
     diagnosis = diagnose(exit_record, attempt_log_tail(paths), attempt_metrics(paths, run),
-                         kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record) else None,
-                         train=spec is None or spec.is_train)
+                         kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record)
+                         else None, train=spec is None or spec.is_train)
     return Outcome("timeout" if reason == "timeout" else "failed", diagnosis)
 
 

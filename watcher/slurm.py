@@ -152,6 +152,7 @@ class SlurmExecutor:
         self._unconfirmed: dict[str, _Unconfirmed] = {}
         self._beats: dict[str, tuple[object, float]] = {}
         self._exit_read_mono: dict[str, float] = {}
+        self._folder_seen_mono: dict[str, float] = {}
         self._query: SqueueQuery | None = None
         self._last_query_mono = -math.inf
         self._probe_wanted_mono = -math.inf
@@ -290,6 +291,18 @@ class SlurmExecutor:
             why = "still queued in Slurm" if queued else "its supervisor did not end it in time"
             logger.info("job %s: scancel %s (stop requested, %s)", paths.dir.name, slurm_id, why)
             self._scancel(slurm_id, paths)
+
+    def folder_due(self, paths: JobPaths, attempt: dict, now: float) -> bool:
+        """Each job's folder (stop.flag, progress) is looked at once per poll_s, not every tick: a shared
+        filesystem then sees a rate set by the job count over poll_s, and stop.flag is noticed within poll_s."""
+        key = str(paths.dir)
+        mono = time.monotonic()
+        if mono - self._folder_seen_mono.get(key, -math.inf) < self.poll_s:
+            return False
+        if len(self._folder_seen_mono) > 4 * len(self._tracked) + 1000:
+            self._folder_seen_mono.clear()  # finished jobs' entries; at worst one early look each
+        self._folder_seen_mono[key] = mono
+        return True
 
     def start(self) -> None:
         return None  # sbatch and squeue run on demand
