@@ -230,3 +230,23 @@ def test_a_file_of_many_values_is_refused_quickly_with_few_lines() -> None:
     many_keys = problems_of(CMD + "".join(f"k{i}: 1\n" for i in range(15_000)))
     assert len(many_keys) == 51
     assert time.monotonic() - started < 20  # was minutes of validation and 200,000 log lines per file
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file owned by another user")
+def test_errors_quote_no_value_of_a_file_others_cannot_read(tmp_path: Path) -> None:
+    from trainq.watcher.jobspec import load_job_file
+
+    path = tmp_path / "x.yaml"
+    path.write_text('approved: true\ncommand: [true]\npriority: "TOKEN-abc123"\ntimeout: "SECRET-9"\n'
+                    "executor: 1\n")
+    os.chown(path, 65534, 65534)
+    path.chmod(0o600)
+    with pytest.raises(InvalidJobSpec) as info:
+        load_job_file(path, "inbox/x.yaml")
+    text = str(info.value)
+    assert "TOKEN" not in text and "SECRET" not in text and "value not shown" in text
+    assert "priority" in text and "timeout" in text and "unknown key 'executor'" in text
+    path.chmod(0o644)  # readable by everyone: values are quoted as usual
+    with pytest.raises(InvalidJobSpec) as info:
+        load_job_file(path, "inbox/x.yaml")
+    assert "TOKEN-abc123" in str(info.value)

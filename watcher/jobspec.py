@@ -54,6 +54,8 @@ MIN_BACKOFF_S = 1.0
 DURATION_FIELDS = (("timeout",), ("stop_grace",), ("stall_after",), ("retries", "backoff"))
 #: C0 controls and DEL: never in a command, an env entry, a cwd or a name (a NUL kills the exec; ESC forges logs)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: the " (got VALUE)" part of a message, which quotes the file
+_GOT = re.compile(r" \(got .*$", re.S)
 #: the control characters argv items and env values may hold: a ``python -c`` script spans lines
 _LINE_BREAKS = "\t\n\r"
 
@@ -560,6 +562,28 @@ def load_job_file(path: Path, display: str | None = None) -> JobSpec:
     text = read_spec_text(Path(path))
     if isinstance(text, Problem):
         raise InvalidJobSpec(display, [text])
-    spec = parse_job_text(text, display)
+    try:
+        spec = parse_job_text(text, display)
+    except InvalidJobSpec as exc:
+        if not is_confidential(Path(path)):
+            raise
+        raise InvalidJobSpec(display, [_withheld(p) for p in exc.problems]) from None
     logger.debug("job file %s: valid (approved=%s)", display, spec.approved)
     return spec
+
+
+def is_confidential(path: Path) -> bool:
+    """A file others may not read, owned by someone other than the watcher: its errors quote no value.
+
+    (A hard link to such a file in the inbox must not turn the watcher into a reader of it.)
+    """
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return not st.st_mode & stat.S_IROTH and st.st_uid != os.geteuid()
+
+
+def _withheld(problem: Problem) -> Problem:
+    message = _GOT.sub(" (value not shown: the file is not readable by everyone)", problem.message)
+    return Problem(problem.path, message)
