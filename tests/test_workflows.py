@@ -292,3 +292,15 @@ def test_on_finish_of_a_job_finished_just_before_a_crash_runs_once_at_start_up(q
     watcher_process()  # a second start must not run it again
     time.sleep(2.0)
     assert (job / "hook-runs.txt").read_text().splitlines() == ["quick:done done "]
+
+
+def test_a_finished_sweeps_id_is_not_given_to_a_later_job_after_a_restart(queue_dir, watcher_process):
+    wp = watcher_process()
+    _job(queue_dir, "exp", command=["echo", "{n}"], sweep={"n": [1, 2]})
+    wait_until(lambda: _where(queue_dir, "exp-1") == "done" and _where(queue_dir, "exp-2") == "done", 20)
+    wp.stop()
+    watcher_process()
+    _job(queue_dir, "exp")  # a plain job with the sweep's file name
+    _job(queue_dir, "waits", after=["exp"])  # still means the whole (finished) sweep
+    wait_until(lambda: _where(queue_dir, "waits") == "done", 20, what="after: [exp] means the sweep")
+    assert _where(queue_dir, "exp") is None and _where(queue_dir, "exp-3") == "done"

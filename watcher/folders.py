@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .contract import JobPaths
 from .errors import IllegalTransition, JobFolderRemoved, QueueLayoutError
-from .fsutil import atomic_write_json, same_filesystem
+from .fsutil import atomic_write_json, read_json, same_filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class Folders:
                 while True:
                     job_id = base if n == 1 else _with_suffix(base, n)
                     n += 1
-                    if job_id not in self._known_ids:
+                    if job_id not in self._known_ids and not self._is_sweep_id(job_id):
                         self._known_ids.add(job_id)
                         break
             path = self.root.job_dir(state, job_id)
@@ -199,6 +199,19 @@ class Folders:
             except FileExistsError:
                 continue  # a folder nobody told us about: it stays known, try the next suffix
             return job_id, path
+
+    def _is_sweep_id(self, job_id: str) -> bool:
+        """Whether ``job_id`` names a sweep of an earlier watcher (its jobs ``ID-1`` … exist; it has no folder)."""
+        if f"{job_id}-1" not in self._known_ids:
+            return False  # one set lookup per claim: only a sweep's first job makes the folders worth reading
+        for state in JobState:
+            run = read_json(JobPaths(self.root.job_dir(state, f"{job_id}-1")).run)
+            if run is not None:
+                if ((run.get("sweep") or {}).get("id")) == job_id:
+                    self._known_ids.add(job_id)
+                    return True
+                return False
+        return False
 
     def claim(self, inbox_file: Path, state: JobState, run: dict) -> tuple[str, Path] | None:
         """Take ``inbox_file`` into a new ``state`` folder as ``job.yaml``; None if it vanished meanwhile.
