@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import PY, REPO, tick_until, wait_until
+from conftest import PY, REPO, drop, tick_until, wait_until
 
 from trainq.watcher.folders import JobState
 
@@ -261,6 +261,9 @@ def test_pause_resume_wait_show_clean_and_the_messages(queue_dir, watcher_proces
     out = trainq("logs", "ok", root=queue_dir, check_rc=0)
     assert "pending: it has not started" in out.stdout and "paused" in out.stdout, out.stdout
     assert "ok" in trainq("status", root=queue_dir, check_rc=0).stdout
+    drop(queue_dir, "draft.yaml", "approved: false\ncommand: [echo]\n")
+    wait_until(lambda: '"awaiting_approval": 1' in (queue_dir / "status.json").read_text(), 15, what="draft awaiting")
+    assert "inbox/draft.yaml awaits approval" in trainq("logs", "draft", root=queue_dir, check_rc=2).stderr
     rejected = trainq("logs", "broken", root=queue_dir, check_rc=0).stdout
     assert "rejected" in rejected and "priority:" in rejected, rejected
     refused = trainq("retry", "broken", root=queue_dir, check_rc=2).stderr
@@ -299,18 +302,22 @@ def test_ignored_inbox_entries_are_listed_with_the_reason(queue_dir, watcher):
     (queue_dir / "inbox" / "odd.yaml").mkdir()
     (queue_dir / "inbox" / ".hidden.yaml").write_text("x")
     (queue_dir / "inbox" / "edit.yaml.swp").write_text("x")
+    os.mkdir(os.path.join(os.fsencode(queue_dir / "inbox"), b"bad-\xff-name"))  # not UTF-8
+    (queue_dir / "inbox" / "esc\x1b[31m.txt").write_text("x")  # a terminal escape in the name
     w = watcher()
     w.tick(time.time())
     w.report.write(w, time.time(), force=True)
     status = json.loads((queue_dir / "status.json").read_text())
     ignored = {e["name"]: e["reason"] for e in status["ignored"]}
-    assert set(ignored) == {"notes.txt", "drafts", "job.json", "odd.yaml"}, ignored
+    assert set(ignored) == {"notes.txt", "drafts", "job.json", "odd.yaml", "bad-\ufffd-name", "esc\\x1b[31m.txt"}, ignored
     assert "folder" in ignored["drafts"] and "*.yaml" in ignored["job.json"]
     import jsonschema
 
     jsonschema.validate(status, json.loads((REPO / "schemas" / "status.schema.json").read_text()))
     assert "Ignored in inbox" in (queue_dir / "status.html").read_text()
-    assert "notes.txt" in trainq("status", root=queue_dir, check_rc=0).stdout
+    shown = trainq("status", root=queue_dir, check_rc=0).stdout
+    assert "inbox ignores 6 (not job files): bad-\ufffd-name/, drafts/, esc\\x1b[31m.txt" in shown, shown
+    assert "\x1b" not in shown
 
 
 def test_train_and_tiny_run_the_trainer_modules():

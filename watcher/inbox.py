@@ -218,7 +218,7 @@ class Inbox:
                 if len(ignored) < MAX_IGNORED_LISTED:
                     reason = ignored_reason(entry)
                     if reason:
-                        ignored.append({"name": entry.name, "reason": reason})
+                        ignored.append({"name": printable(entry.name), "reason": reason})
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
@@ -227,7 +227,7 @@ class Inbox:
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
                 if len(ignored) < MAX_IGNORED_LISTED:  # FIFOs, sockets, folders named x.yaml: never touched
                     what = "a folder named like a job file" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-                    ignored.append({"name": entry.name, "reason": what})
+                    ignored.append({"name": printable(entry.name), "reason": what})
                 continue
             found.append(
                 Candidate(entry.name, Path(entry.path), st.st_size, st.st_mtime_ns, st.st_ino, stat.S_ISLNK(st.st_mode))

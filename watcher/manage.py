@@ -96,7 +96,10 @@ def no_such_job(root: Path, job_id: str) -> str:
 def wait_for_claim(root: Path, job_id: str, timeout_s: float = 10.0) -> Found | None:
     """A job still in the inbox right after ``trainq watch`` started: wait briefly until a watcher takes it."""
     deadline = time.monotonic() + timeout_s
-    while inbox_file_for(root, job_id) is not None and time.monotonic() < deadline:
+    while True:
+        waiting = inbox_file_for(root, job_id)
+        if waiting is None or awaiting_entry(root, waiting) is not None or time.monotonic() > deadline:
+            break
         time.sleep(POLL_S)
         found = find_job(root, job_id)
         if found is not None:
@@ -143,10 +146,20 @@ def _job_with_inode(root: Path, base: str, ino: int) -> str | None:
     return None
 
 
+def awaiting_entry(root: Path, inbox_file: Path) -> dict | None:
+    """status.json's entry for an inbox file the watcher found valid but not approved."""
+    status = read_json(root / "status.json") or {}
+    return next((j for j in status.get("jobs") or () if j.get("state") == "awaiting_approval"
+                 and j.get("dir") == f"inbox/{inbox_file.name}"), None)
+
+
 def _inbox_hint(root: Path, job_id: str) -> str:
     waiting = inbox_file_for(root, job_id)
     if waiting is None:
         return ""
+    awaiting = awaiting_entry(root, waiting)
+    if awaiting is not None:
+        return f" yet: inbox/{waiting.name} awaits approval ({awaiting.get('approval_hint') or 'set approved: true'})"
     return f" yet: inbox/{waiting.name} is still waiting to be taken ({watcher_words(root)})"
 
 
