@@ -297,14 +297,6 @@ def cmd_status(args: argparse.Namespace) -> int:
                         filters=filters) or EXIT_OK
 
 
-def _find_job(root: Path, job_id: str) -> tuple[str, Path] | None:
-    for state in ("running", "pending", "failed", "done"):
-        path = root / state / job_id
-        if path.is_dir() and not job_id.startswith(".") and "/" not in job_id:
-            return state, path
-    return None
-
-
 def cmd_logs(args: argparse.Namespace) -> int:
     from .contract import JobPaths
     from .manage import find_job, no_such_job, wait_for_claim

@@ -115,7 +115,7 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p = sub.add_parser("priority", help="set a pending job's priority (rewrites priority: in its job.yaml)")
     _ids(p)
     p.add_argument("value", type=int, metavar="N", help="higher starts first")
-    p.set_defaults(func=bind(lambda a: _edit_with(lambda: manage.priority(root_of(a), a.id, a.value))))
+    p.set_defaults(func=bind(lambda a: _edit_with(lambda: _edit_module().priority(root_of(a), a.id, a.value))))
 
     p = sub.add_parser("pause", help="start no new job (creates pause.flag); running jobs go on")
     p.set_defaults(func=bind(lambda a: manage.pause(root_of(a))))
@@ -202,8 +202,14 @@ def _edit_with(action: Callable[[], int]) -> int:
         return manage.EXIT_INVALID
 
 
+def _edit_module():
+    from . import edit
+
+    return edit
+
+
 def _edit(root: Path, job_id: str) -> int:
-    return _edit_with(lambda: manage.edit(root, job_id))
+    return _edit_with(lambda: _edit_module().edit(root, job_id))
 
 
 def _schema(name: str) -> int:

@@ -1,10 +1,10 @@
-"""The management commands (``rm``, ``edit``, ``priority``, ``pause``, ``resume``, ``clean``, ``wait``, ``show``).
+"""The management commands (``rm``, ``pause``, ``resume``, ``clean``, ``wait``, ``train``, ``tiny``, ``schema``).
 
 Each is a thin layer over the files, and the README gives the file way beside each:
-``rm`` removes a job folder (a running job is stopped first), ``edit``/``priority`` rewrite a
-pending job's job.yaml (the watcher re-validates it), ``pause``/``resume`` create/remove
-``pause.flag``, ``clean`` removes finished folders, ``wait`` polls where a job's folder is, and
-``show`` puts run.json into words. Only light modules are imported here: ``trainq --help`` stays fast.
+``rm`` removes a job folder (a running job is stopped first), ``pause``/``resume`` create/remove
+``pause.flag``, ``clean`` removes finished folders, ``wait`` polls where a job's folder is. Also the
+job lookup the other commands share (edit.py rewrites job files, show.py puts run.json into words).
+Only light modules are imported here: ``trainq --help`` stays fast.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from pathlib import Path
 
 from .contract import JobPaths
 from .fsutil import atomic_write, read_json, remove_quietly, touch
-from .locate import DEFAULT_ROOT
 
 #: the states a job folder can be in, in the order a lookup tries them
 STATES = ("running", "pending", "failed", "done")
@@ -341,82 +340,6 @@ def describe_end(found: Found) -> str:
     return f"{status}{kind}, exit status {job_exit_status(found)} ({found.state}/{found.id})"
 
 
-# -- edit / priority ----------------------------------------------------------------------------------------
-def priority(root: Path, job_id: str, value: int) -> int:
-    """Set a pending job's priority by rewriting the ``priority:`` line of its job.yaml."""
-    from .submit import set_top_level
-
-    found = _pending(root, job_id, "its priority only orders jobs that have not started")
-    spec = JobPaths(found.path).spec
-    text = spec.read_text(encoding="utf-8")
-    _replace_spec(found, set_top_level(text, "priority", str(value)))
-    say(f"job {job_id}: priority {value} (pending/{job_id}/job.yaml); the watcher re-reads it within seconds")
-    return EXIT_OK
-
-
-def _pending(root: Path, job_id: str, why: str) -> Found:
-    found = require_job(root, job_id)
-    if found.state != "pending":
-        raise UsageError(f"job {job_id} is in {found.state}/, not pending/: {why}")
-    return found
-
-
-def _replace_spec(found: Found, text: str) -> None:
-    """Validate ``text`` as the job's file, then put it in place of job.yaml in one rename."""
-    from .jobspec import parse_job_text
-
-    display = f"pending/{found.id}/job.yaml"
-    parse_job_text(text, display)  # InvalidJobSpec: the caller prints the problems, nothing changed
-    spec = JobPaths(found.path).spec
-    tmp = found.path / f".job.yaml.{os.getpid()}.tmp"
-    atomic_write(tmp, text)
-    try:
-        os.replace(tmp, spec)
-    except FileNotFoundError:
-        remove_quietly(tmp)
-        raise UsageError(f"job {found.id} left pending/ meanwhile; nothing changed") from None
-
-
-def edit(root: Path, job_id: str, editor: str | None = None) -> int:
-    """Open $VISUAL/$EDITOR on a copy of a pending job's job.yaml; validate it; put it in place if valid."""
-    import shlex
-    import subprocess
-    import tempfile
-
-    from .errors import InvalidJobSpec
-    from .jobspec import parse_job_text
-
-    found = _pending(root, job_id, "only a job that has not started can be edited (`trainq fork` copies one)")
-    spec = JobPaths(found.path).spec
-    original = spec.read_text(encoding="utf-8")
-    editor = editor or os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
-    with tempfile.TemporaryDirectory(prefix="trainq-edit-") as tmp:
-        draft = Path(tmp) / f"{job_id}.yaml"
-        draft.write_text(original, encoding="utf-8")
-        while True:
-            rc = subprocess.call([*shlex.split(editor), str(draft)])
-            if rc != 0:
-                raise UsageError(f"{editor} exited with status {rc}; job {job_id} unchanged")
-            text = draft.read_text(encoding="utf-8")
-            if text == original:
-                say(f"job {job_id}: unchanged")
-                return EXIT_OK
-            try:
-                parse_job_text(text, f"pending/{job_id}/job.yaml")
-            except InvalidJobSpec as exc:
-                for line in exc.lines():
-                    print(line, file=sys.stderr)
-                if sys.stdin.isatty() and input("Edit again? [Y/n] ").strip().lower() in ("", "y", "yes"):
-                    continue
-                kept = Path.cwd() / f"{job_id}.edited.yaml"
-                shutil.copyfile(draft, kept)
-                print(f"trainq: job {job_id} unchanged; your edit is kept in {kept}", file=sys.stderr)
-                return EXIT_INVALID
-            _replace_spec(found, text)
-            say(f"job {job_id}: job.yaml updated (pending/{job_id}/job.yaml); the watcher re-reads it within seconds")
-            return EXIT_OK
-
-
 # -- train / tiny -------------------------------------------------------------------------------------------
 def run_module(module: str, args: list[str]) -> int:
     """Run ``python -m module args`` in place of this process (the trainer imports torch; the CLI never does)."""
@@ -442,7 +365,3 @@ def write_schemas(root: Path) -> Path:
             continue  # the repo's own queue/schemas links to the schemas themselves
         atomic_write(target / path.name, path.read_bytes(), durable=False)
     return target
-
-
-def default_root() -> Path:
-    return DEFAULT_ROOT
