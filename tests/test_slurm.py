@@ -661,3 +661,23 @@ def test_a_sigkill_the_supervisor_saw_is_an_oom_when_slurms_record_says_out_of_m
     assert "node3" in outcome.diagnosis.evidence
     plain = judge_exit({"status": "running"}, _with_slurm_view(record, "78", SlurmJob("FAILED")), paths)
     assert plain.diagnosis.kind == "killed"  # no OOM evidence from Slurm, and this host's kernel log is not asked
+
+
+def test_a_node_supervisor_killed_outright_ends_the_job_once_its_heartbeat_stops(queue_dir, watcher):
+    """kill -9 of the node side: Slurm ends the batch job, no exit record, the heartbeat stops moving -> killed."""
+    w = watcher(**{**SLURM, "slurm": {"poll_s": 0.2, "exit_grace_s": 1}})
+    w.executor.heartbeat_stale_s = 3.0  # the real staleness is 3 heartbeats (30 s); only the wait shrinks here
+    drop(queue_dir, "victim.yaml", job_file(command=["sh", "-c", "echo up; sleep 600"]))
+    folder = queue_dir / "running" / "victim"
+    tick_until(w, lambda: (folder / "supervisor.json").exists() and (folder / "heartbeat.json").exists(), 30,
+               "victim to start")
+    beat = json.loads((folder / "heartbeat.json").read_text())
+    assert beat["attempt"] == 1 and beat["slurm_job_id"] == w.jobs["victim"].run["slurm_job_id"]
+    started = json.loads((folder / "supervisor.json").read_text())
+    os.kill(started["supervisor_pid"], signal.SIGKILL)  # as a node crash would: supervisor and job at once
+    os.killpg(started["pgid"], signal.SIGKILL)  # (this cluster's proctrack/linuxproc loses reparented processes)
+    done = tick_until(w, lambda: finished(queue_dir, "victim"), 60, "victim to be found dead")
+    run = run_json(done)
+    assert run["status"] == "failed" and len(run["attempts"]) == 1
+    assert run["diagnosis"]["kind"] == "killed", run["diagnosis"]
+    assert "without an exit record" in (done / "output.log").read_text()
