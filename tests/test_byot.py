@@ -250,3 +250,15 @@ def test_lightning_callback_stops_with_a_checkpoint_and_resumes(queue_dir, watch
     assert done["attempts"][-1]["resumed_from"].endswith(f"running/pl/checkpoints/{ckpt.name}")
     log = (queue_dir / "done" / "pl" / "output.log").read_text()
     assert f"resumed at global_step {step}" in log and "final global_step 40" in log
+
+
+def test_integrations_import_light_and_do_nothing_outside_trainq(tmp_path):
+    """Importing the integrations loads no torch/transformers; the callbacks load them only when asked for."""
+    code = ("import sys; from trainq.trainer.integrations import TrainqLink; "
+            "assert not {'torch', 'transformers', 'pytorch_lightning'} & set(sys.modules), sorted(sys.modules); "
+            "link = TrainqLink.from_env({}); link.step(3, loss=1.0); "
+            "assert not link.active and not link.stop_requested() and not link.catch_sigterm(); print('ok')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINQ_")}
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -41,7 +41,7 @@ TRAINQ_MANIFEST = "manifest.json"
 _HF_DIR = re.compile(r"^checkpoint-(\d+)$")
 _STEP = re.compile(r"^step-(\d+)(\.(pt|pth|bin|ckpt|safetensors))?$")
 _LIGHTNING_STEP = re.compile(r"step=(\d+)")
-_SKIPPED_DIRS = {"__pycache__", "node_modules", "wandb", "mlruns", "lightning_logs_tmp"}
+_SKIPPED_DIRS = {"__pycache__", "node_modules", "wandb", "mlruns"}
 
 # kinds, best first: the order the contract lists them in
 KIND_RECORD, KIND_LATEST, KIND_HF, KIND_STEP, KIND_LIGHTNING = "record", "ckpt_latest", "checkpoint-N", "step-N", "ckpt"

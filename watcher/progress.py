@@ -33,7 +33,7 @@ PROGRESS_KEYS = ("step", "total_steps", "epoch", "loss", "eval_loss", "lr", "gra
 FIELD_KEYS = PROGRESS_KEYS[:-1]
 
 
-class _LineReader:
+class LineReader:
     """Complete lines appended to a file since the last call; restarts at 0 on truncation or replacement."""
 
     def __init__(self, path: Path) -> None:
@@ -187,7 +187,7 @@ class MetricsTail:
     def __init__(self, path: Path, attempt_started_at: float | None = None) -> None:
         self.path = Path(path)
         self.attempt_started_at = attempt_started_at
-        self._reader = _LineReader(self.path)
+        self._reader = LineReader(self.path)
         self._reset()
 
     def _reset(self) -> None:

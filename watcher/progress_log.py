@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from trainq.watcher.contract import ATTEMPT_BANNER_PREFIX
-from trainq.watcher.progress import Fields, _LineReader, finite, whole
+from trainq.watcher.progress import Fields, LineReader, finite, whole
 
 #: a Hugging Face Trainer log dict as printed on stdout: {'loss': 2.1, 'grad_norm': 0.5, ...}
 _HF_DICT = re.compile(r"\{'(?:loss|eval_loss|train_loss|epoch|learning_rate|grad_norm)'[^{}\n\r]{0,2000}\}")
@@ -76,7 +76,7 @@ class LogProgress:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._reader = _LineReader(self.path)
+        self._reader = LineReader(self.path)
         self._reset()
 
     def _reset(self) -> None:
