@@ -362,3 +362,19 @@ def test_an_edited_after_holds_and_releases_a_pending_job(queue_dir, watcher, wr
     assert (queue_dir / "running" / "slow").exists()
     (queue_dir / "running" / "slow" / "stop.flag").write_text("now\n")
     tick_until(w, lambda: (queue_dir / "failed" / "slow").exists(), 30, what="slow stopped")
+
+
+def test_stop_now_on_a_job_already_stopping_skips_the_rest_of_the_grace(queue_dir, watcher_process):
+    (queue_dir / "watcher.yaml").write_text(FAST)
+    watcher_process()
+    src = _job(queue_dir, "stubborn", "trap '' TERM; echo up; sleep 120", "stop_grace: 120s\n")
+    assert trainq("submit", str(src), root=queue_dir, check_rc=0).stdout.strip() == "job stubborn"
+    wait_until(lambda: _where(queue_dir, "stubborn") == "running", 30, what="running")
+    trainq("stop", "stubborn", root=queue_dir, check_rc=0)  # a plain stop: 120 s of grace
+    wait_until(lambda: "SIGTERM in 120 s" in (queue_dir / "running" / "stubborn" / "output.log").read_text(), 15,
+               what="the supervisor saw the plain stop")
+    started = time.monotonic()
+    trainq("stop", "--now", "stubborn", root=queue_dir, check_rc=0)
+    wait_until(lambda: _where(queue_dir, "stubborn") == "failed", 60, what="stopped without the grace")
+    assert time.monotonic() - started < 60
+    assert json.loads((queue_dir / "failed" / "stubborn" / "run.json").read_text())["status"] == "cancelled"

@@ -1023,6 +1023,8 @@ def _term_due(a: _Attempt, now: float, got_stop_signal: bool) -> bool:
     """Leftovers of an exited job and our own SIGTERM go at once; a stop waits out stop_grace_s."""
     if a.status is not None or got_stop_signal:
         return True
+    if a.stop_reason == "stop_flag" and a.grace_s and _says_now(a.paths.stop_flag):
+        a.grace_s = 0.0  # `trainq stop --now` on a job already stopping: the rest of the grace is skipped
     grace_s = a.spec.stop_grace_s if a.grace_s is None else a.grace_s
     return a.stop_mono is not None and now - a.stop_mono >= grace_s
 
