@@ -681,3 +681,24 @@ def test_a_node_supervisor_killed_outright_ends_the_job_once_its_heartbeat_stops
     assert run["status"] == "failed" and len(run["attempts"]) == 1
     assert run["diagnosis"]["kind"] == "killed", run["diagnosis"]
     assert "without an exit record" in (done / "output.log").read_text()
+
+
+def test_slurms_requeue_is_the_retry_when_the_job_opts_in(queue_dir, watcher, tmp_path):
+    """slurm: {requeue: true}: Slurm requeues the running job; it runs again as the same attempt, never twice at once."""
+    w = watcher(**SLURM)
+    runs = tmp_path / "runs.txt"
+    cmd = f"echo run ${{SLURM_RESTART_COUNT:-0}} >> {runs}; [ \"${{SLURM_RESTART_COUNT:-0}}\" -ge 1 ] && exit 0; sleep 600"
+    drop(queue_dir, "again.yaml", job_file(command=["sh", "-c", cmd], slurm={"requeue": True}))
+    tick_until(w, lambda: runs.exists() and runs.read_text() == "run 0\n", 30, "the first run to start")
+    slurm_id = w.jobs["again"].run["slurm_job_id"]
+    assert "--requeue" in json.loads((queue_dir / "running" / "again" / "slurm.json").read_text())["sbatch"]
+    subprocess.run(["scontrol", "requeue", slurm_id], check=True, timeout=60, capture_output=True)
+    tick_until(w, lambda: (w.jobs["again"].run.get("waiting_for") or "") == "Slurm: BeginTime", 30,
+               "Slurm to hold the requeued job")
+    assert w.jobs["again"].state.value == "running" and w.jobs["again"].attempt == 1  # no retry of trainq's own
+    subprocess.run(["scontrol", "update", f"jobid={slurm_id}", "StartTime=now"], check=True, timeout=60,
+                   capture_output=True)  # Slurm would wait 2 minutes before running it again
+    done = tick_until(w, lambda: finished(queue_dir, "again"), 60, "the requeued run to finish")
+    run = run_json(done)
+    assert done.parent.name == "done" and len(run["attempts"]) == 1 and run["slurm_job_id"] == slurm_id
+    assert runs.read_text() == "run 0\nrun 1\n"
