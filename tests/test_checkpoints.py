@@ -103,3 +103,37 @@ def test_nothing_found_and_the_walk_is_bounded(tmp_path: Path) -> None:
     assert find_checkpoint(job).path is None
     _hf(deep.parent.parent, 3)
     assert find_checkpoint(job).path == str(deep.parent.parent / "checkpoint-3")
+
+
+HALF_SAVED = r'''
+import os, sys
+job, attempt = os.environ["TRAINQ_JOB_DIR"], int(os.environ["TRAINQ_ATTEMPT"])
+print("attempt", attempt, "argv", sys.argv[1:], "resume", os.environ.get("TRAINQ_RESUME_FROM"), flush=True)
+if attempt == 1:
+    for step, done in ((5, True), (10, False)):  # killed while saving checkpoint-10
+        folder = os.path.join(job, "out", f"checkpoint-{step}")
+        os.makedirs(folder)
+        open(os.path.join(folder, "model.safetensors"), "w").write("w")
+        if done:
+            open(os.path.join(folder, "trainer_state.json"), "w").write('{"global_step": %d}' % step)
+    print("  5%|#  | 10/200 [00:01<00:19]\r", end="", flush=True)
+    sys.exit(1)
+'''
+
+
+def test_a_retry_skips_a_half_saved_checkpoint_and_says_so(queue_dir, watcher, write_job):
+    """Under a real watcher: the retry resumes from checkpoint-5, and output.log names the skipped checkpoint-10."""
+    from conftest import PY, tick_until
+
+    w = watcher()
+    write_job("half", command=[PY, "-c", HALF_SAVED], resume_args=["--resume_from_checkpoint", "{resume_from}"],
+              retries={"max": 1, "on": ["unknown"], "backoff": "1s"})
+    tick_until(w, lambda: (queue_dir / "done" / "half").exists(), 30)
+    run = json.loads((queue_dir / "done" / "half" / "run.json").read_text())
+    good = str(queue_dir / "running" / "half" / "out" / "checkpoint-5")
+    assert run["attempts"][1]["resumed_from"] == good
+    log = (queue_dir / "done" / "half" / "output.log").read_bytes().decode()  # bytes: \r stays \r
+    assert f"attempt 2 argv ['--resume_from_checkpoint', '{good}'] resume {good}" in log
+    half = queue_dir / "running" / "half" / "out" / "checkpoint-10"
+    assert f"\ntrainq: skipped checkpoint {half}: incomplete (no trainer_state.json" in log
+    assert "[00:01<00:19]\r\ntrainq: skipped" in log  # after the bar's \r, on a line of its own

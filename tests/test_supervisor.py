@@ -198,6 +198,16 @@ def test_timeout_creates_the_stop_flag_and_records_timeout(jobs: Jobs) -> None:
     assert "trainq: timeout after 0.3 s" in log_text(paths)
 
 
+def test_trainq_notes_start_on_their_own_line_after_a_progress_bar(jobs: Jobs) -> None:
+    """tqdm ends its output with \\r, not a newline: the timeout and SIGTERM notes still start a line."""
+    bar = "import sys, time; sys.stdout.write(' 30%|###   | 36/120 [00:18<00:43]\\r'); sys.stdout.flush(); time.sleep(60)"
+    paths, _ = jobs.launch((sys.executable, "-c", bar), timeout_s=0.3, stop_grace_s=0.2, kill_after_s=0.5)
+    jobs.wait_exit(paths)
+    log = paths.log.read_bytes().decode()  # bytes: read_text() would turn the \r into a newline
+    assert "[00:18<00:43]\r\ntrainq: timeout after 0.3 s" in log
+    assert "\ntrainq: sent SIGTERM to the job's process tree" in log
+
+
 def test_timeout_escalates_to_kill_when_the_job_ignores_the_flag(jobs: Jobs) -> None:
     paths, _ = jobs.launch(py("ignores_sigterm_with_grandchildren.py"), timeout_s=0.2, stop_grace_s=0.2,
                            kill_after_s=0.5)

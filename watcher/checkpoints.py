@@ -263,7 +263,15 @@ def note_skipped(log: Path, discovery: Discovery) -> None:
         return
     lines = "".join(f"trainq: skipped checkpoint {reason}\n" for reason in discovery.skipped)
     try:
-        with open(log, "a", encoding="utf-8") as f:
-            f.write(lines)
+        fd = os.open(log, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return  # a symlink or FIFO the job put there is never written through
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            lines = "\n" + lines  # the job's last line was unfinished (a progress bar ends in \r)
+        os.write(fd, lines.encode("utf-8", errors="replace"))
     except OSError:
         pass
+    finally:
+        os.close(fd)
