@@ -137,3 +137,17 @@ def test_a_retry_skips_a_half_saved_checkpoint_and_says_so(queue_dir, watcher, w
     half = queue_dir / "running" / "half" / "out" / "checkpoint-10"
     assert f"\ntrainq: skipped checkpoint {half}: incomplete (no trainer_state.json" in log
     assert "[00:01<00:19]\r\ntrainq: skipped" in log  # after the bar's \r, on a line of its own
+
+
+def test_a_big_data_tree_does_not_hide_a_shallow_output_dir(tmp_path, monkeypatch):
+    """The walk is breadth first: out/checkpoint-N is found before data/ spends the entry budget."""
+    import trainq.watcher.checkpoints as checkpoints
+
+    monkeypatch.setattr(checkpoints, "MAX_ENTRIES", 100)
+    job = JobPaths(tmp_path / "a")
+    for shard in range(30):
+        (job.dir / "data" / f"shard{shard}").mkdir(parents=True)
+        for f in range(10):
+            (job.dir / "data" / f"shard{shard}" / f"part{f}").touch()
+    _hf(job.dir / "out", 7)
+    assert find_checkpoint(job).path == str(job.dir / "out" / "checkpoint-7")

@@ -90,7 +90,7 @@ def find_checkpoint(paths: JobPaths, *, extra_dirs: tuple[Path, ...] = (), runni
             return Discovery(str(resolved), KIND_LATEST, tuple(skipped))
     walk = _Walk()
     for root in (paths.dir, *extra_dirs):
-        _scan(Path(root), 0, walk)
+        _scan(Path(root), walk)
     for kind, found in ((KIND_HF, walk.hf), (KIND_STEP, walk.step), (KIND_LIGHTNING, walk.ckpt)):
         for _rank, path in sorted(found, key=lambda item: item[0], reverse=True):
             if usable(path):
@@ -132,14 +132,27 @@ def rebase(path: Path, paths: JobPaths) -> Path:
 
 
 # -- the walk ------------------------------------------------------------------------------------
-def _scan(folder: Path, depth: int, walk: _Walk) -> None:
-    """Collect checkpoint candidates below ``folder`` (bounded depth and entry count, no symlinked dirs)."""
-    if depth > MAX_DEPTH or walk.entries >= MAX_ENTRIES:
-        return
+def _scan(top: Path, walk: _Walk) -> None:
+    """Collect checkpoint candidates below ``top``, breadth first (shallow output folders are seen before a
+    deep data tree spends the entry budget), at most MAX_DEPTH down, never through a symlinked folder."""
+    level = [top]
+    for _depth in range(MAX_DEPTH + 1):
+        below: list[str] = []
+        for folder in level:
+            if walk.entries >= MAX_ENTRIES:
+                return
+            below.extend(_scan_one(folder, walk))
+        level = [Path(p) for p in sorted(below)]
+        if not level:
+            return
+
+
+def _scan_one(folder: Path, walk: _Walk) -> list[str]:
+    """Collect the checkpoints directly in ``folder``; return its other sub-folders."""
     try:
         entries = list(os.scandir(folder))
     except OSError:
-        return
+        return []
     walk.entries += len(entries)
     subdirs = []
     for entry in entries:
@@ -151,8 +164,7 @@ def _scan(folder: Path, depth: int, walk: _Walk) -> None:
             continue
         if not _collect(entry, is_dir, walk) and is_dir and entry.name not in _SKIPPED_DIRS:
             subdirs.append(entry.path)
-    for sub in sorted(subdirs):
-        _scan(Path(sub), depth + 1, walk)
+    return subdirs
 
 
 def _collect(entry: os.DirEntry, is_dir: bool, walk: _Walk) -> bool:
