@@ -262,3 +262,19 @@ def test_integrations_import_light_and_do_nothing_outside_trainq(tmp_path):
     done = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert done.stdout.strip() == "ok", done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_shipped_hf_example_with_the_callback_stops_after_one_step(tmp_path, tiny):
+    """queue/examples/hf_train.py --trainq: a stop.flag already there means save checkpoint-1 and exit 0."""
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "stop.flag").touch()
+    env = dict(os.environ, **ENV, TRAINQ_JOB_DIR=str(job), TRAINQ_METRICS=str(job / "metrics.jsonl"),
+               TRAINQ_STOP_FLAG=str(job / "stop.flag"))
+    done = subprocess.run([PY, str(REPO / "queue" / "examples" / "hf_train.py"), *_script_args(tiny),
+                           "--output_dir", str(job / "checkpoints"), "--max_steps", "40", "--save_steps", "10",
+                           "--report_to", "none", "--trainq"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _global_step(job / "checkpoints" / "checkpoint-1") == 1
+    types = [json.loads(line)["type"] for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert types == ["step", "event", "checkpoint"]
