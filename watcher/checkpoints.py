@@ -66,8 +66,7 @@ class _Walk:
     entries: int = 0
 
 
-def find_checkpoint(paths: JobPaths, *, extra_dirs: tuple[Path, ...] = (), running: bool = False,
-                    now: float | None = None) -> Discovery:
+def find_checkpoint(paths: JobPaths, *, running: bool = False, now: float | None = None) -> Discovery:
     """The newest complete checkpoint of the job in ``paths`` (see the module docstring)."""
     now = time.time() if now is None else now
     skipped: list[str] = []
@@ -89,8 +88,7 @@ def find_checkpoint(paths: JobPaths, *, extra_dirs: tuple[Path, ...] = (), runni
         if usable(resolved, named=True):
             return Discovery(str(resolved), KIND_LATEST, tuple(skipped))
     walk = _Walk()
-    for root in (paths.dir, *extra_dirs):
-        _scan(Path(root), walk)
+    _scan(paths.dir, walk)  # only below the job folder: an output dir outside it may be shared by other jobs
     for kind, found in ((KIND_HF, walk.hf), (KIND_STEP, walk.step), (KIND_LIGHTNING, walk.ckpt)):
         for _rank, path in sorted(found, key=lambda item: item[0], reverse=True):
             if usable(path):
