@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import drop, tick_until
+from trainq.watcher.fsutil import read_json
 from trainq.watcher.allow import LOADER_VARIABLES, is_loader_variable, resolve_executable
 
 ECHO = shutil.which("echo")
@@ -122,15 +123,17 @@ def test_on_finish_hook_is_held_to_the_list(queue_dir, watcher, evil):
 
 
 def test_on_finish_edited_after_acceptance_is_refused_when_it_runs(queue_dir, watcher, evil):
-    (queue_dir / "watcher.yaml").write_text("allow_commands: [echo, sleep]\n")  # what the hook runner reads
-    w = watcher(allow_commands=["echo", "sleep"])
-    drop(queue_dir, "late.yaml", "approved: true\ncommand: [sleep, '1']\non_finish: [echo, hook-ran]\n")
-    tick_until(w, lambda: (queue_dir / "running" / "late").exists())
+    (queue_dir / "watcher.yaml").write_text("allow_commands: [echo, sh]\n")  # what the hook runner reads
+    w = watcher(allow_commands=["echo", "sh"])
+    wait_for_go = "while [ ! -e go ]; do sleep 0.05; done"  # runs until the test has edited job.yaml
+    drop(queue_dir, "late.yaml", f"approved: true\ncommand: [sh, -c, '{wait_for_go}']\non_finish: [echo, hook-ran]\n")
+    tick_until(w, lambda: (queue_dir / "running" / "late" / "job.yaml").exists())
     spec = queue_dir / "running" / "late" / "job.yaml"
     spec.write_text(spec.read_text().replace("on_finish: [echo, hook-ran]", f"on_finish: [{evil / 'echo'}]"))
-    tick_until(w, lambda: (queue_dir / "done" / "late" / "hook.json").exists()
-               and json.loads((queue_dir / "done" / "late" / "hook.json").read_text()).get("state") == "ended", 30)
-    record = json.loads((queue_dir / "done" / "late" / "hook.json").read_text())
+    (queue_dir / "running" / "late" / "go").touch()
+    hook = queue_dir / "done" / "late" / "hook.json"
+    tick_until(w, lambda: (read_json(hook) or {}).get("state") == "ended", 60)  # it may be half-written
+    record = read_json(hook)
     assert "not in allow_commands" in record["error"]
     assert "not run" in (queue_dir / "done" / "late" / "hook.log").read_text()
     assert not (evil / "RAN").exists()
