@@ -42,10 +42,10 @@ def _replace_spec(found: Found, text: str) -> None:
     parse_job_text(text, display)  # InvalidJobSpec: the caller prints the problems, nothing changed
     spec = JobPaths(found.path).spec
     tmp = found.path / f".job.yaml.{os.getpid()}.tmp"
-    atomic_write(tmp, text)
     try:
+        atomic_write(tmp, text)
         os.replace(tmp, spec)
-    except FileNotFoundError:
+    except FileNotFoundError:  # the job started (or was removed) meanwhile
         remove_quietly(tmp)
         raise UsageError(f"job {found.id} left pending/ meanwhile; nothing changed") from None
 
