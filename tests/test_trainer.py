@@ -153,8 +153,8 @@ def test_persistent_nan_exits_66_after_rollbacks(tiny, tmp_path):
     job = write_job(tmp_path / "job", tiny, checkpoint={"every_steps": 2, "keep": 2}, eval_every=None)
     assert run_trainer(job, TRAINQ_TRAINER_FAULTS="nan_after=5") == EXIT_NAN, output(job)
     assert len(events(job, "rollback")) == 2
-    assert "training diverged: non-finite loss" in output(job).splitlines()[-1]
-    assert summary(job)["outcome"] == "nan"
+    assert "training diverged: non-finite loss persisted through 2 rollbacks" in output(job).splitlines()[-1]
+    assert summary(job)["outcome"] == "nan" and summary(job)["rollbacks"] == 2, "summary and message agree"
 
 
 def test_oom_gives_advice_and_next_attempt_takes_a_rung(tiny, tmp_path):

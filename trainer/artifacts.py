@@ -107,7 +107,10 @@ def write_sums(job_dir: Path, names: list[str]) -> None:
 def save_final(trainer, tokenizer, out_dir: Path) -> None:
     """The final adapter (lora/qlora) or model (full) plus tokenizer; weights only, never labelled resumable.
     The saved config gets its KV cache back (training turned it off for packing)."""
+    from trainq.trainer.packing import restore_attention
+
     trainer.model.config.use_cache = True
+    restore_attention(trainer.model)
     trainer.save_model(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     make_readable(out_dir)
