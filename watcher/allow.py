@@ -61,13 +61,17 @@ def command_problem(spec: JobSpec, allowed: Sequence[str] | None, values: Mappin
                     path_env: str | None) -> Problem | None:
     """Why ``spec`` may not start under ``allowed`` (None: it may).
 
-    Train jobs are always allowed; an ``on_finish`` hook is held to the list like a command (it runs
-    in the job folder).
+    Train jobs are always allowed, but their env is held to the same rule (the trainer is python, and
+    PYTHONPATH or LD_PRELOAD would run other code in it); an ``on_finish`` hook is held to the list
+    like a command (it runs in the job folder).
     """
     if allowed is None:
         return None
+    problem = _env_problem(spec)
+    if problem is not None:
+        return problem
     if spec.command and not spec.is_train:
-        problem = _env_problem(spec) or _first_word_problem(
+        problem = _first_word_problem(
             "command", spec.command[0], executable_for(spec, values, path_env), allowed, values, path_env)
         if problem is not None:
             return problem

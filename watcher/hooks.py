@@ -9,7 +9,8 @@ recently finished jobs without ``hook.json``), and a watcher killed while the ho
 not run it again (the runner lives in its own session and finishes). A retry (retry.flag)
 removes ``hook.json``: its conclusion is a new one.
 
-The runner kills the hook's process group after ``HOOK_TIMEOUT_S``; its output goes to
+The runner is a child subreaper and waits for the hook and everything it started; what still runs at
+``HOOK_TIMEOUT_S`` (its process group and any orphan, double-forked or not) is killed; its output goes to
 ``hook.log``; its outcome to ``hook.json``. It never touches run.json, so it never changes the
 job's status. (This module imports subprocess and signal besides supervisor.py: the runner is a
 process of its own, like the supervisor, and shares nothing with the watcher's supervision.)
@@ -25,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from trainq.watcher.allow import hook_executable
 from trainq.watcher.config import load_watcher_config
 from trainq.watcher.contract import ENV_DIAGNOSIS, ENV_JOB_DIR, ENV_JOB_ID, ENV_STATUS, JobPaths
@@ -38,6 +41,8 @@ logger = logging.getLogger(__name__)
 HOOK_TIMEOUT_S = 60.0
 #: after SIGTERM at the timeout, SIGKILL follows this much later, seconds
 HOOK_KILL_AFTER_S = 2.0
+#: Linux prctl option: orphaned descendants reparent to the nearest subreaper instead of init
+PR_SET_CHILD_SUBREAPER = 36
 #: statuses that are conclusions with a hook (a rejected job never ran and has no valid job.yaml)
 HOOK_STATUSES = ("done", "failed", "cancelled", "timeout")
 
@@ -130,32 +135,83 @@ def _run(paths: JobPaths, run: dict, argv_template: tuple[str, ...], timeout_s: 
             log.write(f"trainq: the hook was not run: {executable.message}\n".encode())
             return {"exit_code": None, "timed_out": False, "error": f"on_finish: {executable.message}"}
         try:
+            _become_subreaper()
             proc = subprocess.Popen(argv, executable=executable, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, cwd=str(paths.dir), env=env, start_new_session=True,
                                     close_fds=True)
         except OSError as exc:
             log.write(f"trainq: could not start the hook {argv[0]!r}: {exc.strerror or exc}\n".encode())
             return {"exit_code": None, "timed_out": False, "error": f"could not start {argv[0]!r}: {exc}"}
+        deadline = time.monotonic() + timeout_s
         try:
             code = proc.wait(timeout=timeout_s)
-            return {"exit_code": code, "timed_out": False}
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            log.write(f"trainq: the hook ran past {timeout_s:g}s and was killed\n".encode())
-            return {"exit_code": proc.returncode, "timed_out": True}
+            code = None
+        if code is not None and _wait_descendants(deadline):
+            return {"exit_code": code, "timed_out": False}
+        _kill_tree(proc)
+        log.write(f"trainq: the hook ran past {timeout_s:g}s and was killed\n".encode())
+        return {"exit_code": proc.returncode, "timed_out": True}
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _become_subreaper() -> None:
+    """Orphans of the hook (double-forked, new sessions) reparent to the runner, so the limit reaches them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the hook's process group is still killed
+        pass
+
+
+def _live_descendants() -> list[psutil.Process]:
+    """The runner's descendants still running; exited orphans (zombies) are reaped."""
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    try:
+        kids = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    live = []
+    for kid in kids:
+        try:
+            if kid.status() != psutil.STATUS_ZOMBIE:
+                live.append(kid)
+        except psutil.Error:
+            continue
+    return live
+
+
+def _wait_descendants(deadline: float) -> bool:
+    """Wait until nothing the hook started still runs (True), or the deadline (False)."""
+    while _live_descendants():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """TERM, then KILL, the hook's process group and every process it left, wherever they moved."""
     for sig, wait_s in ((signal.SIGTERM, HOOK_KILL_AFTER_S), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
+            pass
+        for kid in _live_descendants():
+            try:
+                kid.send_signal(sig)
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and (proc.poll() is None or _live_descendants()):
+            time.sleep(0.05)
+        if proc.poll() is not None and not _live_descendants():
             break
-        try:
-            proc.wait(timeout=wait_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _expand(template: str, values: dict[str, str]) -> str:

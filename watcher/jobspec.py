@@ -573,17 +573,33 @@ def load_job_file(path: Path, display: str | None = None) -> JobSpec:
 
 
 def is_confidential(path: Path) -> bool:
-    """A file others may not read, owned by someone other than the watcher: its errors quote no value.
+    """A file others may not read that someone else may have put here: its errors quote nothing of it.
 
-    (A hard link to such a file in the inbox must not turn the watcher into a reader of it.)
+    That is a file owned by someone other than the watcher, or one with a second hard link (a
+    watcher run as root owns /etc/shadow too). A hard link to such a file in the inbox must not
+    turn the watcher into a reader of it; a user's own submission (one link) keeps its quotes.
     """
     try:
         st = os.lstat(path)
     except OSError:
         return False
-    return not st.st_mode & stat.S_IROTH and st.st_uid != os.geteuid()
+    return not st.st_mode & stat.S_IROTH and (st.st_uid != os.geteuid() or st.st_nlink > 1)
+
+
+_NOT_SHOWN = "not shown: the file is not readable by everyone"
+#: an unknown key still named in a confidential file's errors: a plain name, not a line's content
+_NAME_LIKE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,39}")
 
 
 def _withheld(problem: Problem) -> Problem:
-    message = _GOT.sub(" (value not shown: the file is not readable by everyone)", problem.message)
+    """The problem without any text of the file: values, and unknown keys (a line such as
+    ``root:$6$...`` parses as one key)."""
+    if problem.message.startswith("unknown key '"):
+        for start in range(len(problem.path) + 1):  # the key is the path's tail and is quoted first
+            key = problem.path[start:]
+            if problem.message.startswith(f"unknown key '{key}'"):
+                if _NAME_LIKE.fullmatch(key):  # a name such as 'executor' says nothing of the file
+                    break
+                return Problem(problem.path[:start].rstrip("."), f"an unknown key ({_NOT_SHOWN})")
+    message = _GOT.sub(f" (value {_NOT_SHOWN})", problem.message)
     return Problem(problem.path, message)

@@ -1,0 +1,109 @@
+"""A hostile user against a real watcher process (the audit of issues 12 and 14): each test is a
+hole found from the outside with real files and processes, kept as its repro."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import PY, drop, wait_until
+from trainq.watcher.fsutil import read_json
+
+
+def _run(queue_dir: Path, state: str, job: str) -> dict:
+    return json.loads((queue_dir / state / job / "run.json").read_text())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_train_job_cannot_load_code_through_its_env_under_allow_commands(queue_dir, watcher_process, tmp_path):
+    """Train jobs run python: PYTHONPATH (sitecustomize.py) in their env ran any code despite allow_commands."""
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    marker = tmp_path / "RAN"
+    (evil / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (queue_dir / "watcher.yaml").write_text("settle_s: 0.1\nrescan_s: 0.5\nallow_commands: [echo]\n")
+    watcher_process()
+    drop(queue_dir, "t.yaml", "approved: true\n"
+                              f"train: {{model: {tmp_path}/no-model, data: {tmp_path}/no.jsonl, max_steps: 1}}\n"
+                              f"env: {{PYTHONPATH: {evil}}}\n")
+    wait_until(lambda: marker.exists() or (queue_dir / "failed" / "t" / "run.json").exists(), 60, what="t ends")
+    assert not marker.exists(), "the train job's PYTHONPATH ran code allow_commands does not allow"
+    run = _run(queue_dir, "failed", "t")
+    assert run["status"] == "rejected" and run["errors"][0]["path"] == "env.PYTHONPATH", run
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the watcher must be able to read a root-only file")
+def test_a_hard_link_to_a_root_only_file_quotes_none_of_its_lines(queue_dir, watcher_process, tmp_path):
+    """A root watcher (the systemd case) rejected a hard link to /etc/shadow quoting each line as an unknown key."""
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$SALTsalt$HASHhashHASHhash:19000:0:99999:7:::\n"
+                      "daemon:SECRETSECRET:19000:0:99999:7:::\n")
+    secret.chmod(0o640)  # root's own file, not for everyone: like /etc/shadow
+    watcher_process()
+    os.link(secret, queue_dir / "inbox" / "hard.yaml")
+    wait_until(lambda: (queue_dir / "failed" / "hard" / "run.json").exists(), 30, what="hard rejected")
+    run = _run(queue_dir, "failed", "hard")
+    assert run["status"] == "rejected"
+    assert any("unknown key" in e["message"] and "not shown" in e["message"] for e in run["errors"]), run["errors"]
+    wait_until(lambda: "hard" in (queue_dir / "status.json").read_text(), 10, what="status.json lists hard")
+    for name in ("failed/hard/run.json", "status.json", "watcher.log"):
+        text = (queue_dir / name).read_text()
+        assert "SALT" not in text and "HASH" not in text and "SECRET" not in text, f"{name} quotes the file: {text}"
+    # a private file of the watcher's own user with one link (a user's own submission) keeps its quotes
+    own = tmp_path / "own.yaml"
+    own.write_text("approved: true\ncommand: [\"true\"]\npriority: high\n")
+    own.chmod(0o600)
+    os.rename(own, queue_dir / "inbox" / "own.yaml")
+    wait_until(lambda: (queue_dir / "failed" / "own" / "run.json").exists(), 30, what="own rejected")
+    assert '(got "high")' in _run(queue_dir, "failed", "own")["error"]
+
+
+HOOK = r"""
+import os, signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+same_group = subprocess.Popen(["sleep", "300"], preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
+if os.fork() == 0:  # escapes: a new session, then orphaned, with an empty environment
+    os.setsid()
+    if os.fork() == 0:
+        os.execve("/bin/sleep", ["sleep", "301"], {})
+    os._exit(0)
+os.wait()
+open("pids", "w").write(str(same_group.pid))
+"""
+
+
+def test_on_finish_leftovers_are_killed_at_the_limit(queue_dir, watcher_process):
+    """A hook that forks and exits left its children running for good (the 60 s limit killed only its group)."""
+    watcher_process(env={"TRAINQ_HOOK_TIMEOUT_S": "2"})
+    drop(queue_dir, "hk.yaml", "approved: true\ncommand: [\"true\"]\n"
+                               f"on_finish: [{PY}, -c, {json.dumps(HOOK)}]\n")
+    pids_file = queue_dir / "done" / "hk" / "pids"
+    wait_until(pids_file.exists, 30, what="the hook ran")
+    same_group = int(pids_file.read_text())
+    escaped = wait_until(lambda: [p.pid for p in psutil.process_iter(["cmdline"])
+                                  if p.info["cmdline"] == ["sleep", "301"]], 10, what="the escaped sleep")
+    try:
+        wait_until(lambda: _gone(same_group) and all(_gone(p) for p in escaped), 30,
+                   what="every process the hook left is killed")
+        record = wait_until(lambda: (read_json(queue_dir / "done" / "hk" / "hook.json") or {}).get("state") == "ended"
+                            and read_json(queue_dir / "done" / "hk" / "hook.json"), 10, what="hook.json ended")
+        assert record["state"] == "ended" and record["timed_out"] is True, record
+        assert record["exit_code"] == 0  # the hook itself ended well; what it left ran past the limit
+        assert _run(queue_dir, "done", "hk")["status"] == "done"
+    finally:
+        for pid in [same_group, *escaped]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
