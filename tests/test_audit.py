@@ -107,3 +107,15 @@ def test_on_finish_leftovers_are_killed_at_the_limit(queue_dir, watcher_process)
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.parametrize("field, text", [("command[0]", 'command: [""]\n'), ("command[0]", 'command: ["  ", x]\n'),
+                                         ("on_finish[0]", 'command: ["true"]\non_finish: [""]\n')])
+def test_an_empty_program_name_is_rejected_at_the_door(queue_dir, watcher_process, field, text):
+    """command: [""] passed validation, then failed at start as 'permission denied running ' (kind unknown)."""
+    watcher_process()
+    drop(queue_dir, "blank.yaml", "approved: true\n" + text)
+    wait_until(lambda: (queue_dir / "failed" / "blank" / "run.json").exists(), 30, what="blank ends")
+    run = _run(queue_dir, "failed", "blank")
+    assert run["status"] == "rejected" and run["errors"][0]["path"] == field, run
+    assert "blank" in run["errors"][0]["message"]
