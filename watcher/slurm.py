@@ -62,6 +62,8 @@ TIME_LIMIT_SIGNAL = "USR1"
 HEARTBEAT_STALE_PERIODS = 3
 #: squeue answers that must miss an unconfirmed submission's tag before a full lookup may resubmit it
 UNCONFIRMED_POLLS = 2
+#: reads of running jobs' exit.json per second, all jobs together (the shared filesystem's budget)
+EXIT_READS_PER_S = 50.0
 #: at most this many ended jobs are asked about (scontrol) per poll; the rest wait for the next one
 MAX_DEPARTED_PER_POLL = 50
 #: variables trainq itself sets for every job (GPU numbering that matches NVML's)
@@ -153,6 +155,7 @@ class SlurmExecutor:
         self._beats: dict[str, tuple[object, float]] = {}
         self._exit_read_mono: dict[str, float] = {}
         self._folder_seen_mono: dict[str, float] = {}
+        self._seeded: set[str] = set()
         self._query: SqueueQuery | None = None
         self._last_query_mono = -math.inf
         self._probe_wanted_mono = -math.inf
@@ -227,19 +230,27 @@ class SlurmExecutor:
     def read_exit(self, paths: JobPaths, attempt: dict) -> dict | None:
         """The node's exit record once it can be final; or, once Slurm ended the job without one, one written here.
 
-        While Slurm shows the batch job queued or running nothing is read (the record is written just before the
-        batch job ends); while Slurm is unknown the folder is looked at once per poll_s.
+        While Slurm shows the batch job queued nothing is read. While it runs, exit.json is read within an overall
+        budget of EXIT_READS_PER_S (each of N running jobs every max(tick, N / budget) s): a few jobs end as fast
+        as locally, many cost the shared filesystem a bounded rate and end at the latest when squeue sees them go.
+        While Slurm's answer is unknown the folder is looked at once per poll_s.
         """
         slurm_id = self._slurm_id(paths, attempt)
         if slurm_id is None:
             return None if self._unconfirmed_for(paths, attempt) else self._own_record(paths, attempt)
         job = self._state(slurm_id)
-        if job is not None and (job.state in QUEUED_STATES or job.state in RUNNING_STATES):
+        if job is not None and job.state in QUEUED_STATES and slurm_id not in self._seeded:
             return None
-        if job is None or not (job.has_ended or job.state == GONE):  # COMPLETING, or Slurm unknown
-            if not self._exit_read_due(slurm_id) or self._requeues(paths):
-                return None  # a requeueing job's record is final only once Slurm says the job ended
+        if job is not None and (job.state in RUNNING_STATES or slurm_id in self._seeded):
+            if not self._exit_read_due(slurm_id, len(self._tracked) / EXIT_READS_PER_S):
+                return None
+        elif job is None or not (job.has_ended or job.state == GONE):  # COMPLETING, or Slurm unknown
+            if not self._exit_read_due(slurm_id, self.poll_s):
+                return None
         record = self._own_record(paths, attempt)
+        if record is not None and not (job is not None and (job.has_ended or job.state == GONE)):
+            if self._requeues(paths):
+                return None  # a requeueing job's record is final only once Slurm says the job ended
         if record is not None:
             if _was_sigkilled(record) and job is not None and not (job.has_ended or job.state == GONE):
                 return None  # Slurm's final state says whether its OOM handling killed it
@@ -364,6 +375,7 @@ class SlurmExecutor:
         atomic_write_json(paths.slurm_record, {**record, "slurm_job_id": slurm_id})
         self._unconfirmed.pop(str(paths.dir), None)
         self._track(slurm_id, SlurmJob("PENDING", "None"))
+        self._seeded.add(slurm_id)  # "PENDING" until squeue says otherwise: it may run and end before the next poll
 
     def _went_down(self, detail: str) -> ExecutorUnavailable:
         self._down = f"Slurm is not reachable: {detail}"
@@ -401,6 +413,7 @@ class SlurmExecutor:
     def _forget(self, slurm_id: str) -> None:
         for store in (self._jobs, self._ended_seen, self._beats, self._exit_read_mono):
             store.pop(slurm_id, None)
+        self._seeded.discard(slurm_id)
         self._tracked.discard(slurm_id)
         self._cancelled.discard(slurm_id)
 
@@ -438,6 +451,7 @@ class SlurmExecutor:
         seen = parse_squeue(out)
         now = time.monotonic()
         departed = []
+        self._seeded.difference_update(seen)
         for slurm_id in sorted(self._tracked, key=id_order):
             if slurm_id in seen:
                 self._jobs[slurm_id] = seen[slurm_id]
@@ -446,6 +460,7 @@ class SlurmExecutor:
         for slurm_id in departed[:MAX_DEPARTED_PER_POLL]:  # left the live states: ask once how it ended
             job = show_job(slurm_id, self.command_timeout_s)
             if job is not None:
+                self._seeded.discard(slurm_id)
                 self._jobs[slurm_id] = job
                 if not job.is_live:
                     self._ended_seen.setdefault(slurm_id, now)
@@ -537,10 +552,10 @@ class SlurmExecutor:
             return False
         return time.monotonic() - first < self.exit_grace_s
 
-    def _exit_read_due(self, slurm_id: str) -> bool:
-        """At most one look at exit.json per poll_s for a job whose state Slurm does not tell right now."""
+    def _exit_read_due(self, slurm_id: str, interval_s: float) -> bool:
+        """At most one look at this job's exit.json per ``interval_s``."""
         now = time.monotonic()
-        if now - self._exit_read_mono.get(slurm_id, -math.inf) < self.poll_s:
+        if now - self._exit_read_mono.get(slurm_id, -math.inf) < interval_s:
             return False
         self._exit_read_mono[slurm_id] = now
         return True
