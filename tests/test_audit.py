@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import PY, drop, wait_until
+from conftest import PY, REPO, drop, wait_until
 from trainq.watcher.fsutil import read_json
 
 
@@ -119,3 +120,23 @@ def test_an_empty_program_name_is_rejected_at_the_door(queue_dir, watcher_proces
     run = _run(queue_dir, "failed", "blank")
     assert run["status"] == "rejected" and run["errors"][0]["path"] == field, run
     assert "blank" in run["errors"][0]["message"]
+
+
+def _controls(text: str) -> list[str]:
+    return [c for c in text if (ord(c) < 32 and c != "\n") or 127 <= ord(c) < 160]
+
+
+def test_why_and_show_never_send_a_jobs_terminal_escapes(queue_dir, watcher_process, tmp_path):
+    """A job's output is the evidence `trainq why`/`show` print: a C1 CSI (U+009B) in it reached the terminal raw."""
+    script = tmp_path / "esc.py"
+    script.write_text("import sys\nE, CSI = chr(27), chr(0x9b)\n"
+                      "print(E + ']0;title' + chr(7) + 'RuntimeError: CUDA out of memory ' + CSI + '2J' + E + '[31m')\n"
+                      "sys.exit(1)\n")
+    watcher_process()
+    drop(queue_dir, "esc.yaml", f"approved: true\ncommand: [{PY}, {script}]\n")
+    wait_until(lambda: (queue_dir / "failed" / "esc" / "run.json").exists(), 30, what="esc fails")
+    for command in ("why", "show"):
+        out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), command, "esc"],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert out.returncode == 0 and "out of memory" in out.stdout, out
+        assert not _controls(out.stdout), f"trainq {command} printed {_controls(out.stdout)}: {out.stdout!r}"

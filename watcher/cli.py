@@ -395,11 +395,13 @@ def _flag(args: argparse.Namespace, states: tuple[str, ...], act: Callable[[Path
 def cmd_why(args: argparse.Namespace) -> int:
     from .why import explain
 
+    from .text import printable
+
     lines = explain(_root(args), args.id)
     if lines is None:
         return _fail(f"{_root(args)}: no job with id {args.id!r} (not in inbox/, pending/, running/, done/ or failed/)",
                      EXIT_INVALID)
-    print("\n".join(lines))
+    print("\n".join(printable(line) for line in lines))  # evidence is the job's own output
     return EXIT_OK
 
 

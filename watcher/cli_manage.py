@@ -186,7 +186,9 @@ def _show(root: Path, job_id: str, as_json: bool) -> int:
     if as_json:
         sys.stdout.write(JobPaths(found.path).run.read_text(encoding="utf-8"))
         return manage.EXIT_OK
-    print("\n".join(show_lines(root, found)))
+    from .text import printable
+
+    print("\n".join(printable(line) for line in show_lines(root, found)))  # evidence is the job's own output
     return manage.EXIT_OK
 
 
