@@ -702,3 +702,21 @@ def test_slurms_requeue_is_the_retry_when_the_job_opts_in(queue_dir, watcher, tm
     run = run_json(done)
     assert done.parent.name == "done" and len(run["attempts"]) == 1 and run["slurm_job_id"] == slurm_id
     assert runs.read_text() == "run 0\nrun 1\n"
+
+
+def test_a_job_waiting_in_slurms_queue_is_never_stalled(queue_dir, watcher):
+    """stall_after counts from the start on a node, not from the submission: a held job waits without a stall."""
+    w = watcher(**SLURM)
+    drop(queue_dir, "patient.yaml", job_file(command=["true"], stall_after="2s",
+                                             slurm={"sbatch_args": ["--hold"]}))
+    tick_until(w, lambda: "patient" in w.jobs and w.jobs["patient"].run.get("waiting_for") == "Slurm: JobHeldUser",
+               15, "patient to be held in Slurm")
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        w.tick(time.time())
+        time.sleep(0.05)
+    assert w.jobs["patient"].health == "healthy" and not (queue_dir / "running" / "patient" / "stop.flag").exists()
+    subprocess.run(["scontrol", "release", w.jobs["patient"].run["slurm_job_id"]], check=True, timeout=60,
+                   capture_output=True)
+    done = tick_until(w, lambda: finished(queue_dir, "patient"), 30, "patient to run once released")
+    assert done.parent.name == "done"

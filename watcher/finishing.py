@@ -212,6 +212,9 @@ class Finishing:
             grace = job.spec.stop_grace_s if job.spec else 0.0
             self.executor.enforce_stop(job.paths, job.current_attempt() or {}, requested, grace, now)
         self._note_executor_wait(job)
+        if job.run.get("waiting_for"):  # still in Slurm's queue: nothing written yet, and not stalled
+            job.last_activity = now
+            return
         self._check_stall(job, now)
         self.report.update_progress(self, job, now)
 
