@@ -140,3 +140,15 @@ def test_why_and_show_never_send_a_jobs_terminal_escapes(queue_dir, watcher_proc
                              capture_output=True, text=True, timeout=60, cwd=REPO)
         assert out.returncode == 0 and "out of memory" in out.stdout, out
         assert not _controls(out.stdout), f"trainq {command} printed {_controls(out.stdout)}: {out.stdout!r}"
+
+
+def test_a_placeholder_sweep_value_must_be_text_or_a_number(queue_dir, watcher_process):
+    """{a} with a: [{x: 1}, null] ran `echo "{'x': 1}"` and `echo None` (Python's repr) instead of refusing."""
+    watcher_process()
+    drop(queue_dir, "sw.yaml", 'approved: true\ncommand: [echo, "{a}"]\nsweep: {a: [ok, {x: 1}, null, [1]]}\n')
+    wait_until(lambda: (queue_dir / "failed" / "sw" / "run.json").exists(), 30, what="sw rejected")
+    run = _run(queue_dir, "failed", "sw")
+    assert run["status"] == "rejected", run
+    assert [e["path"] for e in run["errors"]] == ["sweep.a[1]", "sweep.a[2]", "sweep.a[3]"], run["errors"]
+    assert all("placeholder" in e["message"] for e in run["errors"])
+    assert not any((queue_dir / state / "sw-1").exists() for state in ("pending", "running", "done"))

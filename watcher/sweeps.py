@@ -124,6 +124,13 @@ def _key_problems(data: dict, key: str) -> list[Problem]:
     if key in BUILTIN_PLACEHOLDERS or key.startswith("after"):
         return [Problem(f"sweep.{key}", f"{{{key}}} is a placeholder trainq fills itself; name the sweep key "
                                         "something else")]
+    values = (data.get("sweep") or {}).get(key)
+    not_text = [i for i, v in enumerate(values if isinstance(values, list) else [])
+                if v is None or isinstance(v, (list, dict))]
+    if not_text:
+        return [Problem(f"sweep.{key}[{i}]", "a placeholder's value is text, a number or true/false "
+                                             f"(got {'null' if values[i] is None else 'a list' if isinstance(values[i], list) else 'a mapping'})")
+                for i in not_text]
     if not any("{" + key + "}" in text for _path, text in _templated_strings(data)):
         return [Problem(f"sweep.{key}", f"a plain key is a placeholder, but {{{key}}} appears nowhere in "
                                         f"{', '.join(_TEMPLATED)}; use it there, or write a dotted key "
