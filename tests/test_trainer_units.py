@@ -231,3 +231,23 @@ def test_weights_only_folder_is_not_resumable(tmp_path):
     (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"x")
     with pytest.raises(checkpoints.CheckpointError, match="weights only"):
         checkpoints.resolve_resume(tmp_path / "adapter")
+
+
+# -- loss.png ------------------------------------------------------------------------------------------------
+
+def test_loss_plot_from_the_warm_helper_and_in_process(tmp_path):
+    import time
+
+    from trainq.trainer.plotter import LossPlotter
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"type": "step", "step": i, "loss": 5 - i / 10}) + "\n" for i in range(1, 20)))
+    plotter = LossPlotter().start()
+    deadline = time.monotonic() + 120
+    while not plotter.is_ready() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert plotter.is_ready(), "the helper imports matplotlib and says ready"
+    plotter.plot(metrics, tmp_path / "warm.png", "warm")
+    assert plotter.proc.returncode == 0 and (tmp_path / "warm.png").read_bytes()[:4] == b"\x89PNG"
+    LossPlotter().plot(metrics, tmp_path / "cold.png", "cold")  # never started: drawn in this process
+    assert (tmp_path / "cold.png").read_bytes()[:4] == b"\x89PNG"
