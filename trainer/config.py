@@ -76,7 +76,7 @@ class TrainConfig:
     export_merge: bool = False
     report_to: tuple[str, ...] = ()
     gradient_checkpointing: bool | None = None  # None: on for QLoRA on a GPU
-    optim: str = "adamw_torch"
+    optim: str | None = None  # None: transformers' default (adamw_torch_fused with torch >= 2.8)
     data_cache: bool = True
 
     @property

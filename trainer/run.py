@@ -165,6 +165,7 @@ def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_
     length = {"max_steps": config.max_steps} if config.max_steps else {"num_train_epochs": config.epochs}
     warmup_steps = math.ceil(config.warmup_ratio * total_steps(config, train_rows))
     reporting = {"report_to": list(config.report_to) or "none", "logging_strategy": "no"}
+    optimizer = {"optim": config.optim} if config.optim else {}  # unset: the Trainer's own default
     if config.report_to:
         reporting.update(logging_strategy="steps", logging_steps=config.log_every)
     gradient_checkpointing = config.gradient_checkpointing if config.method != "qlora" else False  # peft prepares qlora
@@ -172,12 +173,12 @@ def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_
         output_dir=str(out_dir), per_device_train_batch_size=config.batch_size,
         per_device_eval_batch_size=config.batch_size, gradient_accumulation_steps=config.grad_accum,
         learning_rate=config.lr * lr_scale, lr_scheduler_type=config.scheduler, warmup_steps=warmup_steps,
-        weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm, seed=config.seed, optim=config.optim,
+        weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm, seed=config.seed,
         gradient_checkpointing=bool(gradient_checkpointing),
         bf16=precision.name == "bf16", fp16=precision.name == "fp16", use_cpu=not torch.cuda.is_available(),
         eval_strategy="steps" if has_eval and config.eval_every else "no", eval_steps=config.eval_every,
         save_strategy="no", logging_nan_inf_filter=False, **reporting,
-        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, **length,
+        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, **length, **optimizer,
     )
 
 
