@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -152,3 +153,41 @@ def test_a_placeholder_sweep_value_must_be_text_or_a_number(queue_dir, watcher_p
     assert [e["path"] for e in run["errors"]] == ["sweep.a[1]", "sweep.a[2]", "sweep.a[3]"], run["errors"]
     assert all("placeholder" in e["message"] for e in run["errors"])
     assert not any((queue_dir / state / "sw-1").exists() for state in ("pending", "running", "done"))
+
+
+def _hook_runners(watcher_pid: int) -> int:
+    """The watcher's live children that are hook runners (a runner's own children are not counted)."""
+    count = 0
+    for proc in psutil.Process(watcher_pid).children():
+        try:
+            if "trainq.watcher.hooks" in proc.cmdline():
+                count += 1
+        except psutil.Error:
+            continue
+    return count
+
+
+def test_hooks_of_many_jobs_ending_at_once_run_a_few_at_a_time(queue_dir, watcher_process):
+    """A sweep whose jobs all fail at once, with a hook that waits (a webhook to a server that is down), started
+    one 25 MB Python runner per job at once: 1000 of them are 25 GB. Now at most MAX_HOOK_RUNNERS run."""
+    from trainq.watcher.hooks import MAX_HOOK_RUNNERS
+
+    (queue_dir / "watcher.yaml").write_text("settle_s: 0.1\nrescan_s: 0.5\nmax_concurrent: 8\n")
+    watcher = watcher_process()
+    jobs = 3 * MAX_HOOK_RUNNERS
+    drop(queue_dir, "many.yaml", f"approved: true\ncommand: [\"false\", \"{{i}}\"]\non_finish: [sleep, \"1\"]\n"
+                                 f"sweep: {{i: {list(range(jobs))}}}\n")
+
+    def all_hooks_ended() -> bool:
+        records = [read_json(queue_dir / "failed" / f"many-{i}" / "hook.json") or {} for i in range(1, jobs + 1)]
+        return all(r.get("state") == "ended" for r in records)
+
+    most = 0
+    deadline = time.monotonic() + 120
+    while not all_hooks_ended():
+        most = max(most, _hook_runners(watcher.proc.pid))
+        assert time.monotonic() < deadline, f"hooks not all ended; {most} runners at most"
+        time.sleep(0.05)
+    assert 1 <= most <= MAX_HOOK_RUNNERS, most
+    assert all((read_json(queue_dir / "failed" / f"many-{i}" / "hook.json") or {}).get("exit_code") == 0
+               for i in range(1, jobs + 1))

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import psutil
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 HOOK_TIMEOUT_S = 60.0
 #: after SIGTERM at the timeout, SIGKILL follows this much later, seconds
 HOOK_KILL_AFTER_S = 2.0
+#: hook runners (one Python process each, ~25 MB) alive at once; later conclusions wait their turn
+MAX_HOOK_RUNNERS = 8
 #: Linux prctl option: orphaned descendants reparent to the nearest subreaper instead of init
 PR_SET_CHILD_SUBREAPER = 36
 #: statuses that are conclusions with a hook (a rejected job never ran and has no valid job.yaml)
@@ -53,14 +56,22 @@ def hook_due(paths: JobPaths, spec, status: str | None) -> bool:
 
 
 class HookLauncher:
-    """The watcher's side: starts runners and reaps them without ever waiting."""
+    """The watcher's side: starts runners (at most MAX_HOOK_RUNNERS at once) and reaps them without ever waiting."""
 
     def __init__(self, env: dict[str, str]):
         self.env = env
         self._runners: list[subprocess.Popen] = []
+        self._waiting: deque[tuple[str, Path]] = deque()
 
     def launch(self, job_id: str, job_dir: Path) -> None:
-        """Start the runner for ``job_dir`` (a concluded job's final folder)."""
+        """Start the runner for ``job_dir`` (a concluded job's final folder), or queue it while MAX_HOOK_RUNNERS run."""
+        self.reap()
+        if len(self._runners) >= MAX_HOOK_RUNNERS:
+            self._waiting.append((job_id, job_dir))
+            return
+        self._start(job_id, job_dir)
+
+    def _start(self, job_id: str, job_dir: Path) -> None:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "trainq.watcher.hooks", str(job_dir)],
@@ -74,9 +85,13 @@ class HookLauncher:
         logger.info("job %s: on_finish hook started (runner pid %d)", job_id, proc.pid)
 
     def reap(self) -> None:
-        """Collect runners that exited (never blocks)."""
+        """Collect runners that exited and start waiting ones in their place (never blocks)."""
         if self._runners:
             self._runners = [p for p in self._runners if p.poll() is None]
+        while self._waiting and len(self._runners) < MAX_HOOK_RUNNERS:
+            job_id, job_dir = self._waiting.popleft()
+            if job_dir.is_dir() and not JobPaths(job_dir).hook_record.exists():  # not moved on (retried, removed)
+                self._start(job_id, job_dir)
 
     def running(self) -> int:
         return len(self._runners)
