@@ -191,3 +191,22 @@ def test_hooks_of_many_jobs_ending_at_once_run_a_few_at_a_time(queue_dir, watche
     assert 1 <= most <= MAX_HOOK_RUNNERS, most
     assert all((read_json(queue_dir / "failed" / f"many-{i}" / "hook.json") or {}).get("exit_code") == 0
                for i in range(1, jobs + 1))
+
+
+@pytest.mark.parametrize("trap", ["mkfifo checkpoint-1/trainer_state.json",
+                                  "ln -s /dev/zero checkpoint-1/trainer_state.json",
+                                  "mkfifo last.ckpt", "ln -s /dev/zero last.ckpt"])
+def test_a_checkpoint_that_is_a_fifo_or_dev_zero_never_stalls_the_watcher(queue_dir, watcher_process, trap):
+    """The checkpoint walk read trainer_state.json and *.ckpt with a plain open: a FIFO there hung the watcher
+    for good (no heartbeat, no other job), /dev/zero read without end."""
+    watcher_process()
+    drop(queue_dir, "trap.yaml", "approved: true\n"
+                                 f'command: [sh, -c, "mkdir -p checkpoint-1; [ -e checkpoint-1/x ] || {trap}; '
+                                 'touch checkpoint-1/x; exit 1"]\n'
+                                 'resume_args: [--resume, "{resume_from}"]\n'
+                                 "retries: {max: 1, backoff: 1s, on: [unknown]}\n")
+    wait_until(lambda: (queue_dir / "failed" / "trap" / "run.json").exists(), 30, what="trap fails after its retry")
+    drop(queue_dir, "after.yaml", "approved: true\ncommand: [echo, still here]\n")
+    wait_until(lambda: (queue_dir / "done" / "after").exists(), 30, what="a later job still runs")
+    attempts = _run(queue_dir, "failed", "trap")["attempts"]
+    assert len(attempts) == 2 and attempts[1].get("resumed_from") is None, attempts

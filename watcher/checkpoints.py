@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from .contract import RECORD_CHECKPOINT, JobPaths
 from .diagnosis import read_metrics_tail
@@ -245,9 +247,31 @@ def _file_problem(path: Path, size: int) -> str | None:
     return None
 
 
-def _is_json(path: Path) -> bool:
+#: largest trainer_state.json read to check it (the Trainer's, log history included, is far smaller)
+MAX_STATE_BYTES = 64 << 20
+
+
+def _open_regular(path: Path, follow: bool) -> BinaryIO | None:
+    """``path`` opened for reading if it is a regular file, else None: the job made these files, and a
+    FIFO must never block the watcher nor /dev/zero feed it without end (O_NONBLOCK, then fstat)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
-        json.loads(path.read_bytes())
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "rb")
+
+
+def _is_json(path: Path) -> bool:
+    f = _open_regular(path, follow=False)
+    if f is None:
+        return False
+    try:
+        with f:
+            json.loads(f.read(MAX_STATE_BYTES + 1))
     except (OSError, ValueError):
         return False
     return True
@@ -257,12 +281,16 @@ def _is_complete_torch_file(path: Path) -> bool:
     """torch.save writes a zip whose central directory comes last, so a cut-short one has none.
 
     Files in torch's legacy (pickle) format cannot be checked without loading them: they pass.
+    (Symlinks are followed: Lightning's ``save_last: link`` makes last.ckpt one.)
     """
+    f = _open_regular(path, follow=True)
+    if f is None:
+        return False
     try:
-        with open(path, "rb") as f:
+        with f:
             if f.read(2) != b"PK":
                 return True
-        return zipfile.is_zipfile(path)
+            return zipfile.is_zipfile(f)
     except OSError:
         return False
 
