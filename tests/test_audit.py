@@ -210,3 +210,13 @@ def test_a_checkpoint_that_is_a_fifo_or_dev_zero_never_stalls_the_watcher(queue_
     wait_until(lambda: (queue_dir / "done" / "after").exists(), 30, what="a later job still runs")
     attempts = _run(queue_dir, "failed", "trap")["attempts"]
     assert len(attempts) == 2 and attempts[1].get("resumed_from") is None, attempts
+
+
+def test_a_stop_flag_made_a_fifo_by_the_job_does_not_block_its_supervisor(queue_dir, watcher_process):
+    """The supervisor read stop.flag with a plain open: a job that made it a FIFO froze its own supervisor,
+    so the stop never came (no grace, no kill) and the job held its slot for good."""
+    watcher_process()
+    drop(queue_dir, "ff.yaml", 'approved: true\ncommand: [sh, -c, "mkfifo \\"$TRAINQ_STOP_FLAG\\"; sleep 120"]\n'
+                               "stop_grace: 1s\n")
+    wait_until(lambda: (queue_dir / "failed" / "ff" / "run.json").exists(), 40, what="ff stopped")
+    assert _run(queue_dir, "failed", "ff")["status"] == "cancelled"

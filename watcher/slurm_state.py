@@ -21,6 +21,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from .contract import JobPaths
+from .fsutil import open_no_follow
 
 #: Slurm states in which a batch job is queued or still has processes
 LIVE_STATES = frozenset({
@@ -245,7 +246,9 @@ def _outcome(exit_code: int | None, signal: int | None, stop_reason: str | None,
 def _tail_lines(path: Path, max_chars: int = 300) -> str:
     """The last lines of Slurm's output file, joined, at most ``max_chars``."""
     try:
-        text = path.read_bytes()[-4096:].decode("utf-8", errors="replace")
+        with open_no_follow(path) as f:  # the job can replace it: never a link followed, never a FIFO waited on
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            text = (f.read(4096) or b"").decode("utf-8", errors="replace")
     except OSError:
         return ""
     lines = [line.strip() for line in text.splitlines() if line.strip()]

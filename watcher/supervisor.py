@@ -49,7 +49,9 @@ from trainq.watcher.contract import (
     JobPaths,
 )
 from trainq.watcher.errors import SpawnFailed
-from trainq.watcher.fsutil import atomic_write_json, publish_then_sync, read_json, remove_quietly, touch
+from trainq.watcher.fsutil import (
+    atomic_write_json, open_no_follow, publish_then_sync, read_json, remove_quietly, touch,
+)
 from trainq.watcher.units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -1165,8 +1167,8 @@ def _inode(path: str | Path) -> int | None:
 def _says_now(stop_flag: Path) -> bool:
     """A stop.flag holding ``now`` (``trainq stop --now``) asks for no grace."""
     try:
-        with open(stop_flag, "rb") as f:
-            return f.read(16).strip().lower() == b"now"
+        with open_no_follow(stop_flag) as f:  # the job can make it a FIFO: never block on it
+            return (f.read(16) or b"").strip().lower() == b"now"
     except OSError:
         return False
 
