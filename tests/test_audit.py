@@ -220,3 +220,24 @@ def test_a_stop_flag_made_a_fifo_by_the_job_does_not_block_its_supervisor(queue_
                                "stop_grace: 1s\n")
     wait_until(lambda: (queue_dir / "failed" / "ff" / "run.json").exists(), 40, what="ff stopped")
     assert _run(queue_dir, "failed", "ff")["status"] == "cancelled"
+
+
+def test_a_jobs_output_line_never_stalls_the_watcher(queue_dir, watcher_process, tmp_path):
+    """The progress-bar pattern began with ``(.*?)\\s*``: one printed line of 60,000 spaces between two letters
+    held the watcher at 100% CPU for over a minute (quadratic; a 1 MiB line, hours): no heartbeat, no job."""
+    script = tmp_path / "line.py"
+    script.write_text("import time\n"
+                      "print('a' + ' ' * 200000 + 'b', flush=True)\n"
+                      "print('1%|' + 'x' * 200000 + '|1/1 [1<1' + ' ' * 200000 + 'z', flush=True)\n"
+                      "print(\"{'loss': \" + '1' * 100000, flush=True)\n"
+                      "time.sleep(60)\n")
+    (queue_dir / "watcher.yaml").write_text("settle_s: 0.1\nrescan_s: 0.5\nmax_concurrent: 2\n")
+    watcher_process()
+    drop(queue_dir, "line.yaml", f"approved: true\ncommand: [{PY}, {script}]\nstop_grace: 1s\n")
+    wait_until(lambda: (queue_dir / "running" / "line" / "output.log").exists()
+               and "z" in (queue_dir / "running" / "line" / "output.log").read_text(), 30, what="the long lines")
+    time.sleep(1)  # the watcher reads them on its next ticks
+    drop(queue_dir, "next.yaml", "approved: true\ncommand: [echo, next]\n")
+    wait_until(lambda: (queue_dir / "done" / "next").exists(), 20, what="the next job runs meanwhile")
+    (queue_dir / "running" / "line" / "stop.flag").touch()
+    wait_until(lambda: (queue_dir / "failed" / "line").exists(), 30, what="line stopped")

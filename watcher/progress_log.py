@@ -19,12 +19,16 @@ from trainq.watcher.progress import Fields, LineReader, finite, whole
 #: a Hugging Face Trainer log dict as printed on stdout: {'loss': 2.1, 'grad_norm': 0.5, ...}
 _HF_DICT = re.compile(r"\{'(?:loss|eval_loss|train_loss|epoch|learning_rate|grad_norm)'[^{}\n\r]{0,2000}\}")
 #: a tqdm bar: optional description, percentage, N/M, [elapsed<remaining, rate, postfix]
-_BAR = re.compile(r"^(?P<desc>.*?)\s*\d{1,3}%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)\s*"
+#: (searched, the description being what comes before: a leading ``(.*?)\s*`` made a line of spaces
+#: quadratic, and a job's one 60 KB line held the watcher for a minute)
+_BAR = re.compile(r"\d{1,3}%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)\s*"
                   r"\[(?P<elapsed>[\d:]+)<(?P<remaining>[\d:]+|\?)(?P<rest>[^\]]*)\]\s*$")
+#: longest line taken for a progress bar (a terminal line; longer ones are not bars and cost no search)
+MAX_BAR_CHARS = 2000
 #: Lightning's training bar description
 _LIGHTNING_EPOCH = re.compile(r"^Epoch (\d+)\s*:?$")
 #: key=value pairs of a tqdm postfix (Lightning puts its logged metrics there)
-_POSTFIX = re.compile(r"(\w+)=([-+0-9.eE]+|nan|inf)")
+_POSTFIX = re.compile(r"\b(\w+)=([-+0-9.eE]+|nan|inf)")  # \b: a long word is scanned once, not from each letter
 #: Trainer dict key -> progress field
 _DICT_FIELDS = {"loss": "loss", "eval_loss": "eval_loss", "epoch": "epoch", "learning_rate": "lr", "grad_norm": "grad_norm"}
 #: Lightning postfix key -> progress field
@@ -119,11 +123,12 @@ class LogProgress:
         return True
 
     def _apply_bar(self, text: str, read_at: float) -> bool:
-        match = _BAR.match(text.strip())
+        text = text.strip()
+        match = _BAR.search(text) if len(text) <= MAX_BAR_CHARS and text.count("%|") <= 2 else None
         if match is None:
             return False
         n, total = int(match["n"]), int(match["total"])
-        desc = match["desc"].strip()
+        desc = text[:match.start()].strip()
         epoch = _LIGHTNING_EPOCH.match(desc)
         if epoch:
             return self._apply_lightning(int(epoch.group(1)), n, total, match["rest"], read_at)
