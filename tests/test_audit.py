@@ -241,3 +241,21 @@ def test_a_jobs_output_line_never_stalls_the_watcher(queue_dir, watcher_process,
     wait_until(lambda: (queue_dir / "done" / "next").exists(), 20, what="the next job runs meanwhile")
     (queue_dir / "running" / "line" / "stop.flag").touch()
     wait_until(lambda: (queue_dir / "failed" / "line").exists(), 30, what="line stopped")
+
+
+def test_a_deeply_nested_metrics_line_is_skipped_not_fatal(queue_dir, watcher_process, tmp_path):
+    """json.loads of '[' * 200,000 raises RecursionError (not a ValueError): the watcher stopped the job as an
+    internal error (failed, unknown) for one line of its metrics.jsonl, which the contract says is skipped."""
+    script = tmp_path / "deep.py"
+    script.write_text("import json, os, time\n"
+                      "with open(os.environ['TRAINQ_METRICS'], 'w') as f:\n"
+                      "    f.write('[' * 200000 + '\\n' + '{' + chr(34) + 'a' + chr(34) + ': ' + '[' * 200000 + '}\\n' + json.dumps({'type': 'step', 'step': 1, 'loss': 2.0}) + '\\n')\n"
+                      "open('summary.json', 'w').write('{\"a\": ' + '[' * 200000)\n"
+                      "time.sleep(3)\n")
+    watcher_process()
+    drop(queue_dir, "deep.yaml", f"approved: true\ncommand: [{PY}, {script}]\n")
+    wait_until(lambda: any((queue_dir / s / "deep" / "run.json").exists() for s in ("done", "failed")), 40,
+               what="deep ends")
+    run = _run(queue_dir, "done", "deep")
+    assert run["status"] == "done", run
+    assert "Traceback" not in (queue_dir / "watcher.log").read_text()

@@ -272,7 +272,7 @@ def _is_json(path: Path) -> bool:
     try:
         with f:
             json.loads(f.read(MAX_STATE_BYTES + 1))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return True
 

@@ -140,7 +140,7 @@ def parse_records(lines: list[str] | list[bytes]) -> list[dict]:
     for line in lines:
         try:
             obj = json.loads(line)
-        except ValueError:  # not JSON, or (bytes) not UTF-8
+        except (ValueError, RecursionError):  # not JSON, (bytes) not UTF-8, or nested past Python's stack
             continue
         if isinstance(obj, dict):
             records.append(obj)

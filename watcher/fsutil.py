@@ -117,7 +117,8 @@ def read_json(path: str | os.PathLike) -> dict | None:
     try:
         with open_no_follow(path) as f:
             obj = json.loads(f.read(MAX_JSON_BYTES))
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, json.JSONDecodeError, UnicodeDecodeError,
+            RecursionError):  # RecursionError: '[' * 200,000, written by a job into its folder
         return None
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EAGAIN, errno.ENXIO):

@@ -118,7 +118,7 @@ def _parse_records(lines: list[bytes]) -> list[dict]:
     try:
         # one C-level parse for the whole batch (a backlog of 100k lines is common after a restart)
         records = json.loads(b"[" + b",".join(lines) + b"]")
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         records = None
     if records is None or len(records) != len(lines):
         # a line holding two objects would merge into the batch: a count mismatch means parse line by line
