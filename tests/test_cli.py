@@ -55,6 +55,33 @@ def test_submit_approve_renames_in_atomically_and_never_clobbers(queue_dir, tmp_
     assert src.read_text().startswith("# mine\napproved: false")  # the user's file is untouched
 
 
+def test_submit_debug_adds_train_debug_and_keeps_every_other_byte(queue_dir, tmp_path):
+    from trainq.watcher.jobspec import parse_job_text
+
+    block = ("# mine\napproved: false  # not yet\ntrain:\n    # the base\n    model: /models/m\n"
+             "    max_steps: 3\n    data: {train: d.jsonl}\nname: sft\n")
+    flow = "train: {model: /models/m, max_steps: 3, data: {train: d.jsonl}, debug: false}\n"
+    (tmp_path / "block.yaml").write_text(block)
+    (tmp_path / "flow.yaml").write_text(flow)
+    trainq("submit", "--debug", str(tmp_path / "block.yaml"), root=queue_dir, check_rc=0)
+    trainq("submit", "--debug", str(tmp_path / "flow.yaml"), root=queue_dir, check_rc=0)
+    inbox = queue_dir / "inbox"
+    assert sorted(p.name for p in inbox.iterdir()) == ["block.yaml", "flow.yaml"]  # no temp file left behind
+    got = (inbox / "block.yaml").read_text()
+    assert got == block.replace("    model:", "    debug: true\n    model:")
+    assert (inbox / "flow.yaml").read_text() == flow.replace("debug: false", "debug: true")
+    for name in ("block.yaml", "flow.yaml"):
+        spec = parse_job_text((inbox / name).read_text(), name)
+        assert spec.is_train and spec.train["debug"] is True and not spec.approved
+    assert (tmp_path / "block.yaml").read_text() == block  # the user's file is untouched
+
+    (tmp_path / "cmd.yaml").write_text("command: [echo, hi]\n")
+    out = trainq("submit", "--debug", str(tmp_path / "cmd.yaml"), root=queue_dir, check_rc=2)
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert out.stderr.startswith(f"{tmp_path / 'cmd.yaml'}: command: --debug") and "train jobs only" in out.stderr
+    assert sorted(p.name for p in inbox.iterdir()) == ["block.yaml", "flow.yaml"]
+
+
 def test_submit_refuses_an_invalid_file_with_exit_2(queue_dir, tmp_path):
     src = tmp_path / "bad.yaml"
     src.write_text("approved: true\n")

@@ -83,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="validate a job file and drop a copy into the inbox atomically")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--approve", action="store_true", help="submit it with approved: true")
+    p.add_argument("--debug", action="store_true",
+                   help="submit a train job with debug: true added (a short smoke run before the real one)")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("status", help="show the queue (from status.json), one line a job")
@@ -261,11 +263,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from .errors import InvalidJobSpec
     from .fsutil import atomic_write
     from .jobspec import parse_job_text
-    from .submit import approve_text, inbox_name, read_job_text
+    from .submit import approve_text, debug_text, inbox_name, read_job_text
 
     source = Path(args.file)
     try:
         text = read_job_text(source)
+        if args.debug:
+            parse_job_text(text, str(source))  # the file's own problems first, as the user wrote it
+            text = debug_text(text, str(source))
         if args.approve:
             text = approve_text(text)
         spec = parse_job_text(text, str(source))
