@@ -49,10 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes are not the user's business
+    from trainq.trainer.plotter import LossPlotter
+
+    # started before torch is imported: matplotlib's import (~1 s) then overlaps ours and the model load, so a
+    # short run finds the helper ready at the end instead of importing matplotlib itself on the critical path
+    plotter = LossPlotter().start()
     try:
         from trainq.trainer.run import main_run
 
-        return main_run(args.job_dir, args.resume_from)
+        return main_run(args.job_dir, args.resume_from, plotter)
     except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
         code = getattr(exc, "exit_code", None)
         if code is None:
@@ -61,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_FAILED
         print(f"trainq: {exc}", file=sys.stderr)
         return code
+    finally:
+        plotter.close()  # a helper that never plotted (an error, a failed debug run) ends with us
 
 
 if __name__ == "__main__":

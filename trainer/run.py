@@ -345,8 +345,11 @@ def settle_config(config: TrainConfig, inv: Invocation, metrics: MetricsWriter, 
     return config, resume, saved, preset_info
 
 
-def main_run(job_dir: Path, resume_arg: str | None) -> int:
-    """Everything after argument parsing; errors with an exit code propagate to __main__."""
+def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None = None) -> int:
+    """Everything after argument parsing; errors with an exit code propagate to __main__.
+
+    ``plotter``: a loss.png helper __main__ started before the heavy imports (one is started here otherwise).
+    """
     timing = {"start": time.time()}
     inv = Invocation.from_args(job_dir, resume_arg)
     config = load_config(inv.job_dir)
@@ -383,7 +386,7 @@ def main_run(job_dir: Path, resume_arg: str | None) -> int:
         run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]
         run.tokens_before, run.resumed_step = saved.get("tokens_seen", 0), saved["step"]
     signal.signal(signal.SIGTERM, run.on_sigterm)
-    run.plotter = LossPlotter().start()  # imports matplotlib on another core while the model trains
+    run.plotter = plotter or LossPlotter().start()  # imports matplotlib on another core while the model trains
     timing["setup"] = time.time() - timing["start"]
     trainer = None
     try:
