@@ -2,7 +2,8 @@
 
 ``LossPlotter.start()`` launches ``python -m trainq.trainer.plotter``, which imports matplotlib at once (about a
 second, on another core) and then waits for one JSON line on stdin naming the metrics file, the output and the
-title. ``LossPlotter.plot()`` sends it and waits for the picture (tens of ms). The helper runs at nice 10, so on
+title. ``LossPlotter.request()`` sends it (the trainer then saves the model meanwhile) and ``wait()`` waits for the
+picture (tens of ms). The helper runs at nice 10, so on
 a busy machine it takes mostly idle CPU; if it has not finished importing by the end of training (it says
 ``ready`` on stdout when it has), cannot be started or fails, it is ended and the plot is drawn in-process.
 """
@@ -23,6 +24,8 @@ class LossPlotter:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.ready = False
+        self.pending: tuple[Path, Path, str] | None = None  # what request() asked for
+        self.sent = False  # whether the helper got it
 
     def start(self) -> LossPlotter:
         try:
@@ -34,7 +37,20 @@ class LossPlotter:
 
     def plot(self, metrics_path: Path, out: Path, title: str) -> None:
         """Draw ``out``; in this process when the helper is missing or fails."""
-        if self.proc is not None and self.is_ready() and self._ask(metrics_path, out, title):
+        self.request(metrics_path, out, title)
+        self.wait()
+
+    def request(self, metrics_path: Path, out: Path, title: str) -> None:
+        """Ask a ready helper to draw ``out`` and return at once; ``wait()`` finishes the job."""
+        self.pending = (metrics_path, out, title)
+        self.sent = self.proc is not None and self.is_ready() and self._send(metrics_path, out, title)
+
+    def wait(self) -> None:
+        """Until the requested picture is there; drawn in this process when the helper was not ready or failed."""
+        metrics_path, out, title = self.pending
+        if not self.sent and self.proc is not None and self.is_ready():  # it got ready meanwhile
+            self.sent = self._send(metrics_path, out, title)
+        if self.sent and self._wait():
             return
         self.close()
         from trainq.trainer.artifacts import plot_loss
@@ -50,13 +66,20 @@ class LossPlotter:
             self.ready = self.proc.stdout.readline().strip() == b"ready"
         return self.ready
 
-    def _ask(self, metrics_path: Path, out: Path, title: str) -> bool:
+    def _send(self, metrics_path: Path, out: Path, title: str) -> bool:
         assert self.proc is not None and self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps({"metrics": str(metrics_path), "out": str(out), "title": title}).encode() + b"\n")
             self.proc.stdin.close()
+            return True
+        except OSError:
+            return False
+
+    def _wait(self) -> bool:
+        assert self.proc is not None
+        try:
             return self.proc.wait(timeout=PLOT_TIMEOUT_S) == 0
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
             return False

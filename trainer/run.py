@@ -283,6 +283,9 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
     final_dir = inv.job_dir / ("model" if config.method == "full" else "adapter")
     names = ["summary.json", "loss.png", artifacts.ENV_FILE]
     merged = None
+    plotter = run.plotter or LossPlotter()
+    # the step records are all written: the helper draws loss.png while the model is saved
+    plotter.request(inv.metrics, inv.job_dir / "loss.png", f"{inv.job_dir.name}: {config.method} ({outcome})")
     if outcome == "done" and trainer is not None:
         artifacts.save_final(trainer, tokenizer, final_dir)
         names.insert(0, final_dir.name)
@@ -313,8 +316,7 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
     }
     summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
     artifacts.write_summary(inv.job_dir, summary)
-    plotter = run.plotter or LossPlotter()
-    plotter.plot(inv.metrics, inv.job_dir / "loss.png", f"{inv.job_dir.name}: {config.method} ({outcome})")
+    plotter.wait()
     artifacts.write_sums(inv.job_dir, names)
     run.metrics.write(RECORD_DONE, outcome=outcome, step=summary["steps"], total_steps=summary["total_steps"],
                       loss=run.last_loss, eval_loss=run.last_eval_loss, exit_code=EXIT_FOR[outcome])
