@@ -82,6 +82,20 @@ def test_submit_debug_adds_train_debug_and_keeps_every_other_byte(queue_dir, tmp
     assert sorted(p.name for p in inbox.iterdir()) == ["block.yaml", "flow.yaml"]
 
 
+def test_submit_of_a_sweep_prints_its_jobs_at_once(queue_dir, watcher_process):
+    """A sweep file becomes new job files (ID-1 … ID-N), so its inode is in none of them: submit names the
+    sweep as soon as the watcher expanded it, instead of waiting out its 10 s and printing a guess."""
+    (queue_dir / "watcher.yaml").write_text(FAST)
+    watcher_process()
+    src = _job(queue_dir, "grid", "echo {lr}", 'sweep: {lr: ["1e-4", "2e-4", "3e-4"]}\n')
+    started = time.monotonic()
+    out = trainq("submit", str(src), root=queue_dir, check_rc=0).stdout.strip()
+    assert out == "sweep grid: jobs grid-1 … grid-3"
+    assert time.monotonic() - started < 8
+    again = trainq("submit", str(src), root=queue_dir, check_rc=0).stdout.strip()  # ids grid-2, grid-3 are taken
+    assert again == "sweep grid-4: jobs grid-4-1 … grid-4-3"
+
+
 def test_submit_refuses_an_invalid_file_with_exit_2(queue_dir, tmp_path):
     src = tmp_path / "bad.yaml"
     src.write_text("approved: true\n")

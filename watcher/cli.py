@@ -284,13 +284,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
     target = inbox_name(inbox, source.name)
     atomic_write(inbox / f".{target.name}.tmp", text)  # hidden temp name: the watcher ignores it
     ino = os.stat(inbox / f".{target.name}.tmp").st_ino  # before the rename: a watcher may take it at once
+    from .folders import id_from_name
+    from .manage import claimed_id, sweeps_of
+
+    sweeps_before = sweeps_of(_root(args), id_from_name(target.name)) if spec.raw.get("sweep") else None
     os.replace(inbox / f".{target.name}.tmp", target)
     if not spec.approved:
         print(f"{target}: submitted, awaiting approval (set approved: true in it to start it)")
         return EXIT_OK
-    from .manage import claimed_id
-
-    print(claimed_id(_root(args), target, ino))
+    print(claimed_id(_root(args), target, ino, sweeps_before))
     return EXIT_OK
 
 

@@ -106,7 +106,8 @@ def wait_for_claim(root: Path, job_id: str, timeout_s: float = 10.0) -> Found | 
     return find_job(root, job_id)
 
 
-def claimed_id(root: Path, inbox_file: Path, ino: int, timeout_s: float = 10.0) -> str:
+def claimed_id(root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, int] | None = None,
+               timeout_s: float = 10.0) -> str:
     """``job ID`` once a watcher took ``inbox_file`` (inode ``ino``: a claim hard-links it), else what will happen."""
     from .folders import id_from_name
 
@@ -119,11 +120,35 @@ def claimed_id(root: Path, inbox_file: Path, ino: int, timeout_s: float = 10.0) 
                 found = find_job(root, job_id)
                 rejected = found is not None and found.run.get("status") == "rejected"
                 return f"job {job_id}" + (f" (rejected: {found.run.get('error')})" if rejected else "")
+            # a sweep file becomes new files ID-1 … ID-N, none with our inode: a sweep not there before is ours
+            new_sweeps = () if sweeps_before is None else sweeps_of(root, base).items() - sweeps_before.items()
+            if new_sweeps:
+                sweep_id, count = min(new_sweeps)
+                return f"sweep {sweep_id}: jobs {sweep_id}-1" + (f" … {sweep_id}-{count}" if count > 1 else "")
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
     return (f"inbox/{inbox_file.name}: submitted; it becomes job {base} (or {base}-2, … if taken) "
             f"when a watcher takes it ({watcher_words(root)})")
+
+
+def sweeps_of(root: Path, base: str) -> dict[str, int]:
+    """The sweeps ``base`` or ``base-N`` in the queue (by their first variant's run.json), with their sizes.
+    A sweep's id skips every id taken, so ``grid-5`` may follow ``grid``: each ``*-1`` folder is looked at."""
+    sweeps: dict[str, int] = {}
+    for state in STATES:
+        try:
+            names = os.listdir(root / state)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            sweep_id = name[:-2]
+            if not name.endswith("-1") or not (sweep_id == base or sweep_id.rpartition("-")[0] == base):
+                continue
+            record = Found(state, root / state / name).run.get("sweep") or {}
+            if record.get("id") == sweep_id:
+                sweeps[sweep_id] = int(record.get("of") or 1)
+    return sweeps
 
 
 def _job_with_inode(root: Path, base: str, ino: int) -> str | None:
