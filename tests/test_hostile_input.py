@@ -119,6 +119,15 @@ def test_retries_max_is_bounded_and_backoff_has_a_floor() -> None:
     assert spec.retries.max == MAX_RETRIES
 
 
+@pytest.mark.parametrize("key", ["timeout", "stall_after"])
+@pytest.mark.parametrize("written", ["0", '"0s"', '"0.0h"'])
+def test_a_zero_limit_is_rejected_not_taken_as_end_at_once(key: str, written: str) -> None:
+    """``timeout: 0`` used to time the job out the moment it started (a user means "no limit")."""
+    problem = one(CMD + f"{key}: {written}\n")
+    assert problem.path == key and "more than 0" in problem.message and f"leave {key} out" in problem.message
+    assert parse_job_text(CMD + f"{key}: 1s\n", "x")
+
+
 def test_unknown_lines_are_never_echoed() -> None:
     secret = "sk-" + "Z" * 50
     text = CMD + f"{secret}: {secret}\n"

@@ -326,7 +326,8 @@ def _semantic_problems(data: dict) -> list[Problem]:
     if "train" in data and "resume_args" in data:
         problems.append(Problem("resume_args", "only applies to command jobs; train jobs resume from their "
                                                "checkpoints by themselves (remove resume_args)"))
-    return problems + _control_problems(data) + duration_problems(data, DURATION_FIELDS) + _backoff_problems(data)
+    return (problems + _control_problems(data) + duration_problems(data, DURATION_FIELDS) + _backoff_problems(data)
+            + _zero_limit_problems(data))
 
 
 def duration_problems(data: dict, fields: tuple[tuple[str, ...], ...]) -> list[Problem]:
@@ -353,6 +354,20 @@ def _backoff_problems(data: dict) -> list[Problem]:
         return []
     return [Problem("retries.backoff", f"must be at least {MIN_BACKOFF_S:g}s, so a job that fails at once "
                                        f"does not spin the queue (got {shown(value)})")]
+
+
+def _zero_limit_problems(data: dict) -> list[Problem]:
+    """``timeout: 0`` or ``stall_after: 0`` would end (or flag) every job at once: say to leave the key out."""
+    problems = []
+    for key in ("timeout", "stall_after"):
+        value = data.get(key)
+        try:
+            is_zero = value is not None and parse_duration_s(value) == 0
+        except ValueError:
+            continue  # the schema (or duration_problems) says why
+        if is_zero:
+            problems.append(Problem(key, f"must be more than 0 (got {shown(value)}); leave {key} out for no limit"))
+    return problems
 
 
 def _dig(data: object, keys: tuple[str, ...]) -> object:
