@@ -13,6 +13,11 @@ Run: ``.venv/bin/python bench/bench_slurm.py [--jobs 20]``. Prints a markdown ta
 while it tracks N jobs queued in Slurm (``--hold``): ``squeue`` runs per minute (a counting wrapper first on
 the watcher's PATH) and filesystem calls per second (``strace -f -c -e trace=%file`` attached to the watcher:
 open, stat, rename, unlink, ...), each over ``--window`` seconds (default 20) once all N are submitted.
+
+``--sweep 1000`` drops one sweep file of N variants (held in Slurm's queue with ``--hold``), then stops the
+whole sweep with ``trainq stop SWEEP``: ``sbatch`` and ``scancel`` runs (counting wrappers on the watcher's PATH),
+seconds until every variant is in Slurm and until every one is cancelled, with ``slurm.arrays`` on (one job
+array per sweep, the default) and off (one sbatch per job), in the same run.
 """
 from __future__ import annotations
 
@@ -192,6 +197,60 @@ def all_submitted(root: Path, n: int) -> bool:
     return done >= n
 
 
+def sweep_point(n: int, root: Path, arrays: bool) -> tuple[int, int, float, float]:
+    """(sbatch runs, scancel runs, seconds until all n are in Slurm, seconds until all n are cancelled)."""
+    bin_dir = root.parent / f"bin-sweep-{n}-{arrays}"
+    bin_dir.mkdir(parents=True)
+    counts = {}
+    for command in ("sbatch", "scancel"):
+        counts[command] = root.parent / f"{command}-calls-{n}-{arrays}"
+        counts[command].touch()
+        (bin_dir / command).write_text(f"#!/bin/sh\necho x >> {counts[command]}\nexec {shutil.which(command)} \"$@\"\n")
+        (bin_dir / command).chmod(0o755)
+    subprocess.run([sys.executable, "-m", "trainq.watcher", "init", str(root)], cwd=REPO, check=True,
+                   capture_output=True)
+    (root / "watcher.yaml").write_text(f"executor: slurm\nmax_concurrent: {n}\nslurm: {{arrays: {str(arrays).lower()}}}\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PATH=f"{bin_dir}:{os.environ['PATH']}")
+    proc = subprocess.Popen([sys.executable, "-m", "trainq.watcher", "--root", str(root), "watch", "-q"], cwd=REPO,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        t0 = time.monotonic()
+        staging = root / ".grid.tmp"
+        staging.write_text(f"approved: true\ncommand: [echo, \"{{x}}\"]\nsweep: {{x: {list(range(n))}}}\n"
+                           "slurm: {sbatch_args: [--hold]}\n")
+        os.rename(staging, root / "inbox" / "grid.yaml")
+        while not all_submitted(root, n):
+            if time.monotonic() - t0 > 120 + n:
+                raise SystemExit(f"only part of the sweep's {n} jobs reached Slurm")
+            time.sleep(0.2)
+        submit_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        subprocess.run([sys.executable, "-m", "trainq.watcher", "--root", str(root), "stop", "grid"], cwd=REPO,
+                       check=True, capture_output=True, env=env)
+        while sum(1 for _ in (root / "failed").glob("grid-*/run.json")) < n:
+            if time.monotonic() - t1 > 120 + n:
+                raise SystemExit(f"only part of the sweep's {n} jobs were cancelled")
+            time.sleep(0.2)
+        cancel_s = time.monotonic() - t1
+        return (len(counts["sbatch"].read_text().splitlines()), len(counts["scancel"].read_text().splitlines()),
+                submit_s, cancel_s)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        cancel_queue_jobs(root)
+
+
+def sweep(n: int) -> None:
+    print(f"| one sweep of {n} jobs (held), then `trainq stop` of the sweep | sbatch runs | scancel runs "
+          "| all in Slurm (s) | all cancelled (s) |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="bench-slurm-sweep-") as tmp:
+        for arrays in (True, False):
+            sbatch_runs, scancel_runs, submit_s, cancel_s = sweep_point(n, Path(tmp) / f"q{arrays}", arrays)
+            label = "slurm.arrays: true (default): one job array" if arrays else "slurm.arrays: false: one sbatch a job"
+            print(f"| {label} | {sbatch_runs} | {scancel_runs} | {submit_s:.1f} | {cancel_s:.1f} |", flush=True)
+
+
 def scale(counts: list[int], window_s: float) -> None:
     if shutil.which("strace") is None:
         raise SystemExit("--scale needs strace (apt-get install strace)")
@@ -209,6 +268,7 @@ def main() -> None:
     parser.add_argument("--scale", help="comma-separated job counts, e.g. 10,100,1000: controller and filesystem load")
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured per --scale point")
     parser.add_argument("--poll", type=float, default=2.0, help="the watcher's slurm.poll_s for the overhead runs")
+    parser.add_argument("--sweep", type=int, help="jobs in one sweep: sbatch/scancel runs with and without job arrays")
     args = parser.parse_args()
     POLL["s"] = args.poll
     started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], check=True, capture_output=True, text=True)
@@ -220,6 +280,9 @@ def main() -> None:
         raise SystemExit("squeue does not answer; see tests/slurm/start.sh")
     if args.scale:
         scale([int(n) for n in args.scale.split(",")], args.window)
+        return
+    if args.sweep:
+        sweep(args.sweep)
         return
     with tempfile.TemporaryDirectory(prefix="bench-slurm-") as tmp:
         tmp_path = Path(tmp)

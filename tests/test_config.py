@@ -33,7 +33,8 @@ def test_no_file_gives_the_documented_defaults(tmp_path: Path) -> None:
     assert (config.settle_s, config.rescan_s, config.status_s, config.heartbeat_s) == (0.3, 2.0, 1.0, 5.0)
     assert (config.keep_finished, config.kill_after_s, config.simulate_gpus) == (50, 5.0, None)
     assert (config.min_free_ram_gb, config.min_free_disk_gb) == (0.0, 0.0)
-    assert config.slurm == {"partition": None, "sbatch_args": [], "poll_s": 2.0, "exit_grace_s": 60.0}
+    assert config.slurm == {"partition": None, "sbatch_args": [], "poll_s": 2.0, "exit_grace_s": 60.0,
+                            "arrays": True}
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "# all defaults\n"])
@@ -47,14 +48,15 @@ def test_good_file(tmp_path: Path) -> None:
         "max_concurrent: 3\ngpus: [0, 2]\nmin_free_ram_gb: 1.5\nmin_free_disk_gb: 10\n"
         "allow_commands: [python, /usr/bin/env]\nsettle_s: 300ms\nrescan_s: 1\nstatus_s: 0.5\nheartbeat_s: 2s\n"
         "kill_after_s: 1m\nkeep_finished: 10\nexecutor: slurm\n"
-        "slurm: {partition: debug, sbatch_args: [--qos=low], poll_s: 500ms, exit_grace_s: 2m}\nsimulate_gpus: sim/gpus.json\n"))
+        "slurm: {partition: debug, sbatch_args: [--qos=low], poll_s: 500ms, exit_grace_s: 2m, arrays: false}\nsimulate_gpus: sim/gpus.json\n"))
     config = load_watcher_config(tmp_path, {})
     assert (config.max_concurrent, config.gpus, config.allow_commands) == (3, (0, 2), ("python", "/usr/bin/env"))
     assert (config.min_free_ram_gb, config.min_free_disk_gb, config.keep_finished) == (1.5, 10.0, 10)
     assert (config.settle_s, config.rescan_s, config.status_s, config.heartbeat_s, config.kill_after_s) == (
         0.3, 1.0, 0.5, 2.0, 60.0)
     assert config.executor == "slurm"
-    assert config.slurm == {"partition": "debug", "sbatch_args": ["--qos=low"], "poll_s": 0.5, "exit_grace_s": 120.0}
+    assert config.slurm == {"partition": "debug", "sbatch_args": ["--qos=low"], "poll_s": 0.5, "exit_grace_s": 120.0,
+                            "arrays": False}
     assert config.simulate_gpus == tmp_path.absolute() / "sim" / "gpus.json"
 
 

@@ -720,3 +720,140 @@ def test_a_job_waiting_in_slurms_queue_is_never_stalled(queue_dir, watcher):
                    capture_output=True)
     done = tick_until(w, lambda: finished(queue_dir, "patient"), 30, "patient to run once released")
     assert done.parent.name == "done"
+
+
+# -- job arrays for sweeps -----------------------------------------------------------------------------
+
+
+def test_array_spec_ids_and_tags_of_job_arrays():
+    from trainq.watcher.node import own_slurm_id
+    from trainq.watcher.slurm_state import array_index, array_spec, duplicate_key, id_order, make_array_tag, make_tag
+
+    assert array_spec([3, 1, 2, 5, 7, 8, 8]) == "1-3,5,7-8" and array_spec([4]) == "4"
+    assert (array_index("123_4"), array_index("123"), array_index("x_1")) == (4, None, None)
+    assert sorted(["12_10", "12_9", "11", "13"], key=id_order) == ["11", "12_9", "12_10", "13"]
+    tag = make_array_tag("k", "grid", "t0")
+    assert duplicate_key("12_3", tag, "k") == f"{tag}#3" != duplicate_key("12_4", tag, "k")
+    assert duplicate_key("12", make_tag("k", "j", 2, "t1"), "k") == "j:2" == duplicate_key("13", make_tag("k", "j", 2, "t2"), "k")
+    assert duplicate_key("12_3", tag, "other queue") is None
+    assert own_slurm_id({"SLURM_JOB_ID": "125", "SLURM_ARRAY_JOB_ID": "123", "SLURM_ARRAY_TASK_ID": "4"}) == "123_4"
+    assert own_slurm_id({"SLURM_JOB_ID": "125"}) == "125"
+
+
+def test_array_script_runs_the_task_of_its_index_and_refuses_a_folder_it_cannot_see(tmp_path):
+    from trainq.watcher.slurm import array_script
+
+    script = tmp_path / "slurm.sh"
+    script.write_text(array_script(tmp_path / "running", "grid", 2, ["sbatch", "x"], sys.executable, str(REPO)))
+    done = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, SLURM_ARRAY_TASK_ID="7"))
+    assert done.returncode == EXIT_NOT_SHARED and f"{tmp_path}/running/grid-7 is not visible" in done.stderr
+
+
+def _counting(tmp_path: Path, monkeypatch, command: str) -> Path:
+    """A wrapper for Slurm's ``command`` first on PATH, appending each call's arguments to a file it returns."""
+    calls = tmp_path / f"{command}-calls"
+    calls.touch()
+    wrapper = tmp_path / "bin" / command
+    wrapper.parent.mkdir(exist_ok=True)
+    wrapper.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\nexec {shutil.which(command)} \"$@\"\n")
+    wrapper.chmod(0o755)
+    if str(wrapper.parent) not in os.environ["PATH"].split(":"):
+        monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    return calls
+
+
+def test_a_sweep_is_one_sbatch_array_and_a_retried_job_goes_alone(queue_dir, watcher, tmp_path, monkeypatch):
+    """A 4-job sweep: one ``sbatch --array=1-4``, task i runs job grid-i; its job 2 fails once and its retry is a
+    plain sbatch of its own."""
+    sbatch = _counting(tmp_path, monkeypatch, "sbatch")
+    w = watcher(executor="slurm", slurm={"poll_s": 0.2}, max_concurrent=8)
+    marker = tmp_path / "failed-once"
+    drop(queue_dir, "grid.yaml", job_file(
+        command=["sh", "-c", f"echo x={{x}} task=$SLURM_ARRAY_TASK_ID; [ {{x}} != 2 ] || [ -e {marker} ] "
+                             f"|| {{ touch {marker}; exit 3; }}"],
+        sweep={"x": [1, 2, 3, 4]}, retries={"max": 1, "on": ["unknown"], "backoff": "1s"}))
+    tick_until(w, lambda: all(finished(queue_dir, f"grid-{i}") for i in range(1, 5)), 90, "the sweep to finish")
+    calls = sbatch.read_text().splitlines()
+    assert len(calls) == 2 and "--array=1-4" in calls[0] and "--array" not in calls[1], calls
+    first = [json.loads((finished(queue_dir, f"grid-{i}") / "slurm.json").read_text()) for i in range(1, 5)]
+    array_id = json.loads((finished(queue_dir, "grid-1") / "run.json").read_text())["attempts"][0]["slurm_job_id"]
+    array_id = array_id.partition("_")[0]
+    for i in range(1, 5):
+        done = finished(queue_dir, f"grid-{i}")
+        run = run_json(done)
+        assert done.parent.name == "done" and run["status"] == "done", run
+        assert run["attempts"][0]["slurm_job_id"] == f"{array_id}_{i}"
+        log = (done / "output.log").read_text()
+        assert f"x={i} task={i}" in log
+    retried = run_json(finished(queue_dir, "grid-2"))
+    assert len(retried["attempts"]) == 2 and retried["attempts"][1]["slurm_job_id"].isdigit()
+    assert "x=2 task=\n" in (finished(queue_dir, "grid-2") / "output.log").read_text()  # attempt 2: no array
+    assert all(r["tag"].endswith(first[0]["tag"].rpartition(":")[2]) for r in (first[0], first[2], first[3]))
+    assert [r.get("array_index") for r in (first[0], first[2], first[3])] == [1, 3, 4]
+    assert slurm_state(f"{array_id}_4") == "COMPLETED"
+
+
+def test_stopping_a_sweep_queued_in_slurm_is_one_scancel(queue_dir, watcher, tmp_path, monkeypatch):
+    """Six jobs of a sweep wait in Slurm as one array; stop.flag in each: one scancel for all, all cancelled."""
+    scancel = _counting(tmp_path, monkeypatch, "scancel")
+    w = watcher(executor="slurm", slurm={"poll_s": 0.2}, max_concurrent=8)
+    drop(queue_dir, "later.yaml", job_file(command=["echo", "{x}"], sweep={"x": list(range(6))},
+                                           slurm={"sbatch_args": ["--begin=now+1hour"]}))
+    ids = [f"later-{i}" for i in range(1, 7)]
+    tick_until(w, lambda: all(i in w.jobs and w.jobs[i].run.get("waiting_for") == "Slurm: BeginTime" for i in ids),
+               20, "the sweep to wait in Slurm")
+    for job_id in ids:
+        (queue_dir / "running" / job_id / "stop.flag").touch()
+    tick_until(w, lambda: all(finished(queue_dir, i) for i in ids), 20, "the sweep to be cancelled")
+    assert all(run_json(finished(queue_dir, i))["status"] == "cancelled" for i in ids)
+    calls = scancel.read_text().splitlines()
+    assert len(calls) == 1 and len(calls[0].split()) == 6, calls
+    assert not [line for line in _live_slurm_ids() if line.partition("_")[0] == calls[0].split()[0].partition("_")[0]]
+
+
+def test_a_hung_controller_across_an_array_sbatch_gives_exactly_one_array(queue_dir, watcher, tmp_path):
+    """slurmctld SIGSTOPped while a sweep's array is submitted: the array is adopted by its tag, never doubled."""
+    w = watcher(executor="slurm", slurm={"poll_s": 0.2}, max_concurrent=8)
+    counter = tmp_path / "runs.txt"
+    ctld = int(CTLD_PID.read_text())
+    os.kill(ctld, signal.SIGSTOP)
+    try:
+        drop(queue_dir, "hung.yaml", job_file(command=["sh", "-c", f"echo run {{x}} >> {counter}"],
+                                              sweep={"x": [1, 2, 3]}))
+        tick_until(w, lambda: all(f"hung-{i}" in w.jobs and "not confirmed" in (w.jobs[f"hung-{i}"].run.get(
+            "waiting_for") or "") for i in (1, 2, 3)), 60, "sbatch to time out against the stopped controller")
+    finally:
+        os.kill(ctld, signal.SIGCONT)
+    tick_until(w, lambda: all(finished(queue_dir, f"hung-{i}") for i in (1, 2, 3)), 120, "the sweep to run")
+    assert sorted(counter.read_text().splitlines()) == ["run 1", "run 2", "run 3"]
+    tasks = [(i, state) for i, state in _tagged(queue_dir, "hung") if state != "CANCELLED"]
+    assert sorted(i.partition("_")[2] for i, _ in tasks) == ["1", "2", "3"], _tagged(queue_dir, "hung")
+    assert len({i.partition("_")[0] for i, _ in tasks}) == 1
+    for i in (1, 2, 3):
+        run = run_json(finished(queue_dir, f"hung-{i}"))
+        assert run["status"] == "done" and len(run["attempts"]) == 1
+        assert run["attempts"][0]["slurm_job_id"] in {i for i, _ in tasks}
+
+
+def test_an_array_that_never_reached_slurm_is_submitted_again_once_for_all_its_jobs(queue_dir, watcher, tmp_path,
+                                                                                   monkeypatch):
+    """The first sbatch answers "Socket timed out" and creates nothing (an sbatch wrapper on PATH): after the tag
+    lookup finds nothing, the array is submitted again ONE time, not once per job, and each job runs once."""
+    calls, lost = tmp_path / "sbatch-calls", tmp_path / "lost-once"
+    wrapper = tmp_path / "bin" / "sbatch"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\nif [ ! -e {lost} ]; then touch {lost}; echo 'sbatch: "
+                       "error: Batch job submission failed: Socket timed out on send/recv operation' >&2; exit 1; fi\n"
+                       f"exec {shutil.which('sbatch')} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    counter = tmp_path / "runs.txt"
+    w = watcher(executor="slurm", slurm={"poll_s": 0.2}, max_concurrent=8)
+    drop(queue_dir, "lost.yaml", job_file(command=["sh", "-c", f"echo run {{x}} >> {counter}"], sweep={"x": [1, 2, 3]}))
+    tick_until(w, lambda: all(finished(queue_dir, f"lost-{i}") for i in (1, 2, 3)), 60, "the sweep to run")
+    submitted = calls.read_text().splitlines()
+    assert len(submitted) == 2 and all("--array=1-3" in line for line in submitted), submitted
+    assert sorted(counter.read_text().splitlines()) == ["run 1", "run 2", "run 3"]
+    ids = [run_json(finished(queue_dir, f"lost-{i}"))["attempts"][0]["slurm_job_id"] for i in (1, 2, 3)]
+    assert len({i.partition("_")[0] for i in ids}) == 1 and [i.partition("_")[2] for i in ids] == ["1", "2", "3"]

@@ -38,7 +38,7 @@ DEFAULT_SLURM_EXIT_GRACE_S = 60.0
 
 def _default_slurm() -> dict:
     return {"partition": None, "sbatch_args": [], "poll_s": DEFAULT_SLURM_POLL_S,
-            "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S}
+            "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S, "arrays": True}
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,13 @@ class Executor(Protocol):
     def unavailable(self, now: float) -> str | None:
         """Why no attempt can be launched now (in words), or None when ready."""
 
-    def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None) -> dict:
-        """Start an attempt; return fields for its attempt record (``pid`` or ``slurm_job_id``)."""
+    def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None,
+               group: tuple[str, int] | None = None) -> dict:
+        """Start an attempt; return fields for its attempt record (``pid`` or ``slurm_job_id``). ``group``
+        (sweep id, index) lets an executor hold a sweep's attempts back and start them together in ``flush``."""
+
+    def flush(self) -> list[tuple[str, str | None, Exception | None]]:
+        """Start the attempts ``launch`` held back: (job id, Slurm job id or None, error) for each."""
 
     def reap(self) -> None:
         """Collect finished children; never blocks."""
@@ -86,8 +91,12 @@ class LocalExecutor:
     def unavailable(self, now: float) -> str | None:
         return None
 
-    def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None) -> dict:
+    def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None,
+               group: tuple[str, int] | None = None) -> dict:
         return {"pid": self.supervisor.launch(spec)}
+
+    def flush(self) -> list[tuple[str, str | None, Exception | None]]:
+        return []  # every launch started at once
 
     def reap(self) -> None:
         self.supervisor.reap()

@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainq.watcher.contract import EXIT_USAGE, JobPaths
@@ -86,6 +87,12 @@ def claim(paths: JobPaths, attempt: int, slurm_job_id: str) -> str | None:
     return None
 
 
+def own_slurm_id(env: Mapping[str, str]) -> str:
+    """This batch job's id as the watcher's squeue shows it: ``<array id>_<index>`` for a task of a job array."""
+    array, index = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{index}" if array and index else env.get("SLURM_JOB_ID", "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainq.watcher.node",
                                      description="Run one attempt of a trainq job inside a Slurm batch job.")
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attempt", type=int, required=True, help="the attempt this submission was made for")
     args = parser.parse_args(argv)
     paths = JobPaths(Path(os.path.abspath(args.job_dir)))
-    slurm_job_id = os.environ.get("SLURM_JOB_ID", "")
+    slurm_job_id = own_slurm_id(os.environ)
     try:
         data = json.loads(paths.launch_spec.read_text(encoding="utf-8"))
         spec = LaunchSpec.from_dict({**data, "job_dir": str(paths.dir)} if isinstance(data, dict) else data)

@@ -34,8 +34,8 @@ from .fsutil import atomic_write, atomic_write_json, read_json
 from .node import HEARTBEAT_S
 from .slurm_state import (
     EXIT_NOT_SHARED, GONE, NO_ANSWER, QUEUED_STATES, REFUSED, RUNNING_STATES, SIGKILL, SIGNAL_NAMES, SLURM_OUTPUT,
-    SlurmJob, SqueueQuery, ended_outcome, find_tagged, first_line, id_order, make_tag, oom_evidence, parse_squeue,
-    queue_key, run, show_job, tag_attempt,
+    SlurmJob, SqueueQuery, array_spec, array_task_id, duplicate_key, ended_outcome, find_tagged, first_line, id_order,
+    make_array_tag, make_tag, oom_evidence, parse_squeue, queue_key, run, show_job,
 )
 from .supervisor import LaunchSpec, lock_state
 from .units import iso_utc
@@ -95,12 +95,15 @@ class SlurmOptions:
     requeue: bool = False
     nodes: int = 1
     tasks_per_node: int = 1
+    array: str | None = None
 
     def argv(self, script: Path) -> list[str]:
         """``sbatch --parsable ...`` for ``script``; extra args last, so watcher.yaml and job file win."""
         argv = ["sbatch", "--parsable", "--requeue" if self.requeue else "--no-requeue", "--export=NONE",
                 f"--job-name={self.job_name}", f"--comment={self.comment}", f"--output={self.output}",
                 f"--chdir={self.chdir}", f"--signal=B:{TIME_LIMIT_SIGNAL}@{self.signal_lead_s}"]
+        if self.array:
+            argv.append(f"--array={self.array}")
         if self.partition:
             argv.append(f"--partition={self.partition}")
         if self.nodes > 1 or self.tasks_per_node > 1:
@@ -113,6 +116,10 @@ class SlurmOptions:
             argv.append(f"--time={self.time_min}")
         return argv + list(self.extra) + [str(script)]
 
+    def shared(self) -> "SlurmOptions":
+        """What jobs must have in common to be one job array: everything but their names, tags and folders."""
+        return dataclasses.replace(self, job_name="", comment="", output="", chdir="", array=None)
+
 
 @dataclass
 class _Unconfirmed:
@@ -123,6 +130,18 @@ class _Unconfirmed:
     tag: str
     argv: list[str]
     missed: int = 0
+    index: int | None = None  # the job's task in a job array (its sweep index); None for a job of its own
+
+
+@dataclass
+class _Held:
+    """A sweep job's attempt that ``launch`` prepared and ``flush`` submits with its sweep's others."""
+
+    paths: JobPaths
+    attempt: int
+    sweep: str
+    index: int
+    options: SlurmOptions
 
 
 class SlurmExecutor:
@@ -139,6 +158,7 @@ class SlurmExecutor:
         self.partition: str | None = slurm.get("partition")
         self.sbatch_args = tuple(str(a) for a in slurm.get("sbatch_args") or ())
         self.poll_s = float(slurm.get("poll_s") or 2.0)
+        self.arrays = bool(slurm.get("arrays", True))
         self.exit_grace_s = float(slurm.get("exit_grace_s", 60.0))
         self.passthrough = frozenset(getattr(config, "env_passthrough", None) or ())
         self.kill_after_s = float(config.kill_after_s)
@@ -154,12 +174,14 @@ class SlurmExecutor:
         self._unconfirmed: dict[str, _Unconfirmed] = {}
         self._beats: dict[str, tuple[object, float]] = {}
         self._exit_read_mono: dict[str, float] = {}
-        self._folder_seen_mono: dict[str, float] = {}
+        self._folder_period: dict[str, int] = {}  # job folder -> the poll_s period it was last looked at in
         self._seeded: set[str] = set()
         self._query: SqueueQuery | None = None
         self._last_query_mono = -math.inf
         self._probe_wanted_mono = -math.inf
         self._down: str | None = None
+        self._held: list[_Held] = []
+        self._to_cancel: dict[str, str] = {}  # Slurm job id -> the job it belongs to, for one scancel per tick
 
     # -- the Executor protocol -----------------------------------------------------------------
     def unavailable(self, now: float) -> str | None:
@@ -168,40 +190,58 @@ class SlurmExecutor:
         self._poll(start=True)
         return self._down
 
-    def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None) -> dict:
-        """Record the submission in slurm.json, then sbatch it; returns the Slurm job id (None while unconfirmed)."""
+    def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None,
+               group: tuple[str, int] | None = None) -> dict:
+        """Record the submission in slurm.json, then sbatch it; returns the Slurm job id (None while unconfirmed).
+
+        A sweep's job (``group`` = sweep id and index) is only prepared here: ``flush`` submits the attempts
+        launched in one pass together, one ``sbatch --array`` per sweep and attempt.
+        """
         if self._down is not None:
             raise ExecutorUnavailable(self._down)
-        job_dir = os.path.abspath(spec.job_dir)
-        resources, declared_env = _job_file(Path(job_dir))
-        # the node's own environment (Slurm's variables, --export=NONE keeps the watcher's out) is the base
-        spec = dataclasses.replace(spec, job_dir=job_dir, env=batch_env(spec.env, declared_env | self.passthrough),
-                                   inherit_env=True)
-        paths = JobPaths(Path(job_dir))
-        options = self.options_for(spec, job_name, slurm_options or {}, resources)
-        if options.nodes > 1 or options.tasks_per_node > 1:
-            spec = dataclasses.replace(spec, argv=srun_argv(spec.argv, options.nodes * options.tasks_per_node))
-        argv = options.argv(paths.slurm_script)
-        atomic_write(paths.launch_spec, _json(spec.to_dict()), mode=0o600)  # it holds the job's environment
-        atomic_write(paths.slurm_script, batch_script(paths, spec.attempt, argv, self.python, self.package_parent),
-                     mode=0o755)
-        record = {"attempt": spec.attempt, "slurm_job_id": None, "tag": options.comment, "requeue": options.requeue,
-                  "submitted_at": iso_utc(time.time()), "sbatch": argv}
-        atomic_write_json(paths.slurm_record, record)  # before sbatch: a crash right after it can still find the job
-        try:
-            slurm_id = self._submit(argv, paths)
-        except _NoAnswer as exc:
-            logger.warning("job %s: %s; looking for tag %s before submitting again", paths.dir.name, exc,
-                           options.comment)
-            self._unconfirmed[str(paths.dir)] = _Unconfirmed(paths, spec.attempt, options.comment, argv)
+        paths, spec, options = self._prepare(spec, job_name, slurm_options or {})
+        if group is not None and self.arrays and paths.dir == self.root / "running" / f"{group[0]}-{group[1]}":
+            self._held.append(_Held(paths, spec.attempt, group[0], group[1], options))
             return {"slurm_job_id": None, "pid": None}
-        self._confirm(paths, record, slurm_id)
-        logger.debug("job %s: sbatch %s -> slurm job %s", paths.dir.name, shlex.join(argv[1:]), slurm_id)
-        return {"slurm_job_id": slurm_id, "pid": None}
+        return {"slurm_job_id": self._submit_one(paths, spec.attempt, options), "pid": None}
+
+    def flush(self) -> list[tuple[str, str | None, Exception | None]]:
+        """Submit what ``launch`` held back: one ``sbatch --array`` per sweep, attempt and set of sbatch options.
+
+        Returns (job id, Slurm job id or None while unconfirmed, error) for each held attempt. An array Slurm
+        refuses (a cluster's MaxArraySize, say) is submitted again job by job, so only the jobs Slurm itself
+        refuses fail.
+        """
+        held, self._held = self._held, []
+        groups: dict[tuple, list[_Held]] = {}
+        for member in held:
+            groups.setdefault((member.sweep, member.attempt, member.options.shared()), []).append(member)
+        results = []
+        for members in groups.values():
+            if len(members) > 1 and self._down is None:
+                try:
+                    results += self._submit_array(members)
+                    continue
+                except SpawnFailed as exc:
+                    logger.warning("sweep %s: %s; submitting its %d jobs one by one", members[0].sweep, exc,
+                                   len(members))
+                except ExecutorUnavailable as exc:
+                    results += [(m.paths.dir.name, None, exc) for m in members]
+                    continue
+            for member in members:
+                try:
+                    slurm_id = self._submit_one(member.paths, member.attempt, member.options)
+                    results.append((member.paths.dir.name, slurm_id, None))
+                except (ExecutorUnavailable, SpawnFailed) as exc:
+                    results.append((member.paths.dir.name, None, exc))
+        self._flush_cancels()
+        return results
 
     def reap(self) -> None:
-        """Collect a finished squeue and start the next one when due; never blocks."""
+        """Collect a finished squeue and start the next one when due, and run the scancel asked for; never blocks
+        for long."""
         self._poll(start=True)
+        self._flush_cancels()
 
     def is_alive(self, paths: JobPaths, attempt: dict) -> bool:
         """Slurm's state first; once Slurm says the job ended: the heartbeat, the lock (where flock works), a grace."""
@@ -261,6 +301,8 @@ class SlurmExecutor:
         if self._node_still_alive(paths, slurm_id) or self._within_grace(paths, slurm_id):
             return None
         _refresh_listing(paths.dir)  # an NFS client may cache "no exit.json"; listing the folder revalidates
+        if job.state == GONE and slurm_id in self._cancelled:
+            job = dataclasses.replace(job, state="CANCELLED")  # a job array's task cancelled before it started
         record = self._own_record(paths, attempt) or self._synthesize(paths, attempt, slurm_id, job)
         self._forget(slurm_id)
         return _with_slurm_view(record, slurm_id, job)
@@ -295,7 +337,7 @@ class SlurmExecutor:
         """scancel a stopped job at once while Slurm still queues it, else after grace + kill_after + a margin."""
         slurm_id = self._slurm_id(paths, attempt)
         job = self._state(slurm_id) if slurm_id else None
-        if job is None or not job.is_live or slurm_id in self._cancelled:
+        if job is None or not job.is_live or slurm_id in self._cancelled or slurm_id in self._to_cancel:
             return
         queued = job.state in QUEUED_STATES
         if queued or now - stop_requested_at >= grace_s + self.kill_after_s + self.scancel_margin_s:
@@ -305,14 +347,16 @@ class SlurmExecutor:
 
     def folder_due(self, paths: JobPaths, attempt: dict, now: float) -> bool:
         """Each job's folder (stop.flag, progress) is looked at once per poll_s, not every tick: a shared
-        filesystem then sees a rate set by the job count over poll_s, and stop.flag is noticed within poll_s."""
+        filesystem then sees a rate set by the job count over poll_s, and stop.flag is noticed within poll_s.
+        Every job falls due in the same tick (poll_s periods counted from one clock), so stopping a whole sweep
+        is one scancel."""
         key = str(paths.dir)
-        mono = time.monotonic()
-        if mono - self._folder_seen_mono.get(key, -math.inf) < self.poll_s:
+        period = math.floor(time.monotonic() / self.poll_s)
+        if self._folder_period.get(key) == period:
             return False
-        if len(self._folder_seen_mono) > 4 * len(self._tracked) + 1000:
-            self._folder_seen_mono.clear()  # finished jobs' entries; at worst one early look each
-        self._folder_seen_mono[key] = mono
+        if len(self._folder_period) > 4 * len(self._tracked) + 1000:
+            self._folder_period.clear()  # finished jobs' entries; at worst one early look each
+        self._folder_period[key] = period
         return True
 
     def start(self) -> None:
@@ -325,6 +369,80 @@ class SlurmExecutor:
         if self._query is not None:
             self._query.close()
             self._query = None
+
+    # -- submitting ------------------------------------------------------------------------------
+    def _prepare(self, spec: LaunchSpec, job_name: str, job_slurm: dict) -> tuple[JobPaths, LaunchSpec, SlurmOptions]:
+        """The attempt's LaunchSpec as the node runs it (written to launch.json, 0600) and its sbatch options."""
+        job_dir = os.path.abspath(spec.job_dir)
+        resources, declared_env = _job_file(Path(job_dir))
+        # the node's own environment (Slurm's variables, --export=NONE keeps the watcher's out) is the base
+        spec = dataclasses.replace(spec, job_dir=job_dir, env=batch_env(spec.env, declared_env | self.passthrough),
+                                   inherit_env=True)
+        paths = JobPaths(Path(job_dir))
+        options = self.options_for(spec, job_name, job_slurm, resources)
+        if options.nodes > 1 or options.tasks_per_node > 1:
+            spec = dataclasses.replace(spec, argv=srun_argv(spec.argv, options.nodes * options.tasks_per_node))
+        atomic_write(paths.launch_spec, _json(spec.to_dict()), mode=0o600)  # it holds the job's environment
+        return paths, spec, options
+
+    def _submit_one(self, paths: JobPaths, attempt: int, options: SlurmOptions) -> str | None:
+        """slurm.sh, slurm.json, then sbatch: the Slurm job id, or None while the submission is unconfirmed."""
+        argv = options.argv(paths.slurm_script)
+        atomic_write(paths.slurm_script, batch_script(paths, attempt, argv, self.python, self.package_parent),
+                     mode=0o755)
+        record = {"attempt": attempt, "slurm_job_id": None, "tag": options.comment, "requeue": options.requeue,
+                  "submitted_at": iso_utc(time.time()), "sbatch": argv}
+        atomic_write_json(paths.slurm_record, record)  # before sbatch: a crash right after it can still find the job
+        try:
+            slurm_id = self._submit(argv, paths)
+        except _NoAnswer as exc:
+            logger.warning("job %s: %s; looking for tag %s before submitting again", paths.dir.name, exc,
+                           options.comment)
+            self._unconfirmed[str(paths.dir)] = _Unconfirmed(paths, attempt, options.comment, argv)
+            return None
+        self._confirm(paths, record, slurm_id)
+        logger.debug("job %s: sbatch %s -> slurm job %s", paths.dir.name, shlex.join(argv[1:]), slurm_id)
+        return slurm_id
+
+    def _submit_array(self, members: list[_Held]) -> list[tuple[str, str | None, None]]:
+        """One ``sbatch --array`` for a sweep's attempts: task ``i`` runs job ``<sweep>-i`` in its folder.
+
+        Every member's slurm.sh is the array's script and its slurm.json names the array's tag and its index, so
+        a crash or an unanswered sbatch is resolved for the whole array at once (``_resolve_unconfirmed``).
+        """
+        first = members[0]
+        running = first.paths.dir.parent
+        tag = make_array_tag(self.key, first.sweep, secrets.token_hex(4))
+        options = dataclasses.replace(
+            first.options, job_name=first.sweep, comment=tag, chdir=str(running),
+            output=str(running / f"{first.sweep}-%a" / SLURM_OUTPUT.replace("%j", "%A_%a")),
+            array=array_spec([m.index for m in members]))
+        argv = options.argv(first.paths.slurm_script)
+        script = array_script(running, first.sweep, first.attempt, argv, self.python, self.package_parent)
+        submitted_at = iso_utc(time.time())
+        records = []
+        for member in members:
+            atomic_write(member.paths.slurm_script, script, mode=0o755)
+            record = {"attempt": member.attempt, "slurm_job_id": None, "tag": tag, "array_index": member.index,
+                      "requeue": options.requeue, "submitted_at": submitted_at, "sbatch": argv}
+            atomic_write_json(member.paths.slurm_record, record)
+            records.append(record)
+        try:
+            array_id = self._submit(argv, first.paths)
+        except _NoAnswer as exc:
+            logger.warning("sweep %s: %s; looking for tag %s before submitting its array again", first.sweep, exc, tag)
+            for member in members:
+                self._unconfirmed[str(member.paths.dir)] = _Unconfirmed(member.paths, member.attempt, tag, argv,
+                                                                        index=member.index)
+            return [(m.paths.dir.name, None, None) for m in members]
+        logger.info("sweep %s: attempt %d of %d job(s) submitted as Slurm job array %s (--array=%s)", first.sweep,
+                    first.attempt, len(members), array_id, options.array)
+        submitted = []
+        for member, record in zip(members, records):
+            slurm_id = array_task_id(array_id, member.index)
+            self._confirm(member.paths, record, slurm_id)
+            submitted.append((member.paths.dir.name, slurm_id, None))
+        return submitted
 
     # -- sbatch options ------------------------------------------------------------------------
     def options_for(self, spec: LaunchSpec, job_name: str, job_slurm: dict, resources: dict | None = None,
@@ -383,16 +501,27 @@ class SlurmExecutor:
         return ExecutorUnavailable(self._down)
 
     def _scancel(self, slurm_id: str, paths: JobPaths | None) -> None:
-        where = paths.dir.name if paths else "duplicate"
+        """Cancel ``slurm_id`` with the others asked for this tick: one scancel for a whole cancelled sweep."""
+        self._to_cancel.setdefault(slurm_id, paths.dir.name if paths else "duplicate")
+
+    def _flush_cancels(self) -> None:
+        """One ``scancel ID...`` for every Slurm job asked to be cancelled since the last one."""
+        if not self._to_cancel:
+            return
+        batch, self._to_cancel = self._to_cancel, {}
+        ids = sorted(batch, key=id_order)
+        what = ids[0] if len(ids) == 1 else f"{len(ids)} jobs"
         try:
-            done = run(["scancel", slurm_id], self.command_timeout_s)
+            done = run(["scancel", *ids], self.command_timeout_s)
         except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
-            logger.warning("job %s: scancel %s failed: %s", where, slurm_id, exc)
+            logger.warning("scancel of %s (%s) failed: %s", what, ", ".join(sorted(set(batch.values()))[:5]), exc)
             return
         if done.returncode != 0:
-            logger.warning("job %s: scancel %s failed: %s", where, slurm_id, first_line(done.stderr))
-            return
-        self._cancelled.add(slurm_id)
+            logger.warning("scancel %s: %s", " ".join(ids[:5]) + (" ..." if len(ids) > 5 else ""),
+                           first_line(done.stderr))
+            if REFUSED.search(done.stderr) or NO_ANSWER.search(done.stderr):
+                return  # nothing was cancelled; a later stop check asks again
+        self._cancelled.update(ids)  # scancel goes on past an id it cannot cancel (one that just ended)
 
     # -- the cached squeue -----------------------------------------------------------------------
     def _state(self, slurm_id: str) -> SlurmJob | None:
@@ -457,7 +586,13 @@ class SlurmExecutor:
                 self._jobs[slurm_id] = seen[slurm_id]
             elif self._jobs.get(slurm_id) is None or self._jobs[slurm_id].is_live:
                 departed.append(slurm_id)
-        for slurm_id in departed[:MAX_DEPARTED_PER_POLL]:  # left the live states: ask once how it ended
+        for slurm_id in (i for i in departed if i in self._cancelled):
+            # it left because we cancelled it: nothing to ask (a stopped sweep of 1000 costs no scontrol)
+            self._seeded.discard(slurm_id)
+            self._jobs[slurm_id] = SlurmJob("CANCELLED")
+            self._ended_seen.setdefault(slurm_id, now)
+        asked = [i for i in departed if i not in self._cancelled]
+        for slurm_id in asked[:MAX_DEPARTED_PER_POLL]:  # left the live states: ask once how it ended
             job = show_job(slurm_id, self.command_timeout_s)
             if job is not None:
                 self._seeded.discard(slurm_id)
@@ -471,7 +606,7 @@ class SlurmExecutor:
         """Two live Slurm jobs for one attempt of this queue: keep the tracked one, scancel the other."""
         by_attempt: dict[str, list[str]] = {}
         for slurm_id, job in seen.items():
-            attempt = tag_attempt(job.comment, self.key)
+            attempt = duplicate_key(slurm_id, job.comment, self.key)
             if attempt is not None:
                 by_attempt.setdefault(attempt, []).append(slurm_id)
         for ids in by_attempt.values():
@@ -482,41 +617,52 @@ class SlurmExecutor:
                     self._scancel(extra, None)
 
     def _resolve_unconfirmed(self, seen: dict[str, SlurmJob]) -> None:
-        """Adopt an unconfirmed submission seen by its tag or claim; submit it again once proven absent."""
-        for key, pending in list(self._unconfirmed.items()):
-            found = sorted((i for i, j in seen.items() if j.comment == pending.tag), key=id_order)
-            claimed = str((read_json(pending.paths.slurm_claim(pending.attempt)) or {}).get("slurm_job_id") or "")
+        """Adopt unconfirmed submissions seen by their tag or claim; submit again once proven absent.
+
+        The jobs of one job array share its tag and are resolved together: the array is adopted, or submitted
+        again, once for all of them.
+        """
+        by_tag: dict[str, list[_Unconfirmed]] = {}
+        for pending in self._unconfirmed.values():
+            by_tag.setdefault(pending.tag, []).append(pending)
+        for tag, group in by_tag.items():
+            found = sorted((i for i, j in seen.items() if j.comment == tag), key=id_order)
+            claimed = [c for c in map(_claimed_id, group) if c]
             if claimed or found:
-                self._adopt(pending, claimed or found[0])
+                self._adopt(group, (claimed or found)[0])
                 continue
-            pending.missed += 1
-            if pending.missed < UNCONFIRMED_POLLS:
+            lead = group[0]
+            lead.missed += 1
+            if lead.missed < UNCONFIRMED_POLLS:
                 continue
             try:  # the live squeue does not list a job that already ended: ask Slurm about every job it knows
-                everything = find_tagged(pending.tag, self.command_timeout_s)
+                everything = find_tagged(tag, self.command_timeout_s)
             except (OSError, subprocess.SubprocessError) as exc:
-                logger.info("job %s: tag lookup failed (%s); trying again next poll", pending.paths.dir.name, exc)
+                logger.info("job %s: tag lookup failed (%s); trying again next poll", lead.paths.dir.name, exc)
                 continue
             if everything:
-                self._adopt(pending, everything[0][0])
+                self._adopt(group, everything[0][0])
                 continue
-            logger.warning("job %s: Slurm has no job tagged %s; submitting attempt %d again", pending.paths.dir.name,
-                           pending.tag, pending.attempt)
+            logger.warning("job %s: Slurm has no job tagged %s; submitting attempt %d again%s", lead.paths.dir.name,
+                           tag, lead.attempt, f" (the job array of {len(group)} jobs)" if lead.index is not None else "")
             try:
-                slurm_id = self._submit(pending.argv, pending.paths)
+                slurm_id = self._submit(lead.argv, lead.paths)
             except _NoAnswer:
-                pending.missed = 0
+                lead.missed = 0
                 continue
             except (ExecutorUnavailable, SpawnFailed) as exc:
-                logger.warning("job %s: resubmission failed: %s", pending.paths.dir.name, exc)
+                logger.warning("job %s: resubmission failed: %s", lead.paths.dir.name, exc)
                 continue
-            self._adopt(pending, slurm_id)
+            self._adopt(group, slurm_id)
 
-    def _adopt(self, pending: _Unconfirmed, slurm_id: str) -> None:
-        logger.info("job %s: attempt %d is Slurm job %s (tag %s)", pending.paths.dir.name, pending.attempt,
-                    slurm_id, pending.tag)
-        record = read_json(pending.paths.slurm_record) or {"attempt": pending.attempt, "tag": pending.tag}
-        self._confirm(pending.paths, record, slurm_id)
+    def _adopt(self, group: list[_Unconfirmed], slurm_id: str) -> None:
+        """The submission of ``group`` exists as ``slurm_id`` (for an array: any of its tasks)."""
+        for pending in group:
+            own = slurm_id if pending.index is None else array_task_id(slurm_id, pending.index)
+            logger.info("job %s: attempt %d is Slurm job %s (tag %s)", pending.paths.dir.name, pending.attempt,
+                        own, pending.tag)
+            record = read_json(pending.paths.slurm_record) or {"attempt": pending.attempt, "tag": pending.tag}
+            self._confirm(pending.paths, record, own)
 
     def _unconfirmed_for(self, paths: JobPaths, attempt: dict) -> _Unconfirmed | None:
         """The attempt's submission that got no answer; re-registered from slurm.json after a watcher restart."""
@@ -526,7 +672,9 @@ class SlurmExecutor:
         record = read_json(paths.slurm_record) or {}
         if (record.get("tag") and not record.get("slurm_job_id") and attempt.get("n") in (None, record.get("attempt"))
                 and not _attempt_ended(paths, record.get("attempt"))):
-            pending = _Unconfirmed(paths, int(record["attempt"]), str(record["tag"]), list(record.get("sbatch") or []))
+            index = record.get("array_index")
+            pending = _Unconfirmed(paths, int(record["attempt"]), str(record["tag"]), list(record.get("sbatch") or []),
+                                   index=index if isinstance(index, int) else None)
             self._unconfirmed[str(paths.dir)] = pending
         return pending
 
@@ -646,15 +794,33 @@ def srun_argv(argv: tuple[str, ...], tasks: int) -> tuple[str, ...]:
 
 def batch_script(paths: JobPaths, attempt: int, argv: list[str], python: str, package_parent: str) -> str:
     """slurm.sh: check the job folder is visible on the node, then exec the node side of the attempt."""
-    q = shlex.quote
     return f"""#!/bin/sh
 # trainq job {paths.dir.name}, attempt {attempt}: written by the watcher and submitted with
 #   {shlex.join(argv)}
 # It runs the attempt's supervisor, which writes output.log, supervisor.json, heartbeat.json and exit.json in the
 # job folder.
-JOB_DIR={q(str(paths.dir))}
-if [ ! -r "$JOB_DIR/{paths.launch_spec.name}" ]; then
-  echo "trainq: job folder $JOB_DIR is not visible on Slurm node $(hostname): the queue root must be on a shared \
+JOB_DIR={shlex.quote(str(paths.dir))}
+{_node_side(attempt, python, package_parent)}"""
+
+
+def array_script(running: Path, sweep_id: str, attempt: int, argv: list[str], python: str,
+                 package_parent: str) -> str:
+    """The script of a sweep's job array: task ``i`` runs attempt ``attempt`` of job ``<sweep>-i``."""
+    return f"""#!/bin/sh
+# trainq sweep {sweep_id}, attempt {attempt} of its jobs as one Slurm job array: written by the watcher and
+# submitted with
+#   {shlex.join(argv)}
+# Task i runs job {sweep_id}-i's supervisor, which writes output.log, supervisor.json, heartbeat.json and
+# exit.json in that job's folder.
+JOB_DIR={shlex.quote(str(running / sweep_id) + "-")}"$SLURM_ARRAY_TASK_ID"
+{_node_side(attempt, python, package_parent)}"""
+
+
+def _node_side(attempt: int, python: str, package_parent: str) -> str:
+    """The part of slurm.sh after JOB_DIR: the shared-filesystem check, then the node side of the attempt."""
+    q = shlex.quote
+    return f"""if [ ! -r "$JOB_DIR/{JobPaths(Path()).launch_spec.name}" ]; then
+  echo "trainq: job folder $JOB_DIR is not visible on Slurm node $(hostname): the queue root must be on a shared \\
 filesystem that the watcher's machine and every node mount at the same path (NFS, Lustre, ...)" >&2
   exit {EXIT_NOT_SHARED}
 fi
@@ -662,6 +828,11 @@ PYTHONPATH={q(package_parent)}${{PYTHONPATH:+:$PYTHONPATH}}
 export PYTHONPATH
 exec {q(python)} -m trainq.watcher.node "$JOB_DIR" --attempt {attempt}
 """
+
+
+def _claimed_id(pending: _Unconfirmed) -> str:
+    """The Slurm job id the node's claim of this attempt names ("" while none has started it)."""
+    return str((read_json(pending.paths.slurm_claim(pending.attempt)) or {}).get("slurm_job_id") or "")
 
 
 def _with_slurm_view(record: dict, slurm_id: str, job: SlurmJob | None) -> dict:

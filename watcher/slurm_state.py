@@ -1,9 +1,11 @@
 """What Slurm says about trainq's batch jobs: the one squeue per poll, the tags, and how an ended job ended.
 
 * Every submission carries a tag in ``--comment``: ``trainq:<queue key>:<job id>:<attempt>:<token>``. The queue
-  key tells two queue roots of one user apart; the token tells two submissions of one attempt apart.
-* ``SqueueQuery`` is the poll: ONE ``squeue --me -t <live states>`` for all of the user's queued and running
-  jobs, whatever their number, run in the background so the watcher's loop never waits for the controller.
+  key tells two queue roots of one user apart; the token tells two submissions of one attempt apart. A sweep's
+  job array carries ``trainq:<queue key>:<sweep id>:array:<token>``; its task ``i`` is the sweep's job ``i``.
+* ``SqueueQuery`` is the poll: ONE ``squeue --me -r -t <live states>`` for all of the user's queued and running
+  jobs (``-r``: one line per array task, id ``<array id>_<index>``), whatever their number, run in the
+  background so the watcher's loop never waits for the controller.
   Jobs that left it are asked about once each with ``scontrol show job`` (state, exit code, node).
 * ``ended_outcome`` turns a batch job that ended without the supervisor's exit record into one.
 
@@ -36,6 +38,8 @@ RUNNING_STATES = frozenset({"CONFIGURING", "RUNNING", "SUSPENDED", "STOPPED", "R
 GONE = "GONE"
 #: tag prefix in --comment
 TAG_PREFIX = "trainq"
+#: the attempt field of a job array's tag (its tasks are the attempts of several jobs)
+ARRAY_TAG = "array"
 #: exit status of slurm.sh when the job folder is not visible on the node (sysexits EX_CONFIG)
 EXIT_NOT_SHARED = 78
 #: exit statuses of slurm.sh when the watcher's Python cannot be run on the node (as a shell reports it)
@@ -91,12 +95,48 @@ def make_tag(key: str, job_id: str, attempt: int, token: str) -> str:
     return f"{TAG_PREFIX}:{key}:{job_id.replace(':', '_')}:{attempt}:{token}"
 
 
+def make_array_tag(key: str, sweep_id: str, token: str) -> str:
+    """The --comment of one job array (a sweep's attempts submitted together)."""
+    return f"{TAG_PREFIX}:{key}:{sweep_id.replace(':', '_')}:{ARRAY_TAG}:{token}"
+
+
 def tag_attempt(tag: str, key: str) -> str | None:
     """``job:attempt`` of a tag of queue ``key`` (submissions of one attempt share it), else None."""
     parts = tag.split(":")
     if len(parts) != 5 or parts[0] != TAG_PREFIX or parts[1] != key:
         return None
     return f"{parts[2]}:{parts[3]}"
+
+
+def duplicate_key(slurm_id: str, tag: str, key: str) -> str | None:
+    """What two live Slurm jobs share when they run the same attempt: ``job:attempt`` for one job, and for a
+    task of a job array its tag and index (an array submitted twice under one tag has each task twice)."""
+    attempt = tag_attempt(tag, key)
+    if attempt is None or not attempt.endswith(f":{ARRAY_TAG}"):
+        return attempt
+    return f"{tag}#{array_index(slurm_id)}"
+
+
+def array_index(slurm_id: str) -> int | None:
+    """The task index of an array task's id ``<array id>_<index>``; None for a plain job id."""
+    base, sep, index = slurm_id.partition("_")
+    return int(index) if sep and base.isdigit() and index.isdigit() else None
+
+
+def array_task_id(array_id: str, index: int) -> str:
+    """Slurm's id of task ``index`` of job array ``array_id`` (what squeue -r, scontrol and scancel use)."""
+    return f"{array_id.partition('_')[0]}_{index}"
+
+
+def array_spec(indices: list[int]) -> str:
+    """``--array``'s index list, runs compressed: [1, 2, 3, 5, 7, 8] -> ``1-3,5,7-8``."""
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 class SqueueQuery:
@@ -109,7 +149,7 @@ class SqueueQuery:
         self.started = time.monotonic()
         self._out = tempfile.TemporaryFile()
         self._err = tempfile.TemporaryFile()
-        argv = [squeue, "--me", "-h", "-t", ",".join(sorted(LIVE_STATES)), "-o", self.FORMAT]
+        argv = [squeue, "--me", "-h", "-r", "-t", ",".join(sorted(LIVE_STATES)), "-o", self.FORMAT]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err,
                                      close_fds=True)
 
@@ -148,8 +188,8 @@ def show_job(slurm_id: str, timeout_s: float) -> SlurmJob | None:
         done = run(["scontrol", "-o", "show", "job", slurm_id], timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if done.returncode != 0:
-        return SlurmJob(GONE) if "Invalid job id" in done.stderr else None
+    if done.returncode != 0:  # a cancelled array task that never started leaves no record: "Job 12_3 not found"
+        return SlurmJob(GONE) if re.search(r"Invalid job id|^Job \S+ not found", done.stderr + done.stdout, re.M) else None
     fields = dict(_FIELD.findall(done.stdout))
     code, _, sig = fields.get("ExitCode", "").partition(":")
     return SlurmJob(fields.get("JobState", "UNKNOWN"), fields.get("Reason", ""), fields.get("BatchHost", ""),
@@ -159,7 +199,7 @@ def show_job(slurm_id: str, timeout_s: float) -> SlurmJob | None:
 
 def find_tagged(tag_prefix: str, timeout_s: float) -> list[tuple[str, SlurmJob]]:
     """Every job Slurm still knows (queued, running or recently ended) whose tag starts with ``tag_prefix``."""
-    done = run(["squeue", "--me", "-h", "-t", "all", "-o", SqueueQuery.FORMAT], timeout_s)
+    done = run(["squeue", "--me", "-h", "-r", "-t", "all", "-o", SqueueQuery.FORMAT], timeout_s)
     if done.returncode != 0:
         raise subprocess.CalledProcessError(done.returncode, "squeue", done.stdout, done.stderr)
     found = [(i, j) for i, j in parse_squeue(done.stdout).items() if j.comment.startswith(tag_prefix)]
@@ -175,8 +215,12 @@ def first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
-def id_order(slurm_id: str) -> tuple[int, str]:
-    return (int(slurm_id), "") if slurm_id.isdigit() else (0, slurm_id)
+def id_order(slurm_id: str) -> tuple[int, int, str]:
+    """Submission order: plain ids by number, an array's tasks by array id then index."""
+    base, _, index = slurm_id.partition("_")
+    if not base.isdigit():
+        return (0, 0, slurm_id)
+    return (int(base), int(index) if index.isdigit() else -1, "")
 
 
 def _read_all(f) -> str:

@@ -77,19 +77,22 @@ class Starting:
             self._all_wait(head, unavailable)
             return
         waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now)]
-        for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
-            job = self.jobs.get(decision.job_id)
-            if job is None or job.state is not JobState.PENDING:
-                continue
-            if decision.unsatisfiable:
-                self.guarded(job, "plan", self._fail_unsatisfiable, job, decision.unsatisfiable, now)
-            elif decision.start:
-                self.guarded(job, "start", self._launch, job, decision, now)
-            elif job.run.get("waiting_for") != decision.waiting_for:
-                job.run["waiting_for"] = decision.waiting_for
-                self.report.touch()
-            if self.disk_full is not None:
-                return
+        try:
+            for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
+                job = self.jobs.get(decision.job_id)
+                if job is None or job.state is not JobState.PENDING:
+                    continue
+                if decision.unsatisfiable:
+                    self.guarded(job, "plan", self._fail_unsatisfiable, job, decision.unsatisfiable, now)
+                elif decision.start:
+                    self.guarded(job, "start", self._launch, job, decision, now)
+                elif job.run.get("waiting_for") != decision.waiting_for:
+                    job.run["waiting_for"] = decision.waiting_for
+                    self.report.touch()
+                if self.disk_full is not None:
+                    return
+        finally:
+            self._flush_launches(now)
 
     def _per_job(self, jobs: list[Job], make, step: str) -> list:
         """``make(job)`` for each job, each inside its guard (a job whose value cannot be built is failed)."""
@@ -209,8 +212,10 @@ class Starting:
         job.run["started_at"] = job.run.get("started_at") or iso_utc(now)
         record = {"n": attempt, "pid": None, "job_pid": None, "started_at": iso_utc(now),
                   "resumed_from": resume_from, "gpus": list(decision.gpus)}
+        sweep = job.run.get("sweep") or {}
+        group = (sweep["id"], sweep["index"]) if sweep.get("id") and isinstance(sweep.get("index"), int) else None
         try:
-            record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.slurm))
+            record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.slurm, group))
         except ExecutorUnavailable as exc:
             self._unlaunch(job, str(exc))
             return
@@ -225,10 +230,33 @@ class Starting:
         job.unsaved_since = now  # written by watch_running once it has run a moment (finishing.py)
         job.health, job.last_activity, job.activity_sig, job.readers = "healthy", now, (), None
         gpus = ",".join(map(str, decision.gpus)) or "none"
-        where = f"slurm job {record['slurm_job_id']}" if record.get("slurm_job_id") else f"pid {record.get('pid')}"
+        if record.get("slurm_job_id"):
+            where = f"slurm job {record['slurm_job_id']}"
+        else:
+            where = f"pid {record['pid']}" if record.get("pid") else "Slurm job id not known yet"
         logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
         self.report.touch()
         self.deps_changed(job.id, now)
+
+    def _flush_launches(self, now: float) -> None:
+        """Submit the attempts the executor held back this pass (a sweep's jobs: one Slurm job array)."""
+        for job_id, slurm_id, error in self.executor.flush():
+            job = self.jobs.get(job_id)
+            if job is None or job.state is not JobState.RUNNING:
+                continue
+            self.guarded(job, "start", self._launched, job, slurm_id, error, now)
+
+    def _launched(self, job: Job, slurm_id: str | None, error: Exception | None, now: float) -> None:
+        """The held-back submission of ``job``'s attempt went out (or failed: the same paths as in ``_launch``)."""
+        if isinstance(error, ExecutorUnavailable):
+            job.run["attempts"].pop()
+            self._unlaunch(job, str(error))
+        elif error is not None:
+            self._finish(job, _spawn_outcome(str(error)), {"spawn_error": str(error)}, now)
+        elif slurm_id:
+            job.run["attempts"][-1]["slurm_job_id"] = slurm_id
+            job.run["slurm_job_id"] = slurm_id
+            self.report.touch()
 
     def _checked_executable(self, job: Job, values: dict) -> str | None:
         """The real path allow_commands approved, so exactly that is exec'd (None: no list, or a train job)."""
