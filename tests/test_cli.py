@@ -203,6 +203,20 @@ def _listed(queue_dir: Path) -> set[str]:
     return {j["id"] for j in status["jobs"]}
 
 
+def test_stop_with_a_sweep_id_stops_every_pending_and_running_job_of_the_sweep(queue_dir, watcher_process):
+    (queue_dir / "watcher.yaml").write_text(FAST + "max_concurrent: 2\n")
+    watcher_process()
+    grid = _job(queue_dir, "grid", "echo {x}; sleep 60", "sweep: {x: [1, 2, 3, 4]}\n")
+    assert trainq("submit", str(grid), root=queue_dir, check_rc=0).stdout.strip() == "sweep grid: jobs grid-1 … grid-4"
+    wait_until(lambda: _where(queue_dir, "grid-2") == "running", 30, what="two of the sweep running")
+    out = trainq("stop", "--now", "grid", root=queue_dir, check_rc=0)
+    assert out.stdout.strip() == "sweep grid: stop requested for 4 job(s) (grid-1 … grid-4), without the grace"
+    wait_until(lambda: all(_where(queue_dir, f"grid-{i}") == "failed" for i in range(1, 5)), 30, what="all stopped")
+    statuses = {json.loads((queue_dir / "failed" / f"grid-{i}" / "run.json").read_text())["status"] for i in range(1, 5)}
+    assert statuses == {"cancelled"}
+    assert "none of its 4 job(s) is pending or running" in trainq("stop", "grid", root=queue_dir, check_rc=2).stderr
+
+
 def test_submit_prints_the_job_id_and_rm_removes_pending_running_and_finished(queue_dir, watcher_process):
     (queue_dir / "watcher.yaml").write_text(FAST + "max_concurrent: 1\n")
     watcher_process()

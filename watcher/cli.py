@@ -102,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job finishes")
     p.set_defaults(func=cmd_logs)
 
-    p = sub.add_parser("stop", help="stop a job (touches its stop.flag)")
-    p.add_argument("id")
+    p = sub.add_parser("stop", help="stop a job, or every job of a sweep (touches their stop.flag)")
+    p.add_argument("id", help="a job id, or a sweep id for all of its pending and running jobs")
     p.add_argument("--now", action="store_true", help="skip the job's stop_grace (stop.flag holds `now`)")
     p.set_defaults(func=cmd_stop)
 
@@ -340,10 +340,35 @@ def _print_from(path: Path, offset: int) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from .manage import request_stop
+    from .manage import find_job, request_stop, sweeps_of
 
+    root = _root(args)
+    size = sweeps_of(root, args.id).get(args.id) if find_job(root, args.id) is None else None
+    if size:
+        return _stop_sweep(root, args.id, size, args.now)
     return _flag(args, ("pending", "running"), lambda path: request_stop(path, now=args.now),
                  "stop requested" + (", without the grace" if args.now else ""))
+
+
+def _stop_sweep(root: Path, sweep_id: str, size: int, now: bool) -> int:
+    """``trainq stop SWEEP``: a stop.flag in every pending or running job of the sweep (on Slurm: one scancel)."""
+    from .manage import find_job, request_stop
+
+    stopped, ended = [], 0
+    for index in range(1, size + 1):
+        found = find_job(root, f"{sweep_id}-{index}")
+        if found is not None and found.state in ("pending", "running"):
+            request_stop(found.path, now=now)
+            stopped.append(f"{sweep_id}-{index}")
+        else:
+            ended += 1
+    if not stopped:
+        return _fail(f"sweep {sweep_id}: none of its {size} job(s) is pending or running; nothing to stop",
+                     EXIT_INVALID)
+    listed = stopped[0] if len(stopped) == 1 else f"{stopped[0]} … {stopped[-1]}"
+    print(f"sweep {sweep_id}: stop requested for {len(stopped)} job(s) ({listed})"
+          + (", without the grace" if now else "") + (f"; {ended} already finished" if ended else ""))
+    return EXIT_OK
 
 
 def cmd_retry(args: argparse.Namespace) -> int:

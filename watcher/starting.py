@@ -24,7 +24,6 @@ from .contract import (
 from .errors import SpawnFailed
 from .executor import ExecutorUnavailable
 from .folders import JobState
-from .fsutil import remove_quietly
 from .diagnosis import Diagnosis, unsatisfiable_diagnosis
 from .jobs import Job, Outcome, resume_checkpoint
 from .supervisor import LaunchSpec
@@ -179,6 +178,9 @@ class Starting:
         self._retire(job, now)
 
     def _launch(self, job: Job, decision, now: float) -> None:
+        if job.paths.stop_flag.exists():  # stopped after the last flag scan (a retry's requeue clears its old flag)
+            self.cancel_pending(job, now)
+            return
         attempt = job.attempt + 1
         job.dir = self.folders.start(job.id)
         self.jobs.move(job, JobState.RUNNING)
@@ -187,7 +189,6 @@ class Starting:
         resume_from = resume_checkpoint(job) if job.run.get("resume_from") else None
         if attempt == 1 and job.spec.from_checkpoint and not job.spec.is_train:
             resume_from = job.spec.from_checkpoint  # a fork started from its parent's checkpoint (CONTRACT section 9)
-        remove_quietly(paths.stop_flag)  # a stop for an earlier attempt (the supervisor clears its own records)
         values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
                   **self.after_values(job)}
         problem = command_problem(job.spec, self.config.allow_commands, values, self.env.get("PATH", ""))
