@@ -803,6 +803,13 @@ def test_stopping_a_sweep_queued_in_slurm_is_one_scancel(queue_dir, watcher, tmp
     ids = [f"later-{i}" for i in range(1, 7)]
     tick_until(w, lambda: all(i in w.jobs and w.jobs[i].run.get("waiting_for") == "Slurm: BeginTime" for i in ids),
                20, "the sweep to wait in Slurm")
+    # status.json, `trainq status` and `trainq why` say why a launched job has not started: Slurm's reason
+    tick_until(w, lambda: (status_job(queue_dir, "later-3") or {}).get("waiting_for") == "Slurm: BeginTime", 10,
+               "status.json to show Slurm's reason")
+    for command in ("status", "why"):
+        shown = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), command]
+                               + (["later-3"] if command == "why" else []), capture_output=True, text=True, timeout=60)
+        assert "Slurm: BeginTime" in shown.stdout, shown.stdout
     for job_id in ids:
         (queue_dir / "running" / job_id / "stop.flag").touch()
     tick_until(w, lambda: all(finished(queue_dir, i) for i in ids), 20, "the sweep to be cancelled")

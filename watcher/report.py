@@ -229,7 +229,8 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
         "submitted_at": run.get("submitted_at"),
         "started_at": run.get("started_at"),
         "finished_at": run.get("finished_at"),
-        "waiting_for": run.get("waiting_for") if job.state is JobState.PENDING else None,
+        # a pending job's gate, or why a launched attempt has not started (Slurm's reason while it queues it)
+        "waiting_for": run.get("waiting_for") if job.state in (JobState.PENDING, JobState.RUNNING) else None,
         "health": job.health if job.state is JobState.RUNNING else None,
         "progress": progress,
         "dir": f"{job.state.value}/{job.id}",

@@ -202,6 +202,8 @@ def _reason(job: dict, wide: bool) -> Text:
         return Text(str(job.get("waiting_for") or "next to start"), style="yellow")
     if state == "awaiting_approval":
         return Text(str(job.get("approval_hint") or f"set approved: true in {job.get('dir')}"), style="magenta")
+    if state == "running" and job.get("waiting_for"):  # launched, not started yet (queued in Slurm)
+        return Text(str(job["waiting_for"]), style="yellow")
     if state == "running":
         p = job.get("progress") or {}
         parts = [str(job.get("health") or job.get("status"))]

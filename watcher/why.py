@@ -129,8 +129,9 @@ def _running(root: Path, found: Found, now: float) -> list[str]:
         lines.append(f"  step {progress['step']}{total}, loss {progress.get('loss')}{eta}")
     if run.get("status") == "stopping":
         lines.append(f"  stopping since {run.get('stop_requested_at')}: waiting for it to checkpoint and exit")
-    if run.get("waiting_for"):
-        lines.append(f"  {run['waiting_for']}")
+    waiting = entry.get("waiting_for") if entry else run.get("waiting_for")  # status.json is the newer
+    if waiting:
+        lines.append(f"  {waiting}")
     return lines
 
 
