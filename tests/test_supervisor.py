@@ -20,7 +20,8 @@ import pytest
 from conftest import wait_until
 from trainq.watcher.contract import ENV_JOB_DIR, JobPaths
 from trainq.watcher.errors import SpawnFailed
-from trainq.watcher.supervisor import LaunchSpec, Supervisor, install_watcher_signal_handlers
+from trainq.watcher.signals import install_watcher_signal_handlers
+from trainq.watcher.supervisor import LaunchSpec, Supervisor
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).resolve().parent / "fake_trainers"

@@ -33,7 +33,7 @@ from .starting import Starting
 from .report import Report
 from .resources import ResourceProbe
 from .executor import make_executor
-from .supervisor import install_watcher_signal_handlers
+from .signals import install_watcher_signal_handlers
 from .units import iso_utc
 
 logger = logging.getLogger(__name__)

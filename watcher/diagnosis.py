@@ -21,7 +21,7 @@ EVIDENCE_MAX_CHARS = 300
 UNKNOWN_EVIDENCE_MAX_CHARS = 400
 #: how much of the kernel ring buffer read_kernel_log keeps (bytes)
 KERNEL_LOG_MAX_BYTES = 256 * 1024
-#: signal numbers on Linux (diagnosis must not import ``signal``: supervisor.py owns it)
+#: signal numbers on Linux (diagnosis must not import ``signal``: the supervisor package owns it)
 SIGKILL = 9
 SIGTERM = 15
 

@@ -12,7 +12,7 @@ removes ``hook.json``: its conclusion is a new one.
 The runner is a child subreaper and waits for the hook and everything it started; what still runs at
 ``HOOK_TIMEOUT_S`` (its process group and any orphan, double-forked or not) is killed; its output goes to
 ``hook.log``; its outcome to ``hook.json``. It never touches run.json, so it never changes the
-job's status. (This module imports subprocess and signal besides supervisor.py: the runner is a
+job's status. (This module imports subprocess and signal besides the supervisor package: the runner is a
 process of its own, like the supervisor, and shares nothing with the watcher's supervision.)
 """
 from __future__ import annotations

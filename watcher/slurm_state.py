@@ -57,7 +57,7 @@ REFUSED = re.compile(
 NO_ANSWER = re.compile(r"Socket timed out|Zero Bytes were transmitted|Communication connection failure"
                        r"|slurm_persist_conn", re.IGNORECASE)
 _FIELD = re.compile(r"(\w+)=(\S*)")
-#: signal numbers on Linux (only supervisor.py imports ``signal``)
+#: signal numbers on Linux (slurm_state does not import ``signal``: the supervisor package owns it)
 SIGKILL, SIGTERM = 9, 15
 SIGNAL_NAMES = MappingProxyType({SIGKILL: "SIGKILL", SIGTERM: "SIGTERM"})
 

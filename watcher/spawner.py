@@ -18,7 +18,7 @@ Protocol over the helper's stdin/stdout, one JSON object per line:
                     and ``{"exited": N}`` whenever a supervisor it forked has been reaped.
 The helper exits when its stdin closes or its parent (the watcher) is gone.
 
-Like supervisor.py, this module starts processes, so it imports ``subprocess`` and ``signal``.
+Like the supervisor package, this module starts processes, so it imports ``subprocess`` and ``signal``.
 """
 from __future__ import annotations
 

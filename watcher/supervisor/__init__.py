@@ -1,0 +1,58 @@
+"""Every job attempt runs under its own small supervisor process, so the watcher can die or restart freely.
+
+A supervisor detaches (own session, no inherited fds, default signal dispositions), becomes a child
+subreaper, takes the job's lock, starts the job with its output going straight to ``output.log``,
+writes the start record, watches stop.flag / timeout / its own SIGTERM, escalates stop → SIGTERM →
+SIGKILL over its whole process tree, and writes the exit record only once every process of the
+attempt is gone; then it releases the lock. "Lock held" means "attempt alive".
+
+``Supervisor.launch`` either forks one on the spot (taking the lock before the fork) or, with
+``keep_warm`` (the spawner helper), hands the job to a ``SupervisorPool`` member forked and detached
+ahead of time, which answers once it holds the lock. A pooled supervisor runs one attempt at a time
+and then waits for the next instead of exiting: a trivial attempt then costs no fork, no detaching
+and no process teardown.
+
+Where things are:
+
+- ``attempt.py``: one attempt's supervision: ``LaunchSpec``, taking the job's lock, the supervise /
+  watch / stop / escalate loop, the start and exit records, the notes in output.log, and
+  ``run_in_foreground`` with the ``python -m trainq.watcher.supervisor`` entry point (``main``).
+- ``pool.py``: ``Supervisor`` (the watcher's handle: launch, reap, query) and ``SupervisorPool`` with
+  its pooled members; forking and detaching a supervisor.
+- ``leftovers.py``: liveness (``is_alive``, ``lock_state``), the process tree, the boot id, and
+  ``kill_leftovers`` for a job whose supervisor died.
+
+The watcher's own signal handlers live beside the daemon, in watcher/signals.py.
+
+This package starts and signals the jobs' processes, so it imports ``subprocess`` and ``signal``.
+Elsewhere in the watcher only watcher/signals.py (the watcher's own handlers), spawner.py (the helper
+that launches supervisors) and hooks.py (the hook runner, a process of its own) import ``signal``, the
+last two ``subprocess`` too; slurm.py and slurm_state.py (Slurm's commands), demo.py and edit.py
+import ``subprocess`` only.
+"""
+from trainq.watcher.supervisor.attempt import LaunchSpec, main, open_job_log, run_in_foreground, shell_status
+from trainq.watcher.supervisor.leftovers import (
+    boot_id,
+    is_alive,
+    is_this_boot,
+    kill_leftovers,
+    lock_state,
+    process_tree,
+)
+from trainq.watcher.supervisor.pool import Supervisor, SupervisorPool
+
+__all__ = [
+    "LaunchSpec",
+    "Supervisor",
+    "SupervisorPool",
+    "boot_id",
+    "is_alive",
+    "is_this_boot",
+    "kill_leftovers",
+    "lock_state",
+    "main",
+    "open_job_log",
+    "process_tree",
+    "run_in_foreground",
+    "shell_status",
+]

@@ -1,0 +1,217 @@
+"""Liveness and leftovers: whether an attempt's supervisor lives, its process tree, and what a dead one left running.
+
+"Lock held" means "attempt alive" (``is_alive``, ``lock_state``; the start record where flock does not
+work). ``kill_leftovers`` SIGKILLs the processes of a job whose supervisor died, and never a stranger's:
+a start record from another boot signals nothing, and the job's process group counts only while its
+leader is the very process the record names. The process-tree helpers (``_descendants``) serve the
+supervisor too (attempt.py). This module imports nothing else of the supervisor package.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+
+from trainq.watcher.contract import ENV_JOB_DIR, JobPaths
+from trainq.watcher.fsutil import read_json
+
+logger = logging.getLogger(__name__)
+
+#: how long kill_leftovers keeps killing a job tree that forks while being killed (s)
+LEFTOVER_KILL_DEADLINE_S = 5.0
+
+#: pause between kill_leftovers passes (s)
+LEFTOVER_RESCAN_S = 0.02
+
+#: names the current boot; a new value after every reboot (Linux)
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+
+#: a process whose start time is this close to the recorded one is the recorded process (s)
+START_TIME_TOLERANCE_S = 0.05
+
+#: boot times (for records without a boot id) this close are the same boot (s)
+BOOT_TIME_TOLERANCE_S = 2.0
+
+
+def is_alive(paths: JobPaths) -> bool:
+    """True iff a supervisor holds ``paths.lock``; where flock does not work, iff the recorded supervisor runs here."""
+    held = lock_state(paths)
+    if held is None:
+        return _recorded_supervisor_runs(paths)
+    return held
+
+
+def lock_state(paths: JobPaths) -> bool | None:
+    """True: a supervisor holds ``paths.lock``; False: none does; None: flock does not work on this filesystem.
+
+    Probes with a fresh open file and a shared lock (two probes at once must not see each other), released at once.
+    """
+    try:
+        fd = os.open(paths.lock, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None  # ENOLCK (NFS without a lock manager), EOPNOTSUPP/ENOSYS (Lustre without -o flock), ...
+    finally:
+        os.close(fd)  # closing drops our probe lock too
+    return False
+
+
+def _recorded_supervisor_runs(paths: JobPaths) -> bool:
+    """The start record's supervisor pid runs on this machine, started no later than the job (pid reuse guard)."""
+    started = read_json(paths.started) or {}
+    try:
+        proc = psutil.Process(int(started["supervisor_pid"]))
+        born = started.get("job_create_time")
+        return proc.status() != psutil.STATUS_ZOMBIE and (born is None or proc.create_time() <= born + 0.01)
+    except (KeyError, TypeError, ValueError, psutil.Error):
+        return False
+
+
+def process_tree(paths: JobPaths) -> list[int]:
+    """Pids of the live supervisor's descendants; [] when no supervisor is alive."""
+    started = read_json(paths.started)
+    if not started or not is_alive(paths):
+        return []
+    return _descendants(int(started["supervisor_pid"]))
+
+
+def kill_leftovers(paths: JobPaths) -> int:
+    """SIGKILL every process whose TRAINQ_JOB_DIR is this job folder (or in the job's process group).
+
+    For a supervisor that died while its job lives on; call it before moving the job folder. Repeats until
+    nothing is left (a job may fork while being killed) or LEFTOVER_KILL_DEADLINE_S passes. Never signals
+    a stranger: a start record from another boot means nothing of the job can be alive, and the process
+    group counts only while its leader is the very process the record names (same start time).
+    """
+    killed: set[int] = set()
+    deadline = time.monotonic() + LEFTOVER_KILL_DEADLINE_S
+    while True:
+        found = _leftover_pids(paths)
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            logger.warning("job %s: processes still alive after %.0f s of SIGKILL: %s",
+                           paths.dir.name, LEFTOVER_KILL_DEADLINE_S, sorted(found))
+            break
+        time.sleep(LEFTOVER_RESCAN_S)
+    if killed:
+        logger.info("job %s: killed %d leftover processes %s", paths.dir.name, len(killed), sorted(killed))
+    return len(killed)
+
+
+def _leftover_pids(paths: JobPaths) -> set[int]:
+    """Live (non-zombie) processes that belong to the job folder ``paths.dir``."""
+    job_dirs = {os.path.normpath(str(paths.dir)), os.path.realpath(paths.dir)}
+    started = read_json(paths.started) or {}
+    if not is_this_boot(started):
+        logger.info("job %s: its start record is from an earlier boot, so none of its processes can be alive; "
+                    "signalling nothing", paths.dir.name)
+        return set()
+    pgid, born = _job_group(started), started.get("job_create_time")
+    found = set()
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if _in_job_group(proc, pgid, born) or _has_job_dir(proc, job_dirs):
+                found.add(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def boot_id() -> str | None:
+    """This boot's id (Linux), or None where there is none."""
+    try:
+        return BOOT_ID_PATH.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def is_this_boot(started: dict) -> bool:
+    """False when a start record provably comes from another boot (boot id, or boot time for older records)."""
+    recorded, current = started.get("boot_id"), boot_id()
+    if recorded and current:
+        return recorded == current
+    boot_time = started.get("boot_time")
+    if isinstance(boot_time, (int, float)):
+        return abs(boot_time - psutil.boot_time()) <= BOOT_TIME_TOLERANCE_S
+    return True
+
+
+def _job_group(started: dict) -> int | None:
+    """The recorded process group id, while its leader is still the recorded job process; else None.
+
+    A pid is reused once its process is gone: a live leader with another start time is a stranger's
+    group. With the leader gone, only TRAINQ_JOB_DIR identifies the job's processes.
+    """
+    pgid, born = started.get("pgid"), started.get("job_create_time")
+    if not isinstance(pgid, int) or pgid <= 1 or not isinstance(born, (int, float)):
+        return None
+    try:
+        leader_born = psutil.Process(pgid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return pgid if abs(leader_born - born) <= START_TIME_TOLERANCE_S else None
+
+
+def _has_job_dir(proc: psutil.Process, job_dirs: set[str]) -> bool:
+    """True when the process's environment names one of ``job_dirs`` as TRAINQ_JOB_DIR."""
+    value = proc.environ().get(ENV_JOB_DIR)
+    return bool(value) and (os.path.normpath(value) in job_dirs or os.path.realpath(value) in job_dirs)
+
+
+def _in_job_group(proc: psutil.Process, pgid: int | None, born: float | None) -> bool:
+    """True for a member of the job's process group created no earlier than the job (pid reuse guard)."""
+    if not pgid or born is None:
+        return False
+    return os.getpgid(proc.pid) == pgid and proc.create_time() >= born - 0.01
+
+
+def _descendants(root: int) -> list[int]:
+    """Every descendant of ``root`` (zombies included), read from /proc's children lists."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        try:
+            return [p.pid for p in psutil.Process(root).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+    found, todo = [], [root]
+    while todo:
+        kids = _children_of(todo.pop())
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
+def _children_of(pid: int) -> list[int]:
+    """Direct children of ``pid``, from every one of its threads."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    kids = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                kids.extend(int(k) for k in f.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return kids

@@ -1,0 +1,440 @@
+"""The watcher's handle on supervisors (``Supervisor``) and the warm pool (``SupervisorPool``).
+
+``Supervisor.launch`` either forks a supervisor on the spot (taking the job's lock before the fork) or,
+with ``keep_warm`` (the spawner helper), hands the job to a ``SupervisorPool`` member forked and detached
+ahead of time, which answers once it holds the lock. Either way the supervisor detaches (own session, no
+inherited fds, default signal dispositions), runs the attempt (attempt.py's ``_supervise``), and releases
+the lock once the exit record can be read. A pooled supervisor then waits for the next attempt.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import gc
+import json
+import logging
+import os
+import select
+import signal
+import time
+from pathlib import Path
+from typing import Callable, NoReturn
+
+from trainq.watcher.contract import JobPaths
+from trainq.watcher.errors import SpawnFailed
+from trainq.watcher.fsutil import read_json, remove_quietly
+from trainq.watcher.supervisor.attempt import (
+    SUPERVISOR_STOP_SIGNALS,
+    LaunchSpec,
+    _die_reporting,
+    _load_prctl,
+    _reset_signals,
+    _supervise,
+    _take_lock,
+    open_job_log,
+)
+from trainq.watcher.supervisor.leftovers import is_alive, kill_leftovers, process_tree
+
+logger = logging.getLogger(__name__)
+
+#: exit status of a supervisor that hit an internal error (sysexits EX_SOFTWARE); no exit record then
+EXIT_SUPERVISOR_ERROR = 70
+
+#: attempts one pooled supervisor runs before it leaves (bounds anything it might accumulate)
+POOLED_MAX_ATTEMPTS = 1000
+
+#: pooled supervisors kept waiting; more than that leave when their attempt ends
+POOL_IDLE_MAX = 4
+
+
+class Supervisor:
+    """The watcher's handle on supervisors: launch them, reap the ones it forked, and query any attempt.
+
+    ``notify_fd`` (non-blocking, write end of a pipe) gets one byte from each supervisor the moment its
+    exit record can be read, so whoever reads the other end learns of the exit without waiting for the
+    process to end. With ``keep_warm`` launches go to a pool of supervisors forked and detached ahead
+    of time (``SupervisorPool``); each supervises one attempt at a time and waits for the next after it.
+    """
+
+    def __init__(self, notify_fd: int | None = None, *, keep_warm: bool = False) -> None:
+        self._children: set[int] = set()
+        self._notify_fd = notify_fd
+        # resolved before any fork: dlopen in a child forked from a threaded process could deadlock
+        self._prctl = _load_prctl()
+        self.pool = SupervisorPool(self._prctl, notify_fd) if keep_warm else None
+
+    def launch(self, spec: LaunchSpec) -> int:
+        """Take the job's lock and fork its supervisor, or hand the job to a waiting one; its pid (a few ms)."""
+        spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir))
+        pid = self.pool.launch(spec) if self.pool is not None else None
+        if pid is not None:
+            return pid
+        paths = JobPaths(Path(spec.job_dir))
+        lock_fd, _ = _take_lock(paths, spec.attempt)
+        try:
+            _clear_records(paths)  # safe: we hold the lock, so no supervisor of this job runs to write them
+            pid = os.fork()
+        except OSError as exc:
+            os.close(lock_fd)
+            raise SpawnFailed(f"{paths.dir}: cannot fork a supervisor for attempt {spec.attempt}: {exc}") from exc
+        if pid == 0:
+            _child_main(spec, lock_fd, self._prctl, self._notify_fd)
+        os.close(lock_fd)  # the child keeps the lock; ours must not outlive this call
+        self._children.add(pid)
+        logger.debug("job %s: supervisor %d forked (attempt %d)", paths.dir.name, pid, spec.attempt)
+        return pid
+
+    def warm_up(self) -> None:
+        """With ``keep_warm``: make sure a supervisor waits for the next launch."""
+        if self.pool is not None:
+            self.pool.warm_up()
+
+    def wait_fds(self) -> list[int]:
+        """Fds that become readable when a pooled supervisor is free again (select on them, then ``reap``)."""
+        return self.pool.wait_fds() if self.pool is not None else []
+
+    @property
+    def forked_pids(self) -> frozenset[int]:
+        """Supervisors this process forked and has not reaped yet."""
+        return frozenset(self._children)
+
+    def reap(self) -> list[int]:
+        """Collect every supervisor this process forked that has exited; never blocks."""
+        reaped = self.pool.reap() if self.pool is not None else []
+        for pid in sorted(self._children):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid  # someone else reaped it
+            if done:
+                reaped.append(pid)
+        self._children.difference_update(reaped)
+        return reaped
+
+    @staticmethod
+    def is_alive(paths: JobPaths) -> bool:
+        """True iff a supervisor holds the job's lock (never trusts a bare pid)."""
+        return is_alive(paths)
+
+    @staticmethod
+    def read_started(paths: JobPaths) -> dict | None:
+        """The start record, or None when the attempt never started."""
+        return read_json(paths.started)
+
+    @staticmethod
+    def read_exit(paths: JobPaths) -> dict | None:
+        """The exit record, or None while the attempt runs (or if its supervisor died)."""
+        return read_json(paths.exit_record)
+
+    @staticmethod
+    def kill_leftovers(paths: JobPaths) -> int:
+        """SIGKILL every process of a job whose supervisor died; returns how many were killed."""
+        return kill_leftovers(paths)
+
+    @staticmethod
+    def process_tree(paths: JobPaths) -> list[int]:
+        """Pids of the live supervisor's descendants (the job and everything it started)."""
+        return process_tree(paths)
+
+
+class SupervisorPool:
+    """Supervisors forked and detached ahead of time; each runs one attempt at a time, then waits again.
+
+    Forking, detaching and tearing down a process for every attempt is most of what a trivial job
+    costs (page-table copies and copy-on-write faults). A pooled supervisor is still one process per
+    running attempt, holds that job's lock only while it runs, and outlives the watcher and the
+    helper like any other; it just is not thrown away afterwards. At most POOL_IDLE_MAX wait.
+    """
+
+    def __init__(self, prctl: Callable[..., int] | None, notify_fd: int | None) -> None:
+        self._prctl = prctl
+        self._notify_fd = notify_fd
+        self._idle: list[_Warm] = []
+        self._busy: dict[int, _Warm] = {}
+        self._leaving: list[_Warm] = []  # let go (surplus); reaped once they have left
+
+    def launch(self, spec: LaunchSpec) -> int | None:
+        """Hand ``spec`` to a waiting supervisor: its pid once it holds the lock; None when none answered."""
+        self.reap()
+        if not self._idle:
+            self.warm_up()
+        while self._idle:
+            warm = self._idle.pop()
+            try:
+                reply = warm.assign(spec)
+            except _WarmGone:
+                warm.discard()
+                continue
+            if "error" in reply:
+                self._idle.append(warm)  # it did not take the job and waits for the next one
+                raise SpawnFailed(reply["error"])
+            self._busy[warm.pid] = warm
+            return warm.pid
+        return None
+
+    def warm_up(self) -> None:
+        """Make sure one supervisor waits for the next launch."""
+        if self._idle:
+            return
+        to_child_r, to_child_w = os.pipe2(os.O_CLOEXEC)
+        from_child_r, from_child_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
+                os.close(fd)
+            logger.warning("cannot fork a pooled supervisor (%s); launches fork on demand", exc)
+            return
+        if pid == 0:
+            _warm_main(to_child_r, from_child_w, self._prctl, self._notify_fd)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self._idle.append(_Warm(pid, to_child_w, from_child_r))
+
+    def wait_fds(self) -> list[int]:
+        return [warm.replies for warm in self._busy.values()]
+
+    def reap(self) -> list[int]:
+        """Take back supervisors whose attempt is over; reap pooled ones that exited (their pids)."""
+        for pid, warm in list(self._busy.items()):
+            message = warm.next_message()
+            if message is not None and "idle" in message:
+                del self._busy[pid]
+                if len(self._idle) < POOL_IDLE_MAX:
+                    self._idle.append(warm)
+                else:
+                    warm.close()  # it reads end of file and leaves
+                    self._leaving.append(warm)
+        exited = []
+        for warm in self._idle + list(self._busy.values()) + self._leaving:
+            try:
+                done, _ = os.waitpid(warm.pid, os.WNOHANG)
+            except ChildProcessError:
+                done = warm.pid
+            if done:
+                exited.append(warm.pid)
+        if exited:
+            gone = set(exited)
+            for warm in [w for w in self._idle + list(self._busy.values()) if w.pid in gone]:
+                warm.close()
+            self._idle = [w for w in self._idle if w.pid not in gone]
+            self._busy = {p: w for p, w in self._busy.items() if p not in gone}
+            self._leaving = [w for w in self._leaving if w.pid not in gone]
+        return exited
+
+
+class _WarmGone(Exception):
+    """A pooled supervisor did not answer (it died, or hangs)."""
+
+
+class _Warm:
+    """The launching side's handle on one pooled supervisor: its request pipe and its reply pipe."""
+
+    #: how long a pooled supervisor may take to lock the job and answer (seconds); under the watcher's
+    #: wait for the helper (spawner.REPLY_TIMEOUT_S), so the fallback fork still fits in it
+    REPLY_TIMEOUT_S = 2.0
+
+    def __init__(self, pid: int, requests: int, replies: int) -> None:
+        self.pid, self.requests, self.replies = pid, requests, replies
+        os.set_blocking(replies, False)
+        self._buffer = b""
+        self.gone = False
+
+    def assign(self, spec: LaunchSpec) -> dict:
+        """Send the launch request; its one-line answer. _WarmGone when none comes."""
+        try:
+            _reply(self.requests, spec.to_dict())
+        except OSError:
+            raise _WarmGone() from None
+        deadline = time.monotonic() + self.REPLY_TIMEOUT_S
+        while True:
+            message = self.next_message()
+            if message is not None:
+                return message
+            remaining = deadline - time.monotonic()
+            if self.gone or remaining <= 0:
+                raise _WarmGone()
+            select.select([self.replies], [], [], remaining)
+
+    def next_message(self) -> dict | None:
+        """The next line it wrote, without blocking; None when there is none (``gone`` at end of file)."""
+        while b"\n" not in self._buffer:
+            try:
+                chunk = os.read(self.replies, 4096)
+            except BlockingIOError:
+                return None
+            if not chunk:
+                self.gone = True
+                return None
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def discard(self) -> None:
+        """Kill and reap a supervisor that failed to answer; a lock it took dies with it."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        self.close()
+
+    def close(self) -> None:
+        """Close our ends: an idle supervisor reads end of file and leaves."""
+        for fd in (self.requests, self.replies):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.requests = self.replies = -1
+
+
+def _reply(fd: int, message: dict) -> None:
+    data = json.dumps(message).encode() + b"\n"
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _reply_quietly(fd: int, message: dict) -> bool:
+    """``_reply``; False when the reader is gone."""
+    try:
+        _reply(fd, message)
+    except OSError:
+        return False
+    return True
+
+
+def _clear_records(paths: JobPaths) -> None:
+    """Remove the previous attempt's start and exit records (the caller holds the job's lock)."""
+    remove_quietly(paths.exit_record)
+    remove_quietly(paths.started)
+
+
+# ---------------------------------------------------------------- inside a forked supervisor
+
+
+def _child_main(spec: LaunchSpec, lock_fd: int, prctl: Callable[..., int] | None,
+                notify_fd: int | None) -> NoReturn:
+    """Body of the forked child: never returns into the watcher's code, never runs atexit handlers."""
+    code = EXIT_SUPERVISOR_ERROR
+    log_fd = 2
+    try:
+        lock_fd, notify_fd = _detach(lock_fd, notify_fd)
+        log_fd = _open_log(spec)
+        _supervise(spec, log_fd, prctl, lambda: _end_attempt(lock_fd, notify_fd))
+        code = 0
+    except BaseException:  # noqa: BLE001 - anything at all: report it and leave without the watcher's code
+        _die_reporting(log_fd)
+    finally:
+        os._exit(code)
+
+
+def _warm_main(requests: int, replies: int, prctl: Callable[..., int] | None, notify_fd: int | None) -> NoReturn:
+    """Body of a pooled supervisor: detach now, then supervise one requested attempt after another.
+
+    A request is one JSON line (``LaunchSpec.to_dict``). The answer is ``{"pid": ...}`` once the job's
+    lock is held and output.log open, or ``{"error": ...}``. After an attempt's exit record is written
+    (and the lock released) it says ``{"idle": ...}`` and waits again. It leaves at end of file on
+    ``requests`` (the pool let it go, or the helper is gone), after POOLED_MAX_ATTEMPTS attempts, or
+    after an attempt it was told to stop by a signal.
+    """
+    code = EXIT_SUPERVISOR_ERROR
+    log_fd = 2
+    try:
+        requests, replies, notify_fd = _detach(requests, replies, notify_fd)
+        gc.freeze()  # what we inherited is never collected (it may name fds we closed); our own garbage is
+        gc.enable()
+        for _ in range(POOLED_MAX_ATTEMPTS):
+            taken = _await_job(requests, replies)
+            if taken is None:
+                break
+            spec, lock_fd, log_fd = taken
+            record = _supervise(spec, log_fd, prctl, lambda: _end_attempt(lock_fd, notify_fd))
+            log_fd = _quiet_stdio()
+            if record.get("stop_reason") == "sigterm" or not _reply_quietly(replies, {"idle": os.getpid()}):
+                break  # we were told to stop, or nobody will send another job
+        code = 0
+    except BaseException:  # noqa: BLE001 - as in _child_main
+        _die_reporting(log_fd)
+    finally:
+        os._exit(code)
+
+
+def _quiet_stdio() -> int:
+    """Between attempts: stdout and stderr back on /dev/null, the stop signals back to default."""
+    devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    for sig in SUPERVISOR_STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    return 2
+
+
+def _await_job(requests: int, replies: int) -> tuple[LaunchSpec, int, int] | None:
+    """Read requests until one can be taken: (spec, lock fd, log fd); None at end of file."""
+    pending = b""
+    while True:
+        while b"\n" not in pending:
+            chunk = os.read(requests, 65536)
+            if not chunk:
+                return None
+            pending += chunk
+        line, _, pending = pending.partition(b"\n")
+        try:
+            spec = LaunchSpec.from_dict(json.loads(line))
+            paths = JobPaths(Path(spec.job_dir))
+            lock_fd, _ = _take_lock(paths, spec.attempt)
+        except (SpawnFailed, ValueError, TypeError) as exc:
+            _reply(replies, {"error": str(exc)})
+            continue
+        try:
+            _clear_records(paths)
+            log_fd = _open_log(spec)
+        except OSError as exc:
+            os.close(lock_fd)
+            _reply(replies, {"error": f"{paths.log}: cannot open the job's log ({exc.strerror})"})
+            continue
+        _reply(replies, {"pid": os.getpid()})
+        return spec, lock_fd, log_fd
+
+
+def _detach(*keep: int | None) -> tuple[int | None, ...]:
+    """Own session, default signals, stdio on /dev/null, every inherited fd closed but ``keep``.
+
+    Returns the kept fds' numbers, each moved above 2 where needed (None stays None).
+    """
+    signal.set_wakeup_fd(-1)  # first: the watcher's wakeup pipe must never hear about our signals
+    _reset_signals()
+    gc.disable()  # collecting the watcher's objects here could close fds that the numbers now name
+    os.setsid()
+    kept = tuple(fd if fd is None or fd > 2 else fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3) for fd in keep)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for std in (0, 1, 2):
+        os.dup2(devnull, std)
+    # the watcher's other job locks, root lock, inotify and pipes must not live on in this process
+    low = 3
+    for fd in sorted(fd for fd in kept if fd is not None):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, max(os.sysconf("SC_OPEN_MAX"), low + 1))
+    return kept
+
+
+def _open_log(spec: LaunchSpec) -> int:
+    """output.log (appended to) on stdout and stderr; returns 1, the fd supervisor notes go to."""
+    log = open_job_log(JobPaths(Path(spec.job_dir)).log)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    return 1
+
+
+def _end_attempt(lock_fd: int, notify_fd: int | None) -> None:
+    """The exit record can be read: release the lock (the attempt is over) and say so on ``notify_fd``."""
+    os.close(lock_fd)
+    if notify_fd is not None:
+        try:
+            os.write(notify_fd, b"e")
+        except OSError:
+            pass  # full (a wake-up is pending anyway) or nobody reads any more
