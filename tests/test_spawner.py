@@ -39,6 +39,15 @@ def test_launches_go_through_the_helper_and_exits_are_announced(tmp_path):
         sup.close()
 
 
+def _blocked_reading_a_pipe(pid: int) -> bool:
+    """The kernel says ``pid`` sleeps in a pipe read (``/proc/PID/wchan``: pipe_read, anon_pipe_read, ...)."""
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return False
+    return "pipe" in wchan and "read" in wchan
+
+
 def test_a_pooled_supervisor_runs_one_attempt_after_another(tmp_path):
     sup = SpawningSupervisor()
     try:
@@ -46,6 +55,9 @@ def test_a_pooled_supervisor_runs_one_attempt_after_another(tmp_path):
         pid = sup.launch(first)
         first_paths = JobPaths(Path(first.job_dir))
         wait_until(lambda: sup.read_exit(first_paths), 10)
+        # it writes the exit record, then says "idle" and blocks reading its next request; a launch before
+        # that rightly gets a freshly forked supervisor (the test flaked so on a loaded machine)
+        wait_until(lambda: _blocked_reading_a_pipe(pid), 10, what="the first supervisor to wait for more work")
         second = spec_for(tmp_path, "second", ("sh", "-c", "echo two"))
         wait_until(lambda: sup.reap() is not None and sup.launch(second), 10, what="the second launch")
         second_paths = JobPaths(Path(second.job_dir))
