@@ -654,13 +654,31 @@ def test_a_sigkill_the_supervisor_saw_is_an_oom_when_slurms_record_says_out_of_m
     paths.dir.mkdir()
     paths.log.write_text("step 1\n")
     record = {"attempt": 1, "exit_code": None, "signal": 9, "signal_name": "SIGKILL", "stop_reason": None}
-    seen = _with_slurm_view(record, "77", SlurmJob("OUT_OF_MEMORY", "OutOfMemory", "node3"))
+    seen = _with_slurm_view(record, "77", SlurmJob("OUT_OF_MEMORY", "OutOfMemory", "node3"), paths)
     assert seen["slurm_job_id"] == "77" and seen["slurm_state"] == "OUT_OF_MEMORY"
     outcome = judge_exit({"status": "running"}, seen, paths)
     assert (outcome.status, outcome.diagnosis.kind) == ("failed", "oom")
     assert "node3" in outcome.diagnosis.evidence
-    plain = judge_exit({"status": "running"}, _with_slurm_view(record, "78", SlurmJob("FAILED")), paths)
+    plain = judge_exit({"status": "running"}, _with_slurm_view(record, "78", SlurmJob("FAILED"), paths), paths)
     assert plain.diagnosis.kind == "killed"  # no OOM evidence from Slurm, and this host's kernel log is not asked
+    # without cgroups Slurm's OverMemoryKill ends the job FAILED; only its output file says it was the memory
+    (paths.dir / "slurm-79.out").write_text("slurmstepd-n1: error: StepId=79.batch exceeded memory limit "
+                                            "(644571136 > 104857600), being killed\n")
+    killed = judge_exit({"status": "running"}, _with_slurm_view(record, "79", SlurmJob("FAILED"), paths), paths)
+    assert killed.diagnosis.kind == "oom" and "exceeded memory limit" in killed.diagnosis.evidence
+
+
+def test_a_job_over_its_memory_is_killed_by_slurm_and_diagnosed_oom(queue_dir, watcher):
+    """A real Slurm memory kill: resources.ram_gb 0.1 (--mem=103M), the job touches 600 MB; the test cluster
+    enforces --mem with JobAcctGatherParams=OverMemoryKill (no cgroups here), which ends the job FAILED."""
+    w = watcher(**SLURM)
+    hog = "x = bytearray(600 << 20); x[::4096] = b'1' * len(x[::4096]); import time; time.sleep(30)"
+    drop(queue_dir, "hog.yaml", job_file(command=[PY, "-c", hog], resources={"ram_gb": 0.1}))
+    done = tick_until(w, lambda: finished(queue_dir, "hog"), 90, "Slurm to kill hog for its memory")
+    run = run_json(done)
+    assert "--mem=103M" in json.loads((done / "slurm.json").read_text())["sbatch"]
+    assert run["status"] == "failed" and run["diagnosis"]["kind"] == "oom", run
+    assert "memory limit" in run["diagnosis"]["evidence"].lower() and "--mem" in run["diagnosis"]["evidence"]
 
 
 def test_a_node_supervisor_killed_outright_ends_the_job_once_its_heartbeat_stops(queue_dir, watcher):

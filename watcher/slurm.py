@@ -36,7 +36,7 @@ from .slurm_batch import SlurmOptions, array_script, batch_env, batch_script, si
 from .slurm_state import (
     EXIT_NOT_SHARED, GONE, NO_ANSWER, QUEUED_STATES, REFUSED, RUNNING_STATES, SIGKILL, SIGNAL_NAMES, SLURM_OUTPUT,
     SlurmJob, SqueueQuery, array_spec, array_task_id, duplicate_key, ended_outcome, find_tagged, first_line, id_order,
-    make_array_tag, make_tag, oom_evidence, parse_squeue, queue_key, run, show_job,
+    killed_for_memory, make_array_tag, make_tag, oom_evidence, parse_squeue, queue_key, run, show_job,
 )
 from .supervisor import LaunchSpec, lock_state
 from .units import iso_utc
@@ -237,7 +237,7 @@ class SlurmExecutor:
             if _was_sigkilled(record) and job is not None and not (job.has_ended or job.state == GONE):
                 return None  # Slurm's final state says whether its OOM handling killed it
             self._forget(slurm_id)
-            return _with_slurm_view(record, slurm_id, job)
+            return _with_slurm_view(record, slurm_id, job, paths)
         if job is None or not (job.has_ended or job.state == GONE) or attempt.get("ended_at"):
             return None
         if self._node_still_alive(paths, slurm_id) or self._within_grace(paths, slurm_id):
@@ -247,7 +247,7 @@ class SlurmExecutor:
             job = dataclasses.replace(job, state="CANCELLED")  # a job array's task cancelled before it started
         record = self._own_record(paths, attempt) or self._synthesize(paths, attempt, slurm_id, job)
         self._forget(slurm_id)
-        return _with_slurm_view(record, slurm_id, job)
+        return _with_slurm_view(record, slurm_id, job, paths)
 
     def kill_leftovers(self, paths: JobPaths, attempt: dict) -> int:
         """Nothing of the attempt runs on this machine; a batch job Slurm still holds is cancelled."""
@@ -709,14 +709,19 @@ def _claimed_id(pending: _Unconfirmed) -> str:
     return str((read_json(pending.paths.slurm_claim(pending.attempt)) or {}).get("slurm_job_id") or "")
 
 
-def _with_slurm_view(record: dict, slurm_id: str, job: SlurmJob | None) -> dict:
-    """The node's record plus what Slurm says: its id and final state; OUT_OF_MEMORY makes a SIGKILL an oom."""
+def _with_slurm_view(record: dict, slurm_id: str, job: SlurmJob | None, paths: JobPaths) -> dict:
+    """The node's record plus what Slurm says: its id and final state; OUT_OF_MEMORY (cgroups), or a SIGKILL that
+    Slurm's output says was for memory (OverMemoryKill, no cgroups), makes the kill an oom."""
     record = dict(record, slurm_job_id=record.get("slurm_job_id") or slurm_id)
     if job is not None and job.has_ended:
         record.setdefault("slurm_state", job.state)
-    if job is not None and job.state == "OUT_OF_MEMORY" and not record.get("executor_diagnosis"):
-        node = f" on node {job.node}" if job.node else ""
+    if job is None or record.get("executor_diagnosis"):
+        return record
+    node = f" on node {job.node}" if job.node else ""
+    if job.state == "OUT_OF_MEMORY":
         record["executor_diagnosis"] = {"kind": "oom", "evidence": oom_evidence(node)}
+    elif _was_sigkilled(record) and job.has_ended and (said := killed_for_memory(paths, slurm_id)):
+        record["executor_diagnosis"] = {"kind": "oom", "evidence": f"{oom_evidence(node)}: {said}"}
     return record
 
 

@@ -57,6 +57,9 @@ REFUSED = re.compile(
 NO_ANSWER = re.compile(r"Socket timed out|Zero Bytes were transmitted|Communication connection failure"
                        r"|slurm_persist_conn", re.IGNORECASE)
 _FIELD = re.compile(r"(\w+)=(\S*)")
+#: slurmstepd's words when it kills a step for its memory: without cgroups (JobAcctGatherParams=OverMemoryKill)
+#: the job then ends FAILED, not OUT_OF_MEMORY, and only Slurm's output file says why
+MEMORY_KILL = re.compile(r"exceeded (?:job )?memory limit|oom[-_ ]kill", re.IGNORECASE)
 #: signal numbers on Linux (slurm_state does not import ``signal``: the supervisor package owns it)
 SIGKILL, SIGTERM = 9, 15
 SIGNAL_NAMES = MappingProxyType({SIGKILL: "SIGKILL", SIGTERM: "SIGTERM"})
@@ -257,6 +260,17 @@ def oom_evidence(node: str) -> str:
     return f"Slurm killed the job{node}: out of memory (more than its --mem, from resources.ram_gb)"
 
 
+def killed_for_memory(paths: JobPaths, slurm_id: str) -> str:
+    """The line of Slurm's output file saying slurmstepd killed the job for its memory, else ""."""
+    return _memory_kill_line(_tail_lines(paths.dir / SLURM_OUTPUT.replace("%j", slurm_id)))
+
+
+def _memory_kill_line(tail: str) -> str:
+    """The output line naming the memory kill, the one with the figures ("(644571136 > 104857600)") first."""
+    lines = [line for line in tail.split(" | ") if MEMORY_KILL.search(line)]
+    return max(lines, key=lambda line: ">" in line, default="")
+
+
 def _failed_outcome(code: int | None, sig: int | None, paths: JobPaths, slurm_id: str, python: str,
                     node: str) -> dict:
     """FAILED (or an unknown state): the job folder not visible, no Python on the node, a kill, or the output's tail."""
@@ -266,6 +280,9 @@ def _failed_outcome(code: int | None, sig: int | None, paths: JobPaths, slurm_id
         evidence = tail or (f"Slurm could not start the job{node}: it cannot see or write the job folder "
                             f"{paths.dir} (no {output.name} was written); the queue root must be on a shared filesystem")
         return _outcome(None, None, None, "unknown", evidence, NOT_SHARED_ADVICE)
+    said = _memory_kill_line(tail)
+    if said:
+        return _outcome(code, sig, None, "oom", f"{oom_evidence(node)}: {said}")
     if code in EXIT_NO_PYTHON:
         return _outcome(code, None, None, "unknown", tail or f"cannot run {python}{node}",
                         f"Install trainq's Python at {python} on every Slurm node (or keep the watcher's virtualenv "

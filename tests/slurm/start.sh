@@ -71,6 +71,9 @@ if [ "$FAKE_GPUS" -gt 0 ]; then
     [ -c "$BASE/fakegpu/gpu$i" ] || { rm -f "$BASE/fakegpu/gpu$i"; mknod "$BASE/fakegpu/gpu$i" c 1 3; }
   done
 fi
+# --mem is enforced without cgroups: jobacct_gather/linux samples every second and OverMemoryKill kills a job
+# over its --mem (it ends FAILED with "exceeded memory limit" in its output; with cgroups it would be
+# OUT_OF_MEMORY). DefMemPerCPU shares the node's memory among its CPUs, so 8 default jobs still fit.
 conf="# written by trainq's tests/slurm/start.sh: one node, no slurmdbd, no cgroups
 ClusterName=trainqtest
 SlurmctldHost=$HOST(127.0.0.1)
@@ -82,8 +85,10 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
-DefMemPerCPU=256
-JobAcctGatherType=jobacct_gather/none
+DefMemPerCPU=$((MEM / CPUS))
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=task=1
+JobAcctGatherParams=OverMemoryKill
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$BASE/log/jobcomp.txt
