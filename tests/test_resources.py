@@ -162,7 +162,8 @@ def test_tree_usage_covers_children_and_measures_cpu(tmp_path: Path, spawn: Call
         "import signal, subprocess, sys, time\n"
         "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
         "blob = bytearray(60 * 1024 * 1024)\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+        # the busy child stops by itself once orphaned: a SIGTERM before `try` must not leave it spinning
+        "child = subprocess.Popen([sys.executable, '-c', 'import os\\np = os.getppid()\\nwhile os.getppid() == p: pass'])\n"
         "try:\n    time.sleep(60)\nfinally:\n    child.kill()\n    child.wait()\n"
     )
     parent = spawn(sys.executable, "-c", script)
