@@ -882,3 +882,30 @@ def test_an_array_that_never_reached_slurm_is_submitted_again_once_for_all_its_j
     assert sorted(counter.read_text().splitlines()) == ["run 1", "run 2", "run 3"]
     ids = [run_json(finished(queue_dir, f"lost-{i}"))["attempts"][0]["slurm_job_id"] for i in (1, 2, 3)]
     assert len({i.partition("_")[0] for i in ids}) == 1 and [i.partition("_")[2] for i in ids] == ["1", "2", "3"]
+
+
+def test_a_watcher_killed_while_a_sweeps_array_waits_readopts_every_task(queue_dir, watcher_process):
+    """SIGKILL the watcher while a 3-job array waits in Slurm: the next watcher adopts each task by its id
+    <array>_<i>, submits nothing again, and `trainq stop SWEEP` cancels all three."""
+    (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({**SLURM, "settle_s": 0.1}))
+    first = watcher_process()
+    drop(queue_dir, "held.yaml", job_file(command=["echo", "{x}"], sweep={"x": [1, 2, 3]},
+                                          slurm={"sbatch_args": ["--begin=now+1hour"]}))
+    ids = [f"held-{i}" for i in (1, 2, 3)]
+    wait_until(lambda: all((status_job(queue_dir, i) or {}).get("waiting_for") == "Slurm: BeginTime" for i in ids),
+               30, what="the sweep's array to wait in Slurm")
+    tasks = [json.loads((queue_dir / "running" / i / "slurm.json").read_text())["slurm_job_id"] for i in ids]
+    first.kill()
+    second = watcher_process()
+    wait_until(lambda: json.loads((queue_dir / "status.json").read_text())["watcher"]["pid"] == second.proc.pid
+               and all((status_job(queue_dir, i) or {}).get("waiting_for") == "Slurm: BeginTime" for i in ids),
+               20, what="the new watcher to adopt the three tasks")
+    stopped = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "stop", "held"],
+                             capture_output=True, text=True, timeout=60)
+    assert "sweep held: stop requested for 3 job(s)" in stopped.stdout, stopped.stderr
+    wait_until(lambda: all(finished(queue_dir, i) for i in ids), 30, what="the sweep to be cancelled")
+    for job_id, task in zip(ids, tasks):
+        run = run_json(finished(queue_dir, job_id))
+        assert run["status"] == "cancelled" and [a["slurm_job_id"] for a in run["attempts"]] == [task]
+    # one array, nothing submitted twice (Slurm shows a cancelled never-started array as its id alone)
+    assert {i.partition("_")[0] for i, _ in _tagged(queue_dir, "held")} == {tasks[0].partition("_")[0]}
