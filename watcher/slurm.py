@@ -559,7 +559,7 @@ class SlurmExecutor:
                     self._scancel(extra, None)
 
     def _resolve_unconfirmed(self, seen: dict[str, SlurmJob]) -> None:
-        """Adopt unconfirmed submissions seen by their tag or claim; submit again once proven absent.
+        """Adopt unconfirmed submissions seen by their tag or claim; look further for the others.
 
         The jobs of one job array share its tag and are resolved together: the array is adopted, or submitted
         again, once for all of them.
@@ -572,30 +572,35 @@ class SlurmExecutor:
             claimed = [c for c in map(_claimed_id, group) if c]
             if claimed or found:
                 self._adopt(group, (claimed or found)[0])
-                continue
-            lead = group[0]
-            lead.missed += 1
-            if lead.missed < UNCONFIRMED_POLLS:
-                continue
-            try:  # the live squeue does not list a job that already ended: ask Slurm about every job it knows
-                everything = find_tagged(tag, self.command_timeout_s)
-            except (OSError, subprocess.SubprocessError) as exc:
-                logger.info("job %s: tag lookup failed (%s); trying again next poll", lead.paths.dir.name, exc)
-                continue
-            if everything:
-                self._adopt(group, everything[0][0])
-                continue
-            logger.warning("job %s: Slurm has no job tagged %s; submitting attempt %d again%s", lead.paths.dir.name,
-                           tag, lead.attempt, f" (the job array of {len(group)} jobs)" if lead.index is not None else "")
-            try:
-                slurm_id = self._submit(lead.argv, lead.paths)
-            except _NoAnswer:
-                lead.missed = 0
-                continue
-            except (ExecutorUnavailable, SpawnFailed) as exc:
-                logger.warning("job %s: resubmission failed: %s", lead.paths.dir.name, exc)
-                continue
-            self._adopt(group, slurm_id)
+            else:
+                self._look_further(tag, group)
+
+    def _look_further(self, tag: str, group: list[_Unconfirmed]) -> None:
+        """After UNCONFIRMED_POLLS answers without the tag: ask Slurm about every job it knows, and only when
+        none carries the tag, submit again (under the same tag)."""
+        lead = group[0]
+        lead.missed += 1
+        if lead.missed < UNCONFIRMED_POLLS:
+            return
+        try:  # the live squeue does not list a job that already ended
+            everything = find_tagged(tag, self.command_timeout_s)
+        except (OSError, subprocess.SubprocessError) as exc:
+            logger.info("job %s: tag lookup failed (%s); trying again next poll", lead.paths.dir.name, exc)
+            return
+        if everything:
+            self._adopt(group, everything[0][0])
+            return
+        logger.warning("job %s: Slurm has no job tagged %s; submitting attempt %d again%s", lead.paths.dir.name,
+                       tag, lead.attempt, f" (the job array of {len(group)} jobs)" if lead.index is not None else "")
+        try:
+            slurm_id = self._submit(lead.argv, lead.paths)
+        except _NoAnswer:
+            lead.missed = 0
+            return
+        except (ExecutorUnavailable, SpawnFailed) as exc:
+            logger.warning("job %s: resubmission failed: %s", lead.paths.dir.name, exc)
+            return
+        self._adopt(group, slurm_id)
 
     def _adopt(self, group: list[_Unconfirmed], slurm_id: str) -> None:
         """The submission of ``group`` exists as ``slurm_id`` (for an array: any of its tasks)."""
