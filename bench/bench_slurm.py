@@ -78,13 +78,32 @@ def bare_burst(n: int, out_dir: Path) -> float:
     return time.monotonic() - t0
 
 
-def start_watcher(root: Path, max_concurrent: int) -> subprocess.Popen:
+def launch_watcher(root: Path, settings: str, bin_dir: Path | None = None) -> subprocess.Popen:
+    """``trainq init`` root, write ``settings`` as its watcher.yaml, start a quiet watcher on it (with
+    ``bin_dir`` first on its PATH, for counting wrappers)."""
     subprocess.run([sys.executable, "-m", "trainq.watcher", "init", str(root)], cwd=REPO, check=True, capture_output=True)
-    settings = f"executor: slurm\nmax_concurrent: {max_concurrent}\nslurm: {{poll_s: {POLL['s']}}}\n"
     (root / "watcher.yaml").write_text(settings)
-    proc = subprocess.Popen([sys.executable, "-m", "trainq.watcher", "--root", str(root), "watch", "-q"], cwd=REPO,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if bin_dir is not None:
+        env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    return subprocess.Popen([sys.executable, "-m", "trainq.watcher", "--root", str(root), "watch", "-q"], cwd=REPO,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def counting_wrappers(bin_dir: Path, commands: tuple[str, ...], calls_dir: Path, suffix: str) -> dict[str, Path]:
+    """A wrapper in ``bin_dir`` for each Slurm command, appending a line per call to the file returned for it."""
+    bin_dir.mkdir(parents=True)
+    calls = {}
+    for command in commands:
+        calls[command] = calls_dir / f"{command}-calls-{suffix}"
+        calls[command].touch()
+        (bin_dir / command).write_text(f"#!/bin/sh\necho x >> {calls[command]}\nexec {shutil.which(command)} \"$@\"\n")
+        (bin_dir / command).chmod(0o755)
+    return calls
+
+
+def start_watcher(root: Path, max_concurrent: int) -> subprocess.Popen:
+    proc = launch_watcher(root, f"executor: slurm\nmax_concurrent: {max_concurrent}\nslurm: {{poll_s: {POLL['s']}}}\n")
     deadline = time.monotonic() + 30
     while not (root / "status.json").exists():
         if time.monotonic() > deadline:
@@ -137,17 +156,9 @@ def trainq_burst(n: int, root: Path) -> float:
 
 def scale_point(n: int, root: Path, window_s: float) -> tuple[float, float, float]:
     """(squeue runs per minute, filesystem calls per second, seconds to submit all) with ``n`` held jobs tracked."""
-    calls = root.parent / f"squeue-calls-{n}"
-    wrapper = root.parent / f"bin-{n}" / "squeue"
-    wrapper.parent.mkdir(parents=True)
-    wrapper.write_text(f"#!/bin/sh\necho x >> {calls}\nexec {shutil.which('squeue')} \"$@\"\n")
-    wrapper.chmod(0o755)
-    subprocess.run([sys.executable, "-m", "trainq.watcher", "init", str(root)], cwd=REPO, check=True,
-                   capture_output=True)
-    (root / "watcher.yaml").write_text(f"executor: slurm\nmax_concurrent: {n}\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO), PATH=f"{wrapper.parent}:{os.environ['PATH']}")
-    proc = subprocess.Popen([sys.executable, "-m", "trainq.watcher", "--root", str(root), "watch", "-q"], cwd=REPO,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    bin_dir = root.parent / f"bin-{n}"
+    calls = counting_wrappers(bin_dir, ("squeue",), root.parent, str(n))["squeue"]
+    proc = launch_watcher(root, f"executor: slurm\nmax_concurrent: {n}\n", bin_dir)
     try:
         t0 = time.monotonic()
         for i in range(n):
@@ -200,19 +211,9 @@ def all_submitted(root: Path, n: int) -> bool:
 def sweep_point(n: int, root: Path, arrays: bool) -> tuple[int, int, float, float]:
     """(sbatch runs, scancel runs, seconds until all n are in Slurm, seconds until all n are cancelled)."""
     bin_dir = root.parent / f"bin-sweep-{n}-{arrays}"
-    bin_dir.mkdir(parents=True)
-    counts = {}
-    for command in ("sbatch", "scancel"):
-        counts[command] = root.parent / f"{command}-calls-{n}-{arrays}"
-        counts[command].touch()
-        (bin_dir / command).write_text(f"#!/bin/sh\necho x >> {counts[command]}\nexec {shutil.which(command)} \"$@\"\n")
-        (bin_dir / command).chmod(0o755)
-    subprocess.run([sys.executable, "-m", "trainq.watcher", "init", str(root)], cwd=REPO, check=True,
-                   capture_output=True)
-    (root / "watcher.yaml").write_text(f"executor: slurm\nmax_concurrent: {n}\nslurm: {{arrays: {str(arrays).lower()}}}\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO), PATH=f"{bin_dir}:{os.environ['PATH']}")
-    proc = subprocess.Popen([sys.executable, "-m", "trainq.watcher", "--root", str(root), "watch", "-q"], cwd=REPO,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    counts = counting_wrappers(bin_dir, ("sbatch", "scancel"), root.parent, f"{n}-{arrays}")
+    settings = f"executor: slurm\nmax_concurrent: {n}\nslurm: {{arrays: {str(arrays).lower()}}}\n"
+    proc = launch_watcher(root, settings, bin_dir)
     try:
         t0 = time.monotonic()
         staging = root / ".grid.tmp"
@@ -226,7 +227,7 @@ def sweep_point(n: int, root: Path, arrays: bool) -> tuple[int, int, float, floa
         submit_s = time.monotonic() - t0
         t1 = time.monotonic()
         subprocess.run([sys.executable, "-m", "trainq.watcher", "--root", str(root), "stop", "grid"], cwd=REPO,
-                       check=True, capture_output=True, env=env)
+                       check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
         while sum(1 for _ in (root / "failed").glob("grid-*/run.json")) < n:
             if time.monotonic() - t1 > 120 + n:
                 raise SystemExit(f"only part of the sweep's {n} jobs were cancelled")
