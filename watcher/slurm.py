@@ -142,7 +142,8 @@ class SlurmExecutor:
         if self._down is not None:
             raise ExecutorUnavailable(self._down)
         paths, spec, options = self._prepare(spec, job_name, slurm_options or {})
-        if group is not None and self.arrays and paths.dir == self.root / "running" / f"{group[0]}-{group[1]}":
+        # the array's script finds a task's folder from its index: <sweep>-$SLURM_ARRAY_TASK_ID
+        if group is not None and self.arrays and paths.dir.name == f"{group[0]}-{group[1]}":
             self._held.append(_Held(paths, spec.attempt, group[0], group[1], options))
             return {"slurm_job_id": None, "pid": None}
         return {"slurm_job_id": self._submit_one(paths, spec.attempt, options), "pid": None}
@@ -176,7 +177,6 @@ class SlurmExecutor:
                     results.append((member.paths.dir.name, slurm_id, None))
                 except (ExecutorUnavailable, SpawnFailed) as exc:
                     results.append((member.paths.dir.name, None, exc))
-        self._flush_cancels()
         return results
 
     def reap(self) -> None:
