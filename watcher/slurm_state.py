@@ -56,6 +56,9 @@ REFUSED = re.compile(
 #: stderr fragments meaning "the controller got the request but did not answer": it may have been submitted
 NO_ANSWER = re.compile(r"Socket timed out|Zero Bytes were transmitted|Communication connection failure"
                        r"|slurm_persist_conn", re.IGNORECASE)
+#: scontrol's answer for an id it no longer knows: purged after MinJobAge, or a cancelled array task that never
+#: started ("Job 12_3 not found", printed on stdout)
+NO_SUCH_JOB = re.compile(r"Invalid job id|^Job \S+ not found", re.MULTILINE)
 _FIELD = re.compile(r"(\w+)=(\S*)")
 #: slurmstepd's words when it kills a step for its memory: without cgroups (JobAcctGatherParams=OverMemoryKill)
 #: the job then ends FAILED, not OUT_OF_MEMORY, and only Slurm's output file says why
@@ -191,8 +194,8 @@ def show_job(slurm_id: str, timeout_s: float) -> SlurmJob | None:
         done = run(["scontrol", "-o", "show", "job", slurm_id], timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if done.returncode != 0:  # a cancelled array task that never started leaves no record: "Job 12_3 not found"
-        return SlurmJob(GONE) if re.search(r"Invalid job id|^Job \S+ not found", done.stderr + done.stdout, re.M) else None
+    if done.returncode != 0:
+        return SlurmJob(GONE) if NO_SUCH_JOB.search(done.stderr + done.stdout) else None
     fields = dict(_FIELD.findall(done.stdout))
     code, _, sig = fields.get("ExitCode", "").partition(":")
     return SlurmJob(fields.get("JobState", "UNKNOWN"), fields.get("Reason", ""), fields.get("BatchHost", ""),
