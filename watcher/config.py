@@ -18,7 +18,7 @@ from trainq.watcher.jobspec import (
     SCHEMAS_DIR, JobSpec, control_problems, duration_problems, foreign_value_problems, parse_mapping, read_spec_text,
 )
 from trainq.watcher.schema_errors import schema_problems, schema_validator, shown, sort_problems
-from trainq.watcher.units import parse_duration_s
+from trainq.watcher.units import is_zero_duration, parse_duration_s
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def _interval_problems(data: Mapping) -> list[Problem]:
     if isinstance(slurm, Mapping):
         checks.append(("slurm.poll_s", slurm.get("poll_s")))
     return [Problem(key, f"must be a duration greater than 0 (got {shown(value)})")
-            for key, value in checks if _is_zero_duration(value)]
+            for key, value in checks if is_zero_duration(value)]
 
 
 def _string_problems(data: Mapping) -> list[Problem]:
@@ -113,14 +113,6 @@ def _string_problems(data: Mapping) -> list[Problem]:
         if isinstance(slurm.get("sbatch_args"), list):
             strings += [(f"slurm.sbatch_args[{i}]", a) for i, a in enumerate(slurm["sbatch_args"])]
     return control_problems(strings)
-
-
-def _is_zero_duration(value: object) -> bool:
-    """True for a well-formed duration of 0; malformed ones are the schema's to report."""
-    try:
-        return value is not None and parse_duration_s(value) == 0
-    except ValueError:
-        return False
 
 
 def _build(data: Mapping, root: Path | None) -> WatcherConfig:

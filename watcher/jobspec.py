@@ -20,7 +20,7 @@ from types import MappingProxyType
 
 from trainq.watcher.errors import InvalidJobSpec, Problem
 from trainq.watcher.schema_errors import field_name, schema_problems, schema_validator, shown, sort_problems
-from trainq.watcher.units import DURATION_PATTERN, MAX_DURATION_TEXT, parse_duration_s
+from trainq.watcher.units import DURATION_PATTERN, MAX_DURATION_TEXT, is_zero_duration, parse_duration_s
 from trainq.watcher.yaml12 import MAX_INT_DIGITS, HugeInt, YamlError, load_yaml12
 from trainq.watcher.sweeps import workflow_problems
 
@@ -358,16 +358,8 @@ def _backoff_problems(data: dict) -> list[Problem]:
 
 def _zero_limit_problems(data: dict) -> list[Problem]:
     """``timeout: 0`` or ``stall_after: 0`` would end (or flag) every job at once: say to leave the key out."""
-    problems = []
-    for key in ("timeout", "stall_after"):
-        value = data.get(key)
-        try:
-            is_zero = value is not None and parse_duration_s(value) == 0
-        except ValueError:
-            continue  # the schema (or duration_problems) says why
-        if is_zero:
-            problems.append(Problem(key, f"must be more than 0 (got {shown(value)}); leave {key} out for no limit"))
-    return problems
+    return [Problem(key, f"must be more than 0 (got {shown(data[key])}); leave {key} out for no limit")
+            for key in ("timeout", "stall_after") if is_zero_duration(data.get(key))]
 
 
 def _dig(data: object, keys: tuple[str, ...]) -> object:

@@ -36,6 +36,14 @@ def parse_duration_s(value: object) -> float:
     return float(value)
 
 
+def is_zero_duration(value: object) -> bool:
+    """True for a well-formed duration of 0; malformed ones are the schema's to report."""
+    try:
+        return value is not None and parse_duration_s(value) == 0
+    except ValueError:
+        return False
+
+
 def _parse_text(text: str) -> float:
     stripped = text.strip()
     match = _DURATION.fullmatch(stripped) if len(stripped) <= MAX_DURATION_CHARS else None
