@@ -118,6 +118,19 @@ def finished(queue_dir: Path, job_id: str) -> Path | None:
     return None
 
 
+def _counting(tmp_path: Path, monkeypatch, command: str) -> Path:
+    """A wrapper for Slurm's ``command`` first on PATH, appending each call's arguments to a file it returns."""
+    calls = tmp_path / f"{command}-calls"
+    calls.touch()
+    wrapper = tmp_path / "bin" / command
+    wrapper.parent.mkdir(exist_ok=True)
+    wrapper.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\nexec {shutil.which(command)} \"$@\"\n")
+    wrapper.chmod(0o755)
+    if str(wrapper.parent) not in os.environ["PATH"].split(":"):
+        monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    return calls
+
+
 def status_job(queue_dir: Path, job_id: str) -> dict | None:
     try:
         status = json.loads((queue_dir / "status.json").read_text())
@@ -550,12 +563,7 @@ def test_a_duplicate_submission_runs_nothing(queue_dir, watcher, tmp_path):
 def test_one_squeue_per_poll_with_a_retried_job_queued_and_many_jobs(queue_dir, watcher, tmp_path, monkeypatch,
                                                                      request):
     """Counts real squeue runs through a wrapper on PATH while a retried attempt and 6 other jobs wait in Slurm."""
-    calls = tmp_path / "squeue-calls"
-    wrapper = tmp_path / "bin" / "squeue"
-    wrapper.parent.mkdir()
-    wrapper.write_text(f"#!/bin/sh\necho x >> {calls}\nexec {shutil.which('squeue')} \"$@\"\n")
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    calls = _counting(tmp_path, monkeypatch, "squeue")
     poll_s = 0.5
     w = watcher(executor="slurm", slurm={"poll_s": poll_s}, max_concurrent=10)
     drop(queue_dir, "retried.yaml", job_file(command=["sh", "-c", "exit 3"],
@@ -766,19 +774,6 @@ def test_array_script_runs_the_task_of_its_index_and_refuses_a_folder_it_cannot_
     done = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=30,
                           env=dict(os.environ, SLURM_ARRAY_TASK_ID="7"))
     assert done.returncode == EXIT_NOT_SHARED and f"{tmp_path}/running/grid-7 is not visible" in done.stderr
-
-
-def _counting(tmp_path: Path, monkeypatch, command: str) -> Path:
-    """A wrapper for Slurm's ``command`` first on PATH, appending each call's arguments to a file it returns."""
-    calls = tmp_path / f"{command}-calls"
-    calls.touch()
-    wrapper = tmp_path / "bin" / command
-    wrapper.parent.mkdir(exist_ok=True)
-    wrapper.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\nexec {shutil.which(command)} \"$@\"\n")
-    wrapper.chmod(0o755)
-    if str(wrapper.parent) not in os.environ["PATH"].split(":"):
-        monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
-    return calls
 
 
 def test_a_sweep_is_one_sbatch_array_and_a_retried_job_goes_alone(queue_dir, watcher, tmp_path, monkeypatch):
