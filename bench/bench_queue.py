@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from trainq.watcher.units import parse_iso
+from trainq.watcher.spec.units import parse_iso
 from bench._common import (
     PY, REPO, BenchError, Queue, Row, WatcherProc, bench_env, fmt_ms, fmt_s, job_yaml, median,
     percentile, read_status, running_watcher, wait_until, workspace,

@@ -189,7 +189,7 @@ def scale_point(n: int, root: Path, window_s: float) -> tuple[float, float, floa
 
 def cancel_queue_jobs(root: Path) -> None:
     """scancel the Slurm jobs of this queue only (their tag names its key); other users of the cluster keep theirs."""
-    from trainq.watcher.slurm_state import queue_key
+    from trainq.watcher.slurm.state import queue_key
 
     out = subprocess.run(["squeue", "--me", "-h", "-o", "%i|%k"], capture_output=True, text=True, timeout=120).stdout
     prefix = f"trainq:{queue_key(root)}:"

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_queue, bench_sweep  # noqa: E402
 from bench._common import PY, REPO, Row, bench_env, load_average, remove_workspaces, spread_out  # noqa: E402
-from trainq.watcher.fsutil import atomic_write  # noqa: E402
+from trainq.watcher.spec.fsutil import atomic_write  # noqa: E402
 
 logger = logging.getLogger("bench")
 

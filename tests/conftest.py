@@ -67,7 +67,7 @@ def write_job(queue_dir: Path) -> Callable[..., Path]:
 @pytest.fixture
 def watcher_config():
     """Build a WatcherConfig with test-friendly cadences; override fields by keyword."""
-    from trainq.watcher.config import WatcherConfig
+    from trainq.watcher.spec.config import WatcherConfig
 
     def _make(**overrides: object) -> WatcherConfig:
         base = {"settle_s": 0.1, "rescan_s": 0.2, "status_s": 0.1, "kill_after_s": 1.0}
@@ -80,7 +80,7 @@ def watcher_config():
 @pytest.fixture
 def watcher(queue_dir: Path, watcher_config):
     """An in-process Watcher on ``queue_dir``; tests call ``tick(now)`` (or ``run_until``)."""
-    from trainq.watcher.daemon import Watcher
+    from trainq.watcher.daemon.daemon import Watcher
 
     made: list[Watcher] = []
 

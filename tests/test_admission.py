@@ -10,8 +10,8 @@ from typing import Callable, Iterator
 import jsonschema
 import pytest
 
-from trainq.watcher.admission import Decision, Holding, Limits, Request, plan, resources_dict
-from trainq.watcher.resources import ENV_SIMULATE_BATTERY, MachineState, ResourceProbe
+from trainq.watcher.daemon.admission import Decision, Holding, Limits, Request, plan, resources_dict
+from trainq.watcher.daemon.resources import ENV_SIMULATE_BATTERY, MachineState, ResourceProbe
 
 
 def sim_gpu(index: int, total_mb: float = 6144, processes: list[dict] | None = None) -> dict:

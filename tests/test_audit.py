@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import PY, REPO, drop, wait_until
-from trainq.watcher.fsutil import read_json
+from trainq.watcher.spec.fsutil import read_json
 
 
 def _run(queue_dir: Path, state: str, job: str) -> dict:
@@ -160,7 +160,7 @@ def _hook_runners(watcher_pid: int) -> int:
     count = 0
     for proc in psutil.Process(watcher_pid).children():
         try:
-            if "trainq.watcher.hooks" in proc.cmdline():
+            if "trainq.watcher.supervisor.hooks" in proc.cmdline():
                 count += 1
         except psutil.Error:
             continue
@@ -170,7 +170,7 @@ def _hook_runners(watcher_pid: int) -> int:
 def test_hooks_of_many_jobs_ending_at_once_run_a_few_at_a_time(queue_dir, watcher_process):
     """A sweep whose jobs all fail at once, with a hook that waits (a webhook to a server that is down), started
     one 25 MB Python runner per job at once: 1000 of them are 25 GB. Now at most MAX_HOOK_RUNNERS run."""
-    from trainq.watcher.hooks import MAX_HOOK_RUNNERS
+    from trainq.watcher.supervisor.hooks import MAX_HOOK_RUNNERS
 
     (queue_dir / "watcher.yaml").write_text("settle_s: 0.1\nrescan_s: 0.5\nmax_concurrent: 8\n")
     watcher = watcher_process()

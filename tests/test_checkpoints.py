@@ -7,8 +7,8 @@ import time
 import zipfile
 from pathlib import Path
 
-from trainq.watcher.checkpoints import MAX_DEPTH, find_checkpoint, latest_checkpoint, note_skipped, rebase
-from trainq.watcher.contract import JobPaths
+from trainq.watcher.daemon.checkpoints import MAX_DEPTH, find_checkpoint, latest_checkpoint, note_skipped, rebase
+from trainq.watcher.spec.contract import JobPaths
 
 
 def _hf(folder: Path, step: int, complete: bool = True) -> Path:
@@ -141,7 +141,7 @@ def test_a_retry_skips_a_half_saved_checkpoint_and_says_so(queue_dir, watcher, w
 
 def test_a_big_data_tree_does_not_hide_a_shallow_output_dir(tmp_path, monkeypatch):
     """The walk is breadth first: out/checkpoint-N is found before data/ spends the entry budget."""
-    import trainq.watcher.checkpoints as checkpoints
+    import trainq.watcher.daemon.checkpoints as checkpoints
 
     monkeypatch.setattr(checkpoints, "MAX_ENTRIES", 100)
     job = JobPaths(tmp_path / "a")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import PY, REPO, drop, tick_until, wait_until
 
-from trainq.watcher.folders import JobState
+from trainq.watcher.spec.folders import JobState
 
 
 def trainq(*args: str, root: Path | None = None, check_rc: int | None = None) -> subprocess.CompletedProcess:
@@ -56,7 +56,7 @@ def test_submit_approve_renames_in_atomically_and_never_clobbers(queue_dir, tmp_
 
 
 def test_submit_debug_adds_train_debug_and_keeps_every_other_byte(queue_dir, tmp_path):
-    from trainq.watcher.jobspec import parse_job_text
+    from trainq.watcher.spec.jobspec import parse_job_text
 
     block = ("# mine\napproved: false  # not yet\ntrain:\n    # the base\n    model: /models/m\n"
              "    max_steps: 3\n    data: {train: d.jsonl}\nname: sft\n")

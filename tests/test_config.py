@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trainq.watcher.config import WatcherConfig, check_command_allowed, load_watcher_config
-from trainq.watcher.errors import InvalidWatcherConfig
-from trainq.watcher.jobspec import SCHEMAS_DIR, JobSpec, parse_job_text
+from trainq.watcher.spec.config import WatcherConfig, check_command_allowed, load_watcher_config
+from trainq.watcher.spec.errors import InvalidWatcherConfig
+from trainq.watcher.spec.jobspec import SCHEMAS_DIR, JobSpec, parse_job_text
 
 
 def write_settings(root: Path, text: str) -> Path:

@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from conftest import PY, REPO, drop, tick_until
-from trainq.watcher.contract import JobPaths
-from trainq.watcher.errors import QueueLocked
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.errors import QueueLocked
 
 SCHEMAS = REPO / "schemas"
 
@@ -22,7 +22,7 @@ def load(root: Path, rel: str) -> dict:
 
 
 def validator(name: str) -> jsonschema.Draft202012Validator:
-    from trainq.watcher.jobspec import schema_validator
+    from trainq.watcher.spec.jobspec import schema_validator
 
     return schema_validator(SCHEMAS, name)
 
@@ -140,7 +140,7 @@ def test_root_stop_flag_stops_the_watcher_not_the_jobs(queue_dir, watcher, write
 
 
 def test_second_watcher_refuses_and_names_the_pid(queue_dir, watcher, watcher_config):
-    from trainq.watcher.daemon import Watcher
+    from trainq.watcher.daemon.daemon import Watcher
 
     watcher()
     second = Watcher(queue_dir, watcher_config())

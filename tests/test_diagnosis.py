@@ -9,8 +9,8 @@ from typing import Iterator
 
 import pytest
 
-from trainq.watcher.contract import EXIT_DATA, EXIT_FAILED, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, JobPaths
-from trainq.watcher.diagnosis import (
+from trainq.watcher.spec.contract import EXIT_DATA, EXIT_FAILED, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, JobPaths
+from trainq.watcher.daemon.diagnosis import (
     KINDS,
     Diagnosis,
     advice_for,

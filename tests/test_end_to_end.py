@@ -14,7 +14,7 @@ import jsonschema
 import psutil
 
 from conftest import PY, REPO, drop, job_processes, wait_until
-from trainq.watcher.units import parse_iso
+from trainq.watcher.spec.units import parse_iso
 
 
 def read_status(root: Path) -> dict | None:
@@ -25,7 +25,7 @@ def read_status(root: Path) -> dict | None:
 
 
 def status_validator():
-    from trainq.watcher.jobspec import schema_validator
+    from trainq.watcher.spec.jobspec import schema_validator
 
     return schema_validator(REPO / "schemas", "status.schema.json")
 

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import PY, drop, wait_until
 from test_train_queue import job_entry, tiny, train_job  # noqa: F401  (tiny is a module fixture)
-from trainq.watcher.fsutil import atomic_write
-from trainq.watcher.html import CurveStore, render_curve, render_html
+from trainq.watcher.spec.fsutil import atomic_write
+from trainq.watcher.faces.html import CurveStore, render_curve, render_html
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 TMUX = shutil.which("tmux")

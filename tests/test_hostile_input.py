@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import PY, drop, tick_until
-from trainq.watcher.errors import InvalidJobSpec, Problem
-from trainq.watcher.jobspec import MAX_RETRIES, MIN_BACKOFF_S, parse_job_text
-from trainq.watcher.units import MAX_DURATION_S, parse_duration_s
+from trainq.watcher.spec.errors import InvalidJobSpec, Problem
+from trainq.watcher.spec.jobspec import MAX_RETRIES, MIN_BACKOFF_S, parse_job_text
+from trainq.watcher.spec.units import MAX_DURATION_S, parse_duration_s
 
 CMD = "approved: true\ncommand: [python, train.py]\n"
 
@@ -199,8 +199,8 @@ def test_non_utf8_file_name_is_rejected_with_a_sanitised_id(queue_dir, watcher) 
     ("max_concurrent: 1\nmax_concurrent: 2\n", ""),
 ])
 def test_watcher_yaml_is_held_to_the_same_limits(tmp_path: Path, text: str, field: str) -> None:
-    from trainq.watcher.config import load_watcher_config
-    from trainq.watcher.errors import InvalidWatcherConfig
+    from trainq.watcher.spec.config import load_watcher_config
+    from trainq.watcher.spec.errors import InvalidWatcherConfig
 
     (tmp_path / "watcher.yaml").write_text(text)
     with pytest.raises(InvalidWatcherConfig) as info:
@@ -243,7 +243,7 @@ def test_a_file_of_many_values_is_refused_quickly_with_few_lines() -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file owned by another user")
 def test_errors_quote_no_value_of_a_file_others_cannot_read(tmp_path: Path) -> None:
-    from trainq.watcher.jobspec import load_job_file
+    from trainq.watcher.spec.jobspec import load_job_file
 
     path = tmp_path / "x.yaml"
     path.write_text('approved: true\ncommand: [true]\npriority: "TOKEN-abc123"\ntimeout: "SECRET-9"\n'

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from trainq.watcher.html import MAX_CURVE_POINTS, CurveStore, format_eta, render_curve, render_html
-from trainq.watcher.status import job_entry
-from trainq.watcher.units import iso_utc
+from trainq.watcher.faces.html import MAX_CURVE_POINTS, CurveStore, format_eta, render_curve, render_html
+from trainq.watcher.faces.status import job_entry
+from trainq.watcher.spec.units import iso_utc
 
 DATA = Path(__file__).resolve().parent / "data"
 EVIL = "<script>document.title='pwned'</script><img src=x onerror=alert(1)>\"'&"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import drop, tick_until
-from trainq.watcher.folders import id_from_name
-from trainq.watcher.inbox import is_candidate_name
+from trainq.watcher.spec.folders import id_from_name
+from trainq.watcher.daemon.inbox import is_candidate_name
 
 GOOD = "approved: true\ncommand: ['true']\n"
 

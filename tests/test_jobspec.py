@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from trainq.watcher.errors import InvalidJobSpec, Problem
-from trainq.watcher.jobspec import (
+from trainq.watcher.spec.errors import InvalidJobSpec, Problem
+from trainq.watcher.spec.jobspec import (
     DEFAULT_RETRY_ON, JOB_SCHEMA, MAX_JOB_FILE_BYTES, SCHEMAS_DIR, JobSpec, Resources, Retries, expand_placeholders,
     load_job_file, parse_job_text, schema_problems, schema_validator,
 )
-from trainq.watcher.units import DURATION_PATTERN
+from trainq.watcher.spec.units import DURATION_PATTERN
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "tests" / "data" / "jobs"
@@ -171,8 +171,8 @@ def test_fifo_named_like_a_job_file_returns_promptly(tmp_path: Path) -> None:
     fifo = tmp_path / "x.yaml"
     os.mkfifo(fifo)
     out = run_python(
-        "from pathlib import Path\nfrom trainq.watcher.errors import InvalidJobSpec\n"
-        "from trainq.watcher.jobspec import load_job_file\n"
+        "from pathlib import Path\nfrom trainq.watcher.spec.errors import InvalidJobSpec\n"
+        "from trainq.watcher.spec.jobspec import load_job_file\n"
         f"try:\n    load_job_file(Path({str(fifo)!r}))\nexcept InvalidJobSpec as exc:\n    print(exc)\n"
     )
     assert "a FIFO" in out and "not a regular file" in out
@@ -183,7 +183,7 @@ def test_fifo_swapped_in_after_the_check_is_not_read(tmp_path: Path) -> None:
     fifo = tmp_path / "x.yaml"
     os.mkfifo(fifo)
     out = run_python(
-        "from pathlib import Path\nfrom trainq.watcher.jobspec import _read_at_most\n"
+        "from pathlib import Path\nfrom trainq.watcher.spec.jobspec import _read_at_most\n"
         f"print(_read_at_most(Path({str(fifo)!r}), 100, False))\n"
     )
     assert "FIFO" in out

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainq.watcher.progress import MetricsTail, merge_progress
-from trainq.watcher.progress_log import LogProgress
+from trainq.watcher.faces.progress import MetricsTail, merge_progress
+from trainq.watcher.faces.progress_log import LogProgress
 
 T0 = 1_780_000_000.0
 

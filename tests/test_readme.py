@@ -8,11 +8,11 @@ from conftest import PY, REPO
 
 
 def test_job_reference_in_readme_matches_the_schemas():
-    from trainq.watcher.docs import END, START, reference
+    from trainq.watcher.cli.docs import END, START, reference
 
     text = (REPO / "README.md").read_text(encoding="utf-8")
     inside = text.split(START, 1)[1].split(END, 1)[0]
-    assert inside.strip() == reference().strip(), "run: python -m trainq.watcher.docs --write README.md"
+    assert inside.strip() == reference().strip(), "run: python -m trainq.watcher.cli.docs --write README.md"
 
 
 def test_readme_two_commands_are_make_targets_and_ci_runs_the_test_one():
@@ -32,7 +32,7 @@ def test_cli_commands_named_in_readme_exist():
 
 
 def test_examples_validate_and_carry_the_editor_schema_line():
-    from trainq.watcher.jobspec import load_job_file
+    from trainq.watcher.spec.jobspec import load_job_file
 
     examples = sorted((REPO / "queue" / "examples").glob("*.yaml"))
     assert {p.name for p in examples} >= {"lora-cpu.yaml", "qlora-6gb.yaml", "command-resume.yaml"}

@@ -13,8 +13,8 @@ import psutil
 from conftest import wait_until
 import pytest
 
-from trainq.watcher.contract import ENV_SIMULATE_GPUS
-from trainq.watcher.resources import ENV_SIMULATE_BATTERY, GpuInfo, ResourceProbe
+from trainq.watcher.spec.contract import ENV_SIMULATE_GPUS
+from trainq.watcher.daemon.resources import ENV_SIMULATE_BATTERY, GpuInfo, ResourceProbe
 
 TWO_GPUS = [
     {"index": 0, "name": "Sim 6GB", "memory_total_mb": 6144, "memory_used_mb": 0, "utilization_pct": 0,
@@ -50,7 +50,7 @@ def probe_for(sim: Path, **env: str) -> ResourceProbe:
 
 
 def test_no_nvml_means_no_gpus_and_the_failure_is_remembered(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="trainq.watcher.resources")
+    caplog.set_level(logging.DEBUG, logger="trainq.watcher.daemon.resources")
     probe = ResourceProbe(env={}, cache_s=0.0)
     states = [probe.sample([]) for _ in range(3)]
     assert all(s.gpus == () and s.gpu_error is None for s in states)

@@ -11,8 +11,8 @@ from pathlib import Path
 from rich.console import Console
 
 from conftest import PY, drop, tick_until, wait_until
-from trainq.watcher.text import PrintableFormatter, printable
-from trainq.watcher.view import render_status
+from trainq.watcher.spec.text import PrintableFormatter, printable
+from trainq.watcher.faces.view import render_status
 
 PRINT_ENV = "import os; print(sorted(k for k in os.environ if k.startswith(('SECRET', 'KEEP', 'OWN'))))"
 

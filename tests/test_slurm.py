@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from conftest import FAKE, PY, REPO, drop, tick_until, wait_until
-from trainq.watcher.contract import JobPaths
-from trainq.watcher.slurm import EXIT_NOT_SHARED, SlurmExecutor, batch_env, batch_script, time_limit_min
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.slurm.executor import EXIT_NOT_SHARED, SlurmExecutor, batch_env, batch_script, time_limit_min
 
 pytestmark = pytest.mark.slurm
 
@@ -80,7 +80,7 @@ def _live_slurm_ids(prefix: str = "") -> list[str]:
 @pytest.fixture(autouse=True)
 def no_leftover_slurm_jobs(queue_dir):
     """Cancel whatever the test's queue left queued or running (its tag names the queue; other runs keep theirs)."""
-    from trainq.watcher.slurm_state import queue_key
+    from trainq.watcher.slurm.state import queue_key
 
     yield
     prefix = f"trainq:{queue_key(queue_dir)}:"
@@ -172,9 +172,9 @@ def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
     ("CANCELLED", "failed", "preempted"), ("TIMEOUT", "timeout", "timeout"), ("BOOT_FAIL", "failed", "killed"),
 ])
 def test_slurm_ending_a_job_itself_gets_an_exit_record_and_diagnosis(tmp_path, state, status, kind):
-    from trainq.watcher.config import WatcherConfig
-    from trainq.watcher.jobs import judge_exit
-    from trainq.watcher.slurm import SlurmJob
+    from trainq.watcher.spec.config import WatcherConfig
+    from trainq.watcher.daemon.jobs import judge_exit
+    from trainq.watcher.slurm.executor import SlurmJob
 
     paths = JobPaths(tmp_path / "job")
     paths.dir.mkdir()
@@ -452,7 +452,7 @@ def test_tiny_train_job_reaches_done_through_slurm(queue_dir, watcher, tiny):
 
 def test_executor_needs_no_slurm_to_be_built(tmp_path):
     """Constructing the executor runs nothing; only launch and the polls talk to Slurm."""
-    from trainq.watcher.config import WatcherConfig
+    from trainq.watcher.spec.config import WatcherConfig
 
     ex = SlurmExecutor(WatcherConfig.from_dict({"executor": "slurm"}), tmp_path)
     assert ex.process_tree(JobPaths(tmp_path)) == [] and ex.waiting_for(JobPaths(tmp_path), {}) is None
@@ -512,7 +512,7 @@ def test_without_flock_the_job_runs_once_and_the_watcher_stays_up(queue_dir, wat
 
 def _tagged(queue_dir: Path, job_id: str) -> list[tuple[str, str]]:
     """(Slurm id, state) of every Slurm job whose trainq tag names ``job_id`` of this queue."""
-    from trainq.watcher.slurm_state import queue_key
+    from trainq.watcher.slurm.state import queue_key
 
     out = subprocess.run(["squeue", "--me", "-h", "-t", "all", "-o", "%i|%T|%k"], capture_output=True, text=True,
                          timeout=60).stdout
@@ -655,8 +655,8 @@ def test_the_node_keeps_slurms_variables_and_gets_only_the_jobs_env(queue_dir, w
 
 def test_a_sigkill_the_supervisor_saw_is_an_oom_when_slurms_record_says_out_of_memory(tmp_path):
     """The node's cgroup OOM kill: the supervisor records SIGKILL; Slurm's OUT_OF_MEMORY decides, not this host's dmesg."""
-    from trainq.watcher.jobs import judge_exit
-    from trainq.watcher.slurm import SlurmJob, _with_slurm_view
+    from trainq.watcher.daemon.jobs import judge_exit
+    from trainq.watcher.slurm.executor import SlurmJob, _with_slurm_view
 
     paths = JobPaths(tmp_path / "job")
     paths.dir.mkdir()
@@ -752,8 +752,8 @@ def test_a_job_waiting_in_slurms_queue_is_never_stalled(queue_dir, watcher):
 
 
 def test_array_spec_ids_and_tags_of_job_arrays():
-    from trainq.watcher.node import own_slurm_id
-    from trainq.watcher.slurm_state import array_index, array_spec, duplicate_key, id_order, make_array_tag, make_tag
+    from trainq.watcher.slurm.node import own_slurm_id
+    from trainq.watcher.slurm.state import array_index, array_spec, duplicate_key, id_order, make_array_tag, make_tag
 
     assert array_spec([3, 1, 2, 5, 7, 8, 8]) == "1-3,5,7-8" and array_spec([4]) == "4"
     assert (array_index("123_4"), array_index("123"), array_index("x_1")) == (4, None, None)
@@ -767,7 +767,7 @@ def test_array_spec_ids_and_tags_of_job_arrays():
 
 
 def test_array_script_runs_the_task_of_its_index_and_refuses_a_folder_it_cannot_see(tmp_path):
-    from trainq.watcher.slurm import array_script
+    from trainq.watcher.slurm.executor import array_script
 
     script = tmp_path / "slurm.sh"
     script.write_text(array_script(tmp_path / "running", "grid", 2, ["sbatch", "x"], sys.executable, str(REPO)))

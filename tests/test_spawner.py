@@ -9,8 +9,8 @@ from pathlib import Path
 import psutil
 
 from conftest import wait_until
-from trainq.watcher.contract import JobPaths
-from trainq.watcher.spawner import SpawningSupervisor
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.supervisor.spawner import SpawningSupervisor
 from trainq.watcher.supervisor import LaunchSpec
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from trainq.watcher.status import (
+from trainq.watcher.faces.status import (
     MAX_AWAITING,
     MAX_PENDING,
     StatusSnapshot,
@@ -19,7 +19,7 @@ from trainq.watcher.status import (
     load_status,
     select_jobs,
 )
-from trainq.watcher.units import iso_utc
+from trainq.watcher.spec.units import iso_utc
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = REPO / "schemas"

@@ -18,9 +18,9 @@ import psutil
 import pytest
 
 from conftest import wait_until
-from trainq.watcher.contract import ENV_JOB_DIR, JobPaths
-from trainq.watcher.errors import SpawnFailed
-from trainq.watcher.signals import install_watcher_signal_handlers
+from trainq.watcher.spec.contract import ENV_JOB_DIR, JobPaths
+from trainq.watcher.spec.errors import SpawnFailed
+from trainq.watcher.supervisor.signals import install_watcher_signal_handlers
 from trainq.watcher.supervisor import LaunchSpec, Supervisor
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import pytest
 
 from tests.trainer_util import (adapter_tensors, build_tiny, events, max_abs_diff, output, records, run_trainer,
                                 start_trainer, summary, trainer_env, wait_until, write_job)
-from trainq.watcher.contract import EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_USAGE
+from trainq.watcher.spec.contract import EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_USAGE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

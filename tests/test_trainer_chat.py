@@ -12,7 +12,7 @@ import pytest
 from tests.trainer_util import build_tiny, output, records, run_trainer, summary, write_job
 from trainq.trainer.chat import IGNORE_INDEX, masking_method
 from trainq.trainer.data import DataError, Row, encode, read_rows
-from trainq.watcher.contract import EXIT_DATA, EXIT_OK
+from trainq.watcher.spec.contract import EXIT_DATA, EXIT_OK
 
 #: a ChatML-like template over the tiny tokenizer's own specials, assistant turns marked with {% generation %}
 TEMPLATE = (

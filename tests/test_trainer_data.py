@@ -11,7 +11,7 @@ from tests.trainer_util import build_tiny, events, output, records, run_trainer,
 from trainq.trainer.checkpoints import sha256_file
 from trainq.trainer.data import DataError
 from trainq.trainer.sources import load_data
-from trainq.watcher.contract import EXIT_DATA, EXIT_OK, EXIT_OOM, EXIT_USAGE
+from trainq.watcher.spec.contract import EXIT_DATA, EXIT_OK, EXIT_OOM, EXIT_USAGE
 
 
 @pytest.fixture(scope="module")

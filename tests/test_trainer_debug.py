@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer_util import build_tiny, events, output, records, run_trainer, summary, write_job
-from trainq.watcher.contract import EXIT_OK, EXIT_OOM
+from trainq.watcher.spec.contract import EXIT_OK, EXIT_OOM
 
 
 @pytest.fixture(scope="module")

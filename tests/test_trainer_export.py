@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.trainer_util import build_tiny, events, output, run_trainer, summary, write_job
-from trainq.watcher.contract import EXIT_OK
+from trainq.watcher.spec.contract import EXIT_OK
 
 #: merged vs adapter+base logits (fp32 on the CPU): the same sums in a different order
 LOGIT_TOLERANCE = 1e-4
@@ -59,7 +59,7 @@ def test_merged_export_matches_adapter_plus_base(tiny, tmp_path, method):
 def test_report_to_tensorboard_writes_event_files_or_says_what_is_missing(tiny, tmp_path):
     import importlib.util
 
-    from trainq.watcher.contract import EXIT_USAGE
+    from trainq.watcher.spec.contract import EXIT_USAGE
 
     job = write_job(tmp_path / "job", tiny, max_steps=4, eval_every=2, log_every=2, report_to=["tensorboard"],
                     checkpoint={"every_steps": 100})

@@ -10,7 +10,7 @@ import torch
 from tests.trainer_util import build_tiny, events, output, records, run_trainer, summary, write_job
 from trainq.trainer import packing
 from trainq.trainer.data import IGNORE_INDEX, PadCollator, read_rows, tokenize
-from trainq.watcher.contract import EXIT_OK
+from trainq.watcher.spec.contract import EXIT_OK
 
 #: per-token losses of the packed and padded batch agree to this (fp32 on the CPU)
 TOKEN_TOLERANCE = 1e-5

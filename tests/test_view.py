@@ -14,8 +14,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from trainq.watcher.units import iso_utc
-from trainq.watcher.view import Filters, render_status
+from trainq.watcher.spec.units import iso_utc
+from trainq.watcher.faces.view import Filters, render_status
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -83,7 +83,7 @@ def test_watcher_problems_such_as_a_full_disk_are_shown() -> None:
     line = "disk full since 2026-11-30T19:00:00Z (status.json: No space left on device); no job is accepted"
     snapshot["watcher"].update(disk_full=True, problems=[line])
     assert "disk full since" in _text(snapshot, width=200)
-    from trainq.watcher.html import render_html
+    from trainq.watcher.faces.html import render_html
 
     assert "disk full since" in render_html(snapshot, {})
     assert "disk full" not in _text(_snapshot())
@@ -165,7 +165,7 @@ def test_filters_by_state_sweep_and_glob() -> None:
 
 
 def _status_cmd(status_path: Path, *, follow: bool = False, json_out: bool = False) -> list[str]:
-    code = ("import sys; from pathlib import Path; from trainq.watcher.view import print_status; "
+    code = ("import sys; from pathlib import Path; from trainq.watcher.faces.view import print_status; "
             f"sys.exit(print_status(Path(sys.argv[1]), follow={follow}, json_out={json_out}))")
     return [sys.executable, "-c", code, str(status_path)]
 

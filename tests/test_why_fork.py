@@ -10,8 +10,8 @@ import psutil
 
 from conftest import PY, REPO, wait_until
 from test_workflows import _entry, _job, _run, _where
-from trainq.watcher.resources import GpuInfo, MachineState
-from trainq.watcher.why import explain
+from trainq.watcher.daemon.resources import GpuInfo, MachineState
+from trainq.watcher.cli.why import explain
 
 
 def _cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

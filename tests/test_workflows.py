@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import PY, REPO, drop, wait_until
-from trainq.watcher.fsutil import read_json
+from trainq.watcher.spec.fsutil import read_json
 
 
 def _run(root: Path, job_id: str, state: str | None = None) -> dict | None:
@@ -87,7 +87,7 @@ def test_failed_dependency_fails_two_levels_at_once(queue_dir, watcher_process):
 
 
 def _seconds(iso: str) -> float:
-    from trainq.watcher.units import parse_iso
+    from trainq.watcher.spec.units import parse_iso
 
     return parse_iso(iso)
 

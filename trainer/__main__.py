@@ -23,7 +23,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from trainq.watcher.contract import EXIT_FAILED
+from trainq.watcher.spec.contract import EXIT_FAILED
 
 #: offline, quiet: models load only from local folders, and nothing phones home
 _ENV_DEFAULTS = {

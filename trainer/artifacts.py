@@ -8,8 +8,8 @@ from pathlib import Path
 
 from trainq.trainer.checkpoints import sha256_file
 from trainq.trainer.metrics import read_records
-from trainq.watcher.contract import RECORD_EVAL, RECORD_STEP
-from trainq.watcher.fsutil import atomic_write, atomic_write_json
+from trainq.watcher.spec.contract import RECORD_EVAL, RECORD_STEP
+from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json
 
 SUMS_FILE = "SHA256SUMS"
 ENV_FILE = "env.json"

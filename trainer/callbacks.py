@@ -24,8 +24,8 @@ from trainq.trainer.config import TrainConfig
 from trainq.trainer.faults import Faults
 from trainq.trainer.metrics import MetricsWriter
 from trainq.trainer.modeling import fingerprint, trainable_state
-from trainq.watcher.contract import CKPT_BEST, CKPT_LATEST, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_STEP
-from trainq.watcher.fsutil import atomic_write_json, touch
+from trainq.watcher.spec.contract import CKPT_BEST, CKPT_LATEST, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_STEP
+from trainq.watcher.spec.fsutil import atomic_write_json, touch
 
 logger = logging.getLogger(__name__)
 

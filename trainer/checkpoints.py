@@ -13,8 +13,8 @@ import re
 import shutil
 from pathlib import Path
 
-from trainq.watcher.contract import CHECKPOINT_PREFIX, CKPT_BEST, CKPT_LATEST, EXIT_USAGE
-from trainq.watcher.fsutil import atomic_write_json
+from trainq.watcher.spec.contract import CHECKPOINT_PREFIX, CKPT_BEST, CKPT_LATEST, EXIT_USAGE
+from trainq.watcher.spec.fsutil import atomic_write_json
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from jsonschema import Draft202012Validator
 
-from trainq.watcher.contract import EXIT_USAGE
-from trainq.watcher.yaml12 import YamlError, load_yaml12
+from trainq.watcher.spec.contract import EXIT_USAGE
+from trainq.watcher.spec.yaml12 import YamlError, load_yaml12
 
 #: the schema this module validates against (shipped beside the package in the repo)
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "train.schema.json"

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from trainq.trainer.chat import IGNORE_INDEX, UnmaskableTemplate, encode_messages
-from trainq.watcher.contract import EXIT_DATA
+from trainq.watcher.spec.contract import EXIT_DATA
 
 logger = logging.getLogger(__name__)
 

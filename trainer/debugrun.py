@@ -21,8 +21,8 @@ import yaml
 
 from trainq.trainer.config import TrainConfig, read_job
 from trainq.trainer.metrics import MetricsWriter, read_records
-from trainq.watcher.contract import ENV_ATTEMPT, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, EXIT_FAILED, EXIT_OK
-from trainq.watcher.fsutil import atomic_write_json
+from trainq.watcher.spec.contract import ENV_ATTEMPT, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, EXIT_FAILED, EXIT_OK
+from trainq.watcher.spec.fsutil import atomic_write_json
 
 #: smoke-run length: this many steps, or SMOKE_SHARE of the real run when fewer, never under SMOKE_MIN_STEPS
 SMOKE_STEPS = 20

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from trainq.watcher.contract import ENV_TRAINER_FAULTS, EXIT_USAGE
+from trainq.watcher.spec.contract import ENV_TRAINER_FAULTS, EXIT_USAGE
 
 _INT_LIST_KEYS = ("nan_at", "nan_grad_at", "spike_at", "oom_at")
 _INT_KEYS = ("nan_after", "oom_if_batch_over", "stop_at", "sigterm_at", "kill_in_save")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainq.trainer.config import TrainConfig
-from trainq.watcher.contract import RECORD_EVENT
+from trainq.watcher.spec.contract import RECORD_EVENT
 
 #: the ladder halves seq_len no further than this
 MIN_SEQ_LEN = 32

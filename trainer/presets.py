@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainq.watcher.contract import ENV_SIMULATE_GPUS, EXIT_USAGE
+from trainq.watcher.spec.contract import ENV_SIMULATE_GPUS, EXIT_USAGE
 
 MIB = 1024 * 1024
 #: share of free GPU memory a preset may plan to use

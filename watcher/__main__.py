@@ -1,6 +1,6 @@
 """``python -m trainq.watcher`` is the ``trainq`` command."""
 import sys
 
-from .cli import main
+from trainq.watcher.cli.main import main
 
 sys.exit(main())

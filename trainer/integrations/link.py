@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainq.trainer.metrics import MetricsWriter
-from trainq.watcher.contract import (ENV_JOB_DIR, ENV_METRICS, ENV_STOP_FLAG, RECORD_CHECKPOINT, RECORD_EVAL,
+from trainq.watcher.spec.contract import (ENV_JOB_DIR, ENV_METRICS, ENV_STOP_FLAG, RECORD_CHECKPOINT, RECORD_EVAL,
                                      RECORD_STEP)
 
 #: the exit status of a script that saved and stopped on SIGTERM (128 + 15, as a shell reports it)

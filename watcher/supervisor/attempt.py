@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import psutil
 
-from trainq.watcher.contract import (
+from trainq.watcher.spec.contract import (
     ENV_ATTEMPT,
     ENV_JOB_DIR,
     ENV_JOB_ID,
@@ -39,12 +39,12 @@ from trainq.watcher.contract import (
     EXIT_USAGE,
     JobPaths,
 )
-from trainq.watcher.errors import SpawnFailed
-from trainq.watcher.fsutil import (
+from trainq.watcher.spec.errors import SpawnFailed
+from trainq.watcher.spec.fsutil import (
     atomic_write_json, open_no_follow, publish_then_sync, remove_quietly, touch,
 )
 from trainq.watcher.supervisor.leftovers import _descendants, boot_id
-from trainq.watcher.units import iso_utc
+from trainq.watcher.spec.units import iso_utc
 
 #: how long the supervisor sleeps between looks at stop.flag, the timeout and its process tree (ms)
 POLL_INTERVAL_MS = 50

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 
-from trainq.watcher.contract import ENV_JOB_DIR, JobPaths
-from trainq.watcher.fsutil import read_json
+from trainq.watcher.spec.contract import ENV_JOB_DIR, JobPaths
+from trainq.watcher.spec.fsutil import read_json
 
 logger = logging.getLogger(__name__)
 

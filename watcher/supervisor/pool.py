@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from trainq.watcher.contract import JobPaths
-from trainq.watcher.errors import SpawnFailed
-from trainq.watcher.fsutil import read_json, remove_quietly
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.errors import SpawnFailed
+from trainq.watcher.spec.fsutil import read_json, remove_quietly
 from trainq.watcher.supervisor.attempt import (
     SUPERVISOR_STOP_SIGNALS,
     LaunchSpec,

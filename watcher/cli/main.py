@@ -1,0 +1,456 @@
+# PYTHON_ARGCOMPLETE_OK  (argcomplete: `eval "$(register-python-argcomplete trainq)"` turns on completion)
+"""``trainq``: a thin command line over the queue's files (argparse, logging set-up, env, exit codes).
+
+Every command does what a user could do by hand with an editor, ``cp``, ``touch`` and ``cat``;
+there is no second path into the queue. Heavy modules are imported inside the commands so
+``trainq --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from trainq.watcher.spec.text import PrintableFormatter
+
+from trainq.watcher.cli.manage_commands import add_commands, add_global_options, enable_completion, run_trainer_command
+from trainq.watcher.spec.fsutil import read_json
+from trainq.watcher.cli.locate import BadUserConfig, RootNotFound, locate_root
+from trainq.watcher.cli.manage import UsageError
+
+#: exit status for success, for invalid input (a bad job file, an unknown id), and for anything else
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_INVALID = 2
+
+logger = logging.getLogger("trainq.watcher")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``trainq`` console script and ``python -m trainq.watcher``."""
+    passed = run_trainer_command(sys.argv[1:] if argv is None else argv)
+    if passed is not None:
+        return passed
+    parser = _parser()
+    enable_completion(parser)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        _parser().print_help()
+        return EXIT_INVALID
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return EXIT_ERROR
+    except BrokenPipeError:
+        return EXIT_OK
+    except (RootNotFound, BadUserConfig) as exc:
+        return _fail(str(exc), EXIT_INVALID)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainq",
+        description="A training-job queue driven by files. Drop job YAML files into QUEUE/inbox/; "
+        "read QUEUE/status.json. Every command here is a convenience over those files.",
+    )
+    parser.add_argument("--root", help="queue root (default: $TRAINQ_ROOT, else ./queue, else root: in "
+                        "~/.config/trainq/config.yaml); accepted after the command too")
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    p = sub.add_parser("init", help="create a queue root with its five folders")
+    p.add_argument("dir", nargs="?", help="where (default: the --root, $TRAINQ_ROOT or ./queue)")
+    p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("watch", help="run the watcher on the queue root (foreground)")
+    p.add_argument("--once", action="store_true", help="run one pass (tick) and exit")
+    p.add_argument("--until-idle", action="store_true",
+                   help="exit once nothing is pending, running or waiting in the inbox (demos, scripts)")
+    p.add_argument("--polling", action="store_true", help="poll instead of inotify (network filesystems)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-q", "--quiet", action="store_true", help="log only to watcher.log")
+    p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("demo", help="build a tiny model, run the example LoRA job through the queue, show the results")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("validate", help="check job files; print every problem (exit 2 if any)")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("submit", help="validate a job file and drop a copy into the inbox atomically")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--approve", action="store_true", help="submit it with approved: true")
+    p.add_argument("--debug", action="store_true",
+                   help="submit a train job with debug: true added (a short smoke run before the real one)")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("status", help="show the queue (from status.json), one line a job")
+    p.add_argument("pattern", nargs="?", metavar="GLOB", help="only jobs whose id or name matches (e.g. 'lora-*')")
+    p.add_argument("--json", action="store_true", help="print status.json as it is")
+    p.add_argument("--follow", "-f", action="store_true", help="redraw until Ctrl-C, fitted to the terminal")
+    p.add_argument("--wide", "-w", action="store_true", help="every column, with advice and full evidence")
+    p.add_argument("--state", metavar="STATE[,STATE]", help="only these states or statuses (running, pending, "
+                   "awaiting, done, failed, cancelled, timeout, rejected, stopping)")
+    p.add_argument("--sweep", metavar="ID", help="only the jobs of this sweep")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("logs", help="print a job's output.log")
+    p.add_argument("id")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job finishes")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("stop", help="stop a job, or every job of a sweep (touches their stop.flag)")
+    p.add_argument("id", help="a job id, or a sweep id for all of its pending and running jobs")
+    p.add_argument("--now", action="store_true", help="skip the job's stop_grace (stop.flag holds `now`)")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("retry", help="run a failed job again, resuming from its latest checkpoint (touches retry.flag)")
+    p.add_argument("id")
+    p.set_defaults(func=cmd_retry)
+
+    p = sub.add_parser("why", help="say where a job is and why: every gate that holds it, or how it failed")
+    p.add_argument("id")
+    p.set_defaults(func=cmd_why)
+
+    p = sub.add_parser("fork", help="write a new job file into the inbox: ID's job.yaml with changes and fork_of: ID")
+    p.add_argument("id")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a field (train.lr=2e-4)")
+    p.add_argument("--from-checkpoint", action="store_true", help="start from ID's latest checkpoint (command jobs)")
+    p.set_defaults(func=cmd_fork)
+    add_commands(sub, _root)
+    add_global_options(parser, sub)
+    return parser
+
+
+def _root(args: argparse.Namespace, must_exist: bool = True) -> Path:
+    """--root, else $TRAINQ_ROOT, else ./queue, else the user config's root (locate.py); RootNotFound if none."""
+    return locate_root(args.root, must_exist=must_exist).path
+
+
+def _fail(message: str, code: int = EXIT_ERROR) -> int:
+    print(f"trainq: {message}", file=sys.stderr)
+    return code
+
+
+# -- commands --------------------------------------------------------------------------------
+def cmd_init(args: argparse.Namespace) -> int:
+    from trainq.watcher.spec.errors import QueueLayoutError
+    from trainq.watcher.spec.folders import QueueRoot
+
+    from trainq.watcher.cli.manage import write_schemas
+
+    root = QueueRoot(Path(args.dir) if args.dir else _root(args, must_exist=False))
+    try:
+        created = root.ensure_layout(create=True)
+    except QueueLayoutError as exc:
+        return _fail(str(exc))
+    for folder in root.folders():
+        (folder / ".gitkeep").touch(exist_ok=True)
+    schemas = write_schemas(root.path)
+    print(f"{root.path}: queue ready ({len(created)} folder(s) created; JSON Schemas in {schemas}/). "
+          f"Drop job files into {root.inbox}/")
+    return EXIT_OK
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from trainq.watcher.spec.config import load_watcher_config
+    from trainq.watcher.spec.errors import InvalidJobSpec
+
+    root = _root(args)
+    if not root.is_dir():
+        return _fail(f"{root}: no queue here; create one with `trainq init {root}`")
+    try:
+        config = load_watcher_config(root, os.environ)
+    except InvalidJobSpec as exc:
+        for line in exc.lines():
+            print(f"trainq: {root / line}" if not line.startswith("/") else f"trainq: {line}", file=sys.stderr)
+        return EXIT_INVALID
+    close_log = _setup_logging(root / "watcher.log", verbose=args.verbose, quiet=args.quiet)
+    try:
+        return _watch(root, config, args)
+    finally:
+        close_log()
+
+
+def _watch(root: Path, config, args: argparse.Namespace) -> int:
+    from trainq.watcher.daemon.daemon import Watcher
+    from trainq.watcher.spec.errors import WatcherError
+
+    try:
+        watcher = Watcher(root, config, polling=args.polling)
+        watcher.start()
+    except WatcherError as exc:
+        logger.error("%s", exc)
+        return EXIT_ERROR
+    try:
+        if args.once:
+            watcher.tick(time.time())
+        elif args.until_idle:
+            _run_until_idle(watcher)
+        else:
+            watcher.run()
+    finally:
+        watcher.close()
+    return EXIT_OK
+
+
+def _run_until_idle(watcher) -> None:
+    """Tick until no job is pending or running and the inbox holds nothing ready to take."""
+    while not watcher._should_exit():
+        now = time.time()
+        watcher.tick(now)
+        if not len(watcher.jobs) and watcher.report.inbox_count == len(watcher.report.awaiting_entries):
+            return
+        watcher._wait(watcher._next_wait_s())
+
+
+def _setup_logging(log_file: Path, verbose: bool, quiet: bool) -> Callable[[], None]:
+    """watcher.log (and stderr unless quiet), written as each line is logged; returns what closes them.
+
+    No queue and no thread: a 10,000-file burst logs 10,000 lines, and handing each to a writer
+    thread cost more (thread wake-ups, the GIL passed back and forth) than the write itself.
+    """
+    fmt = PrintableFormatter("%(asctime)s %(levelname)s %(message)s")
+    handlers: list[logging.Handler] = [logging.FileHandler(log_file, encoding="utf-8")]
+    if not quiet:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    watcher_logger = logging.getLogger("trainq.watcher")
+    watcher_logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        watcher_logger.addHandler(handler)
+
+    def close() -> None:
+        for handler in handlers:
+            watcher_logger.removeHandler(handler)
+            handler.close()
+
+    return close
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from trainq.watcher.cli.demo import run_demo
+
+    return run_demo(_root(args, must_exist=False))
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.spec.jobspec import load_job_file
+
+    worst = EXIT_OK
+    for name in args.files:
+        try:
+            spec = load_job_file(Path(name), name)
+        except InvalidJobSpec as exc:
+            for line in exc.lines():
+                print(line)
+            worst = EXIT_INVALID
+            continue
+        except OSError as exc:
+            print(f"{name}: cannot read ({exc.strerror})")
+            worst = EXIT_INVALID
+            continue
+        state = "approved" if spec.approved else f"valid, awaiting approval ({spec.approval_hint or 'add approved: true'})"
+        print(f"{name}: ok, {state}")
+    return worst
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.spec.fsutil import atomic_write
+    from trainq.watcher.spec.jobspec import parse_job_text
+    from trainq.watcher.cli.submit import approve_text, debug_text, inbox_name, read_job_text
+
+    source = Path(args.file)
+    try:
+        text = read_job_text(source)
+        if args.debug:
+            parse_job_text(text, str(source))  # the file's own problems first, as the user wrote it
+            text = debug_text(text, str(source))
+        if args.approve:
+            text = approve_text(text)
+        spec = parse_job_text(text, str(source))
+    except InvalidJobSpec as exc:
+        for line in exc.lines():
+            print(line, file=sys.stderr)
+        return EXIT_INVALID
+    inbox = _root(args) / "inbox"
+    if not inbox.is_dir():
+        return _fail(f"{inbox}: no inbox; create the queue with `trainq init {_root(args)}`")
+    target = inbox_name(inbox, source.name)
+    atomic_write(inbox / f".{target.name}.tmp", text)  # hidden temp name: the watcher ignores it
+    ino = os.stat(inbox / f".{target.name}.tmp").st_ino  # before the rename: a watcher may take it at once
+    from trainq.watcher.spec.folders import id_from_name
+    from trainq.watcher.cli.manage import claimed_id, sweeps_of
+
+    sweeps_before = sweeps_of(_root(args), id_from_name(target.name)) if spec.raw.get("sweep") else None
+    os.replace(inbox / f".{target.name}.tmp", target)
+    if not spec.approved:
+        print(f"{target}: submitted, awaiting approval (set approved: true in it to start it)")
+        return EXIT_OK
+    print(claimed_id(_root(args), target, ino, sweeps_before))
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from trainq.watcher.faces.view import Filters, print_status
+
+    filters = Filters(states=args.state, sweep=args.sweep, pattern=args.pattern)
+    return print_status(_root(args) / "status.json", follow=args.follow, json_out=args.json, wide=args.wide,
+                        filters=filters) or EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from trainq.watcher.spec.contract import JobPaths
+    from trainq.watcher.cli.manage import find_job, no_such_job, wait_for_claim
+    from trainq.watcher.cli.show import no_output_words
+
+    root = _root(args)
+    found = find_job(root, args.id) or wait_for_claim(root, args.id)
+    if found is None:
+        return _fail(no_such_job(root, args.id), EXIT_INVALID)
+    words = no_output_words(root, found)
+    if words:
+        print(words, file=sys.stderr if args.follow else sys.stdout, flush=True)
+        if not args.follow:
+            return EXIT_OK
+    offset = 0
+    while True:
+        found = find_job(root, args.id) or found
+        offset = _print_from(JobPaths(found.path).log, offset)
+        if not args.follow or found.state in ("done", "failed"):
+            return EXIT_OK
+        time.sleep(0.5)
+
+
+def _print_from(path: Path, offset: int) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    sys.stdout.buffer.write(data)
+    sys.stdout.flush()
+    return offset + len(data)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from trainq.watcher.cli.manage import find_job, request_stop, sweeps_of
+
+    root = _root(args)
+    size = sweeps_of(root, args.id).get(args.id) if find_job(root, args.id) is None else None
+    if size:
+        return _stop_sweep(root, args.id, size, args.now)
+    return _flag(args, ("pending", "running"), lambda path: request_stop(path, now=args.now),
+                 "stop requested" + (", without the grace" if args.now else ""))
+
+
+def _stop_sweep(root: Path, sweep_id: str, size: int, now: bool) -> int:
+    """``trainq stop SWEEP``: a stop.flag in every pending or running job of the sweep (on Slurm: one scancel)."""
+    from trainq.watcher.cli.manage import find_job, request_stop
+
+    stopped, ended = [], 0
+    for index in range(1, size + 1):
+        found = find_job(root, f"{sweep_id}-{index}")
+        if found is not None and found.state in ("pending", "running"):
+            request_stop(found.path, now=now)
+            stopped.append(f"{sweep_id}-{index}")
+        else:
+            ended += 1
+    if not stopped:
+        return _fail(f"sweep {sweep_id}: none of its {size} job(s) is pending or running; nothing to stop",
+                     EXIT_INVALID)
+    listed = stopped[0] if len(stopped) == 1 else f"{stopped[0]} … {stopped[-1]}"
+    print(f"sweep {sweep_id}: stop requested for {len(stopped)} job(s) ({listed})"
+          + (", without the grace" if now else "") + (f"; {ended} already finished" if ended else ""))
+    return EXIT_OK
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    from trainq.watcher.spec.contract import JobPaths
+    from trainq.watcher.spec.fsutil import touch
+
+    def retry(path: Path) -> Path:
+        run = read_json(JobPaths(path).run) or {}
+        if run.get("status") == "rejected":
+            raise UsageError(f"job {args.id} was rejected: its job file is invalid, so it cannot run again. "
+                             f"Fix the file and submit it again: `trainq submit {path / 'job.yaml'}` after editing "
+                             f"a copy (`trainq show {args.id}` lists the problems)")
+        touch(JobPaths(path).retry_flag)
+        return JobPaths(path).retry_flag
+
+    return _flag(args, ("failed",), retry, _retry_plan(_root(args), args.id))
+
+
+def _retry_plan(root: Path, job_id: str) -> str:
+    """What ``trainq retry`` will do: which checkpoint the next attempt resumes from, or that none exists."""
+    from trainq.watcher.spec.folders import JobState
+    from trainq.watcher.daemon.jobs import load_job, resume_point
+    from trainq.watcher.cli.manage import find_job
+
+    found = find_job(root, job_id)
+    job = load_job(found.path, JobState.FAILED) if found is not None and found.state == "failed" else None
+    if job is None or job.spec is None:
+        return "retry requested"
+    if not job.spec.has_resume:
+        return "retry requested; it starts from the beginning (job.yaml has no resume_args)"
+    checkpoint = resume_point(job)
+    if checkpoint is None:
+        return "retry requested; no checkpoint found, it starts from the beginning"
+    return f"retry requested, resuming from {checkpoint}"
+
+
+def _flag(args: argparse.Namespace, states: tuple[str, ...], act: Callable[[Path], Path], what: str) -> int:
+    """Create a job's stop.flag or retry.flag, exactly as a user would by hand."""
+    from trainq.watcher.cli.manage import find_job, no_such_job
+
+    root = _root(args)
+    found = find_job(root, args.id)
+    if found is None:
+        return _fail(no_such_job(root, args.id), EXIT_INVALID)
+    if found.state not in states:
+        return _fail(f"job {args.id} is in {found.state}/; this works only for jobs in "
+                     f"{' or '.join(s + '/' for s in states)}", EXIT_INVALID)
+    try:
+        flag_path = act(found.path)
+    except UsageError as exc:
+        return _fail(str(exc), EXIT_INVALID)
+    print(f"job {args.id}: {what} ({found.state}/{args.id}/{flag_path.name})")
+    return EXIT_OK
+
+
+def cmd_why(args: argparse.Namespace) -> int:
+    from trainq.watcher.cli.why import explain
+
+    from trainq.watcher.spec.text import printable
+
+    lines = explain(_root(args), args.id)
+    if lines is None:
+        return _fail(f"{_root(args)}: no job with id {args.id!r} (not in inbox/, pending/, running/, done/ or failed/)",
+                     EXIT_INVALID)
+    print("\n".join(printable(line) for line in lines))  # evidence is the job's own output
+    return EXIT_OK
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.cli.fork import find_job_dir, fork_data, write_fork
+
+    root = _root(args)
+    job_dir = find_job_dir(root, args.id)
+    if job_dir is None:
+        return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
+    try:
+        data = fork_data(job_dir, args.id, args.set, args.from_checkpoint)
+    except InvalidJobSpec as exc:
+        for line in exc.lines():
+            print(line, file=sys.stderr)
+        return EXIT_INVALID
+    target = write_fork(root / "inbox", args.id, data)
+    print(f"{target}: fork of {args.id} submitted{'' if data.get('approved') is True else ' (awaiting approval)'}")
+    return EXIT_OK

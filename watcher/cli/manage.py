@@ -1,0 +1,392 @@
+"""The management commands (``rm``, ``pause``, ``resume``, ``clean``, ``wait``, ``train``, ``tiny``, ``schema``).
+
+Each is a thin layer over the files, and the README gives the file way beside each:
+``rm`` removes a job folder (a running job is stopped first), ``pause``/``resume`` create/remove
+``pause.flag``, ``clean`` removes finished folders, ``wait`` polls where a job's folder is. Also the
+job lookup the other commands share (edit.py rewrites job files, show.py puts run.json into words).
+Only light modules are imported here: ``trainq --help`` stays fast.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.fsutil import atomic_write, read_json, remove_quietly, touch
+
+#: the states a job folder can be in, in the order a lookup tries them
+STATES = ("running", "pending", "failed", "done")
+FINISHED = ("done", "failed")
+#: how often ``wait`` and ``rm`` look at where a job's folder is (seconds)
+POLL_S = 0.25
+#: a status.json heartbeat older than this means no watcher is looking after the queue (seconds)
+ALIVE_HEARTBEAT_S = 15.0
+#: what a stop.flag holds to skip the stop grace (``trainq stop --now``)
+STOP_NOW = "now"
+#: exit status of ``wait`` past its --timeout (as timeout(1))
+EXIT_WAIT_TIMEOUT = 124
+
+EXIT_OK, EXIT_ERROR, EXIT_INVALID = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Raised when a command cannot do what was asked (unknown id, wrong state); exit status 2."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A job folder and the state its location gives it."""
+
+    state: str
+    path: Path
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def run(self) -> dict:
+        return read_json(JobPaths(self.path).run) or {}
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def find_job(root: Path, job_id: str) -> Found | None:
+    """Where the job ``job_id`` is now, or None."""
+    if not job_id or job_id.startswith(".") or "/" in job_id or job_id in ("..",):
+        return None
+    for state in STATES:
+        path = root / state / job_id
+        if path.is_dir():
+            return Found(state, path)
+    return None
+
+
+def require_job(root: Path, job_id: str) -> Found:
+    found = find_job(root, job_id)
+    if found is None:
+        raise UsageError(f"{root}: no job with id {job_id!r}{_inbox_hint(root, job_id)}")
+    return found
+
+
+def inbox_file_for(root: Path, job_id: str) -> Path | None:
+    """The inbox file that will become job ``job_id`` once a watcher takes it (same stem), if any."""
+    from trainq.watcher.spec.folders import id_from_name
+    from trainq.watcher.daemon.inbox import is_candidate_name
+
+    try:
+        names = sorted(os.listdir(root / "inbox"))
+    except FileNotFoundError:
+        return None
+    return next((root / "inbox" / n for n in names if is_candidate_name(n) and id_from_name(n) == job_id), None)
+
+
+def no_such_job(root: Path, job_id: str) -> str:
+    """The one line for an id that names no job folder (with where the job may still be)."""
+    return f"{root}: no job with id {job_id!r}{_inbox_hint(root, job_id)}"
+
+
+def wait_for_claim(root: Path, job_id: str, timeout_s: float = 10.0) -> Found | None:
+    """A job still in the inbox right after ``trainq watch`` started: wait briefly until a watcher takes it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        waiting = inbox_file_for(root, job_id)
+        if waiting is None or awaiting_entry(root, waiting) is not None or time.monotonic() > deadline:
+            break
+        time.sleep(POLL_S)
+        found = find_job(root, job_id)
+        if found is not None:
+            return found
+    return find_job(root, job_id)
+
+
+def claimed_id(root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, int] | None = None,
+               timeout_s: float = 10.0) -> str:
+    """``job ID`` once a watcher took ``inbox_file`` (inode ``ino``: a claim hard-links it), else what will happen."""
+    from trainq.watcher.spec.folders import id_from_name
+
+    deadline = time.monotonic() + (timeout_s if watcher_alive(root) else min(timeout_s, 2.0))
+    base = id_from_name(inbox_file.name)
+    while True:
+        if not inbox_file.exists():
+            job_id = _job_with_inode(root, base, ino)
+            if job_id is not None:
+                found = find_job(root, job_id)
+                rejected = found is not None and found.run.get("status") == "rejected"
+                return f"job {job_id}" + (f" (rejected: {found.run.get('error')})" if rejected else "")
+            # a sweep file becomes new files ID-1 … ID-N, none with our inode: a sweep not there before is ours
+            new_sweeps = () if sweeps_before is None else sweeps_of(root, base).items() - sweeps_before.items()
+            if new_sweeps:
+                sweep_id, count = min(new_sweeps)
+                return f"sweep {sweep_id}: jobs {sweep_id}-1" + (f" … {sweep_id}-{count}" if count > 1 else "")
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return (f"inbox/{inbox_file.name}: submitted; it becomes job {base} (or {base}-2, … if taken) "
+            f"when a watcher takes it ({watcher_words(root)})")
+
+
+def sweeps_of(root: Path, base: str) -> dict[str, int]:
+    """The sweeps ``base`` or ``base-N`` in the queue (by their first variant's run.json), with their sizes.
+    A sweep's id skips every id taken, so ``grid-5`` may follow ``grid``: each ``*-1`` folder is looked at."""
+    sweeps: dict[str, int] = {}
+    for state in STATES:
+        try:
+            names = os.listdir(root / state)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            sweep_id = name[:-2]
+            if not name.endswith("-1") or not (sweep_id == base or sweep_id.rpartition("-")[0] == base):
+                continue
+            record = Found(state, root / state / name).run.get("sweep") or {}
+            if record.get("id") == sweep_id:
+                sweeps[sweep_id] = int(record.get("of") or 1)
+    return sweeps
+
+
+def _job_with_inode(root: Path, base: str, ino: int) -> str | None:
+    """Which of ``base``, ``base-2``, … holds the submitted file as its job.yaml (a claim hard-links it)."""
+    from trainq.watcher.spec.folders import _with_suffix
+
+    for n in range(1, 1000):
+        job_id = base if n == 1 else _with_suffix(base, n)
+        found = find_job(root, job_id)
+        if found is None:
+            if n > 1 and not any((root / s / job_id).exists() for s in STATES):
+                return None
+            continue
+        try:
+            if JobPaths(found.path).spec.stat().st_ino == ino:
+                return job_id
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def awaiting_entry(root: Path, inbox_file: Path) -> dict | None:
+    """status.json's entry for an inbox file the watcher found valid but not approved."""
+    status = read_json(root / "status.json") or {}
+    return next((j for j in status.get("jobs") or () if j.get("state") == "awaiting_approval"
+                 and j.get("dir") == f"inbox/{inbox_file.name}"), None)
+
+
+def _inbox_hint(root: Path, job_id: str) -> str:
+    waiting = inbox_file_for(root, job_id)
+    if waiting is None:
+        return ""
+    awaiting = awaiting_entry(root, waiting)
+    if awaiting is not None:
+        return f" yet: inbox/{waiting.name} awaits approval ({awaiting.get('approval_hint') or 'set approved: true'})"
+    return f" yet: inbox/{waiting.name} is still waiting to be taken ({watcher_words(root)})"
+
+
+def watcher_alive(root: Path) -> bool:
+    """True when a watcher wrote status.json's heartbeat recently (and says it is not stopping)."""
+    from trainq.watcher.spec.units import parse_iso
+
+    status = read_json(root / "status.json") or {}
+    watcher = status.get("watcher") or {}
+    beat = parse_iso(watcher.get("heartbeat_at"))
+    return beat is not None and time.time() - beat < ALIVE_HEARTBEAT_S and watcher.get("state") != "stopping"
+
+
+def watcher_words(root: Path) -> str:
+    return "a watcher is running" if watcher_alive(root) else f"no watcher is running: start `trainq --root {root} watch`"
+
+
+def remove_folder(path: Path) -> None:
+    """Remove a job folder: renamed to a hidden name first (one atomic step nobody lists), then deleted."""
+    hidden = path.with_name(f".rm-{path.name}-{os.getpid()}")
+    os.rename(path, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+# -- rm ------------------------------------------------------------------------------------------------
+def rm(root: Path, ids: list[str], now: bool = False, timeout_s: float | None = None) -> int:
+    """Remove jobs: pending or finished at once; running ones are stopped first (``--now``: no grace)."""
+    worst = EXIT_OK
+    for job_id in ids:
+        try:
+            _rm_one(root, job_id, now, timeout_s)
+        except UsageError as exc:
+            print(f"trainq: {exc}", file=sys.stderr)
+            worst = max(worst, EXIT_INVALID)
+        except TimeoutError as exc:
+            print(f"trainq: {exc}", file=sys.stderr)
+            worst = max(worst, EXIT_ERROR)
+    return worst
+
+
+def _rm_one(root: Path, job_id: str, now: bool, timeout_s: float | None) -> None:
+    found = require_job(root, job_id)
+    if found.state == "running":
+        found = _stop_and_wait(root, found, now, timeout_s)
+    try:
+        remove_folder(found.path)
+    except FileNotFoundError:  # it started meanwhile: stop it, then remove it
+        _rm_one(root, job_id, now, timeout_s)
+        return
+    say(f"job {job_id}: removed ({found.state}/{job_id})")
+
+
+def _stop_and_wait(root: Path, found: Found, now: bool, timeout_s: float | None) -> Found:
+    if not watcher_alive(root):
+        raise TimeoutError(f"job {found.id} is running and {watcher_words(root)}; it must move the stopped job "
+                           "out of running/ before the folder can be removed")
+    request_stop(found.path, now)
+    say(f"job {found.id}: stopping{' now' if now else ' (stop.flag; the job has its stop_grace to checkpoint)'}…")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        current = find_job(root, found.id)
+        if current is None:
+            raise UsageError(f"job {found.id}: its folder vanished while stopping")
+        if current.state in FINISHED:
+            return current
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {found.id}: still stopping after {timeout_s:g} s; left in running/")
+        time.sleep(POLL_S)
+
+
+def request_stop(job_dir: Path, now: bool = False) -> Path:
+    """Create the job's stop.flag; with ``now`` it holds ``now``, which skips the stop grace."""
+    flag = JobPaths(job_dir).stop_flag
+    if now:
+        atomic_write(flag, f"{STOP_NOW}\n", durable=False)
+    else:
+        touch(flag)
+    return flag
+
+
+# -- pause / resume ---------------------------------------------------------------------------------------
+def pause(root: Path) -> int:
+    touch(root / "pause.flag")
+    say(f"{root}: paused (pause.flag): no new job starts; running jobs go on. `trainq resume` undoes it"
+        + ("" if watcher_alive(root) else f"; {watcher_words(root)}"))
+    return EXIT_OK
+
+
+def resume(root: Path) -> int:
+    was = remove_quietly(root / "pause.flag")
+    say(f"{root}: {'resumed (pause.flag removed)' if was else 'was not paused'}")
+    return EXIT_OK
+
+
+# -- clean -------------------------------------------------------------------------------------------------
+def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_run: bool = False) -> int:
+    """Remove finished job folders (done/ and failed/ unless one is named), optionally only old ones."""
+    from trainq.watcher.spec.units import parse_iso
+
+    states = [s for s, wanted in (("done", done), ("failed", failed)) if wanted] or list(FINISHED)
+    cutoff = None if older_than_s is None else time.time() - older_than_s
+    removed = []
+    for state in states:
+        for path in sorted(_job_dirs(root / state)):
+            run = read_json(JobPaths(path).run) or {}
+            finished = parse_iso(run.get("finished_at")) or _mtime(path)
+            if cutoff is not None and finished > cutoff:
+                continue
+            if not dry_run:
+                try:
+                    remove_folder(path)
+                except FileNotFoundError:
+                    continue
+            removed.append(f"{state}/{path.name}")
+    verb = "would remove" if dry_run else "removed"
+    say(f"{root}: {verb} {len(removed)} finished job(s)" + (": " + ", ".join(removed) if removed else ""))
+    return EXIT_OK
+
+
+def _job_dirs(folder: Path) -> list[Path]:
+    try:
+        return [Path(e.path) for e in os.scandir(folder) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")]
+    except FileNotFoundError:
+        return []
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+# -- wait ------------------------------------------------------------------------------------------------
+def wait(root: Path, ids: list[str], timeout_s: float | None = None, quiet: bool = False) -> int:
+    """Wait until every job has finished; the exit status is the first non-zero job's (0 when all are done)."""
+    for job_id in ids:
+        if find_job(root, job_id) is None and inbox_file_for(root, job_id) is None:
+            raise UsageError(f"{root}: no job with id {job_id!r}")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    codes: dict[str, int] = {}
+    while len(codes) < len(ids):
+        for job_id in ids:
+            if job_id in codes:
+                continue
+            found = find_job(root, job_id)
+            if found is not None and found.state in FINISHED and found.run.get("status") not in (None, "running", "stopping"):
+                codes[job_id] = job_exit_status(found)
+                if not quiet:
+                    say(f"job {job_id}: {describe_end(found)}")
+        if len(codes) < len(ids):
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"trainq: still waiting after {timeout_s:g} s for: "
+                      + ", ".join(i for i in ids if i not in codes), file=sys.stderr)
+                return EXIT_WAIT_TIMEOUT
+            time.sleep(POLL_S)
+    return next((codes[i] for i in ids if codes[i] != 0), EXIT_OK)
+
+
+def job_exit_status(found: Found) -> int:
+    """0 for done; the last attempt's exit code (128+signal when killed) for failures; 1 otherwise."""
+    run = found.run
+    if found.state == "done" and run.get("status") == "done":
+        return EXIT_OK
+    attempts = run.get("attempts") or []
+    last = attempts[-1] if attempts else {}
+    if last.get("exit_code"):
+        return int(last["exit_code"]) & 0xFF or EXIT_ERROR
+    if last.get("signal"):
+        return 128 + int(last["signal"])
+    return EXIT_ERROR
+
+
+def describe_end(found: Found) -> str:
+    run = found.run
+    status = run.get("status") or found.state
+    diagnosis = run.get("diagnosis") or {}
+    kind = f" ({diagnosis['kind']})" if diagnosis.get("kind") else ""
+    return f"{status}{kind}, exit status {job_exit_status(found)} ({found.state}/{found.id})"
+
+
+# -- train / tiny -------------------------------------------------------------------------------------------
+def run_module(module: str, args: list[str]) -> int:
+    """Run ``python -m module args`` in place of this process (the trainer imports torch; the CLI never does)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
+    return EXIT_ERROR  # not reached
+
+
+# -- schemas -----------------------------------------------------------------------------------------------
+def schema_files() -> list[Path]:
+    from trainq.watcher.spec.jobspec import SCHEMAS_DIR
+
+    return sorted(Path(SCHEMAS_DIR).glob("*.schema.json"))
+
+
+def write_schemas(root: Path) -> Path:
+    """Copy the JSON Schemas into ROOT/schemas/ (the examples' ``$schema=../schemas/job.schema.json`` finds them)."""
+    target = root / "schemas"
+    target.mkdir(parents=True, exist_ok=True)
+    for path in schema_files():
+        if (target / path.name).exists() and os.path.samefile(target / path.name, path):
+            continue  # the repo's own queue/schemas links to the schemas themselves
+        atomic_write(target / path.name, path.read_bytes(), durable=False)
+    return target

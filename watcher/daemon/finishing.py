@@ -1,0 +1,278 @@
+"""Finishing attempts, retries and job flags: how a running job leaves running/, and how stop/retry flags act."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.folders import JobState
+from trainq.watcher.spec.fsutil import remove_quietly, touch
+from trainq.watcher.daemon.jobs import Job, judge_exit, load_job, resume_point, should_retry, supervisor_lost
+from trainq.watcher.spec.units import iso_utc, parse_iso
+
+logger = logging.getLogger(__name__)
+
+#: how often running jobs are polled for exit records when no SIGCHLD can tell us (re-adopted jobs), seconds
+RUNNING_POLL_S = 0.2
+#: a launched job's run.json is written once it has run this long (a job that ends sooner gets one final write)
+STARTED_SAVE_AFTER_S = 0.05
+
+
+class Finishing:
+    """The part of the Watcher that finishes, retries, stops and watches running jobs (a mixin of Watcher)."""
+
+    # -- finishing ---------------------------------------------------------------------------
+    def reap_finished(self, now: float) -> None:
+        """Conclude every running job whose attempt ended (exit record, or a supervisor that vanished).
+
+        A concluded job leaves the live index at once, so its slot is free for ``start_pending``
+        in this same tick; its run.json and folder move follow in ``retire_concluded``. A crash
+        in between loses nothing: the folder is still in running/ with its exit record, and
+        ``recover()`` finishes it from that.
+        """
+        forced = now - self._last_running_poll >= RUNNING_POLL_S
+        for job in self._jobs_in(JobState.RUNNING):
+            self.guarded(job, "finish", self._reap_one, job, forced, now)
+            if self.disk_full is not None:
+                return
+        if forced:
+            self._last_running_poll = now
+
+    def _reap_one(self, job: Job, forced: bool, now: float) -> None:
+        attempt = job.current_attempt() or {}
+        if self._conclude_from_record(job, attempt, now):
+            return
+        if forced and not self.executor.is_alive(job.paths, attempt):
+            if not job.dir.exists():
+                self.forget_removed(job)  # rm -rf: its supervisor (if any) stops the attempt by itself
+                return
+            # the record may have landed between the two looks; only without one is the supervisor lost
+            if not self._conclude_from_record(job, attempt, now):
+                self._finish_lost(job, now)
+
+    def _conclude_from_record(self, job: Job, attempt: dict, now: float) -> bool:
+        """Conclude ``job`` from its current attempt's exit record; False while there is none."""
+        record = self.executor.read_exit(job.paths, attempt)
+        if record is None or record.get("attempt") != job.attempt:
+            return False
+        self._conclude(job, judge_exit(job.run, record, job.paths, job.spec), record, now)
+        return True
+
+    def _finish_lost(self, job: Job, now: float) -> None:
+        killed = self.executor.kill_leftovers(job.paths, job.current_attempt() or {})
+        if killed:
+            logger.warning("job %s: killed %d leftover process(es) of a dead supervisor", job.id, killed)
+        started = self.executor.read_started(job.paths) or {}
+        record = {"job_pid": started.get("job_pid")} if started.get("attempt") == job.attempt else {}
+        self._finish(job, supervisor_lost(started), record, now)
+
+    def _finish(self, job: Job, outcome, record: dict, now: float) -> None:
+        """Conclude the attempt and, unless it is retried, write the job's final state and move its folder now."""
+        self._conclude(job, outcome, record, now)
+        self.retire_concluded(now)
+
+    def _conclude(self, job: Job, outcome, record: dict, now: float) -> None:
+        """Record how the attempt ended; retry it, or take the job out of the live index for retiring."""
+        attempt = job.current_attempt()
+        if attempt is not None:
+            attempt.update(
+                job_pid=record.get("job_pid", attempt.get("job_pid")),
+                ended_at=record.get("ended_at") or iso_utc(now),
+                exit_code=record.get("exit_code"),
+                signal=record.get("signal"),
+                signal_name=record.get("signal_name"),
+                stop_reason=record.get("stop_reason"),
+                diagnosis=outcome.diagnosis.to_dict() if outcome.diagnosis else None,
+            )
+        job.run["diagnosis"] = outcome.diagnosis.to_dict() if outcome.diagnosis else None
+        job.run["error"] = record.get("spawn_error") or (outcome.diagnosis.evidence if outcome.diagnosis else None)
+        if should_retry(job, outcome):
+            self.guarded(job, "retry", self._requeue_for_retry, job, outcome, now)
+            return
+        job.run.update(status=outcome.status, finished_at=iso_utc(now), waiting_for=None, gpus=[])
+        self.jobs.remove(job.id)
+        self._concluded.append((job, outcome))
+        self._plan_due = True
+
+    def retire_concluded(self, now: float) -> None:
+        """Write each concluded job's final run.json (durably) and move its folder to done/ or failed/."""
+        while self._concluded and self.disk_full is None:
+            job, outcome = self._concluded[0]
+            self.guarded(job, "finish", self._retire_one, job, outcome, now)
+            self._concluded = [(j, o) for j, o in self._concluded if j is not job]
+
+    def _retire_one(self, job: Job, outcome, now: float) -> None:
+        job.save()
+        ok = outcome.status == "done"
+        job.dir = self.folders.finish(job.id, ok)
+        job.state = JobState.DONE if ok else JobState.FAILED
+        kind = f" ({outcome.diagnosis.kind})" if outcome.diagnosis else ""
+        logger.info("job %s: running -> %s, %s%s", job.id, job.state.value, outcome.status, kind)
+        self._retire(job, now)
+
+    def _requeue_for_retry(self, job: Job, outcome, now: float) -> None:
+        backoff_s = job.spec.retries.backoff_s if job.spec else 0.0
+        resume = resume_point(job)
+        total = 1 + (job.spec.retries.max if job.spec else 0)
+        job.run.update(
+            status="pending",
+            not_before=iso_utc(now + backoff_s),
+            resume_from=resume,
+            stop_requested_at=None,
+            gpus=[],
+            waiting_for=f"retry {job.attempt + 1} of {total} after {outcome.diagnosis.kind}, backoff {backoff_s:g}s",
+        )
+        job.run.pop("stop_requested_by", None)
+        remove_quietly(job.paths.stop_flag)
+        job.save()
+        job.dir = self.folders.requeue(job.id, JobState.RUNNING)
+        self.jobs.move(job, JobState.PENDING)
+        job.readers = None
+        self._plan_due = True
+        logger.info("job %s: running -> pending, retry after %s in %gs%s", job.id, outcome.diagnosis.kind,
+                    backoff_s, f" (resume from {resume})" if resume else "")
+        self.report.touch()
+
+    def _retire(self, job: Job, now: float) -> None:
+        """A job reached done/ or failed/: it leaves the live index, the report keeps it as recent."""
+        self._plan_due = True
+        self.jobs.remove(job.id)
+        self.report.finished(job, now)
+        self.workflow_concluded(job, now)
+
+    def _drop(self, job: Job) -> None:
+        self.jobs.remove(job.id)
+        self.folders.forget(job.id)
+        self.report.touch()
+
+    # -- flags -------------------------------------------------------------------------------
+    def honor_job_flags(self, now: float) -> None:
+        """stop.flag in pending/ cancels; retry.flag in failed/ requeues with resume."""
+        self.forget_removed_folders()
+        for job in self._jobs_in(JobState.PENDING):
+            if job.paths.stop_flag.exists():
+                self.guarded(job, "finish", self.cancel_pending, job, now)
+        for job_id in _ids_with_retry_flag(self.root.state_dir(JobState.FAILED)):
+            self.guarded_id(job_id, JobState.FAILED, "retry", self.retry_finished, job_id, JobState.FAILED, now)
+
+    def cancel_pending(self, job: Job, now: float) -> None:
+        job.run.update(status="cancelled", finished_at=iso_utc(now), waiting_for=None,
+                       stop_requested_at=iso_utc(now))
+        job.save()
+        job.dir = self.folders.fail(job.id, JobState.PENDING)
+        self.jobs.move(job, JobState.FAILED)
+        logger.info("job %s: pending -> failed, cancelled (stop.flag)", job.id)
+        self._retire(job, now)
+
+    def retry_finished(self, job_id: str, state: JobState, now: float) -> None:
+        """retry.flag: back to pending as a new attempt that resumes from the latest checkpoint."""
+        paths = JobPaths(self.root.job_dir(state, job_id))
+        remove_quietly(paths.retry_flag)
+        remove_quietly(paths.stop_flag)
+        job = load_job(paths.dir, state)
+        if job is None or job.run.get("status") == "rejected":
+            logger.warning("job %s: retry.flag ignored (%s)", job_id,
+                           "rejected jobs cannot run; fix and resubmit the file" if job else "unreadable run.json")
+            return
+        resume = resume_point(job)
+        job.run.update(status="pending", finished_at=None, not_before=None, resume_from=resume,
+                       waiting_for=None, diagnosis=None, error=None, stop_requested_at=None)
+        job.run.pop("stop_requested_by", None)
+        job.save()
+        job.dir = self.folders.requeue(job_id, state)
+        self.jobs.move(job, JobState.PENDING)
+        self.jobs.add(job)
+        self.report.unfinished(job_id, state)
+        self.workflow_requeued(job, now)
+        logger.info("job %s: %s -> pending, retry requested%s", job_id, state.value,
+                    f" (resume from {resume})" if resume else "")
+
+    # -- running jobs ------------------------------------------------------------------------
+    def watch_running(self, now: float) -> None:
+        """Mark stop requests, track health (stalls) and progress of running jobs."""
+        self._save_started(now)
+        for job in self._jobs_in(JobState.RUNNING):
+            self.guarded(job, "watch", self._watch_one, job, now)
+
+    def _watch_one(self, job: Job, now: float) -> None:
+        if not self.executor.folder_due(job.paths, job.current_attempt() or {}, now):
+            self._note_executor_wait(job)  # from memory (Slurm: once per poll for each job, spread over the polls)
+            return
+        if job.run.get("status") == "running" and job.paths.stop_flag.exists():
+            job.run.update(status="stopping", stop_requested_at=iso_utc(now))
+            job.health = "stopping"
+            job.save(durable=False)
+            logger.info("job %s: stop requested (stop.flag); grace %gs", job.id,
+                        job.spec.stop_grace_s if job.spec else 0)
+            self.report.touch()
+        if job.run.get("status") == "stopping":
+            requested = parse_iso(job.run.get("stop_requested_at")) or now
+            grace = job.spec.stop_grace_s if job.spec else 0.0
+            self.executor.enforce_stop(job.paths, job.current_attempt() or {}, requested, grace, now)
+        self._note_executor_wait(job)
+        if job.run.get("waiting_for"):  # still in Slurm's queue: nothing written yet, and not stalled
+            job.last_activity = now
+            return
+        self._check_stall(job, now)
+        self.report.update_progress(self, job, now)
+
+    def _save_started(self, now: float, *, all_now: bool = False) -> None:
+        """Write run.json of jobs launched at least STARTED_SAVE_AFTER_S ago (every one with ``all_now``).
+
+        A trivial job is over before that: its one write then carries its final state, which halves
+        the run.json writes of a queue of short jobs. ``recover()`` already accepts a run.json that
+        lags the supervisor's start record, so a crash in this window loses nothing.
+        """
+        for job in self._jobs_in(JobState.RUNNING):
+            if job.unsaved_since is not None and (all_now or now - job.unsaved_since >= STARTED_SAVE_AFTER_S):
+                self.guarded(job, "start", job.save, durable=False)  # clears unsaved_since
+
+    def _next_started_save_s(self, now: float) -> float | None:
+        """Seconds until the next deferred run.json write is due; None when none waits."""
+        due = [j.unsaved_since for j in self._jobs_in(JobState.RUNNING) if j.unsaved_since is not None]
+        return max(0.0, min(due) + STARTED_SAVE_AFTER_S - now) if due else None
+
+    def _note_executor_wait(self, job: Job) -> None:
+        reason = self.executor.waiting_for(job.paths, job.current_attempt() or {})
+        if job.run.get("waiting_for") != reason:
+            job.run["waiting_for"] = reason
+            self.report.touch()
+
+    def _check_stall(self, job: Job, now: float) -> None:
+        stall_after = job.spec.stall_after_s if job.spec else None
+        if not stall_after:
+            return
+        sig = tuple(_mtime(p) for p in (job.paths.log, job.paths.metrics))
+        if sig != job.activity_sig:
+            job.activity_sig, job.last_activity = sig, now
+            if job.health == "stalled":
+                job.health = "healthy"
+                self.report.touch()
+            return
+        if job.health != "healthy" or now - job.last_activity < stall_after:
+            return
+        job.health = "stalled"
+        logger.warning("job %s: stalled: no new output for %gs", job.id, now - job.last_activity)
+        self.report.touch()
+        if "stalled" in job.spec.retries.on:  # the user opted in: end it (retried while attempts remain)
+            job.run.update(stop_requested_by="stalled", stall_after_s=stall_after)
+            job.save(durable=False)
+            touch(job.paths.stop_flag)
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _ids_with_retry_flag(state_dir: Path) -> list[str]:
+    """Ids of job folders in ``state_dir`` holding a retry.flag."""
+    try:
+        entries = list(os.scandir(state_dir))
+    except FileNotFoundError:
+        return []
+    return [e.name for e in entries if not e.name.startswith(".") and JobPaths(Path(e.path)).retry_flag.exists()]

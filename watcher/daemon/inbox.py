@@ -1,0 +1,372 @@
+"""The inbox: which names are candidates, and when a candidate is complete enough to take.
+
+Events are hints and the scan is the truth. watchdog's inotify events say when a file was
+closed after writing or renamed in (ready at once) and when it is being written (not ready,
+however long the writer pauses). Files seen without such events (present at start-up, events
+dropped, other platforms) are ready once size and mtime stood still for ``settle_s`` and no
+process holds them open for writing (looked up in ``/proc/*/fd``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from watchdog.events import (
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileModifiedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
+from watchdog.observers.api import BaseObserver
+
+from trainq.watcher.spec.errors import Problem
+from trainq.watcher.spec.text import printable
+
+logger = logging.getLogger(__name__)
+
+#: suffixes editors and downloaders use for files still being written (CONTRACT section 2)
+_TEMP_SUFFIXES = ("~", ".swp", ".swx", ".tmp", ".part", ".crdownload")
+#: vim writes a probe file of this name to test whether it may write in a folder
+_VIM_PROBE = "4913"
+#: how often a file marked "being written" is re-checked against /proc for a lost close event (seconds)
+_WRITER_RECHECK_S = 2.0
+
+#: most non-job entries of the inbox listed in status.json's ``ignored``
+MAX_IGNORED_LISTED = 50
+
+WRITING = "writing"
+READY = "ready"
+
+
+def is_quiet_name(name: str) -> bool:
+    """Hidden files and editor/downloader temporaries: skipped without a word (they come and go)."""
+    return name.startswith((".", "#")) or name == _VIM_PROBE or name.lower().endswith(_TEMP_SUFFIXES)
+
+
+def ignored_reason(entry: os.DirEntry) -> str | None:
+    """Why an inbox entry that is not a job file is left alone; None for one that is skipped silently."""
+    if is_quiet_name(entry.name):
+        return None
+    try:
+        if entry.is_dir(follow_symlinks=False):
+            return "a folder: the inbox takes only job files"
+        if not entry.is_file(follow_symlinks=False) and not entry.is_symlink():
+            return "not a regular file"
+    except OSError:
+        return None
+    if not entry.name.lower().endswith((".yaml", ".yml")):
+        return "not a job file: only *.yaml and *.yml are taken"
+    return None
+
+
+def is_candidate_name(name: str) -> bool:
+    """True for names the inbox takes: ``*.yaml``/``*.yml`` (any case), not hidden, not editor junk."""
+    if name.startswith((".", "#")) or name == _VIM_PROBE:
+        return False
+    lower = name.lower()
+    if lower.endswith(_TEMP_SUFFIXES):
+        return False
+    return lower.endswith((".yaml", ".yml"))
+
+
+def printable_name(name: str) -> str:
+    """A file name as logs, errors, status.json and the terminal show it.
+
+    Bytes that are not UTF-8 (kept by Python as surrogates) become U+FFFD, and control characters
+    are escaped (``\\n``, ``\\x1b``), so a name can never forge a log line or drive a terminal.
+    """
+    return printable(name)
+
+
+def name_problem(name: str) -> Problem | None:
+    """Why an inbox file's name is refused (not UTF-8), or None."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = name.encode("utf-8", "surrogateescape")
+        bad = name[exc.start].encode("utf-8", "surrogateescape").hex()
+        offset = len(name[:exc.start].encode("utf-8", "surrogateescape"))
+        return Problem("", f"the file name is not valid UTF-8 (byte 0x{bad} at byte {offset} of {len(raw)}); "
+                           "rename the file to UTF-8 and drop it again")
+    return None
+
+
+@dataclass
+class _Seen:
+    """What the scan knows about one candidate it has no event for."""
+
+    size: int
+    mtime_ns: int
+    ino: int
+    since: float  # when this size/mtime was first seen
+    writer_checked_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A candidate inbox entry as the scan saw it."""
+
+    name: str
+    path: Path
+    size: int
+    mtime_ns: int
+    ino: int
+    is_symlink: bool
+
+
+class InboxEvents(FileSystemEventHandler):
+    """watchdog handler: records per-name hints and wakes the loop; never touches files."""
+
+    def __init__(self, inbox: Path, wake: Callable[[], None], flags: Iterable[Path] = ()):
+        self.inbox = str(inbox)
+        self._wake = wake
+        self._flags = {str(p) for p in flags}  # the root's stop.flag / pause.flag: act on them at once
+        self._lock = threading.Lock()
+        self._hints: dict[str, str] = {}
+        self._set_at: dict[str, int] = {}  # name -> generation of its latest hint
+        self._generation = 0
+
+    def _name(self, path: str | bytes) -> str | None:
+        path = os.fsdecode(path)
+        if not path or os.path.dirname(path) != self.inbox:
+            return None
+        name = os.path.basename(path)
+        return name if is_candidate_name(name) else None
+
+    def _set(self, name: str | None, hint: str | None) -> None:
+        if name is None:
+            return
+        with self._lock:
+            self._generation += 1
+            if hint is None:
+                self._hints.pop(name, None)
+                self._set_at.pop(name, None)
+            else:
+                self._hints[name] = hint
+                self._set_at[name] = self._generation
+        if hint is not None:  # a file that left the inbox (often our own claim) gives the loop nothing to do
+            self._wake()
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.is_directory:
+            return
+        if os.fsdecode(event.src_path) in self._flags or os.fsdecode(getattr(event, "dest_path", "")) in self._flags:
+            self._wake()
+            return
+        if isinstance(event, FileMovedEvent):
+            self._set(self._name(event.src_path), None)
+            self._set(self._name(event.dest_path), READY)
+        elif isinstance(event, FileClosedEvent):
+            self._set(self._name(event.src_path), READY)
+        elif isinstance(event, (FileCreatedEvent, FileModifiedEvent)):
+            self._set(self._name(event.src_path), WRITING)
+        elif isinstance(event, FileDeletedEvent):
+            self._set(self._name(event.src_path), None)
+
+    def hints(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._hints)
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._hints.pop(name, None)
+            self._set_at.pop(name, None)
+
+    def generation(self) -> int:
+        """A counter of hints set so far (see ``prune``)."""
+        with self._lock:
+            return self._generation
+
+    def prune(self, live: set[str], before: int) -> None:
+        """Drop hints, set before generation ``before``, for names not in ``live`` (deletions are not watched)."""
+        with self._lock:
+            for name in [n for n in self._hints if n not in live and self._set_at.get(n, 0) <= before]:
+                del self._hints[name]
+                self._set_at.pop(name, None)
+
+
+class Inbox:
+    """Lists inbox candidates in drop order and decides which are complete."""
+
+    def __init__(self, inbox: Path, settle_s: float, events: InboxEvents | None = None):
+        self.path = inbox
+        self.settle_s = settle_s
+        self.events = events
+        self._seen: dict[str, _Seen] = {}
+        #: entries the last scan left alone, with why (status.json ``ignored``), at most MAX_IGNORED_LISTED
+        self.ignored: list[dict] = []
+
+    def scan(self) -> list[Candidate]:
+        """Every candidate (regular file or symlink) in drop order: mtime, then name."""
+        found = []
+        ignored = []
+        generation = self.events.generation() if self.events else 0
+        try:
+            entries = list(os.scandir(self.path))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            if not is_candidate_name(entry.name):
+                if len(ignored) < MAX_IGNORED_LISTED:
+                    reason = ignored_reason(entry)
+                    if reason:
+                        ignored.append({"name": printable(entry.name), "reason": reason})
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                if len(ignored) < MAX_IGNORED_LISTED:  # FIFOs, sockets, folders named x.yaml: never touched
+                    what = "a folder named like a job file" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+                    ignored.append({"name": printable(entry.name), "reason": what})
+                continue
+            found.append(
+                Candidate(entry.name, Path(entry.path), st.st_size, st.st_mtime_ns, st.st_ino, stat.S_ISLNK(st.st_mode))
+            )
+        found.sort(key=lambda c: (c.mtime_ns, c.name))
+        self.ignored = sorted(ignored, key=lambda e: e["name"])
+        live = {c.name for c in found}
+        for name in list(self._seen):
+            if name not in live:
+                del self._seen[name]
+        if self.events:
+            self.events.prune(live, generation)
+        return found
+
+    def ready(self, candidates: Iterable[Candidate], now: float) -> list[Candidate]:
+        """The candidates that are complete: closed or renamed in, or settled with no writer."""
+        hints = self.events.hints() if self.events else {}
+        ready, unsure = [], []
+        for cand in candidates:
+            hint = hints.get(cand.name)
+            if hint == READY or cand.is_symlink:
+                ready.append(cand)
+            elif self._settled(cand, now, recheck_s=_WRITER_RECHECK_S if hint == WRITING else 0.0):
+                unsure.append(cand)
+        if unsure:
+            busy = open_for_writing([c.path for c in unsure])
+            for cand in unsure:
+                self._seen[cand.name].writer_checked_at = now
+                if cand.path not in busy:
+                    ready.append(cand)
+        ready.sort(key=lambda c: (c.mtime_ns, c.name))
+        return ready
+
+    def _settled(self, cand: Candidate, now: float, recheck_s: float) -> bool:
+        seen = self._seen.get(cand.name)
+        if seen is None or (seen.size, seen.mtime_ns, seen.ino) != (cand.size, cand.mtime_ns, cand.ino):
+            self._seen[cand.name] = _Seen(cand.size, cand.mtime_ns, cand.ino, since=now)
+            return self.settle_s <= 0 and recheck_s <= 0
+        if now - seen.since < max(self.settle_s, recheck_s):
+            return False
+        return now - seen.writer_checked_at >= max(recheck_s, self.settle_s)
+
+    def taken(self, name: str) -> None:
+        """Forget what was known about a name that left the inbox."""
+        self._seen.pop(name, None)
+        if self.events:
+            self.events.forget(name)
+
+
+def open_for_writing(paths: list[Path]) -> set[Path]:
+    """The subset of ``paths`` that some process holds open for writing (Linux /proc; else none)."""
+    wanted = {os.path.realpath(p): p for p in paths}
+    busy: set[Path] = set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except FileNotFoundError:
+        return busy
+    for pid in pids:
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            if target in wanted and _fd_writable(pid, fd):
+                busy.add(wanted[target])
+    return busy
+
+
+def _fd_writable(pid: str, fd: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("flags:"):
+                    return int(line.split()[1], 8) & (os.O_WRONLY | os.O_RDWR) != 0
+    except OSError:
+        return False
+    return False
+
+
+#: what the inbox watch needs: files arriving (created, moved in), written, closed after writing.
+#: Not opens and closes without writing (our own validation reads), not attribute changes and
+#: deletions (our own claims link and unlink): each event crosses three watchdog threads.
+INBOX_EVENTS = (FileCreatedEvent, FileModifiedEvent, FileClosedEvent, FileMovedEvent)
+#: what the queue root's watch needs: stop.flag and pause.flag appearing and going (not every
+#: watcher.log or status.json write)
+ROOT_EVENTS = (FileCreatedEvent, FileDeletedEvent, FileMovedEvent)
+
+_INOTIFY_MASKS = {
+    FileCreatedEvent: "IN_CREATE",
+    FileModifiedEvent: "IN_MODIFY",
+    FileClosedEvent: "IN_CLOSE_WRITE",
+    FileMovedEvent: "IN_MOVE",
+    FileDeletedEvent: "IN_DELETE",
+}
+
+
+def start_observer(inbox: Path, root: Path, handler: FileSystemEventHandler, polling: bool) -> BaseObserver:
+    """Start a watchdog observer on the inbox and the queue root (non-recursive); ``polling`` for network filesystems."""
+    if polling:
+        from watchdog.observers.polling import PollingObserver
+
+        observer: BaseObserver = PollingObserver(timeout=0.5)
+    else:
+        try:
+            observer = _inotify_observer()
+        except (ImportError, OSError):
+            from watchdog.observers import Observer
+
+            observer = Observer()
+    schedule(observer, inbox, root, handler)
+    observer.daemon = True
+    observer.start()
+    return observer
+
+
+def schedule(observer: BaseObserver, inbox: Path, root: Path, handler: FileSystemEventHandler) -> None:
+    """Watch ``inbox`` and ``root`` for the events each needs."""
+    observer.schedule(handler, str(inbox), recursive=False, event_filter=list(INBOX_EVENTS))
+    observer.schedule(handler, str(root), recursive=False, event_filter=list(ROOT_EVENTS))
+
+
+def _inotify_observer() -> BaseObserver:
+    """An inotify observer with full move events whose kernel watch asks only for the filtered events."""
+    from watchdog.observers.inotify import InotifyFullEmitter, InotifyObserver
+    from watchdog.observers.inotify_c import InotifyConstants
+
+    class Emitter(InotifyFullEmitter):
+        def get_event_mask_from_filter(self):
+            mask = InotifyConstants.IN_DELETE_SELF
+            for cls in self._event_filter or _INOTIFY_MASKS:
+                mask |= getattr(InotifyConstants, _INOTIFY_MASKS[cls])
+            return mask
+
+    # full events: a file renamed into the inbox must read as "moved in" (ready), not "created"
+    observer = InotifyObserver(generate_full_events=True, timeout=0.5)
+    observer._emitter_class = Emitter  # watchdog offers no argument for the emitter class
+    return observer

@@ -1,0 +1,343 @@
+"""The daemon's in-memory view of one job, and the pure rules that decide how an attempt ended.
+
+``Job`` is mutable and private to the daemon; what the outside sees is its ``run.json``
+(``Job.run``), written through ``save()`` only.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainq.watcher.daemon.checkpoints import find_checkpoint, latest_checkpoint, note_skipped
+from trainq.watcher.spec.contract import ATTEMPT_BANNER_PREFIX, JobPaths
+from trainq.watcher.spec.errors import JobFolderRemoved
+from trainq.watcher.daemon.diagnosis import SIGKILL, Diagnosis, diagnose, read_kernel_log, read_metrics_tail, read_tail, stalled_diagnosis
+from trainq.watcher.spec.folders import JobState
+from trainq.watcher.spec.fsutil import atomic_write_json, read_json
+from trainq.watcher.spec.jobspec import JobSpec
+from trainq.watcher.spec.units import iso_utc, parse_iso
+
+RUN_SCHEMA_VERSION = 1
+#: statuses after which a job never runs again unless retried
+FINAL_STATUSES = ("done", "failed", "cancelled", "timeout", "rejected")
+#: statuses a run.json may hold while its folder is in running/
+LIVE_STATUSES = ("running", "stopping")
+
+
+@dataclass
+class Job:
+    """One job the daemon knows: where it is, its run.json, its spec, and live readers."""
+
+    id: str
+    state: JobState
+    dir: Path
+    run: dict
+    spec: JobSpec | None = None
+    readers: object | None = None  # progress readers (set by the daemon for running jobs)
+    health: str | None = None
+    last_activity: float = 0.0
+    activity_sig: tuple = field(default_factory=tuple)
+    usage: dict | None = None
+    pids: tuple[int, ...] = ()
+    checked: bool = False  # admission has checked that this machine can ever run it
+    unsaved_since: float | None = None  # launched at this time, run.json not yet written since
+    held: bool = False  # pending on dependencies: out of the start order (workflows.py)
+    contained: str | None = None  # the step whose internal error failed this job (containment.py)
+    spec_sig: tuple | None = None  # (size, mtime_ns, inode) of the job.yaml the spec was read from
+    spec_change: tuple | None = None  # (new sig, first seen at) of an edit not yet re-read (pending_edits.py)
+
+    @property
+    def paths(self) -> JobPaths:
+        return JobPaths(self.dir)
+
+    @property
+    def status(self) -> str:
+        return self.run.get("status", "pending")
+
+    @property
+    def priority(self) -> int:
+        return int(self.run.get("priority") or 0)
+
+    @property
+    def order(self) -> int:
+        return int(self.run.get("order") or 0)
+
+    @property
+    def attempt(self) -> int:
+        return int(self.run.get("attempt") or 0)
+
+    def sort_key(self) -> tuple[int, int, str]:
+        """Start order: higher priority first, then acceptance order."""
+        return (-self.priority, self.order, self.id)
+
+    def save(self, durable: bool = True) -> None:
+        """Write run.json atomically; JobFolderRemoved when the folder was removed by hand."""
+        try:
+            atomic_write_json(self.paths.run, self.run, durable=durable)
+        except FileNotFoundError:
+            if self.dir.exists():
+                raise
+            raise JobFolderRemoved(self.id, f"{self.state.value}/{self.id}") from None
+        self.unsaved_since = None
+
+    def current_attempt(self) -> dict | None:
+        attempts = self.run.get("attempts") or []
+        return attempts[-1] if attempts else None
+
+
+def new_run(spec: JobSpec | None, order: int, now: float, name: str) -> dict:
+    """The run.json of a freshly accepted (or rejected) job."""
+    return {
+        "schema_version": RUN_SCHEMA_VERSION,
+        "name": (spec.name if spec and spec.name else name),
+        "status": "pending",
+        "priority": spec.priority if spec else 0,
+        "order": order,
+        "submitted_at": iso_utc(now),
+        "started_at": None,
+        "finished_at": None,
+        "attempt": 0,
+        "attempts": [],
+        "diagnosis": None,
+        "error": None,
+        "errors": [],
+        "resume_from": None,
+        "not_before": None,
+        "waiting_for": None,
+        "gpus": [],
+        "stop_requested_at": None,
+        "executor": "local",
+    }
+
+
+def load_run(paths: JobPaths) -> dict | None:
+    """run.json as a dict, or None when missing or unreadable."""
+    return read_json(paths.run)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended, as run.json will say it."""
+
+    status: str
+    diagnosis: Diagnosis | None
+
+
+def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | None = None) -> Outcome:
+    """Turn an exit record plus what the watcher knew (stop requested, stall) into a status and diagnosis.
+
+    ``spec`` says whether the job was the built-in trainer or a command: the advice differs.
+    """
+    reason = exit_record.get("stop_reason")
+    if run.get("stop_requested_by") == "internal_error" and run.get("diagnosis"):
+        return Outcome("failed", Diagnosis.from_dict(run["diagnosis"]))  # containment.py stopped it
+    if run.get("stop_requested_by") == "stalled" and reason != "timeout":
+        return Outcome("failed", stalled_diagnosis(float(run.get("stall_after_s") or 0)))
+    if reason != "timeout" and (reason == "stop_flag" or run.get("status") == "stopping"):
+        return Outcome("cancelled", None)
+    if reason is None and exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
+        return Outcome("done", None)
+    diagnosis = diagnose(exit_record, attempt_log_tail(paths), attempt_metrics(paths, run),
+                         kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record)
+                         else None, train=spec is None or spec.is_train)
+    return Outcome("timeout" if reason == "timeout" else "failed", diagnosis)
+
+
+def _ran_here(exit_record: dict) -> bool:
+    """False for a Slurm attempt: this machine's kernel log says nothing about a node's OOM kills."""
+    return not exit_record.get("slurm_job_id")
+
+
+def _was_sigkilled(exit_record: dict) -> bool:
+    return exit_record.get("signal") == SIGKILL or exit_record.get("exit_code") == 128 + SIGKILL
+
+
+def attempt_log_tail(paths: JobPaths) -> str:
+    """The end of output.log from the current attempt's banner on (earlier attempts are not evidence)."""
+    tail = read_tail(paths.log)
+    cut = tail.rfind(ATTEMPT_BANNER_PREFIX)
+    if cut < 0:
+        return tail
+    return tail[cut:].partition("\n")[2]
+
+
+def attempt_metrics(paths: JobPaths, run: dict) -> list[dict]:
+    """metrics.jsonl records written since the current attempt started."""
+    started = parse_iso(((run.get("attempts") or [{}])[-1] or {}).get("started_at"))
+    records = read_metrics_tail(paths.metrics)
+    if started is None:
+        return records
+    return [r for r in records if not isinstance(r.get("time"), (int, float)) or r["time"] >= started - 1]
+
+
+def supervisor_lost(started: dict | None) -> Outcome:
+    """The attempt's supervisor vanished without an exit record (SIGKILL, OOM killer, reboot)."""
+    pid = (started or {}).get("supervisor_pid")
+    who = f"supervisor (pid {pid})" if pid else "supervisor"
+    return Outcome(
+        "failed",
+        Diagnosis(
+            kind="killed",
+            advice="The job's supervisor was killed (kill -9, the OOM killer or a reboot); "
+            "check `dmesg` and retry with `trainq retry ID`.",
+            evidence=f"the job's {who} died without writing an exit record",
+        ),
+    )
+
+
+def resume_checkpoint(job: Job) -> str | None:
+    """The absolute path an attempt starting now resumes from; checkpoints passed over are noted in output.log."""
+    if job.spec is None or not job.spec.has_resume:
+        return None
+    found = find_checkpoint(job.paths)
+    note_skipped(job.paths.log, found)
+    return found.path
+
+
+def resume_point(job: Job) -> str | None:
+    """Where the job's next attempt would resume, relative to its folder; None without resume semantics."""
+    if job.spec is None or not job.spec.has_resume:
+        return None
+    return relative_to_job(latest_checkpoint(job.paths), job.paths)
+
+
+def relative_to_job(path: str | None, paths: JobPaths) -> str | None:
+    """A checkpoint path as run.json records it: relative to the job folder when inside it."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).relative_to(paths.dir.resolve()))
+    except ValueError:
+        return path
+
+
+def should_retry(job: Job, outcome: Outcome) -> bool:
+    """A failure whose kind the job's ``retries.on`` lists, while attempts remain."""
+    if job.spec is None or outcome.diagnosis is None or outcome.status not in ("failed", "timeout"):
+        return False
+    retries = job.spec.retries
+    return outcome.diagnosis.kind in retries.on and job.attempt < 1 + retries.max
+
+
+def load_job(job_dir: Path, state: JobState) -> Job | None:
+    """Rebuild a Job from its folder (run.json plus job.yaml); None when run.json is unreadable."""
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.spec.jobspec import load_job_file
+
+    paths = JobPaths(job_dir)
+    run = load_run(paths)
+    if run is None:
+        return None
+    try:
+        spec = load_job_file(paths.spec, f"{state.value}/{job_dir.name}/job.yaml")
+    except (InvalidJobSpec, OSError):
+        spec = None
+    run.setdefault("id", job_dir.name)
+    return Job(job_dir.name, state, job_dir, run, spec)
+
+
+class JobIndex:
+    """The live jobs (pending and running) by id and by state, so a tick never scans 10,000 jobs to find 3.
+
+    Pending jobs are also kept in start order (``pending_head``) and those admission has not yet
+    checked are listed apart (``unchecked``), so starting the next of 10,000 queued jobs costs the
+    same as starting the next of 3.
+    """
+
+    def __init__(self) -> None:
+        self._all: dict[str, Job] = {}
+        self._by_state: dict[JobState, dict[str, Job]] = {state: {} for state in JobState}
+        self._order: list[tuple[tuple[int, int, str], str]] = []  # (sort key, id) of pending jobs, sorted
+        self._keys: dict[str, tuple[int, int, str]] = {}  # id -> its key in _order
+        self._unchecked: dict[str, Job] = {}
+        self._held: dict[str, Job] = {}  # pending jobs waiting on dependencies, outside _order
+
+    def add(self, job: Job) -> None:
+        self.remove(job.id)
+        self._all[job.id] = job
+        self._enter(job, job.state)
+
+    def remove(self, job_id: str) -> Job | None:
+        job = self._all.pop(job_id, None)
+        if job is not None:
+            self._leave(job)
+        return job
+
+    def move(self, job: Job, state: JobState) -> None:
+        """Record that ``job``'s folder moved to ``state``."""
+        self._leave(job)
+        job.state = state
+        if job.id in self._all:
+            self._enter(job, state)
+
+    def _enter(self, job: Job, state: JobState) -> None:
+        self._by_state[state][job.id] = job
+        if state is JobState.PENDING and not job.held:
+            key = job.sort_key()
+            self._keys[job.id] = key
+            bisect.insort(self._order, (key, job.id))
+        if state is JobState.PENDING and not job.checked:
+            self._unchecked[job.id] = job
+        if state is JobState.PENDING and job.held:
+            self._held[job.id] = job
+
+    def _leave(self, job: Job) -> None:
+        self._by_state[job.state].pop(job.id, None)
+        key = self._keys.pop(job.id, None)
+        if key is not None:
+            i = bisect.bisect_left(self._order, (key, job.id))
+            if i < len(self._order) and self._order[i] == (key, job.id):
+                del self._order[i]
+        self._unchecked.pop(job.id, None)
+        self._held.pop(job.id, None)
+
+    def hold(self, job: Job) -> None:
+        """Take a pending job out of the start order while it waits on dependencies."""
+        self._leave(job)
+        job.held = True
+        if job.id in self._all:
+            self._enter(job, job.state)
+
+    def release(self, job: Job) -> None:
+        """Put a held job back into the start order."""
+        self._leave(job)
+        job.held = False
+        if job.id in self._all:
+            self._enter(job, job.state)
+
+    def held(self, n: int) -> list[Job]:
+        """Up to ``n`` pending jobs held on dependencies, in start order."""
+        return sorted(self._held.values(), key=Job.sort_key)[:n] if self._held else []
+
+    def pending_head(self, n: int) -> list[Job]:
+        """The first ``n`` pending jobs in start order (priority, then acceptance order)."""
+        pending = self._by_state[JobState.PENDING]
+        return [pending[job_id] for _key, job_id in self._order[:n]]
+
+    def take_unchecked(self) -> list[Job]:
+        """Pending jobs admission has not checked yet (each is returned once)."""
+        jobs = list(self._unchecked.values())
+        self._unchecked.clear()
+        return jobs
+
+    def in_state(self, state: JobState) -> list[Job]:
+        return list(self._by_state[state].values())
+
+    def count(self, state: JobState) -> int:
+        return len(self._by_state[state])
+
+    def get(self, job_id: str) -> Job | None:
+        return self._all.get(job_id)
+
+    def values(self):
+        return self._all.values()
+
+    def __getitem__(self, job_id: str) -> Job:
+        return self._all[job_id]
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._all
+
+    def __len__(self) -> int:
+        return len(self._all)

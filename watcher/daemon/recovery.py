@@ -1,0 +1,218 @@
+"""``recover()``: run once at start-up to finish whatever a previous watcher left half done.
+
+Every folder in running/ is re-adopted (its supervisor still holds the job's lock), finished
+from its exit record, put back to pending (never started), or failed with diagnosis
+``killed`` (its supervisor vanished). Claims interrupted by a crash are completed or undone.
+Nothing is guessed from a bare pid.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.errors import InvalidJobSpec
+from trainq.watcher.spec.folders import JobState
+from trainq.watcher.spec.fsutil import atomic_write_json, remove_quietly, remove_stale_temps
+from trainq.watcher.daemon.jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
+from trainq.watcher.spec.jobspec import load_job_file
+from trainq.watcher.spec.units import iso_utc
+
+if TYPE_CHECKING:
+    from trainq.watcher.daemon.daemon import Watcher
+
+logger = logging.getLogger(__name__)
+
+
+def recover(watcher: "Watcher") -> None:
+    """Rebuild the daemon's index from the folders and repair interrupted steps."""
+    now = time.time()
+    found = watcher.folders.load_ids()
+    _unlink_claimed_inbox_names(watcher, found)
+    _remove_stale_temp_files(watcher, found)
+    for job_id in found[JobState.PENDING]:
+        watcher.guarded_id(job_id, JobState.PENDING, "recover", _recover_pending, watcher, job_id, now)
+    watcher.resume_sweeps(now)
+    for job_id in found[JobState.RUNNING]:
+        watcher.guarded_id(job_id, JobState.RUNNING, "recover", _recover_running, watcher, job_id, now)
+    for job in sorted(watcher.jobs.in_state(JobState.PENDING), key=lambda j: j.order):
+        watcher.guarded(job, "recover", watcher.admit_workflow, job, now)  # hold again on dependencies (kept only in job.yaml)
+    watcher.report.recount()
+    _seed_recent(watcher)
+    orders = [j.order for j in watcher.jobs.values()]
+    watcher._order_last = max(orders + [time.time_ns()])
+    running = watcher.jobs.count(JobState.RUNNING)
+    logger.info("watcher: recovered %d pending and %d running job(s)", len(watcher.jobs) - running, running)
+
+
+def _recover_pending(watcher: "Watcher", job_id: str, now: float) -> None:
+    path = watcher.root.job_dir(JobState.PENDING, job_id)
+    paths = JobPaths(path)
+    remove_stale_temps(path, (paths.run.name,))
+    if not paths.spec.exists() and not paths.spec.is_symlink():
+        _remove_abandoned_claim(paths)
+        watcher.folders.forget(job_id)
+        return
+    job = load_job(path, JobState.PENDING)
+    if job is None:  # job.yaml landed but run.json did not: finish the claim
+        atomic_write_json(paths.run, dict(new_run(None, time.time_ns(), now, name=job_id), id=job_id))
+        job = load_job(path, JobState.PENDING)
+        if job.spec is not None:
+            job.run.update(priority=job.spec.priority, name=job.spec.name or job_id)
+    if job.spec is None:
+        error, errors = _validation_error(paths, job_id)
+        logger.warning("job %s: pending/%s/job.yaml no longer validates; failing it: %s", job_id, job_id, error)
+        job.run.update(status="rejected", finished_at=iso_utc(now), error=error, errors=errors)
+    if job.run.get("status") in FINAL_STATUSES:  # the move to failed/ was interrupted
+        job.save()
+        job.dir = watcher.folders.fail(job_id, JobState.PENDING)
+        watcher.jobs.move(job, JobState.FAILED)
+        return
+    job.run["status"] = "pending"
+    watcher.jobs.add(job)
+
+
+def _validation_error(paths: JobPaths, job_id: str) -> tuple[str, list[dict]]:
+    """The first error line and every problem of a job.yaml that does not validate (named by field)."""
+    try:
+        load_job_file(paths.spec, f"pending/{job_id}/job.yaml")
+    except InvalidJobSpec as exc:
+        return exc.lines()[0], [p.to_dict() for p in exc.problems]
+    except OSError as exc:
+        return f"pending/{job_id}/job.yaml: cannot be read ({exc.strerror or exc})", []
+    return f"pending/{job_id}/job.yaml no longer validates", []
+
+
+def _recover_running(watcher: "Watcher", job_id: str, now: float) -> None:
+    path = watcher.root.job_dir(JobState.RUNNING, job_id)
+    job = load_job(path, JobState.RUNNING)
+    if job is None:
+        job = Job(job_id, JobState.RUNNING, path, new_run(None, time.time_ns(), now, name=job_id))
+        job.run["id"] = job_id
+    executor = watcher.executor
+    started = executor.read_started(job.paths)
+    watcher.jobs.add(job)
+    attempt = job.current_attempt() or {}
+    if executor.is_alive(job.paths, attempt):
+        _adopt(job, started, now)
+        return
+    record = executor.read_exit(job.paths, attempt)
+    if started is None and record is None:
+        _never_started(watcher, job)
+        return
+    _sync_attempt(job, started or record)
+    if record is not None and record.get("attempt") == job.attempt:
+        logger.info("job %s: its attempt ended unseen (no watcher, or a full disk); recording its exit", job_id)
+        watcher._finish(job, judge_exit(job.run, record, job.paths, job.spec), record, now)
+    else:
+        watcher._finish_lost(job, now)
+
+
+def _adopt(job: Job, started: dict | None, now: float) -> None:
+    """A live attempt: keep watching it as if this watcher had started it."""
+    _sync_attempt(job, started)
+    if job.run.get("status") not in ("running", "stopping"):
+        job.run["status"] = "running"
+    if job.paths.stop_flag.exists():
+        job.run["status"] = "stopping"
+    job.health = "stopping" if job.run["status"] == "stopping" else "healthy"
+    job.last_activity = now
+    job.save()
+    logger.info("job %s: re-adopted running attempt %d (supervisor pid %s)", job.id, job.attempt,
+                (started or {}).get("supervisor_pid"))
+
+
+def _sync_attempt(job: Job, record: dict | None) -> None:
+    """run.json may lag the supervisor's records by one write if the watcher died mid-launch."""
+    if not record:
+        return
+    n = int(record.get("attempt") or 0)
+    attempts = job.run.setdefault("attempts", [])
+    if n > job.attempt or not attempts:
+        job.run["attempt"] = n
+        attempts.append({"n": n, "pid": record.get("supervisor_pid"), "started_at": record.get("started_at")})
+    current = attempts[-1]
+    current.setdefault("job_pid", record.get("job_pid"))
+    if current.get("pid") is None:
+        current["pid"] = record.get("supervisor_pid")
+    job.run["started_at"] = job.run.get("started_at") or record.get("started_at")
+
+
+def _never_started(watcher: "Watcher", job: Job) -> None:
+    """The watcher died between moving the folder and forking the supervisor: start it again later."""
+    job.run.update(status="pending", waiting_for=None)
+    job.save()
+    job.dir = watcher.folders.requeue(job.id, JobState.RUNNING)
+    watcher.jobs.move(job, JobState.PENDING)
+    logger.info("job %s: running -> pending, its attempt never started", job.id)
+
+
+def _remove_stale_temp_files(watcher: "Watcher", found: dict) -> None:
+    """Temp files of atomic writes a killed watcher left: status.json's, status.html's, run.json's in running/."""
+    root = watcher.root
+    removed = remove_stale_temps(root.path, (root.status_json.name, root.status_html.name))
+    for job_id in found[JobState.RUNNING]:
+        removed += remove_stale_temps(root.job_dir(JobState.RUNNING, job_id), ("run.json",))
+    if removed:
+        logger.info("queue: removed %d temp file(s) left by an interrupted write", removed)
+
+
+def _remove_abandoned_claim(paths: JobPaths) -> None:
+    """A claim interrupted before job.yaml moved in: the inbox file is still in the inbox."""
+    remove_quietly(paths.run)
+    remove_stale_temps(paths.dir, (paths.run.name,))
+    try:
+        paths.dir.rmdir()
+        logger.info("queue: removed interrupted claim %s", paths.dir)
+    except OSError:
+        logger.warning("queue: %s has no job.yaml but is not empty; leaving it", paths.dir)
+
+
+def _unlink_claimed_inbox_names(watcher: "Watcher", found: dict) -> None:
+    """A crash between link and unlink leaves one file with two names; drop the inbox one."""
+    suspects = {}
+    try:
+        for entry in os.scandir(watcher.root.inbox):
+            st = entry.stat(follow_symlinks=False)
+            if st.st_nlink > 1:
+                suspects[(st.st_dev, st.st_ino)] = Path(entry.path)
+    except FileNotFoundError:
+        return
+    if not suspects:
+        return
+    for state in (JobState.PENDING, JobState.FAILED):
+        for job_id in found[state]:
+            try:
+                st = os.stat(JobPaths(watcher.root.job_dir(state, job_id)).spec, follow_symlinks=False)
+            except OSError:
+                continue
+            name = suspects.pop((st.st_dev, st.st_ino), None)
+            if name is not None:
+                remove_quietly(name)
+                logger.info("queue: %s was already claimed as %s; removed the inbox name", name.name, job_id)
+
+
+def _seed_recent(watcher: "Watcher") -> None:
+    """List the most recently finished jobs (by folder change time) in status.json."""
+    finished = []
+    for state in (JobState.DONE, JobState.FAILED):
+        try:
+            entries = [e for e in os.scandir(watcher.root.state_dir(state)) if not e.name.startswith(".")]
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            try:
+                finished.append((entry.stat(follow_symlinks=False).st_ctime, state, Path(entry.path)))
+            except OSError:
+                continue
+    finished.sort(key=lambda item: item[0])
+    report = watcher.report
+    for _ctime, state, path in finished[-watcher.config.keep_finished:]:
+        job = load_job(path, state)
+        if job is not None:
+            report.finished(job, 0.0, count=False)  # recount() already counted it
+            watcher.recovered_finished(job)
+

@@ -1,0 +1,324 @@
+"""Starting pending jobs: ask admission which fit, launch them through the executor, say why the rest wait."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+
+from trainq.watcher.daemon.admission import Holding, Limits, Request, plan
+from trainq.watcher.spec.allow import command_problem, executable_for
+from trainq.watcher.spec.config import passed_through
+from trainq.watcher.spec.contract import (
+    ATTEMPT_BANNER_PREFIX,
+    ENV_ATTEMPT,
+    ENV_INIT_FROM,
+    ENV_JOB_DIR,
+    ENV_JOB_ID,
+    ENV_METRICS,
+    ENV_RESUME_FROM,
+    ENV_STOP_FLAG,
+)
+from trainq.watcher.spec.errors import SpawnFailed
+from trainq.watcher.daemon.executor import ExecutorUnavailable
+from trainq.watcher.spec.folders import JobState
+from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
+from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
+from trainq.watcher.supervisor import LaunchSpec
+from trainq.watcher.spec.units import iso_utc, parse_iso
+
+logger = logging.getLogger(__name__)
+
+#: how many pending jobs, in start order, admission plans per pass (plus 2 x max_concurrent)
+PLAN_HEAD = 50
+#: how often admission re-plans when nothing of ours changed (free RAM, GPUs may have), seconds
+PLAN_EVERY_S = 0.5
+#: jobs planned beyond the free slots when a slot frees between full plans
+PLAN_MARGIN = 8
+
+
+class Starting:
+    """The part of the Watcher that turns pending jobs into running attempts (a mixin of Watcher)."""
+
+    # -- starting ----------------------------------------------------------------------------
+    def start_pending(self, now: float) -> None:
+        """Ask admission which pending jobs fit now, and start them.
+
+        Only the head of the queue (in start order) is planned: a job deep in a 10,000-job
+        queue cannot start before those ahead of it. When a slot has just freed, the head is
+        the free slots plus PLAN_MARGIN jobs; every PLAN_EVERY_S it is PLAN_HEAD jobs, which also
+        refreshes why each listed job waits and lets a job further back fill a slot the head
+        cannot use. Every job is still checked once, when it first becomes pending, for whether
+        this machine can ever run it.
+        """
+        unchecked = self.jobs.take_unchecked()
+        if not self.jobs.count(JobState.PENDING):
+            return
+        full = now - self._last_plan >= PLAN_EVERY_S
+        if not (self._plan_due or unchecked or full):
+            return
+        running = self._jobs_in(JobState.RUNNING)
+        depth = PLAN_HEAD + 2 * self.config.max_concurrent
+        if not full:
+            depth = min(depth, max(0, self.config.max_concurrent - len(running)) + PLAN_MARGIN)
+        else:
+            self._last_plan = now
+        self._plan_due = False
+        head = self.jobs.pending_head(depth)
+        machine = self.probe.sample(self._disk_paths(head + running))
+        limits = self._limits()
+        holdings = self._per_job(running, self._holding, "plan")
+        self._reject_unsatisfiable(unchecked, holdings, machine, limits, now)
+        unavailable = self.executor.unavailable(now)
+        if unavailable:
+            self._all_wait(head, unavailable)
+            return
+        waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now)]
+        try:
+            for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
+                job = self.jobs.get(decision.job_id)
+                if job is None or job.state is not JobState.PENDING:
+                    continue
+                if decision.unsatisfiable:
+                    self.guarded(job, "plan", self._fail_unsatisfiable, job, decision.unsatisfiable, now)
+                elif decision.start:
+                    self.guarded(job, "start", self._launch, job, decision, now)
+                elif job.run.get("waiting_for") != decision.waiting_for:
+                    job.run["waiting_for"] = decision.waiting_for
+                    self.report.touch()
+                if self.disk_full is not None:
+                    return
+        finally:
+            self._flush_launches(now)
+
+    def _per_job(self, jobs: list[Job], make, step: str) -> list:
+        """``make(job)`` for each job, each inside its guard (a job whose value cannot be built is failed)."""
+        made = [self.guarded(job, step, make, job) for job in jobs]
+        return [m for m in made if m is not None]
+
+    def _plan(self, requests: list[Request], holdings: list[Holding], machine, limits: Limits) -> list:
+        """admission.plan; if it raises, plan each job alone to find the one it fails on, fail that one, plan the rest."""
+        try:
+            return plan(requests, holdings, machine, limits)
+        except Exception:  # noqa: BLE001 - find the job it fails on below
+            logger.debug("admission failed on a batch of %d; planning each job alone", len(requests), exc_info=True)
+        fine = []
+        for request in requests:
+            job = self.jobs.get(request.job_id)
+            if job is None:
+                continue
+            if self.guarded(job, "plan", plan, [request], holdings, machine, limits) is not None:
+                fine.append(request)
+        return plan(fine, holdings, machine, limits)
+
+    def _limits(self) -> Limits:
+        return Limits(
+            max_concurrent=self.config.max_concurrent,
+            gpu_ids=self.config.gpus,
+            min_free_ram_gb=self.config.min_free_ram_gb,
+            min_free_disk_gb=self.config.min_free_disk_gb,
+            paused=self.paused,
+        )
+
+    def _reject_unsatisfiable(self, jobs: list[Job], holdings, machine, limits: Limits, now: float) -> None:
+        """A job this machine can never run fails at once instead of waiting forever."""
+        if not jobs:
+            return
+        as_if_paused = dataclasses.replace(limits, paused=True)  # only the "never" checks run
+        requests = self._per_job(jobs, self._request, "plan")
+        never = {d.job_id: d.unsatisfiable for d in self._plan(requests, holdings, machine, as_if_paused)}
+        for job in jobs:
+            job.checked = True
+            if never.get(job.id) and job.state is JobState.PENDING:
+                self.guarded(job, "plan", self._fail_unsatisfiable, job, never[job.id], now)
+
+    def _all_wait(self, jobs: list[Job], reason: str) -> None:
+        for job in jobs:
+            if job.run.get("waiting_for") != reason:
+                job.run["waiting_for"] = reason
+                self.report.touch()
+
+    def _request(self, job: Job) -> Request:
+        res = job.spec.resources
+        if getattr(self.executor, "places_resources", False):
+            # Slurm places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
+            return Request(job_id=job.id, priority=job.priority, order=job.order, gpus=0, disk_gb=res.disk_gb,
+                           allow_battery=True, disk_path=self._disk_path(job))
+        return Request(
+            job_id=job.id, priority=job.priority, order=job.order, gpus=res.gpus,
+            gpu_memory_gb=res.gpu_memory_gb, ram_gb=res.ram_gb, disk_gb=res.disk_gb,
+            allow_battery=res.allow_battery, disk_path=self._disk_path(job),
+        )
+
+    def _holding(self, job: Job) -> Holding:
+        res = job.spec.resources if job.spec and not getattr(self.executor, "places_resources", False) else None
+        rss_gb = ((job.usage or {}).get("rss_mb") or 0.0) / 1024
+        return Holding(job_id=job.id, gpus=tuple(job.run.get("gpus") or ()),
+                       ram_gb=res.ram_gb if res else 0.0, disk_gb=res.disk_gb if res else 0.0, rss_gb=rss_gb,
+                       pids=job.pids, disk_path=self._disk_path(job))
+
+    def _disk_path(self, job: Job) -> Path:
+        cwd = job.spec.cwd if job.spec else None
+        if cwd and "{" not in cwd and os.path.isdir(cwd):
+            return Path(cwd)
+        return self.root.path
+
+    def _disk_paths(self, jobs: list[Job]) -> list[Path]:
+        return sorted({self._disk_path(j) for j in jobs[:50]} | {self.root.path})
+
+    def _fail_unsatisfiable(self, job: Job, reason: str, now: float) -> None:
+        job.run.update(status="failed", finished_at=iso_utc(now), waiting_for=None, error=reason,
+                       diagnosis=unsatisfiable_diagnosis(reason).to_dict())
+        job.save()
+        job.dir = self.folders.fail(job.id, JobState.PENDING)
+        self.jobs.move(job, JobState.FAILED)
+        logger.info("job %s: pending -> failed, unsatisfiable: %s", job.id, reason)
+        self._retire(job, now)
+
+    def _launch(self, job: Job, decision, now: float) -> None:
+        if job.paths.stop_flag.exists():  # stopped after the last flag scan (a retry's requeue clears its old flag)
+            self.cancel_pending(job, now)
+            return
+        attempt = job.attempt + 1
+        job.dir = self.folders.start(job.id)
+        self.jobs.move(job, JobState.RUNNING)
+        paths = job.paths
+        # resolved now, where the folder is: it moved since the checkpoint was written
+        resume_from = resume_checkpoint(job) if job.run.get("resume_from") else None
+        if attempt == 1 and job.spec.from_checkpoint and not job.spec.is_train:
+            resume_from = job.spec.from_checkpoint  # a fork started from its parent's checkpoint (CONTRACT section 9)
+        values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
+                  **self.after_values(job)}
+        problem = command_problem(job.spec, self.config.allow_commands, values, self.env.get("PATH", ""))
+        if problem is not None:
+            self._refuse(job, problem, now)
+            return
+        spec = LaunchSpec(
+            job_dir=str(paths.dir),
+            argv=tuple(job.spec.launch_argv(values, sys.executable, resume=bool(resume_from))),
+            env=self._job_env(job, values, decision, resume_from),
+            cwd=job.spec.launch_cwd(values) or str(paths.dir),
+            attempt=attempt,
+            stop_grace_s=job.spec.stop_grace_s,
+            kill_after_s=self.config.kill_after_s,
+            timeout_s=job.spec.timeout_s,
+            banner=_banner(job.id, attempt, now, resume_from),
+            executable=self._checked_executable(job, values),
+            inherit_env=self.executor.name == "slurm",  # only a batch job adds to its environment: its node's SLURM_*
+        )
+        job.run.update(status="running", attempt=attempt, waiting_for=None, not_before=None,
+                       gpus=list(decision.gpus), stop_requested_at=None)
+        job.run["started_at"] = job.run.get("started_at") or iso_utc(now)
+        record = {"n": attempt, "pid": None, "job_pid": None, "started_at": iso_utc(now),
+                  "resumed_from": resume_from, "gpus": list(decision.gpus)}
+        sweep = job.run.get("sweep") or {}
+        group = (sweep["id"], sweep["index"]) if sweep.get("id") and isinstance(sweep.get("index"), int) else None
+        try:
+            record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.slurm, group))
+        except ExecutorUnavailable as exc:
+            self._unlaunch(job, str(exc))
+            return
+        except SpawnFailed as exc:
+            job.run["attempts"].append(record)
+            self._finish(job, _spawn_outcome(str(exc)), {"spawn_error": str(exc)}, now)
+            return
+        job.run["attempts"].append(record)
+        job.run["executor"] = self.executor.name
+        if record.get("slurm_job_id"):
+            job.run["slurm_job_id"] = record["slurm_job_id"]
+        job.unsaved_since = now  # written by watch_running once it has run a moment (finishing.py)
+        job.health, job.last_activity, job.activity_sig, job.readers = "healthy", now, (), None
+        gpus = ",".join(map(str, decision.gpus)) or "none"
+        if record.get("slurm_job_id"):
+            where = f"slurm job {record['slurm_job_id']}"
+        else:
+            where = f"pid {record['pid']}" if record.get("pid") else "Slurm job id not known yet"
+        logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
+        self.report.touch()
+        self.deps_changed(job.id, now)
+
+    def _flush_launches(self, now: float) -> None:
+        """Submit the attempts the executor held back this pass (a sweep's jobs: one Slurm job array)."""
+        for job_id, slurm_id, error in self.executor.flush():
+            job = self.jobs.get(job_id)
+            if job is None or job.state is not JobState.RUNNING:
+                continue
+            self.guarded(job, "start", self._launched, job, slurm_id, error, now)
+
+    def _launched(self, job: Job, slurm_id: str | None, error: Exception | None, now: float) -> None:
+        """The held-back submission of ``job``'s attempt went out (or failed: the same paths as in ``_launch``)."""
+        if isinstance(error, ExecutorUnavailable):
+            job.run["attempts"].pop()
+            self._unlaunch(job, str(error))
+        elif error is not None:
+            self._finish(job, _spawn_outcome(str(error)), {"spawn_error": str(error)}, now)
+        elif slurm_id:
+            job.run["attempts"][-1]["slurm_job_id"] = slurm_id
+            job.run["slurm_job_id"] = slurm_id
+            self.report.touch()
+
+    def _checked_executable(self, job: Job, values: dict) -> str | None:
+        """The real path allow_commands approved, so exactly that is exec'd (None: no list, or a train job)."""
+        if self.config.allow_commands is None or job.spec.is_train:
+            return None
+        return executable_for(job.spec, values, self.env.get("PATH", ""))
+
+    def _refuse(self, job: Job, problem, now: float) -> None:
+        """allow_commands refuses the job at start (written into pending/ by hand, or the list changed)."""
+        error = f"{job.id}/job.yaml: {problem.path}: {problem.message}"
+        job.run.update(status="rejected", finished_at=iso_utc(now), waiting_for=None, error=error,
+                       errors=[problem.to_dict()])
+        job.save()
+        job.dir = self.folders.finish(job.id, ok=False)
+        self.jobs.move(job, JobState.FAILED)
+        logger.warning("job %s: rejected at start: %s", job.id, error)
+        logger.info("job %s: running -> failed, rejected", job.id)
+        self._retire(job, now)
+
+    def _unlaunch(self, job: Job, reason: str) -> None:
+        """The executor could not take the attempt (Slurm down): back to pending, nothing lost."""
+        job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[])
+        job.save(durable=False)
+        job.dir = self.folders.requeue(job.id, JobState.RUNNING)
+        self.jobs.move(job, JobState.PENDING)
+        logger.warning("job %s: running -> pending, executor unavailable: %s", job.id, reason)
+        self.report.touch()
+
+    def _job_env(self, job: Job, values: dict, decision, resume_from: str | None) -> dict[str, str]:
+        env = {k: v for k, v in passed_through(self.env, self.config.env_passthrough).items()
+               if not k.startswith("TRAINQ_") or k == "TRAINQ_TRAINER_FAULTS"}
+        env.update(job.spec.launch_env(values))
+        env.update(decision.env)
+        paths = job.paths
+        env.update({
+            ENV_JOB_ID: job.id,
+            ENV_JOB_DIR: str(paths.dir),
+            ENV_STOP_FLAG: str(paths.stop_flag),
+            ENV_METRICS: str(paths.metrics),
+            ENV_ATTEMPT: values["attempt"],
+        })
+        if resume_from:
+            env[ENV_RESUME_FROM] = resume_from
+        elif job.spec.is_train and job.spec.from_checkpoint:
+            env[ENV_INIT_FROM] = job.spec.from_checkpoint  # weights only: fresh optimizer and schedule
+        return env
+
+
+def _banner(job_id: str, attempt: int, now: float, resume_from: str | None) -> str:
+    """The one-line separator the supervisor writes to output.log before an attempt."""
+    resume = f", resuming from {resume_from}" if resume_from else ""
+    return f"{ATTEMPT_BANNER_PREFIX}job {job_id}, attempt {attempt}, started {iso_utc(now)}{resume} ====="
+
+
+def _spawn_outcome(message: str) -> Outcome:
+    """The attempt never started (fork failed, lock held): a failure whose evidence is the reason."""
+    return Outcome("failed", Diagnosis("unknown", "Check the job's command and cwd; the process could not be started.",
+                                       message))
+
+
+def _later(job: Job, now: float) -> bool:
+    """A retry still inside its backoff."""
+    not_before = parse_iso(job.run.get("not_before"))
+    return bool(not_before and not_before > now)

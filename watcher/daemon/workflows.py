@@ -1,0 +1,398 @@
+"""Dependencies, sweeps, finish hooks and lineage in the watcher (CONTRACT section 9; a mixin of Watcher).
+
+Dependencies: a pending job whose ``after`` has not all ended is *held*: it stays in pending/
+but out of admission's start order (``JobIndex.hold``), so a thousand held jobs never hide a
+runnable one behind them. Whenever a job is accepted, starts, concludes or is retried, the jobs
+held on it are looked at again at once (``deps_changed``), so a dead dependency fails its
+dependents, transitively, in the same tick. Ids not in the queue yet are looked at again on every
+rescan. Nothing is kept on disk beyond the folders themselves: a restarted watcher holds the
+same jobs again from their job.yaml.
+
+Sweeps: a sweep file is claimed into a hidden staging folder (``pending/.sweep-ID``), its
+variants are written as ordinary pending jobs ``ID-1`` ... ``ID-N``, then the staging folder is
+removed. A crash in between is finished by ``resume_sweeps`` at start-up (variants already there
+are kept).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainq.watcher.spec.config import passed_through
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.daemon.diagnosis import Diagnosis
+from trainq.watcher.spec.errors import InvalidJobSpec, Problem
+from trainq.watcher.spec.folders import JobState
+from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json, remove_quietly
+from trainq.watcher.supervisor.hooks import HookLauncher, hook_due
+from trainq.watcher.daemon.jobs import Job, new_run
+from trainq.watcher.spec.jobspec import JobSpec, load_job_file
+from trainq.watcher.spec.sweeps import after_refs, expand, variant_text
+from trainq.watcher.spec.units import iso_utc
+
+logger = logging.getLogger(__name__)
+
+#: prefix of a sweep's staging folder inside pending/ (hidden: never taken for a job)
+SWEEP_STAGING_PREFIX = ".sweep-"
+#: dependencies named in one waiting_for before "and N more"
+_MAX_SHOWN = 4
+#: ancestors kept in lineage.parents
+MAX_LINEAGE = 50
+DEPENDENCY_ADVICE = ("A job this one runs after did not end done: fix and retry that job (trainq retry ID), then "
+                     "retry this one, or submit it with after_policy: any to run whatever their outcome.")
+
+
+@dataclass(frozen=True)
+class DepState:
+    """Where one dependency stands: ended (with its final status) or not, in words."""
+
+    dep_id: str
+    ended: bool
+    ok: bool
+    words: str  # "train-a (running)", "prep: no such job yet", "lrs (sweep: 2 of 4 ended; ...)"
+    known: bool = True
+    evidence: str | None = None  # why it counts as failed
+
+
+@dataclass
+class DependencyBook:
+    """Who waits on whom, sweep members, and the final status of jobs looked up on disk."""
+
+    dependents: dict[str, set[str]] = field(default_factory=dict)  # dependency id -> held job ids
+    unknown: set[str] = field(default_factory=set)  # held jobs with a dependency not in the queue yet
+    sweeps: dict[str, list[str]] = field(default_factory=dict)  # sweep id -> member ids
+    finished: dict[str, str] = field(default_factory=dict)  # job id -> final status (cache)
+
+    def wait_on(self, job_id: str, dep_ids: tuple[str, ...]) -> None:
+        for dep in dep_ids:
+            self.dependents.setdefault(dep, set()).add(job_id)
+
+    def forget(self, job_id: str, dep_ids: tuple[str, ...]) -> None:
+        self.unknown.discard(job_id)
+        for dep in dep_ids:
+            waiting = self.dependents.get(dep)
+            if waiting is not None:
+                waiting.discard(job_id)
+                if not waiting:
+                    del self.dependents[dep]
+
+
+class Workflows:
+    """The part of the Watcher that handles after, sweep, on_finish and fork_of (a mixin of Watcher)."""
+
+    def init_workflows(self) -> None:
+        self.deps = DependencyBook()
+        self.hooks = HookLauncher(passed_through(self.env, self.config.env_passthrough))
+        self._deps_queue: list[str] = []
+        self._sweeps_unfinished = False  # a sweep's expansion failed (a full disk): retried on each rescan
+
+    # -- accepting -----------------------------------------------------------------------------
+    def admit_workflow(self, job: Job, now: float) -> None:
+        """A job just entered pending: reject it if its after closes a cycle, else hold it on its dependencies."""
+        sweep = (job.run.get("sweep") or {}).get("id")
+        if sweep:
+            self.deps.sweeps.setdefault(sweep, [])
+            if job.id not in self.deps.sweeps[sweep]:
+                self.deps.sweeps[sweep].append(job.id)
+        if job.spec is not None and job.spec.after:
+            cycle = self.find_cycle(job)
+            if cycle:
+                self._reject_cycle(job, cycle, now)
+                return
+            self.check_deps(job, now)
+        self.deps_changed(job.id, now)
+
+    def find_cycle(self, job: Job) -> list[str] | None:
+        """A path job → … → job through ``after`` (sweep ids stand for their jobs), or None."""
+        targets = {job.id} | ({job.run["sweep"]["id"]} if job.run.get("sweep") else set())
+        stack = [(dep, [job.id, dep]) for dep in job.spec.after]
+        seen: set[str] = set()
+        while stack:
+            node, path = stack.pop()
+            if node in targets:
+                return path
+            if node in seen:
+                continue
+            seen.add(node)
+            for member in self.deps.sweeps.get(node, ()):
+                other = self.jobs.get(member)
+                if other is not None and other.spec is not None:
+                    stack += [(d, path + [d]) for d in other.spec.after]
+            other = self.jobs.get(node)
+            if other is not None and other.spec is not None:
+                stack += [(d, path + [d]) for d in other.spec.after]
+        return None
+
+    def _reject_cycle(self, job: Job, cycle: list[str], now: float) -> None:
+        words = " -> ".join(cycle)
+        message = f"after: these jobs would wait on each other forever: {words}; remove one of those dependencies"
+        job.run.update(status="rejected", finished_at=iso_utc(now), waiting_for=None,
+                       error=f"pending/{job.id}/job.yaml: {message}", errors=[Problem("after", message).to_dict()])
+        self._conclude_pending(job, now, f"rejected, dependency cycle {words}")
+
+    # -- dependencies ----------------------------------------------------------------------------
+    def check_deps(self, job: Job, now: float) -> None:
+        """Hold, release or fail one pending job according to where its dependencies stand."""
+        if job.state is not JobState.PENDING or job.spec is None or not job.spec.after:
+            return
+        states = [self.dependency_state(dep) for dep in job.spec.after]
+        dead = [s for s in states if s.ended and not s.ok]
+        if dead and job.spec.after_policy == "ok":
+            self.deps.forget(job.id, job.spec.after)
+            self._fail_dependency(job, dead[0], now)
+            return
+        waiting = [s for s in states if not s.ended]
+        if not waiting:
+            self.deps.forget(job.id, job.spec.after)
+            if job.held:
+                self.jobs.release(job)
+                job.run["waiting_for"] = None
+                self._plan_due = True
+                self.report.touch()
+                logger.info("job %s: dependencies ended (%s); may start", job.id, ", ".join(job.spec.after))
+            return
+        self.deps.wait_on(job.id, job.spec.after)
+        if any(not s.known for s in waiting):
+            self.deps.unknown.add(job.id)
+        else:
+            self.deps.unknown.discard(job.id)
+        shown = "; ".join(f"after {s.words}" for s in waiting[:_MAX_SHOWN])
+        more = f"; and {len(waiting) - _MAX_SHOWN} more" if len(waiting) > _MAX_SHOWN else ""
+        if not job.held:
+            self.jobs.hold(job)
+        if job.run.get("waiting_for") != shown + more:
+            job.run["waiting_for"] = shown + more
+            self.report.touch()
+
+    def dependency_state(self, dep: str) -> DepState:
+        """Where dependency ``dep`` (a job id or a sweep id) stands now."""
+        live = self.jobs.get(dep)
+        if live is not None:
+            return DepState(dep, False, False, f"{dep} ({live.status})")
+        status = self._finished_status(dep)
+        if status is not None:
+            return DepState(dep, True, status == "done", f"{dep} ({status})",
+                            evidence=f"dependency {dep} ended {status}" + self._dep_reason(dep))
+        members = self.sweep_members(dep)
+        if members:
+            return self._sweep_state(dep, members)
+        return DepState(dep, False, False, f"{dep}: no such job yet", known=False)
+
+    def _sweep_state(self, sweep: str, members: list[str]) -> DepState:
+        states = [self.dependency_state(m) for m in members]
+        ended = [s for s in states if s.ended]
+        bad = [s for s in ended if not s.ok]
+        if bad:
+            return DepState(sweep, True, False, f"{sweep} (sweep)", evidence=f"sweep {sweep}: {bad[0].evidence}")
+        if len(ended) == len(states):
+            return DepState(sweep, True, True, f"{sweep} (sweep: all {len(states)} done)")
+        open_ = [s.words for s in states if not s.ended][:3]
+        return DepState(sweep, False, False, f"{sweep} (sweep: {len(ended)} of {len(states)} ended; "
+                                             f"{', '.join(open_)}{' ...' if len(states) - len(ended) > 3 else ''})")
+
+    def _finished_status(self, dep: str) -> str | None:
+        cached = self.deps.finished.get(dep)
+        if cached is not None:
+            return cached
+        for state in (JobState.DONE, JobState.FAILED):
+            path = self.root.job_dir(state, dep)
+            if path.is_dir():
+                run = read_json(JobPaths(path).run) or {}
+                status = run.get("status") or state.value
+                if state is JobState.DONE:
+                    status = "done"
+                self.deps.finished[dep] = status
+                return status
+        return None
+
+    def _dep_reason(self, dep: str) -> str:
+        path = self.root.job_dir(JobState.FAILED, dep)
+        run = read_json(JobPaths(path).run) if path.is_dir() else None
+        kind = ((run or {}).get("diagnosis") or {}).get("kind")
+        return f" ({kind})" if kind else ""
+
+    def sweep_members(self, sweep: str) -> list[str]:
+        """The ids of sweep ``sweep``'s jobs: known from this watcher's life, else read from ``sweep-1``'s run.json."""
+        members = self.deps.sweeps.get(sweep)
+        if members:
+            return members
+        for state in JobState:
+            run = read_json(JobPaths(self.root.job_dir(state, f"{sweep}-1")).run)
+            info = (run or {}).get("sweep") or {}
+            if info.get("id") == sweep and isinstance(info.get("of"), int):
+                members = [f"{sweep}-{i}" for i in range(1, info["of"] + 1)]
+                self.deps.sweeps[sweep] = members
+                return members
+        return []
+
+    def deps_changed(self, job_id: str, now: float) -> None:
+        """Job ``job_id`` was accepted, started, concluded or retried: look again at the jobs held on it.
+
+        A queue, not recursion: a failure that fails a dependent that fails its own dependents
+        goes round this loop, however long the chain.
+        """
+        self._deps_queue.append(job_id)
+        if len(self._deps_queue) > 1:
+            return  # an outer call is draining the queue
+        while self._deps_queue:
+            changed = self._deps_queue[0]
+            sweep = self._sweep_of(changed)
+            for dep in (changed, sweep) if sweep else (changed,):
+                for held_id in sorted(self.deps.dependents.get(dep, ())):
+                    held = self.jobs.get(held_id)
+                    if held is None:
+                        self.deps.dependents.get(dep, set()).discard(held_id)
+                    else:
+                        self.guarded(held, "plan", self.check_deps, held, now)
+            self._deps_queue.pop(0)
+
+    def _sweep_of(self, job_id: str) -> str | None:
+        job = self.jobs.get(job_id)
+        if job is not None:
+            return (job.run.get("sweep") or {}).get("id")
+        head, _, index = job_id.rpartition("-")
+        return head if index.isdigit() and job_id in self.deps.sweeps.get(head, ()) else None
+
+    def recheck_unknown(self, now: float) -> None:
+        """On each rescan: held jobs waiting on ids not in the queue yet (dropped later, or in done/ by hand)."""
+        for job_id in sorted(self.deps.unknown):
+            job = self.jobs.get(job_id)
+            if job is None:
+                self.deps.unknown.discard(job_id)
+            else:
+                self.guarded(job, "plan", self.check_deps, job, now)
+        if self._sweeps_unfinished:
+            self._sweeps_unfinished = False
+            self.resume_sweeps(now)
+
+    def _fail_dependency(self, job: Job, dead: DepState, now: float) -> None:
+        diagnosis = Diagnosis("dependency", DEPENDENCY_ADVICE, dead.evidence or f"dependency {dead.dep_id} failed")
+        job.run.update(status="failed", finished_at=iso_utc(now), waiting_for=None, error=diagnosis.evidence,
+                       diagnosis=diagnosis.to_dict())
+        self._conclude_pending(job, now, f"failed, dependency: {diagnosis.evidence}")
+
+    def _conclude_pending(self, job: Job, now: float, words: str) -> None:
+        """A pending job that will never start: write its final run.json and move it to failed/."""
+        if job.held:
+            self.jobs.release(job)
+        job.save()
+        job.dir = self.folders.fail(job.id, JobState.PENDING)
+        self.jobs.move(job, JobState.FAILED)
+        logger.info("job %s: pending -> failed, %s", job.id, words)
+        self._retire(job, now)
+
+    def after_values(self, job: Job) -> dict[str, str]:
+        """``{after:ID}`` → ID's job folder where it is now (done/ID once it ended)."""
+        values = {}
+        for dep in after_refs(job.spec.raw) if job.spec else ():
+            for state in (JobState.DONE, JobState.FAILED, JobState.RUNNING, JobState.PENDING):
+                path = self.root.job_dir(state, dep)
+                if path.is_dir():
+                    values[f"after:{dep}"] = str(path)
+                    break
+        return values
+
+    # -- conclusions -------------------------------------------------------------------------------
+    def workflow_concluded(self, job: Job, now: float) -> None:
+        """A job reached done/ or failed/: remember its status, release or fail its dependents, start its hook."""
+        self.deps.finished[job.id] = job.status
+        if hook_due(job.paths, job.spec, job.status):
+            self.hooks.launch(job.id, job.dir)
+        self.deps_changed(job.id, now)
+
+    def workflow_requeued(self, job: Job, now: float) -> None:
+        """A finished job is pending again (retry.flag): its conclusion is undone, its next one gets a hook."""
+        self.deps.finished.pop(job.id, None)
+        remove_quietly(job.paths.hook_record)
+        self.admit_workflow(job, now)
+
+    def recovered_finished(self, job: Job) -> None:
+        """A recently finished job seen at start-up: a hook a crash kept from starting starts now."""
+        if hook_due(job.paths, job.spec, job.status):
+            self.hooks.launch(job.id, job.dir)
+
+    # -- sweeps ------------------------------------------------------------------------------------
+    def admit_sweep(self, cand, spec: JobSpec, now: float) -> None:
+        """Claim a sweep file into its staging folder, then write its jobs."""
+        total = len(expand(spec.raw))
+        claimed = self.folders.claim_sweep(cand.path, total, SWEEP_STAGING_PREFIX)
+        self.inbox.taken(cand.name)
+        self._awaiting.pop(cand.name, None)
+        if claimed is None:
+            return
+        sweep_id, staging = claimed
+        logger.info("sweep %s: inbox/%s -> %d job(s) %s-1 ... %s-%d", sweep_id, cand.name, total, sweep_id,
+                    sweep_id, total)
+        try:
+            self.expand_staged(sweep_id, staging, now, name=_stem(cand.name))
+        except OSError as exc:  # its staging folder keeps the file; the jobs written so far stay
+            logger.warning("sweep %s: writing its jobs failed (%s); trying again on the next rescan", sweep_id, exc)
+            self._sweeps_unfinished = True
+
+    def expand_staged(self, sweep_id: str, staging: Path, now: float, name: str | None = None) -> None:
+        """Write every variant of the staged sweep that is not in the queue yet, then drop the staging folder."""
+        try:
+            spec = load_job_file(staging / "job.yaml", f"pending/{staging.name}/job.yaml")
+        except (InvalidJobSpec, OSError) as exc:
+            logger.warning("sweep %s: staged file unreadable (%s); leaving %s", sweep_id, exc, staging)
+            return
+        variants = expand(spec.raw)
+        base = spec.name or name or sweep_id
+        self.deps.sweeps[sweep_id] = [f"{sweep_id}-{v.index}" for v in variants]
+        for variant in variants:
+            job = self._write_variant(sweep_id, variant, len(variants), base, now)
+            if job is not None:  # held on its dependencies before anything can start it
+                self.guarded(job, "admit", self.admit_workflow, job, now)
+        remove_quietly(staging / "job.yaml")
+        try:
+            staging.rmdir()
+        except OSError:
+            logger.warning("sweep %s: could not remove its staging folder %s", sweep_id, staging)
+        self.deps_changed(sweep_id, now)
+        self.report.touch()
+
+    def _write_variant(self, sweep_id: str, variant, total: int, base: str, now: float) -> Job | None:
+        job_id = f"{sweep_id}-{variant.index}"
+        if any((self.root.job_dir(s, job_id) / "job.yaml").exists() for s in JobState):
+            return None  # written before a crash
+        path = self.root.job_dir(JobState.PENDING, job_id)
+        os.makedirs(path, mode=self.root.job_dir_mode(), exist_ok=True)
+        spec = JobSpec.from_dict(variant.data, f"pending/{job_id}/job.yaml")
+        run = new_run(spec, self._next_order(), now, name=f"{base}-{variant.index}")
+        run.update(id=job_id, sweep={"id": sweep_id, "index": variant.index, "params": variant.params, "of": total})
+        paths = JobPaths(path)
+        atomic_write_json(paths.run, run, durable=False)
+        atomic_write(paths.spec, variant_text(variant.data, sweep_id, variant.index, total), durable=False)
+        job = Job(job_id, JobState.PENDING, path, run, spec)
+        self.jobs.add(job)
+        return job
+
+    def resume_sweeps(self, now: float) -> None:
+        """At start-up: finish sweeps a crash left in their staging folder."""
+        pending = self.root.state_dir(JobState.PENDING)
+        try:
+            staged = [e for e in os.scandir(pending) if e.name.startswith(SWEEP_STAGING_PREFIX) and e.is_dir()]
+        except FileNotFoundError:
+            return
+        for entry in staged:
+            sweep_id = entry.name[len(SWEEP_STAGING_PREFIX):]
+            logger.info("sweep %s: finishing its expansion interrupted by a crash", sweep_id)
+            self.expand_staged(sweep_id, Path(entry.path), now)
+
+    # -- lineage -------------------------------------------------------------------------------------
+    def lineage_of(self, parent: str) -> dict:
+        """run.json's lineage for a job forked from ``parent``: it, then its own parents, nearest first."""
+        parents = [parent]
+        for state in JobState:
+            run = read_json(JobPaths(self.root.job_dir(state, parent)).run)
+            if run is not None:
+                parents += list(((run.get("lineage") or {}).get("parents") or []))[: MAX_LINEAGE - 1]
+                break
+        return {"fork_of": parent, "parents": parents}
+
+
+def _stem(file_name: str) -> str:
+    stem, dot, suffix = file_name.rpartition(".")
+    return stem if dot and suffix.lower() in ("yaml", "yml") and stem else file_name

@@ -1,0 +1,1 @@
+"""What people and programs read: status.json, status.html, the terminal view, progress."""

@@ -1,0 +1,444 @@
+"""status.html: the status snapshot as one self-contained page (inline CSS and SVG, no network), plus loss curves.
+
+``CurveStore`` keeps a downsampled loss curve per job, fed incrementally with the records
+``MetricsTail.poll`` reads (``tail.new_records``), so rendering costs the same at step 100 or 100,000.
+"""
+from __future__ import annotations
+
+import math
+from html import escape
+from operator import itemgetter
+from typing import Iterable
+
+from trainq.watcher.spec.contract import RECORD_EVAL
+from trainq.watcher.faces.sweepview import sweep_html
+
+#: most points kept per curve however long the run
+MAX_CURVE_POINTS = 300
+#: a heartbeat older than this means the watcher is not responding (3 missed 5 s heartbeats)
+STALE_HEARTBEAT_S = 15
+
+
+class _Series:
+    """One downsampled curve: each point averages a bucket of `stride` raw values; buckets merge as it grows.
+
+    Each finished bucket's SVG text ("step,-value") is formatted once, so drawing costs a join, not a format.
+    """
+
+    def __init__(self, max_points: int) -> None:
+        self.max_points = max(2, max_points)
+        self.stride = 1
+        self.buckets: list[list[float]] = []  # [last step, sum, count]
+        self.pts: list[tuple[float, float]] = []  # (last step, mean) per bucket
+        self.txt: list[str] = []  # SVG coordinates per bucket
+        self.acc: list[float] | None = None
+
+    def add(self, step: float, value: float) -> None:
+        """Append one (step, value); a step going backwards (resume) drops what came after it."""
+        if self._last_step() is not None and step < self._last_step():
+            self._rewind(step)
+        acc = self.acc = self.acc or [step, 0.0, 0]
+        acc[0], acc[1], acc[2] = step, acc[1] + value, acc[2] + 1
+        if acc[2] >= self.stride:
+            self._append(acc)
+            self.acc = None
+            if len(self.buckets) >= self.max_points:
+                self._halve()
+
+    def _append(self, bucket: list[float]) -> None:
+        point = (bucket[0], bucket[1] / bucket[2])
+        self.buckets.append(bucket)
+        self.pts.append(point)
+        self.txt.append(_svg_xy(point))
+
+    def _last_step(self) -> float | None:
+        if self.acc is not None:
+            return self.acc[0]
+        return self.buckets[-1][0] if self.buckets else None
+
+    def _rewind(self, step: float) -> None:
+        self.acc = None
+        while self.buckets and self.buckets[-1][0] >= step:
+            self.buckets.pop(), self.pts.pop(), self.txt.pop()
+
+    def _halve(self) -> None:
+        old = self.buckets
+        self.buckets, self.pts, self.txt = [], [], []
+        for a, b in zip(old[0::2], old[1::2]):
+            self._append([b[0], a[1] + b[1], a[2] + b[2]])
+        if len(old) % 2:
+            self._append(old[-1])
+        self.stride *= 2
+
+    def points(self) -> list[tuple[float, float]]:
+        """(step, mean value) per bucket, the unfinished one included."""
+        return self.pts + [(self.acc[0], self.acc[1] / self.acc[2])] if self.acc else list(self.pts)
+
+    def svg_points(self) -> str:
+        """The polyline's points attribute in data coordinates (x = step, y = -value)."""
+        if not self.acc:
+            return " ".join(self.txt)
+        return " ".join(self.txt + [_svg_xy((self.acc[0], self.acc[1] / self.acc[2]))])
+
+
+def _svg_xy(point: tuple[float, float]) -> str:
+    # y is negated so larger losses sit higher once the viewBox maps data coordinates onto the plot
+    return "%.10g,%.5g" % (point[0], -point[1])
+
+
+class CurveStore:
+    """Downsampled train and eval loss curves per job; the daemon feeds it and drops jobs it no longer shows."""
+
+    def __init__(self, max_points: int = MAX_CURVE_POINTS) -> None:
+        self.max_points = max_points
+        self._series: dict[str, dict[str, _Series]] = {}
+
+    def feed(self, job_id: str, records: Iterable[dict]) -> None:
+        """Add metrics records (as MetricsTail.new_records gives them) to the job's curves."""
+        series = self._series.setdefault(job_id, {})
+        for record in records:
+            step = record.get("step")
+            if isinstance(step, bool) or not isinstance(step, (int, float)):
+                continue
+            if record.get("type") != RECORD_EVAL:
+                self._add(series, "loss", step, record.get("loss"))
+            self._add(series, "eval_loss", step, record.get("eval_loss"))
+
+    def _add(self, series: dict[str, _Series], key: str, step: float, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return
+        if key not in series:
+            series[key] = _Series(self.max_points)
+        series[key].add(step, float(value))
+
+    def retain(self, job_ids: Iterable[str]) -> None:
+        """Forget every job not in ``job_ids`` (call with the jobs status.json still lists)."""
+        keep = set(job_ids)
+        for job_id in [j for j in self._series if j not in keep]:
+            del self._series[job_id]
+
+    def forget(self, job_id: str) -> None:
+        """Drop one job's curves."""
+        self._series.pop(job_id, None)
+
+    def curves(self) -> dict[str, dict]:
+        """{job_id: {"loss": [(step, value), ...], "eval_loss": [...], "svg": {"loss": "x,y ..."}}} for render_html.
+
+        "svg" holds preformatted polyline points (optional: render_html formats the points without it).
+        """
+        return {job_id: self._curve(series) for job_id, series in self._series.items()}
+
+    @staticmethod
+    def _curve(series: dict[str, _Series]) -> dict:
+        curve: dict = {key: s.points() for key, s in series.items()}
+        curve["svg"] = {key: s.svg_points() for key, s in series.items()}
+        return curve
+
+
+# -- formatting helpers --------------------------------------------------------------------------
+
+def _e(value: object) -> str:
+    """Escaped text for element content and quoted attributes; None shows as a dash."""
+    return "–" if value is None else escape(str(value), quote=True)
+
+
+def format_eta(seconds: float | None) -> str:
+    """42 → '42s', 185 → '3m 05s', 7380 → '2h 03m'; None → '–'."""
+    if seconds is None:
+        return "–"
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60:02d}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+
+
+def format_number(value: object, digits: int = 4) -> str:
+    """Short human form of a metric; None → '–'."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "–" if value is None else str(value)
+    if isinstance(value, int):
+        return str(value)
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.{digits}g}"
+
+
+def _when(iso: object) -> str:
+    """A timestamp shortened for reading (2026-11-29 09:30:00), the full ISO form in its tooltip."""
+    if not iso:
+        return "–"
+    short = str(iso).replace("T", " ")[:19]
+    return f'<time datetime="{_e(iso)}" title="{_e(iso)}">{_e(short)}</time>'
+
+
+def _label(job: dict) -> str:
+    name, job_id = job.get("name"), job.get("id")
+    if name and name != job_id:
+        return f'{_e(name)} <span class="id">{_e(job_id)}</span>'
+    return _e(job_id)
+
+
+# -- loss curve ----------------------------------------------------------------------------------
+
+def _bounds(series: dict[str, list]) -> tuple[float, float, float, float]:
+    """(first step, last step, lowest, highest value) over the curves; points are in step order."""
+    x0 = min(pts[0][0] for pts in series.values())
+    x1 = max(pts[-1][0] for pts in series.values())
+    lo = min(min(map(itemgetter(1), pts)) for pts in series.values())
+    hi = max(max(map(itemgetter(1), pts)) for pts in series.values())
+    return x0, x1, lo, hi
+
+
+def _points(pts: list, preformatted: str | None) -> str:
+    """A polyline's points attribute."""
+    text = preformatted or " ".join(map(_svg_xy, pts))
+    # one point (the first eval) is a zero-length line: its round caps draw it as a dot
+    return f"{text} {text}" if len(pts) == 1 else text
+
+
+#: legend text per curve
+_CURVE_NAMES = {"loss": "train", "eval_loss": "eval"}
+
+
+def render_curve(curve: dict | None) -> str:
+    """Inline SVG of the train (and eval) loss by step; empty string when there is nothing to draw."""
+    curve = curve or {}
+    series = {k: curve[k] for k in ("loss", "eval_loss") if curve.get(k)}
+    if not series:
+        return ""
+    x0, x1, lo, hi = _bounds(series)
+    dx, dy = (x1 - x0) or 1.0, (hi - lo) or 1.0
+    pad = dy * 0.05
+    # the viewBox maps data coordinates (step, -loss) onto the plot, so points need no per-render scaling
+    view = "%.10g %.6g %.10g %.6g" % (x0, -hi - pad, dx, dy + 2 * pad)
+    svg = curve.get("svg") or {}
+    lines = "".join(f'<polyline class="{k}" points="{_points(pts, svg.get(k))}"/>' for k, pts in series.items())
+    # a key only for the curves drawn: before the first eval there is no eval line to point at
+    keys = "".join(f'<span class="key"><i class="k {k}"></i>{_CURVE_NAMES[k]}</span>' for k in series)
+    return (
+        f'<svg class="curve" viewBox="{view}" preserveAspectRatio="none" role="img" '
+        f'aria-label="loss by step">{lines}</svg>'
+        f'<div class="axis"><span>step {format_number(x0)}</span>'
+        f'<span>{keys} loss {format_number(lo, 3)}–{format_number(hi, 3)}</span>'
+        f'<span>step {format_number(x1)}</span></div>'
+    )
+
+
+# -- sections ------------------------------------------------------------------------------------
+
+def _header(snapshot: dict) -> str:
+    w = snapshot.get("watcher") or {}
+    heartbeat = w.get("heartbeat_at")
+    return (
+        f'<header><h1>trainq</h1><div class="meta">{_e(w.get("host"))} · watcher pid {_e(w.get("pid"))} · '
+        f'v{_e(w.get("version"))} · <b class="wstate {_e(w.get("state"))}">{_e(w.get("state"))}</b> · '
+        f'started {_when(w.get("started_at"))} · heartbeat <time id="hb" datetime="{_e(heartbeat)}" '
+        f'data-stale-s="{STALE_HEARTBEAT_S}">{_e(str(heartbeat or "").replace("T", " ")[:19])}</time></div></header>'
+        '<div id="stale" class="banner" hidden>watcher not responding: no heartbeat for '
+        '<span id="age"></span>. Is <code>trainq watch</code> running?</div>'
+        f'<noscript><div class="banner">JavaScript is off: if the heartbeat above is more than '
+        f'{STALE_HEARTBEAT_S} s old, the watcher is not responding.</div></noscript>'
+        + "".join(f'<div class="banner">{_e(problem)}</div>' for problem in w.get("problems") or ())
+    )
+
+
+def _counts(snapshot: dict) -> str:
+    counts = snapshot.get("counts") or {}
+    cells = "".join(
+        f'<div class="count {key}"><b>{_e(counts.get(key, 0))}</b>{key.replace("_", " ")}</div>'
+        for key in ("inbox", "awaiting_approval", "pending", "running", "done", "failed")
+    )
+    return f'<section class="counts">{cells}</section>'
+
+
+def _progress_bar(progress: dict) -> str:
+    step, total = progress.get("step"), progress.get("total_steps")
+    if step is None or not total:
+        return f'<progress></progress> <span class="steps">step {_e(step)}</span>'
+    pct = 100.0 * min(step, total) / total
+    return (f'<progress value="{int(step)}" max="{int(total)}"></progress> '
+            f'<span class="steps">{int(step)} / {int(total)} ({pct:.0f}%)</span>')
+
+
+def _facts(pairs: list[tuple[str, str]], css: str = "") -> str:
+    return f'<dl class="{css}">' + "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in pairs) + "</dl>"
+
+
+def _running_card(job: dict, curve: dict | None) -> str:
+    progress = job.get("progress") or {}
+    health = job.get("health") or job.get("status")
+    usage = job.get("usage") or {}
+    facts = [
+        ("loss", format_number(progress.get("loss"))), ("eval loss", format_number(progress.get("eval_loss"))),
+        ("epoch", format_number(progress.get("epoch"), 3)), ("tokens/s", format_number(progress.get("tokens_per_s"), 4)),
+        ("ETA", format_eta(progress.get("eta_s"))), ("attempt", _e(job.get("attempt"))),
+        ("GPUs", _e(",".join(map(str, job.get("gpus") or [])) or None)),
+        ("RSS MB", format_number(usage.get("rss_mb"), 5)),
+    ]
+    return (
+        f'<article class="job running" id="job-{_e(job.get("id"))}"><h3>{_label(job)} '
+        f'<span class="badge {_e(health)}">{_e(health)}</span></h3>'
+        f'<div class="bar">{_progress_bar(progress)}</div>{_facts(facts)}{render_curve(curve)}'
+        f'<div class="dir">{_e(job.get("dir"))} · started {_when(job.get("started_at"))}</div></article>'
+    )
+
+
+def _running(snapshot: dict, curves: dict[str, dict]) -> str:
+    jobs = [j for j in snapshot.get("jobs") or () if j.get("state") == "running"]
+    if not jobs:
+        return '<section><h2>Running</h2><p class="none">No job is running.</p></section>'
+    cards = "".join(_running_card(j, curves.get(j.get("id"))) for j in jobs)
+    return f'<section><h2>Running</h2><div class="cards">{cards}</div></section>'
+
+
+def _table(title: str, css: str, heads: tuple[str, ...], rows: list[str], empty: str) -> str:
+    if not rows:
+        return f'<section class="{css}"><h2>{title}</h2><p class="none">{empty}</p></section>'
+    head = "".join(f"<th>{h}</th>" for h in heads)
+    return (f'<section class="{css}"><h2>{title}</h2><table><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></section>')
+
+
+def _pending(snapshot: dict) -> str:
+    rows = [
+        f'<tr><td>{_label(j)}</td><td>{_e(j.get("priority"))}</td><td>{_e(j.get("attempt"))}</td>'
+        f'<td class="t">{_when(j.get("submitted_at"))}</td><td class="why">{_e(j.get("waiting_for"))}</td></tr>'
+        for j in snapshot.get("jobs") or () if j.get("state") == "pending"
+    ]
+    heads = ("job", "priority", "attempt", "submitted", "waiting for")
+    return _table("Pending", "pending", heads, rows, "Nothing is waiting.")
+
+
+def _awaiting(snapshot: dict) -> str:
+    rows = [
+        f'<tr><td>{_label(j)}</td><td>{_e(j.get("dir"))}</td>'
+        f'<td>{_e(j.get("approval_hint") or "set approved: true in the file")}</td></tr>'
+        for j in snapshot.get("jobs") or () if j.get("state") == "awaiting_approval"
+    ]
+    return _table("Awaiting approval", "awaiting", ("job", "file", "to approve"), rows, "No file awaits approval.")
+
+
+def _ignored(snapshot: dict) -> str:
+    """Inbox entries that are not job files, with why (nothing when there are none)."""
+    rows = [f'<tr><td>inbox/{_e(e.get("name"))}</td><td class="why">{_e(e.get("reason"))}</td></tr>'
+            for e in snapshot.get("ignored") or ()]
+    if not rows:
+        return ""
+    return _table("Ignored in inbox", "ignored", ("entry", "why it is not taken"), rows, "")
+
+
+def _outcome(job: dict) -> str:
+    diagnosis = job.get("diagnosis") or {}
+    parts = [f'<b class="status {_e(job.get("status"))}">{_e(job.get("status"))}</b>']
+    if diagnosis:
+        parts.append(f'<span class="kind">{_e(diagnosis.get("kind"))}</span>: {_e(diagnosis.get("advice"))}')
+        if diagnosis.get("evidence"):
+            parts.append(f'<code class="evidence">{_e(diagnosis.get("evidence"))}</code>')
+    if job.get("error"):
+        parts.append(f'<span class="error">{_e(job.get("error"))}</span>')
+    return "<br>".join(parts)
+
+
+def _outputs(job: dict) -> str:
+    outputs = job.get("outputs") or {}
+    links = [f'<a href="{_e(path)}">{_e(path)}</a>' for path in (outputs.get("loss_png"), outputs.get("adapter")) if path]
+    return "<br>".join(links) or _e(job.get("dir"))
+
+
+def _finished(snapshot: dict) -> str:
+    rows = [
+        f'<tr class="{_e(j.get("state"))}"><td>{_label(j)}</td><td>{_outcome(j)}</td>'
+        f'<td class="t">{_when(j.get("finished_at"))}</td><td>{_e(j.get("attempt"))}</td><td>{_outputs(j)}</td></tr>'
+        for j in snapshot.get("jobs") or () if j.get("state") in ("done", "failed")
+    ]
+    heads = ("job", "outcome", "finished", "attempts", "outputs")
+    return _table("Recently finished", "finished", heads, rows, "No job has finished yet.")
+
+
+def _gpu_card(gpu: dict) -> str:
+    total, used = gpu.get("memory_total_mb") or 0, gpu.get("memory_used_mb") or 0
+    foreign = ", ".join(f'{_e(p.get("name") or "pid")} {_e(p.get("pid"))} ({format_number(p.get("used_mb"))} MB)'
+                        for p in gpu.get("foreign") or ())
+    facts = [
+        ("memory", f"{format_number(used, 6)} / {format_number(total, 6)} MB"),
+        ("utilisation", _unit(gpu.get("utilization_pct"), "%")),
+        ("temperature", _unit(gpu.get("temperature_c"), " °C")),
+        ("held by", _e(gpu.get("held_by")) if gpu.get("held_by") else '<span class="none">nobody (free)</span>'),
+    ]
+    sim = ' <span class="badge sim">simulated</span>' if gpu.get("simulated") else ""
+    return (f'<article class="gpu"><h3>GPU {_e(gpu.get("index"))} · {_e(gpu.get("name"))}{sim}</h3>'
+            f'<meter value="{float(used)}" min="0" max="{float(total) or 1.0}"></meter>{_facts(facts, "two")}'
+            f'<div class="dir">other processes: {foreign or "none"}</div></article>')
+
+
+def _unit(value: object, unit: str) -> str:
+    """A reading with its unit, or a bare dash when the GPU does not report it."""
+    return "–" if value is None else f"{format_number(value)}{unit}"
+
+
+def _machine(snapshot: dict) -> str:
+    res = snapshot.get("resources") or {}
+    ram, battery = res.get("ram") or {}, res.get("battery")
+    items = [f'RAM {format_number(ram.get("available_gb"), 3)} of {format_number(ram.get("total_gb"), 3)} GB free']
+    items += [f'disk {_e(path)}: {format_number(d.get("free_gb"), 4)} of {format_number(d.get("total_gb"), 4)} GB free'
+              for path, d in (res.get("disk") or {}).items()]
+    if battery:
+        plugged = "plugged in" if battery.get("power_plugged") else "on battery"
+        items.append(f'battery {format_number(battery.get("percent"), 3)}% ({plugged})')
+    cards = "".join(_gpu_card(g) for g in res.get("gpus") or ()) or '<p class="none">No GPU.</p>'
+    return (f'<section class="machine"><h2>Machine</h2><p>{" · ".join(items)}</p>'
+            f'<div class="cards">{cards}</div></section>')
+
+
+_CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:0 auto;max-width:1200px;padding:12px;color:#1d2330;background:#f6f7f9}
+header{display:flex;gap:16px;align-items:baseline;flex-wrap:wrap}h1{margin:0;font-size:22px}
+.meta{color:#556}.wstate.running{color:#17803d}.wstate.paused{color:#b26b00}.wstate.stopping{color:#b3261e}
+.banner{background:#b3261e;color:#fff;padding:8px 12px;border-radius:6px;margin:8px 0;font-weight:600}
+.counts{display:flex;gap:8px;margin:12px 0;flex-wrap:wrap}
+.count{background:#fff;border:1px solid #dde;border-radius:6px;padding:6px 12px;text-align:center;min-width:90px}
+.count b{display:block;font-size:22px}.count.failed b{color:#b3261e}.count.running b{color:#1d5fd6}
+h2{font-size:16px;margin:18px 0 6px}.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(470px,1fr));gap:10px}
+article{background:#fff;border:1px solid #dde;border-radius:8px;padding:10px}h3{margin:0 0 6px;font-size:15px}
+.id,.dir{color:#778;font-size:12px;font-weight:normal}.bar{display:flex;align-items:center;gap:8px}
+progress{flex:1;height:14px}meter{width:100%;height:14px}.steps{white-space:nowrap}
+dl{display:grid;grid-template-columns:repeat(3,minmax(0,1fr));gap:2px 10px;margin:6px 0}dl div{display:flex;gap:6px;white-space:nowrap}
+dt{color:#667}dd{margin:0;font-variant-numeric:tabular-nums;overflow:hidden;text-overflow:ellipsis}td.t{white-space:nowrap}
+.badge{font-size:11px;border-radius:10px;padding:1px 7px;background:#e3e6ec;font-weight:normal}
+.badge.healthy{background:#d8f0df}.badge.stalled{background:#ffe2b3}.badge.stopping{background:#f6d2cf}
+svg.curve{width:100%;height:90px;background:#fafbfd;border:1px solid #eef}
+polyline{fill:none;stroke-width:1.5;stroke-linecap:round;stroke-linejoin:round;vector-effect:non-scaling-stroke}polyline.eval_loss{stroke-width:3}polyline.loss{stroke:#1d5fd6}polyline.eval_loss{stroke:#e07a00}
+.axis{display:flex;justify-content:space-between;color:#778;font-size:11px}
+.key{margin-right:8px;white-space:nowrap}i.k{display:inline-block;width:12px;height:3px;vertical-align:middle;margin-right:3px}i.k.loss{background:#1d5fd6}i.k.eval_loss{background:#e07a00}
+table{border-collapse:collapse;width:100%;background:#fff}th,td{border-bottom:1px solid #eef;padding:4px 6px;text-align:left;vertical-align:top}
+.status.done{color:#17803d}.status.failed,.status.timeout,.error{color:#b3261e}.status.cancelled{color:#b26b00}
+dl.two{grid-template-columns:repeat(2,minmax(0,1fr))}.banner code{background:rgba(255,255,255,.2);color:#fff}
+code{font-size:12px;background:#f0f1f4;padding:0 3px}.none{color:#778}.why{color:#8a4b00}
+"""
+
+# the page is a static file: only the browser knows how old the heartbeat is now
+_SCRIPT = """
+(function(){var hb=document.getElementById('hb');var t=Date.parse(hb.getAttribute('datetime'));
+if(isNaN(t))return;var age=Math.max(0,Math.round((Date.now()-t)/1000));
+var txt=age<60?age+' s':age<3600?Math.floor(age/60)+' min '+age%60+' s':Math.floor(age/3600)+' h '+Math.floor(age%3600/60)+' min';
+hb.textContent+=' ('+txt+' ago)';
+if(age>Number(hb.dataset.staleS)){document.getElementById('age').textContent=txt;
+document.getElementById('stale').hidden=false;}})();
+"""
+
+
+def render_html(snapshot: dict, curves: dict[str, dict]) -> str:
+    """The whole status page for a status.json object and CurveStore.curves()."""
+    body = "".join((
+        _header(snapshot), _counts(snapshot), _running(snapshot, curves), _pending(snapshot),
+        _awaiting(snapshot), _ignored(snapshot), _finished(snapshot), sweep_html(list(snapshot.get("jobs") or ())),
+        _machine(snapshot),
+    ))
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta http-equiv="refresh" content="2"><meta name="viewport" content="width=device-width">'
+        f'<title>trainq · {_e((snapshot.get("counts") or {}).get("running", 0))} running</title>'
+        f'<style>{_CSS}</style></head><body>{body}<script>{_SCRIPT}</script></body></html>\n'
+    )

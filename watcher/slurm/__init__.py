@@ -1,0 +1,1 @@
+"""The Slurm executor: submission, Slurm's answers, and the node's side of an attempt."""

@@ -1,0 +1,145 @@
+"""What a Slurm batch job is made of: its sbatch options, its environment and its script (pure functions).
+
+``SlurmOptions`` turns an attempt's settings into ``sbatch`` argv; ``batch_env`` decides which of the
+watcher's variables reach the node (Slurm's own always win there); ``batch_script`` and ``array_script``
+write ``slurm.sh`` for one job or for a sweep's job array; ``srun_argv`` wraps a multi-node command.
+watcher/slurm.py submits and follows the jobs; nothing here runs a command or touches the disk.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.slurm.state import EXIT_NOT_SHARED
+
+#: seconds added to timeout + stop_grace + kill_after for --time, so trainq's own timeout path runs first
+TIME_LIMIT_MARGIN_S = 60.0
+#: the least warning --signal gives before the time limit (s): slurmctld checks time limits every 30 s
+SIGNAL_MIN_LEAD_S = 60
+#: the signal Slurm sends the batch job's supervisor before the time limit (it stops the job like a timeout)
+TIME_LIMIT_SIGNAL = "USR1"
+#: variables trainq itself sets for every job (GPU numbering that matches NVML's)
+TRAINQ_OWNED_ENV = ("CUDA_DEVICE_ORDER",)
+#: variables Slurm sets on the node for the job's allocation: the watcher's values never replace them
+NODE_OWNED_ENV = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                  "TMPDIR", "HOSTNAME", "HOME", "USER", "LOGNAME", "PWD", "SHELL")
+#: per-task rendezvous variables for multi-node jobs, from Slurm's own (torchrun reads MASTER_ADDR/PORT, NODE_RANK)
+RENDEZVOUS_SH = ('MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; '
+                 'export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))} '
+                 'WORLD_SIZE=$SLURM_NTASKS RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID NODE_RANK=$SLURM_NODEID '
+                 'NNODES=$SLURM_NNODES LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; exec "$@"')
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """The sbatch options of one attempt, before they become argv."""
+
+    job_name: str
+    partition: str | None
+    gpus: int
+    mem_mb: int | None
+    time_min: int | None
+    chdir: str
+    output: str
+    extra: tuple[str, ...]
+    comment: str = ""
+    signal_lead_s: int = SIGNAL_MIN_LEAD_S
+    requeue: bool = False
+    nodes: int = 1
+    tasks_per_node: int = 1
+    array: str | None = None
+
+    def argv(self, script: Path) -> list[str]:
+        """``sbatch --parsable ...`` for ``script``; extra args last, so watcher.yaml and job file win."""
+        argv = ["sbatch", "--parsable", "--requeue" if self.requeue else "--no-requeue", "--export=NONE",
+                f"--job-name={self.job_name}", f"--comment={self.comment}", f"--output={self.output}",
+                f"--chdir={self.chdir}", f"--signal=B:{TIME_LIMIT_SIGNAL}@{self.signal_lead_s}"]
+        if self.array:
+            argv.append(f"--array={self.array}")
+        if self.partition:
+            argv.append(f"--partition={self.partition}")
+        if self.nodes > 1 or self.tasks_per_node > 1:
+            argv += [f"--nodes={self.nodes}", f"--ntasks-per-node={self.tasks_per_node}"]
+        if self.gpus:
+            argv.append(f"--gres=gpu:{self.gpus}")
+        if self.mem_mb:
+            argv.append(f"--mem={self.mem_mb}M")
+        if self.time_min:
+            argv.append(f"--time={self.time_min}")
+        return argv + list(self.extra) + [str(script)]
+
+    def shared(self) -> "SlurmOptions":
+        """What jobs must have in common to be one job array: everything but their names, tags and folders."""
+        return dataclasses.replace(self, job_name="", comment="", output="", chdir="", array=None)
+
+
+def batch_env(env: dict[str, str], keep: frozenset[str] | set[str] = frozenset()) -> dict[str, str]:
+    """The environment a batch job gets from the watcher: TRAINQ_* and the ``keep`` names (the job's own ``env``
+    and watcher.yaml's ``env_passthrough``), never SLURM_* nor what Slurm sets for the allocation on the node."""
+    out = {}
+    for key, value in env.items():
+        if key.startswith("SLURM_") or (key in NODE_OWNED_ENV and key not in keep) or key == "CUDA_VISIBLE_DEVICES":
+            continue
+        if key.startswith("TRAINQ_") or key in keep or key in TRAINQ_OWNED_ENV:
+            out[key] = value
+    return out
+
+
+def time_limit_min(timeout_s: float | None, stop_grace_s: float, kill_after_s: float) -> int | None:
+    """sbatch --time in whole minutes (Slurm's minimum is 1), long enough for trainq's own timeout path to finish."""
+    if timeout_s is None:
+        return None
+    return max(1, math.ceil((timeout_s + stop_grace_s + kill_after_s + TIME_LIMIT_MARGIN_S) / 60))
+
+
+def signal_lead_s(stop_grace_s: float, kill_after_s: float) -> int:
+    """--signal's lead before the time limit: the stop grace plus the kill delay, at least SIGNAL_MIN_LEAD_S."""
+    return min(65535, max(SIGNAL_MIN_LEAD_S, math.ceil(stop_grace_s + kill_after_s)))
+
+
+def srun_argv(argv: tuple[str, ...], tasks: int) -> tuple[str, ...]:
+    """The command under srun: ``tasks`` tasks over the allocation, each with its rendezvous variables."""
+    return ("srun", "--export=ALL", f"--ntasks={tasks}", "--kill-on-bad-exit=1", "sh", "-c", RENDEZVOUS_SH,
+            "trainq-task", *argv)
+
+
+def batch_script(paths: JobPaths, attempt: int, argv: list[str], python: str, package_parent: str) -> str:
+    """slurm.sh: check the job folder is visible on the node, then exec the node side of the attempt."""
+    return f"""#!/bin/sh
+# trainq job {paths.dir.name}, attempt {attempt}: written by the watcher and submitted with
+#   {shlex.join(argv)}
+# It runs the attempt's supervisor, which writes output.log, supervisor.json, heartbeat.json and exit.json in the
+# job folder.
+JOB_DIR={shlex.quote(str(paths.dir))}
+{_node_side(attempt, python, package_parent)}"""
+
+
+def array_script(running: Path, sweep_id: str, attempt: int, argv: list[str], python: str,
+                 package_parent: str) -> str:
+    """The script of a sweep's job array: task ``i`` runs attempt ``attempt`` of job ``<sweep>-i``."""
+    return f"""#!/bin/sh
+# trainq sweep {sweep_id}, attempt {attempt} of its jobs as one Slurm job array: written by the watcher and
+# submitted with
+#   {shlex.join(argv)}
+# Task i runs job {sweep_id}-i's supervisor, which writes output.log, supervisor.json, heartbeat.json and
+# exit.json in that job's folder.
+JOB_DIR={shlex.quote(str(running / sweep_id) + "-")}"$SLURM_ARRAY_TASK_ID"
+{_node_side(attempt, python, package_parent)}"""
+
+
+def _node_side(attempt: int, python: str, package_parent: str) -> str:
+    """The part of slurm.sh after JOB_DIR: the shared-filesystem check, then the node side of the attempt."""
+    q = shlex.quote
+    return f"""if [ ! -r "$JOB_DIR/{JobPaths(Path()).launch_spec.name}" ]; then
+  echo "trainq: job folder $JOB_DIR is not visible on Slurm node $(hostname): the queue root must be on a shared \\
+filesystem that the watcher's machine and every node mount at the same path (NFS, Lustre, ...)" >&2
+  exit {EXIT_NOT_SHARED}
+fi
+PYTHONPATH={q(package_parent)}${{PYTHONPATH:+:$PYTHONPATH}}
+export PYTHONPATH
+exec {q(python)} -m trainq.watcher.slurm.node "$JOB_DIR" --attempt {attempt}
+"""

@@ -1,0 +1,319 @@
+"""What Slurm says about trainq's batch jobs: the one squeue per poll, the tags, and how an ended job ended.
+
+* Every submission carries a tag in ``--comment``: ``trainq:<queue key>:<job id>:<attempt>:<token>``. The queue
+  key tells two queue roots of one user apart; the token tells two submissions of one attempt apart. A sweep's
+  job array carries ``trainq:<queue key>:<sweep id>:array:<token>``; its task ``i`` is the sweep's job ``i``.
+* ``SqueueQuery`` is the poll: ONE ``squeue --me -r -t <live states>`` for all of the user's queued and running
+  jobs (``-r``: one line per array task, id ``<array id>_<index>``), whatever their number, run in the
+  background so the watcher's loop never waits for the controller.
+  Jobs that left it are asked about once each with ``scontrol show job`` (state, exit code, node).
+* ``ended_outcome`` turns a batch job that ended without the supervisor's exit record into one.
+
+This module runs Slurm's commands (``subprocess``); watcher/slurm.py decides what to do with the answers.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.fsutil import open_no_follow
+
+#: Slurm states in which a batch job is queued or still has processes
+LIVE_STATES = frozenset({
+    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+    "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD",
+})
+#: states in which the job has not started yet (waiting_for shows Slurm's reason)
+QUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+#: states in which the batch job's supervisor runs; its exit record cannot be final yet (no file is read)
+RUNNING_STATES = frozenset({"CONFIGURING", "RUNNING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING"})
+#: pseudo-state: Slurm no longer knows the id (purged after MinJobAge)
+GONE = "GONE"
+#: tag prefix in --comment
+TAG_PREFIX = "trainq"
+#: the attempt field of a job array's tag (its tasks are the attempts of several jobs)
+ARRAY_TAG = "array"
+#: exit status of slurm.sh when the job folder is not visible on the node (sysexits EX_CONFIG)
+EXIT_NOT_SHARED = 78
+#: exit statuses of slurm.sh when the watcher's Python cannot be run on the node (as a shell reports it)
+EXIT_NO_PYTHON = (126, 127)
+#: Slurm's own output file in the job folder (only the batch script's and slurmstepd's messages land here)
+SLURM_OUTPUT = "slurm-%j.out"
+#: a squeue that has not answered after this long is killed and Slurm counted as unreachable (s)
+QUERY_TIMEOUT_S = 60.0
+#: stderr fragments meaning "the controller cannot be reached": nothing was submitted
+REFUSED = re.compile(
+    r"connect failure|Connection refused|Unable to contact slurm controller|Could not establish a configuration "
+    r"source|Unable to establish|Transport endpoint|Slurm backup controller in standby mode|Unable to resolve",
+    re.IGNORECASE)
+#: stderr fragments meaning "the controller got the request but did not answer": it may have been submitted
+NO_ANSWER = re.compile(r"Socket timed out|Zero Bytes were transmitted|Communication connection failure"
+                       r"|slurm_persist_conn", re.IGNORECASE)
+#: scontrol's answer for an id it no longer knows: purged after MinJobAge, or a cancelled array task that never
+#: started ("Job 12_3 not found", printed on stdout)
+NO_SUCH_JOB = re.compile(r"Invalid job id|^Job \S+ not found", re.MULTILINE)
+_FIELD = re.compile(r"(\w+)=(\S*)")
+#: slurmstepd's words when it kills a step for its memory: without cgroups (JobAcctGatherParams=OverMemoryKill)
+#: the job then ends FAILED, not OUT_OF_MEMORY, and only Slurm's output file says why
+MEMORY_KILL = re.compile(r"exceeded (?:job )?memory limit|oom[-_ ]kill", re.IGNORECASE)
+#: signal numbers on Linux (slurm_state does not import ``signal``: the supervisor package owns it)
+SIGKILL, SIGTERM = 9, 15
+SIGNAL_NAMES = MappingProxyType({SIGKILL: "SIGKILL", SIGTERM: "SIGTERM"})
+
+NOT_SHARED_ADVICE = ("Put the queue root on a filesystem that the watcher's machine and every Slurm node mount at "
+                     "the same path (NFS, Lustre, BeeGFS...), then touch retry.flag.")
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """One batch job as Slurm last showed it."""
+
+    state: str
+    reason: str = ""
+    node: str = ""
+    comment: str = ""
+    exit_code: int | None = None
+    exit_signal: int | None = None
+
+    @property
+    def is_live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    @property
+    def has_ended(self) -> bool:
+        return self.state not in LIVE_STATES and self.state != GONE
+
+
+def queue_key(root: Path) -> str:
+    """8 hex digits naming the queue root, so two queues of one user never adopt each other's jobs."""
+    return hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:8]
+
+
+def make_tag(key: str, job_id: str, attempt: int, token: str) -> str:
+    """The --comment of one submission; job ids are folder names, so ':' is replaced to keep it parseable."""
+    return f"{TAG_PREFIX}:{key}:{job_id.replace(':', '_')}:{attempt}:{token}"
+
+
+def make_array_tag(key: str, sweep_id: str, token: str) -> str:
+    """The --comment of one job array (a sweep's attempts submitted together)."""
+    return f"{TAG_PREFIX}:{key}:{sweep_id.replace(':', '_')}:{ARRAY_TAG}:{token}"
+
+
+def tag_attempt(tag: str, key: str) -> str | None:
+    """``job:attempt`` of a tag of queue ``key`` (submissions of one attempt share it), else None."""
+    parts = tag.split(":")
+    if len(parts) != 5 or parts[0] != TAG_PREFIX or parts[1] != key:
+        return None
+    return f"{parts[2]}:{parts[3]}"
+
+
+def duplicate_key(slurm_id: str, tag: str, key: str) -> str | None:
+    """What two live Slurm jobs share when they run the same attempt: ``job:attempt`` for one job, and for a
+    task of a job array its tag and index (an array submitted twice under one tag has each task twice)."""
+    attempt = tag_attempt(tag, key)
+    if attempt is None or not attempt.endswith(f":{ARRAY_TAG}"):
+        return attempt
+    return f"{tag}#{array_index(slurm_id)}"
+
+
+def array_index(slurm_id: str) -> int | None:
+    """The task index of an array task's id ``<array id>_<index>``; None for a plain job id."""
+    base, sep, index = slurm_id.partition("_")
+    return int(index) if sep and base.isdigit() and index.isdigit() else None
+
+
+def array_task_id(array_id: str, index: int) -> str:
+    """Slurm's id of task ``index`` of job array ``array_id`` (what squeue -r, scontrol and scancel use)."""
+    return f"{array_id.partition('_')[0]}_{index}"
+
+
+def array_spec(indices: list[int]) -> str:
+    """``--array``'s index list, runs compressed: [1, 2, 3, 5, 7, 8] -> ``1-3,5,7-8``."""
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+class SqueueQuery:
+    """One squeue running in the background; output goes to temporary files so it can never block on a pipe."""
+
+    #: -o fields: id | state | reason | first node | comment (the tag)
+    FORMAT = "%i|%T|%r|%B|%k"
+
+    def __init__(self, squeue: str = "squeue"):
+        self.started = time.monotonic()
+        self._out = tempfile.TemporaryFile()
+        self._err = tempfile.TemporaryFile()
+        argv = [squeue, "--me", "-h", "-r", "-t", ",".join(sorted(LIVE_STATES)), "-o", self.FORMAT]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err,
+                                     close_fds=True)
+
+    def result(self) -> tuple[int, str, str] | None:
+        """(returncode, stdout, stderr) once squeue exited (or was killed after QUERY_TIMEOUT_S), else None."""
+        if self.proc.poll() is None:
+            if time.monotonic() - self.started <= QUERY_TIMEOUT_S:
+                return None
+            return -1, "", f"squeue did not answer in {QUERY_TIMEOUT_S:g} s"
+        return self.proc.returncode, _read_all(self._out), _read_all(self._err)
+
+    def close(self) -> None:
+        """Kill (if still running), reap, and drop the temporary files."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
+        self._err.close()
+
+
+def parse_squeue(out: str) -> dict[str, SlurmJob]:
+    """``id|STATE|reason|node|comment`` lines into SlurmJobs by id."""
+    jobs = {}
+    for line in out.splitlines():
+        parts = line.strip().split("|", 4)
+        if len(parts) >= 2 and parts[0]:
+            state = parts[1].split()[0] if parts[1] else "UNKNOWN"
+            extra = parts[2:] + [""] * (3 - len(parts[2:]))
+            jobs[parts[0]] = SlurmJob(state, extra[0], extra[1], "" if extra[2] == "(null)" else extra[2])
+    return jobs
+
+
+def show_job(slurm_id: str, timeout_s: float) -> SlurmJob | None:
+    """``scontrol -o show job``: the job's state, reason, node and exit status; GONE when purged, None on error."""
+    try:
+        done = run(["scontrol", "-o", "show", "job", slurm_id], timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return SlurmJob(GONE) if NO_SUCH_JOB.search(done.stderr + done.stdout) else None
+    fields = dict(_FIELD.findall(done.stdout))
+    code, _, sig = fields.get("ExitCode", "").partition(":")
+    return SlurmJob(fields.get("JobState", "UNKNOWN"), fields.get("Reason", ""), fields.get("BatchHost", ""),
+                    fields.get("Comment", ""), int(code) if code.isdigit() else None,
+                    int(sig) if sig.isdigit() else None)
+
+
+def find_tagged(tag_prefix: str, timeout_s: float) -> list[tuple[str, SlurmJob]]:
+    """Every job Slurm still knows (queued, running or recently ended) whose tag starts with ``tag_prefix``."""
+    done = run(["squeue", "--me", "-h", "-r", "-t", "all", "-o", SqueueQuery.FORMAT], timeout_s)
+    if done.returncode != 0:
+        raise subprocess.CalledProcessError(done.returncode, "squeue", done.stdout, done.stderr)
+    found = [(i, j) for i, j in parse_squeue(done.stdout).items() if j.comment.startswith(tag_prefix)]
+    return sorted(found, key=lambda pair: id_order(pair[0]))
+
+
+def run(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def id_order(slurm_id: str) -> tuple[int, int, str]:
+    """Submission order: plain ids by number, an array's tasks by array id then index."""
+    base, _, index = slurm_id.partition("_")
+    if not base.isdigit():
+        return (0, 0, slurm_id)
+    return (int(base), int(index) if index.isdigit() else -1, "")
+
+
+def _read_all(f) -> str:
+    f.seek(0)
+    return f.read().decode("utf-8", errors="replace")
+
+
+# -- when Slurm ended a job without an exit record ---------------------------------------------------------
+
+
+def ended_outcome(job: SlurmJob, code: int | None, sig: int | None, paths: JobPaths, slurm_id: str,
+                  python: str) -> dict:
+    """How a batch job that left no exit record ended: exit_code, signal, stop_reason, evidence, diagnosis."""
+    node = f" on node {job.node}" if job.node and job.node != "(null)" else ""
+    stopped = "stop_flag" if paths.stop_flag.exists() else None
+    by_state = {
+        "CANCELLED": (None, SIGTERM, stopped, "preempted", f"Slurm cancelled the job{node} (scancel)"),
+        "PREEMPTED": (None, SIGTERM, None, "preempted", f"Slurm preempted the job{node}"),
+        "NODE_FAIL": (None, SIGKILL, None, "killed", f"Slurm node{node or ''} failed while running the job"),
+        "BOOT_FAIL": (None, SIGKILL, None, "killed", f"Slurm could not boot the node{node} for the job"),
+        "OUT_OF_MEMORY": (None, SIGKILL, None, "oom", oom_evidence(node)),
+        "TIMEOUT": (None, SIGKILL, "timeout", "timeout", f"Slurm's time limit ended the job{node}"),
+        "DEADLINE": (None, SIGKILL, "timeout", "timeout", f"Slurm's deadline ended the job{node}"),
+    }
+    if job.state in by_state:
+        exit_code, signal, stop_reason, kind, evidence = by_state[job.state]
+        return _outcome(exit_code, signal, stop_reason, None if stop_reason else kind, evidence)
+    if job.state == "COMPLETED":  # slurm.sh exits with the job's status, so 0 means the job succeeded
+        return _outcome(0, None, stopped, None, f"Slurm reports COMPLETED{node}")
+    return _failed_outcome(code, sig, paths, slurm_id, python, node)
+
+
+def oom_evidence(node: str) -> str:
+    return f"Slurm killed the job{node}: out of memory (more than its --mem, from resources.ram_gb)"
+
+
+def killed_for_memory(paths: JobPaths, slurm_id: str) -> str:
+    """The line of Slurm's output file saying slurmstepd killed the job for its memory, else ""."""
+    return _memory_kill_line(_tail_lines(paths.dir / SLURM_OUTPUT.replace("%j", slurm_id)))
+
+
+def _memory_kill_line(tail: str) -> str:
+    """The output line naming the memory kill, the one with the figures ("(644571136 > 104857600)") first."""
+    lines = [line for line in tail.split(" | ") if MEMORY_KILL.search(line)]
+    return max(lines, key=lambda line: ">" in line, default="")
+
+
+def _failed_outcome(code: int | None, sig: int | None, paths: JobPaths, slurm_id: str, python: str,
+                    node: str) -> dict:
+    """FAILED (or an unknown state): the job folder not visible, no Python on the node, a kill, or the output's tail."""
+    output = paths.dir / SLURM_OUTPUT.replace("%j", slurm_id)
+    tail = _tail_lines(output)
+    if code == EXIT_NOT_SHARED or (not output.exists() and not paths.started.exists()):
+        evidence = tail or (f"Slurm could not start the job{node}: it cannot see or write the job folder "
+                            f"{paths.dir} (no {output.name} was written); the queue root must be on a shared filesystem")
+        return _outcome(None, None, None, "unknown", evidence, NOT_SHARED_ADVICE)
+    said = _memory_kill_line(tail)
+    if said:
+        return _outcome(code, sig, None, "oom", f"{oom_evidence(node)}: {said}")
+    if code in EXIT_NO_PYTHON:
+        return _outcome(code, None, None, "unknown", tail or f"cannot run {python}{node}",
+                        f"Install trainq's Python at {python} on every Slurm node (or keep the watcher's virtualenv "
+                        "on the shared filesystem), then touch retry.flag.")
+    if sig:
+        return _outcome(None, sig, None, "killed" if sig == SIGKILL else "unknown",
+                        f"the supervisor was killed by signal {sig}{node}" + (f": {tail}" if tail else ""))
+    return _outcome(code, None, None, "unknown", tail or f"Slurm reports FAILED{node} (exit code {code})")
+
+
+def _outcome(exit_code: int | None, signal: int | None, stop_reason: str | None, kind: str | None,
+             evidence: str, advice: str | None = None) -> dict:
+    diagnosis = None
+    if kind is not None:
+        diagnosis = {"kind": kind, "evidence": evidence}
+        if advice:
+            diagnosis["advice"] = advice
+    return {"exit_code": exit_code, "signal": signal, "stop_reason": stop_reason, "evidence": evidence,
+            "diagnosis": diagnosis}
+
+
+def _tail_lines(path: Path, max_chars: int = 300) -> str:
+    """The last lines of Slurm's output file, joined, at most ``max_chars``."""
+    try:
+        with open_no_follow(path) as f:  # the job can replace it: never a link followed, never a FIFO waited on
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            text = (f.read(4096) or b"").decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return " | ".join(lines)[-max_chars:]

@@ -1,0 +1,191 @@
+"""The watcher's own settings: ``ROOT/watcher.yaml`` checked against schemas/watcher.schema.json.
+
+Built once (by cli.py) and passed down; a bad file stops start-up with one line per problem.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from trainq.watcher.spec.allow import command_problem
+from trainq.watcher.spec.contract import ENV_SIMULATE_GPUS
+from trainq.watcher.spec.errors import InvalidWatcherConfig, Problem
+from trainq.watcher.spec.jobspec import (
+    SCHEMAS_DIR, JobSpec, control_problems, duration_problems, foreign_value_problems, parse_mapping, read_spec_text,
+)
+from trainq.watcher.spec.schema_errors import schema_problems, schema_validator, shown, sort_problems
+from trainq.watcher.spec.units import is_zero_duration, parse_duration_s
+
+logger = logging.getLogger(__name__)
+
+#: the settings file inside the queue root (CONTRACT section 7)
+WATCHER_FILE = "watcher.yaml"
+WATCHER_SCHEMA = "watcher.schema.json"
+#: where jobs run
+EXECUTORS = ("local", "slurm")
+#: settings that are durations and must be > 0 (a zero interval would spin the loop)
+_POSITIVE_DURATIONS = ("rescan_s", "status_s", "heartbeat_s")
+_DURATIONS = ("settle_s", "rescan_s", "status_s", "heartbeat_s", "kill_after_s")
+#: seconds between Slurm job-state polls
+DEFAULT_SLURM_POLL_S = 2.0
+#: seconds the watcher waits for a node's exit record after Slurm ended the job (NFS caches attributes 60 s)
+DEFAULT_SLURM_EXIT_GRACE_S = 60.0
+
+
+def _default_slurm() -> dict:
+    return {"partition": None, "sbatch_args": [], "poll_s": DEFAULT_SLURM_POLL_S,
+            "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S, "arrays": True}
+
+
+@dataclass(frozen=True)
+class WatcherConfig:
+    """Validated watcher settings; durations are seconds, ``simulate_gpus`` is absolute."""
+
+    max_concurrent: int = 1
+    gpus: tuple[int, ...] | None = None
+    min_free_ram_gb: float = 0.0
+    min_free_disk_gb: float = 0.0
+    allow_commands: tuple[str, ...] | None = None
+    settle_s: float = 0.3
+    rescan_s: float = 2.0
+    status_s: float = 1.0
+    heartbeat_s: float = 5.0
+    keep_finished: int = 50
+    executor: str = "local"
+    slurm: dict = field(default_factory=_default_slurm)
+    simulate_gpus: Path | None = None
+    kill_after_s: float = 5.0
+    env_passthrough: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping, root: Path | None = None, display: str = WATCHER_FILE) -> WatcherConfig:
+        """Validate a settings mapping and build the config; relative ``simulate_gpus`` resolves against ``root``."""
+        problems = foreign_value_problems(dict(data)) or sort_problems(
+            schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data)) + _interval_problems(data)
+            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS) + (("slurm", "poll_s"),))
+            + _string_problems(data))
+        if problems:
+            raise InvalidWatcherConfig(display, problems)
+        return _build(data, root)
+
+    def to_dict(self) -> dict:
+        """The watcher.yaml form (seconds for durations); ``from_dict`` turns it back into an equal config."""
+        out: dict = {
+            "max_concurrent": self.max_concurrent, "min_free_ram_gb": self.min_free_ram_gb,
+            "min_free_disk_gb": self.min_free_disk_gb, "keep_finished": self.keep_finished,
+            "executor": self.executor, **{key: getattr(self, key) for key in _DURATIONS},
+            "slurm": {k: v for k, v in self.slurm.items() if v is not None},
+        }
+        if self.gpus is not None:
+            out["gpus"] = list(self.gpus)
+        if self.allow_commands is not None:
+            out["allow_commands"] = list(self.allow_commands)
+        if self.simulate_gpus is not None:
+            out["simulate_gpus"] = str(self.simulate_gpus)
+        if self.env_passthrough is not None:
+            out["env_passthrough"] = list(self.env_passthrough)
+        return out
+
+
+def _interval_problems(data: Mapping) -> list[Problem]:
+    """Durations the schema allows (>= 0) but the loop cannot use (0)."""
+    checks = [(key, data.get(key)) for key in _POSITIVE_DURATIONS]
+    slurm = data.get("slurm")
+    if isinstance(slurm, Mapping):
+        checks.append(("slurm.poll_s", slurm.get("poll_s")))
+    return [Problem(key, f"must be a duration greater than 0 (got {shown(value)})")
+            for key, value in checks if is_zero_duration(value)]
+
+
+def _string_problems(data: Mapping) -> list[Problem]:
+    """Control characters in the settings that become paths or argv."""
+    strings = [("simulate_gpus", data.get("simulate_gpus"))]
+    for key in ("allow_commands", "env_passthrough"):
+        if isinstance(data.get(key), list):
+            strings += [(f"{key}[{i}]", item) for i, item in enumerate(data[key])]
+    slurm = data.get("slurm")
+    if isinstance(slurm, Mapping):
+        strings.append(("slurm.partition", slurm.get("partition")))
+        if isinstance(slurm.get("sbatch_args"), list):
+            strings += [(f"slurm.sbatch_args[{i}]", a) for i, a in enumerate(slurm["sbatch_args"])]
+    return control_problems(strings)
+
+
+def _build(data: Mapping, root: Path | None) -> WatcherConfig:
+    """A WatcherConfig from a valid mapping, applying the documented defaults."""
+    defaults = WatcherConfig()
+    slurm = {**_default_slurm(), **data.get("slurm", {})}
+    slurm["poll_s"] = parse_duration_s(slurm["poll_s"])
+    slurm["exit_grace_s"] = parse_duration_s(slurm["exit_grace_s"])
+    slurm["sbatch_args"] = list(slurm["sbatch_args"])
+    gpus, allowed, passthrough = data.get("gpus"), data.get("allow_commands"), data.get("env_passthrough")
+    return WatcherConfig(
+        max_concurrent=int(data.get("max_concurrent", defaults.max_concurrent)),
+        gpus=None if gpus is None else tuple(int(g) for g in gpus),
+        min_free_ram_gb=float(data.get("min_free_ram_gb", 0.0)),
+        min_free_disk_gb=float(data.get("min_free_disk_gb", 0.0)),
+        allow_commands=None if allowed is None else tuple(allowed),
+        env_passthrough=None if passthrough is None else tuple(passthrough),
+        keep_finished=int(data.get("keep_finished", defaults.keep_finished)),
+        executor=data.get("executor", defaults.executor),
+        slurm=slurm,
+        simulate_gpus=_resolve(data.get("simulate_gpus"), root),
+        **{key: parse_duration_s(data.get(key, getattr(defaults, key))) for key in _DURATIONS},
+    )
+
+
+def _resolve(path: str | None, root: Path | None) -> Path | None:
+    """``~`` expanded; a relative path is taken relative to the queue root (else the current folder)."""
+    if not path:
+        return None
+    resolved = Path(os.path.expanduser(path))
+    if not resolved.is_absolute() and root is not None:
+        resolved = Path(os.path.abspath(root)) / resolved
+    return Path(os.path.abspath(resolved))
+
+
+def load_watcher_config(root: Path, env: Mapping[str, str]) -> WatcherConfig:
+    """Read ``root/watcher.yaml`` when present (defaults otherwise); ``TRAINQ_SIMULATE_GPUS`` overrides simulate_gpus.
+
+    Raises InvalidWatcherConfig("watcher.yaml", problems) listing every problem.
+    """
+    path = Path(root) / WATCHER_FILE
+    config = WatcherConfig.from_dict(_read_settings(path), root) if os.path.lexists(path) else WatcherConfig()
+    simulated = env.get(ENV_SIMULATE_GPUS)
+    if simulated:
+        # the variable is typed in a shell, so a relative path means the shell's folder, not the queue root
+        config = replace(config, simulate_gpus=_resolve(simulated, None))
+    logger.debug("watcher config from %s: %s", path, config)
+    return config
+
+
+def _read_settings(path: Path) -> dict:
+    """watcher.yaml as a mapping ({} when empty); a symlink to a regular file is fine here."""
+    text = read_spec_text(path, follow_symlinks=True, allow_empty=True)
+    data = text if isinstance(text, Problem) else parse_mapping(text, "settings", allow_empty=True)
+    if isinstance(data, Problem):
+        raise InvalidWatcherConfig(WATCHER_FILE, [data])
+    return data
+
+
+def passed_through(env: Mapping[str, str], patterns: tuple[str, ...] | None) -> dict[str, str]:
+    """The part of the watcher's environment jobs and hooks get: all of it without ``env_passthrough``,
+    else the variables whose names match one of its names or globs (``*``, ``?``, ``[...]``; case matters)."""
+    if patterns is None:
+        return dict(env)
+    return {k: v for k, v in env.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+
+
+def check_command_allowed(spec: JobSpec, config: WatcherConfig, values: Mapping[str, str] | None = None,
+                          path_env: str | None = None) -> Problem | None:
+    """A Problem when a command job may not start under ``allow_commands`` (allow.py); train jobs always may.
+
+    ``values`` are the placeholder values (job_dir, job_id, ...); ``path_env`` the watcher's PATH
+    (default: this process's).
+    """
+    path_env = os.environ.get("PATH", os.defpath) if path_env is None else path_env
+    return command_problem(spec, config.allow_commands, values or {}, path_env)

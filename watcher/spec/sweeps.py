@@ -1,0 +1,239 @@
+"""Sweeps and the other workflow fields of a job file (CONTRACT section 9), as pure functions.
+
+A sweep file becomes one concrete job per combination of its values (a grid, keys in file
+order). A plain key is a placeholder (``{lr}`` in command, cwd, env, resume_args, on_finish);
+a dotted key (``train.lr``) overrides that field of the job. Nothing here touches the disk
+except reading the schemas once: expanding and checking are shared by the validator
+(``trainq validate``), the watcher (which writes the variants' folders) and ``trainq fork``.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+from trainq.watcher.spec.errors import Problem
+
+#: most jobs one sweep file may make (CONTRACT section 9)
+MAX_SWEEP_JOBS = 1000
+#: variant problems reported before "and N more"
+_MAX_VARIANT_PROBLEMS = 5
+#: placeholders trainq itself fills; a sweep key may not reuse them
+BUILTIN_PLACEHOLDERS = ("job_dir", "job_id", "attempt", "resume_from", "status")
+#: fields where placeholders expand
+_TEMPLATED = ("command", "cwd", "env", "resume_args", "on_finish")
+_SCHEMAS_DIR = Path(__file__).resolve().parent.parent.parent / "schemas"
+_AFTER_REF = re.compile(r"\{after:([^}]*)\}")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One combination of a sweep: its 1-based index, its values by key, and the concrete job mapping."""
+
+    index: int
+    params: dict
+    data: dict
+
+
+def workflow_problems(data: dict, job_problems: Callable[[dict], list[Problem]]) -> list[Problem]:
+    """Rules for the section 9 fields JSON Schema cannot say; ``job_problems`` validates a variant."""
+    problems = _hook_problems(data) + _after_ref_problems(data)
+    sweep = data.get("sweep")
+    if isinstance(sweep, dict) and sweep and all(isinstance(v, list) and v for v in sweep.values()):
+        problems += sweep_problems(data, job_problems)
+    return problems
+
+
+def _hook_problems(data: dict) -> list[Problem]:
+    hook = data.get("on_finish")
+    if not isinstance(hook, str):
+        return []
+    try:
+        shlex.split(hook)
+    except ValueError as exc:
+        return [Problem("on_finish", f"cannot be split like a shell would: {exc} (check the quotes)")]
+    return []
+
+
+def _after_ref_problems(data: dict) -> list[Problem]:
+    """``{after:ID}`` must name one of the job's own ``after`` ids (anything else would expand to "")."""
+    after = data.get("after", [])
+    after = [after] if isinstance(after, str) else after if isinstance(after, list) else []
+    problems = []
+    for path, text in _templated_strings(data):
+        for ref in _AFTER_REF.findall(text):
+            head, _, index = ref.rpartition("-")
+            if ref not in after and not (head in after and index.isdigit()):  # a job of a sweep in after
+                listed = ", ".join(map(str, after)) or "nothing"
+                problems.append(Problem(path, f"{{after:{ref}}} names {ref!r}, which is not in after "
+                                              f"(after lists {listed}); add it to after"))
+    return problems
+
+
+def after_refs(data: dict) -> list[str]:
+    """Every ``{after:ID}`` id the job's command, cwd, env, resume_args and on_finish use."""
+    return list(dict.fromkeys(ref for _path, text in _templated_strings(data) for ref in _AFTER_REF.findall(text)))
+
+
+def _templated_strings(data: dict):
+    """(path, string) for every string where placeholders expand."""
+    for key in _TEMPLATED:
+        value = data.get(key)
+        if isinstance(value, str):
+            yield key, value
+        elif isinstance(value, list):
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, str))
+        elif isinstance(value, dict):
+            yield from ((f"{key}.{k}", v) for k, v in value.items() if isinstance(v, str))
+
+
+def sweep_problems(data: dict, job_problems: Callable[[dict], list[Problem]]) -> list[Problem]:
+    """Keys that name nothing, too many combinations, and variants that would not validate."""
+    sweep = data["sweep"]
+    problems = [p for key in sweep for p in _key_problems(data, key)]
+    total = math.prod(len(v) for v in sweep.values())
+    if total > MAX_SWEEP_JOBS:
+        sizes = " x ".join(f"{k}: {len(v)}" for k, v in sweep.items())
+        biggest = max(sweep, key=lambda k: len(sweep[k]))
+        problems.append(Problem(f"sweep.{biggest}", f"the sweep makes {total} jobs ({sizes}), over the cap of "
+                                                    f"{MAX_SWEEP_JOBS}; shorten {biggest} or split the sweep"))
+    if problems:
+        return problems
+    bad: list[Problem] = []
+    for variant in expand(data):
+        for p in job_problems(variant.data):
+            key = _key_for(p.path, sweep) or next(iter(sweep))
+            values = ", ".join(f"{k}={_shown(v)}" for k, v in variant.params.items())
+            bad.append(Problem(f"sweep.{key}", f"combination {variant.index} ({values}): {p.path}: {p.message}"))
+        if len(bad) >= _MAX_VARIANT_PROBLEMS:
+            break
+    return bad[:_MAX_VARIANT_PROBLEMS]
+
+
+def _key_problems(data: dict, key: str) -> list[Problem]:
+    if "." in key:
+        missing = _unknown_field(data, key.split("."))
+        return [Problem(f"sweep.{key}", missing)] if missing else []
+    if key in BUILTIN_PLACEHOLDERS or key.startswith("after"):
+        return [Problem(f"sweep.{key}", f"{{{key}}} is a placeholder trainq fills itself; name the sweep key "
+                                        "something else")]
+    values = (data.get("sweep") or {}).get(key)
+    not_text = [i for i, v in enumerate(values if isinstance(values, list) else [])
+                if v is None or isinstance(v, (list, dict))]
+    if not_text:
+        return [Problem(f"sweep.{key}[{i}]", "a placeholder's value is text, a number or true/false "
+                                             f"(got {'null' if values[i] is None else 'a list' if isinstance(values[i], list) else 'a mapping'})")
+                for i in not_text]
+    if not any("{" + key + "}" in text for _path, text in _templated_strings(data)):
+        return [Problem(f"sweep.{key}", f"a plain key is a placeholder, but {{{key}}} appears nowhere in "
+                                        f"{', '.join(_TEMPLATED)}; use it there, or write a dotted key "
+                                        f"(e.g. train.{key}) to override a field")]
+    return []
+
+
+def _unknown_field(data: dict, parts: list[str]) -> str | None:
+    """Why a dotted key names no field of the job schema (None when it does)."""
+    schema = _schema("job.schema.json")
+    for depth, part in enumerate(parts):
+        props = schema.get("properties") or {}
+        if part not in props:
+            where = ".".join(parts[:depth]) or "the job file"
+            known = ", ".join(sorted(props)) if props else "no fields"
+            return f"names no field: {where} has no {part!r} (it has {known})"
+        schema = props[part]
+        ref = schema.get("$ref")
+        if ref and not ref.startswith("#"):
+            schema = _schema(ref)
+    if parts[0] == "train" and "train" not in data:
+        return "overrides a train field, but this is a command job (it has no train:)"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _schema(name: str) -> dict:
+    return json.loads((_SCHEMAS_DIR / name).read_text(encoding="utf-8"))
+
+
+def _key_for(path: str, sweep: dict) -> str | None:
+    """The sweep key a variant's problem comes from: the dotted key the path starts with."""
+    for key in sorted(sweep, key=len, reverse=True):
+        if "." in key and (path == key or path.startswith(key + ".") or path.startswith(key + "[")):
+            return key
+    return None
+
+
+def combinations(sweep: dict) -> int:
+    """How many jobs a sweep mapping makes."""
+    return math.prod(len(v) for v in sweep.values())
+
+
+def expand(data: dict) -> list[Variant]:
+    """Every combination of ``data["sweep"]`` as a concrete job mapping (no ``sweep`` key)."""
+    sweep = data["sweep"]
+    keys = list(sweep)
+    base = {k: v for k, v in data.items() if k != "sweep"}
+    variants = []
+    for index, values in enumerate(itertools.product(*(sweep[k] for k in keys)), start=1):
+        params = dict(zip(keys, values))
+        variants.append(Variant(index, params, apply_params(base, params)))
+    return variants
+
+
+def apply_params(base: dict, params: dict) -> dict:
+    """``base`` with dotted keys set and plain keys substituted as placeholders."""
+    out = copy.deepcopy(base)
+    plain = {k: v for k, v in params.items() if "." not in k}
+    for key, value in params.items():
+        if "." in key:
+            set_dotted(out, key, value)
+    if plain:
+        for field in _TEMPLATED:
+            if field in out:
+                out[field] = _substitute(out[field], plain)
+    return out
+
+
+def set_dotted(data: dict, key: str, value: object) -> None:
+    """``set_dotted(d, "train.lora.r", 8)``: create the mappings on the way as needed."""
+    *heads, last = key.split(".")
+    node = data
+    for head in heads:
+        if not isinstance(node.get(head), dict):
+            node[head] = {}
+        node = node[head]
+    node[last] = value
+
+
+def _substitute(value: object, plain: dict) -> object:
+    if isinstance(value, str):
+        for key, v in plain.items():
+            value = value.replace("{" + key + "}", _text(v))
+        return value
+    if isinstance(value, list):
+        return [_substitute(v, plain) for v in value]
+    if isinstance(value, dict):
+        return {k: _substitute(v, plain) for k, v in value.items()}
+    return value
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _shown(value: object) -> str:
+    return json.dumps(value) if isinstance(value, str) else _text(value)
+
+
+def variant_text(data: dict, sweep_id: str, index: int, total: int) -> str:
+    """A variant's job.yaml: JSON (a subset of YAML 1.2, so every value reads back exactly) under a comment."""
+    head = f"# made by trainq from sweep {sweep_id}: job {index} of {total}\n"
+    return head + json.dumps(data, indent=2, ensure_ascii=False) + "\n"
