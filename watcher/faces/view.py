@@ -207,6 +207,8 @@ def _reason(job: dict, wide: bool) -> Text:
     if state == "running":
         p = job.get("progress") or {}
         parts = [str(job.get("health") or job.get("status"))]
+        if job.get("vitals"):
+            parts.append(f"health: {job['vitals']}")
         if p.get("tokens_per_s") is not None:
             parts.append(f"{format_number(p['tokens_per_s'])} tok/s")
         if p.get("eval_loss") is not None:
