@@ -31,6 +31,7 @@ from trainq.watcher.daemon.pending_edits import PendingEdits
 from trainq.watcher.daemon.recovery import recover
 from trainq.watcher.daemon.starting import Starting
 from trainq.watcher.daemon.walls import Walls
+from trainq.watcher.daemon.vitals import Vitals
 from trainq.watcher.daemon.report import Report
 from trainq.watcher.daemon.resources import ResourceProbe
 from trainq.watcher.daemon.executor import make_executor
@@ -49,7 +50,7 @@ ADMIT_THREADS = 2
 LOOP_ERROR_PAUSE_S = 0.5
 
 
-class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Walls):
+class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Walls, Vitals):
     """The daemon: owns the queue root while it runs."""
 
     def __init__(self, root: Path, config: WatcherConfig, *, polling: bool = False, env: dict | None = None):
@@ -84,6 +85,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         self.init_workflows()
         self.pending_edits = PendingEdits()
         self.init_walls()
+        self.init_vitals()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, *, install_signals: bool = True) -> None:

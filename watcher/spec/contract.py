@@ -23,6 +23,10 @@ EXIT_NAN = 66
 EXIT_OOM = 67
 #: stopped by SIGTERM from outside trainq (preemption), after checkpointing: 128 + SIGTERM
 EXIT_PREEMPTED = 143
+#: the vital signs' thresholds (train.health), from the runbooks: clipped on > 5 % of steps, updates > 0.1 of the weights
+HEALTH_DEFAULTS = {"clip_fraction": 0.05, "update_ratio": 0.1}
+#: the trainer stopped because the lr it applied left the configured schedule (diagnosis ``schedule``)
+EXIT_SCHEDULE = 68
 
 # -- environment given to every job --
 ENV_JOB_ID = "TRAINQ_JOB_ID"
