@@ -414,7 +414,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
 
     def _check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
         """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's)."""
-        if self.config.allow_commands is None:
+        if self.config.allow_commands is None and self.config.allow_env is None:
             return
         job_id = id_from_name(file_name)
         values = {"job_dir": str(self.root.job_dir(JobState.PENDING, job_id)), "job_id": job_id, "attempt": "1"}
