@@ -114,6 +114,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         except Exception as exc:  # noqa: BLE001 - shutting down: say it, and still release everything below
             logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
+        self.hooks.close()
         self.executor.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)

@@ -42,6 +42,7 @@ def recover(watcher: "Watcher") -> None:
         watcher.guarded(job, "recover", watcher.admit_workflow, job, now)  # hold again on dependencies (kept only in job.yaml)
     watcher.report.recount()
     _seed_recent(watcher)
+    watcher.hooks.recover(watcher.root.path)  # every due hook, however many finished jobs there are
     orders = [j.order for j in watcher.jobs.values()]
     watcher._order_last = max(orders + [time.time_ns()])
     running = watcher.jobs.count(JobState.RUNNING)
