@@ -157,11 +157,12 @@ def test_a_start_record_naming_another_group_is_not_trusted(tmp_path: Path) -> N
     containment = containment_or_skip("cgroup-v2")
     victim_dir = tmp_path / "running" / "victim"
     victim_dir.mkdir(parents=True)
-    victim_group = containment.group_for(victim_dir, "victim.1")
     sup = Supervisor(containment=containment)
     try:
         sup.launch(LaunchSpec(job_dir=str(victim_dir), argv=("sleep", "60"), env={}, cwd=str(victim_dir), attempt=1))
-        wait_until(lambda: cgroups.members(victim_group), 30.0, what="the victim to start")
+        wait_until(lambda: JobPaths(victim_dir).started.exists(), 30.0, what="the victim to start")
+        victim_group = Path(json.loads(JobPaths(victim_dir).started.read_text())["cgroup"])
+        assert cgroups.members(victim_group)
         forger = JobPaths(tmp_path / "running" / "forger")
         forger.dir.mkdir()
         record = dict(json.loads(JobPaths(victim_dir).started.read_text()), pgid=None, job_create_time=None)

@@ -248,7 +248,7 @@ def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None,
     if spec.banner:
         _write_line(log_fd, spec.banner.splitlines()[0])
     started_at, started_mono = time.time(), time.monotonic()
-    group = containment.group_for(spec.job_dir, attempt_group_name(spec)) if containment else None
+    group = containment.group_for(spec.job_dir, str(spec.attempt)) if containment else None
     try:
         job, group = _spawn_contained(spec, log_fd, group, containment)
     except OSError as exc:
@@ -303,26 +303,38 @@ def _job_env(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
-def attempt_group_name(spec: LaunchSpec) -> str:
-    """The attempt's cgroup name: ``<job id>.<attempt>`` (under the queue's folder)."""
-    return f"{Path(spec.job_dir).name}.{spec.attempt}"
-
-
 def _spawn_contained(spec: LaunchSpec, log_fd: int, group: Path | None,
                      containment: Containment | None) -> tuple[subprocess.Popen, Path | None]:
-    """Start the job inside ``group``; where joining it is refused, without it (a note says so)."""
+    """Start the job inside ``group``; where joining it is refused, without it (a note says so).
+
+    The supervisor steps into the group, starts the job there (so the job is born inside it and
+    nothing it runs is ever outside), and steps out again before anything else happens.
+    """
     if group is None or containment is None:
         return _spawn(spec, log_fd), None
-    procs = os.open(group / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
     try:
-        # the child joins before exec: nothing it runs is ever outside the group
-        return _spawn(spec, log_fd, lambda: os.write(procs, b"0")), group
-    except subprocess.SubprocessError:
-        _note(log_fd, f"cannot move the job into {group}; contained by its process tree instead")
+        home = cgroups.enter(group, containment.mode)
+    except OSError as exc:
+        _note(log_fd, f"cannot enter {group} ({exc.strerror}); contained by its process tree instead")
+        _drop_group(group)
+        return _spawn(spec, log_fd), None
+    try:
+        return _spawn(spec, log_fd), group
     finally:
-        os.close(procs)
-    _drop_group(group)
-    return _spawn(spec, log_fd), None
+        _leave(home, group, containment)
+
+
+def _leave(home: Path, group: Path, containment: Containment) -> None:
+    """Step out of the attempt's group: back home, else into trainq's own folder; never stay (a stop would kill us)."""
+    for procs in (home, containment.base / "cgroup.procs" if containment.base else None):
+        if procs is None:
+            continue
+        try:
+            cgroups.leave(procs)
+            return
+        except OSError:
+            continue
+    raise RuntimeError(f"the supervisor cannot leave the attempt's cgroup {group}")
 
 
 def _drop_group(group: Path | None) -> None:
@@ -330,13 +342,12 @@ def _drop_group(group: Path | None) -> None:
         cgroups.remove(group)
 
 
-def _spawn(spec: LaunchSpec, log_fd: int, preexec: Callable[[], object] | None = None) -> subprocess.Popen:
+def _spawn(spec: LaunchSpec, log_fd: int) -> subprocess.Popen:
     """Start the job in its own process group; it inherits only stdin=/dev/null and output.log."""
     return subprocess.Popen(
         list(spec.argv), executable=spec.executable, cwd=spec.cwd, env=_job_env(spec), stdin=subprocess.DEVNULL,
         stdout=log_fd,
         stderr=subprocess.STDOUT, close_fds=True, start_new_session=True, restore_signals=True,
-        preexec_fn=preexec,
     )
 
 

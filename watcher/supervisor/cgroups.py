@@ -14,8 +14,10 @@ every process forked inside it, whatever it does, so a stop ends the whole group
 - ``process-tree``: neither (not root, a container): today's walk over the supervisor's descendants.
 
 Groups live under ``<hierarchy>/<the caller's own cgroup>/trainq/<queue>/``, one per attempt
-(``<job id>.<attempt>``) or hook (``<job id>.hook``); the start record names the group, so a
-restarted watcher finds a job's processes by it. A group is removed once it is empty.
+(``<job id>@<attempt>@<supervisor pid>``) or hook (``<job id>@hook@<runner pid>``): never shared, not
+even by a job removed and resubmitted under the same id while its old attempt still stops. The start
+record names the group, so a restarted watcher finds a job's processes by it. A group is removed once
+it is empty.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ ENV_CONTAINMENT = "TRAINQ_CONTAINMENT"
 MODES = ("cgroup-v2", "cgroup-v1", "process-tree")
 #: folder made under the caller's own cgroup to hold every trainq group
 TRAINQ_DIR = "trainq"
+#: separates the job id, the attempt (or "hook") and the pid in a group's name ("@" is never in a job id)
+SEP = "@"
 #: how long ``kill`` waits for a killed group to empty before giving up (s)
 KILL_WAIT_S = 5.0
 #: pause between looks while a group freezes or empties (s)
@@ -53,17 +57,24 @@ class Containment:
     def is_cgroup(self) -> bool:
         return self.base is not None
 
-    def group_for(self, job_dir: str | os.PathLike, leaf: str) -> Path | None:
-        """Make (or reuse) the group ``<base>/<queue>/<leaf>`` for a job of the queue holding ``job_dir``."""
+    def group_for(self, job_dir: str | os.PathLike, kind: str) -> Path | None:
+        """Make a fresh group ``<base>/<queue>/<job id>@<kind>@<pid>`` (kind: the attempt number, or "hook")."""
         if self.base is None:
             return None
-        queue = _queue_key(Path(job_dir).parent.parent)
-        group = self.base / queue / leaf
-        try:
-            group.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            return None
-        return group
+        folder = self.base / _queue_key(Path(job_dir).parent.parent)
+        name = f"{Path(job_dir).name}{SEP}{kind}{SEP}{os.getpid()}"
+        for suffix in [""] + [f"-{n}" for n in range(2, 10)]:
+            group = folder / (name + suffix)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                group.mkdir()
+                return group
+            except FileExistsError:
+                if not is_populated(group, self.mode):  # left by a supervisor that died (same pid, reused)
+                    return group
+            except OSError:
+                return None
+        return None
 
 
 def detect(preference: str | None = None, probe: bool = True) -> Containment:
@@ -91,6 +102,33 @@ def detect(preference: str | None = None, probe: bool = True) -> Containment:
 def join(group: Path, mode: str) -> None:
     """Move the calling process into ``group`` (in a child between fork and exec)."""
     fd = os.open(group / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, b"0")
+    finally:
+        os.close(fd)
+
+
+def enter(group: Path, mode: str) -> Path:
+    """Move the calling process into ``group``; returns the cgroup.procs file of the group it left.
+
+    A supervisor enters the attempt's group, starts the job (which is born inside it: the fast
+    vfork path, no window in which it could fork outside), then ``leave``s. Moving one's own
+    process costs microseconds; a fork instead of a vfork to join from the child costs milliseconds.
+    """
+    home = _own_dir(mode)
+    if home is None:
+        raise OSError(errno.ENOENT, f"cannot tell which {mode} cgroup this process is in")
+    _join_procs(group / "cgroup.procs")
+    return home / "cgroup.procs"
+
+
+def leave(home_procs: Path) -> None:
+    """Move the calling process back to the group ``enter`` took it from."""
+    _join_procs(home_procs)
+
+
+def _join_procs(procs: Path) -> None:
+    fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, b"0")
     finally:
@@ -170,10 +208,12 @@ def remove(group: Path) -> bool:
     return True
 
 
-def is_owned(group: Path, job_dir: str | os.PathLike, leaf: str) -> bool:
-    """Whether ``group`` is the group ``leaf`` of the queue holding ``job_dir`` (a record could name any path)."""
+def is_owned(group: Path, job_dir: str | os.PathLike, kind: str) -> bool:
+    """Whether ``group`` is a ``kind`` group (an attempt number, or "hook") of this job in its queue (a record
+    in the job folder could name any path)."""
     parts = group.parts
-    return (group.is_absolute() and ".." not in parts and len(parts) >= 4 and parts[-1] == leaf
+    return (group.is_absolute() and ".." not in parts and len(parts) >= 4
+            and parts[-1].split(SEP)[:2] == [Path(job_dir).name, str(kind)]
             and parts[-2] == _queue_key(Path(job_dir).parent.parent) and parts[-3] == TRAINQ_DIR
             and any(_under(group, point) for point, _root in _mounts("cgroup2") + _mounts("cgroup", "freezer")))
 
@@ -307,6 +347,17 @@ def _own_path(mode: str) -> str | None:
             return path
         if mode == "cgroup-v1" and "freezer" in controllers.split(","):
             return path
+    return None
+
+
+def _own_dir(mode: str) -> Path | None:
+    """The folder of the cgroup this process is in, in ``mode``'s hierarchy."""
+    own = _own_path(mode)
+    mounts = _mounts("cgroup2") if mode == "cgroup-v2" else _mounts("cgroup", "freezer")
+    for point, mount_root in mounts:
+        if own is not None and own.startswith(mount_root):
+            rel = own[len(mount_root):].strip("/")
+            return point / rel if rel else point
     return None
 
 

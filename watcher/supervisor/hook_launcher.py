@@ -208,7 +208,7 @@ def _deadline(record: dict, timeout_s: float) -> float:
 def _group_of(paths: JobPaths, record: dict) -> tuple[Path | None, str]:
     """The hook's cgroup from hook.json, if it is this job's hook group (the record is the job's to edit)."""
     group, mode = cgroups.mode_of(record)
-    if group is None or not cgroups.is_owned(group, paths.dir, f"{paths.dir.name}.hook"):
+    if group is None or not cgroups.is_owned(group, paths.dir, "hook"):
         return None, "process-tree"
     return group, mode
 

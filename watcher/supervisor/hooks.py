@@ -145,7 +145,7 @@ def run_hook(job_dir: Path, timeout_s: float = HOOK_TIMEOUT_S) -> int:
     if not hook_due(paths, spec, run.get("status")):
         return 0
     containment = cgroups.detect()
-    group = containment.group_for(paths.dir, f"{paths.dir.name}.hook")
+    group = containment.group_for(paths.dir, "hook")
     due = read_json(paths.hook_record) or {}
     record = {"state": RUNNING, "status": run.get("status"), "attempt": run.get("attempt"),
               "finished_at": due.get("finished_at", run.get("finished_at")),

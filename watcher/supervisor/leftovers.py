@@ -98,7 +98,7 @@ def recorded_group(paths: JobPaths, started: dict) -> tuple[Path | None, str]:
     group, mode = cgroups.mode_of(started)
     if group is None or not is_this_boot(started):
         return None, "process-tree"
-    if not cgroups.is_owned(group, paths.dir, f"{paths.dir.name}.{started.get('attempt')}"):
+    if not cgroups.is_owned(group, paths.dir, str(started.get("attempt"))):
         logger.warning("job %s: its start record names the cgroup %s, which is not this job's; ignoring it",
                        paths.dir.name, group)
         return None, "process-tree"
