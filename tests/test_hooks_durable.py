@@ -54,8 +54,11 @@ def test_a_fifo_left_as_hook_log_does_not_block_the_runner(queue_dir, watcher_pr
     assert hook_state(queue_dir, "done", "fifo")["exit_code"] == 0
 
 
-def test_a_hook_that_kills_its_runner_is_still_held_to_its_limit(queue_dir, watcher_process):
-    watcher_process(env={"TRAINQ_HOOK_TIMEOUT_S": "2"})
+@pytest.mark.parametrize("mode", ["auto", "process-tree"])
+def test_a_hook_that_kills_its_runner_is_still_held_to_its_limit(queue_dir, watcher_process, mode):
+    """auto: a cgroup where this machine has one (the watcher kills the group at the limit); process-tree:
+    the hook's leftovers are found by TRAINQ_JOB_DIR and killed once the runner is seen gone."""
+    watcher_process(env={"TRAINQ_HOOK_TIMEOUT_S": "2", "TRAINQ_CONTAINMENT": mode})
     drop(queue_dir, "rogue.yaml", "approved: true\ncommand: ['true']\n"
                                   "on_finish: [sh, -c, 'echo $$ > rogue.pid; kill -9 $PPID; exec sleep 600']\n")
     pid_file = queue_dir / "done" / "rogue" / "rogue.pid"
@@ -66,6 +69,8 @@ def test_a_hook_that_kills_its_runner_is_still_held_to_its_limit(queue_dir, watc
                    what="the watcher to end the hook whose runner it killed")
         record = hook_state(queue_dir, "done", "rogue")
         assert record["runner_lost"] is True and record["exit_code"] is None, record
+        if record["containment"] != "process-tree":
+            assert record["timed_out"] is True, record  # its group was held until the limit, then killed
         wait_until(lambda: not _alive(pid), 10, what="the hook's sleep to be killed")
     finally:
         if _alive(pid):
