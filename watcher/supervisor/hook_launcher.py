@@ -45,6 +45,7 @@ class _Active:
     job_id: str
     paths: JobPaths
     proc: subprocess.Popen | None  # None: a runner a previous watcher started, or one already gone
+    since: float = 0.0  # when this watcher started or found it (time.monotonic())
 
 
 class HookLauncher:
@@ -89,7 +90,8 @@ class HookLauncher:
                     self.launch(entry.name, Path(entry.path))
                     found += 1
                 elif record.get("state") == RUNNING and Path(entry.path) not in self._active:
-                    self._active[Path(entry.path)] = _Active(entry.name, JobPaths(Path(entry.path)), None)
+                    self._active[Path(entry.path)] = _Active(entry.name, JobPaths(Path(entry.path)), None,
+                                                             time.monotonic() - self.timeout_s)
                     found += 1
         if found:
             logger.info("watcher: %d on_finish hook(s) due or running from before this start", found)
@@ -105,7 +107,7 @@ class HookLauncher:
         except OSError as exc:
             logger.warning("job %s: could not start its on_finish hook runner: %s", job_id, exc)
             return
-        self._active[job_dir] = _Active(job_id, JobPaths(job_dir), proc)
+        self._active[job_dir] = _Active(job_id, JobPaths(job_dir), proc, time.monotonic())
         logger.info("job %s: on_finish hook started (runner pid %d)", job_id, proc.pid)
 
     def reap(self) -> None:
@@ -182,6 +184,8 @@ class HookLauncher:
 
     def _kill_if_stuck(self, active: _Active) -> None:
         """A runner alive well past its hook's limit (stopped, stuck): kill it and its hook, record the end."""
+        if time.monotonic() - active.since < self.timeout_s:
+            return  # cannot be past its limit yet: no need to read hook.json on every tick
         record = read_json(active.paths.hook_record) or {}
         if record.get("state") != RUNNING:
             return
