@@ -209,3 +209,30 @@ def test_watcher_says_which_mode_and_readopts_by_the_group(mode: str, queue_dir:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_watcher_ends_the_group_of_a_sigkilled_supervisor(queue_dir: Path, watcher, monkeypatch, write_job) -> None:
+    containment_or_skip("cgroup-v2")
+    monkeypatch.setenv(cgroups.ENV_CONTAINMENT, "cgroup-v2")
+    marker = f"hopper-marker-{os.getpid()}-{time.monotonic_ns()}"
+    job_dir = queue_dir / "running" / "esc"
+    write_job("esc", command=[str(FAKE / "escaper.sh"), sys.executable, str(FAKE / "pid_hopper.py"), marker,
+                              "{job_dir}"])
+    w = watcher()
+    tick_until(w, lambda: (job_dir / "grandchild.pid").exists() and (job_dir / "hopper.ready").exists()
+               and JobPaths(job_dir).started.exists(), timeout_s=30, what="the job to start its escapers")
+    grandchild = int((job_dir / "grandchild.pid").read_text())
+    started = json.loads(JobPaths(job_dir).started.read_text())
+    try:
+        os.kill(started["supervisor_pid"], signal.SIGKILL)
+        tick_until(w, lambda: (queue_dir / "failed" / "esc").exists(), timeout_s=60, what="the lost attempt failed")
+        run = json.loads((queue_dir / "failed" / "esc" / "run.json").read_text())
+        assert run["diagnosis"]["kind"] == "killed", run
+        assert with_marker(marker) == [] and not alive(grandchild), "the dead supervisor's job outlived it"
+        assert not Path(started["cgroup"]).exists()
+    finally:
+        for pid in with_marker(marker) + [grandchild]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
