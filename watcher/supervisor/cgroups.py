@@ -63,8 +63,8 @@ class Containment:
             return None
         folder = self.base / _queue_key(Path(job_dir).parent.parent)
         name = f"{Path(job_dir).name}{SEP}{kind}{SEP}{os.getpid()}"
-        for suffix in [""] + [f"-{n}" for n in range(2, 10)]:
-            group = folder / (name + suffix)
+        for attempt in range(10):
+            group = folder / (name + (f"-{attempt}" if attempt else ""))
             try:
                 folder.mkdir(parents=True, exist_ok=True)
                 group.mkdir()
@@ -72,6 +72,8 @@ class Containment:
             except FileExistsError:
                 if not is_populated(group, self.mode):  # left by a supervisor that died (same pid, reused)
                     return group
+            except FileNotFoundError:
+                continue  # the queue's folder was removed (its last group ended) between the two mkdirs
             except OSError:
                 return None
         return None
