@@ -46,8 +46,10 @@ def test_200_due_hooks_all_run_exactly_once_across_a_watcher_sigkill(queue_dir, 
 
 
 def test_a_fifo_left_as_hook_log_does_not_block_the_runner(queue_dir, watcher_process):
+    """Also a FIFO as hook.lock: the job cannot keep its own hook from running that way either."""
     watcher_process()
-    drop(queue_dir, "fifo.yaml", "approved: true\ncommand: [mkfifo, hook.log]\non_finish: [echo, hook ran]\n")
+    drop(queue_dir, "fifo.yaml", "approved: true\ncommand: [mkfifo, hook.log, hook.lock]\n"
+                                 "on_finish: [echo, hook ran]\n")
     wait_until(lambda: hook_state(queue_dir, "done", "fifo").get("state") == "ended", 60, what="the hook to end")
     log = queue_dir / "done" / "fifo" / "hook.log"
     assert log.is_file() and not log.is_symlink() and "hook ran" in log.read_text()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -163,19 +164,41 @@ def run_hook(job_dir: Path, timeout_s: float = HOOK_TIMEOUT_S) -> int:
 
 
 def _take_lock(paths: JobPaths) -> int | None:
-    """hook.lock, a regular file opened without following links or blocking, exclusively flocked; else None."""
-    try:
-        fd = os.open(lock_path(paths), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    except OSError:
-        return None
-    try:
+    """hook.lock, a regular file opened without following links or blocking, exclusively flocked; else None.
+
+    A symlink, FIFO or folder the job left as hook.lock is removed and a fresh file made, so a job cannot
+    keep its own hook from running.
+    """
+    for _ in range(3):
+        try:
+            fd = os.open(lock_path(paths), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         0o644)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                return None
+            _remove_any(lock_path(paths))
+            continue
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.close(fd)
+            _remove_any(lock_path(paths))
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None  # another runner holds it
+        return fd
+    return None
+
+
+def _remove_any(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
     except OSError:
-        os.close(fd)
-        return None
-    return fd
+        pass
 
 
 def _allowed_executable(paths: JobPaths, argv0: str) -> str | Problem | None:
