@@ -236,3 +236,12 @@ def test_watcher_ends_the_group_of_a_sigkilled_supervisor(queue_dir: Path, watch
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_start_up_removes_empty_groups_a_killed_supervisor_left(queue_dir: Path, watcher, monkeypatch) -> None:
+    containment = containment_or_skip("cgroup-v2")
+    monkeypatch.setenv(cgroups.ENV_CONTAINMENT, "cgroup-v2")
+    stale = containment.group_for(queue_dir / "done" / "old", "1")  # as a supervisor SIGKILLed before its rmdir
+    assert stale is not None and stale.is_dir()
+    watcher()
+    assert not stale.exists()

@@ -228,6 +228,22 @@ def _under(path: Path, folder: Path) -> bool:
     return True
 
 
+def remove_empty_groups(containment: Containment, root: str | os.PathLike) -> int:
+    """Remove the queue's groups that are empty (a supervisor killed between its job's end and its rmdir)."""
+    if containment.base is None:
+        return 0
+    folder = containment.base / _queue_key(Path(root))
+    try:
+        groups = [Path(e.path) for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return 0
+    removed = 0
+    for group in groups:
+        if not is_populated(group, containment.mode) and remove(group):
+            removed += 1
+    return removed
+
+
 def mode_of(record: dict) -> tuple[Path | None, str]:
     """The group and mode a start record (or hook.json) names; (None, "process-tree") when none."""
     group, mode = record.get("cgroup"), record.get("containment")
