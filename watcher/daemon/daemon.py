@@ -118,6 +118,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         except Exception as exc:  # noqa: BLE001 - shutting down: say it, and still release everything below
             logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
+        self.hooks.close()
         self.executor.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -420,7 +421,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
 
     def check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
         """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's)."""
-        if self.config.allow_commands is None:
+        if self.config.allow_commands is None and self.config.allow_env is None:
             return
         job_id = id_from_name(file_name)
         values = {"job_dir": str(self.root.job_dir(JobState.PENDING, job_id)), "job_id": job_id, "attempt": "1"}

@@ -19,6 +19,7 @@ from trainq.watcher.spec.fsutil import atomic_write_json, read_json
 from trainq.watcher.spec.jobspec import JobSpec
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.supervisor.stacks import evidence as stack_evidence
+from trainq.watcher.supervisor.hooks import HOOK_STATUSES, mark_due
 
 RUN_SCHEMA_VERSION = 1
 #: statuses after which a job never runs again unless retried
@@ -76,6 +77,8 @@ class Job:
     def save(self, durable: bool = True) -> None:
         """Write run.json atomically; JobFolderRemoved when the folder was removed by hand."""
         try:
+            if self.run.get("status") in HOOK_STATUSES:
+                mark_due(self.paths, self.spec, self.run)  # the hook is on disk before the conclusion is
             atomic_write_json(self.paths.run, self.run, durable=durable)
         except FileNotFoundError:
             if self.dir.exists():

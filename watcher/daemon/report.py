@@ -221,6 +221,7 @@ class Report:
                 "state": state or ("stopping" if watcher.stopping else "paused" if watcher.paused else "running"),
                 "started_at": iso_utc(self.started_at), "heartbeat_at": iso_utc(now),
                 "disk_full": watcher.disk_full is not None, "problems": watcher.problems(),
+                **_containment(watcher.executor),
             },
             counts=counts,
             jobs=tuple(listed),
@@ -229,6 +230,13 @@ class Report:
             window=watcher.window_now(now),
             cost=watcher.cost_now(now),
         )
+
+
+def _containment(executor) -> dict:
+    """``containment``: how this machine's attempts are held (cgroup-v2, cgroup-v1, process-tree); absent on
+    executors that run attempts elsewhere (Slurm contains them with its own proctrack)."""
+    mode = getattr(executor, "containment", None)
+    return {"containment": mode} if mode else {}
 
 
 def _entry(job: "Job", root: QueueRoot) -> dict:

@@ -113,7 +113,8 @@ class JobPaths:
 
     @property
     def hook_record(self) -> Path:
-        """Created (O_EXCL) by the one hook runner of a conclusion, then its outcome: runs the hook exactly once."""
+        """The conclusion's hook: "due" (written before the final run.json), "running" (the one runner took it,
+        under hook.lock), then "ended" with its outcome: runs the hook exactly once."""
         return self.dir / "hook.json"
 
     @property
