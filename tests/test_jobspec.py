@@ -230,7 +230,7 @@ def test_wrong_types_are_all_reported_sorted_by_path() -> None:
         ("resources.ram_gb", "must be a number >= 0 (got -1)"),
         ("retries.max", "must be an integer >= 0 (got -1)"),
         ("retries.on[1]", 'must be one of oom, nan, killed, data, timeout, stalled, preempted, unsatisfiable, '
-                          'unknown (got "nann") (did you mean \'nan\'?)'),
+                          'schedule, unknown (got "nann") (did you mean \'nan\'?)'),
     ]
 
 
