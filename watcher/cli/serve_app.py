@@ -192,6 +192,10 @@ def _end(place: JobPlace) -> dict:
     return {"id": place.job_id, "state": place.state, "status": status or place.state}
 
 
+async def _no_icon(_request: Request) -> Response:
+    return Response(status_code=204)
+
+
 def _no_status(root: Path, name: str) -> Response:
     return PlainTextResponse(f"{root / name} does not exist yet: is `trainq watch` running on {root}?\n",
                              status_code=503)
@@ -207,6 +211,7 @@ def create_app(root: Path, *, token: str | None = None, local_only: bool = True,
         Route("/jobs/{job_id}/log", serve.log, methods=["GET"]),
         Route("/jobs/{job_id}/metrics", serve.metrics, methods=["GET"]),
         Route("/events", serve.events, methods=["GET"]),
+        Route("/favicon.ico", _no_icon, methods=["GET"]),  # browsers ask; a 404 would be logged as an error
     ]
     middleware = []
     if allow_origins:
