@@ -22,8 +22,8 @@ from starlette.responses import HTMLResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from trainq.watcher.cli.serve_feed import JobFeed
-from trainq.watcher.cli.serve_watch import QueueWatch
+from trainq.watcher.cli.serve.feed import JobFeed
+from trainq.watcher.cli.serve.watch import QueueWatch
 from trainq.watcher.faces.live import live_page
 from trainq.watcher.faces.stream import (
     READ_BYTES, JobPlace, find_job, read_from, resume_offset, split_log, split_records, sse,

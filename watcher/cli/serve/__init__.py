@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace, root_of: Callable[[argparse.Namespace], 
     try:
         import uvicorn
 
-        from trainq.watcher.cli.serve_app import create_app
+        from trainq.watcher.cli.serve.app import create_app
     except ImportError as exc:
         print(f"trainq serve: needs the serve extra ({exc.name} is missing): pip install 'trainq[serve]'", file=sys.stderr)
         return EXIT_ERROR
