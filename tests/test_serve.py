@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, drop, wait_until
-from serve_util import Server, chatty_job
-from trainq.watcher.faces.stream import clean
+
+pytest.importorskip("starlette", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
+pytest.importorskip("uvicorn", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
+from serve_util import Server, chatty_job  # noqa: E402
+from trainq.watcher.faces.stream import clean  # noqa: E402
 
 TOKEN = "0123456789abcdef0123"
 
@@ -55,6 +58,14 @@ def test_a_non_loopback_bind_without_a_token_is_refused_before_binding(queue_dir
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 2 and out == "", (args, out, err)
         assert err.startswith("trainq serve: ") and cases[args] in err and err.count("\n") == 1, (args, err)
+
+
+def test_without_the_serve_extra_it_says_what_to_install(queue_dir: Path) -> None:
+    hide = ("import sys; sys.modules['uvicorn'] = None; from trainq.watcher.cli.main import main; "
+            f"sys.exit(main(['--root', {str(queue_dir)!r}, 'serve', '--port', '0']))")
+    done = subprocess.run([sys.executable, "-c", hide], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == "trainq serve: needs the serve extra (uvicorn is missing): pip install 'trainq[serve]'\n"
 
 
 def test_with_a_token_every_request_must_carry_it(queue_dir: Path, tmp_path: Path, serve) -> None:
@@ -103,11 +114,12 @@ def test_ids_are_checked_against_the_folders_and_nothing_changes_the_queue(queue
     assert _tree(queue_dir) == before
 
 
-def test_an_idle_stream_keeps_alive_then_follows_the_folder_to_its_end(queue_dir: Path, serve) -> None:
+@pytest.mark.parametrize("observer", ["inotify", "polling"])
+def test_an_idle_stream_keeps_alive_then_follows_the_folder_to_its_end(queue_dir: Path, serve, observer: str) -> None:
     """A folder made by hand stands in for the watcher here: the server reads only files."""
     job = queue_dir / "pending" / "p"
     job.mkdir()
-    server = serve("--keepalive-s", "0.2")
+    server = serve("--keepalive-s", "0.2", *(["--polling"] if observer == "polling" else []))
     stream = server.stream("/jobs/p/log")
     assert stream.status == 200 and stream.resp.getheader("content-type").startswith("text/event-stream")
     wait_until(lambda: stream.resp.readline() == b": keepalive\n", 30, 0, "two keepalive comments")
@@ -119,11 +131,13 @@ def test_an_idle_stream_keeps_alive_then_follows_the_folder_to_its_end(queue_dir
         log.write(b"tten\n")
     assert [e.data for e in got] == ["first"]
     assert stream.next().data == "second, still being written"
+    (queue_dir / "running" / "p" / "output.log").write_bytes(b"new\n")  # replaced by a shorter file: from its start
+    assert (lambda e: (e.id, e.data))(stream.next()) == ("4", "new")
     os.rename(queue_dir / "running" / "p", queue_dir / "done" / "p")
     rest = stream.until(lambda e: e.kind == "end")
     assert [e.kind for e in rest] == ["end"] and json.loads(rest[-1].data) == {"id": "p", "state": "done", "status": "done"}
     assert stream.next() is None  # the server closed the stream
-    assert server.get("/jobs/p/log", {"Last-Event-ID": str(len(b"first\nsecond, still being written\n"))})[0] == 204
+    assert server.get("/jobs/p/log", {"Last-Event-ID": "4"})[0] == 204
 
 
 def _expected_lines(first_attempt: int, second_attempt: int) -> list[str]:
@@ -202,3 +216,40 @@ def test_events_report_each_state_change_and_resume(queue_dir: Path, watcher_pro
     assert status == 200 and head["content-type"].startswith("text/html")
     assert b'http-equiv="refresh"' not in page and b"new EventSource(url('/events'))" in page
     assert b'http-equiv="refresh"' in (queue_dir / "status.html").read_bytes()  # the file itself stays static
+
+
+def test_the_job_feed_reports_every_state_a_job_passed_through(queue_dir: Path) -> None:
+    """JobFeed on real folders, moved by hand (a job can pass through pending/ faster than a listing sees it)."""
+    from trainq.watcher.cli.serve.feed import CLIENT_QUEUE, JobFeed
+
+    feed = JobFeed(queue_dir)
+    (queue_dir / "running" / "x").mkdir()
+
+    def changes(arrivals) -> list[tuple[str, str | None, str | None]]:
+        return [(d["change"], d["state"], d["status"]) for d in map(json.loads, feed.rescan(arrivals))]
+
+    assert changes([("pending", "x"), ("running", "x")]) == [("accepted", "pending", "pending"),
+                                                              ("started", "running", "running")]
+    os.rename(queue_dir / "running" / "x", queue_dir / "failed" / "x")
+    (queue_dir / "failed" / "x" / "run.json").write_text('{"status": "timeout"}')
+    assert changes([("failed", "x")]) == [("finished", "failed", "timeout")]
+    listener, first = feed.subscribe(None)
+    assert [kind for kind, _, _ in first] == ["snapshot"]
+    seen = feed.event_id(feed.seq)
+    os.rename(queue_dir / "failed" / "x", queue_dir / "running" / "x")  # retried: through pending/, unseen
+    assert changes([("pending", "x"), ("running", "x")]) == [("requeued", "pending", "pending"),
+                                                              ("started", "running", "running")]
+    os.rename(queue_dir / "running" / "x", queue_dir / "running" / ".x.removed")  # how `trainq rm` hides it first
+    assert changes([("running", ".x.removed")]) == [("removed", None, None)]
+    assert changes([]) == []
+    got = [listener.queue.get_nowait() for _ in range(listener.queue.qsize())]
+    assert [json.loads(data)["change"] for _, _, data in got] == ["requeued", "started", "removed"]
+    assert [data for _, _, data in feed.subscribe(seen)[1]] == [data for _, _, data in got]  # what it missed
+    assert [kind for kind, _, _ in feed.subscribe("other-boot-3")[1]] == ["snapshot"]
+    for _ in range(CLIENT_QUEUE + 1):  # a listener that does not read is cut off, never a server growing without end
+        feed.jobs.pop("y", None)
+        (queue_dir / "pending" / "y").mkdir(exist_ok=True)
+        feed.rescan([])
+        if listener.overflowed:
+            break
+    assert listener.overflowed

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from browser_util import CHROMIUM, Browser
-from conftest import drop, wait_until
-from serve_util import Server, chatty_job
+pytest.importorskip("starlette", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
+pytest.importorskip("uvicorn", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
+
+from browser_util import CHROMIUM, Browser  # noqa: E402
+from conftest import drop, wait_until  # noqa: E402
+from serve_util import Server, chatty_job  # noqa: E402
 
 TOKEN = "f00dfeedcafe0123456789"
 

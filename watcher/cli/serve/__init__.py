@@ -39,6 +39,8 @@ def add_serve_command(sub: argparse._SubParsersAction, root_of: Callable[[argpar
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="let pages from ORIGIN read the streams (CORS), e.g. an IDE's webview; repeatable")
     p.add_argument("--keepalive-s", type=float, default=15.0, help="seconds between keepalive comments (default 15)")
+    p.add_argument("--polling", action="store_true", help="poll instead of inotify (network filesystems; "
+                   "jobs writing on other machines, as with Slurm)")
     p.set_defaults(func=lambda args: cmd_serve(args, root_of))
 
 
@@ -67,7 +69,7 @@ def cmd_serve(args: argparse.Namespace, root_of: Callable[[argparse.Namespace], 
         print(f"trainq serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR
     app = create_app(root, token=token, local_only=is_loopback(args.host), keepalive_s=args.keepalive_s,
-                     allow_origins=args.allow_origin)
+                     allow_origins=args.allow_origin, polling=args.polling)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"trainq serve: {root} on http://{shown}:{port}/ (read-only{', token required' if token else ''}); "

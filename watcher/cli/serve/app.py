@@ -26,7 +26,7 @@ from trainq.watcher.cli.serve.feed import JobFeed
 from trainq.watcher.cli.serve.watch import QueueWatch
 from trainq.watcher.faces.live import live_page
 from trainq.watcher.faces.stream import (
-    READ_BYTES, JobPlace, find_job, read_from, resume_offset, split_log, split_records, sse,
+    READ_BYTES, JobPlace, file_size, find_job, read_from, resume_offset, split_log, split_records, sse,
 )
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import read_json
@@ -65,18 +65,19 @@ class _BearerToken:
 class ServeApp:
     """The routes, over one queue root; ``watch`` and ``feed`` exist while the app runs (lifespan)."""
 
-    def __init__(self, root: Path, keepalive_s: float = KEEPALIVE_S) -> None:
+    def __init__(self, root: Path, keepalive_s: float = KEEPALIVE_S, polling: bool = False) -> None:
         self.root = Path(root)
         self.keepalive_s = keepalive_s
+        self.polling = polling
         self.watch: QueueWatch | None = None
         self.feed: JobFeed | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        self.watch = QueueWatch(self.root, asyncio.get_running_loop())
+        self.watch = QueueWatch(self.root, asyncio.get_running_loop(), polling=self.polling)
         self.watch.start()
         self.feed = JobFeed(self.root)
-        task = asyncio.create_task(self.feed.run(self.watch.folders_changed, self.watch.status_changed))
+        task = asyncio.create_task(self.feed.run(self.watch))
         try:
             yield
         finally:
@@ -123,6 +124,7 @@ class ServeApp:
     async def _follow_file(self, place: JobPlace, file_of, split, offset: int) -> AsyncIterator[str]:
         assert self.watch is not None
         follower = self.watch.follow(place.job_id)
+        follower.moved = True  # look again once subscribed: the job may have moved since the request came in
         try:
             yield f"retry: {RETRY_MS}\n\n"
             while True:
@@ -135,6 +137,16 @@ class ServeApp:
                 follower.watch(place.paths.dir)
                 ended = place.ended  # read before the file: once ended, nothing writes to it any more
                 data = read_from(file_of(place.paths), offset)
+                if not data and offset and file_size(file_of(place.paths)) < offset:
+                    # shorter than what was sent: the job moved on (its folder is elsewhere now), or
+                    # the file was truncated or replaced (never by trainq): then the new one from its start
+                    now = find_job(self.root, place.job_id)
+                    if now is None or now.state != place.state:
+                        follower.moved = True
+                        continue
+                    if file_of(place.paths).exists():
+                        offset = 0
+                        continue
                 events, used = split(data, offset, ended and len(data) < READ_BYTES)
                 if events:
                     yield events
@@ -202,9 +214,9 @@ def _no_status(root: Path, name: str) -> Response:
 
 
 def create_app(root: Path, *, token: str | None = None, local_only: bool = True, keepalive_s: float = KEEPALIVE_S,
-               allow_origins: list[str] | None = None) -> Starlette:
+               allow_origins: list[str] | None = None, polling: bool = False) -> Starlette:
     """The ASGI app for ``root``: token check, host check on a loopback bind, CORS for the origins named."""
-    serve = ServeApp(root, keepalive_s)
+    serve = ServeApp(root, keepalive_s, polling)
     routes = [
         Route("/", serve.page, methods=["GET"]),
         Route("/status", serve.status, methods=["GET"]),

@@ -27,6 +27,10 @@ from trainq.watcher.spec.units import iso_utc
 RING = 4096
 #: changes a slow client may have queued before its stream is closed (it reconnects and catches up)
 CLIENT_QUEUE = 2048
+#: the order jobs pass through the state folders (a retry goes back to pending/)
+_RANK = {"pending": 0, "running": 1, "done": 2, "failed": 2}
+#: statuses run.json may hold while a job is in pending/ or running/ (else it lags behind the folder)
+_LIVE_STATUSES = {"pending": ("pending",), "running": ("running", "stopping")}
 #: the name of a change, by the folder a job arrived in
 _CHANGE = {"pending": "accepted", "running": "started", "done": "finished", "failed": "finished"}
 
@@ -72,19 +76,34 @@ class JobFeed:
                 continue
         return found
 
-    def rescan(self) -> list[str]:
-        """List the folders again; record, and send to every listener, one event per job that changed state."""
+    def rescan(self, arrivals: list[tuple[str, str]] = ()) -> list[str]:
+        """List the folders again; record, and send to every listener, one event per state each job went through.
+
+        ``arrivals`` (state folder, id) are the folders inotify saw arrive since the last look: a state
+        a job has already left (pending/ for a job that started at once) is reported too, in the
+        order jobs pass through them, before the state the listing shows.
+        """
         now, sent = iso_utc(time.time()), []
         listing = self._listing()
-        for job_id in sorted(set(self.jobs) | set(listing)):
+        passed: dict[str, set[str]] = {}
+        for state, job_id in arrivals:
+            if is_job_id(job_id) and not job_id.startswith("."):
+                passed.setdefault(job_id, set()).add(state)
+        for job_id in sorted(set(self.jobs) | set(listing) | set(passed)):
             before, after = self.jobs.get(job_id), listing.get(job_id)
-            if (before and before[0]) == after:
-                continue
-            sent.append(self._record(job_id, before, after, now))
+            final_rank = _RANK.get(after, len(_RANK))
+            steps = sorted((s for s in passed.get(job_id, ()) if _RANK[s] < final_rank and s != (before or ("",))[0]),
+                           key=_RANK.get)
+            for state in steps:
+                sent.append(self._record(job_id, self.jobs.get(job_id), state, now, current=False))
+            if (self.jobs.get(job_id) or (None,))[0] != after:
+                sent.append(self._record(job_id, self.jobs.get(job_id), after, now))
         return sent
 
-    def _record(self, job_id: str, before: tuple[str, str | None] | None, state: str | None, now: str) -> str:
-        status = _status(self.root, state, job_id) if state else None
+    def _record(self, job_id: str, before: tuple[str, str | None] | None, state: str | None, now: str,
+                current: bool = True) -> str:
+        """One change; ``current``: the job is in ``state`` now (its status is read from run.json), else it passed."""
+        status = (_status(self.root, state, job_id) if current else state) if state else None
         if state:
             self.jobs[job_id] = (state, status)
         else:
@@ -147,9 +166,15 @@ class JobFeed:
             self._watcher_sent = data
             self._send(("watcher", None, data))
 
-    async def run(self, folders_changed: asyncio.Event, status_changed: asyncio.Event) -> None:
-        """Forever: rescan when a folder changed, report the watcher when status files were replaced."""
-        await asyncio.gather(self._follow(folders_changed, self.rescan), self._follow(status_changed, self.status_replaced))
+    async def run(self, watch) -> None:
+        """Forever: rescan when a state folder changed, report the watcher when status.html was replaced."""
+
+        def rescan() -> None:
+            arrivals, watch.arrivals = watch.arrivals, []
+            self.rescan(arrivals)
+
+        await asyncio.gather(self._follow(watch.folders_changed, rescan),
+                             self._follow(watch.status_changed, self.status_replaced))
 
     @staticmethod
     async def _follow(changed: asyncio.Event, react) -> None:
@@ -170,6 +195,6 @@ def _status(root: Path, state: str | None, job_id: str) -> str | None:
     status = run.get("status") if isinstance(run, dict) else None
     if status is None and state in ENDED_STATES:
         return state
-    if state == "running" and status in (None, "pending"):
-        return "running"  # the folder moved first; run.json follows a moment later
+    if state in _LIVE_STATUSES and status not in _LIVE_STATUSES[state]:
+        return state  # the folder moved first; run.json follows a moment later
     return status

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 #: the file at the queue root whose replacement the job feed reports: the watcher renames status.html
 #: into place right after status.json, so both are fresh then
 STATUS_FILES = ("status.html",)
+#: how often --polling looks at the watched folders (s)
+POLL_S = 1.0
 #: the events each kind of watch needs, and the inotify mask bit behind each
 _FOLDER_EVENTS = (DirCreatedEvent, DirMovedEvent, DirDeletedEvent, FileCreatedEvent, FileMovedEvent, FileDeletedEvent)
 _JOB_EVENTS = (FileModifiedEvent, FileClosedEvent, FileCreatedEvent, FileMovedEvent, DirModifiedEvent)
@@ -64,18 +66,21 @@ class Follower:
 
 
 class _Handler(FileSystemEventHandler):
-    """Runs on watchdog's thread: gathers changed paths and wakes the event loop once per batch."""
+    """Runs on watchdog's thread: gathers changed paths (in order, once each) and wakes the loop once per batch."""
 
     def __init__(self, hub: QueueWatch) -> None:
         self.hub = hub
         self._lock = threading.Lock()
-        self._paths: set[str] = set()
+        self._paths: dict[tuple[str, bool], None] = {}
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        paths = {p for p in (event.src_path, getattr(event, "dest_path", "")) if p}
+        arrived = event.event_type in ("created", "moved")
+        found = [(_text(event.src_path), arrived and not getattr(event, "dest_path", ""))]
+        if getattr(event, "dest_path", ""):
+            found.append((_text(event.dest_path), True))
         with self._lock:
             first = not self._paths
-            self._paths |= {p.decode(errors="replace") if isinstance(p, bytes) else p for p in paths}
+            self._paths.update(dict.fromkeys(found))
         if first:
             try:
                 self.hub.loop.call_soon_threadsafe(self._deliver)
@@ -84,25 +89,32 @@ class _Handler(FileSystemEventHandler):
 
     def _deliver(self) -> None:
         with self._lock:
-            paths, self._paths = self._paths, set()
-        for path in paths:
-            self.hub.dispatch(path)
+            paths, self._paths = self._paths, {}
+        for path, arrived in paths:
+            self.hub.dispatch(path, arrived)
+
+
+def _text(path: str | bytes) -> str:
+    return path.decode(errors="replace") if isinstance(path, bytes) else path
 
 
 class QueueWatch:
     """The observer and who listens to what; every method but the handler's runs on the event loop."""
 
-    def __init__(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, root: Path, loop: asyncio.AbstractEventLoop, polling: bool = False) -> None:
         self.root = Path(root)
         self.loop = loop
         #: a state folder gained or lost a job (the job feed lists them again)
         self.folders_changed = asyncio.Event()
         #: status.html (so status.json too) was replaced
         self.status_changed = asyncio.Event()
+        #: (state folder, name) of each folder that arrived in a state folder since the job feed last looked:
+        #: a job passing through pending/ in a millisecond is gone by the time the folders are listed
+        self.arrivals: list[tuple[str, str]] = []
         self._followers: dict[str, set[Follower]] = {}
         self._watches: dict[str, tuple[Path, ObservedWatch]] = {}
         self._handler = _Handler(self)
-        self._observer = _observer()
+        self._observer = _observer(polling)
 
     def start(self) -> None:
         """Watch the root and the state folders; start watchdog's threads."""
@@ -149,8 +161,8 @@ class QueueWatch:
             # job moving back to the same folder cannot have its new watch removed by the old one's removal
             _unschedule(self._observer, current[1])
 
-    def dispatch(self, path: str) -> None:
-        """Wake whoever a changed path concerns."""
+    def dispatch(self, path: str, arrived: bool = False) -> None:
+        """Wake whoever a changed path concerns; ``arrived``: the path was created or moved there."""
         try:
             parts = Path(path).relative_to(self.root).parts
         except ValueError:
@@ -160,6 +172,8 @@ class QueueWatch:
         if len(parts) < 2 or parts[0] not in STATES:
             return
         if len(parts) == 2:
+            if arrived:
+                self.arrivals.append((parts[0], parts[1]))
             self.folders_changed.set()
         for follower in self._followers.get(parts[1], ()):
             follower.moved = follower.moved or len(parts) == 2
@@ -173,8 +187,16 @@ def _unschedule(observer: BaseObserver, watch: ObservedWatch) -> None:
         pass
 
 
-def _observer() -> BaseObserver:
-    """watchdog's inotify observer whose kernel watches ask only for the events each watch filters on."""
+def _observer(polling: bool = False) -> BaseObserver:
+    """watchdog's inotify observer whose kernel watches ask only for the events each watch filters on.
+
+    ``polling``: watchdog's polling observer (1 s), for network filesystems, where writes made on
+    another machine (a Slurm node) raise no inotify event here.
+    """
+    if polling:
+        from watchdog.observers.polling import PollingObserver
+
+        return PollingObserver(timeout=POLL_S)
     try:
         from watchdog.observers.inotify import InotifyEmitter, InotifyObserver
         from watchdog.observers.inotify_c import InotifyConstants
