@@ -35,6 +35,9 @@ from trainq.watcher.spec.fsutil import read_json
 KEEPALIVE_S = 15.0
 #: how long a browser waits before it reconnects a dropped stream (ms; sent as the SSE ``retry:`` field)
 RETRY_MS = 1000
+#: reads kept for other streams of the same job, and the largest kept (a client catching up reads alone)
+SHARED_READS = 256
+SHARED_READ_BYTES = 64 * 1024
 #: host names a loopback-bound server answers to (others are DNS rebinding from a web page)
 LOCAL_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
 #: headers of every stream: no caching, no proxy buffering
@@ -69,6 +72,8 @@ class ServeApp:
         self.root = Path(root)
         self.keepalive_s = keepalive_s
         self.polling = polling
+        #: recent reads shared by streams at the same offset (insertion order: the oldest go first)
+        self._reads: dict[tuple, tuple[bytes, str, int]] = {}
         self.watch: QueueWatch | None = None
         self.feed: JobFeed | None = None
 
@@ -77,11 +82,13 @@ class ServeApp:
         self.watch = QueueWatch(self.root, asyncio.get_running_loop(), polling=self.polling)
         self.watch.start()
         self.feed = JobFeed(self.root)
-        task = asyncio.create_task(self.feed.run(self.watch))
+        tasks = [asyncio.create_task(self.feed.run(self.watch)),
+                 asyncio.create_task(self.watch.keep_alive(self.keepalive_s))]
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
             self.watch.stop()
 
     # -- plain files ---------------------------------------------------------------------------------
@@ -136,7 +143,7 @@ class ServeApp:
                         return
                 follower.watch(place.paths.dir)
                 ended = place.ended  # read before the file: once ended, nothing writes to it any more
-                data = read_from(file_of(place.paths), offset)
+                data, events, used = self._read(place, file_of, split, offset, ended)
                 if not data and offset and file_size(file_of(place.paths)) < offset:
                     # shorter than what was sent: the job moved on (its folder is elsewhere now), or
                     # the file was truncated or replaced (never by trainq): then the new one from its start
@@ -146,8 +153,8 @@ class ServeApp:
                         continue
                     if file_of(place.paths).exists():
                         offset = 0
+                        self.watch.generation += 1  # a change no event reported yet: reads kept are stale
                         continue
-                events, used = split(data, offset, ended and len(data) < READ_BYTES)
                 if events:
                     yield events
                 offset += used
@@ -156,11 +163,25 @@ class ServeApp:
                 if ended:
                     yield sse(json.dumps(_end(place)), "end")
                     return
-                if not await follower.wait(self.keepalive_s):
-                    follower.moved = True  # the keepalive wake also checks where the job is
+                if not await follower.wait():
                     yield ": keepalive\n\n"
         finally:
             follower.close()
+
+    def _read(self, place: JobPlace, file_of, split, offset: int, ended: bool) -> tuple[bytes, str, int]:
+        """Bytes from ``offset``, their events and the bytes they used; one read serves every stream of the
+        job waiting at the same offset, until a job folder reports another change."""
+        path = file_of(place.paths)
+        key = (str(path), offset, ended, split, self.watch.generation)
+        if key in self._reads:
+            return self._reads[key]
+        data = read_from(path, offset)
+        events, used = split(data, offset, ended and len(data) < READ_BYTES)
+        if len(data) <= SHARED_READ_BYTES:
+            self._reads[key] = (data, events, used)
+            while len(self._reads) > SHARED_READS:
+                self._reads.pop(next(iter(self._reads)))
+        return data, events, used
 
     async def events(self, request: Request) -> Response:
         return StreamingResponse(self._follow_feed(request.headers.get("last-event-id")),

@@ -40,26 +40,26 @@ _MASKS = {
 
 
 class Follower:
-    """One stream's subscription to one job: ``wait`` returns once its folder saw a change."""
+    """One stream's subscription to one job: ``wait`` returns once its folder saw a change or a keepalive is due."""
 
     def __init__(self, hub: QueueWatch, job_id: str) -> None:
         self.hub, self.job_id = hub, job_id
         self.changed = asyncio.Event()
         #: the job's folder itself moved or vanished (not just a file in it): look it up again
         self.moved = False
+        #: set by the hub's keepalive tick (one timer for all streams, none per wait)
+        self.keepalive_due = False
 
     def watch(self, folder: Path) -> None:
         """Make sure the kernel watches ``folder`` (where the job is now) for this job."""
         self.hub.watch_job(self.job_id, folder)
 
-    async def wait(self, timeout_s: float) -> bool:
-        """True when something changed, False when ``timeout_s`` passed first (time for a keepalive)."""
-        try:
-            await asyncio.wait_for(self.changed.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            return False
+    async def wait(self) -> bool:
+        """True when something changed, False when woken for a keepalive only."""
+        await self.changed.wait()
         self.changed.clear()
-        return True
+        due, self.keepalive_due = self.keepalive_due, False
+        return not due
 
     def close(self) -> None:
         self.hub.unfollow(self)
@@ -112,6 +112,8 @@ class QueueWatch:
         #: a job passing through pending/ in a millisecond is gone by the time the folders are listed
         self.arrivals: list[tuple[str, str]] = []
         self._followers: dict[str, set[Follower]] = {}
+        #: changes seen in job folders so far: a read made since the last one is still the latest
+        self.generation = 0
         self._watches: dict[str, tuple[Path, ObservedWatch]] = {}
         self._handler = _Handler(self)
         self._observer = _observer(polling)
@@ -128,6 +130,15 @@ class QueueWatch:
     def stop(self) -> None:
         self._observer.stop()
         self._observer.join(timeout=5)
+
+    async def keep_alive(self, every_s: float) -> None:
+        """Forever: every ``every_s``, wake each stream for a keepalive (and a look at where its job is)."""
+        while True:
+            await asyncio.sleep(every_s)
+            for followers in self._followers.values():
+                for follower in followers:
+                    follower.keepalive_due = follower.moved = True
+                    follower.changed.set()
 
     def follow(self, job_id: str) -> Follower:
         follower = Follower(self, job_id)
@@ -171,6 +182,7 @@ class QueueWatch:
             self.status_changed.set()
         if len(parts) < 2 or parts[0] not in STATES:
             return
+        self.generation += 1
         if len(parts) == 2:
             if arrived:
                 self.arrivals.append((parts[0], parts[1]))
