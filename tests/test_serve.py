@@ -253,3 +253,10 @@ def test_the_job_feed_reports_every_state_a_job_passed_through(queue_dir: Path) 
         if listener.overflowed:
             break
     assert listener.overflowed
+
+
+def test_the_watcher_and_the_command_line_never_import_the_web_stack() -> None:
+    code = ("import sys, trainq.watcher.daemon.daemon, trainq.watcher.cli.main; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'anyio')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
