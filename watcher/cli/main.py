@@ -20,6 +20,7 @@ from trainq.watcher.cli.manage_commands import add_commands, add_global_options,
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.cli.locate import BadUserConfig, RootNotFound, locate_root
 from trainq.watcher.cli.manage import UsageError
+from trainq.watcher.cli.serve import add_serve_command
 
 #: exit status for success, for invalid input (a bad job file, an unknown id), and for anything else
 EXIT_OK = 0
@@ -123,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from-checkpoint", action="store_true", help="start from ID's latest checkpoint (command jobs)")
     p.set_defaults(func=cmd_fork)
     add_commands(sub, _root)
+    add_serve_command(sub, _root)
     add_global_options(parser, sub)
     return parser
 

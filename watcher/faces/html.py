@@ -17,6 +17,8 @@ from trainq.watcher.faces.sweepview import sweep_html
 MAX_CURVE_POINTS = 300
 #: a heartbeat older than this means the watcher is not responding (3 missed 5 s heartbeats)
 STALE_HEARTBEAT_S = 15
+#: how the static page refreshes itself; `trainq serve` swaps it for live streams (faces/live.py)
+REFRESH_META = '<meta http-equiv="refresh" content="2">'
 
 
 class _Series:
@@ -466,7 +468,7 @@ def render_html(snapshot: dict, curves: dict[str, dict]) -> str:
     ))
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        '<meta http-equiv="refresh" content="2"><meta name="viewport" content="width=device-width">'
+        f'{REFRESH_META}<meta name="viewport" content="width=device-width">'
         f'<title>trainq · {_e((snapshot.get("counts") or {}).get("running", 0))} running</title>'
         f'<style>{_CSS}</style></head><body>{body}<script>{_SCRIPT}</script></body></html>\n'
     )
