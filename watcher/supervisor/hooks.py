@@ -29,6 +29,7 @@ from pathlib import Path
 
 import psutil
 
+from trainq.watcher.spec import events
 from trainq.watcher.spec.allow import hook_executable
 from trainq.watcher.spec.config import load_watcher_config
 from trainq.watcher.spec.contract import ENV_DIAGNOSIS, ENV_JOB_DIR, ENV_JOB_ID, ENV_STATUS, JobPaths
@@ -122,6 +123,8 @@ def run_hook(job_dir: Path, timeout_s: float = HOOK_TIMEOUT_S) -> int:
     record.update(_run(paths, run, spec.on_finish, timeout_s))
     record.update(state="ended", ended_at=iso_utc(time.time()))
     atomic_write_json(paths.hook_record, record)
+    events.emit(paths, "hook", status=record.get("status"), exit_code=record.get("exit_code"),
+                timed_out=record.get("timed_out"), error=record.get("error"))
     return 0
 
 
