@@ -74,6 +74,7 @@ class RunState:
     resumed_from: Path | None = None  # the step-N folder this attempt resumed from
     data_files: tuple = ()
     plotter: object | None = None  # plotter.LossPlotter, warmed up while training runs
+    started_mono: float = field(default_factory=time.monotonic)  # for train.max_minutes_per_attempt
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """Signal handler: only sets a flag; the next step boundary acts on it."""
@@ -329,10 +330,17 @@ class TrainqCallback(TrainerCallback):
             self.run.stop_reason = "preempted"
         elif os.path.exists(self.run.stop_flag):  # one stat per step
             self.run.stop_reason = "stopped"
+        elif self._slice_used_up():
+            self.run.stop_reason = "sliced"  # save, exit EXIT_CHECKPOINT: the watcher starts the next slice at once
         else:
             return
         control.should_save = True
         control.should_training_stop = True
+
+    def _slice_used_up(self) -> bool:
+        """``train.max_minutes_per_attempt`` has passed since this process started."""
+        limit = self.run.config.max_minutes_per_attempt
+        return limit is not None and time.monotonic() - self.run.started_mono >= limit * 60
 
     def _schedule_save(self, state, control, defer: bool) -> None:
         """Every every_steps or every_minutes, whichever first; a non-finite step defers it to the next good one."""

@@ -25,7 +25,7 @@ from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
 from trainq.watcher.spec.contract import (ENV_ATTEMPT, ENV_INIT_FROM, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
-                              EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, RECORD_DONE, JobPaths)
+                              EXIT_CHECKPOINT, EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, RECORD_DONE, JobPaths)
 from trainq.watcher.spec.units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 #: rollbacks after non-finite streaks; the third request ends the run with EXIT_NAN
 MAX_ROLLBACKS = 3
 #: exit code per outcome
-EXIT_FOR = {"done": EXIT_OK, "stopped": EXIT_OK, "preempted": EXIT_PREEMPTED, "nan": EXIT_NAN, "oom": EXIT_OOM}
+EXIT_FOR = {"done": EXIT_OK, "stopped": EXIT_OK, "preempted": EXIT_PREEMPTED, "nan": EXIT_NAN, "oom": EXIT_OOM,
+            "sliced": EXIT_CHECKPOINT}
 
 
 class ScheduleChanged(checkpoints.CheckpointError):

@@ -95,6 +95,9 @@ class Finishing:
             )
             if outcome.status == CHECKPOINTED:
                 attempt["checkpoint_exit"] = True
+        if outcome.diagnosis and outcome.diagnosis.kind == "preempted" and record.get("stop_reason") != "sigterm":
+            # SIGTERM reached the job itself (the supervisor's own SIGTERM is recorded by the supervisor)
+            events.emit(job.paths, "preempted", now, attempt=job.attempt, evidence=outcome.diagnosis.evidence)
         job.run["diagnosis"] = outcome.diagnosis.to_dict() if outcome.diagnosis else None
         job.run["error"] = record.get("spawn_error") or (outcome.diagnosis.evidence if outcome.diagnosis else None)
         if outcome.status == CHECKPOINTED:

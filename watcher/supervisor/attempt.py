@@ -475,6 +475,7 @@ def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:
     """Record when and why the stop started."""
     a.stop_reason, a.stop_requested_at, a.stop_mono = reason, time.time(), now
     _note(a.log_fd, message)
+    _look_for_checkpoints(a)  # what the job saved before the stop comes first in its story
     if reason == "sigterm":
         events.emit(a.paths, "preempted", a.stop_requested_at, attempt=a.spec.attempt,
                     by="a stop signal to the job's supervisor")
