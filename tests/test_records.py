@@ -203,3 +203,18 @@ def test_rerun_and_diff_name_an_unknown_job_and_exit_2(queue_dir):
     for args in (("rerun", "nope"), ("diff", "nope", "nada"), ("events", "nope")):
         out = trainq(queue_dir, *args)
         assert out.returncode == 2 and "no job with id 'nope'" in out.stderr
+
+
+def test_the_trainer_exits_85_after_max_minutes_per_attempt_and_the_next_slice_resumes(tmp_path):
+    from tests.trainer_util import build_tiny, output, run_trainer, summary, write_job
+    from trainq.watcher.spec.contract import EXIT_CHECKPOINT
+    from trainq.watcher.spec.jobspec import load_job_file
+
+    job = write_job(tmp_path / "job", build_tiny(tmp_path / "tiny"), max_minutes_per_attempt=1e-4, eval_every=None)
+    assert load_job_file(job / "job.yaml").checkpoint_exit_code == EXIT_CHECKPOINT  # the watcher's side of it
+    assert run_trainer(job) == EXIT_CHECKPOINT, output(job)
+    first = summary(job)
+    assert first["outcome"] == "sliced" and first["steps"] >= 1
+    assert os.readlink(job / "checkpoints" / "ckpt_latest") == f"step-{first['steps']:06d}"
+    assert run_trainer(job, "--resume-from", str(job / "checkpoints" / "ckpt_latest")) == EXIT_CHECKPOINT, output(job)
+    assert summary(job)["steps"] > first["steps"] and summary(job)["resumed_from"]
