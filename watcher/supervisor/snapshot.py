@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import re
 import socket
 import subprocess
@@ -50,6 +49,9 @@ COMMAND_TIMEOUT_S = 60.0
 #: environment variable names whose values are never written (config.json, environment.json)
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_?KEY|PRIVATE|CREDENTIAL|AUTH|COOKIE|SESSION", re.I)
 REDACTED = "<redacted>"
+#: every file an attempt's snapshot may hold (the previous attempt's are removed first)
+SNAPSHOT_FILES = ("code.json", "code.diff", "untracked.tar", "files.tar", "config.json", "sources.json",
+                  "environment.json")
 _HASH_CHUNK = 1024 * 1024
 
 
@@ -85,11 +87,13 @@ def take(request: SnapshotRequest, job_dir: str, attempt: int, env: dict[str, st
     """Write snapshot/ for this attempt; returns the code summary the ``started`` event carries."""
     out = Path(job_dir) / "snapshot"
     out.mkdir(exist_ok=True)
+    previous = _read_list(out / "sources.json")  # its hashes are reused where size and mtime did not change
+    for name in SNAPSHOT_FILES:  # a rename over an old file makes ext4 flush it first (auto_da_alloc): ~5 ms each
+        (out / name).unlink(missing_ok=True)
     code = code_record(request, out)
     code["attempt"] = attempt
     atomic_write_json(out / "code.json", code, durable=False)
     atomic_write_json(out / "config.json", {**request.config, "attempt": attempt}, durable=False)
-    previous = _read_list(out / "sources.json")
     found = [s for p in request.sources for s in source_records(p, previous)]
     found += [s for p in request.models for s in source_records(p, previous, MAX_HASHED_MODEL_FILE_BYTES)]
     atomic_write_json(out / "sources.json", found, durable=False)
@@ -104,8 +108,6 @@ def take(request: SnapshotRequest, job_dir: str, attempt: int, env: dict[str, st
 
 def code_record(request: SnapshotRequest, out: Path) -> dict:
     """code.json's content (and code.diff / untracked.tar or files.tar beside it)."""
-    for stale in ("code.diff", "untracked.tar", "files.tar"):
-        (out / stale).unlink(missing_ok=True)
     top = git_top(request.code_dir) if request.code_dir else None
     if top is not None:
         return _git_record(top, Path(request.code_dir), out)
@@ -280,7 +282,7 @@ def environment(request: SnapshotRequest, attempt: int, env: dict[str, str]) -> 
     inherited = sorted(k for k in env if k not in own and not k.startswith("TRAINQ_"))
     packages = (facts or {}).get("packages")
     return {
-        "attempt": attempt, "host": socket.gethostname(), "os": platform.platform(),
+        "attempt": attempt, "host": socket.gethostname(), "os": _os_name(),
         "python": {k: v for k, v in (facts or {}).items() if k != "packages"} or None,
         "packages": packages,
         "torch": {"version": packages.get("torch"), "cuda": (facts or {}).get("torch_cuda")}
@@ -289,6 +291,12 @@ def environment(request: SnapshotRequest, attempt: int, env: dict[str, str]) -> 
         "gpus": list(request.gpus), "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
         "env": redact(own), "inherited_env": inherited,
     }
+
+
+def _os_name() -> str:
+    """``Linux-6.1.0-x86_64`` from uname (platform.platform() also reads the interpreter binary: slow)."""
+    u = os.uname()
+    return f"{u.sysname}-{u.release}-{u.machine}"
 
 
 def nvidia_driver() -> str | None:
