@@ -268,7 +268,7 @@ class TrainqCallback(TrainerCallback):
             self._check_spike(state, loss)
         self._apply_step_faults(state)
         self._schedule_save(state, control, defer=nonfinite)
-        self._check_stop(control)
+        self._check_stop(control, state)
         if self.has_eval and state.global_step >= state.max_steps and not nonfinite:
             control.should_evaluate = True
         return control
@@ -325,12 +325,12 @@ class TrainqCallback(TrainerCallback):
         if faults.sigterm_at == state.global_step:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def _check_stop(self, control) -> None:
+    def _check_stop(self, control, state) -> None:
         if self.run.sigterm_received:
             self.run.stop_reason = "preempted"
         elif os.path.exists(self.run.stop_flag):  # one stat per step
             self.run.stop_reason = "stopped"
-        elif self._slice_used_up():
+        elif state.global_step < state.max_steps and self._slice_used_up():
             self.run.stop_reason = "sliced"  # save, exit EXIT_CHECKPOINT: the watcher starts the next slice at once
         else:
             return
