@@ -144,17 +144,17 @@ def _code(ca: dict | None, cb: dict | None) -> list:
                 ("uncommitted diff (sha256)", ga.get("diff_sha256"), gb.get("diff_sha256")),
                 ("untracked", ga.get("untracked"), gb.get("untracked"))]
         return [r for r in rows if r[1] != r[2]]
-    fa = {f["path"]: f.get("sha256") for f in ca.get("files") or []}
-    fb = {f["path"]: f.get("sha256") for f in cb.get("files") or []}
+    fa = {_in_code(f["path"], _root(ca)): f.get("sha256") for f in ca.get("files") or []}
+    fb = {_in_code(f["path"], _root(cb)): f.get("sha256") for f in cb.get("files") or []}
     return _differing(fa, fb)
 
 
 def _root(code: dict | None) -> str | None:
-    return (code or {}).get("root") if (code or {}).get("git") else None
+    return (code or {}).get("root")
 
 
 def _data(sa: list, sb: list, root_a: str | None, root_b: str | None) -> list:
-    """sha256 per path; a path inside the job's git tree is shown relative to it (``<code>/train.py``)."""
+    """sha256 per path; a path inside the job's code root is shown relative to it (``<code>/train.py``)."""
     fa = {_in_code(s.get("path"), root_a): s.get("sha256") for s in sa if isinstance(s, dict)}
     fb = {_in_code(s.get("path"), root_b): s.get("sha256") for s in sb if isinstance(s, dict)}
     return _differing(fa, fb)

@@ -51,6 +51,9 @@ def rerun_data(root: Path, job_dir: Path, job_id: str, mode: str | None) -> tupl
             raise RerunRefused(f"job {job_id} ran code that differs from today's: {'; '.join(drift)}. "
                                "Rerun with --here to run today's code, or --at-snapshot to run the saved code "
                                "in a scratch worktree")
+        if mode == "at-snapshot" and "train" in data:
+            raise RerunRefused(f"job {job_id} is a train job: its code is trainq itself, which --at-snapshot does "
+                               f"not check out ({'; '.join(drift) or 'no difference today'}); rerun it with --here")
         if mode == "at-snapshot":
             scratch = at_snapshot(root, job_id, job_dir, code)
             _point_at(data, code, scratch)
