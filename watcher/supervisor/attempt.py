@@ -34,18 +34,16 @@ from trainq.watcher.spec.contract import (
     ENV_JOB_DIR,
     ENV_JOB_ID,
     ENV_METRICS,
-    ENV_RESUME_FROM,
     ENV_STOP_FLAG,
     EXIT_FAILED,
     EXIT_USAGE,
     JobPaths,
 )
-from trainq.watcher.spec import events
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import (
     atomic_write_json, open_no_follow, publish_then_sync, remove_quietly, touch,
 )
-from trainq.watcher.supervisor import snapshot as snapshots
+from trainq.watcher.supervisor import story
 from trainq.watcher.supervisor.leftovers import _descendants, boot_id
 from trainq.watcher.spec.units import iso_utc
 
@@ -69,9 +67,6 @@ TIME_LIMIT_SIGNAL = signal.SIGUSR1
 
 #: how often a supervisor retries writing its exit record while the disk is full (s)
 EXIT_RETRY_S = 0.5
-
-#: how often the supervisor looks for new checkpoint records in metrics.jsonl (for events.jsonl), seconds
-CHECKPOINT_LOOK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -144,8 +139,7 @@ class _Attempt:
     created_stop_flag: bool = False
     dir_ino: int | None = None  # the job folder's inode: a folder removed and made again is another job's
     grace_s: float | None = None  # the stop's grace: the spec's stop_grace_s, or 0 for a stop.flag saying "now"
-    metrics_offset: int = 0  # how far metrics.jsonl has been read for checkpoint records
-    next_checkpoint_look: float = 0.0
+    checkpoints: story.CheckpointWatch | None = None  # checkpoint records become events (story.py)
 
 
 class _StopSignal:
@@ -252,69 +246,21 @@ def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None,
     _become_subreaper(prctl, log_fd)
     if spec.banner:
         _write_line(log_fd, spec.banner.splitlines()[0])
-    code = _take_snapshot(spec, log_fd)
-    metrics_offset = _size(JobPaths(Path(spec.job_dir)).metrics)
+    code = story.take_snapshot(spec.snapshot, spec.job_dir, spec.attempt, _job_env(spec),
+                               lambda message: _note(log_fd, message))
+    checkpoints = story.CheckpointWatch.from_now(JobPaths(Path(spec.job_dir)), spec.attempt)
     started_at, started_mono = time.time(), time.monotonic()
     try:
         job = _spawn(spec, log_fd)
     except OSError as exc:
         return _record_spawn_error(spec, log_fd, exc, started_at, ended)
     attempt = _Attempt(spec, JobPaths(Path(spec.job_dir)), log_fd, job.pid, started_at, started_mono,
-                       dir_ino=_inode(spec.job_dir), metrics_offset=metrics_offset)
+                       dir_ino=_inode(spec.job_dir), checkpoints=checkpoints)
     _write_started(attempt)
-    _started_event(attempt, code)
+    story.started(attempt.paths, spec.attempt, started_at, job.pid, _job_env(spec), code)
     _watch(attempt, stop_signal)
     job.returncode = os.waitstatus_to_exitcode(attempt.status)  # we reaped it: Popen must not wait or warn
     return _write_exit(attempt, ended)
-
-
-def _take_snapshot(spec: LaunchSpec, log_fd: int) -> dict:
-    """snapshot/ for this attempt (watcher/supervisor/snapshot.py); a failure is noted, never fatal to the job."""
-    if spec.snapshot is None:
-        return {}
-    try:
-        request = snapshots.SnapshotRequest.from_dict(spec.snapshot)
-        return snapshots.take(request, spec.job_dir, spec.attempt, _job_env(spec))
-    except Exception as exc:  # noqa: BLE001 - a record of the run must never keep the run from starting
-        _note(log_fd, f"snapshot incomplete: {type(exc).__name__}: {exc}")
-        return {}
-
-
-def _started_event(a: _Attempt, code: dict) -> None:
-    """``started`` in events.jsonl: attempt, host, pids, GPUs, Slurm job, resume point, code summary."""
-    env = _job_env(a.spec)
-    events.emit(a.paths, "started", a.started_at, attempt=a.spec.attempt, host=os.uname().nodename,
-                pid=a.job_pid, supervisor_pid=os.getpid(), gpus=env.get("CUDA_VISIBLE_DEVICES"),
-                slurm_job_id=env.get("SLURM_JOB_ID"), resume_from=env.get(ENV_RESUME_FROM), code=code or None)
-
-
-def _look_for_checkpoints(a: _Attempt) -> None:
-    """A ``checkpoint`` event for each checkpoint record the job appended to metrics.jsonl since the last look."""
-    try:
-        with open(a.paths.metrics, "rb") as f:
-            f.seek(a.metrics_offset)
-            chunk = f.read()
-    except OSError:
-        return
-    end = chunk.rfind(b"\n") + 1  # a half-written last line is read next time
-    a.metrics_offset += end
-    for line in chunk[:end].splitlines():
-        if b"checkpoint" not in line:
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("type") == "checkpoint":
-            events.emit(a.paths, "checkpoint", attempt=a.spec.attempt, path=record.get("path"),
-                        step=record.get("step"))
-
-
-def _size(path: Path) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
 
 
 def _install_stop_handlers() -> _StopSignal:
@@ -389,7 +335,7 @@ def _record_spawn_error(spec: LaunchSpec, log_fd: int, exc: OSError, started_at:
     _note(log_fd, f"cannot start the job: {reason}")
     code = EXIT_NOT_FOUND if exc.errno in (errno.ENOENT, errno.ENOTDIR) else EXIT_NOT_EXECUTABLE
     record = _exit_record(spec, None, started_at, status_code=code, spawn_error=reason)
-    _exited_event(JobPaths(Path(spec.job_dir)), record)
+    story.exited(JobPaths(Path(spec.job_dir)), record)
     _publish_exit(JobPaths(Path(spec.job_dir)), record, ended, log_fd)
     return record
 
@@ -417,9 +363,8 @@ def _watch(a: _Attempt, stop_signal: _StopSignal) -> None:
             now = time.monotonic()
             # before reaping: a cooperative job exits right after it sees stop.flag, and that is still a stop
             _check_stop(a, stop_signal, now)
-            if now >= a.next_checkpoint_look:
-                a.next_checkpoint_look = now + CHECKPOINT_LOOK_S
-                _look_for_checkpoints(a)
+            if a.checkpoints.due(now):
+                a.checkpoints.look()
             if _reap_all(a) and pidfd is not None:
                 # a reaped pidfd stays readable: unregister it or the poll would spin
                 poller.unregister(pidfd)
@@ -475,13 +420,9 @@ def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:
     """Record when and why the stop started."""
     a.stop_reason, a.stop_requested_at, a.stop_mono = reason, time.time(), now
     _note(a.log_fd, message)
-    _look_for_checkpoints(a)  # what the job saved before the stop comes first in its story
-    if reason == "sigterm":
-        events.emit(a.paths, "preempted", a.stop_requested_at, attempt=a.spec.attempt,
-                    by="a stop signal to the job's supervisor")
-    elif reason != "folder_removed":
-        events.emit(a.paths, "stopping", a.stop_requested_at, attempt=a.spec.attempt, reason=reason,
-                    grace_s=a.grace_s if a.grace_s is not None else a.spec.stop_grace_s)
+    a.checkpoints.look()  # what the job saved before the stop comes first in its story
+    story.stop_requested(a.paths, a.spec.attempt, reason, a.stop_requested_at,
+                         a.grace_s if a.grace_s is not None else a.spec.stop_grace_s)
 
 
 def _escalate(a: _Attempt, tree: list[int], now: float, got_stop_signal: bool) -> None:
@@ -535,8 +476,8 @@ def _write_exit(a: _Attempt, ended: Callable[[], None]) -> dict:
     if a.stop_reason == "folder_removed":
         ended()  # no record: the folder it would go to is gone (or is a new job's under the same id)
         return record
-    _look_for_checkpoints(a)
-    _exited_event(a.paths, record)  # before the exit record: the watcher's next events follow it
+    a.checkpoints.look()
+    story.exited(a.paths, record)
     _publish_exit(a.paths, record, ended, a.log_fd)
     return record
 
@@ -569,11 +510,6 @@ def _publish_exit(paths: JobPaths, record: dict, ended: Callable[[], None], log_
                 _note(log_fd, f"cannot write the exit record ({exc.strerror}); retrying every {EXIT_RETRY_S:g} s")
                 noted = True
             time.sleep(EXIT_RETRY_S)
-
-
-def _exited_event(paths: JobPaths, record: dict) -> None:
-    events.emit(paths, "exited", attempt=record["attempt"], code=record["exit_code"], signal=record["signal_name"],
-                stop_reason=record["stop_reason"], spawn_error=record["spawn_error"])
 
 
 class _Once:
