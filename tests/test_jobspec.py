@@ -489,6 +489,7 @@ def test_job_schema_lists_every_jobspec_field() -> None:
     assert set(schema["properties"]) == {"approved", "name", "priority", "command", "train", "cwd", "env", "resources",
                                          "timeout", "stop_grace", "stall_after", "retries", "resume_args", "slurm",
                                          "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint",
+                                         "deadline", "expected_duration", "deliver",
                                          "rerun_of", "checkpoint_exit_code", "snapshot"}  # run records (issue 29)
 
 

@@ -241,12 +241,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from trainq.watcher.spec.errors import InvalidJobSpec
-    from trainq.watcher.spec.jobspec import load_job_file
+    from trainq.watcher.spec.jobspec import check_submission, load_job_file
 
     worst = EXIT_OK
     for name in args.files:
         try:
             spec = load_job_file(Path(name), name)
+            check_submission(spec, name, time.time())
         except InvalidJobSpec as exc:
             for line in exc.lines():
                 print(line)

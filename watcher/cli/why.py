@@ -132,6 +132,10 @@ def _running(root: Path, found: Found, now: float) -> list[str]:
     waiting = entry.get("waiting_for") if entry else run.get("waiting_for")  # status.json is the newer
     if waiting:
         lines.append(f"  {waiting}")
+    if entry.get("forecast") or entry.get("deadline"):
+        fits = {True: "fits", False: "does NOT fit", None: "no forecast yet"}[entry.get("fits")]
+        lines.append(f"  deadline {entry.get('deadline') or 'none (the window)'}: {fits}"
+                     + (f"; {entry['forecast']}" if entry.get("forecast") else ""))
     return lines
 
 
@@ -154,8 +158,17 @@ def _finished(found: Found, now: float) -> list[str]:
             lines.append("  see the dependency itself: trainq why " + _dep_named(diagnosis.get("evidence") or ""))
     elif run.get("error") and not run.get("errors"):
         lines.append(f"  error: {run['error']}")
+    if run.get("reason") == "deadline":
+        lines.append("  stopped at its wall (its deadline, or the window's final-checkpoint mark) after a checkpoint")
     if status in ("failed", "cancelled", "timeout"):
         lines.append(f"  to run it again (resuming from its latest checkpoint): trainq retry {found.job_id}")
+    delivered = run.get("delivered")
+    if delivered:
+        lines.append(f"  delivered to {delivered.get('to')} at {delivered.get('at')}: "
+                     + ("verified" if delivered.get("verified") else f"NOT verified ({delivered.get('error')})"))
+    if run.get("cost"):
+        lines.append(f"  cost: {run['cost'].get('amount'):.2f} {run['cost'].get('currency')}"
+                     f" ({run['cost'].get('gpu_hours')} GPU-hours)")
     hook = read_json(JobPaths(found.path).hook_record)
     if hook:
         code = "killed at its time limit" if hook.get("timed_out") else f"exit code {hook.get('exit_code')}"
@@ -248,12 +261,32 @@ def _admission_rows(root: Path, found: Found, spec: JobSpec, machine=None) -> li
     limits = Limits(config.max_concurrent, config.gpus, config.min_free_ram_gb, config.min_free_disk_gb,
                     paused=(root / "pause.flag").exists())
     gates = gate_report(req, running, machine, limits)
+    wall = _window_row(config, found, spec)
     if gates["never"]:
         return [("machine", _HOLD, f"this machine can never run it: {gates['never']}")]
     ok = _ok_words(req, running, machine, limits)
     return [(gate, _HOLD if gates[key] else _PASS, gates[key] or ok[key])
             for gate, key in (("pause", "pause"), ("max_concurrent", "max_concurrent"), ("RAM", "ram"),
-                              ("disk", "disk"), ("battery", "battery"), ("GPUs", "gpus"))]
+                              ("disk", "disk"), ("battery", "battery"), ("GPUs", "gpus"))] + wall
+
+
+def _window_row(config, found: Found, spec: JobSpec) -> list[tuple[str, str, str]]:
+    """The window's freeze as a gate (watcher.yaml ``window:``), with the estimate it judged by."""
+    from trainq.watcher.spec.wall import freeze_hold, minutes
+
+    window = config.window
+    if window is None:
+        return []
+    remaining = (found.run.get("forecast") or {}).get("remaining_s")
+    estimate, source = (spec.expected_duration_s, "expected_duration") if spec.expected_duration_s else \
+        (float(remaining), "its last attempt's forecast") if isinstance(remaining, (int, float)) else (None, "")
+    now = time.time()
+    hold = freeze_hold(window, now, estimate, source)
+    if hold:
+        return [("window", _HOLD, hold)]
+    if window.is_frozen(now):
+        return [("window", _PASS, f"inside the freeze, but {source} {minutes(estimate or 0)} ends before the final checkpoint")]
+    return [("window", _PASS, f"freezes at {iso_utc(window.freeze_at)}, final checkpoint at {iso_utc(window.final_checkpoint_at)}")]
 
 
 def _ok_words(req: Request, running: list[Holding], machine, limits: Limits) -> dict[str, str]:

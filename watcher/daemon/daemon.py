@@ -26,12 +26,13 @@ from trainq.watcher.spec.fsutil import drain, remove_quietly
 from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
 from trainq.watcher.daemon import records
 from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
-from trainq.watcher.spec.jobspec import JobSpec, load_job_file
+from trainq.watcher.spec.jobspec import JobSpec, check_submission, load_job_file
 from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
 from trainq.watcher.daemon.workflows import Workflows
 from trainq.watcher.daemon.pending_edits import PendingEdits
 from trainq.watcher.daemon.recovery import recover
 from trainq.watcher.daemon.starting import Starting
+from trainq.watcher.daemon.walls import Walls
 from trainq.watcher.daemon.report import Report
 from trainq.watcher.daemon.resources import ResourceProbe
 from trainq.watcher.daemon.executor import make_executor
@@ -50,7 +51,7 @@ ADMIT_THREADS = 2
 LOOP_ERROR_PAUSE_S = 0.5
 
 
-class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
+class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Walls):
     """The daemon: owns the queue root while it runs."""
 
     def __init__(self, root: Path, config: WatcherConfig, *, polling: bool = False, env: dict | None = None):
@@ -84,6 +85,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         self._last_plan = 0.0
         self.init_workflows()
         self.pending_edits = PendingEdits()
+        self.init_walls()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, *, install_signals: bool = True) -> None:
@@ -235,6 +237,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         finally:
             self.retire_concluded(now)
         self.watch_running(now)
+        self.keep_walls(now)
 
     def write_status(self, now: float, *, force: bool = False, state: str | None = None) -> None:
         """status.json and status.html; a full disk is noted, not raised."""
@@ -394,6 +397,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         try:
             spec = load_job_file(cand.path, display)
             self.check_allowed(spec, display, cand.name)
+            check_submission(spec, display, time.time())
         except InvalidJobSpec as exc:
             return exc
         except FileNotFoundError:

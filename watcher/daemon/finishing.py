@@ -98,6 +98,7 @@ class Finishing:
         if outcome.diagnosis and outcome.diagnosis.kind == "preempted" and record.get("stop_reason") != "sigterm":
             # SIGTERM reached the job itself (the supervisor's own SIGTERM is recorded by the supervisor)
             events.emit(job.paths, "preempted", now, attempt=job.attempt, evidence=outcome.diagnosis.evidence)
+        self.account_attempt(job, attempt)
         job.run["diagnosis"] = outcome.diagnosis.to_dict() if outcome.diagnosis else None
         job.run["error"] = record.get("spawn_error") or (outcome.diagnosis.evidence if outcome.diagnosis else None)
         if outcome.status == CHECKPOINTED:
@@ -178,6 +179,7 @@ class Finishing:
         self.jobs.remove(job.id)
         self.report.finished(job, now)
         self.workflow_concluded(job, now)
+        self.deliver_if_due(job)
 
     def _drop(self, job: Job) -> None:
         self.jobs.remove(job.id)
@@ -216,7 +218,8 @@ class Finishing:
         resume = resume_point(job)
         job.run.update(status="pending", finished_at=None, not_before=None, resume_from=resume,
                        waiting_for=None, diagnosis=None, error=None, stop_requested_at=None)
-        job.run.pop("stop_requested_by", None)
+        for key in ("stop_requested_by", "reason", "delivered"):
+            job.run.pop(key, None)
         job.save()
         job.dir = self.folders.requeue(job_id, state)
         self.jobs.move(job, JobState.PENDING)

@@ -41,6 +41,8 @@ class ReportSource(Protocol):
     disk_full: object  # None while the disk has room
 
     def problems(self) -> list[str]: ...
+    def window_now(self, now: float) -> dict | None: ...
+    def cost_now(self, now: float) -> dict | None: ...
     def _holding(self, job: "Job"): ...
 
 #: most awaiting/pending entries listed in status.json (CONTRACT section 5)
@@ -224,6 +226,8 @@ class Report:
             jobs=tuple(listed),
             resources=resources_dict(machine, holdings),
             ignored=tuple(self.ignored),
+            window=watcher.window_now(now),
+            cost=watcher.cost_now(now),
         )
 
 
@@ -260,7 +264,22 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
     if job.state in (JobState.DONE, JobState.FAILED):
         entry["outputs"] = _outputs(job, root)
     entry.update(workflow_entry(job))
+    entry.update(_wall_entry(job))
     return entry
+
+
+def _wall_entry(job: "Job") -> dict:
+    """``deadline``, ``predicted_end`` and ``fits`` of a job planned against a wall (CONTRACT section 11)."""
+    forecast = job.run.get("forecast")
+    if job.state is JobState.RUNNING and forecast:
+        out = {k: forecast.get(k) for k in ("deadline", "predicted_end", "fits")}
+        if forecast.get("words"):
+            out["forecast"] = forecast["words"]
+        return out
+    if job.spec is not None and job.spec.deadline is not None:
+        at = job.spec.deadline.resolve(parse_iso(job.run.get("started_at")))
+        return {"deadline": iso_utc(at) if at else None, "predicted_end": None, "fits": None}
+    return {}
 
 
 #: how much of a finished job's metrics.jsonl is read for its final progress (bytes)

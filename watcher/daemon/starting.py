@@ -22,6 +22,7 @@ from trainq.watcher.spec.contract import (
     ENV_STOP_FLAG,
 )
 from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
+from trainq.watcher.spec.wall import ENV_COST
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
 from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
@@ -76,7 +77,7 @@ class Starting:
         if unavailable:
             self._all_wait(head, unavailable)
             return
-        waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now)]
+        waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now) and not self.held_by_wall(j, now)]
         try:
             for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
                 job = self.jobs.get(decision.job_id)
@@ -317,6 +318,8 @@ class Starting:
             env[ENV_RESUME_FROM] = resume_from
         elif job.spec.is_train and job.spec.from_checkpoint:
             env[ENV_INIT_FROM] = job.spec.from_checkpoint  # weights only: fresh optimizer and schedule
+        if self.config.cost is not None:  # the trainer writes its attempt's cost into summary.json
+            env[ENV_COST] = self.config.cost.to_env(len(decision.gpus))
         return env
 
 

@@ -18,7 +18,8 @@ from trainq.watcher.spec.jobspec import (
     SCHEMAS_DIR, JobSpec, control_problems, duration_problems, foreign_value_problems, parse_mapping, read_spec_text,
 )
 from trainq.watcher.spec.schema_errors import schema_problems, schema_validator, shown, sort_problems
-from trainq.watcher.spec.units import is_zero_duration, parse_duration_s
+from trainq.watcher.spec.units import is_zero_duration, iso_utc, parse_duration_s
+from trainq.watcher.spec.wall import Cost, Window, watcher_wall_problems
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +61,17 @@ class WatcherConfig:
     simulate_gpus: Path | None = None
     kill_after_s: float = 5.0
     env_passthrough: tuple[str, ...] | None = None
+    window: Window | None = None  # CONTRACT section 11
+    cost: Cost | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping, root: Path | None = None, display: str = WATCHER_FILE) -> WatcherConfig:
         """Validate a settings mapping and build the config; relative ``simulate_gpus`` resolves against ``root``."""
         problems = foreign_value_problems(dict(data)) or sort_problems(
             schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data)) + _interval_problems(data)
-            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS) + (("slurm", "poll_s"),))
-            + _string_problems(data))
+            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS) + (("slurm", "poll_s"),)
+                                + (("window", "freeze_before"), ("window", "final_checkpoint_before")))
+            + _string_problems(data) + watcher_wall_problems(dict(data)))
         if problems:
             raise InvalidWatcherConfig(display, problems)
         return _build(data, root)
@@ -88,6 +92,12 @@ class WatcherConfig:
             out["simulate_gpus"] = str(self.simulate_gpus)
         if self.env_passthrough is not None:
             out["env_passthrough"] = list(self.env_passthrough)
+        if self.window is not None:
+            out["window"] = {"ends_at": iso_utc(self.window.ends_at), "freeze_before": self.window.freeze_before_s,
+                             "final_checkpoint_before": self.window.final_checkpoint_before_s}
+        if self.cost is not None:
+            out["cost"] = {"per_gpu_hour" if self.cost.per_gpu else "per_hour": self.cost.rate,
+                           "currency": self.cost.currency}
         return out
 
 
@@ -134,6 +144,8 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
         executor=data.get("executor", defaults.executor),
         slurm=slurm,
         simulate_gpus=_resolve(data.get("simulate_gpus"), root),
+        window=Window.from_dict(data["window"]) if data.get("window") else None,
+        cost=Cost.from_dict(data["cost"]) if data.get("cost") else None,
         **{key: parse_duration_s(data.get(key, getattr(defaults, key))) for key in _DURATIONS},
     )
 
