@@ -136,6 +136,45 @@ def _running(root: Path, found: Found, now: float) -> list[str]:
         fits = {True: "fits", False: "does NOT fit", None: "no forecast yet"}[entry.get("fits")]
         lines.append(f"  deadline {entry.get('deadline') or 'none (the window)'}: {fits}"
                      + (f"; {entry['forecast']}" if entry.get("forecast") else ""))
+    lines += _vitals_lines(entry, run)
+    return lines
+
+
+def _vitals_lines(entry: dict, run: dict) -> list[str]:
+    """The vital signs: clip fraction and update ratio (and whether past their thresholds), an lr deviation."""
+    progress = entry.get("progress") or {}
+    measured = []
+    if progress.get("clip_fraction") is not None:
+        measured.append(f"clip fraction {progress['clip_fraction']:.2f}")
+    if progress.get("update_ratio") is not None:
+        measured.append(f"update ratio {progress['update_ratio']:.3g}")
+    lines = []
+    if entry.get("vitals"):
+        lines.append(f"  health: {entry['vitals']}")
+    elif measured:
+        lines.append(f"  health: ok ({', '.join(measured)})")
+    deviation = run.get("lr_deviation")
+    if deviation and not (entry.get("vitals") or "").endswith(deviation.get("words", "")):
+        lines.append(f"  lr off its declared schedule: {deviation.get('words')}")
+    return lines
+
+
+def stack_lines(root: Path, job_id: str) -> list[str]:
+    """``trainq why ID --stack``: record the running job's Python stacks now (bounded) and show the main thread."""
+    from trainq.watcher.supervisor.leftovers import process_tree
+    from trainq.watcher.supervisor.stacks import capture
+
+    path = root / "running" / job_id
+    if not path.is_dir():
+        return [f"  --stack: {job_id} is not running; nothing to record"]
+    pids = process_tree(JobPaths(path))
+    if not pids:
+        return ["  --stack: no live process found for the job"]
+    summary = capture(path, pids, "trainq why --stack")
+    lines = [f"  stacks of {len(pids)} process(es) recorded in {path.name}/{summary.get('file')}"]
+    if summary.get("innermost"):
+        lines.append("  main thread: " + " <- ".join(summary["innermost"]))
+    lines += [f"  stack: {e}" for e in summary.get("errors") or ()]
     return lines
 
 

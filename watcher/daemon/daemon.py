@@ -33,6 +33,7 @@ from trainq.watcher.daemon.pending_edits import PendingEdits
 from trainq.watcher.daemon.recovery import recover
 from trainq.watcher.daemon.starting import Starting
 from trainq.watcher.daemon.walls import Walls
+from trainq.watcher.daemon.vitals import Vitals
 from trainq.watcher.daemon.report import Report
 from trainq.watcher.daemon.resources import ResourceProbe
 from trainq.watcher.daemon.executor import make_executor
@@ -51,7 +52,7 @@ ADMIT_THREADS = 2
 LOOP_ERROR_PAUSE_S = 0.5
 
 
-class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Walls):
+class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Walls, Vitals):
     """The daemon: owns the queue root while it runs."""
 
     def __init__(self, root: Path, config: WatcherConfig, *, polling: bool = False, env: dict | None = None):
@@ -86,6 +87,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         self.init_workflows()
         self.pending_edits = PendingEdits()
         self.init_walls()
+        self.init_vitals()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, *, install_signals: bool = True) -> None:
@@ -118,6 +120,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         except Exception as exc:  # noqa: BLE001 - shutting down: say it, and still release everything below
             logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
+        self.hooks.close()
         self.executor.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -422,7 +425,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
 
     def check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
         """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's)."""
-        if self.config.allow_commands is None:
+        if self.config.allow_commands is None and self.config.allow_env is None:
             return
         job_id = id_from_name(file_name)
         values = {"job_dir": str(self.root.job_dir(JobState.PENDING, job_id)), "job_id": job_id, "attempt": "1"}

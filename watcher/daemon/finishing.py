@@ -258,6 +258,7 @@ class Finishing:
             return
         self._check_stall(job, now)
         self.report.update_progress(self, job, now)
+        self.check_vitals(job, now)
 
     def _save_started(self, now: float, *, all_now: bool = False) -> None:
         """Write run.json of jobs launched at least STARTED_SAVE_AFTER_S ago (every one with ``all_now``).
@@ -285,6 +286,9 @@ class Finishing:
         stall_after = job.spec.stall_after_s if job.spec else None
         if not stall_after:
             return
+        if job.run.get("stop_after_stacks") and not self.stacks_pending(job):
+            job.run.pop("stop_after_stacks")
+            touch(job.paths.stop_flag)
         sig = tuple(_mtime(p) for p in (job.paths.log, job.paths.metrics))
         if sig != job.activity_sig:
             job.activity_sig, job.last_activity = sig, now
@@ -296,11 +300,15 @@ class Finishing:
             return
         job.health = "stalled"
         logger.warning("job %s: stalled: no new output for %gs", job.id, now - job.last_activity)
+        self.capture_stacks(job, f"stalled for {now - job.last_activity:.0f}s")
         self.report.touch()
         if "stalled" in job.spec.retries.on:  # the user opted in: end it (retried while attempts remain)
             job.run.update(stop_requested_by="stalled", stall_after_s=stall_after)
             job.save(durable=False)
-            touch(job.paths.stop_flag)
+            if self.stacks_pending(job):
+                job.run["stop_after_stacks"] = True  # stopped once its stacks are recorded (vitals.py)
+            else:
+                touch(job.paths.stop_flag)
 
 
 def _mtime(path: Path) -> int:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from trainq.watcher import __version__
 from trainq.watcher.spec.folders import JobState, QueueRoot
 from trainq.watcher.daemon.diagnosis import read_metrics_tail
-from trainq.watcher.faces.progress import PROGRESS_KEYS, MetricsTail, merge_progress
+from trainq.watcher.faces.progress import PROGRESS_KEYS, MetricsTail, merge_progress, vitals_words
 from trainq.watcher.faces.progress_log import LogProgress
 from trainq.watcher.daemon.admission import resources_dict
 from trainq.watcher.faces.html import CurveStore
@@ -221,6 +221,7 @@ class Report:
                 "state": state or ("stopping" if watcher.stopping else "paused" if watcher.paused else "running"),
                 "started_at": iso_utc(self.started_at), "heartbeat_at": iso_utc(now),
                 "disk_full": watcher.disk_full is not None, "problems": watcher.problems(),
+                **_containment(watcher.executor),
             },
             counts=counts,
             jobs=tuple(listed),
@@ -231,12 +232,23 @@ class Report:
         )
 
 
+def _containment(executor) -> dict:
+    """``containment``: how this machine's attempts are held (cgroup-v2, cgroup-v1, process-tree); absent on
+    executors that run attempts elsewhere (Slurm contains them with its own proctrack)."""
+    mode = getattr(executor, "containment", None)
+    return {"containment": mode} if mode else {}
+
+
 def _entry(job: "Job", root: QueueRoot) -> dict:
     """One status.json job entry, from what the daemon knows."""
     run = job.run
     attempt = job.current_attempt() or {}
     readers = job.readers
     progress = merge_progress(readers.metrics.fields, readers.log.fields) if readers is not None else None
+    vitals = readers.metrics.vitals if readers is not None else {}
+    if vitals:
+        progress = {**(progress or {}), "clip_fraction": vitals.get("clip_fraction"),
+                    "update_ratio": vitals.get("update_ratio")}
     entry = {
         "id": job.id,
         "state": job.state.value,
@@ -265,6 +277,11 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
         entry["outputs"] = _outputs(job, root)
     entry.update(workflow_entry(job))
     entry.update(_wall_entry(job))
+    if vitals:
+        thresholds = (job.spec.train or {}).get("health") if job.spec is not None and job.spec.train else None
+        entry["vitals"] = vitals_words(vitals, thresholds)
+    if job.run.get("lr_deviation"):
+        entry["vitals"] = "; ".join(filter(None, [entry.get("vitals"), job.run["lr_deviation"].get("words")]))
     return entry
 
 

@@ -193,7 +193,8 @@ class Starting:
             resume_from = job.spec.from_checkpoint  # a fork started from its parent's checkpoint (CONTRACT section 9)
         values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
                   **self.after_values(job)}
-        problem = command_problem(job.spec, self.config.allow_commands, values, self.env.get("PATH", ""))
+        problem = command_problem(job.spec, self.config.allow_commands, values, self.env.get("PATH", ""),
+                                  self.config.allow_env)
         if problem is not None:
             self._refuse(job, problem, now)
             return

@@ -11,10 +11,8 @@ A job that ends done, or stopped at a wall, with ``deliver:`` gets a durable del
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import stat
 from pathlib import Path
 
 from trainq.watcher.daemon.jobs import Job
@@ -22,6 +20,7 @@ from trainq.watcher.faces.progress import merge_progress
 from trainq.watcher.spec import events
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.folders import JobState
+from trainq.watcher.spec.records import append_record
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json, touch
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.wall import Forecast, freeze_hold
@@ -87,7 +86,7 @@ class Walls:
         """Early, not at the wall: one event record in the job's metrics.jsonl and one line in watcher.log."""
         message = f"predicted to miss the {wall_name} at {forecast['wall']}: {forecast['words']}"
         logger.warning("job %s: %s", job.id, message)
-        _append_record(job.paths.metrics, {"type": "event", "event": "deadline", "message": message,
+        append_record(job.paths.metrics, {"type": "event", "event": "deadline", "message": message,
                                            "predicted_end": forecast["predicted_end"], "wall": forecast["wall"],
                                            "written_by": "watcher", "time": now})
         job.save(durable=False)
@@ -253,18 +252,3 @@ def _runner_alive(job_dir: Path) -> bool:
     finally:
         os.close(fd)
     return False
-
-
-def _append_record(path: Path, record: dict) -> None:
-    """Append one JSON line to a job's metrics.jsonl: never through a link, never blocking on a FIFO."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        logger.warning("cannot append to %s: %s", path, exc.strerror)
-        return
-    try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            os.write(fd, (json.dumps(record) + "\n").encode())
-    finally:
-        os.close(fd)
-

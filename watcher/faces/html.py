@@ -300,6 +300,11 @@ def _running_card(job: dict, curve: dict | None) -> str:
     if job.get("deadline") or job.get("forecast"):
         facts.append(("deadline", _e({True: "fits", False: "MISSES", None: "?"}[job.get("fits")]
                                      + (f": {job['forecast']}" if job.get("forecast") else ""))))
+    if progress.get("clip_fraction") is not None or progress.get("update_ratio") is not None:
+        facts += [("clip fraction", format_number(progress.get("clip_fraction"), 2)),
+                  ("update ratio", format_number(progress.get("update_ratio"), 3))]
+    if job.get("vitals"):
+        facts.append(("health", _e(job["vitals"])))
     return (
         f'<article class="job running" id="job-{_e(job.get("id"))}"><h3>{_label(job)} '
         f'<span class="badge {_e(health)}">{_e(health)}</span></h3>'

@@ -212,6 +212,8 @@ def _reason(job: dict, wide: bool) -> Text:
         parts = [str(job.get("health") or job.get("status"))]
         if job.get("fits") is False:
             parts.append(f"MISSES its wall: {job.get('forecast')}")
+        if job.get("vitals"):
+            parts.append(f"health: {job['vitals']}")
         if p.get("tokens_per_s") is not None:
             parts.append(f"{format_number(p['tokens_per_s'])} tok/s")
         if p.get("eval_loss") is not None:

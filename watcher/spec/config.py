@@ -63,6 +63,8 @@ class WatcherConfig:
     env_passthrough: tuple[str, ...] | None = None
     window: Window | None = None  # CONTRACT section 11
     cost: Cost | None = None
+    #: names or globs a job's env may set (None: any name, within allow_commands' rules)
+    allow_env: tuple[str, ...] | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping, root: Path | None = None, display: str = WATCHER_FILE) -> WatcherConfig:
@@ -98,6 +100,8 @@ class WatcherConfig:
         if self.cost is not None:
             out["cost"] = {"per_gpu_hour" if self.cost.per_gpu else "per_hour": self.cost.rate,
                            "currency": self.cost.currency}
+        if self.allow_env is not None:
+            out["allow_env"] = list(self.allow_env)
         return out
 
 
@@ -114,7 +118,7 @@ def _interval_problems(data: Mapping) -> list[Problem]:
 def _string_problems(data: Mapping) -> list[Problem]:
     """Control characters in the settings that become paths or argv."""
     strings = [("simulate_gpus", data.get("simulate_gpus"))]
-    for key in ("allow_commands", "env_passthrough"):
+    for key in ("allow_commands", "env_passthrough", "allow_env"):
         if isinstance(data.get(key), list):
             strings += [(f"{key}[{i}]", item) for i, item in enumerate(data[key])]
     slurm = data.get("slurm")
@@ -140,6 +144,7 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
         min_free_disk_gb=float(data.get("min_free_disk_gb", 0.0)),
         allow_commands=None if allowed is None else tuple(allowed),
         env_passthrough=None if passthrough is None else tuple(passthrough),
+        allow_env=None if data.get("allow_env") is None else tuple(data["allow_env"]),
         keep_finished=int(data.get("keep_finished", defaults.keep_finished)),
         executor=data.get("executor", defaults.executor),
         slurm=slurm,
@@ -200,4 +205,4 @@ def check_command_allowed(spec: JobSpec, config: WatcherConfig, values: Mapping[
     (default: this process's).
     """
     path_env = os.environ.get("PATH", os.defpath) if path_env is None else path_env
-    return command_problem(spec, config.allow_commands, values or {}, path_env)
+    return command_problem(spec, config.allow_commands, values or {}, path_env, config.allow_env)

@@ -34,9 +34,9 @@ SCHEMAS_DIR = Path(__file__).resolve().parent.parent.parent / "schemas"
 #: largest job file accepted, in bytes (CONTRACT section 2)
 MAX_JOB_FILE_BYTES = 1024 * 1024
 #: diagnosis kinds a failure can carry (CONTRACT section 4)
-FAILURE_KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "unknown")
+FAILURE_KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "schedule", "unknown")
 #: retried by default: every kind but nan, data and timeout (retrying those repeats the same failure)
-DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout"))
+DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout", "schedule"))
 #: seconds a stopped job may take to checkpoint and exit before its tree is terminated
 DEFAULT_STOP_GRACE_S = 120.0
 #: seconds a failed job waits before its retry
