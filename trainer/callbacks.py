@@ -75,6 +75,7 @@ class RunState:
     data_files: tuple = ()
     plotter: object | None = None  # plotter.LossPlotter, warmed up while training runs
     step_vitals: dict = field(default_factory=dict)  # this step's clip and update_ratio (vitals.py)
+    started_mono: float = field(default_factory=time.monotonic)  # for train.max_minutes_per_attempt
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """Signal handler: only sets a flag; the next step boundary acts on it."""
@@ -268,7 +269,7 @@ class TrainqCallback(TrainerCallback):
             self._check_spike(state, loss)
         self._apply_step_faults(state)
         self._schedule_save(state, control, defer=nonfinite)
-        self._check_stop(control)
+        self._check_stop(control, state)
         if self.has_eval and state.global_step >= state.max_steps and not nonfinite:
             control.should_evaluate = True
         return control
@@ -326,15 +327,22 @@ class TrainqCallback(TrainerCallback):
         if faults.sigterm_at == state.global_step:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def _check_stop(self, control) -> None:
+    def _check_stop(self, control, state) -> None:
         if self.run.sigterm_received:
             self.run.stop_reason = "preempted"
         elif os.path.exists(self.run.stop_flag):  # one stat per step
             self.run.stop_reason = "stopped"
+        elif state.global_step < state.max_steps and self._slice_used_up():
+            self.run.stop_reason = "sliced"  # save, exit EXIT_CHECKPOINT: the watcher starts the next slice at once
         else:
             return
         control.should_save = True
         control.should_training_stop = True
+
+    def _slice_used_up(self) -> bool:
+        """``train.max_minutes_per_attempt`` has passed since this process started."""
+        limit = self.run.config.max_minutes_per_attempt
+        return limit is not None and time.monotonic() - self.run.started_mono >= limit * 60
 
     def _schedule_save(self, state, control, defer: bool) -> None:
         """Every every_steps or every_minutes, whichever first; a non-finite step defers it to the next good one."""

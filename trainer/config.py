@@ -79,6 +79,7 @@ class TrainConfig:
     optim: str | None = None  # None: transformers' default (adamw_torch_fused with torch >= 2.8)
     data_cache: bool = True
     health: dict | None = None  # thresholds of the vital signs: {clip_fraction, update_ratio} (trainer/vitals.py)
+    max_minutes_per_attempt: float | None = None  # then save and exit EXIT_CHECKPOINT (85): time-sliced training
 
     @property
     def train_file(self) -> str:

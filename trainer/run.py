@@ -26,7 +26,8 @@ from trainq.trainer.modeling import Precision, build_model, count_params, load_t
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
 from trainq.trainer.vitals import OUTCOME_SCHEDULE, VitalsCallback
 from trainq.watcher.spec.contract import (ENV_ATTEMPT, ENV_INIT_FROM, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
-                              EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_SCHEDULE, RECORD_DONE, JobPaths)
+                              EXIT_CHECKPOINT, EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_SCHEDULE, RECORD_DONE,
+                              JobPaths)
 from trainq.watcher.spec.units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 MAX_ROLLBACKS = 3
 #: exit code per outcome
 EXIT_FOR = {"done": EXIT_OK, "stopped": EXIT_OK, "preempted": EXIT_PREEMPTED, "nan": EXIT_NAN, "oom": EXIT_OOM,
-            OUTCOME_SCHEDULE: EXIT_SCHEDULE}
+            OUTCOME_SCHEDULE: EXIT_SCHEDULE, "sliced": EXIT_CHECKPOINT}
 
 
 class ScheduleChanged(checkpoints.CheckpointError):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from trainq.watcher.spec.text import PrintableFormatter
 
+from trainq.watcher.cli.records import add_record_commands
 from trainq.watcher.cli.manage_commands import add_commands, add_global_options, enable_completion, run_trainer_command
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.cli.locate import BadUserConfig, RootNotFound, locate_root
@@ -125,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_fork)
     add_commands(sub, _root)
     add_serve_command(sub, _root)
+    add_record_commands(sub, _root)
     add_global_options(parser, sub)
     return parser
 

@@ -17,12 +17,14 @@ from pathlib import Path
 
 from trainq.watcher import __version__
 from trainq.watcher.spec.config import WatcherConfig, check_command_allowed
+from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.daemon.containment import ENV_WATCHER_FAULTS, Containment, Faults, is_disk_full
 from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFullHandling, take_reserve
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
 from trainq.watcher.spec.fsutil import drain, remove_quietly
 from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
+from trainq.watcher.daemon import records
 from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
 from trainq.watcher.spec.jobspec import JobSpec, check_submission, load_job_file
 from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
@@ -385,6 +387,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         run = new_run(result, order, now, name=_stem(printable_name(cand.name)))
         if result.fork_of:
             run["lineage"] = self.lineage_of(result.fork_of)
+        if result.rerun_of:
+            run["lineage"] = self.lineage_of(result.rerun_of, "rerun_of")
         return _Taken(result, run, self.folders.claim(cand.path, JobState.PENDING, run))
 
     def _validate(self, cand) -> JobSpec | InvalidJobSpec | None:
@@ -442,6 +446,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         taken.run["id"] = job_id
         job = Job(job_id, JobState.PENDING, path, taken.run, taken.result, spec_sig=(cand.size, cand.mtime_ns, cand.ino))
         self.jobs.add(job)
+        records.accepted(job.paths, taken.run, cand.name, cand.mtime_ns / 1e9, now)
         logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, printable_name(cand.name),
                     taken.result.priority)
         self.report.touch()
@@ -456,6 +461,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         taken.run["id"] = job_id
         for line in taken.result.lines():
             logger.warning("job %s: rejected: %s", job_id, line)
+        records.rejected(JobPaths(path), taken.run, cand.name, cand.mtime_ns / 1e9, now)
         logger.info("job %s: inbox/%s -> failed, rejected", job_id, printable_name(cand.name))
         self.report.finished(Job(job_id, JobState.FAILED, path, taken.run, None), now)
         self.deps.finished[job_id] = "rejected"

@@ -9,7 +9,11 @@ from pathlib import Path
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import remove_quietly, touch
-from trainq.watcher.daemon.jobs import Job, judge_exit, load_job, resume_point, should_retry, supervisor_lost
+from trainq.watcher.daemon import records
+from trainq.watcher.daemon.jobs import (
+    CHECKPOINTED, Job, judge_exit, load_job, resume_point, retries_used, should_retry, supervisor_lost,
+)
+from trainq.watcher.spec import events
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 logger = logging.getLogger(__name__)
@@ -66,7 +70,10 @@ class Finishing:
             logger.warning("job %s: killed %d leftover process(es) of a dead supervisor", job.id, killed)
         started = self.executor.read_started(job.paths) or {}
         record = {"job_pid": started.get("job_pid")} if started.get("attempt") == job.attempt else {}
-        self._finish(job, supervisor_lost(started), record, now)
+        outcome = supervisor_lost(started)
+        events.emit(job.paths, "exited", now, attempt=job.attempt, code=None, lost=True,
+                    evidence=outcome.diagnosis.evidence)
+        self._finish(job, outcome, record, now)
 
     def _finish(self, job: Job, outcome, record: dict, now: float) -> None:
         """Conclude the attempt and, unless it is retried, write the job's final state and move its folder now."""
@@ -86,9 +93,17 @@ class Finishing:
                 stop_reason=record.get("stop_reason"),
                 diagnosis=outcome.diagnosis.to_dict() if outcome.diagnosis else None,
             )
+            if outcome.status == CHECKPOINTED:
+                attempt["checkpoint_exit"] = True
+        if outcome.diagnosis and outcome.diagnosis.kind == "preempted" and record.get("stop_reason") != "sigterm":
+            # SIGTERM reached the job itself (the supervisor's own SIGTERM is recorded by the supervisor)
+            events.emit(job.paths, "preempted", now, attempt=job.attempt, evidence=outcome.diagnosis.evidence)
         self.account_attempt(job, attempt)
         job.run["diagnosis"] = outcome.diagnosis.to_dict() if outcome.diagnosis else None
         job.run["error"] = record.get("spawn_error") or (outcome.diagnosis.evidence if outcome.diagnosis else None)
+        if outcome.status == CHECKPOINTED:
+            self.guarded(job, "retry", self._requeue_after_checkpoint, job, record, now)
+            return
         if should_retry(job, outcome):
             self.guarded(job, "retry", self._requeue_for_retry, job, outcome, now)
             return
@@ -117,13 +132,15 @@ class Finishing:
         backoff_s = job.spec.retries.backoff_s if job.spec else 0.0
         resume = resume_point(job)
         total = 1 + (job.spec.retries.max if job.spec else 0)
+        used = retries_used(job) + 1
         job.run.update(
             status="pending",
             not_before=iso_utc(now + backoff_s),
             resume_from=resume,
             stop_requested_at=None,
             gpus=[],
-            waiting_for=f"retry {job.attempt + 1} of {total} after {outcome.diagnosis.kind}, backoff {backoff_s:g}s",
+            retries_used=used,
+            waiting_for=f"retry {used + 1} of {total} after {outcome.diagnosis.kind}, backoff {backoff_s:g}s",
         )
         job.run.pop("stop_requested_by", None)
         remove_quietly(job.paths.stop_flag)
@@ -134,10 +151,30 @@ class Finishing:
         self._plan_due = True
         logger.info("job %s: running -> pending, retry after %s in %gs%s", job.id, outcome.diagnosis.kind,
                     backoff_s, f" (resume from {resume})" if resume else "")
+        events.emit(job.paths, "retrying", now, attempt=job.attempt + 1, after=outcome.diagnosis.kind,
+                    resume_from=resume, backoff_s=backoff_s, retry=used, of=job.spec.retries.max if job.spec else 0)
+        self.report.touch()
+
+    def _requeue_after_checkpoint(self, job: Job, record: dict, now: float) -> None:
+        """The job exited with its checkpoint_exit_code: the next attempt starts at once, resuming; no retry counted."""
+        resume = resume_point(job)
+        restarts = int(job.run.get("checkpoint_restarts") or 0) + 1
+        job.run.update(status="pending", not_before=None, resume_from=resume, stop_requested_at=None, gpus=[],
+                       checkpoint_restarts=restarts, waiting_for=None, diagnosis=None, error=None)
+        job.save()
+        job.dir = self.folders.requeue(job.id, JobState.RUNNING)
+        self.jobs.move(job, JobState.PENDING)
+        job.readers = None
+        self._plan_due = True
+        logger.info("job %s: running -> pending, checkpoint exit %s: next attempt at once%s", job.id,
+                    record.get("exit_code"), f" (resume from {resume})" if resume else "")
+        events.emit(job.paths, "retrying", now, attempt=job.attempt + 1, after="checkpoint_exit",
+                    exit_code=record.get("exit_code"), resume_from=resume, counted=False)
         self.report.touch()
 
     def _retire(self, job: Job, now: float) -> None:
         """A job reached done/ or failed/: it leaves the live index, the report keeps it as recent."""
+        records.finished(job.paths, job.run, now)
         self._plan_due = True
         self.jobs.remove(job.id)
         self.report.finished(job, now)
@@ -188,6 +225,7 @@ class Finishing:
         self.jobs.move(job, JobState.PENDING)
         self.jobs.add(job)
         self.report.unfinished(job_id, state)
+        events.emit(job.paths, "retrying", now, attempt=job.attempt + 1, after="retry.flag", resume_from=resume)
         self.workflow_requeued(job, now)
         logger.info("job %s: %s -> pending, retry requested%s", job_id, state.value,
                     f" (resume from {resume})" if resume else "")

@@ -26,6 +26,8 @@ RUN_SCHEMA_VERSION = 1
 FINAL_STATUSES = ("done", "failed", "cancelled", "timeout", "rejected")
 #: statuses a run.json may hold while its folder is in running/
 LIVE_STATUSES = ("running", "stopping")
+#: an attempt's outcome (never a job's status) when it exited with the job's checkpoint_exit_code
+CHECKPOINTED = "checkpointed"
 
 
 @dataclass
@@ -147,10 +149,23 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
         return Outcome("cancelled", None)
     if reason is None and exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
         return Outcome("done", None)
+    if reason is None and is_checkpoint_exit(exit_record, spec):
+        return Outcome(CHECKPOINTED, None)
     diagnosis = diagnose(exit_record, attempt_log_tail(paths), attempt_metrics(paths, run),
                          kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record)
                          else None, train=spec is None or spec.is_train)
     return Outcome("timeout" if reason == "timeout" else "failed", diagnosis)
+
+
+def is_checkpoint_exit(exit_record: dict, spec: JobSpec | None) -> bool:
+    """The job exited with its ``checkpoint_exit_code``: "saved, run me again" (CONTRACT section 13)."""
+    code = spec.checkpoint_exit_code if spec is not None else None
+    return code is not None and exit_record.get("exit_code") == code and not exit_record.get("signal")
+
+
+def retries_used(job: Job) -> int:
+    """Attempts after the first that count as retries: checkpoint exits' restarts do not."""
+    return max(0, job.attempt - 1 - int(job.run.get("checkpoint_restarts") or 0))
 
 
 def _ran_here(exit_record: dict) -> bool:
@@ -227,7 +242,7 @@ def should_retry(job: Job, outcome: Outcome) -> bool:
     if job.spec is None or outcome.diagnosis is None or outcome.status not in ("failed", "timeout"):
         return False
     retries = job.spec.retries
-    return outcome.diagnosis.kind in retries.on and job.attempt < 1 + retries.max
+    return outcome.diagnosis.kind in retries.on and retries_used(job) < retries.max
 
 
 def load_job(job_dir: Path, state: JobState) -> Job | None:

@@ -26,6 +26,7 @@ from trainq.watcher.spec.wall import ENV_COST
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
 from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
+from trainq.watcher.daemon.records import gpu_facts, snapshot_request
 from trainq.watcher.supervisor import LaunchSpec
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
@@ -68,6 +69,7 @@ class Starting:
         self._plan_due = False
         head = self.jobs.pending_head(depth)
         machine = self.probe.sample(self._disk_paths(head + running))
+        self._machine = machine  # the GPUs' names for the snapshot (records.py)
         limits = self._limits()
         holdings = self._per_job(running, self._holding, "plan")
         self._reject_unsatisfiable(unchecked, holdings, machine, limits, now)
@@ -196,11 +198,13 @@ class Starting:
         if problem is not None:
             self._refuse(job, problem, now)
             return
+        argv = tuple(job.spec.launch_argv(values, sys.executable, resume=bool(resume_from)))
+        cwd = job.spec.launch_cwd(values) or str(paths.dir)
         spec = LaunchSpec(
             job_dir=str(paths.dir),
-            argv=tuple(job.spec.launch_argv(values, sys.executable, resume=bool(resume_from))),
+            argv=argv,
             env=self._job_env(job, values, decision, resume_from),
-            cwd=job.spec.launch_cwd(values) or str(paths.dir),
+            cwd=cwd,
             attempt=attempt,
             stop_grace_s=job.spec.stop_grace_s,
             kill_after_s=self.config.kill_after_s,
@@ -208,6 +212,7 @@ class Starting:
             banner=_banner(job.id, attempt, now, resume_from),
             executable=self._checked_executable(job, values),
             inherit_env=self.executor.inherits_environment,
+            snapshot=self._snapshot_request(job, argv, cwd, values, decision),
         )
         job.run.update(status="running", attempt=attempt, waiting_for=None, not_before=None,
                        gpus=list(decision.gpus), stop_requested_at=None)
@@ -237,6 +242,18 @@ class Starting:
         logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
         self.report.touch()
         self.deps_changed(job.id, now)
+
+    def _snapshot_request(self, job: Job, argv: tuple[str, ...], cwd: str, values: dict, decision) -> dict | None:
+        """What the supervisor records in snapshot/ (records.py); None with ``snapshot: false``."""
+        if not job.spec.snapshot:
+            return None
+        try:
+            gpus = gpu_facts(getattr(self, "_machine", None), list(decision.gpus))
+            return snapshot_request(job.spec, job.run, list(argv), cwd, job.spec.launch_env(values), gpus,
+                                    self.root.path, sys.executable).to_dict()
+        except (OSError, ValueError) as exc:  # a record must not keep the job from starting
+            logger.warning("job %s: no snapshot for this attempt: %s", job.id, exc)
+            return None
 
     def _flush_launches(self, now: float) -> None:
         """Submit the attempts the executor held back this pass (a sweep's jobs: one batch-job array)."""

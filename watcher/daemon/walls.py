@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trainq.watcher.daemon.jobs import Job
 from trainq.watcher.faces.progress import merge_progress
+from trainq.watcher.spec import events
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.records import append_record
@@ -215,6 +216,8 @@ class Walls:
             return
         run["delivered"] = {k: record.get(k) for k in ("to", "at", "verified", "files", "tries", "error")}
         atomic_write_json(paths.run, run)
+        events.emit(paths, "delivered", to=record.get("to"), verified=record.get("verified"),
+                    files=len(record.get("files") or []), tries=record.get("tries"), error=record.get("error"))
         if record.get("verified"):
             logger.info("job %s: delivered to %s, verified (%d files)", job_id, record.get("to"), len(record.get("files") or []))
         else:

@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainq.watcher.daemon import records
+from trainq.watcher.spec import events
 from trainq.watcher.spec.config import passed_through
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.daemon.diagnosis import Diagnosis
@@ -150,6 +152,7 @@ class Workflows:
             if job.held:
                 self.jobs.release(job)
                 job.run["waiting_for"] = None
+                events.emit(job.paths, "released", now, after=list(job.spec.after))
                 self._plan_due = True
                 self.report.touch()
                 logger.info("job %s: dependencies ended (%s); may start", job.id, ", ".join(job.spec.after))
@@ -163,6 +166,7 @@ class Workflows:
         more = f"; and {len(waiting) - _MAX_SHOWN} more" if len(waiting) > _MAX_SHOWN else ""
         if not job.held:
             self.jobs.hold(job)
+            events.emit(job.paths, "held", now, after=[s.dep_id for s in waiting], waiting_for=shown + more)
         if job.run.get("waiting_for") != shown + more:
             job.run["waiting_for"] = shown + more
             self.report.touch()
@@ -366,6 +370,7 @@ class Workflows:
         paths = JobPaths(path)
         atomic_write_json(paths.run, run, durable=False)
         atomic_write(paths.spec, variant_text(variant.data, sweep_id, variant.index, total), durable=False)
+        records.accepted(paths, run, f"sweep {sweep_id}", None, now)
         job = Job(job_id, JobState.PENDING, path, run, spec)
         self.jobs.add(job)
         return job
@@ -383,15 +388,15 @@ class Workflows:
             self.expand_staged(sweep_id, Path(entry.path), now)
 
     # -- lineage -------------------------------------------------------------------------------------
-    def lineage_of(self, parent: str) -> dict:
-        """run.json's lineage for a job forked from ``parent``: it, then its own parents, nearest first."""
+    def lineage_of(self, parent: str, how: str = "fork_of") -> dict:
+        """run.json's lineage for a job forked (or rerun, ``how``) from ``parent``: it, then its parents, nearest first."""
         parents = [parent]
         for state in JobState:
             run = read_json(JobPaths(self.root.job_dir(state, parent)).run)
             if run is not None:
                 parents += list(((run.get("lineage") or {}).get("parents") or []))[: MAX_LINEAGE - 1]
                 break
-        return {"fork_of": parent, "parents": parents}
+        return {how: parent, "parents": parents}
 
 
 def _stem(file_name: str) -> str:

@@ -27,6 +27,9 @@ EXIT_PREEMPTED = 143
 HEALTH_DEFAULTS = {"clip_fraction": 0.05, "update_ratio": 0.1}
 #: the trainer stopped because the lr it applied left the configured schedule (diagnosis ``schedule``)
 EXIT_SCHEDULE = 68
+#: "I saved a checkpoint, run me again" (HTCondor's checkpoint_exit_code): the built-in trainer's exit at
+#: ``train.max_minutes_per_attempt``, and the usual value of a job's ``checkpoint_exit_code``
+EXIT_CHECKPOINT = 85
 
 # -- environment given to every job --
 ENV_JOB_ID = "TRAINQ_JOB_ID"
@@ -157,6 +160,21 @@ class JobPaths:
     def slurm_claim(self, attempt: int) -> Path:
         """Created (O_EXCL) by the first Slurm job that starts attempt ``attempt``; a duplicate submission finds it."""
         return self.dir / f"slurm-attempt-{attempt}.claim"
+
+    @property
+    def events(self) -> Path:
+        """The job's story, one JSON record a line, appended by the watcher and the supervisor (CONTRACT section 13)."""
+        return self.dir / "events.jsonl"
+
+    @property
+    def events_rotated(self) -> Path:
+        """The older part of ``events`` once it outgrew its bound (one generation is kept)."""
+        return self.dir / "events.1.jsonl"
+
+    @property
+    def snapshot(self) -> Path:
+        """What the latest attempt ran: code, resolved config, sources, environment (CONTRACT section 13)."""
+        return self.dir / "snapshot"
 
     @property
     def slurm_record(self) -> Path:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from trainq.watcher.spec.contract import EXIT_CHECKPOINT
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.schema_errors import field_name, schema_problems, schema_validator, shown, sort_problems
 from trainq.watcher.spec.units import DURATION_PATTERN, MAX_DURATION_TEXT, is_zero_duration, parse_duration_s
@@ -173,6 +174,9 @@ class JobSpec:
     deadline: Deadline | None = None  # CONTRACT section 11
     expected_duration_s: float | None = None
     deliver: dict | None = None
+    rerun_of: str | None = None  # run records (CONTRACT section 13): trainq rerun's lineage
+    snapshot: bool = True
+    declared_checkpoint_exit_code: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict, display: str = "<job>") -> JobSpec:
@@ -192,6 +196,9 @@ class JobSpec:
             out["command"] = list(self.command)
         if self.resume_args is not None:
             out["resume_args"] = list(self.resume_args)
+        records = {"rerun_of": self.rerun_of, "checkpoint_exit_code": self.declared_checkpoint_exit_code,
+                   "snapshot": None if self.snapshot else False}
+        out.update({k: v for k, v in records.items() if v is not None})
         out.update(priority=self.priority, env=dict(self.env), resources=self.resources.to_dict(),
                    stop_grace=self.stop_grace_s, retries=self.retries.to_dict())
         return out
@@ -207,8 +214,17 @@ class JobSpec:
 
     @property
     def has_resume(self) -> bool:
-        """Whether a retry can resume: train jobs always, command jobs that declare resume_args."""
-        return self.is_train or self.resume_args is not None
+        """Whether a retry can resume: train jobs always, command jobs that declare resume_args or a checkpoint exit."""
+        return self.is_train or self.resume_args is not None or self.declared_checkpoint_exit_code is not None
+
+    @property
+    def checkpoint_exit_code(self) -> int | None:
+        """The exit code that means "saved, run me again": the job's own, or 85 for a time-sliced train job."""
+        if self.declared_checkpoint_exit_code is not None:
+            return self.declared_checkpoint_exit_code
+        if self.is_train and isinstance(self.train, dict) and self.train.get("max_minutes_per_attempt"):
+            return EXIT_CHECKPOINT
+        return None
 
     @property
     def approval_hint(self) -> str | None:
@@ -301,7 +317,9 @@ def _workflow_fields(data: dict) -> dict:
             "after_policy": data.get("after_policy", "ok"),
             "on_finish": None if hook is None else tuple(_argv_item(a) for a in hook),
             "sweep": data.get("sweep"), "fork_of": data.get("fork_of"),
-            "from_checkpoint": data.get("from_checkpoint")}
+            "from_checkpoint": data.get("from_checkpoint"), "rerun_of": data.get("rerun_of"),
+            "snapshot": data.get("snapshot", True) is not False,
+            "declared_checkpoint_exit_code": data.get("checkpoint_exit_code")}
 
 
 def _duration_or_none(data: dict, key: str) -> float | None:

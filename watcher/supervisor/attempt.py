@@ -43,7 +43,7 @@ from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import (
     atomic_write_json, open_no_follow, publish_then_sync, remove_quietly, touch,
 )
-from trainq.watcher.supervisor import cgroups
+from trainq.watcher.supervisor import cgroups, story
 from trainq.watcher.supervisor.cgroups import Containment
 from trainq.watcher.supervisor.leftovers import _descendants, boot_id
 from trainq.watcher.spec.units import iso_utc
@@ -87,6 +87,8 @@ class LaunchSpec:
     executable: str | None = None
     #: False: ``env`` is the job's whole environment (env_passthrough applied), not added to the supervisor's
     inherit_env: bool = True
+    #: what to record in snapshot/ before the job starts (snapshot.SnapshotRequest.to_dict); None: nothing
+    snapshot: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
@@ -140,6 +142,7 @@ class _Attempt:
     group: Path | None = None  # the attempt's cgroup (None: process-tree mode)
     mode: str = "process-tree"  # how the attempt is contained (cgroups.MODES)
     grace_s: float | None = None  # the stop's grace: the spec's stop_grace_s, or 0 for a stop.flag saying "now"
+    checkpoints: story.CheckpointWatch | None = None  # checkpoint records become events (story.py)
 
 
 class _StopSignal:
@@ -247,6 +250,9 @@ def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None,
     _become_subreaper(prctl, log_fd)
     if spec.banner:
         _write_line(log_fd, spec.banner.splitlines()[0])
+    code = story.take_snapshot(spec.snapshot, spec.job_dir, spec.attempt, _job_env(spec),
+                               lambda message: _note(log_fd, message))
+    checkpoints = story.CheckpointWatch.from_now(JobPaths(Path(spec.job_dir)), spec.attempt)
     started_at, started_mono = time.time(), time.monotonic()
     group = containment.group_for(spec.job_dir, str(spec.attempt)) if containment else None
     try:
@@ -256,8 +262,9 @@ def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None,
         return _record_spawn_error(spec, log_fd, exc, started_at, ended)
     attempt = _Attempt(spec, JobPaths(Path(spec.job_dir)), log_fd, job.pid, started_at, started_mono,
                        dir_ino=_inode(spec.job_dir), group=group,
-                       mode=containment.mode if group is not None else "process-tree")
+                       mode=containment.mode if group is not None else "process-tree", checkpoints=checkpoints)
     _write_started(attempt)
+    story.started(attempt.paths, spec.attempt, started_at, job.pid, _job_env(spec), code)
     _watch(attempt, stop_signal)
     job.returncode = os.waitstatus_to_exitcode(attempt.status)  # we reaped it: Popen must not wait or warn
     return _write_exit(attempt, ended)
@@ -374,6 +381,7 @@ def _record_spawn_error(spec: LaunchSpec, log_fd: int, exc: OSError, started_at:
     _note(log_fd, f"cannot start the job: {reason}")
     code = EXIT_NOT_FOUND if exc.errno in (errno.ENOENT, errno.ENOTDIR) else EXIT_NOT_EXECUTABLE
     record = _exit_record(spec, None, started_at, status_code=code, spawn_error=reason)
+    story.exited(JobPaths(Path(spec.job_dir)), record)
     _publish_exit(JobPaths(Path(spec.job_dir)), record, ended, log_fd)
     return record
 
@@ -401,6 +409,8 @@ def _watch(a: _Attempt, stop_signal: _StopSignal) -> None:
             now = time.monotonic()
             # before reaping: a cooperative job exits right after it sees stop.flag, and that is still a stop
             _check_stop(a, stop_signal, now)
+            if a.checkpoints.due(now):
+                a.checkpoints.look()
             if _reap_all(a) and pidfd is not None:
                 # a reaped pidfd stays readable: unregister it or the poll would spin
                 poller.unregister(pidfd)
@@ -465,6 +475,9 @@ def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:
     """Record when and why the stop started."""
     a.stop_reason, a.stop_requested_at, a.stop_mono = reason, time.time(), now
     _note(a.log_fd, message)
+    a.checkpoints.look()  # what the job saved before the stop comes first in its story
+    story.stop_requested(a.paths, a.spec.attempt, reason, a.stop_requested_at,
+                         a.grace_s if a.grace_s is not None else a.spec.stop_grace_s)
 
 
 def _escalate(a: _Attempt, tree: list[int], now: float, got_stop_signal: bool) -> None:
@@ -521,6 +534,8 @@ def _write_exit(a: _Attempt, ended: Callable[[], None]) -> dict:
     if a.stop_reason == "folder_removed":
         ended()  # no record: the folder it would go to is gone (or is a new job's under the same id)
         return record
+    a.checkpoints.look()
+    story.exited(a.paths, record)
     _publish_exit(a.paths, record, ended, a.log_fd)
     return record
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import psutil
 
+from trainq.watcher.spec import events
 from trainq.watcher.spec.allow import hook_executable
 from trainq.watcher.spec.config import load_watcher_config
 from trainq.watcher.spec.contract import ENV_DIAGNOSIS, ENV_JOB_DIR, ENV_JOB_ID, ENV_STATUS, JobPaths
@@ -159,6 +160,8 @@ def run_hook(job_dir: Path, timeout_s: float = HOOK_TIMEOUT_S) -> int:
         atomic_write_json(paths.hook_record, record)
     except FileNotFoundError:
         pass  # the folder moved on meanwhile (retried, removed)
+    events.emit(paths, "hook", status=record.get("status"), exit_code=record.get("exit_code"),
+                timed_out=record.get("timed_out"), error=record.get("error"))
     os.close(lock_fd)
     return 0
 
