@@ -78,6 +78,8 @@ class TrainConfig:
     gradient_checkpointing: bool | None = None  # None: on for QLoRA on a GPU
     optim: str | None = None  # None: transformers' default (adamw_torch_fused with torch >= 2.8)
     data_cache: bool = True
+    processes: int | None = None  # ranks per node; None: one per GPU given, 1 without GPUs (trainer/distributed.py)
+    strategy: str = "ddp"  # ddp | fsdp
 
     @property
     def train_file(self) -> str:
