@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             return launch.launch(ranks, args.job_dir, ["--resume-from", args.resume_from] if args.resume_from else [])
     except Exception as exc:  # noqa: BLE001 - a bad train: block exits 2 here as it would in the trainer
         return _exit_code(exc)
-    plotter = LossPlotter().start()
+    # ranks other than 0 draw nothing: no helper for them
+    plotter = LossPlotter().start() if os.environ.get("RANK", "0") == "0" else LossPlotter()
     try:
         from trainq.trainer.run import main_run
 

@@ -98,6 +98,7 @@ def launch(plan: Plan, job_dir: Path, trainer_argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    _honour_shutdown_timeout()
     try:
         run(parse_args(torchrun_argv(plan, log_dir, [str(job_dir), *trainer_argv])))
     except ChildFailedError as exc:
@@ -108,6 +109,25 @@ def launch(plan: Plan, job_dir: Path, trainer_argv: list[str]) -> int:
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     return EXIT_OK
+
+
+def _honour_shutdown_timeout() -> None:
+    """torch 2.13 stops the remaining ranks after a failure with a fixed 30 s grace (``SubprocessContext._poll`` and
+    the agent's ``_stop_workers`` call ``close()`` without the configured ``shutdown_timeout``); a SIGSTOPped rank
+    ignores SIGTERM, so those 30 s were added to every hung-rank failure. Cap every close at the configured
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, as torch's SIGTERM path already does."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    original = PContext.__dict__.get("close")
+    if original is None or getattr(original, "trainq_capped", False):
+        return
+    limit_s = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or SHUTDOWN_TIMEOUT_S)
+
+    def close(self, death_sig=None, timeout: int = SHUTDOWN_TIMEOUT_S) -> None:
+        original(self, death_sig, min(timeout, limit_s))
+
+    close.trainq_capped = True
+    PContext.close = close
 
 
 def _root_cause(failures: dict) -> tuple[int, object]:
@@ -132,24 +152,34 @@ def last_line(log_dir: Path, local_rank: int) -> str | None:
     return None
 
 
-def describe(rank: int, failure: object, line: str | None) -> tuple[str, str]:
-    """(diagnosis kind, evidence) of a failed rank."""
+def describe(rank: int, failure: object, line: str | None, timed_out: str | None = None) -> tuple[str, str]:
+    """(diagnosis kind, evidence) of a failed rank; ``timed_out``: another rank's line saying it gave up waiting."""
     code = failure.exitcode
     said = f"; its last line: [rank {rank}] {line}" if line else ""
+    if code == -signal.SIGKILL and timed_out:  # the hung rank: the others timed out, then torchrun killed it
+        return "stalled", f"rank {rank} (pid {failure.pid}) stopped answering: {timed_out}; torchrun then killed it"
     if code < 0:
         name = failure.signal_name()
         kind = "killed" if -code == signal.SIGKILL else "unknown"
         return kind, f"rank {rank} (pid {failure.pid}) was killed by {name}{said}"
-    if line and ("timed out" in line.lower() or "timeout" in line.lower()):
+    if line and _is_timeout(line):
         return "stalled", (f"rank {rank} gave up waiting for the other ranks in a collective (a rank stopped "
                            f"answering){said}")
     return _TRAINER_CODES.get(code, "unknown"), f"rank {rank} exited with code {code}{said}"
 
 
+def _is_timeout(line: str) -> bool:
+    """A collective gave up waiting (gloo: "Timed out waiting 5000ms for recv"; nccl: "Watchdog caught collective
+    operation timeout")."""
+    return "timed out" in line.lower() or "timeout" in line.lower()
+
+
 def report_failure(failures: dict, log_dir: Path, job_dir: Path) -> int:
     """One stderr line and one metrics event naming the failed rank; returns the job's exit code."""
     rank, failure = _root_cause(failures)
-    kind, evidence = describe(rank, failure, last_line(log_dir, failure.local_rank))
+    lines = {r: last_line(log_dir, f.local_rank) for r, f in failures.items()}
+    timed_out = next((f"[rank {r}] {ln}" for r, ln in sorted(lines.items()) if ln and _is_timeout(ln)), None)
+    kind, evidence = describe(rank, failure, lines[rank], timed_out)
     code = failure.exitcode
     others = sorted(r for r in failures if r != rank)
     if code not in _TRAINER_CODES:  # the trainer's own codes already wrote their event (oom, nan, data)
