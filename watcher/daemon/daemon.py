@@ -25,6 +25,7 @@ from trainq.watcher.spec.fsutil import drain, remove_quietly
 from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
 from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
 from trainq.watcher.spec.jobspec import JobSpec, load_job_file
+from trainq.watcher.spec.ranks import nodes_problem
 from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
 from trainq.watcher.daemon.workflows import Workflows
 from trainq.watcher.daemon.pending_edits import PendingEdits
@@ -413,7 +414,11 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             self._accepted(cand, taken, now)
 
     def _check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
-        """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's)."""
+        """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's);
+        also what needs the executor: several nodes only with Slurm."""
+        nodes = nodes_problem(spec.raw, self.config.executor)
+        if nodes is not None:
+            raise InvalidJobSpec(display, [nodes])
         if self.config.allow_commands is None:
             return
         job_id = id_from_name(file_name)
