@@ -233,7 +233,7 @@ class TrainqCallback(TrainerCallback):
         """Apply a rollback's lr halving and verify a resumed adapter before the first step."""
         self.last_save = time.monotonic()
         self._rescale_lr(kwargs["optimizer"], kwargs["lr_scheduler"])
-        if self.run.resumed_fingerprint is not None:
+        if self.run.resumed_fingerprint is not None and self.run.world.is_main:  # rank 0's weights (FSDP: its shard)
             self._verify_resumed(state)
 
     def _rescale_lr(self, optimizer, scheduler) -> None:

@@ -87,11 +87,17 @@ def processes_per_node(config: TrainConfig, gpus: int, spec: str) -> int:
     return config.processes
 
 
-def check_strategy(config: TrainConfig, spec: str) -> None:
-    """fsdp shards full fine-tuning; a 4-bit base cannot be sharded by the Trainer's FSDP here."""
-    if config.strategy == "fsdp" and config.method == "qlora":
+def check_strategy(config: TrainConfig, spec: str, gpus: int) -> None:
+    """fsdp shards full fine-tuning on GPUs; a 4-bit base cannot be sharded by the Trainer's FSDP here, and
+    accelerate (1.15) enables FSDP only for GPU ranks: on the CPU it would silently train as DDP."""
+    if config.strategy != "fsdp":
+        return
+    if config.method == "qlora":
         raise ConfigError(f"{spec}: train.strategy: fsdp does not support method: qlora (4-bit weights are not "
                           "sharded); use strategy: ddp with qlora, or method: full with fsdp")
+    if not gpus:
+        raise ConfigError(f"{spec}: train.strategy: fsdp needs GPU ranks (accelerate shards only CUDA ranks; CPU "
+                          "ranks would silently train unsharded); use strategy: ddp on the CPU")
 
 
 def training_kwargs(config: TrainConfig, world: World, cpu: bool) -> dict:
@@ -99,8 +105,7 @@ def training_kwargs(config: TrainConfig, world: World, cpu: bool) -> dict:
     if not world.is_distributed:
         return {}
     kwargs: dict = {"ddp_timeout": int(collective_timeout_s()), "ddp_backend": "gloo" if cpu else "nccl"}
-    if config.method != "full":
-        kwargs["ddp_find_unused_parameters"] = False  # the frozen base has no gradients: nothing to search for
+    kwargs["ddp_find_unused_parameters"] = False  # every trainable weight takes part in each forward pass
     if config.strategy == "fsdp":
         kwargs["fsdp"] = "full_shard auto_wrap"
         kwargs["fsdp_config"] = {"use_orig_params": True, "state_dict_type": "SHARDED_STATE_DICT"}
@@ -204,3 +209,15 @@ def keep_global_batch(config: TrainConfig, saved: dict, world_size: int, folder:
     raise WorldSizeChanged(f"{folder}: resume refused: the global batch {batch * accum * old} (batch_size {batch} x "
                            f"grad_accum {accum} x world size {old}) cannot be split over world size {world_size}; "
                            "choose processes that divide it")
+
+
+def save_full_weights(trainer, tokenizer, out_dir, world: World) -> None:
+    """FSDP: gather the sharded weights (every rank takes part) and let rank 0 write them, with the tokenizer."""
+    state_dict = trainer.accelerator.get_state_dict(trainer.model)
+    if world.is_main:
+        from trainq.trainer.artifacts import make_readable
+
+        trainer._save(str(out_dir), state_dict=state_dict)
+        tokenizer.save_pretrained(str(out_dir))
+        make_readable(out_dir)
+    barrier(world)

@@ -54,8 +54,9 @@ def plan(job_dir: Path) -> Plan | None:
         return None
     config = load_config(job_dir)
     spec = str(job_dir / "job.yaml")
-    check_strategy(config, spec)
-    processes = processes_per_node(config, visible_gpus(), spec)
+    gpus = visible_gpus()
+    check_strategy(config, spec, gpus)
+    processes = processes_per_node(config, gpus, spec)
     nodes = int(os.environ.get("NNODES") or os.environ.get("SLURM_NNODES") or 1)
     if processes == 1 and nodes == 1:
         return None

@@ -294,9 +294,10 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
     A rank other than 0 only takes its part in saving the final weights (FSDP gathers them)."""
     trainer = trainer or run.trainer
     final_dir = inv.job_dir / ("model" if config.method == "full" else "adapter")
+    fsdp = run.world.is_distributed and config.strategy == "fsdp" and outcome == "done" and trainer is not None
+    if fsdp:
+        distributed.save_full_weights(trainer, tokenizer, final_dir, run.world)  # every rank joins the gather
     if not run.world.is_main:
-        if outcome == "done" and trainer is not None:
-            trainer.save_model(str(final_dir))  # writes nothing here under DDP; joins the gather under FSDP
         return EXIT_FOR[outcome]
     names = ["summary.json", "loss.png", artifacts.ENV_FILE]
     merged = None
@@ -304,7 +305,8 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
     # the step records are all written: the helper draws loss.png while the model is saved
     plotter.request(inv.metrics, inv.job_dir / "loss.png", f"{inv.job_dir.name}: {config.method} ({outcome})")
     if outcome == "done" and trainer is not None:
-        artifacts.save_final(trainer, tokenizer, final_dir)
+        if not fsdp:
+            artifacts.save_final(trainer, tokenizer, final_dir)
         names.insert(0, final_dir.name)
         if config.export_merge and config.method != "full":
             from trainq.trainer.export import export_merged
@@ -375,6 +377,9 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     config = load_config(inv.job_dir)
     world = distributed.World.from_env()
     distributed.init(world, cpu=not torch.cuda.is_available())
+    if world.is_distributed:
+        print(f"trainq: rank {world.rank} of {world.world_size} (local rank {world.local_rank}, "
+              f"{'cpu' if not torch.cuda.is_available() else f'cuda:{world.local_rank}'}, pid {os.getpid()})", flush=True)
     check_reporters(config, inv.job_dir)
     if config.report_to:
         os.environ["TENSORBOARD_LOGGING_DIR"] = str(inv.job_dir / "tensorboard")  # read by transformers' callback
