@@ -95,6 +95,7 @@ def test_stop_then_resume_on_two_ranks_is_bitwise_equal(reference, tiny, tmp_pat
     assert weights_sha256(job) == weights_sha256(reference)
 
 
+@pytest.mark.slow  # a 2-rank trainer process or two (~15-30 s each on a quiet machine)
 def test_sigterm_to_torchrun_checkpoints_every_rank_and_exits_143(tiny, tmp_path):
     job = write_job(tmp_path / "preempted", tiny, **RANKS)
     proc = start_trainer(job, TRAINQ_TRAINER_FAULTS="sleep_per_step=0.2")
@@ -110,6 +111,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_exits_143(tiny, tmp_path
     assert (job / "checkpoints" / f"step-{step:06d}" / "manifest.json").is_file()
 
 
+@pytest.mark.slow  # a 2-rank trainer process or two (~15-30 s each on a quiet machine)
 def test_sigstopped_rank_fails_the_job_naming_it(tiny, tmp_path):
     job = write_job(tmp_path / "hung", tiny, **RANKS)
     proc = start_trainer(job, TRAINQ_TRAINER_FAULTS="sleep_per_step=0.1", **FAST_FAILURE_ENV)
@@ -153,6 +155,7 @@ def test_keep_global_batch_when_allowed(tiny):
         keep_global_batch(config, {"world_size": 1}, 3, "ckpt")
 
 
+@pytest.mark.slow  # a 2-rank trainer process or two (~15-30 s each on a quiet machine)
 def test_full_fine_tuning_on_two_ranks(tiny, tmp_path):
     job = write_job(tmp_path / "full", tiny, method="full", lr=0.002, max_steps=8, eval_every=4,
                     checkpoint={"every_steps": 4, "keep": 1}, **RANKS)
@@ -210,6 +213,7 @@ def test_nodes_without_slurm_are_rejected_by_the_watcher(queue_dir, watcher):
                what="the other job is accepted")
 
 
+@pytest.mark.slow  # a 2-rank trainer process or two (~15-30 s each on a quiet machine)
 def test_sigkilled_rank_is_diagnosed_and_retried_bitwise_under_the_watcher(reference, queue_dir, watcher_process):
     spec = yaml.safe_load((reference / "job.yaml").read_text())
     spec.update(env={"TRAINQ_TRAINER_FAULTS": "sleep_per_step=0.1"}, stop_grace="60s",
