@@ -86,7 +86,7 @@ def _threads_per_rank(processes: int) -> str:
 def launch(plan: Plan, job_dir: Path, trainer_argv: list[str]) -> int:
     """Run the ranks under torchrun; the job's exit code (0, 143 after SIGTERM, the failed rank's otherwise)."""
     job_dir = job_dir.resolve()
-    log_dir = job_dir / LOG_DIR_NAME
+    log_dir = job_dir / LOG_DIR_NAME / f"node-{plan.node_rank}"  # nodes share the job folder
     shutil.rmtree(log_dir, ignore_errors=True)
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_rank(plan.processes))
     os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_PREFIX_TEMPLATE
@@ -109,7 +109,15 @@ def launch(plan: Plan, job_dir: Path, trainer_argv: list[str]) -> int:
         return EXIT_PREEMPTED if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+        _remove_if_empty(log_dir.parent)
     return EXIT_OK
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass  # another node's ranks still log there, or it is gone
 
 
 def _honour_shutdown_timeout() -> None:
