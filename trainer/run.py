@@ -81,9 +81,12 @@ def apply_preset(config: TrainConfig, metrics: MetricsWriter) -> tuple[TrainConf
     requested = Knobs(config.seq_len, config.batch_size, config.grad_accum, config.lora.r)
     choice = choose(shape, config.method, requested, free[0])
     knobs = choice.knobs
-    info = {"applied": True, "gpu": free[1], **choice.to_dict(), "params": shape.params}
+    world_size = distributed.World.from_env().world_size  # the preset fits one rank's GPU; the batch is per rank
+    info = {"applied": True, "gpu": free[1], **choice.to_dict(), "params": shape.params,
+            "global_batch": knobs.batch_size * knobs.grad_accum * world_size, "world_size": world_size}
     metrics.event("preset", f"preset: auto on {free[1]}: seq_len {knobs.seq_len}, batch_size {knobs.batch_size}, "
-                  f"grad_accum {knobs.grad_accum}, lora.r {knobs.lora_r} (~{choice.estimate.total_mb:.0f} of "
+                  f"grad_accum {knobs.grad_accum}, lora.r {knobs.lora_r}, global batch {info['global_batch']} "
+                  f"(x {world_size} ranks) (~{choice.estimate.total_mb:.0f} of "
                   f"{choice.budget_mb:.0f} MiB budget)", **info)
     return config.with_changes(seq_len=knobs.seq_len, batch_size=knobs.batch_size, grad_accum=knobs.grad_accum,
                                lora_r=knobs.lora_r), info
