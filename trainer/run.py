@@ -271,8 +271,9 @@ def record_oom(exc: BaseException, config: TrainConfig, run: RunState, inv: Invo
     advice = ladder.advice(config)
     if not run.world.is_main:  # the rank that ran out of memory says so, whichever it is (the ladder reads it)
         run.metrics = MetricsWriter(inv.metrics)
-    run.metrics.event(ladder.OOM_EVENT, f"out of memory: {first}", attempt=inv.attempt, advice=advice,
-                      **ladder.knobs_of(config))
+    where = f"rank {run.world.rank}: " if run.world.is_distributed else ""
+    run.metrics.event(ladder.OOM_EVENT, f"{where}out of memory: {first}", attempt=inv.attempt, advice=advice,
+                      **ladder.knobs_of(config), **({"rank": run.world.rank} if run.world.is_distributed else {}))
     return f"trainq: out of memory: {first}; {advice}"
 
 
