@@ -51,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes are not the user's business
     from trainq.trainer.plotter import LossPlotter
 
-    # started before torch is imported: matplotlib's import (~1 s) then overlaps ours and the model load, so a
-    # short run finds the helper ready at the end instead of importing matplotlib itself on the critical path
     try:
         from trainq.trainer import launch
 
@@ -61,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             return launch.launch(ranks, args.job_dir, ["--resume-from", args.resume_from] if args.resume_from else [])
     except Exception as exc:  # noqa: BLE001 - a bad train: block exits 2 here as it would in the trainer
         return _exit_code(exc)
+    # started before torch is imported: matplotlib's import (~1 s) then overlaps ours and the model load, so a
+    # short run finds the helper ready at the end instead of importing matplotlib itself on the critical path;
     # ranks other than 0 draw nothing: no helper for them
     plotter = LossPlotter().start() if os.environ.get("RANK", "0") == "0" else LossPlotter()
     try:

@@ -68,12 +68,12 @@ def visible_gpus() -> int:
     ids = os.environ.get("CUDA_VISIBLE_DEVICES")
     if ids is not None:
         return len([i for i in ids.split(",") if i.strip() and i.strip() != "-1"])
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:  # pragma: no cover - torch is the trainer's dependency
+    driver = "/proc/driver/nvidia/gpus"  # read without importing torch (seconds) before a single-rank run starts
+    if not os.path.isdir(driver):
         return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def processes_per_node(config: TrainConfig, gpus: int, spec: str) -> int:
