@@ -80,6 +80,8 @@ class TrainConfig:
     data_cache: bool = True
     health: dict | None = None  # thresholds of the vital signs: {clip_fraction, update_ratio} (trainer/vitals.py)
     max_minutes_per_attempt: float | None = None  # then save and exit EXIT_CHECKPOINT (85): time-sliced training
+    processes: int | None = None  # ranks per node; None: one per GPU given, 1 without GPUs (trainer/distributed.py)
+    strategy: str = "ddp"  # ddp | fsdp
 
     @property
     def train_file(self) -> str:

@@ -27,6 +27,7 @@ from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printa
 from trainq.watcher.daemon import records
 from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
 from trainq.watcher.spec.jobspec import JobSpec, check_submission, load_job_file
+from trainq.watcher.spec.ranks import nodes_problem
 from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
 from trainq.watcher.daemon.workflows import Workflows
 from trainq.watcher.daemon.pending_edits import PendingEdits
@@ -424,7 +425,11 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             self._accepted(cand, taken, now)
 
     def check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
-        """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's)."""
+        """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's);
+        also what needs the executor: several nodes only with Slurm."""
+        nodes = nodes_problem(spec.raw, self.config.executor)
+        if nodes is not None:
+            raise InvalidJobSpec(display, [nodes])
         if self.config.allow_commands is None and self.config.allow_env is None:
             return
         job_id = id_from_name(file_name)

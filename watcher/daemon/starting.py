@@ -29,6 +29,7 @@ from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
 from trainq.watcher.daemon.records import gpu_facts, snapshot_request
 from trainq.watcher.supervisor import LaunchSpec
 from trainq.watcher.spec.units import iso_utc, parse_iso
+from trainq.watcher.spec.ranks import default_gpus
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class Starting:
         return Request(
             job_id=job.id, priority=job.priority, order=job.order, gpus=res.gpus,
             gpu_memory_gb=res.gpu_memory_gb, ram_gb=res.ram_gb, disk_gb=res.disk_gb,
-            allow_battery=res.allow_battery, disk_path=self._disk_path(job),
+            allow_battery=res.allow_battery, disk_path=self._disk_path(job), gpus_default=default_gpus(job.spec.raw),
         )
 
     def _holding(self, job: Job) -> Holding:

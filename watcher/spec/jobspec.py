@@ -20,6 +20,7 @@ from types import MappingProxyType
 
 from trainq.watcher.spec.contract import EXIT_CHECKPOINT
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
+from trainq.watcher.spec.ranks import rank_problems
 from trainq.watcher.spec.schema_errors import field_name, schema_problems, schema_validator, shown, sort_problems
 from trainq.watcher.spec.units import DURATION_PATTERN, MAX_DURATION_TEXT, is_zero_duration, parse_duration_s
 from trainq.watcher.spec.yaml12 import MAX_INT_DIGITS, HugeInt, YamlError, load_yaml12
@@ -368,7 +369,7 @@ def _semantic_problems(data: dict) -> list[Problem]:
         problems.append(Problem("resume_args", "only applies to command jobs; train jobs resume from their "
                                                "checkpoints by themselves (remove resume_args)"))
     return (problems + _control_problems(data) + duration_problems(data, DURATION_FIELDS) + _backoff_problems(data)
-            + _zero_limit_problems(data) + job_wall_problems(data))
+            + _zero_limit_problems(data) + job_wall_problems(data) + rank_problems(data))
 
 
 def duration_problems(data: dict, fields: tuple[tuple[str, ...], ...]) -> list[Problem]:
