@@ -194,7 +194,7 @@ def watcher_alive(root: Path) -> bool:
     status = read_json(root / "status.json") or {}
     watcher = status.get("watcher") or {}
     beat = parse_iso(watcher.get("heartbeat_at"))
-    return beat is not None and time.time() - beat < ALIVE_HEARTBEAT_S and watcher.get("state") != "stopping"
+    return beat is not None and time.time() - beat < ALIVE_HEARTBEAT_S and watcher.get("state") not in ("stopping", "stopped")
 
 
 def watcher_words(root: Path) -> str:

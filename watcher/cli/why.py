@@ -173,7 +173,7 @@ def _dep_named(evidence: str) -> str:
 def _watcher_row(root: Path, now: float) -> tuple[str, str, str]:
     watcher = (read_json(root / "status.json") or {}).get("watcher") or {}
     beat = parse_iso(watcher.get("heartbeat_at"))
-    if beat is None or now - beat > STALE_HEARTBEAT_S or watcher.get("state") == "stopping":
+    if beat is None or now - beat > STALE_HEARTBEAT_S or watcher.get("state") in ("stopping", "stopped"):
         last = f"last heartbeat {_ago(now - beat)} ago" if beat else "no status.json"
         return ("watcher", _HOLD, f"no watcher is running on this queue ({last}); start one: trainq watch")
     return ("watcher", _PASS, f"pid {watcher.get('pid')} on {watcher.get('host')}, heartbeat {_ago(now - beat)} ago")

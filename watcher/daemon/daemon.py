@@ -18,6 +18,7 @@ from pathlib import Path
 from trainq.watcher import __version__
 from trainq.watcher.spec.config import WatcherConfig, check_command_allowed
 from trainq.watcher.daemon.containment import ENV_WATCHER_FAULTS, Containment, Faults, is_disk_full
+from trainq.watcher.daemon.crashpoints import ENV_WATCHER_CRASH, CrashPoints
 from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFullHandling, take_reserve
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
@@ -61,6 +62,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         self.probe = ResourceProbe(simulate_gpus=config.simulate_gpus, env=self.env)
         self.jobs = JobIndex()
         self.faults = Faults.parse(self.env.get(ENV_WATCHER_FAULTS))  # a test switch (README, "Switches")
+        self.crashes = CrashPoints.parse(self.env.get(ENV_WATCHER_CRASH))  # a test switch (docs/reliability.md)
         self.disk_full = None  # a DiskFull while writes fail for lack of space (diskfull.py)
         self.report = Report(self.root, config, started_at=time.time())
         self.inbox: Inbox | None = None
@@ -110,7 +112,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             self.retire_concluded(time.time())
             self._save_started(time.time(), all_now=True)
         try:
-            self.write_status(time.time(), force=True, state="stopping")
+            self.write_status(time.time(), force=True, state="stopped")
         except Exception as exc:  # noqa: BLE001 - shutting down: say it, and still release everything below
             logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
@@ -232,7 +234,17 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
                 self.start_pending(now)  # before retiring: the next job need not wait for the last one's writes
         finally:
             self.retire_concluded(now)
+        if self.deps_released and self.disk_full is None:
+            self._start_released(now)
         self.watch_running(now)
+
+    def _start_released(self, now: float) -> None:
+        """Dependents released by a job retired in this pass start in this same pass (a chain: one link a pass)."""
+        self.deps_released = False
+        try:
+            self.start_pending(now)
+        finally:
+            self.retire_concluded(now)
 
     def write_status(self, now: float, *, force: bool = False, state: str | None = None) -> None:
         """status.json and status.html; a full disk is noted, not raised."""

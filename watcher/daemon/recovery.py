@@ -52,6 +52,7 @@ def _recover_pending(watcher: "Watcher", job_id: str, now: float) -> None:
     path = watcher.root.job_dir(JobState.PENDING, job_id)
     paths = JobPaths(path)
     remove_stale_temps(path, (paths.run.name,))
+    remove_quietly(paths.retry_flag)  # a retry interrupted after its move (finishing.py): it is done
     if not paths.spec.exists() and not paths.spec.is_symlink():
         _remove_abandoned_claim(paths)
         watcher.folders.forget(job_id)

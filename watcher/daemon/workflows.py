@@ -87,6 +87,7 @@ class Workflows:
         self.hooks = HookLauncher(passed_through(self.env, self.config.env_passthrough))
         self._deps_queue: list[str] = []
         self._sweeps_unfinished = False  # a sweep's expansion failed (a full disk): retried on each rescan
+        self.deps_released = False  # a held job was released in this pass: start_pending runs again (daemon.py)
 
     # -- accepting -----------------------------------------------------------------------------
     def admit_workflow(self, job: Job, now: float) -> None:
@@ -150,6 +151,7 @@ class Workflows:
                 self.jobs.release(job)
                 job.run["waiting_for"] = None
                 self._plan_due = True
+                self.deps_released = True
                 self.report.touch()
                 logger.info("job %s: dependencies ended (%s); may start", job.id, ", ".join(job.spec.after))
             return
@@ -365,7 +367,8 @@ class Workflows:
         paths = JobPaths(path)
         atomic_write_json(paths.run, run, durable=False)
         atomic_write(paths.spec, variant_text(variant.data, sweep_id, variant.index, total), durable=False)
-        job = Job(job_id, JobState.PENDING, path, run, spec)
+        st = os.stat(paths.spec)
+        job = Job(job_id, JobState.PENDING, path, run, spec, spec_sig=(st.st_size, st.st_mtime_ns, st.st_ino))
         self.jobs.add(job)
         return job
 
