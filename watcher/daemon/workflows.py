@@ -29,7 +29,7 @@ from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_jso
 from trainq.watcher.supervisor.hooks import HookLauncher, hook_due
 from trainq.watcher.daemon.jobs import Job, new_run
 from trainq.watcher.spec.jobspec import JobSpec, load_job_file
-from trainq.watcher.spec.sweeps import after_refs, expand, variant_text
+from trainq.watcher.spec.sweeps import after_refs, combinations, expand, variant_text
 from trainq.watcher.spec.units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -318,7 +318,7 @@ class Workflows:
     # -- sweeps ------------------------------------------------------------------------------------
     def admit_sweep(self, cand, spec: JobSpec, now: float) -> None:
         """Claim a sweep file into its staging folder, then write its jobs."""
-        total = len(expand(spec.raw))
+        total = combinations(spec.sweep)
         claimed = self.folders.claim_sweep(cand.path, total, SWEEP_STAGING_PREFIX)
         self.inbox.taken(cand.name)
         self._awaiting.pop(cand.name, None)
