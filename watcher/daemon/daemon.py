@@ -169,6 +169,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
 
     def _next_wait_s(self) -> float:
         wait = min(self.config.rescan_s, self.config.status_s, DISK_FULL_RETRY_S)
+        held_back = self.inbox.next_due_s() if self.inbox is not None else None
+        if held_back is not None:
+            wait = min(wait, held_back)
         if self._count(JobState.RUNNING):
             wait = min(wait, RUNNING_POLL_S)
             save_in = self._next_started_save_s(time.time())
@@ -383,6 +386,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         result = self._validate(cand)
         if result is None or (isinstance(result, JobSpec) and (not result.approved or result.sweep)):
             return _Taken(result)  # a sweep is claimed on the loop's thread (workflows.py)
+        if isinstance(result, InvalidJobSpec) and self._maybe_unfinished(cand):
+            return _Taken(result, unfinished=True)  # read again once it stood still, before it is rejected
         if isinstance(result, InvalidJobSpec):
             run = new_run(None, order, now, name=_stem(printable_name(cand.name)))
             run.update(status="rejected", finished_at=iso_utc(now), errors=[p.to_dict() for p in result.problems],
@@ -408,15 +413,24 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             return None
         return spec
 
+    def _maybe_unfinished(self, cand) -> bool:
+        """Written less than settle_s ago and not renamed in: a writer may still be appending to it."""
+        return cand.name not in self.inbox.moved_in and not self.inbox.is_still(cand, time.time())
+
     def _admit_one(self, cand, taken: "_Taken", now: float) -> None:
         result = taken.result
         if taken.unclaimable:
             self._unclaimable[cand.name] = (cand.size, cand.mtime_ns, cand.ino)
         if result is None:
             return
-        if isinstance(result, InvalidJobSpec):
+        if taken.unfinished:
+            self.inbox.hold_back(cand)
+            logger.debug("inbox/%s: not valid yet, written a moment ago; read again once it stands still", cand.name)
+        elif isinstance(result, InvalidJobSpec):
             self._rejected(cand, taken, now)
         elif not result.approved:
+            if self._maybe_unfinished(cand):
+                self.inbox.hold_back(cand)  # lines may still be coming (approved: true among them)
             sig = (cand.size, cand.mtime_ns, cand.ino)
             self._awaiting[cand.name] = (sig, {"name": cand.name, "spec": result, "seen_at": now})
         elif result.sweep:
@@ -483,6 +497,7 @@ class _Taken:
     claimed: tuple[str, Path] | None = None  # (id, folder), None when the file vanished or was not claimed
     disk_full: OSError | None = None  # claiming it ran out of space (the file stays in the inbox)
     unclaimable: bool = False  # admitting it failed, and so did rejecting it
+    unfinished: bool = False  # invalid, but written a moment ago: held back until it stands still
 
 
 def _stem(file_name: str) -> str:
