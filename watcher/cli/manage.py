@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write, read_json, remove_quietly, touch
+from trainq.watcher.spec.tombstones import record_removal
 
 #: the states a job folder can be in, in the order a lookup tries them
 STATES = ("running", "pending", "failed", "done")
@@ -228,6 +229,9 @@ def _rm_one(root: Path, job_id: str, now: bool, timeout_s: float | None) -> None
     found = require_job(root, job_id)
     if found.state == "running":
         found = _stop_and_wait(root, found, now, timeout_s)
+    run = read_json(JobPaths(found.path).run) or {}
+    record_removal(root, job_id, found.state, run.get("status") or found.state, by="trainq rm",
+                   sweep=run.get("sweep"))  # its dependents count it as ended (removed), across restarts
     try:
         remove_folder(found.path)
     except FileNotFoundError:  # it started meanwhile: stop it, then remove it

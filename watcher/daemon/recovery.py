@@ -19,6 +19,7 @@ from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, remove_quietly, remove_stale_temps
 from trainq.watcher.daemon.jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
 from trainq.watcher.spec.jobspec import load_job_file
+from trainq.watcher.spec.tombstones import prune_tombstones
 from trainq.watcher.spec.units import iso_utc
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ def recover(watcher: "Watcher") -> None:
     now = time.time()
     found = watcher.folders.load_ids()
     _unlink_claimed_inbox_names(watcher, found)
+    prune_tombstones(watcher.root.path)
     _remove_stale_temp_files(watcher, found)
     for job_id in found[JobState.PENDING]:
         watcher.guarded_id(job_id, JobState.PENDING, "recover", _recover_pending, watcher, job_id, now)

@@ -29,6 +29,7 @@ from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_jso
 from trainq.watcher.supervisor.hooks import HookLauncher, hook_due
 from trainq.watcher.daemon.jobs import Job, new_run
 from trainq.watcher.spec.jobspec import JobSpec, load_job_file
+from trainq.watcher.spec.tombstones import REMOVED, ended_status, read_tombstone, record_removal, removal_words
 from trainq.watcher.spec.sweeps import after_refs, combinations, expand, variant_text
 from trainq.watcher.spec.units import iso_utc
 
@@ -138,7 +139,7 @@ class Workflows:
         """Hold, release or fail one pending job according to where its dependencies stand."""
         if job.state is not JobState.PENDING or job.spec is None or not job.spec.after:
             return
-        states = [self.dependency_state(dep) for dep in job.spec.after]
+        states = self._remember_seen(job, [self.dependency_state(dep) for dep in job.spec.after])
         dead = [s for s in states if s.ended and not s.ok]
         if dead and job.spec.after_policy == "ok":
             self.deps.forget(job.id, job.spec.after)
@@ -168,6 +169,20 @@ class Workflows:
             job.run["waiting_for"] = shown + more
             self.report.touch()
 
+    def _remember_seen(self, job: Job, states: list[DepState]) -> list[DepState]:
+        """Record in run.json (``after_seen``) each dependency seen in the queue; one seen before and now
+        found nowhere, with no tombstone, was removed while no watcher ran: it gets its tombstone now."""
+        seen = set(job.run.get("after_seen") or ())
+        gone = [s.dep_id for s in states if not s.known and s.dep_id in seen]
+        for dep in gone:
+            record_removal(self.root.path, dep, "unknown", None, by="found gone when a watcher started")
+            self.deps.finished[dep] = REMOVED
+        fresh = [s.dep_id for s in states if s.known and s.dep_id not in seen]
+        if fresh:
+            job.run["after_seen"] = sorted(seen | set(fresh))
+            job.save(durable=False)
+        return [self.dependency_state(s.dep_id) if s.dep_id in gone else s for s in states]
+
     def dependency_state(self, dep: str) -> DepState:
         """Where dependency ``dep`` (a job id or a sweep id) stands now."""
         live = self.jobs.get(dep)
@@ -175,8 +190,7 @@ class Workflows:
             return DepState(dep, False, False, f"{dep} ({live.status})")
         status = self._finished_status(dep)
         if status is not None:
-            return DepState(dep, True, status == "done", f"{dep} ({status})",
-                            evidence=f"dependency {dep} ended {status}" + self._dep_reason(dep))
+            return DepState(dep, True, status == "done", f"{dep} ({status})", evidence=self._dep_evidence(dep, status))
         members = self.sweep_members(dep)
         if members:
             return self._sweep_state(dep, members)
@@ -195,6 +209,7 @@ class Workflows:
                                              f"{', '.join(open_)}{' ...' if len(states) - len(ended) > 3 else ''})")
 
     def _finished_status(self, dep: str) -> str | None:
+        """A dependency's final status: from done/ or failed/, else its tombstone (``removed``), else None."""
         cached = self.deps.finished.get(dep)
         if cached is not None:
             return cached
@@ -207,7 +222,17 @@ class Workflows:
                     status = "done"
                 self.deps.finished[dep] = status
                 return status
+        stone = read_tombstone(self.root.path, dep)
+        if stone is not None:
+            self.deps.finished[dep] = ended_status(stone)
+            return self.deps.finished[dep]
         return None
+
+    def _dep_evidence(self, dep: str, status: str) -> str:
+        stone = read_tombstone(self.root.path, dep) if status == REMOVED else None
+        if stone is not None:
+            return f"dependency {dep} was {removal_words(stone)}"
+        return f"dependency {dep} ended {status}" + self._dep_reason(dep)
 
     def _dep_reason(self, dep: str) -> str:
         path = self.root.job_dir(JobState.FAILED, dep)
@@ -220,8 +245,9 @@ class Workflows:
         members = self.deps.sweeps.get(sweep)
         if members:
             return members
-        for state in JobState:
-            run = read_json(JobPaths(self.root.job_dir(state, f"{sweep}-1")).run)
+        for state in (*JobState, None):
+            run = (read_json(JobPaths(self.root.job_dir(state, f"{sweep}-1")).run) if state is not None
+                   else read_tombstone(self.root.path, f"{sweep}-1"))  # its first job removed: its tombstone
             info = (run or {}).get("sweep") or {}
             if info.get("id") == sweep and isinstance(info.get("of"), int):
                 members = [f"{sweep}-{i}" for i in range(1, info["of"] + 1)]
