@@ -125,3 +125,15 @@ def test_a_writer_that_appends_line_by_line_makes_exactly_one_job(queue_dir, wat
     assert os.listdir(queue_dir / "failed") == [] and os.listdir(queue_dir / "done") == ["app"]
     run = _read(queue_dir / "done" / "app" / "run.json")
     assert run["name"] == "appended" and run["priority"] == 3
+
+
+@pytest.mark.parametrize("point", ["start-moved", "concluded"])
+def test_a_crash_while_starting_or_finishing_runs_the_job_exactly_once(queue_dir, watcher_process, tmp_path, point):
+    ledger = tmp_path / "ledger"
+    drop(queue_dir, "once.yaml", yaml.safe_dump({"approved": True, "command": ["sh", "-c", f"echo ran >> '{ledger}'"]}))
+    crashing = watcher_process(env={"TRAINQ_WATCHER_CRASH": f"{point}:once"})
+    assert crashing.proc.wait(timeout=60) == CRASH_EXIT_CODE
+    watcher_process()
+    wait_until(lambda: (queue_dir / "done" / "once").exists(), 30, what="the job done")
+    assert ledger.read_text() == "ran\n"
+    assert (_read(queue_dir / "done" / "once" / "run.json") or {}).get("status") == "done"

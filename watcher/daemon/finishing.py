@@ -58,6 +58,7 @@ class Finishing:
         if record is None or record.get("attempt") != job.attempt:
             return False
         self._conclude(job, judge_exit(job.run, record, job.paths, job.spec), record, now)
+        self.crashes.reached("concluded", job.id)
         return True
 
     def _finish_lost(self, job: Job, now: float) -> None:

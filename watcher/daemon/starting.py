@@ -188,6 +188,7 @@ class Starting:
         attempt = job.attempt + 1
         job.dir = self.folders.start(job.id)
         self.jobs.move(job, JobState.RUNNING)
+        self.crashes.reached("start-moved", job.id)
         paths = job.paths
         # resolved now, where the folder is: it moved since the checkpoint was written
         resume_from = resume_checkpoint(job) if job.run.get("resume_from") else None
