@@ -79,3 +79,14 @@ def test_a_removal_the_watcher_saw_is_remembered_after_a_restart(queue_dir, watc
     drop(queue_dir, "dep.yaml", "approved: true\ncommand: ['true']\n")  # the id taken again: no longer removed
     wait_until(lambda: (queue_dir / "done" / "dep").exists(), 20)
     assert not (queue_dir / ".removed" / "dep.json").exists()
+
+
+def test_a_dependency_cleaned_up_after_it_ended_done_still_counts_done(queue_dir, watcher_process):
+    (queue_dir / "watcher.yaml").write_text("rescan_s: 0.2\n")
+    watcher_process()
+    drop(queue_dir, "made.yaml", "approved: true\ncommand: ['true']\n")
+    wait_until(lambda: (queue_dir / "done" / "made").exists(), 20)
+    assert _cli(queue_dir, "clean", "--done").returncode == 0
+    assert _read(queue_dir / ".removed" / "made.json")["status"] == "done"
+    drop(queue_dir, "uses.yaml", "approved: true\ncommand: ['true']\nafter: [made]\n")
+    wait_until(lambda: (queue_dir / "done" / "uses").exists(), 20, what="the dependent of a cleaned done job")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write, read_json, remove_quietly, touch
-from trainq.watcher.spec.tombstones import record_removal
+from trainq.watcher.spec.tombstones import prune_tombstones, record_removal
 
 #: the states a job folder can be in, in the order a lookup tries them
 STATES = ("running", "pending", "failed", "done")
@@ -297,11 +297,15 @@ def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_
             if cutoff is not None and finished > cutoff:
                 continue
             if not dry_run:
+                record_removal(root, path.name, state, run.get("status") or state, by="trainq clean",
+                               sweep=run.get("sweep"))  # a dependent submitted later still sees how it ended
                 try:
                     remove_folder(path)
                 except FileNotFoundError:
                     continue
             removed.append(f"{state}/{path.name}")
+    if removed and not dry_run:
+        prune_tombstones(root)
     verb = "would remove" if dry_run else "removed"
     say(f"{root}: {verb} {len(removed)} finished job(s)" + (": " + ", ".join(removed) if removed else ""))
     return EXIT_OK

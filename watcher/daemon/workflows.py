@@ -172,14 +172,18 @@ class Workflows:
     def _remember_seen(self, job: Job, states: list[DepState]) -> list[DepState]:
         """Record in run.json (``after_seen``) each dependency seen in the queue; one seen before and now
         found nowhere, with no tombstone, was removed while no watcher ran: it gets its tombstone now."""
-        seen = set(job.run.get("after_seen") or ())
+        seen, seen_done = set(job.run.get("after_seen") or ()), set(job.run.get("after_seen_done") or ())
         gone = [s.dep_id for s in states if not s.known and s.dep_id in seen]
-        for dep in gone:
-            record_removal(self.root.path, dep, "unknown", None, by="found gone when a watcher started")
-            self.deps.finished[dep] = REMOVED
+        for dep in gone:  # one seen done and cleaned up since stays done
+            status = "done" if dep in seen_done else None
+            record_removal(self.root.path, dep, "done" if status else "unknown", status,
+                           by="found gone when a watcher started")
+            self.deps.finished[dep] = status or REMOVED
         fresh = [s.dep_id for s in states if s.known and s.dep_id not in seen]
-        if fresh:
+        fresh_done = [s.dep_id for s in states if s.ended and s.ok and s.dep_id not in seen_done]
+        if fresh or fresh_done:
             job.run["after_seen"] = sorted(seen | set(fresh))
+            job.run["after_seen_done"] = sorted(seen_done | set(fresh_done))
             job.save(durable=False)
         return [self.dependency_state(s.dep_id) if s.dep_id in gone else s for s in states]
 
