@@ -117,7 +117,7 @@ class Killer(threading.Thread):
 
     def run(self) -> None:
         self._ready()
-        while not self.halt.wait(self.rng.uniform(0.1, 1.5)):  # a random moment of a working watcher's life
+        while not self.halt.wait(self.rng.uniform(0.2, 5.0)):  # a random moment of a working watcher's life
             with self.lock:
                 self.watcher.kill()
                 self.kills += 1
