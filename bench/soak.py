@@ -47,7 +47,7 @@ class Plan:
     def __init__(self, total: int, rng: random.Random, work: Path):
         self.rng, self.work = rng, work
         self.ledger, self.hooks, self.gates = work / "ledger", work / "hooks", work / "gates"
-        self.gates.mkdir()
+        self.gates.mkdir(exist_ok=True)
         n = max(1, total // 20)  # 5% each of stops, retries, edits, removals; 10% sweeps, 10% chains
         self.stops = [f"stop-{i:04d}" for i in range(n)]
         self.retries = [f"retry-{i:04d}" for i in range(n)]
