@@ -120,7 +120,7 @@ def test_a_writer_that_appends_line_by_line_makes_exactly_one_job(queue_dir, wat
         with open(target, "a", encoding="utf-8") as f:
             f.write(line)
         time.sleep(0.1)  # shorter than settle_s: the writer is still at work
-    wait_until(lambda: (queue_dir / "done" / "app").exists(), 20, what="the appended job done")
+    wait_until(lambda: (queue_dir / "done" / "app").exists(), 60, what="the appended job done")
     wait_until(lambda: not target.exists(), 10)
     assert os.listdir(queue_dir / "failed") == [] and os.listdir(queue_dir / "done") == ["app"]
     run = _read(queue_dir / "done" / "app" / "run.json")
