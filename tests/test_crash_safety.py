@@ -111,7 +111,7 @@ def test_finished_at_is_the_exit_time_not_the_time_a_stopped_watcher_resumed(que
 
 def test_a_writer_that_appends_line_by_line_makes_exactly_one_job(queue_dir, watcher_process):
     """``>>`` per line, closing each time, small pauses: one job, not 33 rejected ones (the finding)."""
-    (queue_dir / "watcher.yaml").write_text("settle_s: 0.3\nrescan_s: 0.2\n")
+    (queue_dir / "watcher.yaml").write_text("settle_s: 2\nrescan_s: 0.2\n")  # pauses far below it, even at load 40
     wp = watcher_process()
     wait_until(lambda: (_read(queue_dir / "status.json") or {}).get("watcher", {}).get("pid") == wp.proc.pid, 20)
     lines = ["approved: true\n", "name: appended\n", "priority: 3\n", "command: [echo, hi]\n"]  # 60 bytes
@@ -119,7 +119,7 @@ def test_a_writer_that_appends_line_by_line_makes_exactly_one_job(queue_dir, wat
     for line in lines:
         with open(target, "a", encoding="utf-8") as f:
             f.write(line)
-        time.sleep(0.1)  # shorter than settle_s: the writer is still at work
+        time.sleep(0.1)  # far shorter than settle_s: the writer is still at work
     wait_until(lambda: (queue_dir / "done" / "app").exists(), 60, what="the appended job done")
     wait_until(lambda: not target.exists(), 10)
     assert os.listdir(queue_dir / "failed") == [] and os.listdir(queue_dir / "done") == ["app"]
