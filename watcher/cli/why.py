@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainq.watcher.daemon.admission import Holding, Limits, Request, gate_report
+from trainq.watcher.spec.tombstones import ended_status, read_tombstone, removal_words
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import JobState
@@ -225,7 +226,7 @@ def _dep_named(evidence: str) -> str:
 def _watcher_row(root: Path, now: float) -> tuple[str, str, str]:
     watcher = (read_json(root / "status.json") or {}).get("watcher") or {}
     beat = parse_iso(watcher.get("heartbeat_at"))
-    if beat is None or now - beat > STALE_HEARTBEAT_S or watcher.get("state") == "stopping":
+    if beat is None or now - beat > STALE_HEARTBEAT_S or watcher.get("state") in ("stopping", "stopped"):
         last = f"last heartbeat {_ago(now - beat)} ago" if beat else "no status.json"
         return ("watcher", _HOLD, f"no watcher is running on this queue ({last}); start one: trainq watch")
     return ("watcher", _PASS, f"pid {watcher.get('pid')} on {watcher.get('host')}, heartbeat {_ago(now - beat)} ago")
@@ -256,7 +257,11 @@ def _dependency(root: Path, dep: str) -> tuple[bool, bool, str]:
             if state in (JobState.PENDING, JobState.RUNNING):
                 return False, False, f"{dep} is {status} ({state.value}/{dep}); see trainq why {dep}"
             return True, state is JobState.DONE, f"{dep} ended {status}"
-    first = read_json(JobPaths(root / "pending" / f"{dep}-1").run) or {}
+    stone = read_tombstone(root, dep)
+    if stone is not None:  # its folder was removed (trainq rm, rm -rf): it counts as ended
+        status = ended_status(stone)
+        return True, status == "done", f"{dep} was {removal_words(stone)}: it counts as ended {status}"
+    first = read_json(JobPaths(root / "pending" / f"{dep}-1").run) or read_tombstone(root, f"{dep}-1") or {}
     for state in JobState:
         first = read_json(JobPaths(root / state.value / f"{dep}-1").run) or first
     info = first.get("sweep") or {}

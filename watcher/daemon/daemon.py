@@ -19,6 +19,7 @@ from trainq.watcher import __version__
 from trainq.watcher.spec.config import WatcherConfig, check_command_allowed
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.daemon.containment import ENV_WATCHER_FAULTS, Containment, Faults, is_disk_full
+from trainq.watcher.daemon.crashpoints import ENV_WATCHER_CRASH, CrashPoints
 from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFullHandling, take_reserve
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
@@ -66,6 +67,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         self.probe = ResourceProbe(simulate_gpus=config.simulate_gpus, env=self.env)
         self.jobs = JobIndex()
         self.faults = Faults.parse(self.env.get(ENV_WATCHER_FAULTS))  # a test switch (README, "Switches")
+        self.crashes = CrashPoints.parse(self.env.get(ENV_WATCHER_CRASH))  # a test switch (docs/reliability.md)
         self.disk_full = None  # a DiskFull while writes fail for lack of space (diskfull.py)
         self.report = Report(self.root, config, started_at=time.time())
         self.inbox: Inbox | None = None
@@ -117,7 +119,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             self.retire_concluded(time.time())
             self._save_started(time.time(), all_now=True)
         try:
-            self.write_status(time.time(), force=True, state="stopping")
+            self.write_status(time.time(), force=True, state="stopped")
         except Exception as exc:  # noqa: BLE001 - shutting down: say it, and still release everything below
             logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
@@ -175,6 +177,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
 
     def _next_wait_s(self) -> float:
         wait = min(self.config.rescan_s, self.config.status_s, DISK_FULL_RETRY_S)
+        held_back = self.inbox.next_due_s() if self.inbox is not None else None
+        if held_back is not None:
+            wait = min(wait, held_back)
         if self._count(JobState.RUNNING):
             wait = min(wait, RUNNING_POLL_S)
             save_in = self._next_started_save_s(time.time())
@@ -240,8 +245,18 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
                 self.start_pending(now)  # before retiring: the next job need not wait for the last one's writes
         finally:
             self.retire_concluded(now)
+        if self.deps_released and self.disk_full is None:
+            self._start_released(now)
         self.watch_running(now)
         self.keep_walls(now)
+
+    def _start_released(self, now: float) -> None:
+        """Dependents released by a job retired in this pass start in this same pass (a chain: one link a pass)."""
+        self.deps_released = False
+        try:
+            self.start_pending(now)
+        finally:
+            self.retire_concluded(now)
 
     def write_status(self, now: float, *, force: bool = False, state: str | None = None) -> None:
         """status.json and status.html; a full disk is noted, not raised."""
@@ -380,6 +395,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         result = self._validate(cand)
         if result is None or (isinstance(result, JobSpec) and (not result.approved or result.sweep)):
             return _Taken(result)  # a sweep is claimed on the loop's thread (workflows.py)
+        if isinstance(result, InvalidJobSpec) and self._maybe_unfinished(cand):
+            return _Taken(result, unfinished=True)  # read again once it stood still, before it is rejected
         if isinstance(result, InvalidJobSpec):
             run = new_run(None, order, now, name=_stem(printable_name(cand.name)))
             run.update(status="rejected", finished_at=iso_utc(now), errors=[p.to_dict() for p in result.problems],
@@ -408,15 +425,24 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             return None
         return spec
 
+    def _maybe_unfinished(self, cand) -> bool:
+        """Written less than settle_s ago and not renamed in: a writer may still be appending to it."""
+        return cand.name not in self.inbox.moved_in and not self.inbox.is_still(cand, time.time())
+
     def _admit_one(self, cand, taken: "_Taken", now: float) -> None:
         result = taken.result
         if taken.unclaimable:
             self._unclaimable[cand.name] = (cand.size, cand.mtime_ns, cand.ino)
         if result is None:
             return
-        if isinstance(result, InvalidJobSpec):
+        if taken.unfinished:
+            self.inbox.hold_back(cand)
+            logger.debug("inbox/%s: not valid yet, written a moment ago; read again once it stands still", cand.name)
+        elif isinstance(result, InvalidJobSpec):
             self._rejected(cand, taken, now)
         elif not result.approved:
+            if self._maybe_unfinished(cand):
+                self.inbox.hold_back(cand)  # lines may still be coming (approved: true among them)
             sig = (cand.size, cand.mtime_ns, cand.ino)
             self._awaiting[cand.name] = (sig, {"name": cand.name, "spec": result, "seen_at": now})
         elif result.sweep:
@@ -489,6 +515,7 @@ class _Taken:
     claimed: tuple[str, Path] | None = None  # (id, folder), None when the file vanished or was not claimed
     disk_full: OSError | None = None  # claiming it ran out of space (the file stays in the inbox)
     unclaimable: bool = False  # admitting it failed, and so did rejecting it
+    unfinished: bool = False  # invalid, but written a moment ago: held back until it stands still
 
 
 def _stem(file_name: str) -> str:

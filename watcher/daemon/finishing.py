@@ -62,6 +62,7 @@ class Finishing:
         if record is None or record.get("attempt") != job.attempt:
             return False
         self._conclude(job, judge_exit(job.run, record, job.paths, job.spec), record, now)
+        self.crashes.reached("concluded", job.id)
         return True
 
     def _finish_lost(self, job: Job, now: float) -> None:
@@ -107,7 +108,9 @@ class Finishing:
         if should_retry(job, outcome):
             self.guarded(job, "retry", self._requeue_for_retry, job, outcome, now)
             return
-        job.run.update(status=outcome.status, finished_at=iso_utc(now), waiting_for=None, gpus=[])
+        # the attempt's real end (its exit record), not when this watcher got to it (after a SIGSTOP, a crash)
+        job.run.update(status=outcome.status, finished_at=record.get("ended_at") or iso_utc(now), waiting_for=None,
+                       gpus=[])
         self.jobs.remove(job.id)
         self._concluded.append((job, outcome))
         self._plan_due = True
@@ -206,12 +209,18 @@ class Finishing:
         self._retire(job, now)
 
     def retry_finished(self, job_id: str, state: JobState, now: float) -> None:
-        """retry.flag: back to pending as a new attempt that resumes from the latest checkpoint."""
+        """retry.flag: back to pending as a new attempt that resumes from the latest checkpoint.
+
+        The flag is the durable request, so it goes last: run.json (pending) is written in failed/,
+        the folder moves to pending/, then the flag is removed. A crash before the move leaves the
+        flag in failed/ (the next watcher honours it again); after it, a pending job whose stray
+        flag recovery removes. The old stop.flag goes first: left behind, it would cancel the retry.
+        """
         paths = JobPaths(self.root.job_dir(state, job_id))
-        remove_quietly(paths.retry_flag)
         remove_quietly(paths.stop_flag)
         job = load_job(paths.dir, state)
         if job is None or job.run.get("status") == "rejected":
+            remove_quietly(paths.retry_flag)
             logger.warning("job %s: retry.flag ignored (%s)", job_id,
                            "rejected jobs cannot run; fix and resubmit the file" if job else "unreadable run.json")
             return
@@ -221,7 +230,11 @@ class Finishing:
         for key in ("stop_requested_by", "reason", "delivered"):
             job.run.pop(key, None)
         job.save()
+        self.crashes.reached("retry-saved", job_id)
         job.dir = self.folders.requeue(job_id, state)
+        self.crashes.reached("retry-moved", job_id)
+        remove_quietly(job.paths.retry_flag)
+        self.crashes.reached("retry-done", job_id)
         self.jobs.move(job, JobState.PENDING)
         self.jobs.add(job)
         self.report.unfinished(job_id, state)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,11 +256,13 @@ def load_job(job_dir: Path, state: JobState) -> Job | None:
     if run is None:
         return None
     try:
+        st = os.stat(paths.spec)  # before the read: a change in between shows as a change later, never hides
         spec = load_job_file(paths.spec, f"{state.value}/{job_dir.name}/job.yaml")
     except (InvalidJobSpec, OSError):
-        spec = None
+        st, spec = None, None
     run.setdefault("id", job_dir.name)
-    return Job(job_dir.name, state, job_dir, run, spec)
+    sig = (st.st_size, st.st_mtime_ns, st.st_ino) if st is not None and spec is not None else None
+    return Job(job_dir.name, state, job_dir, run, spec, spec_sig=sig)
 
 
 class JobIndex:

@@ -19,6 +19,7 @@ from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, remove_quietly, remove_stale_temps
 from trainq.watcher.daemon.jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
 from trainq.watcher.spec.jobspec import load_job_file
+from trainq.watcher.spec.tombstones import prune_tombstones
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import cgroups
 
@@ -57,6 +58,7 @@ def recover(watcher: "RecoveryHost") -> None:
     now = time.time()
     found = watcher.folders.load_ids()
     _unlink_claimed_inbox_names(watcher, found)
+    prune_tombstones(watcher.root.path)
     _remove_stale_temp_files(watcher, found)
     for job_id in found[JobState.PENDING]:
         watcher.guarded_id(job_id, JobState.PENDING, "recover", _recover_pending, watcher, job_id, now)
@@ -79,6 +81,7 @@ def _recover_pending(watcher: "RecoveryHost", job_id: str, now: float) -> None:
     path = watcher.root.job_dir(JobState.PENDING, job_id)
     paths = JobPaths(path)
     remove_stale_temps(path, (paths.run.name,))
+    remove_quietly(paths.retry_flag)  # a retry interrupted after its move (finishing.py): it is done
     if not paths.spec.exists() and not paths.spec.is_symlink():
         _remove_abandoned_claim(paths)
         watcher.folders.forget(job_id)

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from trainq.watcher.daemon.admission import Holding, Limits, Request, plan
@@ -27,6 +28,7 @@ from trainq.watcher.spec.folders import JobState
 from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
 from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
 from trainq.watcher.daemon.records import gpu_facts, snapshot_request
+from trainq.watcher.daemon.pending_edits import ready_to_start
 from trainq.watcher.supervisor import LaunchSpec
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.ranks import default_gpus
@@ -184,9 +186,12 @@ class Starting:
         if job.paths.stop_flag.exists():  # stopped after the last flag scan (a retry's requeue clears its old flag)
             self.cancel_pending(job, now)
             return
+        if not ready_to_start(self, job, time.time()):
+            return  # job.yaml changed since it was read: re-read, planned again with the new values
         attempt = job.attempt + 1
         job.dir = self.folders.start(job.id)
         self.jobs.move(job, JobState.RUNNING)
+        self.crashes.reached("start-moved", job.id)
         paths = job.paths
         # resolved now, where the folder is: it moved since the checkpoint was written
         resume_from = resume_checkpoint(job) if job.run.get("resume_from") else None

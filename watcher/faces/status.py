@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from trainq.watcher.spec.fsutil import atomic_write, read_json
+from trainq.watcher.faces.bounds import bounded_entry
 from trainq.watcher.faces.html import CurveStore, render_html
 
 logger = logging.getLogger(__name__)
@@ -218,9 +219,11 @@ class StatusWriter:
         self._html_dirty = True
 
     def _bounded(self, snapshot: StatusSnapshot) -> StatusSnapshot:
-        if not _has_excess(snapshot.jobs, self.keep_finished):
-            return snapshot
-        jobs = select_jobs(snapshot.jobs, keep_finished=self.keep_finished)
+        """The listed jobs bounded in number (CONTRACT section 5) and each entry in size (bounds.py)."""
+        jobs = snapshot.jobs
+        if _has_excess(jobs, self.keep_finished):
+            jobs = select_jobs(jobs, keep_finished=self.keep_finished)
+        jobs = tuple(bounded_entry(job) for job in jobs)
         return StatusSnapshot(snapshot.watcher, snapshot.counts, jobs, snapshot.resources, snapshot.ignored)
 
     def _maybe_write_html(self, now: float) -> None:
