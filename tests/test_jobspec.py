@@ -488,7 +488,7 @@ def test_job_schema_lists_every_jobspec_field() -> None:
     schema = json.loads((SCHEMAS_DIR / JOB_SCHEMA).read_text())
     assert set(schema["properties"]) == {"approved", "name", "priority", "command", "train", "cwd", "env", "resources",
                                          "timeout", "stop_grace", "stall_after", "retries", "resume_args", "slurm",
-                                         "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint"}
+                                         "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint", "pool"}
 
 
 def test_missing_referenced_schema_is_a_problem_not_a_crash(tmp_path: Path) -> None:

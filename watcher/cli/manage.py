@@ -265,16 +265,44 @@ def request_stop(job_dir: Path, now: bool = False) -> Path:
 
 
 # -- pause / resume ---------------------------------------------------------------------------------------
-def pause(root: Path) -> int:
+def pause(root: Path, pool: str | None = None) -> int:
+    if pool is not None:
+        return _pause_pool(root, pool)
     touch(root / "pause.flag")
     say(f"{root}: paused (pause.flag): no new job starts; running jobs go on. `trainq resume` undoes it"
         + ("" if watcher_alive(root) else f"; {watcher_words(root)}"))
     return EXIT_OK
 
 
-def resume(root: Path) -> int:
+def resume(root: Path, pool: str | None = None) -> int:
+    if pool is not None:
+        from trainq.watcher.spec.pools import pool_pause_flag
+
+        flag = pool_pause_flag(root, _pool_name(pool))
+        was = remove_quietly(flag)
+        say(f"{root}: pool {pool} {'resumed (' + flag.name + ' removed)' if was else 'was not paused'}")
+        return EXIT_OK
     was = remove_quietly(root / "pause.flag")
     say(f"{root}: {'resumed (pause.flag removed)' if was else 'was not paused'}")
+    return EXIT_OK
+
+
+def _pool_name(pool: str) -> str:
+    from trainq.watcher.spec.pools import POOL_NAME
+
+    if not POOL_NAME.match(pool):
+        raise UsageError(f"--pool {pool!r}: a pool name is 1-64 letters, digits, '_' or '-'")
+    return pool
+
+
+def _pause_pool(root: Path, pool: str) -> int:
+    """``pause --pool P``: ROOT/pause.P.flag; only that pool's jobs wait (running ones go on)."""
+    from trainq.watcher.spec.pools import pool_pause_flag
+
+    flag = pool_pause_flag(root, _pool_name(pool))
+    touch(flag)
+    say(f"{root}: pool {pool} paused ({flag.name}): none of its jobs starts; running ones go on. "
+        f"`trainq resume --pool {pool}` undoes it" + ("" if watcher_alive(root) else f"; {watcher_words(root)}"))
     return EXIT_OK
 
 

@@ -21,6 +21,7 @@ from trainq.watcher.daemon.containment import ENV_WATCHER_FAULTS, Containment, F
 from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFullHandling, take_reserve
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
+from trainq.watcher.spec.pools import paused_pools, unknown_pool_words
 from trainq.watcher.spec.fsutil import drain, remove_quietly
 from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
 from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
@@ -65,6 +66,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         self.report = Report(self.root, config, started_at=time.time())
         self.inbox: Inbox | None = None
         self.paused = False
+        self.paused_pools: set[str] = set()  # pause.POOL.flag at the root (CONTRACT section 14)
         self.stopping = False
         self._awaiting: dict[str, tuple[tuple, dict]] = {}
         self._unclaimable: dict[str, tuple] = {}
@@ -282,6 +284,12 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             self.paused = paused
             self._plan_due = True
             self.report.touch()
+        pools = paused_pools(self.root.path)
+        if pools != self.paused_pools:
+            logger.info("watcher %d: paused pools: %s", os.getpid(), ", ".join(sorted(pools)) or "none")
+            self.paused_pools = pools
+            self._plan_due = True
+            self.report.touch()
 
     # -- the inbox ---------------------------------------------------------------------------
     def admit_inbox(self, now: float) -> None:
@@ -390,6 +398,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         try:
             spec = load_job_file(cand.path, display)
             self._check_allowed(spec, display, cand.name)
+            self._check_pool(spec, display)
         except InvalidJobSpec as exc:
             return exc
         except FileNotFoundError:
@@ -421,6 +430,12 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         problem = check_command_allowed(spec, self.config, values, self.env.get("PATH", ""))
         if problem is not None:
             raise InvalidJobSpec(display, [problem])
+
+    def _check_pool(self, spec: JobSpec, display: str) -> None:
+        """A job's pool must be one watcher.yaml names (or the default pool)."""
+        words = unknown_pool_words(spec.pool, self.config.pool_limits())
+        if words is not None:
+            raise InvalidJobSpec(display, [Problem("pool", words + "; fix pool: or add it to watcher.yaml")])
 
     def _next_order(self) -> int:
         self._order_last = max(self._order_last + 1, time.time_ns())

@@ -237,6 +237,7 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
         "error": run.get("error"),
         "diagnosis": run.get("diagnosis"),
         "gpus": list(run.get("gpus") or []),
+        "pool": job.spec.pool if job.spec is not None else None,
     }
     if readers is not None and readers.metrics.bad_lines:
         entry["metrics_bad_lines"] = readers.metrics.bad_lines

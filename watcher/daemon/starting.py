@@ -60,9 +60,10 @@ class Starting:
         if not (self._plan_due or unchecked or full):
             return
         running = self._jobs_in(JobState.RUNNING)
-        depth = PLAN_HEAD + 2 * self.config.max_concurrent
+        slots = sum(self.config.pool_limits().values())
+        depth = PLAN_HEAD + 2 * slots
         if not full:
-            depth = min(depth, max(0, self.config.max_concurrent - len(running)) + PLAN_MARGIN)
+            depth = min(depth, max(0, slots - len(running)) + PLAN_MARGIN)
         else:
             self._last_plan = now
         self._plan_due = False
@@ -120,6 +121,8 @@ class Starting:
             min_free_ram_gb=self.config.min_free_ram_gb,
             min_free_disk_gb=self.config.min_free_disk_gb,
             paused=self.paused,
+            pools=self.config.pool_limits() if self.config.pools else None,
+            paused_pools=frozenset(self.paused_pools),
         )
 
     def _reject_unsatisfiable(self, jobs: list[Job], holdings, machine, limits: Limits, now: float) -> None:
@@ -145,11 +148,11 @@ class Starting:
         if getattr(self.executor, "places_resources", False):
             # Slurm places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
             return Request(job_id=job.id, priority=job.priority, order=job.order, gpus=0, disk_gb=res.disk_gb,
-                           allow_battery=True, disk_path=self._disk_path(job))
+                           allow_battery=True, disk_path=self._disk_path(job), pool=job.spec.pool)
         return Request(
             job_id=job.id, priority=job.priority, order=job.order, gpus=res.gpus,
             gpu_memory_gb=res.gpu_memory_gb, ram_gb=res.ram_gb, disk_gb=res.disk_gb,
-            allow_battery=res.allow_battery, disk_path=self._disk_path(job),
+            allow_battery=res.allow_battery, disk_path=self._disk_path(job), pool=job.spec.pool,
         )
 
     def _holding(self, job: Job) -> Holding:
@@ -157,7 +160,8 @@ class Starting:
         rss_gb = ((job.usage or {}).get("rss_mb") or 0.0) / 1024
         return Holding(job_id=job.id, gpus=tuple(job.run.get("gpus") or ()),
                        ram_gb=res.ram_gb if res else 0.0, disk_gb=res.disk_gb if res else 0.0, rss_gb=rss_gb,
-                       pids=job.pids, disk_path=self._disk_path(job))
+                       pids=job.pids, disk_path=self._disk_path(job),
+                       pool=job.spec.pool if job.spec else "default")
 
     def _disk_path(self, job: Job) -> Path:
         cwd = job.spec.cwd if job.spec else None

@@ -60,6 +60,11 @@ class WatcherConfig:
     simulate_gpus: Path | None = None
     kill_after_s: float = 5.0
     env_passthrough: tuple[str, ...] | None = None
+    pools: dict = field(default_factory=dict)  # pool name -> max_concurrent (CONTRACT section 14)
+
+    def pool_limits(self) -> dict[str, int]:
+        """Every pool's max_concurrent: ``default`` is max_concurrent unless pools: names it."""
+        return {"default": self.max_concurrent, **self.pools}
 
     @classmethod
     def from_dict(cls, data: Mapping, root: Path | None = None, display: str = WATCHER_FILE) -> WatcherConfig:
@@ -88,6 +93,8 @@ class WatcherConfig:
             out["simulate_gpus"] = str(self.simulate_gpus)
         if self.env_passthrough is not None:
             out["env_passthrough"] = list(self.env_passthrough)
+        if self.pools:
+            out["pools"] = {name: {"max_concurrent": n} for name, n in self.pools.items()}
         return out
 
 
@@ -134,6 +141,7 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
         executor=data.get("executor", defaults.executor),
         slurm=slurm,
         simulate_gpus=_resolve(data.get("simulate_gpus"), root),
+        pools={name: int(p["max_concurrent"]) for name, p in (data.get("pools") or {}).items()},
         **{key: parse_duration_s(data.get(key, getattr(defaults, key))) for key in _DURATIONS},
     )
 

@@ -39,6 +39,8 @@ DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "t
 DEFAULT_STOP_GRACE_S = 120.0
 #: seconds a failed job waits before its retry
 DEFAULT_BACKOFF_S = 30.0
+#: the pool of a job without pool: (limited by watcher.yaml max_concurrent unless pools: names it)
+DEFAULT_POOL = "default"
 JOB_SCHEMA = "job.schema.json"
 #: most lines plus commas a job file (or watcher.yaml) may have: real ones have tens; it bounds the parse time
 MAX_VALUES = 20_000
@@ -169,6 +171,7 @@ class JobSpec:
     sweep: dict | None = None
     fork_of: str | None = None
     from_checkpoint: str | None = None
+    pool: str = "default"  # watcher.yaml pools: (CONTRACT section 14)
 
     @classmethod
     def from_dict(cls, data: dict, display: str = "<job>") -> JobSpec:
@@ -188,6 +191,8 @@ class JobSpec:
             out["command"] = list(self.command)
         if self.resume_args is not None:
             out["resume_args"] = list(self.resume_args)
+        if self.pool != DEFAULT_POOL:
+            out["pool"] = self.pool
         out.update(priority=self.priority, env=dict(self.env), resources=self.resources.to_dict(),
                    stop_grace=self.stop_grace_s, retries=self.retries.to_dict())
         return out
@@ -263,6 +268,7 @@ def _build(data: dict) -> JobSpec:
         retries=Retries.from_dict(data.get("retries", {})),
         resume_args=None if resume_args is None else tuple(_argv_item(a) for a in resume_args),
         slurm=data.get("slurm"),
+        pool=data.get("pool", DEFAULT_POOL),
         raw=data,
         **_workflow_fields(data),
     )
