@@ -17,6 +17,7 @@ from pathlib import Path
 from trainq.watcher.spec.text import PrintableFormatter
 
 from trainq.watcher.cli.manage_commands import add_commands, add_global_options, enable_completion, run_trainer_command
+from trainq.watcher.cli.submit_command import add_command_options, split_submit_command
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.cli.locate import BadUserConfig, RootNotFound, locate_root
 from trainq.watcher.cli.manage import UsageError
@@ -31,12 +32,15 @@ logger = logging.getLogger("trainq.watcher")
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``trainq`` console script and ``python -m trainq.watcher``."""
-    passed = run_trainer_command(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passed = run_trainer_command(argv)
     if passed is not None:
         return passed
     parser = _parser()
     enable_completion(parser)
+    argv, command_argv = split_submit_command(argv)
     args = parser.parse_args(argv)
+    args.command_argv = command_argv
     if not getattr(args, "func", None):
         _parser().print_help()
         return EXIT_INVALID
@@ -80,8 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("submit", help="validate a job file and drop a copy into the inbox atomically")
-    p.add_argument("file", metavar="FILE")
+    p = sub.add_parser("submit", help="validate a job file and drop a copy into the inbox atomically; "
+                       "or `submit [OPTIONS] -- CMD ARGS...`: a command job written for you",
+                       usage="trainq submit FILE [--approve] [--debug]\n"
+                             "       trainq submit [--name N] [--priority P] [--after ID] [--gpus G] [--ram 8G] "
+                             "[--timeout 2h] [--pool P] -- CMD ARGS...")
+    p.add_argument("file", metavar="FILE", nargs="?")
+    add_command_options(p)
     p.add_argument("--approve", action="store_true", help="submit it with approved: true")
     p.add_argument("--debug", action="store_true",
                    help="submit a train job with debug: true added (a short smoke run before the real one)")
@@ -98,31 +107,48 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("logs", help="print a job's output.log")
-    p.add_argument("id")
+    _id_argument(p)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job finishes")
+    p.add_argument("-n", "--tail", type=int, metavar="N", help="start with the last N lines only")
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("stop", help="stop a job, or every job of a sweep (touches their stop.flag)")
-    p.add_argument("id", help="a job id, or a sweep id for all of its pending and running jobs")
+    _id_argument(p, help="a job id (or name), or a sweep id for all of its pending and running jobs")
     p.add_argument("--now", action="store_true", help="skip the job's stop_grace (stop.flag holds `now`)")
     p.set_defaults(func=cmd_stop)
 
     p = sub.add_parser("retry", help="run a failed job again, resuming from its latest checkpoint (touches retry.flag)")
-    p.add_argument("id")
+    _id_argument(p)
     p.set_defaults(func=cmd_retry)
 
     p = sub.add_parser("why", help="say where a job is and why: every gate that holds it, or how it failed")
-    p.add_argument("id")
+    _id_argument(p)
     p.set_defaults(func=cmd_why)
 
     p = sub.add_parser("fork", help="write a new job file into the inbox: ID's job.yaml with changes and fork_of: ID")
-    p.add_argument("id")
+    _id_argument(p)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a field (train.lr=2e-4)")
     p.add_argument("--from-checkpoint", action="store_true", help="start from ID's latest checkpoint (command jobs)")
     p.set_defaults(func=cmd_fork)
+    p = sub.add_parser("history", help="every finished job (history.jsonl, kept by the watcher), oldest first")
+    p.add_argument("--state", metavar="S[,S]", help="only these: done, failed, cancelled, timeout, rejected")
+    p.add_argument("--since", metavar="T", help="only jobs finished since T: an ISO date/time or an age (12h, 7d)")
+    p.add_argument("--kind", metavar="K", help="only this job type (train, command) or diagnosis kind (oom, nan, ...)")
+    p.add_argument("--sweep", metavar="ID", help="only the jobs of this sweep")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", dest="fmt", action="store_const", const="json", help="a JSON list of records")
+    fmt.add_argument("--csv", dest="fmt", action="store_const", const="csv", help="CSV with a header line")
+    p.set_defaults(func=cmd_history, fmt="table")
     add_commands(sub, _root)
     add_global_options(parser, sub)
     return parser
+
+
+def _id_argument(p: argparse.ArgumentParser, help: str = "a job id (or a job's name, when one job has it)") -> None:
+    """The ID argument of a command, with shell completion of the ids in the queue."""
+    from trainq.watcher.cli.manage_commands import job_ids
+
+    p.add_argument("id", metavar="ID", help=help).completer = job_ids  # type: ignore[attr-defined]
 
 
 def _root(args: argparse.Namespace, must_exist: bool = True) -> Path:
@@ -265,6 +291,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from trainq.watcher.spec.jobspec import parse_job_text
     from trainq.watcher.cli.submit import approve_text, debug_text, inbox_name, read_job_text
 
+    if args.command_argv is not None or args.file is None:
+        from trainq.watcher.cli.submit_command import submit_command
+
+        return submit_command(args, _root(args))
+    given = [o for o, v in (("--name", args.name), ("--priority", args.priority), ("--after", args.after),
+                            ("--gpus", args.gpus), ("--ram", args.ram), ("--timeout", args.timeout),
+                            ("--pool", args.pool)) if v not in (None, [])]
+    if given:
+        return _fail(f"submit {args.file}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
+                     "`trainq submit [OPTIONS] -- CMD ARGS...`; set these fields in the job file instead", EXIT_INVALID)
     source = Path(args.file)
     try:
         text = read_job_text(source)
@@ -319,12 +355,39 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if not args.follow:
             return EXIT_OK
     offset = 0
+    if args.tail is not None:
+        offset = tail_offset(JobPaths(found.path).log, max(0, args.tail))
     while True:
         found = find_job(root, args.id) or found
         offset = _print_from(JobPaths(found.path).log, offset)
         if not args.follow or found.state in ("done", "failed"):
             return EXIT_OK
         time.sleep(0.5)
+
+
+def tail_offset(path: Path, lines: int, block: int = 65536) -> int:
+    """The byte offset where the last ``lines`` lines of ``path`` begin (read backwards, block by block)."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            pos, seen = end, 0
+            if lines == 0:
+                return end
+            while pos > 0:
+                step = min(block, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step)
+                if pos + step == end and data.endswith(b"\n"):
+                    data = data[:-1]  # the last line's own newline does not start another line
+                i = len(data)
+                while (i := data.rfind(b"\n", 0, i)) >= 0:
+                    seen += 1
+                    if seen == lines:
+                        return pos + i + 1
+            return 0
+    except FileNotFoundError:
+        return 0
 
 
 def _print_from(path: Path, offset: int) -> int:
@@ -454,3 +517,9 @@ def cmd_fork(args: argparse.Namespace) -> int:
     target = write_fork(root / "inbox", args.id, data)
     print(f"{target}: fork of {args.id} submitted{'' if data.get('approved') is True else ' (awaiting approval)'}")
     return EXIT_OK
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from trainq.watcher.cli.history import history
+
+    return history(_root(args), args.state, args.since, args.kind, args.sweep, args.fmt)

@@ -307,15 +307,27 @@ def _pause_pool(root: Path, pool: str) -> int:
 
 
 # -- clean -------------------------------------------------------------------------------------------------
-def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_run: bool = False) -> int:
-    """Remove finished job folders (done/ and failed/ unless one is named), optionally only old ones."""
+def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_run: bool = False,
+          ids: list[str] | None = None) -> int:
+    """Remove finished job folders (done/ and failed/ unless one is named; only ``ids`` when given),
+    optionally only old ones. A named job that has not finished is refused and nothing is removed."""
     from trainq.watcher.spec.units import parse_iso
 
     states = [s for s, wanted in (("done", done), ("failed", failed)) if wanted] or list(FINISHED)
     cutoff = None if older_than_s is None else time.time() - older_than_s
+    named = None
+    if ids:
+        found = [require_job(root, job_id) for job_id in ids]
+        unfinished = [f for f in found if f.state not in FINISHED]
+        if unfinished:
+            raise UsageError(f"job {unfinished[0].id} is in {unfinished[0].state}/: clean removes finished jobs only "
+                             f"(`trainq rm {unfinished[0].id}` stops and removes it); nothing removed")
+        named = {f.path for f in found}
     removed = []
     for state in states:
         for path in sorted(_job_dirs(root / state)):
+            if named is not None and path not in named:
+                continue
             run = read_json(JobPaths(path).run) or {}
             finished = parse_iso(run.get("finished_at")) or _mtime(path)
             if cutoff is not None and finished > cutoff:

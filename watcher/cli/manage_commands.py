@@ -124,12 +124,14 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p.add_argument("--pool", metavar="P", help="resume only pool P (removes pause.P.flag)")
     p.set_defaults(func=bind(lambda a: manage.resume(root_of(a), a.pool)))
 
-    p = sub.add_parser("clean", help="remove finished job folders (done/ and failed/, or those named)")
+    p = sub.add_parser("clean", help="remove finished job folders (done/ and failed/, or only the ids named)")
+    _ids(p, "*", help="only these finished jobs (default: every finished job that matches the options)")
     p.add_argument("--done", action="store_true", help="only done/")
     p.add_argument("--failed", action="store_true", help="only failed/ (failed, cancelled, timeout, rejected)")
     p.add_argument("--older-than", metavar="AGE", help="only jobs finished longer ago than AGE (90s, 12h, 7d)")
     p.add_argument("-n", "--dry-run", action="store_true", help="list what would go; remove nothing")
-    p.set_defaults(func=bind(lambda a: manage.clean(root_of(a), a.done, a.failed, _age_s(a.older_than), a.dry_run)))
+    p.set_defaults(func=bind(lambda a: manage.clean(root_of(a), a.done, a.failed, _age_s(a.older_than), a.dry_run,
+                                                    ids=a.ids)))
 
     p = sub.add_parser("wait", help="wait until jobs finish; exit with the first failed job's exit status")
     _ids(p, "+")

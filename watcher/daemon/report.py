@@ -6,6 +6,7 @@ The daemon feeds events in (a job finished, the inbox changed); ``write`` builds
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections import OrderedDict
@@ -21,12 +22,15 @@ from trainq.watcher.daemon.admission import resources_dict
 from trainq.watcher.faces.html import CurveStore
 from trainq.watcher.faces.status import StatusSnapshot, StatusWriter, job_entry
 from trainq.watcher.faces.sweepview import workflow_entry
+from trainq.watcher.spec.history import HISTORY_FILE, append_record, record_of
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
     from trainq.watcher.spec.config import WatcherConfig
     from trainq.watcher.daemon.daemon import Watcher
     from trainq.watcher.daemon.jobs import Job
+
+logger = logging.getLogger(__name__)
 
 #: most awaiting/pending entries listed in status.json (CONTRACT section 5)
 MAX_LISTED = 50
@@ -98,6 +102,7 @@ class Report:
         """A job reached done/ or failed/ (``count``: it was not on disk at the last recount)."""
         if count:
             self.counts[job.state.value] += 1
+            self._record_history(job)
         entry = _entry(job, self.root)
         entry["progress"] = final_progress(entry.get("progress"), job)
         self.recent[job.id] = entry
@@ -105,6 +110,16 @@ class Report:
         while len(self.recent) > self.config.keep_finished:
             self.recent.popitem(last=False)
         self.dirty = True
+
+    def _record_history(self, job: "Job") -> None:
+        """One line in history.jsonl for ``trainq history``; a write that fails costs that line, not the job."""
+        spec = job.spec
+        record = record_of(job.id, job.state.value, job.run, None if spec is None else spec.is_train,
+                           spec.pool if spec is not None else None)
+        try:
+            append_record(self.root.path, record)
+        except OSError as exc:
+            logger.warning("job %s: could not add it to %s (%s)", job.id, HISTORY_FILE, exc.strerror)
 
     def unfinished(self, job_id: str, state: JobState) -> None:
         self.counts[state.value] = max(0, self.counts[state.value] - 1)
