@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except BrokenPipeError:
         return EXIT_OK
-    except (RootNotFound, BadUserConfig) as exc:
+    except (RootNotFound, BadUserConfig, UsageError) as exc:  # UsageError: e.g. a name several jobs carry
         return _fail(str(exc), EXIT_INVALID)
 
 
@@ -477,13 +477,13 @@ def _flag(args: argparse.Namespace, states: tuple[str, ...], act: Callable[[Path
     if found is None:
         return _fail(no_such_job(root, args.id), EXIT_INVALID)
     if found.state not in states:
-        return _fail(f"job {args.id} is in {found.state}/; this works only for jobs in "
+        return _fail(f"job {found.id} is in {found.state}/; this works only for jobs in "
                      f"{' or '.join(s + '/' for s in states)}", EXIT_INVALID)
     try:
         flag_path = act(found.path)
     except UsageError as exc:
         return _fail(str(exc), EXIT_INVALID)
-    print(f"job {args.id}: {what} ({found.state}/{args.id}/{flag_path.name})")
+    print(f"job {found.id}: {what} ({found.state}/{found.id}/{flag_path.name})")
     return EXIT_OK
 
 
@@ -492,7 +492,12 @@ def cmd_why(args: argparse.Namespace) -> int:
 
     from trainq.watcher.spec.text import printable
 
-    lines = explain(_root(args), args.id)
+    from trainq.watcher.cli.names import AmbiguousName
+
+    try:
+        lines = explain(_root(args), args.id)
+    except AmbiguousName as exc:
+        return _fail(str(exc), EXIT_INVALID)
     if lines is None:
         return _fail(f"{_root(args)}: no job with id {args.id!r} (not in inbox/, pending/, running/, done/ or failed/)",
                      EXIT_INVALID)
@@ -502,20 +507,25 @@ def cmd_why(args: argparse.Namespace) -> int:
 
 def cmd_fork(args: argparse.Namespace) -> int:
     from trainq.watcher.spec.errors import InvalidJobSpec
-    from trainq.watcher.cli.fork import find_job_dir, fork_data, write_fork
+    from trainq.watcher.cli.fork import find_job_dir, fork_data, fork_words, write_fork
 
-    root = _root(args)
-    job_dir = find_job_dir(root, args.id)
+    from trainq.watcher.cli.names import AmbiguousName
+
+    root = _root(args).resolve()  # every path the fork carries is absolute, whatever --root was
+    try:
+        job_dir = find_job_dir(root, args.id)
+    except AmbiguousName as exc:
+        return _fail(str(exc), EXIT_INVALID)
     if job_dir is None:
         return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
     try:
-        data = fork_data(job_dir, args.id, args.set, args.from_checkpoint)
+        data = fork_data(job_dir, job_dir.name, args.set, args.from_checkpoint)
     except InvalidJobSpec as exc:
         for line in exc.lines():
             print(line, file=sys.stderr)
         return EXIT_INVALID
-    target = write_fork(root / "inbox", args.id, data)
-    print(f"{target}: fork of {args.id} submitted{'' if data.get('approved') is True else ' (awaiting approval)'}")
+    target = write_fork(root / "inbox", job_dir.name, data)
+    print(fork_words(root, target, job_dir.name, data))
     return EXIT_OK
 
 

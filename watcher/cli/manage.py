@@ -57,15 +57,23 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-def find_job(root: Path, job_id: str) -> Found | None:
-    """Where the job ``job_id`` is now, or None."""
+def find_job(root: Path, job_id: str, by_name: bool = True) -> Found | None:
+    """Where the job ``job_id`` is now, or None; a word that is no id may be a job's name (names.py)."""
     if not job_id or job_id.startswith(".") or "/" in job_id or job_id in ("..",):
         return None
     for state in STATES:
         path = root / state / job_id
         if path.is_dir():
             return Found(state, path)
-    return None
+    if not by_name or inbox_file_for(root, job_id) is not None:
+        return None
+    from trainq.watcher.cli.names import AmbiguousName, id_for_name
+
+    try:
+        named = id_for_name(root, job_id)
+    except AmbiguousName as exc:
+        raise UsageError(str(exc)) from None
+    return find_job(root, named, by_name=False) if named else None
 
 
 def require_job(root: Path, job_id: str) -> Found:
@@ -100,10 +108,10 @@ def wait_for_claim(root: Path, job_id: str, timeout_s: float = 10.0) -> Found | 
         if waiting is None or awaiting_entry(root, waiting) is not None or time.monotonic() > deadline:
             break
         time.sleep(POLL_S)
-        found = find_job(root, job_id)
+        found = find_job(root, job_id, by_name=False)
         if found is not None:
             return found
-    return find_job(root, job_id)
+    return find_job(root, job_id, by_name=False)
 
 
 def claimed_id(root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, int] | None = None,
@@ -117,7 +125,7 @@ def claimed_id(root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, 
         if not inbox_file.exists():
             job_id = _job_with_inode(root, base, ino)
             if job_id is not None:
-                found = find_job(root, job_id)
+                found = find_job(root, job_id, by_name=False)
                 rejected = found is not None and found.run.get("status") == "rejected"
                 return f"job {job_id}" + (f" (rejected: {found.run.get('error')})" if rejected else "")
             # a sweep file becomes new files ID-1 … ID-N, none with our inode: a sweep not there before is ours
@@ -157,7 +165,7 @@ def _job_with_inode(root: Path, base: str, ino: int) -> str | None:
 
     for n in range(1, 1000):
         job_id = base if n == 1 else _with_suffix(base, n)
-        found = find_job(root, job_id)
+        found = find_job(root, job_id, by_name=False)
         if found is None:
             if n > 1 and not any((root / s / job_id).exists() for s in STATES):
                 return None
@@ -244,7 +252,7 @@ def _stop_and_wait(root: Path, found: Found, now: bool, timeout_s: float | None)
     say(f"job {found.id}: stopping{' now' if now else ' (stop.flag; the job has its stop_grace to checkpoint)'}…")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        current = find_job(root, found.id)
+        current = find_job(root, found.id, by_name=False)
         if current is None:
             raise UsageError(f"job {found.id}: its folder vanished while stopping")
         if current.state in FINISHED:
@@ -360,16 +368,20 @@ def _mtime(path: Path) -> float:
 # -- wait ------------------------------------------------------------------------------------------------
 def wait(root: Path, ids: list[str], timeout_s: float | None = None, quiet: bool = False) -> int:
     """Wait until every job has finished; the exit status is the first non-zero job's (0 when all are done)."""
+    named = []
     for job_id in ids:
-        if find_job(root, job_id) is None and inbox_file_for(root, job_id) is None:
+        found = find_job(root, job_id)
+        if found is None and inbox_file_for(root, job_id) is None:
             raise UsageError(f"{root}: no job with id {job_id!r}")
+        named.append(found.id if found is not None else job_id)  # a name: its id from here on
+    ids = named
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     codes: dict[str, int] = {}
     while len(codes) < len(ids):
         for job_id in ids:
             if job_id in codes:
                 continue
-            found = find_job(root, job_id)
+            found = find_job(root, job_id, by_name=False)
             if found is not None and found.state in FINISHED and found.run.get("status") not in (None, "running", "stopping"):
                 codes[job_id] = job_exit_status(found)
                 if not quiet:
@@ -388,6 +400,8 @@ def job_exit_status(found: Found) -> int:
     run = found.run
     if found.state == "done" and run.get("status") == "done":
         return EXIT_OK
+    if run.get("status") in ("cancelled", "rejected"):
+        return EXIT_ERROR  # stopped on purpose, or never ran: the SIGTERM of a stop is no exit status of the job's
     attempts = run.get("attempts") or []
     last = attempts[-1] if attempts else {}
     if last.get("exit_code"):

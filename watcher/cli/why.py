@@ -51,7 +51,10 @@ def find(root: Path, job_id: str) -> Found | None:
         path = root / "inbox" / f"{job_id}{suffix}"
         if path.is_file():
             return Found(job_id, "inbox", path, {}, _spec(path))
-    return None
+    from trainq.watcher.cli.names import id_for_name
+
+    named = id_for_name(root, job_id)  # AmbiguousName when several jobs carry it
+    return find(root, named) if named and named != job_id else None
 
 
 def _spec(path: Path) -> JobSpec | None:

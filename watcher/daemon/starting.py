@@ -192,7 +192,8 @@ class Starting:
         # resolved now, where the folder is: it moved since the checkpoint was written
         resume_from = resume_checkpoint(job) if job.run.get("resume_from") else None
         if attempt == 1 and job.spec.from_checkpoint and not job.spec.is_train:
-            resume_from = job.spec.from_checkpoint  # a fork started from its parent's checkpoint (CONTRACT section 9)
+            # a fork started from its parent's checkpoint (CONTRACT section 9); a relative path is the job folder's
+            resume_from = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
         values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
                   **self.after_values(job)}
         problem = command_problem(job.spec, self.config.allow_commands, values, self.env.get("PATH", ""))
@@ -306,7 +307,8 @@ class Starting:
         if resume_from:
             env[ENV_RESUME_FROM] = resume_from
         elif job.spec.is_train and job.spec.from_checkpoint:
-            env[ENV_INIT_FROM] = job.spec.from_checkpoint  # weights only: fresh optimizer and schedule
+            # weights only: fresh optimizer and schedule; a relative path is the job folder's
+            env[ENV_INIT_FROM] = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
         return env
 
 
