@@ -410,7 +410,26 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if size:
         return _stop_sweep(root, args.id, size, args.now)
     return _flag(args, ("pending", "running"), lambda path: request_stop(path, now=args.now),
-                 "stop requested" + (", without the grace" if args.now else ""))
+                 _stop_words(root, args.id, args.now))
+
+
+def _stop_words(root: Path, job_id: str, now: bool) -> str:
+    """What a stop will do: cancel a pending job; a running one shows `stopping` for up to its stop_grace."""
+    from trainq.watcher.cli.manage import find_job
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.spec.jobspec import load_job_file
+
+    found = find_job(root, job_id)
+    if found is None or found.state != "running":
+        return "stop requested; it ends cancelled without running"
+    if now:
+        return "stop requested, without the grace: its processes are terminated now, then it ends cancelled"
+    try:
+        grace = load_job_file(found.path / "job.yaml").stop_grace_s
+    except (InvalidJobSpec, OSError):
+        return "stop requested; it shows `stopping` until it has checkpointed and exited (at most its stop_grace)"
+    return (f"stop requested; it shows `stopping` for up to its stop_grace ({grace:g}s) while it checkpoints and "
+            f"exits, then its processes are terminated; `trainq stop --now {found.id}` skips the wait")
 
 
 def _stop_sweep(root: Path, sweep_id: str, size: int, now: bool) -> int:
@@ -439,15 +458,37 @@ def cmd_retry(args: argparse.Namespace) -> int:
     from trainq.watcher.spec.fsutil import touch
 
     def retry(path: Path) -> Path:
+        from trainq.watcher.cli.rerun import blocking_dependency
+        from trainq.watcher.spec.errors import InvalidJobSpec
+        from trainq.watcher.spec.jobspec import load_job_file
+
         run = read_json(JobPaths(path).run) or {}
-        if run.get("status") == "rejected":
-            raise UsageError(f"job {args.id} was rejected: its job file is invalid, so it cannot run again. "
-                             f"Fix the file and submit it again: `trainq submit {path / 'job.yaml'}` after editing "
-                             f"a copy (`trainq show {args.id}` lists the problems)")
+        if run.get("status") == "rejected" and not _validates(JobPaths(path).spec):
+            raise UsageError(f"job {path.name} was rejected: its job file is invalid, so it cannot run again. "
+                             f"Fix it with `trainq edit {path.name}` (checked, then run under the same id; "
+                             f"`trainq show {path.name}` lists the problems)")
+        try:
+            spec = load_job_file(JobPaths(path).spec)
+        except (InvalidJobSpec, OSError):
+            spec = None
+        blocked = blocking_dependency(_root(args), spec)
+        if blocked:
+            raise UsageError(f"job {path.name} runs after {blocked[0]}, which ended {blocked[1]}: retry that first "
+                             f"(`trainq retry {blocked[0]}`), then this one; nothing done")
         touch(JobPaths(path).retry_flag)
         return JobPaths(path).retry_flag
 
     return _flag(args, ("failed",), retry, _retry_plan(_root(args), args.id))
+
+
+def _validates(path: Path) -> bool:
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.spec.jobspec import load_job_file
+
+    try:
+        return not load_job_file(path).sweep
+    except (InvalidJobSpec, OSError):
+        return False
 
 
 def _retry_plan(root: Path, job_id: str) -> str:

@@ -108,7 +108,9 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p.add_argument("--now", action="store_true", help="stop running jobs without their stop grace")
     p.set_defaults(func=bind(lambda a: manage.rm(root_of(a), a.ids, now=a.now)))
 
-    p = sub.add_parser("edit", help="edit a pending job's job.yaml in $EDITOR; it is validated before it is saved")
+    p = sub.add_parser("edit", help="edit a job's job.yaml in $EDITOR, validated before it is used: a pending job's "
+                       "is replaced; a failed/cancelled one runs again under the same id (resuming where it can); "
+                       "a rejected one is submitted again")
     _ids(p)
     p.set_defaults(func=bind(lambda a: _edit(root_of(a), a.id)))
 

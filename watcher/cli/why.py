@@ -158,8 +158,11 @@ def _finished(found: Found, now: float) -> list[str]:
             lines.append("  see the dependency itself: trainq why " + _dep_named(diagnosis.get("evidence") or ""))
     elif run.get("error") and not run.get("errors"):
         lines.append(f"  error: {run['error']}")
-    if status in ("failed", "cancelled", "timeout"):
-        lines.append(f"  to run it again (resuming from its latest checkpoint): trainq retry {found.job_id}")
+    from trainq.watcher.cli.rerun import rerun_line
+
+    rerun = rerun_line(found.path.parent.parent, found.job_id, found.path, run, found.spec)
+    if rerun:
+        lines.append(rerun)
     hook = read_json(JobPaths(found.path).hook_record)
     if hook:
         code = "killed at its time limit" if hook.get("timed_out") else f"exit code {hook.get('exit_code')}"

@@ -20,6 +20,7 @@ from trainq.watcher.spec.config import WatcherConfig, check_command_allowed
 from trainq.watcher.daemon.containment import ENV_WATCHER_FAULTS, Containment, Faults, is_disk_full
 from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFullHandling, take_reserve
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError
+from trainq.watcher.spec.interpreter import job_path
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
 from trainq.watcher.spec.pools import paused_pools, unknown_pool_words
 from trainq.watcher.spec.fsutil import drain, remove_quietly
@@ -427,7 +428,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             return
         job_id = id_from_name(file_name)
         values = {"job_dir": str(self.root.job_dir(JobState.PENDING, job_id)), "job_id": job_id, "attempt": "1"}
-        problem = check_command_allowed(spec, self.config, values, self.env.get("PATH", ""))
+        problem = check_command_allowed(spec, self.config, values, job_path(self.env.get("PATH", "")))
         if problem is not None:
             raise InvalidJobSpec(display, [problem])
 

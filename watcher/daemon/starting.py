@@ -23,6 +23,7 @@ from trainq.watcher.spec.contract import (
 )
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.daemon.executor import ExecutorUnavailable
+from trainq.watcher.spec.interpreter import job_path, resolved_program
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
 from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
@@ -196,7 +197,7 @@ class Starting:
             resume_from = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
         values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
                   **self.after_values(job)}
-        problem = command_problem(job.spec, self.config.allow_commands, values, self.env.get("PATH", ""))
+        problem = command_problem(job.spec, self.config.allow_commands, values, job_path(self.env.get("PATH", "")))
         if problem is not None:
             self._refuse(job, problem, now)
             return
@@ -217,7 +218,8 @@ class Starting:
                        gpus=list(decision.gpus), stop_requested_at=None)
         job.run["started_at"] = job.run.get("started_at") or iso_utc(now)
         record = {"n": attempt, "pid": None, "job_pid": None, "started_at": iso_utc(now),
-                  "resumed_from": resume_from, "gpus": list(decision.gpus)}
+                  "resumed_from": resume_from, "gpus": list(decision.gpus),
+                  "program": spec.executable or resolved_program(spec.argv[0], spec.env.get("PATH", ""), spec.cwd)}
         sweep = job.run.get("sweep") or {}
         group = (sweep["id"], sweep["index"]) if sweep.get("id") and isinstance(sweep.get("index"), int) else None
         try:
@@ -268,7 +270,7 @@ class Starting:
         """The real path allow_commands approved, so exactly that is exec'd (None: no list, or a train job)."""
         if self.config.allow_commands is None or job.spec.is_train:
             return None
-        return executable_for(job.spec, values, self.env.get("PATH", ""))
+        return executable_for(job.spec, values, job_path(self.env.get("PATH", "")))
 
     def _refuse(self, job: Job, problem, now: float) -> None:
         """allow_commands refuses the job at start (written into pending/ by hand, or the list changed)."""
@@ -294,6 +296,8 @@ class Starting:
     def _job_env(self, job: Job, values: dict, decision, resume_from: str | None) -> dict[str, str]:
         env = {k: v for k, v in passed_through(self.env, self.config.env_passthrough).items()
                if not k.startswith("TRAINQ_") or k == "TRAINQ_TRAINER_FAULTS"}
+        if "PATH" not in job.spec.env:  # the watcher's python first (interpreter.py); the job's own PATH wins
+            env["PATH"] = job_path(env.get("PATH"))
         env.update(job.spec.launch_env(values))
         env.update(decision.env)
         paths = job.paths
