@@ -114,17 +114,26 @@ name_suffix = st.one_of(
 def expected_to_stay(data: bytes, config: WatcherConfig) -> bool:
     """What the watcher must do with ``data``, from the real validator in this process.
 
-    Valid (allowed) but unapproved files stay in the inbox (awaiting approval); everything else
-    leaves. Validation may only return a spec or raise InvalidJobSpec.
+    Valid (allowed) but unapproved files stay in the inbox (awaiting approval); so do empty files
+    (their content is coming) and drafts: a mapping without approved: true, however invalid (listed
+    with their problems). Everything else leaves. Validation may only return a spec or raise InvalidJobSpec.
     """
+    if not data:
+        return True
     text = decode_spec_bytes(data)
     if isinstance(text, Problem):
         return False
     try:
         spec = parse_job_text(text, "inbox/x.yaml")
     except InvalidJobSpec:
-        return False
-    return not spec.approved and check_command_allowed(spec, config) is None
+        from trainq.watcher.spec.yaml12 import load_yaml12
+
+        try:
+            mapping = load_yaml12(text)
+        except Exception:  # noqa: BLE001 - not YAML: rejected
+            return False
+        return isinstance(mapping, dict) and mapping.get("approved") is not True
+    return not spec.approved
 
 
 def inbox_names(root: Path) -> set[bytes]:

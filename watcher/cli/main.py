@@ -281,6 +281,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
             worst = EXIT_INVALID
             continue
         state = "approved" if spec.approved else f"valid, awaiting approval ({spec.approval_hint or 'add approved: true'})"
+        if spec.sweep:
+            from trainq.watcher.spec.sweeps import combinations
+
+            count = combinations(spec.sweep)
+            state += (f"; a sweep: it becomes {count} job{'s' if count != 1 else ''} "
+                      f"({', '.join(map(str, spec.sweep))})")
         print(f"{name}: ok, {state}")
     return worst
 

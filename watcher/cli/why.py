@@ -83,6 +83,15 @@ def explain(root: Path, job_id: str, now: float | None = None, machine=None) -> 
 def _inbox(found: Found) -> list[str]:
     name = f"inbox/{found.path.name}"
     if found.spec is None:
+        from trainq.watcher.spec.yaml12 import load_yaml12
+
+        try:
+            data = load_yaml12(found.path.read_text(encoding="utf-8"))
+        except Exception:  # noqa: BLE001 - not YAML at all: it is rejected
+            data = None
+        if found.path.stat().st_size == 0 or (isinstance(data, dict) and data.get("approved") is not True):
+            return [f"job {found.job_id}: {name} is a draft (not approved) that does not validate yet; it stays in "
+                    "the inbox until it is fixed and approved", f"  see why: trainq validate {found.path}"]
         return [f"job {found.job_id}: {name} is in the inbox and does not validate; the watcher will reject it",
                 f"  see why: trainq validate {found.path}"]
     if not found.spec.approved:

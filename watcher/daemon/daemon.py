@@ -26,7 +26,7 @@ from trainq.watcher.spec.pools import paused_pools, unknown_pool_words
 from trainq.watcher.spec.fsutil import drain, remove_quietly
 from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
 from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
-from trainq.watcher.spec.jobspec import JobSpec, load_job_file
+from trainq.watcher.spec.jobspec import MAX_JOB_FILE_BYTES, JobSpec, load_job_file
 from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
 from trainq.watcher.daemon.workflows import Workflows
 from trainq.watcher.daemon.pending_edits import PendingEdits
@@ -380,6 +380,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         result = self._validate(cand)
         if result is None or (isinstance(result, JobSpec) and (not result.approved or result.sweep)):
             return _Taken(result)  # a sweep is claimed on the loop's thread (workflows.py)
+        if isinstance(result, InvalidJobSpec) and name_problem(cand.name) is None and _waits_in_inbox(cand):
+            return _Taken(result, draft=True)  # an empty file, or a draft not yet approved: listed, not rejected
         if isinstance(result, InvalidJobSpec):
             run = new_run(None, order, now, name=_stem(printable_name(cand.name)))
             run.update(status="rejected", finished_at=iso_utc(now), errors=[p.to_dict() for p in result.problems],
@@ -412,7 +414,15 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             self._unclaimable[cand.name] = (cand.size, cand.mtime_ns, cand.ino)
         if result is None:
             return
-        if isinstance(result, InvalidJobSpec):
+        if taken.draft:
+            sig = (cand.size, cand.mtime_ns, cand.ino)
+            empty = cand.size == 0
+            self._awaiting[cand.name] = (sig, {
+                "name": cand.name, "spec": None, "seen_at": now, "problems": [] if empty else result.lines(),
+                "errors": [] if empty else [p.to_dict() for p in result.problems],
+                "waiting_for": ("empty file: waiting for its content" if empty else
+                                "draft (not approved) with problems: fix them, then set approved: true")})
+        elif isinstance(result, InvalidJobSpec):
             self._rejected(cand, taken, now)
         elif not result.approved:
             sig = (cand.size, cand.mtime_ns, cand.ino)
@@ -487,6 +497,30 @@ class _Taken:
     claimed: tuple[str, Path] | None = None  # (id, folder), None when the file vanished or was not claimed
     disk_full: OSError | None = None  # claiming it ran out of space (the file stays in the inbox)
     unclaimable: bool = False  # admitting it failed, and so did rejecting it
+    draft: bool = False  # invalid, but an empty file or an unapproved draft: it stays in the inbox, listed
+
+
+def _waits_in_inbox(cand) -> bool:
+    """An empty file (``touch inbox/x.yaml``: its content is coming) or a draft that does not approve itself.
+
+    Only a file whose YAML reads as a mapping without ``approved: true`` counts as a draft; anything
+    else invalid (not YAML, not a mapping, approved with a typo) is rejected as before.
+    """
+    if cand.size == 0:
+        return True
+    from trainq.watcher.spec.yaml12 import load_yaml12
+
+    if cand.size > MAX_JOB_FILE_BYTES:
+        return False
+    from trainq.watcher.spec.jobspec import decode_spec_bytes
+
+    try:
+        with open(cand.path, "rb") as f:
+            text = decode_spec_bytes(f.read(MAX_JOB_FILE_BYTES))
+        data = None if isinstance(text, Problem) else load_yaml12(text)
+    except Exception:  # noqa: BLE001 - unreadable, not UTF-8, not YAML: not a draft, it is rejected
+        return False
+    return isinstance(data, dict) and data.get("approved") is not True
 
 
 def _stem(file_name: str) -> str:

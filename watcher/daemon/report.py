@@ -92,6 +92,9 @@ class Report:
             job_entry(name, "awaiting_approval", f"inbox/{name}", name=e["spec"].name or name,
                       priority=e["spec"].priority, waiting_for="approval: set approved: true in the file",
                       approval_hint=e["spec"].approval_hint)
+            if e.get("spec") is not None else
+            job_entry(name, "awaiting_approval", f"inbox/{name}", name=name, waiting_for=e["waiting_for"],
+                      error=e["problems"][0] if e["problems"] else None, errors=e["errors"])
             for name, (_sig, e) in list(entries.items())
         ]
         if listed != self.awaiting_entries:
