@@ -381,8 +381,8 @@ def test_ignored_inbox_entries_are_listed_with_the_reason(queue_dir, watcher):
 
 def test_train_and_tiny_run_the_trainer_modules():
     out = trainq("train", "--help", check_rc=0)
-    assert "usage: python -m trainq.trainer " in out.stdout and "job_dir" in out.stdout
-    assert "usage: python -m trainq.trainer.tiny" in trainq("tiny", "--help", check_rc=0).stdout
+    assert "usage: trainq train " in out.stdout and "job_dir" in out.stdout  # named as the user typed it
+    assert "usage: trainq tiny" in trainq("tiny", "--help", check_rc=0).stdout
 
 
 def test_shell_completion_offers_commands_and_job_ids(queue_dir):

@@ -217,12 +217,20 @@ def remove_folder(path: Path) -> None:
 
 
 # -- rm ------------------------------------------------------------------------------------------------
-def rm(root: Path, ids: list[str], now: bool = False, timeout_s: float | None = None) -> int:
-    """Remove jobs: pending or finished at once; running ones are stopped first (``--now``: no grace)."""
+def rm(root: Path, ids: list[str], now: bool = False, timeout_s: float | None = None, force: bool = False) -> int:
+    """Remove jobs: pending or finished at once; running ones are stopped first (``--now``: no grace).
+
+    A running job that can resume (a train job, or one with resume_args) has checkpoints worth keeping:
+    it is removed only with ``--force`` or after a yes on a terminal.
+    """
     worst = EXIT_OK
     for job_id in ids:
         try:
-            _rm_one(root, job_id, now, timeout_s)
+            found = require_job(root, job_id)
+            if found.state == "running" and not force and not _confirm_running(found):
+                raise UsageError(f"job {found.id} is running and can resume: rm would delete its checkpoints too. "
+                                 f"`trainq stop {found.id}` keeps them; `trainq rm --force {found.id}` deletes it all")
+            _rm_one(root, found.id, now, timeout_s)
         except UsageError as exc:
             print(f"trainq: {exc}", file=sys.stderr)
             worst = max(worst, EXIT_INVALID)
@@ -230,6 +238,23 @@ def rm(root: Path, ids: list[str], now: bool = False, timeout_s: float | None = 
             print(f"trainq: {exc}", file=sys.stderr)
             worst = max(worst, EXIT_ERROR)
     return worst
+
+
+def _confirm_running(found: Found) -> bool:
+    """True for a running job without resume semantics, or when the user says yes on a terminal."""
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.spec.jobspec import load_job_file
+
+    try:
+        resumable = load_job_file(JobPaths(found.path).spec).has_resume
+    except (InvalidJobSpec, OSError):
+        resumable = True  # unknown: ask
+    if not resumable:
+        return True
+    if not sys.stdin.isatty():
+        return False
+    answer = input(f"job {found.id} is running and can resume; delete it with its checkpoints? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
 
 
 def _rm_one(root: Path, job_id: str, now: bool, timeout_s: float | None) -> None:
@@ -420,11 +445,15 @@ def describe_end(found: Found) -> str:
 
 
 # -- train / tiny -------------------------------------------------------------------------------------------
-def run_module(module: str, args: list[str]) -> int:
-    """Run ``python -m module args`` in place of this process (the trainer imports torch; the CLI never does)."""
+def run_module(module: str, args: list[str], prog: str | None = None) -> int:
+    """Run ``python -m module args`` in place of this process (the trainer imports torch; the CLI never does).
+
+    ``prog`` (``trainq tiny``) is what the module's usage lines call it, through TRAINQ_PROG.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", module, *args])
+    env = dict(os.environ, TRAINQ_PROG=prog) if prog else os.environ
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
     return EXIT_ERROR  # not reached
 
 

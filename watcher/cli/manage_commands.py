@@ -106,7 +106,9 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p = sub.add_parser("rm", help="remove jobs: pending or finished at once; running ones are stopped first")
     _ids(p, "+")
     p.add_argument("--now", action="store_true", help="stop running jobs without their stop grace")
-    p.set_defaults(func=bind(lambda a: manage.rm(root_of(a), a.ids, now=a.now)))
+    p.add_argument("-f", "--force", action="store_true",
+                   help="remove a running job that can resume (train job, resume_args) without asking")
+    p.set_defaults(func=bind(lambda a: manage.rm(root_of(a), a.ids, now=a.now, force=a.force)))
 
     p = sub.add_parser("edit", help="edit a job's job.yaml in $EDITOR, validated before it is used: a pending job's "
                        "is replaced; a failed/cancelled one runs again under the same id (resuming where it can); "
@@ -166,7 +168,7 @@ def run_trainer_command(argv: list[str]) -> int | None:
         rest = rest[2:] if rest[0] == "--root" else rest[1:]  # the trainer needs no queue root
     if not rest or rest[0] not in TRAINER_COMMANDS:
         return None
-    return manage.run_module(TRAINER_COMMANDS[rest[0]], rest[1:])
+    return manage.run_module(TRAINER_COMMANDS[rest[0]], rest[1:], prog=f"trainq {rest[0]}")
 
 
 def _age_s(text: str | None) -> float | None:

@@ -319,9 +319,27 @@ def _scrub_numbers(value: object, depth: int) -> object:
     return 0 if _scalar_problems("", value) and isinstance(value, (HugeInt, int, float)) else value
 
 
+def _report_to_problems(data: dict) -> list[Problem]:
+    """``report_to: [tensorboard]`` without a TensorBoard writer would fail the trainer seconds in: say it now.
+
+    The trainer runs with the watcher's interpreter, so what this one can import is what it will have
+    (found by name only: nothing is imported).
+    """
+    import importlib.util
+
+    train = data.get("train")
+    wanted = train.get("report_to") if isinstance(train, dict) else None
+    if not isinstance(wanted, list) or "tensorboard" not in wanted:
+        return []
+    if any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX")):
+        return []
+    return [Problem("train.report_to", "tensorboard needs the tensorboard package beside trainq "
+                                       "(pip install 'trainq[tensorboard]'); install it, or remove tensorboard")]
+
+
 def _semantic_problems(data: dict) -> list[Problem]:
     """Rules JSON Schema cannot say: the command string must split like a shell, resume_args is for commands."""
-    problems = []
+    problems = _report_to_problems(data)
     command = data.get("command")
     if isinstance(command, str):
         try:
