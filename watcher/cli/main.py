@@ -117,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--now", action="store_true", help="skip the job's stop_grace (stop.flag holds `now`)")
     p.set_defaults(func=cmd_stop)
 
-    p = sub.add_parser("retry", help="run a failed job again, resuming from its latest checkpoint (touches retry.flag)")
+    p = sub.add_parser("retry", help="run a failed job again under its id (touches retry.flag); it resumes from its "
+                       "latest checkpoint when it can (train jobs, resume_args)")
     _id_argument(p)
     p.set_defaults(func=cmd_retry)
 

@@ -112,7 +112,7 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
 
     p = sub.add_parser("edit", help="edit a job's job.yaml in $EDITOR, validated before it is used: a pending job's "
                        "is replaced; a failed/cancelled one runs again under the same id (resuming where it can); "
-                       "a rejected one is submitted again")
+                       "a rejected one is fixed in place and runs under its id")
     _ids(p)
     p.set_defaults(func=bind(lambda a: _edit(root_of(a), a.id)))
 
