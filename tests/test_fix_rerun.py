@@ -101,3 +101,16 @@ def test_advice_names_only_what_applies(queue_dir, watcher_process):
     assert nomod["diagnosis"]["evidence"] == "ModuleNotFoundError: No module named 'no_such_module_xyz'"
     assert f"the interpreter that ran, {program}, does not have it" in nomod["diagnosis"]["advice"]
     json.dumps(nomod)
+
+
+def test_rerun_line_fits_the_job(tmp_path):
+    from trainq.watcher.cli.rerun import rerun_line
+    from trainq.watcher.spec.jobspec import parse_job_text
+
+    spec = parse_job_text("approved: true\ncommand: [x]\nresources: {gpus: 0, ram_gb: 9999}\n", "j")
+    unsat = {"status": "failed", "attempts": [], "diagnosis": {"kind": "unsatisfiable"}}
+    assert "lower its resources" in rerun_line(tmp_path, "j", tmp_path, unsat, spec)
+    never = {"status": "cancelled", "attempts": []}
+    assert rerun_line(tmp_path, "j", tmp_path, never, spec) == (
+        "  to run it (it never started): trainq retry j; to change it first: trainq edit j")
+    assert rerun_line(tmp_path, "j", tmp_path, {"status": "done"}, spec) is None

@@ -52,5 +52,10 @@ def rerun_line(root: Path, job_id: str, path: Path, run: dict, spec: JobSpec | N
         dep, dep_status = blocked
         return (f"  to run it again: first `trainq retry {dep}` (its dependency, which ended {dep_status}); "
                 f"then `trainq retry {job_id}`")
+    if ((run.get("diagnosis") or {}).get("kind")) == "unsatisfiable":
+        return (f"  to run it: lower its resources to what this machine has with `trainq edit {job_id}` "
+                "(it then runs under the same id)")
+    if not run.get("attempts"):
+        return f"  to run it (it never started): trainq retry {job_id}; to change it first: trainq edit {job_id}"
     return (f"  to run it again ({resume_words(path, spec)}): trainq retry {job_id}; "
             f"to change it first: trainq edit {job_id}")
