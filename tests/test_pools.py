@@ -49,6 +49,9 @@ def test_each_pool_holds_its_own_limit_under_a_real_watcher(queue_dir, watcher_p
     why = _cli(queue_dir, "why", "g3").stdout
     assert "HOLD max_concurrent  pool gpu: max_concurrent 2 reached (running: g1, g2)" in why, why
     assert _running(queue_dir) == {"g1", "g2", "c1", "d1"}  # still: nothing past the limits started meanwhile
+    view = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status", "--wide"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "COLUMNS": "200"})
+    assert "pool gpu: max_concurrent 2 reached" in " ".join(view.stdout.split()), view.stdout
 
     out = _cli(queue_dir, "pause", "--pool", "cpu")
     assert out.returncode == 0 and (queue_dir / "pause.cpu.flag").exists(), out.stderr
