@@ -54,6 +54,8 @@ def select(root: Path, state: str | None, since: str | None, kind: str | None, s
     live = _live_ids(root)
     wanted = _states(state)
     cutoff = _since(since, time.time() if now is None else now)
+    if not (live or wanted or cutoff or kind or sweep):
+        return list(records.values())
     out = []
     for record in records.values():
         if record["id"] in live:

@@ -66,11 +66,14 @@ def read_records(root: Path) -> dict[str, dict] | None:
         records = json.loads(b"[" + body.rstrip(b"\n").replace(b"\n", b",") + b"]")
     except ValueError:
         records = _parse_lines(body)  # a damaged line somewhere: skip it, keep the rest
-    latest: dict[str, dict] = {}
-    for record in reversed(records):  # the last conclusion of an id is its truth, and its place in time
-        if isinstance(record, dict) and isinstance(record.get("id"), str) and record["id"] not in latest:
-            latest[record["id"]] = record
-    return dict(reversed(latest.items()))
+    try:  # the usual case: every line a record with an id; a dict keeps an id's newest record
+        latest = {record["id"]: record for record in records}
+    except (TypeError, KeyError):
+        records = [r for r in records if isinstance(r, dict) and isinstance(r.get("id"), str)]
+        latest = {record["id"]: record for record in records}
+    if len(latest) < len(records):  # some job concluded twice (retried): order by the newest conclusion
+        return dict(sorted(latest.items(), key=lambda item: item[1].get("finished_at") or ""))
+    return latest
 
 
 def _parse_lines(body: bytes) -> list:
