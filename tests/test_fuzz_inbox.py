@@ -115,7 +115,7 @@ def expected_to_stay(data: bytes, config: WatcherConfig) -> bool:
     """What the watcher must do with ``data``, from the real validator in this process.
 
     Valid (allowed) but unapproved files stay in the inbox (awaiting approval); so do empty files
-    (their content is coming) and drafts: a mapping without approved: true, however invalid (listed
+    (their content is coming) and drafts: a mapping with approved: other than true, however invalid (listed
     with their problems). Everything else leaves. Validation may only return a spec or raise InvalidJobSpec.
     """
     if not data:
@@ -132,7 +132,7 @@ def expected_to_stay(data: bytes, config: WatcherConfig) -> bool:
             mapping = load_yaml12(text)
         except Exception:  # noqa: BLE001 - not YAML: rejected
             return False
-        return isinstance(mapping, dict) and mapping.get("approved") is not True
+        return isinstance(mapping, dict) and "approved" in mapping and mapping["approved"] is not True
     return not spec.approved
 
 

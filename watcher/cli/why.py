@@ -89,7 +89,8 @@ def _inbox(found: Found) -> list[str]:
             data = load_yaml12(found.path.read_text(encoding="utf-8"))
         except Exception:  # noqa: BLE001 - not YAML at all: it is rejected
             data = None
-        if found.path.stat().st_size == 0 or (isinstance(data, dict) and data.get("approved") is not True):
+        if found.path.stat().st_size == 0 or (isinstance(data, dict) and "approved" in data
+                                              and data["approved"] is not True):
             return [f"job {found.job_id}: {name} is a draft (not approved) that does not validate yet; it stays in "
                     "the inbox until it is fixed and approved", f"  see why: trainq validate {found.path}"]
         return [f"job {found.job_id}: {name} is in the inbox and does not validate; the watcher will reject it",

@@ -503,8 +503,9 @@ class _Taken:
 def _waits_in_inbox(cand) -> bool:
     """An empty file (``touch inbox/x.yaml``: its content is coming) or a draft that does not approve itself.
 
-    Only a file whose YAML reads as a mapping without ``approved: true`` counts as a draft; anything
-    else invalid (not YAML, not a mapping, approved with a typo) is rejected as before.
+    Only a file whose YAML reads as a mapping that says ``approved:`` with anything but ``true``
+    (``approved: false``) counts as a draft; anything else invalid (not YAML, not a mapping, no
+    ``approved:`` at all, approved with a typo) is rejected as before.
     """
     if cand.size == 0:
         return True
@@ -520,7 +521,7 @@ def _waits_in_inbox(cand) -> bool:
         data = None if isinstance(text, Problem) else load_yaml12(text)
     except Exception:  # noqa: BLE001 - unreadable, not UTF-8, not YAML: not a draft, it is rejected
         return False
-    return isinstance(data, dict) and data.get("approved") is not True
+    return isinstance(data, dict) and "approved" in data and data["approved"] is not True
 
 
 def _stem(file_name: str) -> str:
