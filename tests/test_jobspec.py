@@ -96,7 +96,7 @@ def test_huge_sparse_file_is_refused_without_reading_it(tmp_path: Path) -> None:
         f.truncate(64 * 1024 ** 3)  # 64 GiB: reading it whole would take minutes and all the RAM
     started = time.monotonic()
     assert "too large" in only_message(file_problems(path))
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 30  # a hang guard (reading 64 GiB takes minutes), not a speed goal
 
 
 def test_file_of_exactly_the_limit_is_read(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_alias_bomb_is_refused_promptly() -> None:
     started = time.monotonic()
     message = only_message(problems_of("\n".join(lines) + "\n"))
     assert "aliases" in message and "line 1" in message
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 30  # a hang guard (the expanded bomb is 10^9 items), not a speed goal
 
 
 @pytest.mark.parametrize("text,got", [("- a\n- b\n", "a list"), ("just words\n", "a string"), ("42\n", "a number"),
@@ -230,7 +230,7 @@ def test_wrong_types_are_all_reported_sorted_by_path() -> None:
         ("resources.ram_gb", "must be a number >= 0 (got -1)"),
         ("retries.max", "must be an integer >= 0 (got -1)"),
         ("retries.on[1]", 'must be one of oom, nan, killed, data, timeout, stalled, preempted, unsatisfiable, '
-                          'unknown (got "nann") (did you mean \'nan\'?)'),
+                          'schedule, unknown (got "nann") (did you mean \'nan\'?)'),
     ]
 
 
@@ -488,7 +488,9 @@ def test_job_schema_lists_every_jobspec_field() -> None:
     schema = json.loads((SCHEMAS_DIR / JOB_SCHEMA).read_text())
     assert set(schema["properties"]) == {"approved", "name", "priority", "command", "train", "cwd", "env", "resources",
                                          "timeout", "stop_grace", "stall_after", "retries", "resume_args", "slurm",
-                                         "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint", "pool"}
+                                         "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint",
+                                         "deadline", "expected_duration", "deliver", "expected_lr",
+                                         "abort_on_lr_deviation", "pool"}
 
 
 def test_missing_referenced_schema_is_a_problem_not_a_crash(tmp_path: Path) -> None:

@@ -56,7 +56,7 @@ class RunState:
     best_step: int | None = None
     last_eval_loss: float | None = None
     last_loss: float | None = None
-    stop_reason: str | None = None  # "stopped" | "preempted" | "rollback"
+    stop_reason: str | None = None  # "stopped" | "preempted" | "rollback" | "schedule"
     sigterm_received: bool = False
     nonfinite_streak: int = 0
     nan_consumed: set[int] = field(default_factory=set)
@@ -74,6 +74,7 @@ class RunState:
     resumed_from: Path | None = None  # the step-N folder this attempt resumed from
     data_files: tuple = ()
     plotter: object | None = None  # plotter.LossPlotter, warmed up while training runs
+    step_vitals: dict = field(default_factory=dict)  # this step's clip and update_ratio (vitals.py)
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """Signal handler: only sets a flag; the next step boundary acts on it."""
@@ -278,6 +279,7 @@ class TrainqCallback(TrainerCallback):
             RECORD_STEP, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch, loss=loss, lr=lr,
             grad_norm=self.trainer.last_grad_norm, tokens_per_s=tokens / elapsed if elapsed > 0 else None,
             time=time.time(), peak_mem_mb=round(peak_mem_mb(), 1), **({"nonfinite": True} if bad else {}),
+            **self.run.step_vitals,
         )
         every = self.run.config.log_every
         if state.global_step % every == 0 or state.global_step in (1, state.max_steps) or bad:

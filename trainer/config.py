@@ -78,6 +78,7 @@ class TrainConfig:
     gradient_checkpointing: bool | None = None  # None: on for QLoRA on a GPU
     optim: str | None = None  # None: transformers' default (adamw_torch_fused with torch >= 2.8)
     data_cache: bool = True
+    health: dict | None = None  # thresholds of the vital signs: {clip_fraction, update_ratio} (trainer/vitals.py)
 
     @property
     def train_file(self) -> str:

@@ -24,8 +24,9 @@ from trainq.trainer.plotter import LossPlotter
 from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
+from trainq.trainer.vitals import OUTCOME_SCHEDULE, VitalsCallback
 from trainq.watcher.spec.contract import (ENV_ATTEMPT, ENV_INIT_FROM, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
-                              EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, RECORD_DONE, JobPaths)
+                              EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_SCHEDULE, RECORD_DONE, JobPaths)
 from trainq.watcher.spec.units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 #: rollbacks after non-finite streaks; the third request ends the run with EXIT_NAN
 MAX_ROLLBACKS = 3
 #: exit code per outcome
-EXIT_FOR = {"done": EXIT_OK, "stopped": EXIT_OK, "preempted": EXIT_PREEMPTED, "nan": EXIT_NAN, "oom": EXIT_OOM}
+EXIT_FOR = {"done": EXIT_OK, "stopped": EXIT_OK, "preempted": EXIT_PREEMPTED, "nan": EXIT_NAN, "oom": EXIT_OOM,
+            OUTCOME_SCHEDULE: EXIT_SCHEDULE}
 
 
 class ScheduleChanged(checkpoints.CheckpointError):
@@ -208,10 +210,11 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
           f"{precision.name}, {len(datasets[0])} train / {len(datasets[1] or [])} eval rows, "
           f"packing {'on' if run.packing.enabled else 'off'} ({run.packing.reason})", flush=True)
     callback = TrainqCallback(run, has_eval=datasets[1] is not None)
+    vitals = VitalsCallback(run, lr_bug_at=run.faults.lr_bug_at)
     args = training_args(config, precision, run.ckpt_dir, datasets[1] is not None, run.lr_scale, len(datasets[0]), inv.job_dir)
     trainer = TrainqTrainer(
         model=model, args=args, train_dataset=datasets[0], eval_dataset=datasets[1],
-        data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled), callbacks=[callback], run=run,
+        data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled), callbacks=[vitals, callback], run=run,
     )
     run.trainer = trainer
     callback.trainer = trainer

@@ -146,6 +146,49 @@ def _running(root: Path, found: Found, now: float) -> list[str]:
     waiting = entry.get("waiting_for") if entry else run.get("waiting_for")  # status.json is the newer
     if waiting:
         lines.append(f"  {waiting}")
+    if entry.get("forecast") or entry.get("deadline"):
+        fits = {True: "fits", False: "does NOT fit", None: "no forecast yet"}[entry.get("fits")]
+        lines.append(f"  deadline {entry.get('deadline') or 'none (the window)'}: {fits}"
+                     + (f"; {entry['forecast']}" if entry.get("forecast") else ""))
+    lines += _vitals_lines(entry, run)
+    return lines
+
+
+def _vitals_lines(entry: dict, run: dict) -> list[str]:
+    """The vital signs: clip fraction and update ratio (and whether past their thresholds), an lr deviation."""
+    progress = entry.get("progress") or {}
+    measured = []
+    if progress.get("clip_fraction") is not None:
+        measured.append(f"clip fraction {progress['clip_fraction']:.2f}")
+    if progress.get("update_ratio") is not None:
+        measured.append(f"update ratio {progress['update_ratio']:.3g}")
+    lines = []
+    if entry.get("vitals"):
+        lines.append(f"  health: {entry['vitals']}")
+    elif measured:
+        lines.append(f"  health: ok ({', '.join(measured)})")
+    deviation = run.get("lr_deviation")
+    if deviation and not (entry.get("vitals") or "").endswith(deviation.get("words", "")):
+        lines.append(f"  lr off its declared schedule: {deviation.get('words')}")
+    return lines
+
+
+def stack_lines(root: Path, job_id: str) -> list[str]:
+    """``trainq why ID --stack``: record the running job's Python stacks now (bounded) and show the main thread."""
+    from trainq.watcher.supervisor.leftovers import process_tree
+    from trainq.watcher.supervisor.stacks import capture
+
+    path = root / "running" / job_id
+    if not path.is_dir():
+        return [f"  --stack: {job_id} is not running; nothing to record"]
+    pids = process_tree(JobPaths(path))
+    if not pids:
+        return ["  --stack: no live process found for the job"]
+    summary = capture(path, pids, "trainq why --stack")
+    lines = [f"  stacks of {len(pids)} process(es) recorded in {path.name}/{summary.get('file')}"]
+    if summary.get("innermost"):
+        lines.append("  main thread: " + " <- ".join(summary["innermost"]))
+    lines += [f"  stack: {e}" for e in summary.get("errors") or ()]
     return lines
 
 
@@ -168,11 +211,20 @@ def _finished(found: Found, now: float) -> list[str]:
             lines.append("  see the dependency itself: trainq why " + _dep_named(diagnosis.get("evidence") or ""))
     elif run.get("error") and not run.get("errors"):
         lines.append(f"  error: {run['error']}")
+    if run.get("reason") == "deadline":
+        lines.append("  stopped at its wall (its deadline, or the window's final-checkpoint mark) after a checkpoint")
     from trainq.watcher.cli.rerun import rerun_line
 
     rerun = rerun_line(found.path.parent.parent, found.job_id, found.path, run, found.spec)
     if rerun:
         lines.append(rerun)
+    delivered = run.get("delivered")
+    if delivered:
+        lines.append(f"  delivered to {delivered.get('to')} at {delivered.get('at')}: "
+                     + ("verified" if delivered.get("verified") else f"NOT verified ({delivered.get('error')})"))
+    if run.get("cost"):
+        lines.append(f"  cost: {run['cost'].get('amount'):.2f} {run['cost'].get('currency')}"
+                     f" ({run['cost'].get('gpu_hours')} GPU-hours)")
     hook = read_json(JobPaths(found.path).hook_record)
     if hook:
         code = "killed at its time limit" if hook.get("timed_out") else f"exit code {hook.get('exit_code')}"
@@ -266,12 +318,32 @@ def _admission_rows(root: Path, found: Found, spec: JobSpec, machine=None) -> li
                     paused=(root / "pause.flag").exists(), pools=config.pool_limits() if config.pools else None,
                     paused_pools=frozenset(paused_pools(root)))
     gates = gate_report(req, running, machine, limits)
+    wall = _window_row(config, found, spec)
     if gates["never"]:
         return [("machine", _HOLD, f"this machine can never run it: {gates['never']}")]
     ok = _ok_words(req, running, machine, limits)
     return [(gate, _HOLD if gates[key] else _PASS, gates[key] or ok[key])
             for gate, key in (("pause", "pause"), ("pool", "pool"), ("max_concurrent", "max_concurrent"), ("RAM", "ram"),
-                              ("disk", "disk"), ("battery", "battery"), ("GPUs", "gpus"))]
+                              ("disk", "disk"), ("battery", "battery"), ("GPUs", "gpus"))] + wall
+
+
+def _window_row(config, found: Found, spec: JobSpec) -> list[tuple[str, str, str]]:
+    """The window's freeze as a gate (watcher.yaml ``window:``), with the estimate it judged by."""
+    from trainq.watcher.spec.wall import freeze_hold, minutes
+
+    window = config.window
+    if window is None:
+        return []
+    remaining = (found.run.get("forecast") or {}).get("remaining_s")
+    estimate, source = (spec.expected_duration_s, "expected_duration") if spec.expected_duration_s else \
+        (float(remaining), "its last attempt's forecast") if isinstance(remaining, (int, float)) else (None, "")
+    now = time.time()
+    hold = freeze_hold(window, now, estimate, source)
+    if hold:
+        return [("window", _HOLD, hold)]
+    if window.is_frozen(now):
+        return [("window", _PASS, f"inside the freeze, but {source} {minutes(estimate or 0)} ends before the final checkpoint")]
+    return [("window", _PASS, f"freezes at {iso_utc(window.freeze_at)}, final checkpoint at {iso_utc(window.final_checkpoint_at)}")]
 
 
 def _ok_words(req: Request, running: list[Holding], machine, limits: Limits) -> dict[str, str]:

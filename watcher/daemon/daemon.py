@@ -26,12 +26,14 @@ from trainq.watcher.spec.pools import paused_pools, unknown_pool_words
 from trainq.watcher.spec.fsutil import drain, remove_quietly
 from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
 from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
-from trainq.watcher.spec.jobspec import MAX_JOB_FILE_BYTES, JobSpec, load_job_file
+from trainq.watcher.spec.jobspec import MAX_JOB_FILE_BYTES, JobSpec, check_submission, load_job_file
 from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
 from trainq.watcher.daemon.workflows import Workflows
 from trainq.watcher.daemon.pending_edits import PendingEdits
 from trainq.watcher.daemon.recovery import recover
 from trainq.watcher.daemon.starting import Starting
+from trainq.watcher.daemon.walls import Walls
+from trainq.watcher.daemon.vitals import Vitals
 from trainq.watcher.daemon.report import Report
 from trainq.watcher.daemon.resources import ResourceProbe
 from trainq.watcher.daemon.executor import make_executor
@@ -50,7 +52,7 @@ ADMIT_THREADS = 2
 LOOP_ERROR_PAUSE_S = 0.5
 
 
-class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
+class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Walls, Vitals):
     """The daemon: owns the queue root while it runs."""
 
     def __init__(self, root: Path, config: WatcherConfig, *, polling: bool = False, env: dict | None = None):
@@ -85,6 +87,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         self._last_plan = 0.0
         self.init_workflows()
         self.pending_edits = PendingEdits()
+        self.init_walls()
+        self.init_vitals()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, *, install_signals: bool = True) -> None:
@@ -117,6 +121,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         except Exception as exc:  # noqa: BLE001 - shutting down: say it, and still release everything below
             logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
+        self.hooks.close()
         self.executor.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -236,6 +241,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         finally:
             self.retire_concluded(now)
         self.watch_running(now)
+        self.keep_walls(now)
 
     def write_status(self, now: float, *, force: bool = False, state: str | None = None) -> None:
         """status.json and status.html; a full disk is noted, not raised."""
@@ -400,7 +406,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             return InvalidJobSpec(display, [bad_name])
         try:
             spec = load_job_file(cand.path, display)
-            self._check_allowed(spec, display, cand.name)
+            self.check_allowed(spec, display, cand.name)
+            check_submission(spec, display, time.time())
             self._check_pool(spec, display)
         except InvalidJobSpec as exc:
             return exc
@@ -432,9 +439,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         else:
             self._accepted(cand, taken, now)
 
-    def _check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
+    def check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
         """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's)."""
-        if self.config.allow_commands is None:
+        if self.config.allow_commands is None and self.config.allow_env is None:
             return
         job_id = id_from_name(file_name)
         values = {"job_dir": str(self.root.job_dir(JobState.PENDING, job_id)), "job_id": job_id, "attempt": "1"}

@@ -10,10 +10,11 @@ import os
 import re
 from dataclasses import dataclass
 
-from trainq.watcher.spec.contract import EXIT_DATA, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, RECORD_EVENT
-from trainq.watcher.spec.fsutil import open_no_follow
+from trainq.watcher.spec.contract import EXIT_DATA, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, EXIT_SCHEDULE, RECORD_EVENT
+from trainq.watcher.spec.records import parse_records, read_metrics_tail, read_tail, strip_ansi  # noqa: F401 (re-exported)
 
-KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "dependency", "unknown")
+KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "dependency", "schedule",
+         "unknown")
 
 #: longest evidence line kept (characters)
 EVIDENCE_MAX_CHARS = 300
@@ -44,6 +45,9 @@ _ADVICE = {
                      "to what the machine has, then submit it again.",
     "dependency": "A job this one runs after did not end done: fix and retry that job, then retry this one "
                   "(or use after_policy: any to run whatever their outcome).",
+    "schedule": "The learning rate applied left the configured schedule (evidence: the step, the expected and the "
+                "applied value): look for code that sets the optimizer's lr, a scheduler changed on resume, or the "
+                "warm-up settings; fix it, then touch retry.flag to resume from the last checkpoint.",
     "unknown": "Read the end of output.log (trainq logs ID) for the error, fix its cause, then touch retry.flag.",
 }
 
@@ -59,7 +63,6 @@ _COMMAND_ADVICE = {
                "touch retry.flag (it resumes only if the job declares resume_args).",
 }
 
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 
 #: log patterns per kind, most specific first; the last matching line of the tail is the evidence
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -110,43 +113,6 @@ def advice_for(kind: str, train: bool = True) -> str:
     return _ADVICE.get(kind, _ADVICE["unknown"])
 
 
-def strip_ansi(text: str) -> str:
-    """Remove terminal colour and cursor codes."""
-    return _ANSI.sub("", text)
-
-
-def read_tail(path: str | os.PathLike, max_bytes: int = 65536) -> str:
-    """The last ``max_bytes`` of a log, decoded leniently, without ANSI codes or a cut first line."""
-    try:
-        with open_no_follow(path) as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - max_bytes))
-            data = f.read(max_bytes)
-    except OSError:  # gone, a folder, a symlink (never followed) or a FIFO (cannot seek)
-        return ""
-    if size > max_bytes:
-        data = data.partition(b"\n")[2]  # the first line was cut in the middle
-    return strip_ansi(data.decode("utf-8", errors="replace"))
-
-
-def read_metrics_tail(path: str | os.PathLike, max_bytes: int = 65536) -> list[dict]:
-    """The JSON objects in the last ``max_bytes`` of metrics.jsonl (broken lines skipped)."""
-    return parse_records(read_tail(path, max_bytes).splitlines())
-
-
-def parse_records(lines: list[str] | list[bytes]) -> list[dict]:
-    """The JSON objects among ``lines`` (metrics.jsonl records); torn or foreign lines are skipped."""
-    records = []
-    for line in lines:
-        try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, (bytes) not UTF-8, or nested past Python's stack
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-    return records
-
-
 def read_kernel_log(max_bytes: int = KERNEL_LOG_MAX_BYTES) -> str | None:
     """The kernel ring buffer (what ``dmesg`` prints) from /dev/kmsg, or None when it is not readable."""
     try:
@@ -172,9 +138,10 @@ def read_kernel_log(max_bytes: int = KERNEL_LOG_MAX_BYTES) -> str | None:
     return "\n".join(lines)[-max_bytes:]
 
 
-def stalled_diagnosis(seconds: float) -> Diagnosis:
-    """For the watcher's stall rule: no new output or metrics for ``seconds``."""
-    return Diagnosis("stalled", advice_for("stalled"), f"no new output or metrics for {seconds:.0f} s")
+def stalled_diagnosis(seconds: float, stack: str | None = None) -> Diagnosis:
+    """For the watcher's stall rule: no new output or metrics for ``seconds``; ``stack`` says where it waited."""
+    evidence = f"no new output or metrics for {seconds:.0f} s" + (f"; {stack}" if stack else "")
+    return Diagnosis("stalled", advice_for("stalled"), _clip(evidence))
 
 
 def unsatisfiable_diagnosis(reason: str) -> Diagnosis:
@@ -272,7 +239,7 @@ def _from_stop_or_code(exit: dict, lines: list[str]) -> Diagnosis | None:
     if exit.get("stop_reason") == "sigterm":
         return _make("preempted", "the supervisor received SIGTERM and stopped the job")
     code = exit.get("exit_code")
-    by_code = {EXIT_OOM: "oom", EXIT_NAN: "nan", EXIT_DATA: "data", EXIT_PREEMPTED: "preempted"}
+    by_code = {EXIT_OOM: "oom", EXIT_NAN: "nan", EXIT_DATA: "data", EXIT_PREEMPTED: "preempted", EXIT_SCHEDULE: "schedule"}
     if code in by_code:
         kind = by_code[code]
         return _make(kind, _last_match(lines, kind) or f"exit code {code}")

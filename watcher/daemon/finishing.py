@@ -86,6 +86,7 @@ class Finishing:
                 stop_reason=record.get("stop_reason"),
                 diagnosis=outcome.diagnosis.to_dict() if outcome.diagnosis else None,
             )
+        self.account_attempt(job, attempt)
         job.run["diagnosis"] = outcome.diagnosis.to_dict() if outcome.diagnosis else None
         job.run["error"] = record.get("spawn_error") or (outcome.diagnosis.evidence if outcome.diagnosis else None)
         if should_retry(job, outcome):
@@ -141,6 +142,7 @@ class Finishing:
         self.jobs.remove(job.id)
         self.report.finished(job, now)
         self.workflow_concluded(job, now)
+        self.deliver_if_due(job)
 
     def _drop(self, job: Job) -> None:
         self.jobs.remove(job.id)
@@ -180,7 +182,8 @@ class Finishing:
         resume = resume_point(job)
         job.run.update(status="pending", finished_at=None, not_before=None, resume_from=resume,
                        waiting_for=None, diagnosis=None, error=None, stop_requested_at=None)
-        job.run.pop("stop_requested_by", None)
+        for key in ("stop_requested_by", "reason", "delivered"):
+            job.run.pop(key, None)
         job.save()
         job.dir = self.folders.requeue(job_id, state)
         self.jobs.move(job, JobState.PENDING)
@@ -198,7 +201,7 @@ class Finishing:
         try:
             if job.spec is None or job.spec.sweep:
                 raise InvalidJobSpec(display, [])
-            self._check_allowed(job.spec, display, f"{job.id}.yaml")
+            self.check_allowed(job.spec, display, f"{job.id}.yaml")
             self._check_pool(job.spec, display)
         except InvalidJobSpec:
             logger.warning("job %s: retry.flag ignored: its job.yaml is still invalid (or a sweep); fix it "
@@ -236,6 +239,7 @@ class Finishing:
             return
         self._check_stall(job, now)
         self.report.update_progress(self, job, now)
+        self.check_vitals(job, now)
 
     def _save_started(self, now: float, *, all_now: bool = False) -> None:
         """Write run.json of jobs launched at least STARTED_SAVE_AFTER_S ago (every one with ``all_now``).
@@ -263,6 +267,9 @@ class Finishing:
         stall_after = job.spec.stall_after_s if job.spec else None
         if not stall_after:
             return
+        if job.run.get("stop_after_stacks") and not self.stacks_pending(job):
+            job.run.pop("stop_after_stacks")
+            touch(job.paths.stop_flag)
         sig = tuple(_mtime(p) for p in (job.paths.log, job.paths.metrics))
         if sig != job.activity_sig:
             job.activity_sig, job.last_activity = sig, now
@@ -274,11 +281,15 @@ class Finishing:
             return
         job.health = "stalled"
         logger.warning("job %s: stalled: no new output for %gs", job.id, now - job.last_activity)
+        self.capture_stacks(job, f"stalled for {now - job.last_activity:.0f}s")
         self.report.touch()
         if "stalled" in job.spec.retries.on:  # the user opted in: end it (retried while attempts remain)
             job.run.update(stop_requested_by="stalled", stall_after_s=stall_after)
             job.save(durable=False)
-            touch(job.paths.stop_flag)
+            if self.stacks_pending(job):
+                job.run["stop_after_stacks"] = True  # stopped once its stacks are recorded (vitals.py)
+            else:
+                touch(job.paths.stop_flag)
 
 
 def _mtime(path: Path) -> int:

@@ -12,11 +12,14 @@ from pathlib import Path
 from trainq.watcher.daemon.checkpoints import find_checkpoint, latest_checkpoint, note_skipped
 from trainq.watcher.spec.contract import ATTEMPT_BANNER_PREFIX, JobPaths
 from trainq.watcher.spec.errors import JobFolderRemoved
-from trainq.watcher.daemon.diagnosis import fit_advice, SIGKILL, Diagnosis, diagnose, read_kernel_log, read_metrics_tail, read_tail, stalled_diagnosis
+from trainq.watcher.daemon.diagnosis import (SIGKILL, Diagnosis, advice_for, fit_advice, diagnose, read_kernel_log, read_metrics_tail,
+                                             read_tail, stalled_diagnosis)
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
 from trainq.watcher.spec.jobspec import JobSpec
 from trainq.watcher.spec.units import iso_utc, parse_iso
+from trainq.watcher.supervisor.stacks import evidence as stack_evidence
+from trainq.watcher.supervisor.hooks import HOOK_STATUSES, mark_due
 
 RUN_SCHEMA_VERSION = 1
 #: statuses after which a job never runs again unless retried
@@ -74,6 +77,8 @@ class Job:
     def save(self, durable: bool = True) -> None:
         """Write run.json atomically; JobFolderRemoved when the folder was removed by hand."""
         try:
+            if self.run.get("status") in HOOK_STATUSES:
+                mark_due(self.paths, self.spec, self.run)  # the hook is on disk before the conclusion is
             atomic_write_json(self.paths.run, self.run, durable=durable)
         except FileNotFoundError:
             if self.dir.exists():
@@ -133,7 +138,11 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
     if run.get("stop_requested_by") == "internal_error" and run.get("diagnosis"):
         return Outcome("failed", Diagnosis.from_dict(run["diagnosis"]))  # containment.py stopped it
     if run.get("stop_requested_by") == "stalled" and reason != "timeout":
-        return Outcome("failed", stalled_diagnosis(float(run.get("stall_after_s") or 0)))
+        started = parse_iso(((run.get("attempts") or [{}])[-1] or {}).get("started_at"))
+        return Outcome("failed", stalled_diagnosis(float(run.get("stall_after_s") or 0), stack_evidence(paths.dir, started)))
+    if run.get("stop_requested_by") == "schedule" and reason != "timeout":
+        return Outcome("failed", Diagnosis("schedule", advice_for("schedule"),
+                                           str((run.get("lr_deviation") or {}).get("words") or "off the declared lr schedule")))
     if reason != "timeout" and (reason == "stop_flag" or run.get("status") == "stopping"):
         return Outcome("cancelled", None)
     if reason is None and exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
@@ -148,7 +157,8 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
 
 
 def _ran_here(exit_record: dict) -> bool:
-    """False for a Slurm attempt: this machine's kernel log says nothing about a node's OOM kills."""
+    """False for an attempt a batch scheduler ran (its exit record names its batch job): this machine's kernel
+    log says nothing about a node's OOM kills."""
     return not exit_record.get("slurm_job_id")
 
 

@@ -21,8 +21,8 @@ from trainq.watcher.spec.contract import (
     ENV_RESUME_FROM,
     ENV_STOP_FLAG,
 )
-from trainq.watcher.spec.errors import SpawnFailed
-from trainq.watcher.daemon.executor import ExecutorUnavailable
+from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
+from trainq.watcher.spec.wall import ENV_COST
 from trainq.watcher.spec.interpreter import job_path, resolved_program
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
@@ -77,7 +77,7 @@ class Starting:
         if unavailable:
             self._all_wait(head, unavailable)
             return
-        waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now)]
+        waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now) and not self.held_by_wall(j, now)]
         try:
             for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
                 job = self.jobs.get(decision.job_id)
@@ -146,8 +146,8 @@ class Starting:
 
     def _request(self, job: Job) -> Request:
         res = job.spec.resources
-        if getattr(self.executor, "places_resources", False):
-            # Slurm places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
+        if self.executor.places_resources:
+            # a scheduler places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
             return Request(job_id=job.id, priority=job.priority, order=job.order, gpus=0, disk_gb=res.disk_gb,
                            allow_battery=True, disk_path=self._disk_path(job), pool=job.spec.pool)
         return Request(
@@ -197,7 +197,8 @@ class Starting:
             resume_from = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
         values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
                   **self.after_values(job)}
-        problem = command_problem(job.spec, self.config.allow_commands, values, job_path(self.env.get("PATH", "")))
+        problem = command_problem(job.spec, self.config.allow_commands, values, job_path(self.env.get("PATH", "")),
+                                  self.config.allow_env)
         if problem is not None:
             self._refuse(job, problem, now)
             return
@@ -212,7 +213,7 @@ class Starting:
             timeout_s=job.spec.timeout_s,
             banner=_banner(job.id, attempt, now, resume_from),
             executable=self._checked_executable(job, values),
-            inherit_env=self.executor.name == "slurm",  # only a batch job adds to its environment: its node's SLURM_*
+            inherit_env=self.executor.inherits_environment,
         )
         job.run.update(status="running", attempt=attempt, waiting_for=None, not_before=None,
                        gpus=list(decision.gpus), stop_requested_at=None)
@@ -223,7 +224,7 @@ class Starting:
         sweep = job.run.get("sweep") or {}
         group = (sweep["id"], sweep["index"]) if sweep.get("id") and isinstance(sweep.get("index"), int) else None
         try:
-            record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.slurm, group))
+            record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.options_for(self.executor.name), group))
         except ExecutorUnavailable as exc:
             self._unlaunch(job, str(exc))
             return
@@ -233,37 +234,35 @@ class Starting:
             return
         job.run["attempts"].append(record)
         job.run["executor"] = self.executor.name
-        if record.get("slurm_job_id"):
-            job.run["slurm_job_id"] = record["slurm_job_id"]
+        ref_field = self.executor.job_ref_field
+        if ref_field and record.get(ref_field):
+            job.run[ref_field] = record[ref_field]
         job.unsaved_since = now  # written by watch_running once it has run a moment (finishing.py)
         job.health, job.last_activity, job.activity_sig, job.readers = "healthy", now, (), None
         gpus = ",".join(map(str, decision.gpus)) or "none"
-        if record.get("slurm_job_id"):
-            where = f"slurm job {record['slurm_job_id']}"
-        else:
-            where = f"pid {record['pid']}" if record.get("pid") else "Slurm job id not known yet"
+        where = self.executor.describe(record)
         logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
         self.report.touch()
         self.deps_changed(job.id, now)
 
     def _flush_launches(self, now: float) -> None:
-        """Submit the attempts the executor held back this pass (a sweep's jobs: one Slurm job array)."""
-        for job_id, slurm_id, error in self.executor.flush():
+        """Submit the attempts the executor held back this pass (a sweep's jobs: one batch-job array)."""
+        for job_id, ref, error in self.executor.flush():
             job = self.jobs.get(job_id)
             if job is None or job.state is not JobState.RUNNING:
                 continue
-            self.guarded(job, "start", self._launched, job, slurm_id, error, now)
+            self.guarded(job, "start", self._launched, job, ref, error, now)
 
-    def _launched(self, job: Job, slurm_id: str | None, error: Exception | None, now: float) -> None:
+    def _launched(self, job: Job, ref: str | None, error: Exception | None, now: float) -> None:
         """The held-back submission of ``job``'s attempt went out (or failed: the same paths as in ``_launch``)."""
         if isinstance(error, ExecutorUnavailable):
             job.run["attempts"].pop()
             self._unlaunch(job, str(error))
         elif error is not None:
             self._finish(job, _spawn_outcome(str(error)), {"spawn_error": str(error)}, now)
-        elif slurm_id:
-            job.run["attempts"][-1]["slurm_job_id"] = slurm_id
-            job.run["slurm_job_id"] = slurm_id
+        elif ref and self.executor.job_ref_field:
+            job.run["attempts"][-1][self.executor.job_ref_field] = ref
+            job.run[self.executor.job_ref_field] = ref
             self.report.touch()
 
     def _checked_executable(self, job: Job, values: dict) -> str | None:
@@ -285,7 +284,7 @@ class Starting:
         self._retire(job, now)
 
     def _unlaunch(self, job: Job, reason: str) -> None:
-        """The executor could not take the attempt (Slurm down): back to pending, nothing lost."""
+        """The executor could not take the attempt (its scheduler is down): back to pending, nothing lost."""
         job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[])
         job.save(durable=False)
         job.dir = self.folders.requeue(job.id, JobState.RUNNING)
@@ -313,6 +312,8 @@ class Starting:
         elif job.spec.is_train and job.spec.from_checkpoint:
             # weights only: fresh optimizer and schedule; a relative path is the job folder's
             env[ENV_INIT_FROM] = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
+        if self.config.cost is not None:  # the trainer writes its attempt's cost into summary.json
+            env[ENV_COST] = self.config.cost.to_env(len(decision.gpus))
         return env
 
 

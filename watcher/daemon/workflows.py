@@ -26,7 +26,8 @@ from trainq.watcher.daemon.diagnosis import Diagnosis
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json, remove_quietly
-from trainq.watcher.supervisor.hooks import HookLauncher, hook_due
+from trainq.watcher.supervisor.hook_launcher import HookLauncher
+from trainq.watcher.supervisor.hooks import hook_due
 from trainq.watcher.daemon.jobs import Job, new_run
 from trainq.watcher.spec.jobspec import JobSpec, load_job_file
 from trainq.watcher.spec.sweeps import after_refs, expand, variant_text

@@ -41,6 +41,8 @@ class StatusSnapshot:
     jobs: tuple[dict, ...]
     resources: dict = field(default_factory=dict)
     ignored: tuple[dict, ...] = ()  # inbox entries that are not job files, with why (CONTRACT section 2)
+    window: dict | None = None  # the queue's wall and who fits before it (CONTRACT section 11)
+    cost: dict | None = None  # {total, currency}
 
     def to_dict(self) -> dict:
         """The status.json object (``ignored`` only when the inbox holds something that is not a job file)."""
@@ -53,6 +55,10 @@ class StatusSnapshot:
         }
         if self.ignored:
             data["ignored"] = list(self.ignored)
+        if self.window is not None:
+            data["window"] = self.window
+        if self.cost is not None:
+            data["cost"] = self.cost
         return data
 
     @classmethod
@@ -70,6 +76,8 @@ class StatusSnapshot:
             jobs=tuple(d.get("jobs") or ()),
             resources=dict(d.get("resources") or {}),
             ignored=tuple(d.get("ignored") or ()),
+            window=d.get("window"),
+            cost=d.get("cost"),
         )
 
 

@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.spec.errors import SpawnFailed
-from trainq.watcher.daemon.executor import ExecutorUnavailable
+from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
 from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json
 from trainq.watcher.slurm.node import HEARTBEAT_S
 from trainq.watcher.slurm.batch import SlurmOptions, array_script, batch_env, batch_script, signal_lead_s, srun_argv, time_limit_min
@@ -87,11 +86,13 @@ class _Held:
 
 
 class SlurmExecutor:
-    """Attempts run as Slurm batch jobs; the Executor protocol of watcher/executor.py."""
+    """Attempts run as Slurm batch jobs; the Executor protocol of watcher/daemon/executor.py."""
 
     name = "slurm"
     #: Slurm places GPUs and memory on its nodes: admission must not gate on this machine's
     places_resources = True
+    inherits_environment = True  # a batch job adds to its node's environment (SLURM_*, the rendezvous variables)
+    job_ref_field = "slurm_job_id"
 
     def __init__(self, config: "WatcherConfig", root: Path):
         slurm = dict(config.slurm or {})
@@ -147,6 +148,10 @@ class SlurmExecutor:
             self._held.append(_Held(paths, spec.attempt, group[0], group[1], options))
             return {"slurm_job_id": None, "pid": None}
         return {"slurm_job_id": self._submit_one(paths, spec.attempt, options), "pid": None}
+
+    def describe(self, record: dict) -> str:
+        ref = record.get(self.job_ref_field)
+        return f"slurm job {ref}" if ref else "Slurm job id not known yet"
 
     def flush(self) -> list[tuple[str, str | None, Exception | None]]:
         """Submit what ``launch`` held back: one ``sbatch --array`` per sweep, attempt and set of sbatch options.

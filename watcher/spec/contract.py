@@ -23,6 +23,10 @@ EXIT_NAN = 66
 EXIT_OOM = 67
 #: stopped by SIGTERM from outside trainq (preemption), after checkpointing: 128 + SIGTERM
 EXIT_PREEMPTED = 143
+#: the vital signs' thresholds (train.health), from the runbooks: clipped on > 5 % of steps, updates > 0.1 of the weights
+HEALTH_DEFAULTS = {"clip_fraction": 0.05, "update_ratio": 0.1}
+#: the trainer stopped because the lr it applied left the configured schedule (diagnosis ``schedule``)
+EXIT_SCHEDULE = 68
 
 # -- environment given to every job --
 ENV_JOB_ID = "TRAINQ_JOB_ID"
@@ -109,7 +113,8 @@ class JobPaths:
 
     @property
     def hook_record(self) -> Path:
-        """Created (O_EXCL) by the one hook runner of a conclusion, then its outcome: runs the hook exactly once."""
+        """The conclusion's hook: "due" (written before the final run.json), "running" (the one runner took it,
+        under hook.lock), then "ended" with its outcome: runs the hook exactly once."""
         return self.dir / "hook.json"
 
     @property

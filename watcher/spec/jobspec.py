@@ -23,6 +23,7 @@ from trainq.watcher.spec.schema_errors import field_name, schema_problems, schem
 from trainq.watcher.spec.units import DURATION_PATTERN, MAX_DURATION_TEXT, is_zero_duration, parse_duration_s
 from trainq.watcher.spec.yaml12 import MAX_INT_DIGITS, HugeInt, YamlError, load_yaml12
 from trainq.watcher.spec.sweeps import workflow_problems
+from trainq.watcher.spec.wall import Deadline, job_wall_problems, submission_problems
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +33,9 @@ SCHEMAS_DIR = Path(__file__).resolve().parent.parent.parent / "schemas"
 #: largest job file accepted, in bytes (CONTRACT section 2)
 MAX_JOB_FILE_BYTES = 1024 * 1024
 #: diagnosis kinds a failure can carry (CONTRACT section 4)
-FAILURE_KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "unknown")
+FAILURE_KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "schedule", "unknown")
 #: retried by default: every kind but nan, data and timeout (retrying those repeats the same failure)
-DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout"))
+DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout", "schedule"))
 #: seconds a stopped job may take to checkpoint and exit before its tree is terminated
 DEFAULT_STOP_GRACE_S = 120.0
 #: seconds a failed job waits before its retry
@@ -53,7 +54,7 @@ MAX_RETRIES = 100
 #: shortest retry backoff, in seconds: a job failing at once must not spin the loop
 MIN_BACKOFF_S = 1.0
 #: the job file's durations (schema-checked for form; their size is checked here)
-DURATION_FIELDS = (("timeout",), ("stop_grace",), ("stall_after",), ("retries", "backoff"))
+DURATION_FIELDS = (("timeout",), ("stop_grace",), ("stall_after",), ("retries", "backoff"), ("expected_duration",))
 #: C0 controls and DEL: never in a command, an env entry, a cwd or a name (a NUL kills the exec; ESC forges logs)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: the " (got VALUE)" part of a message, which quotes the file
@@ -171,6 +172,9 @@ class JobSpec:
     sweep: dict | None = None
     fork_of: str | None = None
     from_checkpoint: str | None = None
+    deadline: Deadline | None = None  # CONTRACT section 11
+    expected_duration_s: float | None = None
+    deliver: dict | None = None
     pool: str = "default"  # watcher.yaml pools: (CONTRACT section 14)
 
     @classmethod
@@ -201,6 +205,10 @@ class JobSpec:
     def is_train(self) -> bool:
         """True for jobs run by the built-in trainer."""
         return self.train is not None
+
+    def options_for(self, executor: str) -> dict | None:
+        """The job file's section for that executor (``slurm:`` for ``slurm``), or None."""
+        return {"slurm": self.slurm}.get(executor)
 
     @property
     def has_resume(self) -> bool:
@@ -271,7 +279,22 @@ def _build(data: dict) -> JobSpec:
         pool=data.get("pool", DEFAULT_POOL),
         raw=data,
         **_workflow_fields(data),
+        **_wall_fields(data),
     )
+
+
+def _wall_fields(data: dict) -> dict:
+    """The CONTRACT section 11 fields: deadline, expected_duration, deliver."""
+    return {"deadline": Deadline.parse(data["deadline"]) if "deadline" in data else None,
+            "expected_duration_s": _duration_or_none(data, "expected_duration"),
+            "deliver": data.get("deliver")}
+
+
+def check_submission(spec: JobSpec, display: str, now: float) -> None:
+    """What holds only when a file is submitted (a deadline in the past); raises InvalidJobSpec."""
+    problems = submission_problems(spec.raw, now)
+    if problems:
+        raise InvalidJobSpec(display, problems)
 
 
 def _workflow_fields(data: dict) -> dict:
@@ -351,7 +374,7 @@ def _semantic_problems(data: dict) -> list[Problem]:
         problems.append(Problem("resume_args", "only applies to command jobs; train jobs resume from their "
                                                "checkpoints by themselves (remove resume_args)"))
     return (problems + _control_problems(data) + duration_problems(data, DURATION_FIELDS) + _backoff_problems(data)
-            + _zero_limit_problems(data))
+            + _zero_limit_problems(data) + job_wall_problems(data))
 
 
 def duration_problems(data: dict, fields: tuple[tuple[str, ...], ...]) -> list[Problem]:
