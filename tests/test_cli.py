@@ -326,7 +326,7 @@ def test_pause_resume_wait_show_clean_and_the_messages(queue_dir, watcher_proces
     rejected = trainq("logs", "broken", root=queue_dir, check_rc=0).stdout
     assert "rejected" in rejected and "priority:" in rejected, rejected
     refused = trainq("retry", "broken", root=queue_dir, check_rc=2).stderr
-    assert "cannot run again" in refused and "submit" in refused
+    assert "cannot run again" in refused and "trainq edit broken" in refused
     assert not (queue_dir / "failed" / "broken" / "retry.flag").exists()
     trainq("resume", root=queue_dir, check_rc=0)
     assert not (queue_dir / "pause.flag").exists()
