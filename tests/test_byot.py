@@ -276,5 +276,6 @@ def test_shipped_hf_example_with_the_callback_stops_after_one_step(tmp_path, tin
                            "--report_to", "none", "--trainq"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _global_step(job / "checkpoints" / "checkpoint-1") == 1
+    assert not (job / "checkpoints" / "final").exists()  # the script's save after train() did not run on it
     types = [json.loads(line)["type"] for line in (job / "metrics.jsonl").read_text().splitlines()]
     assert types == ["step", "event", "checkpoint"]

@@ -288,11 +288,15 @@ def test_priority_and_edit_refuse_a_bad_file_and_leave_the_job_as_it_was(queue_d
                          stdin=subprocess.DEVNULL)
     assert out.returncode == 2 and "pending/j/job.yaml: priority:" in out.stderr, out.stderr
     assert (job / "job.yaml").read_text() == original
-    assert (tmp_path / "j.edited.yaml").read_text() == original.replace("priority: 1", "priority: high")
-    editor.write_text("#!/bin/sh\nsed -i 's/hi/there/' \"$1\"\n")
-    subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "edit", "j"], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=60, env=dict(os.environ, EDITOR=str(editor)))
+    assert not list(tmp_path.glob("*.edited.yaml"))  # nothing left in the caller's folder ...
+    assert (job / ".edit-draft.yaml").read_text() == original.replace("priority: 1", "priority: high")
+    assert "`trainq edit j` opens it again" in out.stderr  # ... the next edit opens the kept draft
+    editor.write_text("#!/bin/sh\nsed -i 's/priority: high/priority: 1/; s/echo, hi/echo, there/' \"$1\"\n")
+    again = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "edit", "j"], cwd=tmp_path,
+                           check=True, capture_output=True, text=True, timeout=60, env=dict(os.environ, EDITOR=str(editor)))
+    assert "opening your earlier edit of job j" in again.stderr
     assert (job / "job.yaml").read_text() == original.replace("hi", "there")
+    assert not (job / ".edit-draft.yaml").exists()
     trainq("priority", "j", "-3", root=queue_dir, check_rc=0)
     assert (job / "job.yaml").read_text() == "# keep me\napproved: true\ncommand: [echo, there]\npriority: -3\n"
     done = queue_dir / "done" / "k"
@@ -322,7 +326,7 @@ def test_pause_resume_wait_show_clean_and_the_messages(queue_dir, watcher_proces
     rejected = trainq("logs", "broken", root=queue_dir, check_rc=0).stdout
     assert "rejected" in rejected and "priority:" in rejected, rejected
     refused = trainq("retry", "broken", root=queue_dir, check_rc=2).stderr
-    assert "cannot run again" in refused and "submit" in refused
+    assert "cannot run again" in refused and "trainq edit broken" in refused
     assert not (queue_dir / "failed" / "broken" / "retry.flag").exists()
     trainq("resume", root=queue_dir, check_rc=0)
     assert not (queue_dir / "pause.flag").exists()
@@ -377,8 +381,8 @@ def test_ignored_inbox_entries_are_listed_with_the_reason(queue_dir, watcher):
 
 def test_train_and_tiny_run_the_trainer_modules():
     out = trainq("train", "--help", check_rc=0)
-    assert "usage: python -m trainq.trainer " in out.stdout and "job_dir" in out.stdout
-    assert "usage: python -m trainq.trainer.tiny" in trainq("tiny", "--help", check_rc=0).stdout
+    assert "usage: trainq train " in out.stdout and "job_dir" in out.stdout  # named as the user typed it
+    assert "usage: trainq tiny" in trainq("tiny", "--help", check_rc=0).stdout
 
 
 def test_shell_completion_offers_commands_and_job_ids(queue_dir):

@@ -490,7 +490,7 @@ def test_job_schema_lists_every_jobspec_field() -> None:
                                          "timeout", "stop_grace", "stall_after", "retries", "resume_args", "slurm",
                                          "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint",
                                          "deadline", "expected_duration", "deliver", "expected_lr",
-                                         "abort_on_lr_deviation",
+                                         "abort_on_lr_deviation", "pool",
                                          "rerun_of", "checkpoint_exit_code", "snapshot"}  # run records (issue 29)
 
 

@@ -35,7 +35,7 @@ _ENV_DEFAULTS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line: JOB_DIR and an optional checkpoint to resume from."""
-    parser = argparse.ArgumentParser(prog="python -m trainq.trainer", description=__doc__,
+    parser = argparse.ArgumentParser(prog=os.environ.get("TRAINQ_PROG") or "python -m trainq.trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("job_dir", type=Path, help="folder holding job.yaml (outputs are written here)")
     parser.add_argument("--resume-from", metavar="DIR", default=None,

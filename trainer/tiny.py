@@ -111,7 +111,7 @@ def build(out_dir: Path, size_name: str = "tiny") -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: build and print the paths."""
-    parser = argparse.ArgumentParser(prog="python -m trainq.trainer.tiny", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=os.environ.get("TRAINQ_PROG") or "python -m trainq.trainer.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="output folder (created)")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="tiny for tests, small for benchmarks")
     args = parser.parse_args(argv)

@@ -12,13 +12,22 @@ class TrainqCallback(TrainerCallback):
     """Step, eval and checkpoint records to $TRAINQ_METRICS; on stop.flag or SIGTERM, save and stop.
 
     ``Trainer(..., callbacks=[TrainqCallback()])``. After a stop the Trainer saves a
-    ``checkpoint-N`` at the end of the current step and ``train()`` returns (exit 0: ``cancelled``);
-    after a SIGTERM the same, then ``SystemExit(143)`` so trainq's retry resumes it.
+    ``checkpoint-N`` at the end of the current step, then the script ends with ``SystemExit(0)``
+    from inside ``train()`` (status ``cancelled``): the code after ``train()`` (a final save, an
+    evaluation) never runs on a half-trained model. After a SIGTERM the same, with ``SystemExit(143)``
+    so trainq's retry resumes it. ``TrainqCallback(exit_on_stop=False)`` lets ``train()`` return
+    instead; then check ``callback.stopped`` before treating the model as trained.
     """
 
-    def __init__(self, link: TrainqLink | None = None) -> None:
+    def __init__(self, link: TrainqLink | None = None, exit_on_stop: bool = True) -> None:
         self.link = link or TrainqLink.from_env()
+        self.exit_on_stop = exit_on_stop
         self._stop_step: int | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop.flag or SIGTERM ended training early (the model is not fully trained)."""
+        return self._stop_step is not None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -53,3 +62,5 @@ class TrainqCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.link.sigterm_received and self._stop_step is not None:
             raise SystemExit(EXIT_PREEMPTED)
+        if self.exit_on_stop and self._stop_step is not None:
+            raise SystemExit(0)  # stopped: the checkpoint is saved; nothing after train() runs on this model

@@ -1,12 +1,15 @@
-"""``trainq edit`` and ``trainq priority``: a pending job's job.yaml rewritten, validated first, put in place by rename.
+"""``trainq edit`` and ``trainq priority``: a job's job.yaml rewritten, validated first, put in place by rename.
 
 The file way is the same: edit ``pending/<id>/job.yaml`` with anything; the watcher re-reads a
-changed pending job file (pending_edits.py). These commands only make sure what lands there is valid.
+changed pending job file (pending_edits.py). For a failed, cancelled or timed-out job, ``edit`` is
+fix-and-re-run (pueue's ``restart -e``): the edited job.yaml replaces the old one (kept as
+``job.attempt-N.yaml``) and ``retry.flag`` runs it again under the same id, in the same folder, so
+its checkpoints are still there to resume from. A rejected job's fixed file is submitted again
+under its id. These commands only make sure what lands there is valid.
 """
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -50,8 +53,18 @@ def _replace_spec(found: Found, text: str) -> None:
         raise UsageError(f"job {found.id} left pending/ meanwhile; nothing changed") from None
 
 
+#: where a bad edit is kept, inside the job's folder (hidden: nothing else reads it); the next edit opens it
+DRAFT_NAME = ".edit-draft.yaml"
+
+
 def edit(root: Path, job_id: str, editor: str | None = None) -> int:
-    """Open $VISUAL/$EDITOR on a copy of a pending job's job.yaml; validate it; put it in place if valid."""
+    """Open $VISUAL/$EDITOR on a copy of a job's job.yaml; validate it; then use it.
+
+    Pending: put in place (the watcher re-reads it). Failed, cancelled or timed out: the job runs again
+    under the same id, as a new attempt that keeps its folder (and so resumes from its checkpoints where
+    it declares resume semantics). Rejected: the fixed file is submitted again under the same id. A bad
+    edit is kept in the job's folder and the next ``trainq edit ID`` opens it again.
+    """
     import shlex
     import subprocess
     import tempfile
@@ -59,32 +72,102 @@ def edit(root: Path, job_id: str, editor: str | None = None) -> int:
     from trainq.watcher.spec.errors import InvalidJobSpec
     from trainq.watcher.spec.jobspec import parse_job_text
 
-    found = _pending(root, job_id, "only a job that has not started can be edited (`trainq fork` copies one)")
+    found = require_job(root, job_id)
+    job_id = found.id
+    mode = _edit_mode(found)
     spec = JobPaths(found.path).spec
     original = spec.read_text(encoding="utf-8")
+    kept = found.path / DRAFT_NAME
+    start = original
+    if kept.is_file():
+        start = kept.read_text(encoding="utf-8")
+        print(f"trainq: opening your earlier edit of job {job_id} (kept in {kept}); delete it to start from "
+              "job.yaml", file=sys.stderr)
     editor = editor or os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
     with tempfile.TemporaryDirectory(prefix="trainq-edit-") as tmp:
         draft = Path(tmp) / f"{job_id}.yaml"
-        draft.write_text(original, encoding="utf-8")
+        draft.write_text(start, encoding="utf-8")
         while True:
             rc = subprocess.call([*shlex.split(editor), str(draft)])
             if rc != 0:
                 raise UsageError(f"{editor} exited with status {rc}; job {job_id} unchanged")
             text = draft.read_text(encoding="utf-8")
-            if text == original:
+            if text == original and mode == "pending":
+                remove_quietly(kept)
                 say(f"job {job_id}: unchanged")
                 return EXIT_OK
             try:
-                parse_job_text(text, f"pending/{job_id}/job.yaml")
+                parse_job_text(text, f"{found.state}/{job_id}/job.yaml")
             except InvalidJobSpec as exc:
                 for line in exc.lines():
                     print(line, file=sys.stderr)
                 if sys.stdin.isatty() and input("Edit again? [Y/n] ").strip().lower() in ("", "y", "yes"):
                     continue
-                kept = Path.cwd() / f"{job_id}.edited.yaml"
-                shutil.copyfile(draft, kept)
-                print(f"trainq: job {job_id} unchanged; your edit is kept in {kept}", file=sys.stderr)
+                atomic_write(kept, text, durable=False)
+                print(f"trainq: job {job_id} unchanged; your edit is kept in {kept} and `trainq edit {job_id}` "
+                      "opens it again", file=sys.stderr)
                 return EXIT_INVALID
-            _replace_spec(found, text)
-            say(f"job {job_id}: job.yaml updated (pending/{job_id}/job.yaml); the watcher re-reads it within seconds")
-            return EXIT_OK
+            break
+    if mode == "pending":
+        _replace_spec(found, text)
+        say(f"job {job_id}: job.yaml updated (pending/{job_id}/job.yaml); the watcher re-reads it within seconds")
+    elif mode == "rejected":
+        _resubmit_rejected(root, found, text)
+    else:
+        _rerun_edited(root, found, text)
+    remove_quietly(kept)
+    return EXIT_OK
+
+
+def _edit_mode(found: Found) -> str:
+    """``pending``, ``rerun`` (failed, cancelled, timeout) or ``rejected``; UsageError for the rest."""
+    from trainq.watcher.cli.again import RERUNNABLE
+
+    if found.state == "pending":
+        return "pending"
+    status = found.run.get("status")
+    if found.state == "failed" and status == "rejected":
+        return "rejected"
+    if found.state == "failed" and status in RERUNNABLE:
+        return "rerun"
+    if found.state == "done":
+        raise UsageError(f"job {found.id} is done: `trainq fork {found.id}` copies it into a new job to change")
+    raise UsageError(f"job {found.id} is {status or found.state} in {found.state}/: a running job's file is not "
+                     f"re-read; stop it first (`trainq stop {found.id}`), then edit it")
+
+
+def _rerun_edited(root: Path, found: Found, text: str) -> None:
+    """A failed job runs again with the edited file: the old one kept as job.attempt-N.yaml, then retry.flag."""
+    from trainq.watcher.cli.again import blocking_dependency, resume_words
+    from trainq.watcher.spec.fsutil import touch
+    from trainq.watcher.spec.jobspec import parse_job_text
+
+    spec = parse_job_text(text, found.id)
+    blocked = blocking_dependency(root, spec)
+    if blocked:
+        atomic_write(found.path / DRAFT_NAME, text, durable=False)
+        raise UsageError(f"job {found.id} runs after {blocked[0]}, which ended {blocked[1]}: retry that first "
+                         f"(`trainq retry {blocked[0]}`); your edit is kept and `trainq edit {found.id}` opens it")
+    paths = JobPaths(found.path)
+    attempts = int(found.run.get("attempt") or 0)
+    previous = found.path / f"job.attempt-{attempts}.yaml"
+    if not previous.exists():
+        os.link(paths.spec, previous)  # the file that attempt ran, kept beside the new one
+    tmp = found.path / f".job.yaml.{os.getpid()}.tmp"
+    atomic_write(tmp, text)
+    os.replace(tmp, paths.spec)
+    touch(paths.retry_flag)
+    say(f"job {found.id}: job.yaml updated (the old one is {previous.name}); it runs again as attempt "
+        f"{attempts + 1} under the same id, {resume_words(found.path, spec)} (retry.flag)")
+
+
+def _resubmit_rejected(root: Path, found: Found, text: str) -> None:
+    """A rejected job's fixed file replaces its job.yaml; retry.flag then runs it under the same id."""
+    from trainq.watcher.spec.fsutil import touch
+
+    paths = JobPaths(found.path)
+    tmp = found.path / f".job.yaml.{os.getpid()}.tmp"
+    atomic_write(tmp, text)
+    os.replace(tmp, paths.spec)
+    touch(paths.retry_flag)
+    say(f"job {found.id}: job.yaml fixed; the watcher checks it again and runs it under the same id (retry.flag)")

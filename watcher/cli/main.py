@@ -18,6 +18,7 @@ from trainq.watcher.spec.text import PrintableFormatter
 
 from trainq.watcher.cli.records import add_record_commands
 from trainq.watcher.cli.manage_commands import add_commands, add_global_options, enable_completion, run_trainer_command
+from trainq.watcher.cli.submit_command import add_command_options, split_submit_command
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.cli.locate import BadUserConfig, RootNotFound, locate_root
 from trainq.watcher.cli.manage import UsageError
@@ -33,12 +34,15 @@ logger = logging.getLogger("trainq.watcher")
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``trainq`` console script and ``python -m trainq.watcher``."""
-    passed = run_trainer_command(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passed = run_trainer_command(argv)
     if passed is not None:
         return passed
     parser = _parser()
     enable_completion(parser)
+    argv, command_argv = split_submit_command(argv)
     args = parser.parse_args(argv)
+    args.command_argv = command_argv
     if not getattr(args, "func", None):
         _parser().print_help()
         return EXIT_INVALID
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except BrokenPipeError:
         return EXIT_OK
-    except (RootNotFound, BadUserConfig) as exc:
+    except (RootNotFound, BadUserConfig, UsageError) as exc:  # UsageError: e.g. a name several jobs carry
         return _fail(str(exc), EXIT_INVALID)
 
 
@@ -82,8 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("submit", help="validate a job file and drop a copy into the inbox atomically")
-    p.add_argument("file", metavar="FILE")
+    p = sub.add_parser("submit", help="validate a job file and drop a copy into the inbox atomically; "
+                       "or `submit [OPTIONS] -- CMD ARGS...`: a command job written for you",
+                       usage="trainq submit FILE [--approve] [--debug]\n"
+                             "       trainq submit [--name N] [--priority P] [--after ID] [--gpus G] [--ram 8G] "
+                             "[--timeout 2h] [--pool P] -- CMD ARGS...")
+    p.add_argument("file", metavar="FILE", nargs="?")
+    add_command_options(p)
     p.add_argument("--approve", action="store_true", help="submit it with approved: true")
     p.add_argument("--debug", action="store_true",
                    help="submit a train job with debug: true added (a short smoke run before the real one)")
@@ -100,35 +109,53 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("logs", help="print a job's output.log")
-    p.add_argument("id")
+    _id_argument(p)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job finishes")
+    p.add_argument("-n", "--tail", type=int, metavar="N", help="start with the last N lines only")
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("stop", help="stop a job, or every job of a sweep (touches their stop.flag)")
-    p.add_argument("id", help="a job id, or a sweep id for all of its pending and running jobs")
+    _id_argument(p, help="a job id (or name), or a sweep id for all of its pending and running jobs")
     p.add_argument("--now", action="store_true", help="skip the job's stop_grace (stop.flag holds `now`)")
     p.set_defaults(func=cmd_stop)
 
-    p = sub.add_parser("retry", help="run a failed job again, resuming from its latest checkpoint (touches retry.flag)")
-    p.add_argument("id")
+    p = sub.add_parser("retry", help="run a failed job again under its id (touches retry.flag); it resumes from its "
+                       "latest checkpoint when it can (train jobs, resume_args)")
+    _id_argument(p)
     p.set_defaults(func=cmd_retry)
 
     p = sub.add_parser("why", help="say where a job is and why: every gate that holds it, or how it failed")
-    p.add_argument("id")
+    _id_argument(p)
     p.add_argument("--stack", action="store_true",
                    help="a running job: record its processes' Python stacks (py-spy) into stacks/ and show the main thread")
     p.set_defaults(func=cmd_why)
 
     p = sub.add_parser("fork", help="write a new job file into the inbox: ID's job.yaml with changes and fork_of: ID")
-    p.add_argument("id")
+    _id_argument(p)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a field (train.lr=2e-4)")
     p.add_argument("--from-checkpoint", action="store_true", help="start from ID's latest checkpoint (command jobs)")
     p.set_defaults(func=cmd_fork)
+    p = sub.add_parser("history", help="every finished job (history.jsonl, kept by the watcher), oldest first")
+    p.add_argument("--state", metavar="S[,S]", help="only these: done, failed, cancelled, timeout, rejected")
+    p.add_argument("--since", metavar="T", help="only jobs finished since T: an ISO date/time or an age (12h, 7d)")
+    p.add_argument("--kind", metavar="K", help="only this job type (train, command) or diagnosis kind (oom, nan, ...)")
+    p.add_argument("--sweep", metavar="ID", help="only the jobs of this sweep")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", dest="fmt", action="store_const", const="json", help="a JSON list of records")
+    fmt.add_argument("--csv", dest="fmt", action="store_const", const="csv", help="CSV with a header line")
+    p.set_defaults(func=cmd_history, fmt="table")
     add_commands(sub, _root)
     add_serve_command(sub, _root)
     add_record_commands(sub, _root)
     add_global_options(parser, sub)
     return parser
+
+
+def _id_argument(p: argparse.ArgumentParser, help: str = "a job id (or a job's name, when one job has it)") -> None:
+    """The ID argument of a command, with shell completion of the ids in the queue."""
+    from trainq.watcher.cli.manage_commands import job_ids
+
+    p.add_argument("id", metavar="ID", help=help).completer = job_ids  # type: ignore[attr-defined]
 
 
 def _root(args: argparse.Namespace, must_exist: bool = True) -> Path:
@@ -262,6 +289,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
             worst = EXIT_INVALID
             continue
         state = "approved" if spec.approved else f"valid, awaiting approval ({spec.approval_hint or 'add approved: true'})"
+        if spec.sweep:
+            from trainq.watcher.spec.sweeps import combinations
+
+            count = combinations(spec.sweep)
+            state += (f"; a sweep: it becomes {count} job{'s' if count != 1 else ''} "
+                      f"({', '.join(map(str, spec.sweep))})")
         print(f"{name}: ok, {state}")
     return worst
 
@@ -272,6 +305,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from trainq.watcher.spec.jobspec import parse_job_text
     from trainq.watcher.cli.submit import approve_text, debug_text, inbox_name, read_job_text
 
+    if args.command_argv is not None or args.file is None:
+        from trainq.watcher.cli.submit_command import submit_command
+
+        return submit_command(args, _root(args))
+    given = [o for o, v in (("--name", args.name), ("--priority", args.priority), ("--after", args.after),
+                            ("--gpus", args.gpus), ("--ram", args.ram), ("--timeout", args.timeout),
+                            ("--pool", args.pool)) if v not in (None, [])]
+    if given:
+        return _fail(f"submit {args.file}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
+                     "`trainq submit [OPTIONS] -- CMD ARGS...`; set these fields in the job file instead", EXIT_INVALID)
     source = Path(args.file)
     try:
         text = read_job_text(source)
@@ -326,12 +369,39 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if not args.follow:
             return EXIT_OK
     offset = 0
+    if args.tail is not None:
+        offset = tail_offset(JobPaths(found.path).log, max(0, args.tail))
     while True:
         found = find_job(root, args.id) or found
         offset = _print_from(JobPaths(found.path).log, offset)
         if not args.follow or found.state in ("done", "failed"):
             return EXIT_OK
         time.sleep(0.5)
+
+
+def tail_offset(path: Path, lines: int, block: int = 65536) -> int:
+    """The byte offset where the last ``lines`` lines of ``path`` begin (read backwards, block by block)."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            pos, seen = end, 0
+            if lines == 0:
+                return end
+            while pos > 0:
+                step = min(block, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step)
+                if pos + step == end and data.endswith(b"\n"):
+                    data = data[:-1]  # the last line's own newline does not start another line
+                i = len(data)
+                while (i := data.rfind(b"\n", 0, i)) >= 0:
+                    seen += 1
+                    if seen == lines:
+                        return pos + i + 1
+            return 0
+    except FileNotFoundError:
+        return 0
 
 
 def _print_from(path: Path, offset: int) -> int:
@@ -354,7 +424,26 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if size:
         return _stop_sweep(root, args.id, size, args.now)
     return _flag(args, ("pending", "running"), lambda path: request_stop(path, now=args.now),
-                 "stop requested" + (", without the grace" if args.now else ""))
+                 _stop_words(root, args.id, args.now))
+
+
+def _stop_words(root: Path, job_id: str, now: bool) -> str:
+    """What a stop will do: cancel a pending job; a running one shows `stopping` for up to its stop_grace."""
+    from trainq.watcher.cli.manage import find_job
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.spec.jobspec import load_job_file
+
+    found = find_job(root, job_id)
+    if found is None or found.state != "running":
+        return "stop requested; it ends cancelled without running"
+    if now:
+        return "stop requested, without the grace: its processes are terminated now, then it ends cancelled"
+    try:
+        grace = load_job_file(found.path / "job.yaml").stop_grace_s
+    except (InvalidJobSpec, OSError):
+        return "stop requested; it shows `stopping` until it has checkpointed and exited (at most its stop_grace)"
+    return (f"stop requested; it shows `stopping` for up to its stop_grace ({grace:g}s) while it checkpoints and "
+            f"exits, then its processes are terminated; `trainq stop --now {found.id}` skips the wait")
 
 
 def _stop_sweep(root: Path, sweep_id: str, size: int, now: bool) -> int:
@@ -383,15 +472,37 @@ def cmd_retry(args: argparse.Namespace) -> int:
     from trainq.watcher.spec.fsutil import touch
 
     def retry(path: Path) -> Path:
+        from trainq.watcher.cli.again import blocking_dependency
+        from trainq.watcher.spec.errors import InvalidJobSpec
+        from trainq.watcher.spec.jobspec import load_job_file
+
         run = read_json(JobPaths(path).run) or {}
-        if run.get("status") == "rejected":
-            raise UsageError(f"job {args.id} was rejected: its job file is invalid, so it cannot run again. "
-                             f"Fix the file and submit it again: `trainq submit {path / 'job.yaml'}` after editing "
-                             f"a copy (`trainq show {args.id}` lists the problems)")
+        if run.get("status") == "rejected" and not _validates(JobPaths(path).spec):
+            raise UsageError(f"job {path.name} was rejected: its job file is invalid, so it cannot run again. "
+                             f"Fix it with `trainq edit {path.name}` (checked, then run under the same id; "
+                             f"`trainq show {path.name}` lists the problems)")
+        try:
+            spec = load_job_file(JobPaths(path).spec)
+        except (InvalidJobSpec, OSError):
+            spec = None
+        blocked = blocking_dependency(_root(args), spec)
+        if blocked:
+            raise UsageError(f"job {path.name} runs after {blocked[0]}, which ended {blocked[1]}: retry that first "
+                             f"(`trainq retry {blocked[0]}`), then this one; nothing done")
         touch(JobPaths(path).retry_flag)
         return JobPaths(path).retry_flag
 
     return _flag(args, ("failed",), retry, _retry_plan(_root(args), args.id))
+
+
+def _validates(path: Path) -> bool:
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.spec.jobspec import load_job_file
+
+    try:
+        return not load_job_file(path).sweep
+    except (InvalidJobSpec, OSError):
+        return False
 
 
 def _retry_plan(root: Path, job_id: str) -> str:
@@ -421,13 +532,13 @@ def _flag(args: argparse.Namespace, states: tuple[str, ...], act: Callable[[Path
     if found is None:
         return _fail(no_such_job(root, args.id), EXIT_INVALID)
     if found.state not in states:
-        return _fail(f"job {args.id} is in {found.state}/; this works only for jobs in "
+        return _fail(f"job {found.id} is in {found.state}/; this works only for jobs in "
                      f"{' or '.join(s + '/' for s in states)}", EXIT_INVALID)
     try:
         flag_path = act(found.path)
     except UsageError as exc:
         return _fail(str(exc), EXIT_INVALID)
-    print(f"job {args.id}: {what} ({found.state}/{args.id}/{flag_path.name})")
+    print(f"job {found.id}: {what} ({found.state}/{found.id}/{flag_path.name})")
     return EXIT_OK
 
 
@@ -436,7 +547,12 @@ def cmd_why(args: argparse.Namespace) -> int:
 
     from trainq.watcher.spec.text import printable
 
-    lines = explain(_root(args), args.id)
+    from trainq.watcher.cli.names import AmbiguousName
+
+    try:
+        lines = explain(_root(args), args.id)
+    except AmbiguousName as exc:
+        return _fail(str(exc), EXIT_INVALID)
     if lines is None:
         return _fail(f"{_root(args)}: no job with id {args.id!r} (not in inbox/, pending/, running/, done/ or failed/)",
                      EXIT_INVALID)
@@ -450,18 +566,29 @@ def cmd_why(args: argparse.Namespace) -> int:
 
 def cmd_fork(args: argparse.Namespace) -> int:
     from trainq.watcher.spec.errors import InvalidJobSpec
-    from trainq.watcher.cli.fork import find_job_dir, fork_data, write_fork
+    from trainq.watcher.cli.fork import find_job_dir, fork_data, fork_words, write_fork
 
-    root = _root(args)
-    job_dir = find_job_dir(root, args.id)
+    from trainq.watcher.cli.names import AmbiguousName
+
+    root = _root(args).resolve()  # every path the fork carries is absolute, whatever --root was
+    try:
+        job_dir = find_job_dir(root, args.id)
+    except AmbiguousName as exc:
+        return _fail(str(exc), EXIT_INVALID)
     if job_dir is None:
         return _fail(f"{root}: no job with id {args.id!r}", EXIT_INVALID)
     try:
-        data = fork_data(job_dir, args.id, args.set, args.from_checkpoint)
+        data = fork_data(job_dir, job_dir.name, args.set, args.from_checkpoint)
     except InvalidJobSpec as exc:
         for line in exc.lines():
             print(line, file=sys.stderr)
         return EXIT_INVALID
-    target = write_fork(root / "inbox", args.id, data)
-    print(f"{target}: fork of {args.id} submitted{'' if data.get('approved') is True else ' (awaiting approval)'}")
+    target = write_fork(root / "inbox", job_dir.name, data)
+    print(fork_words(root, target, job_dir.name, data))
     return EXIT_OK
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from trainq.watcher.cli.history import history
+
+    return history(_root(args), args.state, args.since, args.kind, args.sweep, args.fmt)

@@ -58,15 +58,23 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-def find_job(root: Path, job_id: str) -> Found | None:
-    """Where the job ``job_id`` is now, or None."""
+def find_job(root: Path, job_id: str, by_name: bool = True) -> Found | None:
+    """Where the job ``job_id`` is now, or None; a word that is no id may be a job's name (names.py)."""
     if not job_id or job_id.startswith(".") or "/" in job_id or job_id in ("..",):
         return None
     for state in STATES:
         path = root / state / job_id
         if path.is_dir():
             return Found(state, path)
-    return None
+    if not by_name or inbox_file_for(root, job_id) is not None:
+        return None
+    from trainq.watcher.cli.names import AmbiguousName, id_for_name
+
+    try:
+        named = id_for_name(root, job_id)
+    except AmbiguousName as exc:
+        raise UsageError(str(exc)) from None
+    return find_job(root, named, by_name=False) if named else None
 
 
 def require_job(root: Path, job_id: str) -> Found:
@@ -101,10 +109,10 @@ def wait_for_claim(root: Path, job_id: str, timeout_s: float = 10.0) -> Found | 
         if waiting is None or awaiting_entry(root, waiting) is not None or time.monotonic() > deadline:
             break
         time.sleep(POLL_S)
-        found = find_job(root, job_id)
+        found = find_job(root, job_id, by_name=False)
         if found is not None:
             return found
-    return find_job(root, job_id)
+    return find_job(root, job_id, by_name=False)
 
 
 def claimed_id(root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, int] | None = None,
@@ -118,7 +126,7 @@ def claimed_id(root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, 
         if not inbox_file.exists():
             job_id = _job_with_inode(root, base, ino)
             if job_id is not None:
-                found = find_job(root, job_id)
+                found = find_job(root, job_id, by_name=False)
                 rejected = found is not None and found.run.get("status") == "rejected"
                 return f"job {job_id}" + (f" (rejected: {found.run.get('error')})" if rejected else "")
             # a sweep file becomes new files ID-1 … ID-N, none with our inode: a sweep not there before is ours
@@ -158,7 +166,7 @@ def _job_with_inode(root: Path, base: str, ino: int) -> str | None:
 
     for n in range(1, 1000):
         job_id = base if n == 1 else _with_suffix(base, n)
-        found = find_job(root, job_id)
+        found = find_job(root, job_id, by_name=False)
         if found is None:
             if n > 1 and not any((root / s / job_id).exists() for s in STATES):
                 return None
@@ -210,12 +218,20 @@ def remove_folder(path: Path) -> None:
 
 
 # -- rm ------------------------------------------------------------------------------------------------
-def rm(root: Path, ids: list[str], now: bool = False, timeout_s: float | None = None) -> int:
-    """Remove jobs: pending or finished at once; running ones are stopped first (``--now``: no grace)."""
+def rm(root: Path, ids: list[str], now: bool = False, timeout_s: float | None = None, force: bool = False) -> int:
+    """Remove jobs: pending or finished at once; running ones are stopped first (``--now``: no grace).
+
+    A running job that can resume (a train job, or one with resume_args) has checkpoints worth keeping:
+    it is removed only with ``--force`` or after a yes on a terminal.
+    """
     worst = EXIT_OK
     for job_id in ids:
         try:
-            _rm_one(root, job_id, now, timeout_s)
+            found = require_job(root, job_id)
+            if found.state == "running" and not force and not _confirm_running(found):
+                raise UsageError(f"job {found.id} is running and can resume: rm would delete its checkpoints too. "
+                                 f"`trainq stop {found.id}` keeps them; `trainq rm --force {found.id}` deletes it all")
+            _rm_one(root, found.id, now, timeout_s)
         except UsageError as exc:
             print(f"trainq: {exc}", file=sys.stderr)
             worst = max(worst, EXIT_INVALID)
@@ -223,6 +239,23 @@ def rm(root: Path, ids: list[str], now: bool = False, timeout_s: float | None = 
             print(f"trainq: {exc}", file=sys.stderr)
             worst = max(worst, EXIT_ERROR)
     return worst
+
+
+def _confirm_running(found: Found) -> bool:
+    """True for a running job without resume semantics, or when the user says yes on a terminal."""
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.spec.jobspec import load_job_file
+
+    try:
+        resumable = load_job_file(JobPaths(found.path).spec).has_resume
+    except (InvalidJobSpec, OSError):
+        resumable = True  # unknown: ask
+    if not resumable:
+        return True
+    if not sys.stdin.isatty():
+        return False
+    answer = input(f"job {found.id} is running and can resume; delete it with its checkpoints? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
 
 
 def _rm_one(root: Path, job_id: str, now: bool, timeout_s: float | None) -> None:
@@ -248,7 +281,7 @@ def _stop_and_wait(root: Path, found: Found, now: bool, timeout_s: float | None)
     say(f"job {found.id}: stopping{' now' if now else ' (stop.flag; the job has its stop_grace to checkpoint)'}…")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        current = find_job(root, found.id)
+        current = find_job(root, found.id, by_name=False)
         if current is None:
             raise UsageError(f"job {found.id}: its folder vanished while stopping")
         if current.state in FINISHED:
@@ -269,29 +302,69 @@ def request_stop(job_dir: Path, now: bool = False) -> Path:
 
 
 # -- pause / resume ---------------------------------------------------------------------------------------
-def pause(root: Path) -> int:
+def pause(root: Path, pool: str | None = None) -> int:
+    if pool is not None:
+        return _pause_pool(root, pool)
     touch(root / "pause.flag")
     say(f"{root}: paused (pause.flag): no new job starts; running jobs go on. `trainq resume` undoes it"
         + ("" if watcher_alive(root) else f"; {watcher_words(root)}"))
     return EXIT_OK
 
 
-def resume(root: Path) -> int:
+def resume(root: Path, pool: str | None = None) -> int:
+    if pool is not None:
+        from trainq.watcher.spec.pools import pool_pause_flag
+
+        flag = pool_pause_flag(root, _pool_name(pool))
+        was = remove_quietly(flag)
+        say(f"{root}: pool {pool} {'resumed (' + flag.name + ' removed)' if was else 'was not paused'}")
+        return EXIT_OK
     was = remove_quietly(root / "pause.flag")
     say(f"{root}: {'resumed (pause.flag removed)' if was else 'was not paused'}")
     return EXIT_OK
 
 
+def _pool_name(pool: str) -> str:
+    from trainq.watcher.spec.pools import POOL_NAME
+
+    if not POOL_NAME.match(pool):
+        raise UsageError(f"--pool {pool!r}: a pool name is 1-64 letters, digits, '_' or '-'")
+    return pool
+
+
+def _pause_pool(root: Path, pool: str) -> int:
+    """``pause --pool P``: ROOT/pause.P.flag; only that pool's jobs wait (running ones go on)."""
+    from trainq.watcher.spec.pools import pool_pause_flag
+
+    flag = pool_pause_flag(root, _pool_name(pool))
+    touch(flag)
+    say(f"{root}: pool {pool} paused ({flag.name}): none of its jobs starts; running ones go on. "
+        f"`trainq resume --pool {pool}` undoes it" + ("" if watcher_alive(root) else f"; {watcher_words(root)}"))
+    return EXIT_OK
+
+
 # -- clean -------------------------------------------------------------------------------------------------
-def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_run: bool = False) -> int:
-    """Remove finished job folders (done/ and failed/ unless one is named), optionally only old ones."""
+def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_run: bool = False,
+          ids: list[str] | None = None) -> int:
+    """Remove finished job folders (done/ and failed/ unless one is named; only ``ids`` when given),
+    optionally only old ones. A named job that has not finished is refused and nothing is removed."""
     from trainq.watcher.spec.units import parse_iso
 
     states = [s for s, wanted in (("done", done), ("failed", failed)) if wanted] or list(FINISHED)
     cutoff = None if older_than_s is None else time.time() - older_than_s
+    named = None
+    if ids:
+        found = [require_job(root, job_id) for job_id in ids]
+        unfinished = [f for f in found if f.state not in FINISHED]
+        if unfinished:
+            raise UsageError(f"job {unfinished[0].id} is in {unfinished[0].state}/: clean removes finished jobs only "
+                             f"(`trainq rm {unfinished[0].id}` stops and removes it); nothing removed")
+        named = {f.path for f in found}
     removed = []
     for state in states:
         for path in sorted(_job_dirs(root / state)):
+            if named is not None and path not in named:
+                continue
             run = read_json(JobPaths(path).run) or {}
             finished = parse_iso(run.get("finished_at")) or _mtime(path)
             if cutoff is not None and finished > cutoff:
@@ -328,16 +401,20 @@ def _mtime(path: Path) -> float:
 # -- wait ------------------------------------------------------------------------------------------------
 def wait(root: Path, ids: list[str], timeout_s: float | None = None, quiet: bool = False) -> int:
     """Wait until every job has finished; the exit status is the first non-zero job's (0 when all are done)."""
+    named = []
     for job_id in ids:
-        if find_job(root, job_id) is None and inbox_file_for(root, job_id) is None:
+        found = find_job(root, job_id)
+        if found is None and inbox_file_for(root, job_id) is None:
             raise UsageError(f"{root}: no job with id {job_id!r}")
+        named.append(found.id if found is not None else job_id)  # a name: its id from here on
+    ids = named
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     codes: dict[str, int] = {}
     while len(codes) < len(ids):
         for job_id in ids:
             if job_id in codes:
                 continue
-            found = find_job(root, job_id)
+            found = find_job(root, job_id, by_name=False)
             if found is not None and found.state in FINISHED and found.run.get("status") not in (None, "running", "stopping"):
                 codes[job_id] = job_exit_status(found)
                 if not quiet:
@@ -356,6 +433,8 @@ def job_exit_status(found: Found) -> int:
     run = found.run
     if found.state == "done" and run.get("status") == "done":
         return EXIT_OK
+    if run.get("status") in ("cancelled", "rejected"):
+        return EXIT_ERROR  # stopped on purpose, or never ran: the SIGTERM of a stop is no exit status of the job's
     attempts = run.get("attempts") or []
     last = attempts[-1] if attempts else {}
     if last.get("exit_code"):
@@ -374,11 +453,15 @@ def describe_end(found: Found) -> str:
 
 
 # -- train / tiny -------------------------------------------------------------------------------------------
-def run_module(module: str, args: list[str]) -> int:
-    """Run ``python -m module args`` in place of this process (the trainer imports torch; the CLI never does)."""
+def run_module(module: str, args: list[str], prog: str | None = None) -> int:
+    """Run ``python -m module args`` in place of this process (the trainer imports torch; the CLI never does).
+
+    ``prog`` (``trainq tiny``) is what the module's usage lines call it, through TRAINQ_PROG.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", module, *args])
+    env = dict(os.environ, TRAINQ_PROG=prog) if prog else os.environ
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
     return EXIT_ERROR  # not reached
 
 

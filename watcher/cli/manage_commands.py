@@ -106,9 +106,13 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p = sub.add_parser("rm", help="remove jobs: pending or finished at once; running ones are stopped first")
     _ids(p, "+")
     p.add_argument("--now", action="store_true", help="stop running jobs without their stop grace")
-    p.set_defaults(func=bind(lambda a: manage.rm(root_of(a), a.ids, now=a.now)))
+    p.add_argument("-f", "--force", action="store_true",
+                   help="remove a running job that can resume (train job, resume_args) without asking")
+    p.set_defaults(func=bind(lambda a: manage.rm(root_of(a), a.ids, now=a.now, force=a.force)))
 
-    p = sub.add_parser("edit", help="edit a pending job's job.yaml in $EDITOR; it is validated before it is saved")
+    p = sub.add_parser("edit", help="edit a job's job.yaml in $EDITOR, validated before it is used: a pending job's "
+                       "is replaced; a failed/cancelled one runs again under the same id (resuming where it can); "
+                       "a rejected one is fixed in place and runs under its id")
     _ids(p)
     p.set_defaults(func=bind(lambda a: _edit(root_of(a), a.id)))
 
@@ -118,16 +122,20 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p.set_defaults(func=bind(lambda a: _edit_with(lambda: _edit_module().priority(root_of(a), a.id, a.value))))
 
     p = sub.add_parser("pause", help="start no new job (creates pause.flag); running jobs go on")
-    p.set_defaults(func=bind(lambda a: manage.pause(root_of(a))))
+    p.add_argument("--pool", metavar="P", help="pause only pool P (creates pause.P.flag)")
+    p.set_defaults(func=bind(lambda a: manage.pause(root_of(a), a.pool)))
     p = sub.add_parser("resume", help="start jobs again (removes pause.flag)")
-    p.set_defaults(func=bind(lambda a: manage.resume(root_of(a))))
+    p.add_argument("--pool", metavar="P", help="resume only pool P (removes pause.P.flag)")
+    p.set_defaults(func=bind(lambda a: manage.resume(root_of(a), a.pool)))
 
-    p = sub.add_parser("clean", help="remove finished job folders (done/ and failed/, or those named)")
+    p = sub.add_parser("clean", help="remove finished job folders (done/ and failed/, or only the ids named)")
+    _ids(p, "*", help="only these finished jobs (default: every finished job that matches the options)")
     p.add_argument("--done", action="store_true", help="only done/")
     p.add_argument("--failed", action="store_true", help="only failed/ (failed, cancelled, timeout, rejected)")
     p.add_argument("--older-than", metavar="AGE", help="only jobs finished longer ago than AGE (90s, 12h, 7d)")
     p.add_argument("-n", "--dry-run", action="store_true", help="list what would go; remove nothing")
-    p.set_defaults(func=bind(lambda a: manage.clean(root_of(a), a.done, a.failed, _age_s(a.older_than), a.dry_run)))
+    p.set_defaults(func=bind(lambda a: manage.clean(root_of(a), a.done, a.failed, _age_s(a.older_than), a.dry_run,
+                                                    ids=a.ids)))
 
     p = sub.add_parser("wait", help="wait until jobs finish; exit with the first failed job's exit status")
     _ids(p, "+")
@@ -160,7 +168,7 @@ def run_trainer_command(argv: list[str]) -> int | None:
         rest = rest[2:] if rest[0] == "--root" else rest[1:]  # the trainer needs no queue root
     if not rest or rest[0] not in TRAINER_COMMANDS:
         return None
-    return manage.run_module(TRAINER_COMMANDS[rest[0]], rest[1:])
+    return manage.run_module(TRAINER_COMMANDS[rest[0]], rest[1:], prog=f"trainq {rest[0]}")
 
 
 def _age_s(text: str | None) -> float | None:

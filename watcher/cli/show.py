@@ -26,8 +26,23 @@ def show_lines(root: Path, found: Found, now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     run = found.run
     lines = [headline(found, run), *_times(run, now), *_waiting(root, found, run), *_errors(run),
-             *_diagnosis(run), *_attempts(run, now), *_progress(found), *_paths(found)]
+             *_diagnosis(run), *_rerun(root, found, run), *_attempts(run, now), *_progress(found), *_paths(found)]
     return lines
+
+
+def _rerun(root: Path, found: Found, run: dict) -> list[str]:
+    if found.state != "failed":
+        return []
+    from trainq.watcher.cli.again import rerun_line
+    from trainq.watcher.spec.errors import InvalidJobSpec
+    from trainq.watcher.spec.jobspec import load_job_file
+
+    try:
+        spec = load_job_file(found.path / "job.yaml")
+    except (InvalidJobSpec, OSError):
+        spec = None
+    line = rerun_line(root, found.id, found.path, run, spec)
+    return [line] if line else []
 
 
 def headline(found: Found, run: dict) -> str:
@@ -79,7 +94,7 @@ def _errors(run: dict) -> list[str]:
     if run.get("status") != "rejected":
         return [f"  error: {run['error']}"] if run.get("error") and not run.get("diagnosis") else []
     errors = run.get("errors") or []
-    lines = ["  rejected: the job file is invalid, so it never ran. Fix these and submit it again:"]
+    lines = ["  rejected: the job file is invalid, so it never ran. Fix these (trainq edit ID), and it runs:"]
     for problem in errors:
         where = f"{problem.get('path')}: " if problem.get("path") else ""
         lines.append(f"    {where}{problem.get('message')}")

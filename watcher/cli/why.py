@@ -21,6 +21,7 @@ from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.spec.jobspec import JobSpec, load_job_file
+from trainq.watcher.spec.pools import paused_pools
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 #: a heartbeat older than this means no watcher is looking after the queue, seconds
@@ -51,7 +52,10 @@ def find(root: Path, job_id: str) -> Found | None:
         path = root / "inbox" / f"{job_id}{suffix}"
         if path.is_file():
             return Found(job_id, "inbox", path, {}, _spec(path))
-    return None
+    from trainq.watcher.cli.names import id_for_name
+
+    named = id_for_name(root, job_id)  # AmbiguousName when several jobs carry it
+    return find(root, named) if named and named != job_id else None
 
 
 def _spec(path: Path) -> JobSpec | None:
@@ -80,6 +84,16 @@ def explain(root: Path, job_id: str, now: float | None = None, machine=None) -> 
 def _inbox(found: Found) -> list[str]:
     name = f"inbox/{found.path.name}"
     if found.spec is None:
+        from trainq.watcher.spec.yaml12 import load_yaml12
+
+        try:
+            data = load_yaml12(found.path.read_text(encoding="utf-8"))
+        except Exception:  # noqa: BLE001 - not YAML at all: it is rejected
+            data = None
+        if found.path.stat().st_size == 0 or (isinstance(data, dict) and "approved" in data
+                                              and data["approved"] is not True):
+            return [f"job {found.job_id}: {name} is a draft (not approved) that does not validate yet; it stays in "
+                    "the inbox until it is fixed and approved", f"  see why: trainq validate {found.path}"]
         return [f"job {found.job_id}: {name} is in the inbox and does not validate; the watcher will reject it",
                 f"  see why: trainq validate {found.path}"]
     if not found.spec.approved:
@@ -200,8 +214,11 @@ def _finished(found: Found, now: float) -> list[str]:
         lines.append(f"  error: {run['error']}")
     if run.get("reason") == "deadline":
         lines.append("  stopped at its wall (its deadline, or the window's final-checkpoint mark) after a checkpoint")
-    if status in ("failed", "cancelled", "timeout"):
-        lines.append(f"  to run it again (resuming from its latest checkpoint): trainq retry {found.job_id}")
+    from trainq.watcher.cli.again import rerun_line
+
+    rerun = rerun_line(found.path.parent.parent, found.job_id, found.path, run, found.spec)
+    if rerun:
+        lines.append(rerun)
     delivered = run.get("delivered")
     if delivered:
         lines.append(f"  delivered to {delivered.get('to')} at {delivered.get('at')}: "
@@ -301,16 +318,17 @@ def _admission_rows(root: Path, found: Found, spec: JobSpec, machine=None) -> li
             probe.close()
     res = spec.resources
     req = Request(found.job_id, spec.priority, int(found.run.get("order") or 0), res.gpus, res.gpu_memory_gb,
-                  res.ram_gb, res.disk_gb, res.allow_battery, root.resolve())
+                  res.ram_gb, res.disk_gb, res.allow_battery, root.resolve(), pool=spec.pool)
     limits = Limits(config.max_concurrent, config.gpus, config.min_free_ram_gb, config.min_free_disk_gb,
-                    paused=(root / "pause.flag").exists())
+                    paused=(root / "pause.flag").exists(), pools=config.pool_limits() if config.pools else None,
+                    paused_pools=frozenset(paused_pools(root)))
     gates = gate_report(req, running, machine, limits)
     wall = _window_row(config, found, spec)
     if gates["never"]:
         return [("machine", _HOLD, f"this machine can never run it: {gates['never']}")]
     ok = _ok_words(req, running, machine, limits)
     return [(gate, _HOLD if gates[key] else _PASS, gates[key] or ok[key])
-            for gate, key in (("pause", "pause"), ("max_concurrent", "max_concurrent"), ("RAM", "ram"),
+            for gate, key in (("pause", "pause"), ("pool", "pool"), ("max_concurrent", "max_concurrent"), ("RAM", "ram"),
                               ("disk", "disk"), ("battery", "battery"), ("GPUs", "gpus"))] + wall
 
 
@@ -339,7 +357,10 @@ def _ok_words(req: Request, running: list[Holding], machine, limits: Limits) -> 
     on_battery = bool(battery and battery.get("power_plugged") is False)
     return {
         "pause": "no pause.flag",
-        "max_concurrent": f"{len(running)} running of max_concurrent {limits.max_concurrent}",
+        "pool": f"pool {req.pool} not paused",
+        "max_concurrent": (f"{len(running)} running of max_concurrent {limits.max_concurrent}" if limits.pools is None
+                           else f"{sum(h.pool == req.pool for h in running)} running of pool {req.pool}'s "
+                                f"max_concurrent {limits.pool_limit(req.pool)}"),
         "ram": f"{machine.ram_available_gb:.1f} GB RAM free, job needs {req.ram_gb:g} GB",
         "disk": (f"{disk[1]:.1f} GB free on {req.disk_path}, job needs {req.disk_gb:g} GB" if disk else "not checked"),
         "battery": ("on battery, and resources.allow_battery is true" if on_battery else
@@ -361,7 +382,8 @@ def _running_holdings(root: Path) -> list[Holding]:
         run = read_json(JobPaths(path).run) or {}
         res = spec.resources if spec else None
         holdings.append(Holding(job_id, tuple(run.get("gpus") or ()), res.ram_gb if res else 0.0,
-                                res.disk_gb if res else 0.0, disk_path=root.resolve()))
+                                res.disk_gb if res else 0.0, disk_path=root.resolve(),
+                                pool=spec.pool if spec else "default"))
     return holdings
 
 

@@ -62,6 +62,7 @@ class Request:
     allow_battery: bool = False
     disk_path: Path | None = None
     gpus_default: int = 1  # wanted without ``gpus`` where the machine has GPUs (a train job: one per rank)
+    pool: str = "default"
 
     @classmethod
     def from_resources(
@@ -104,6 +105,7 @@ class Holding:
     pids: tuple[int, ...] = ()
     disk_path: Path | None = None
     disk_used_gb: float = 0.0
+    pool: str = "default"
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,16 @@ class Limits:
     min_free_ram_gb: float = 0.0
     min_free_disk_gb: float = 0.0
     paused: bool = False
+    #: each pool's max_concurrent (``default``: max_concurrent); None: one pool, limited by max_concurrent
+    pools: Mapping[str, int] | None = None
+    #: pools paused alone (``pause.POOL.flag``)
+    paused_pools: frozenset[str] = frozenset()
+
+    def pool_limit(self, pool: str) -> int:
+        """How many jobs of ``pool`` may run at once."""
+        if self.pools is None:
+            return self.max_concurrent
+        return self.pools.get(pool, self.max_concurrent if pool == "default" else 0)
 
 
 @dataclass(frozen=True)
@@ -176,7 +188,8 @@ def gate_report(req: Request, holdings: list[Holding], machine: MachineState, li
     return {
         "never": ledger._never_gpus(req, n) or ledger._never_ram(req) or ledger._never_disk(req),
         "pause": "pause.flag is present: no job starts until it is removed" if limits.paused else None,
-        "max_concurrent": ledger._concurrency(),
+        "pool": ledger._pool_paused(req),
+        "max_concurrent": ledger._concurrency(req),
         "battery": ledger._battery(req),
         "ram": ledger._ram(req),
         "disk": ledger._disk(req),
@@ -194,6 +207,9 @@ class _Ledger:
         self.gpus = {i: v for i, v in sorted(views.items()) if limits.gpu_ids is None or i in limits.gpu_ids}
         self.held = {i: v.held_by for i, v in self.gpus.items() if v.held_by}
         self.running = [h.job_id for h in holdings]
+        self.running_by_pool: dict[str, list[str]] = {}
+        for h in holdings:
+            self.running_by_pool.setdefault(h.pool, []).append(h.job_id)
         self.ram_promised_gb = sum((max(0.0, h.ram_gb - h.rss_gb) for h in holdings), 0.0)
         self.disk_promised_gb: dict[object, float] = {}
         for h in holdings:
@@ -211,7 +227,10 @@ class _Ledger:
             return Decision(req.job_id, False, unsatisfiable=never)
         if self.limits.paused:
             return Decision(req.job_id, False, waiting_for="paused (pause.flag)")
-        blockers = [b for b in (self._concurrency(), self._battery(req), self._ram(req), self._disk(req)) if b]
+        paused_pool = self._pool_paused(req)
+        if paused_pool:
+            return Decision(req.job_id, False, waiting_for=paused_pool)
+        blockers = [b for b in (self._concurrency(req), self._battery(req), self._ram(req), self._disk(req)) if b]
         usable = [i for i in self.gpus if self._gpu_problem(i, req) is None]
         if not blockers and len(usable) >= n:
             return self._start(req, tuple(usable[:n]))
@@ -225,6 +244,7 @@ class _Ledger:
         for index in gpus:
             self.held[index] = req.job_id
         self.running.append(req.job_id)
+        self.running_by_pool.setdefault(req.pool, []).append(req.job_id)
         self.ram_promised_gb += req.ram_gb
         if req.disk_path is not None and str(req.disk_path) in self.machine.disks:
             self._promise_disk(req.disk_path, req.disk_gb)
@@ -274,10 +294,23 @@ class _Ledger:
 
     # -- gates: each returns why the job waits, or None --
 
-    def _concurrency(self) -> str | None:
-        if len(self.running) < self.limits.max_concurrent:
+    def _concurrency(self, req: Request) -> str | None:
+        if self.limits.pools is None:
+            if len(self.running) < self.limits.max_concurrent:
+                return None
+            return f"max_concurrent {self.limits.max_concurrent} reached (running: {_names(self.running)})"
+        limit = self.limits.pool_limit(req.pool)
+        running = self.running_by_pool.get(req.pool, [])
+        if len(running) < limit:
             return None
-        return f"max_concurrent {self.limits.max_concurrent} reached (running: {_names(self.running)})"
+        if not limit:
+            return f"pool {req.pool}: not in watcher.yaml pools ({', '.join(sorted(self.limits.pools))})"
+        return f"pool {req.pool}: max_concurrent {limit} reached (running: {_names(running)})"
+
+    def _pool_paused(self, req: Request) -> str | None:
+        if req.pool not in self.limits.paused_pools:
+            return None
+        return f"pool {req.pool} paused (pause.{req.pool}.flag; trainq resume --pool {req.pool})"
 
     def _battery(self, req: Request) -> str | None:
         battery = self.machine.battery

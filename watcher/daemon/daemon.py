@@ -22,7 +22,9 @@ from trainq.watcher.daemon.containment import ENV_WATCHER_FAULTS, Containment, F
 from trainq.watcher.daemon.crashpoints import ENV_WATCHER_CRASH, CrashPoints
 from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFullHandling, take_reserve
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError
+from trainq.watcher.spec.interpreter import job_path
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
+from trainq.watcher.spec.pools import paused_pools, unknown_pool_words
 from trainq.watcher.spec.fsutil import drain, remove_quietly
 from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
 from trainq.watcher.daemon import records
@@ -72,6 +74,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         self.report = Report(self.root, config, started_at=time.time())
         self.inbox: Inbox | None = None
         self.paused = False
+        self.paused_pools: set[str] = set()  # pause.POOL.flag at the root (CONTRACT section 14)
         self.stopping = False
         self._awaiting: dict[str, tuple[tuple, dict]] = {}
         self._unclaimable: dict[str, tuple] = {}
@@ -306,6 +309,12 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             self.paused = paused
             self._plan_due = True
             self.report.touch()
+        pools = paused_pools(self.root.path)
+        if pools != self.paused_pools:
+            logger.info("watcher %d: paused pools: %s", os.getpid(), ", ".join(sorted(pools)) or "none")
+            self.paused_pools = pools
+            self._plan_due = True
+            self.report.touch()
 
     # -- the inbox ---------------------------------------------------------------------------
     def admit_inbox(self, now: float) -> None:
@@ -419,6 +428,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             spec = load_job_file(cand.path, display)
             self.check_allowed(spec, display, cand.name)
             check_submission(spec, display, time.time())
+            self._check_pool(spec, display)
         except InvalidJobSpec as exc:
             return exc
         except FileNotFoundError:
@@ -460,9 +470,15 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             return
         job_id = id_from_name(file_name)
         values = {"job_dir": str(self.root.job_dir(JobState.PENDING, job_id)), "job_id": job_id, "attempt": "1"}
-        problem = check_command_allowed(spec, self.config, values, self.env.get("PATH", ""))
+        problem = check_command_allowed(spec, self.config, values, job_path(self.env.get("PATH", "")))
         if problem is not None:
             raise InvalidJobSpec(display, [problem])
+
+    def _check_pool(self, spec: JobSpec, display: str) -> None:
+        """A job's pool must be one watcher.yaml names (or the default pool)."""
+        words = unknown_pool_words(spec.pool, self.config.pool_limits())
+        if words is not None:
+            raise InvalidJobSpec(display, [Problem("pool", words + "; fix pool: or add it to watcher.yaml")])
 
     def _next_order(self) -> int:
         self._order_last = max(self._order_last + 1, time.time_ns())

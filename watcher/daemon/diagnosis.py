@@ -161,6 +161,36 @@ def diagnose(exit: dict, log_tail: str, metrics_tail: list[dict] | None = None,
     return Diagnosis(found.kind, advice_for(found.kind, train=False), found.evidence)
 
 
+#: a Python job that could not import a module: the evidence names the module
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '(?P<module>[^']+)'")
+#: "touch retry.flag …" up to the end of its sentence, in advice for a job that cannot resume
+_RETRY_RESUME = re.compile(r"touch retry\.flag[^.]*")
+
+
+def fit_advice(diagnosis: Diagnosis | None, log_tail: str, has_resume: bool, program: str | None) -> Diagnosis | None:
+    """Advice that names only what applies to this job.
+
+    A job without resume semantics (a command job with no resume_args) is not told that a retry resumes
+    from its latest checkpoint; a ``ModuleNotFoundError`` names the interpreter that ran and what to do.
+    """
+    if diagnosis is None:
+        return None
+    advice = diagnosis.advice
+    missing = _NO_MODULE.search(strip_ansi(log_tail or ""))
+    if missing and diagnosis.kind == "unknown":
+        who = f"the interpreter that ran, {program}," if program else "the interpreter that ran"
+        advice = (f"Python could not import {missing['module']!r}: {who} does not have it. Install it there "
+                  f"({program or 'python'} -m pip install ...), or name the interpreter that has it in command "
+                  "(an absolute path); a bare python is the watcher's own (its folder comes first on the job's "
+                  "PATH). Then trainq retry ID.")
+        return Diagnosis(diagnosis.kind, advice, _clip(missing.group(0)))
+    if not has_resume:
+        advice = _RETRY_RESUME.sub("touch retry.flag (trainq retry ID) to run it again from the start (the job "
+                                   "declares no resume_args, so nothing resumes)", advice)
+        advice = advice.replace("resume it from its latest checkpoint", "run it again from the start")
+    return diagnosis if advice == diagnosis.advice else Diagnosis(diagnosis.kind, advice, diagnosis.evidence)
+
+
 def _classify(exit: dict, log_tail: str, metrics_tail: list[dict] | None,
               kernel_log: str | None) -> Diagnosis | None:
     stop_reason = exit.get("stop_reason")

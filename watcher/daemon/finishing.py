@@ -219,10 +219,12 @@ class Finishing:
         paths = JobPaths(self.root.job_dir(state, job_id))
         remove_quietly(paths.stop_flag)
         job = load_job(paths.dir, state)
-        if job is None or job.run.get("status") == "rejected":
+        if job is None:
             remove_quietly(paths.retry_flag)
-            logger.warning("job %s: retry.flag ignored (%s)", job_id,
-                           "rejected jobs cannot run; fix and resubmit the file" if job else "unreadable run.json")
+            logger.warning("job %s: retry.flag ignored (unreadable run.json)", job_id)
+            return
+        if job.run.get("status") == "rejected" and not self._fixed(job):
+            remove_quietly(paths.retry_flag)
             return
         resume = resume_point(job)
         job.run.update(status="pending", finished_at=None, not_before=None, resume_from=resume,
@@ -242,6 +244,24 @@ class Finishing:
         self.workflow_requeued(job, now)
         logger.info("job %s: %s -> pending, retry requested%s", job_id, state.value,
                     f" (resume from {resume})" if resume else "")
+
+    def _fixed(self, job: Job) -> bool:
+        """A rejected job whose job.yaml was fixed in place (``trainq edit ID``) may run under its id."""
+        from trainq.watcher.spec.errors import InvalidJobSpec
+
+        display = f"failed/{job.id}/job.yaml"
+        try:
+            if job.spec is None or job.spec.sweep:
+                raise InvalidJobSpec(display, [])
+            self.check_allowed(job.spec, display, f"{job.id}.yaml")
+            self._check_pool(job.spec, display)
+        except InvalidJobSpec:
+            logger.warning("job %s: retry.flag ignored: its job.yaml is still invalid (or a sweep); fix it "
+                           "(trainq edit %s) and try again", job.id, job.id)
+            return False
+        job.run.update(errors=[], name=job.spec.name or job.run.get("name"), priority=job.spec.priority)
+        logger.info("job %s: its fixed job.yaml validates; it runs as a new submission under the same id", job.id)
+        return True
 
     # -- running jobs ------------------------------------------------------------------------
     def watch_running(self, now: float) -> None:

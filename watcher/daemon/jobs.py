@@ -13,7 +13,7 @@ from pathlib import Path
 from trainq.watcher.daemon.checkpoints import find_checkpoint, latest_checkpoint, note_skipped
 from trainq.watcher.spec.contract import ATTEMPT_BANNER_PREFIX, JobPaths
 from trainq.watcher.spec.errors import JobFolderRemoved
-from trainq.watcher.daemon.diagnosis import (SIGKILL, Diagnosis, advice_for, diagnose, read_kernel_log, read_metrics_tail,
+from trainq.watcher.daemon.diagnosis import (SIGKILL, Diagnosis, advice_for, fit_advice, diagnose, read_kernel_log, read_metrics_tail,
                                              read_tail, stalled_diagnosis)
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
@@ -152,9 +152,12 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
         return Outcome("done", None)
     if reason is None and is_checkpoint_exit(exit_record, spec):
         return Outcome(CHECKPOINTED, None)
-    diagnosis = diagnose(exit_record, attempt_log_tail(paths), attempt_metrics(paths, run),
+    log_tail = attempt_log_tail(paths)
+    diagnosis = diagnose(exit_record, log_tail, attempt_metrics(paths, run),
                          kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record)
                          else None, train=spec is None or spec.is_train)
+    program = ((run.get("attempts") or [{}])[-1] or {}).get("program")
+    diagnosis = fit_advice(diagnosis, log_tail, spec is None or spec.has_resume, program)
     return Outcome("timeout" if reason == "timeout" else "failed", diagnosis)
 
 

@@ -6,6 +6,7 @@ The daemon feeds events in (a job finished, the inbox changed); ``write`` builds
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections import OrderedDict
@@ -21,6 +22,7 @@ from trainq.watcher.daemon.admission import resources_dict
 from trainq.watcher.faces.html import CurveStore
 from trainq.watcher.faces.status import StatusSnapshot, StatusWriter, job_entry
 from trainq.watcher.faces.sweepview import workflow_entry
+from trainq.watcher.spec.history import HISTORY_FILE, append_record, record_of
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
@@ -44,6 +46,8 @@ class ReportSource(Protocol):
     def window_now(self, now: float) -> dict | None: ...
     def cost_now(self, now: float) -> dict | None: ...
     def _holding(self, job: "Job"): ...
+
+logger = logging.getLogger(__name__)
 
 #: most awaiting/pending entries listed in status.json (CONTRACT section 5)
 MAX_LISTED = 50
@@ -105,6 +109,9 @@ class Report:
             job_entry(name, "awaiting_approval", f"inbox/{name}", name=e["spec"].name or name,
                       priority=e["spec"].priority, waiting_for="approval: set approved: true in the file",
                       approval_hint=e["spec"].approval_hint)
+            if e.get("spec") is not None else
+            job_entry(name, "awaiting_approval", f"inbox/{name}", name=name, waiting_for=e["waiting_for"],
+                      error=e["problems"][0] if e["problems"] else None, errors=e["errors"])
             for name, (_sig, e) in list(entries.items())
         ]
         if listed != self.awaiting_entries:
@@ -115,6 +122,7 @@ class Report:
         """A job reached done/ or failed/ (``count``: it was not on disk at the last recount)."""
         if count:
             self.counts[job.state.value] += 1
+            self._record_history(job)
         entry = _entry(job, self.root)
         entry["progress"] = final_progress(entry.get("progress"), job)
         self.recent[job.id] = entry
@@ -122,6 +130,16 @@ class Report:
         while len(self.recent) > self.config.keep_finished:
             self.recent.popitem(last=False)
         self.dirty = True
+
+    def _record_history(self, job: "Job") -> None:
+        """One line in history.jsonl for ``trainq history``; a write that fails costs that line, not the job."""
+        spec = job.spec
+        record = record_of(job.id, job.state.value, job.run, None if spec is None else spec.is_train,
+                           spec.pool if spec is not None else None)
+        try:
+            append_record(self.root.path, record)
+        except OSError as exc:
+            logger.warning("job %s: could not add it to %s (%s)", job.id, HISTORY_FILE, exc.strerror)
 
     def unfinished(self, job_id: str, state: JobState) -> None:
         self.counts[state.value] = max(0, self.counts[state.value] - 1)
@@ -268,6 +286,7 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
         "error": run.get("error"),
         "diagnosis": run.get("diagnosis"),
         "gpus": list(run.get("gpus") or []),
+        "pool": job.spec.pool if job.spec is not None else None,
     }
     if readers is not None and readers.metrics.bad_lines:
         entry["metrics_bad_lines"] = readers.metrics.bad_lines

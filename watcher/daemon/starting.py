@@ -24,6 +24,7 @@ from trainq.watcher.spec.contract import (
 )
 from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
 from trainq.watcher.spec.wall import ENV_COST
+from trainq.watcher.spec.interpreter import job_path, resolved_program
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
 from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
@@ -64,9 +65,10 @@ class Starting:
         if not (self._plan_due or unchecked or full):
             return
         running = self._jobs_in(JobState.RUNNING)
-        depth = PLAN_HEAD + 2 * self.config.max_concurrent
+        slots = sum(self.config.pool_limits().values())
+        depth = PLAN_HEAD + 2 * slots
         if not full:
-            depth = min(depth, max(0, self.config.max_concurrent - len(running)) + PLAN_MARGIN)
+            depth = min(depth, max(0, slots - len(running)) + PLAN_MARGIN)
         else:
             self._last_plan = now
         self._plan_due = False
@@ -125,6 +127,8 @@ class Starting:
             min_free_ram_gb=self.config.min_free_ram_gb,
             min_free_disk_gb=self.config.min_free_disk_gb,
             paused=self.paused,
+            pools=self.config.pool_limits() if self.config.pools else None,
+            paused_pools=frozenset(self.paused_pools),
         )
 
     def _reject_unsatisfiable(self, jobs: list[Job], holdings, machine, limits: Limits, now: float) -> None:
@@ -150,11 +154,12 @@ class Starting:
         if self.executor.places_resources:
             # a scheduler places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
             return Request(job_id=job.id, priority=job.priority, order=job.order, gpus=0, disk_gb=res.disk_gb,
-                           allow_battery=True, disk_path=self._disk_path(job))
+                           allow_battery=True, disk_path=self._disk_path(job), pool=job.spec.pool)
         return Request(
             job_id=job.id, priority=job.priority, order=job.order, gpus=res.gpus,
             gpu_memory_gb=res.gpu_memory_gb, ram_gb=res.ram_gb, disk_gb=res.disk_gb,
             allow_battery=res.allow_battery, disk_path=self._disk_path(job), gpus_default=default_gpus(job.spec.raw),
+            pool=job.spec.pool,
         )
 
     def _holding(self, job: Job) -> Holding:
@@ -162,7 +167,8 @@ class Starting:
         rss_gb = ((job.usage or {}).get("rss_mb") or 0.0) / 1024
         return Holding(job_id=job.id, gpus=tuple(job.run.get("gpus") or ()),
                        ram_gb=res.ram_gb if res else 0.0, disk_gb=res.disk_gb if res else 0.0, rss_gb=rss_gb,
-                       pids=job.pids, disk_path=self._disk_path(job))
+                       pids=job.pids, disk_path=self._disk_path(job),
+                       pool=job.spec.pool if job.spec else "default")
 
     def _disk_path(self, job: Job) -> Path:
         cwd = job.spec.cwd if job.spec else None
@@ -196,10 +202,11 @@ class Starting:
         # resolved now, where the folder is: it moved since the checkpoint was written
         resume_from = resume_checkpoint(job) if job.run.get("resume_from") else None
         if attempt == 1 and job.spec.from_checkpoint and not job.spec.is_train:
-            resume_from = job.spec.from_checkpoint  # a fork started from its parent's checkpoint (CONTRACT section 9)
+            # a fork started from its parent's checkpoint (CONTRACT section 9); a relative path is the job folder's
+            resume_from = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
         values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
                   **self.after_values(job)}
-        problem = command_problem(job.spec, self.config.allow_commands, values, self.env.get("PATH", ""),
+        problem = command_problem(job.spec, self.config.allow_commands, values, job_path(self.env.get("PATH", "")),
                                   self.config.allow_env)
         if problem is not None:
             self._refuse(job, problem, now)
@@ -224,7 +231,8 @@ class Starting:
                        gpus=list(decision.gpus), stop_requested_at=None)
         job.run["started_at"] = job.run.get("started_at") or iso_utc(now)
         record = {"n": attempt, "pid": None, "job_pid": None, "started_at": iso_utc(now),
-                  "resumed_from": resume_from, "gpus": list(decision.gpus)}
+                  "resumed_from": resume_from, "gpus": list(decision.gpus),
+                  "program": spec.executable or resolved_program(spec.argv[0], spec.env.get("PATH", ""), spec.cwd)}
         sweep = job.run.get("sweep") or {}
         group = (sweep["id"], sweep["index"]) if sweep.get("id") and isinstance(sweep.get("index"), int) else None
         try:
@@ -285,7 +293,7 @@ class Starting:
         """The real path allow_commands approved, so exactly that is exec'd (None: no list, or a train job)."""
         if self.config.allow_commands is None or job.spec.is_train:
             return None
-        return executable_for(job.spec, values, self.env.get("PATH", ""))
+        return executable_for(job.spec, values, job_path(self.env.get("PATH", "")))
 
     def _refuse(self, job: Job, problem, now: float) -> None:
         """allow_commands refuses the job at start (written into pending/ by hand, or the list changed)."""
@@ -311,6 +319,8 @@ class Starting:
     def _job_env(self, job: Job, values: dict, decision, resume_from: str | None) -> dict[str, str]:
         env = {k: v for k, v in passed_through(self.env, self.config.env_passthrough).items()
                if not k.startswith("TRAINQ_") or k == "TRAINQ_TRAINER_FAULTS"}
+        if "PATH" not in job.spec.env:  # the watcher's python first (interpreter.py); the job's own PATH wins
+            env["PATH"] = job_path(env.get("PATH"))
         env.update(job.spec.launch_env(values))
         env.update(decision.env)
         paths = job.paths
@@ -324,7 +334,8 @@ class Starting:
         if resume_from:
             env[ENV_RESUME_FROM] = resume_from
         elif job.spec.is_train and job.spec.from_checkpoint:
-            env[ENV_INIT_FROM] = job.spec.from_checkpoint  # weights only: fresh optimizer and schedule
+            # weights only: fresh optimizer and schedule; a relative path is the job folder's
+            env[ENV_INIT_FROM] = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
         if self.config.cost is not None:  # the trainer writes its attempt's cost into summary.json
             env[ENV_COST] = self.config.cost.to_env(len(decision.gpus))
         return env

@@ -203,7 +203,18 @@ class Workflows:
         members = self.sweep_members(dep)
         if members:
             return self._sweep_state(dep, members)
+        named = self._ids_named(dep)
+        if named:
+            return DepState(dep, False, False, f"{dep}: no job with id {dep}; job {' and '.join(named)} "
+                            f"{'is' if len(named) == 1 else 'are'} named {dep} (after: takes ids: write "
+                            f"after: [{named[0]}])", known=False)
         return DepState(dep, False, False, f"{dep}: no such job yet", known=False)
+
+    def _ids_named(self, name: str) -> list[str]:
+        """Ids of the live and recently finished jobs whose name is ``name`` (an ``after:`` that names a name)."""
+        live = [job.id for job in self.jobs.values() if job.run.get("name") == name and job.id != name]
+        recent = [job_id for job_id, entry in self.report.recent.items() if entry.get("name") == name]
+        return sorted(set(live + recent))[:3]
 
     def _sweep_state(self, sweep: str, members: list[str]) -> DepState:
         states = [self.dependency_state(m) for m in members]

@@ -75,6 +75,16 @@ def _parse_hf_dict(text: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def hf_dicts(text: str) -> list[dict]:
+    """Every Hugging Face Trainer log dict printed in ``text`` (best eval loss of a command job's sweep)."""
+    found = []
+    for match in _HF_DICT.finditer(text):
+        parsed = _parse_hf_dict(match.group(0))
+        if parsed is not None:
+            found.append(parsed)
+    return found
+
+
 class LogProgress:
     """Follows one job's output.log for the log dicts and progress bars its trainer prints."""
 

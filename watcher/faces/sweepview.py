@@ -54,7 +54,27 @@ def workflow_entry(job: JobView) -> dict:
         out.update(sweep=sweep.get("id"), params=sweep.get("params"))
     if job.state.value in ("done", "failed") and job.spec is not None and job.spec.is_train:
         out["best_eval_loss"] = best_eval_loss(job.paths.metrics, job.paths.summary)
+    elif job.state.value in ("done", "failed") and job.spec is not None:
+        out["best_eval_loss"] = best_logged_eval_loss(job.paths.metrics, job.paths.log)
     return out
+
+
+def best_logged_eval_loss(metrics_path, log_path) -> float | None:
+    """A command job's lowest finite ``eval_loss``: from its metrics records (any type) and from the
+    Hugging Face log dicts it printed into output.log (the same parse its live progress uses)."""
+    from trainq.watcher.faces.progress_log import hf_dicts
+
+    losses = [r.get("eval_loss") for r in parse_records(read_tail(metrics_path, BEST_EVAL_MAX_BYTES).splitlines())]
+    losses += [d.get("eval_loss") for d in hf_dicts(read_tail(log_path, BEST_EVAL_MAX_BYTES))]
+    finite = []
+    for value in losses:
+        try:
+            number = float(value)  # transformers 5 prints floats as strings
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(number):
+            finite.append(number)
+    return min(finite) if finite else None
 
 
 def best_eval_loss(metrics_path, summary_path=None) -> float | None:

@@ -7,6 +7,8 @@ get start and end times; ``--wide`` adds every column and wraps the reason with 
 """
 from __future__ import annotations
 
+import math
+
 import fnmatch
 import logging
 import re
@@ -147,7 +149,26 @@ def _dur(seconds: float | None) -> str:
 
 def _loss(job: dict) -> str:
     p = job.get("progress") or {}
-    return format_number(p.get("loss"), 4) if p.get("loss") is not None else "–"
+    return short_number(p.get("loss"), _CAPS["LOSS"]) if p.get("loss") is not None else "–"
+
+
+def short_number(value: object, width: int) -> str:
+    """A metric in at most ``width`` characters without losing its magnitude: 2.134, 0.0012, 8.3e-5, 1.2e6.
+
+    Cutting ``8.344e-05`` to the column would show ``8.344…``, a loss 100,000 times too big.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return format_number(value, 4)
+    for digits in (4, 3, 2):
+        text = f"{value:.{digits}g}"
+        if len(text) <= width and "e" not in text:
+            return text
+    mantissa, _, exponent = f"{value:.{max(0, width - 5)}e}".partition("e")
+    compact = f"{mantissa}e{int(exponent)}"
+    while len(compact) > width and "." in mantissa:  # drop mantissa digits before the exponent
+        mantissa = mantissa[:-1].rstrip(".")
+        compact = f"{mantissa}e{int(exponent)}"
+    return compact
 
 
 def _time(job: dict, now: float) -> str:

@@ -65,6 +65,11 @@ class WatcherConfig:
     cost: Cost | None = None
     #: names or globs a job's env may set (None: any name, within allow_commands' rules)
     allow_env: tuple[str, ...] | None = None
+    pools: dict = field(default_factory=dict)  # pool name -> max_concurrent (CONTRACT section 14)
+
+    def pool_limits(self) -> dict[str, int]:
+        """Every pool's max_concurrent: ``default`` is max_concurrent unless pools: names it."""
+        return {"default": self.max_concurrent, **self.pools}
 
     @classmethod
     def from_dict(cls, data: Mapping, root: Path | None = None, display: str = WATCHER_FILE) -> WatcherConfig:
@@ -102,6 +107,8 @@ class WatcherConfig:
                            "currency": self.cost.currency}
         if self.allow_env is not None:
             out["allow_env"] = list(self.allow_env)
+        if self.pools:
+            out["pools"] = {name: {"max_concurrent": n} for name, n in self.pools.items()}
         return out
 
 
@@ -151,6 +158,7 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
         simulate_gpus=_resolve(data.get("simulate_gpus"), root),
         window=Window.from_dict(data["window"]) if data.get("window") else None,
         cost=Cost.from_dict(data["cost"]) if data.get("cost") else None,
+        pools={name: int(p["max_concurrent"]) for name, p in (data.get("pools") or {}).items()},
         **{key: parse_duration_s(data.get(key, getattr(defaults, key))) for key in _DURATIONS},
     )
 

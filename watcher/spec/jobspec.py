@@ -42,6 +42,8 @@ DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "t
 DEFAULT_STOP_GRACE_S = 120.0
 #: seconds a failed job waits before its retry
 DEFAULT_BACKOFF_S = 30.0
+#: the pool of a job without pool: (limited by watcher.yaml max_concurrent unless pools: names it)
+DEFAULT_POOL = "default"
 JOB_SCHEMA = "job.schema.json"
 #: most lines plus commas a job file (or watcher.yaml) may have: real ones have tens; it bounds the parse time
 MAX_VALUES = 20_000
@@ -178,6 +180,7 @@ class JobSpec:
     rerun_of: str | None = None  # run records (CONTRACT section 13): trainq rerun's lineage
     snapshot: bool = True
     declared_checkpoint_exit_code: int | None = None
+    pool: str = "default"  # watcher.yaml pools: (CONTRACT section 14)
 
     @classmethod
     def from_dict(cls, data: dict, display: str = "<job>") -> JobSpec:
@@ -200,6 +203,8 @@ class JobSpec:
         records = {"rerun_of": self.rerun_of, "checkpoint_exit_code": self.declared_checkpoint_exit_code,
                    "snapshot": None if self.snapshot else False}
         out.update({k: v for k, v in records.items() if v is not None})
+        if self.pool != DEFAULT_POOL:
+            out["pool"] = self.pool
         out.update(priority=self.priority, env=dict(self.env), resources=self.resources.to_dict(),
                    stop_grace=self.stop_grace_s, retries=self.retries.to_dict())
         return out
@@ -288,6 +293,7 @@ def _build(data: dict) -> JobSpec:
         retries=Retries.from_dict(data.get("retries", {})),
         resume_args=None if resume_args is None else tuple(_argv_item(a) for a in resume_args),
         slurm=data.get("slurm"),
+        pool=data.get("pool", DEFAULT_POOL),
         raw=data,
         **_workflow_fields(data),
         **_wall_fields(data),
@@ -355,9 +361,27 @@ def _scrub_numbers(value: object, depth: int) -> object:
     return 0 if _scalar_problems("", value) and isinstance(value, (HugeInt, int, float)) else value
 
 
+def _report_to_problems(data: dict) -> list[Problem]:
+    """``report_to: [tensorboard]`` without a TensorBoard writer would fail the trainer seconds in: say it now.
+
+    The trainer runs with the watcher's interpreter, so what this one can import is what it will have
+    (found by name only: nothing is imported).
+    """
+    import importlib.util
+
+    train = data.get("train")
+    wanted = train.get("report_to") if isinstance(train, dict) else None
+    if not isinstance(wanted, list) or "tensorboard" not in wanted:
+        return []
+    if any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX")):
+        return []
+    return [Problem("train.report_to", "tensorboard needs the tensorboard package beside trainq "
+                                       "(pip install 'trainq[tensorboard]'); install it, or remove tensorboard")]
+
+
 def _semantic_problems(data: dict) -> list[Problem]:
     """Rules JSON Schema cannot say: the command string must split like a shell, resume_args is for commands."""
-    problems = []
+    problems = _report_to_problems(data)
     command = data.get("command")
     if isinstance(command, str):
         try:

@@ -176,8 +176,14 @@ def _unknown_field(data: dict, parts: list[str]) -> str | None:
     schema = _schema("job.schema.json")
     for depth, part in enumerate(parts):
         props = schema.get("properties") or {}
+        if part not in props and schema.get("additionalProperties") not in (None, False) and depth == len(parts) - 1:
+            return None  # a key of a free-form mapping: sweep: {env.X: [...]} sets env var X in each job
         if part not in props:
             where = ".".join(parts[:depth]) or "the job file"
+            if parts[0] == "env":
+                return (f"names no field: env.{'.'.join(parts[1:])} is not a field of the job file; to sweep an "
+                        f"environment variable, write a plain key (sweep: {{{parts[-1]}: [...]}}) and use it as a "
+                        f"placeholder in env (env: {{{parts[-1]}: \"{{{parts[-1]}}}\"}})")
             known = ", ".join(sorted(props)) if props else "no fields"
             return f"names no field: {where} has no {part!r} (it has {known})"
         schema = props[part]

@@ -1,0 +1,33 @@
+"""The interpreter a job gets: the watcher's own ``python`` comes first on every job's PATH.
+
+A job file says ``command: [python, train.py]``; which ``python`` is that? The answer is fixed and
+documented: the folder of the interpreter running the watcher (its venv's ``bin/``, which holds
+``python``, ``python3`` and ``trainq``) is put first on the job's PATH, so a bare ``python`` is the
+one trainq and its training stack are installed in, however the watcher was started
+(``.venv/bin/trainq watch &`` without activating the venv included). A job that sets ``PATH`` in
+its ``env:`` keeps its own. An absolute path (``/opt/conda/bin/python``) always runs that one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+
+def interpreter_dir(python: str | None = None) -> str:
+    """The folder of the watcher's interpreter (not resolved: a venv's ``bin/`` holds links to the base Python)."""
+    return os.path.dirname(os.path.abspath(python or sys.executable))
+
+
+def job_path(path_env: str | None, python: str | None = None) -> str:
+    """The PATH a job gets: the watcher's interpreter folder first, then ``path_env`` (without a repeat of it)."""
+    first = interpreter_dir(python)
+    rest = [p for p in (path_env if path_env is not None else os.defpath).split(os.pathsep) if p and p != first]
+    return os.pathsep.join([first, *rest])
+
+
+def resolved_program(argv0: str, path_env: str, cwd: str) -> str | None:
+    """What ``argv0`` runs as, on ``path_env`` (a path with a slash: against ``cwd``); None if not found."""
+    if os.sep in argv0:
+        return os.path.normpath(os.path.join(cwd, argv0))
+    return shutil.which(argv0, path=path_env)
