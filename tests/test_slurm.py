@@ -168,10 +168,13 @@ def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
 
 
 @pytest.mark.parametrize("state, status, kind", [
-    ("NODE_FAIL", "failed", "killed"), ("OUT_OF_MEMORY", "failed", "oom"), ("PREEMPTED", "failed", "preempted"),
-    ("CANCELLED", "failed", "preempted"), ("TIMEOUT", "timeout", "timeout"), ("BOOT_FAIL", "failed", "killed"),
+    ("NODE_FAIL", "failed", "preempted"), ("OUT_OF_MEMORY", "failed", "oom"), ("PREEMPTED", "failed", "preempted"),
+    ("CANCELLED", "cancelled", "killed"), ("TIMEOUT", "timeout", "timeout"), ("BOOT_FAIL", "failed", "preempted"),
+    ("GONE", "failed", "unknown"),
 ])
 def test_slurm_ending_a_job_itself_gets_an_exit_record_and_diagnosis(tmp_path, state, status, kind):
+    """Each way Slurm ends a job without the supervisor's record: a node failure is preempted (retried), a scancel
+    from outside trainq is cancelled (never retried by itself), a job Slurm forgot says so."""
     from trainq.watcher.spec.config import WatcherConfig
     from trainq.watcher.daemon.jobs import judge_exit
     from trainq.watcher.slurm.executor import SlurmJob
@@ -184,7 +187,8 @@ def test_slurm_ending_a_job_itself_gets_an_exit_record_and_diagnosis(tmp_path, s
     assert json.loads(paths.exit_record.read_text()) == record and record["attempt"] == 1
     outcome = judge_exit({"status": "running"}, record, paths)
     assert (outcome.status, outcome.diagnosis.kind) == (status, kind)
-    assert state in paths.log.read_text() and "node7" in paths.log.read_text()
+    assert (state if state != "GONE" else "no longer known to Slurm") in paths.log.read_text()
+    assert "node7" in paths.log.read_text() or state == "GONE"
 
 
 # -- through Slurm -----------------------------------------------------------------------------------
@@ -307,13 +311,18 @@ def test_trainqs_own_timeout_fires_before_slurms_limit(queue_dir, watcher):
     assert slurm_state(run["slurm_job_id"]) == "FAILED"  # the supervisor ended it (143), not Slurm's TIMEOUT
 
 
-def test_slurm_refusing_the_job_fails_it_with_slurms_words(queue_dir, watcher):
+def test_slurm_refusing_the_job_rejects_it_with_slurms_words_and_never_retries(queue_dir, watcher, tmp_path,
+                                                                               monkeypatch):
+    """A bad partition will not change: status rejected with sbatch's own words, one sbatch, no retry."""
+    sbatch = _counting(tmp_path, monkeypatch, "sbatch")
     w = watcher(**SLURM)
-    drop(queue_dir, "nopart.yaml", job_file(command=["true"], slurm={"partition": "no-such-partition"}))
-    done = tick_until(w, lambda: finished(queue_dir, "nopart"), 15, "nopart to fail")
+    drop(queue_dir, "nopart.yaml", job_file(command=["true"], slurm={"partition": "no-such-partition"},
+                                            retries={"max": 2, "on": ["unknown"], "backoff": "1s"}))
+    done = tick_until(w, lambda: finished(queue_dir, "nopart"), 15, "nopart to be rejected")
     run = run_json(done)
-    assert run["status"] == "failed" and "Slurm refused the job" in run["error"]
-    assert "partition" in run["error"].lower()
+    assert done.parent.name == "failed" and run["status"] == "rejected", run
+    assert "Slurm refused the job" in run["error"] and "Invalid partition name specified" in run["error"]
+    assert len(run["attempts"]) == 1 and len(sbatch.read_text().splitlines()) == 1
 
 
 def test_job_folder_the_node_cannot_see_is_diagnosed(queue_dir, watcher):

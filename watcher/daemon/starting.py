@@ -55,6 +55,7 @@ class Starting:
         """
         unchecked = self.jobs.take_unchecked()
         if not self.jobs.count(JobState.PENDING):
+            self._flush_launches(now)  # submissions answered since (Slurm's sbatch runs off the loop)
             return
         full = now - self._last_plan >= PLAN_EVERY_S
         if not (self._plan_due or unchecked or full):
@@ -218,11 +219,11 @@ class Starting:
         try:
             record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.slurm, group))
         except ExecutorUnavailable as exc:
-            self._unlaunch(job, str(exc))
+            self._unlaunch(job, str(exc), getattr(exc, "retry_after_s", None), now)
             return
         except SpawnFailed as exc:
             job.run["attempts"].append(record)
-            self._finish(job, _spawn_outcome(str(exc)), {"spawn_error": str(exc)}, now)
+            self._finish(job, _spawn_outcome(exc), {"spawn_error": str(exc)}, now)
             return
         job.run["attempts"].append(record)
         job.run["executor"] = self.executor.name
@@ -251,9 +252,9 @@ class Starting:
         """The held-back submission of ``job``'s attempt went out (or failed: the same paths as in ``_launch``)."""
         if isinstance(error, ExecutorUnavailable):
             job.run["attempts"].pop()
-            self._unlaunch(job, str(error))
+            self._unlaunch(job, str(error), getattr(error, "retry_after_s", None), now)
         elif error is not None:
-            self._finish(job, _spawn_outcome(str(error)), {"spawn_error": str(error)}, now)
+            self._finish(job, _spawn_outcome(error), {"spawn_error": str(error)}, now)
         elif slurm_id:
             job.run["attempts"][-1]["slurm_job_id"] = slurm_id
             job.run["slurm_job_id"] = slurm_id
@@ -277,9 +278,11 @@ class Starting:
         logger.info("job %s: running -> failed, rejected", job.id)
         self._retire(job, now)
 
-    def _unlaunch(self, job: Job, reason: str) -> None:
-        """The executor could not take the attempt (Slurm down): back to pending, nothing lost."""
-        job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[])
+    def _unlaunch(self, job: Job, reason: str, retry_after_s: float | None = None, now: float = 0.0) -> None:
+        """The executor could not take the attempt (Slurm down, or a submit limit reached: then not before
+        ``retry_after_s``): back to pending, nothing lost."""
+        job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[],
+                       not_before=iso_utc(now + retry_after_s) if retry_after_s else None)
         job.save(durable=False)
         job.dir = self.folders.requeue(job.id, JobState.RUNNING)
         self.jobs.move(job, JobState.PENDING)
@@ -312,10 +315,14 @@ def _banner(job_id: str, attempt: int, now: float, resume_from: str | None) -> s
     return f"{ATTEMPT_BANNER_PREFIX}job {job_id}, attempt {attempt}, started {iso_utc(now)}{resume} ====="
 
 
-def _spawn_outcome(message: str) -> Outcome:
-    """The attempt never started (fork failed, lock held): a failure whose evidence is the reason."""
+def _spawn_outcome(error: Exception) -> Outcome:
+    """The attempt never started (fork failed, lock held): a failure whose evidence is the reason; ``rejected``
+    when the executor says it will never take the job as it is (Slurm refused it), so it is never retried."""
+    if getattr(error, "rejected", False):
+        return Outcome("rejected", Diagnosis("unknown", "Slurm refused the job as it is: fix the job file's slurm "
+                                                        "options (or watcher.yaml's), then submit it again.", str(error)))
     return Outcome("failed", Diagnosis("unknown", "Check the job's command and cwd; the process could not be started.",
-                                       message))
+                                       str(error)))
 
 
 def _later(job: Job, now: float) -> bool:

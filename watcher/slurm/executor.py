@@ -32,12 +32,19 @@ from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.daemon.executor import ExecutorUnavailable
 from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json
 from trainq.watcher.slurm.node import HEARTBEAT_S
-from trainq.watcher.slurm.batch import SlurmOptions, array_script, batch_env, batch_script, signal_lead_s, srun_argv, time_limit_min
-from trainq.watcher.slurm.state import (
-    EXIT_NOT_SHARED, GONE, NO_ANSWER, QUEUED_STATES, REFUSED, RUNNING_STATES, SIGKILL, SIGNAL_NAMES, SLURM_OUTPUT,
-    SlurmJob, SqueueQuery, array_spec, array_task_id, duplicate_key, ended_outcome, find_tagged, first_line, id_order,
-    killed_for_memory, make_array_tag, make_tag, oom_evidence, parse_squeue, queue_key, run, show_job,
+from trainq.watcher.slurm.batch import (
+    SlurmOptions, array_script, batch_env, batch_script, effective_time_min, signal_lead_s, srun_argv, time_limit_min,
 )
+from trainq.watcher.slurm.state import (
+    CANCELLED_ADVICE, CANCELLED_OUTSIDE, EXIT_NOT_SHARED, GONE, LIMITED, NO_ANSWER, PER_JOB_LIMIT, QUEUED_CANCEL_REASON,
+    QUEUED_STATES, REFUSED, RUNNING_STATES, SIGKILL, SIGNAL_NAMES, SIGTERM, SLURM_OUTPUT, SlurmJob, SqueueQuery,
+    accounting_enabled, array_spec, array_task_id, cancelled_evidence, duplicate_key, ended_outcome, find_tagged,
+    first_line, id_order, killed_for_memory, make_array_tag, make_tag, oom_evidence, parse_squeue, queue_key,
+    query_ids, run,
+    sacct_jobs,
+)
+from trainq.watcher.slurm.submit import Answer, Submitter
+from trainq.watcher.slurm.ranks import real_rank_exit
 from trainq.watcher.supervisor import LaunchSpec, lock_state
 from trainq.watcher.spec.units import iso_utc
 
@@ -53,8 +60,15 @@ logger = logging.getLogger(__name__)
 SCANCEL_MARGIN_S = 10.0
 #: sbatch, scancel, scontrol and the tag lookup get this long (s); sbatch gives up by itself after MessageTimeout
 COMMAND_TIMEOUT_S = 60.0
-#: a heartbeat unchanged for this many periods means the node-side supervisor is gone
+#: a heartbeat unchanged for this many periods (by the watcher's own clock) while Slurm says RUNNING: health "stalled";
+#: after Slurm said the job ended: the node-side supervisor is gone
 HEARTBEAT_STALE_PERIODS = 3
+#: a heartbeat unchanged for this many periods while Slurm says RUNNING: the node is lost; scancel, retried as preempted
+HEARTBEAT_DEAD_PERIODS = 18
+#: the longest wait between two polls while nothing changes (s; watcher.yaml slurm.poll_max_s)
+DEFAULT_POLL_MAX_S = 30.0
+#: how long a job refused by a QOS/association submit limit waits before it is submitted again (s)
+LIMIT_RETRY_S = 30.0
 #: squeue answers that must miss an unconfirmed submission's tag before a full lookup may resubmit it
 UNCONFIRMED_POLLS = 2
 #: reads of running jobs' exit.json per second, all jobs together (the shared filesystem's budget)
@@ -73,6 +87,31 @@ class _Unconfirmed:
     argv: list[str]
     missed: int = 0
     index: int | None = None  # the job's task in a job array (its sweep index); None for a job of its own
+
+
+@dataclass
+class _Inflight:
+    """A submission handed to the sbatch worker and not answered yet: one job, or a sweep's array (``members``)."""
+
+    paths: JobPaths
+    attempt: int
+    tag: str
+    argv: list[str]
+    members: list["_Held"] | None = None
+
+
+class SubmitLimited(ExecutorUnavailable):
+    """Raised when a QOS or association limit refuses a submission for now: the job waits and is submitted again."""
+
+    def __init__(self, message: str, retry_after_s: float = LIMIT_RETRY_S):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class SlurmRejected(SpawnFailed):
+    """Raised when sbatch refuses a job for a reason that will not change (a bad partition, account or option)."""
+
+    rejected = True
 
 
 @dataclass
@@ -107,6 +146,10 @@ class SlurmExecutor:
         self.scancel_margin_s = SCANCEL_MARGIN_S
         self.command_timeout_s = COMMAND_TIMEOUT_S
         self.heartbeat_stale_s = HEARTBEAT_STALE_PERIODS * HEARTBEAT_S
+        self.heartbeat_dead_s = HEARTBEAT_DEAD_PERIODS * HEARTBEAT_S
+        self.poll_max_s = max(self.poll_s, float(slurm.get("poll_max_s") or DEFAULT_POLL_MAX_S))
+        self.array_limit = int(slurm.get("array_limit") or 0) or None
+        self.limit_retry_s = LIMIT_RETRY_S
         self.python = sys.executable
         self.package_parent = str(Path(__file__).resolve().parent.parent.parent)
         self._jobs: dict[str, SlurmJob] = {}
@@ -124,6 +167,17 @@ class SlurmExecutor:
         self._down: str | None = None
         self._held: list[_Held] = []
         self._to_cancel: dict[str, str] = {}  # Slurm job id -> the job it belongs to, for one scancel per tick
+        self._interval_s = self.poll_s  # the wait between polls: poll_s, doubled while nothing changes
+        self._listed_all = False  # the first poll lists all of the user's jobs (duplicates of ours, found once)
+        self._accounting: bool | None = None  # slurmdbd answers sacct (asked once, at the first poll)
+        self._tracked_at: dict[str, float] = {}  # Slurm job id -> when it was first tracked (monotonic)
+        self._running_at: dict[str, float] = {}  # Slurm job id -> when a poll first showed it running
+        self._last_known: dict[str, str] = {}  # Slurm job id -> "RUNNING on node n1 at <time>", for a purged job
+        self._node_lost: dict[str, str] = {}  # Slurm job id -> why trainq cancelled it as a lost node
+        self._submitter = Submitter(self.command_timeout_s)
+        self._inflight: dict[str, _Inflight] = {}  # the first job folder of a submission -> it
+        self._inflight_dirs: dict[str, str] = {}  # every job folder in flight -> its submission's key
+        self._answers: list[tuple[str, str | None, Exception | None]] = []  # for the next flush
 
     # -- the Executor protocol -----------------------------------------------------------------
     def unavailable(self, now: float) -> str | None:
@@ -134,7 +188,7 @@ class SlurmExecutor:
 
     def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None,
                group: tuple[str, int] | None = None) -> dict:
-        """Record the submission in slurm.json, then sbatch it; returns the Slurm job id (None while unconfirmed).
+        """Record the submission in slurm.json, then hand sbatch to the worker; the Slurm job id comes from ``flush``.
 
         A sweep's job (``group`` = sweep id and index) is only prepared here: ``flush`` submits the attempts
         launched in one pass together, one ``sbatch --array`` per sweep and attempt.
@@ -146,12 +200,14 @@ class SlurmExecutor:
         if group is not None and self.arrays and paths.dir.name == f"{group[0]}-{group[1]}":
             self._held.append(_Held(paths, spec.attempt, group[0], group[1], options))
             return {"slurm_job_id": None, "pid": None}
-        return {"slurm_job_id": self._submit_one(paths, spec.attempt, options), "pid": None}
+        self._submit_one(paths, spec.attempt, options)
+        return {"slurm_job_id": None, "pid": None}
 
     def flush(self) -> list[tuple[str, str | None, Exception | None]]:
-        """Submit what ``launch`` held back: one ``sbatch --array`` per sweep, attempt and set of sbatch options.
+        """Hand what ``launch`` held back to the sbatch worker (one ``sbatch --array`` per sweep, attempt and set
+        of sbatch options), and return the submissions answered since the last call.
 
-        Returns (job id, Slurm job id or None while unconfirmed, error) for each held attempt. An array Slurm
+        Returns (job id, Slurm job id or None while unconfirmed, error) for each answered attempt. An array Slurm
         refuses (a cluster's MaxArraySize, say) is submitted again job by job, so only the jobs Slurm itself
         refuses fail.
         """
@@ -159,34 +215,28 @@ class SlurmExecutor:
         groups: dict[tuple, list[_Held]] = {}
         for member in held:
             groups.setdefault((member.sweep, member.attempt, member.options.shared()), []).append(member)
-        results = []
         for members in groups.values():
-            if len(members) > 1 and self._down is None:
-                try:
-                    results += self._submit_array(members)
-                    continue
-                except SpawnFailed as exc:
-                    logger.warning("sweep %s: %s; submitting its %d jobs one by one", members[0].sweep, exc,
-                                   len(members))
-                except ExecutorUnavailable as exc:
-                    results += [(m.paths.dir.name, None, exc) for m in members]
-                    continue
-            for member in members:
-                try:
-                    slurm_id = self._submit_one(member.paths, member.attempt, member.options)
-                    results.append((member.paths.dir.name, slurm_id, None))
-                except (ExecutorUnavailable, SpawnFailed) as exc:
-                    results.append((member.paths.dir.name, None, exc))
-        return results
+            if self._down is not None:
+                self._answers += [(m.paths.dir.name, None, ExecutorUnavailable(self._down)) for m in members]
+            elif len(members) > 1:
+                self._submit_array(members)
+            else:
+                self._submit_one(members[0].paths, members[0].attempt, members[0].options)
+        self._collect_answers()
+        answers, self._answers = self._answers, []
+        return answers
 
     def reap(self) -> None:
         """Collect a finished squeue and start the next one when due, and run the scancel asked for; never blocks
         for long."""
         self._poll(start=True)
         self._flush_cancels()
+        self._collect_answers()
 
     def is_alive(self, paths: JobPaths, attempt: dict) -> bool:
         """Slurm's state first; once Slurm says the job ended: the heartbeat, the lock (where flock works), a grace."""
+        if self._submitting(paths):
+            return True
         slurm_id = self._slurm_id(paths, attempt)
         if slurm_id is None:
             return self._unconfirmed_for(paths, attempt) is not None or lock_state(paths) is True
@@ -217,11 +267,14 @@ class SlurmExecutor:
         as locally, many cost the shared filesystem a bounded rate and end at the latest when squeue sees them go.
         While Slurm's answer is unknown the folder is looked at once per poll_s.
         """
+        if self._submitting(paths):
+            return None
         slurm_id = self._slurm_id(paths, attempt)
         if slurm_id is None:
             return None if self._unconfirmed_for(paths, attempt) else self._own_record(paths, attempt)
         job = self._state(slurm_id)
         if job is not None and job.state in QUEUED_STATES and slurm_id not in self._seeded:
+            self._look_for_a_start(paths, attempt, slurm_id)
             return None
         if job is not None and (job.state in RUNNING_STATES or slurm_id in self._seeded):
             if not self._exit_read_due(slurm_id, len(self._tracked) / EXIT_READS_PER_S):
@@ -229,25 +282,54 @@ class SlurmExecutor:
         elif job is None or not (job.has_ended or job.state == GONE):  # COMPLETING, or Slurm unknown
             if not self._exit_read_due(slurm_id, self.poll_s):
                 return None
+        ended = job is not None and (job.has_ended or job.state == GONE)
         record = self._own_record(paths, attempt)
-        if record is not None and not (job is not None and (job.has_ended or job.state == GONE)):
+        if record is not None and not ended:
+            self._wake_poll()  # the end is in: ask Slurm for its final word soon
             if self._requeues(paths):
                 return None  # a requeueing job's record is final only once Slurm says the job ended
+            if _signalled(record) and job is not None:
+                return None  # Slurm's final state says who sent it: its OOM handling, scancel, a preemption
         if record is not None:
-            if _was_sigkilled(record) and job is not None and not (job.has_ended or job.state == GONE):
-                return None  # Slurm's final state says whether its OOM handling killed it
-            self._forget(slurm_id)
-            return _with_slurm_view(record, slurm_id, job, paths)
-        if job is None or not (job.has_ended or job.state == GONE) or attempt.get("ended_at"):
+            return self._final(_with_slurm_view(record, slurm_id, job, paths, self._cancelled_by(paths, slurm_id)),
+                               slurm_id)
+        if job is None or not ended or attempt.get("ended_at"):
             return None
         if self._node_still_alive(paths, slurm_id) or self._within_grace(paths, slurm_id):
             return None
         _refresh_listing(paths.dir)  # an NFS client may cache "no exit.json"; listing the folder revalidates
         if job.state == GONE and slurm_id in self._cancelled:
-            job = dataclasses.replace(job, state="CANCELLED")  # a job array's task cancelled before it started
+            job = dataclasses.replace(job, state="CANCELLED")  # cancelled by us before Slurm showed it
+        if not self._exit_read_due(f"{slurm_id}#synth", self.poll_s):
+            return None
         record = self._own_record(paths, attempt) or self._synthesize(paths, attempt, slurm_id, job)
+        if record is None:
+            return None  # the folder cannot be written now: concluded once it can
+        return self._final(_with_slurm_view(record, slurm_id, job, paths, self._cancelled_by(paths, slurm_id)),
+                           slurm_id)
+
+    def _final(self, record: dict, slurm_id: str) -> dict:
+        self._exit_read_mono.pop(f"{slurm_id}#synth", None)
         self._forget(slurm_id)
-        return _with_slurm_view(record, slurm_id, job, paths)
+        return record
+
+    def _look_for_a_start(self, paths: JobPaths, attempt: dict, slurm_id: str) -> None:
+        """While the polls are spaced out, a queued job whose supervisor started brings them back to poll_s."""
+        if self._interval_s <= self.poll_s:
+            return
+        if not self._exit_read_due(slurm_id, max(self.poll_s, len(self._tracked) / EXIT_READS_PER_S)):
+            return
+        if (read_json(paths.started) or {}).get("attempt") == attempt.get("n"):
+            self._wake_poll()
+
+    def _cancelled_by(self, paths: JobPaths, slurm_id: str) -> str | None:
+        """Why trainq itself scancelled ``slurm_id`` (a lost node, a stop), or None when it did not."""
+        if slurm_id in self._node_lost:
+            return self._node_lost[slurm_id]
+        lost = (read_json(paths.slurm_record) or {}).get("node_lost")
+        if isinstance(lost, str) and lost:
+            return lost
+        return "cancelled by trainq" if slurm_id in self._cancelled else None
 
     def kill_leftovers(self, paths: JobPaths, attempt: dict) -> int:
         """Nothing of the attempt runs on this machine; a batch job Slurm still holds is cancelled."""
@@ -262,7 +344,9 @@ class SlurmExecutor:
 
     def waiting_for(self, paths: JobPaths, attempt: dict) -> str | None:
         """"Slurm: Resources" (Slurm's pending reason) while the batch job is queued, else None."""
-        slurm_id = self._slurm_id(paths, attempt)
+        slurm_id = None if self._submitting(paths) else self._slurm_id(paths, attempt)
+        if self._submitting(paths):
+            return "Slurm: being submitted (sbatch)"
         if slurm_id is None and attempt and self._unconfirmed_for(paths, attempt):
             return "Slurm: submission not confirmed (sbatch got no answer); looking for it by its tag"
         job = self._state(slurm_id) if slurm_id else None
@@ -274,6 +358,55 @@ class SlurmExecutor:
         if job.state == "SUSPENDED":
             return "Slurm: suspended"
         return None
+
+    def health(self, paths: JobPaths, attempt: dict, now: float) -> str | None:
+        """Why a job Slurm says is RUNNING looks dead on its node, in words (its heartbeat stopped), else None.
+
+        The heartbeat's counter is compared with itself over the watcher's own clock, never with the node's or
+        this machine's wall clock. Unchanged for heartbeat_stale_s: the job is shown stalled; for
+        heartbeat_dead_s: the node is taken for lost, the batch job is cancelled, and the attempt ends preempted
+        (retried where ``retries`` allows).
+        """
+        slurm_id = None if self._submitting(paths) else self._slurm_id(paths, attempt)
+        job = self._jobs.get(slurm_id) if slurm_id else None
+        if job is None or job.state != "RUNNING" or slurm_id in self._node_lost or slurm_id in self._cancelled:
+            return None
+        quiet_s = self._heartbeat_quiet_s(paths, slurm_id)
+        if quiet_s < self.heartbeat_stale_s:
+            return None
+        node = f" on node {job.node}" if job.node else ""
+        said = (f"no heartbeat from the node side of Slurm job {slurm_id}{node} for {quiet_s:.0f} s while Slurm says "
+                "RUNNING")
+        if quiet_s >= self.heartbeat_dead_s:
+            self._give_up_on_node(paths, slurm_id, said)
+        return said
+
+    def _heartbeat_quiet_s(self, paths: JobPaths, slurm_id: str) -> float:
+        """Seconds (watcher's clock) since heartbeat.json last changed for this Slurm job, or since it was seen
+        running when no heartbeat of it was ever seen. Read at most once per heartbeat period."""
+        now = time.monotonic()
+        seen = self._beats.get(slurm_id)
+        if seen is None or self._exit_read_due(f"{slurm_id}#beat", min(HEARTBEAT_S, self.heartbeat_stale_s / 3)):
+            beat = read_json(paths.heartbeat) or {}
+            beats = beat.get("beats") if str(beat.get("slurm_job_id")) == slurm_id else None
+            if seen is None or seen[0] != beats:
+                first = self._running_at.get(slurm_id, now) if beats is None else now
+                self._beats[slurm_id] = seen = (beats, first)
+        return now - seen[1]
+
+    def _give_up_on_node(self, paths: JobPaths, slurm_id: str, said: str) -> None:
+        """The node is lost: say so in slurm.json (a restarted watcher still knows) and output.log, and scancel."""
+        evidence = f"{said}; trainq cancelled the job as a node failure"
+        self._node_lost[slurm_id] = evidence
+        logger.warning("job %s: %s", paths.dir.name, evidence)
+        _append_note(paths.log, f"trainq: {evidence}")
+        record = read_json(paths.slurm_record) or {}
+        try:
+            atomic_write_json(paths.slurm_record, {**record, "node_lost": evidence})
+        except OSError as exc:
+            logger.warning("job %s: cannot note the lost node in %s: %s", paths.dir.name, paths.slurm_record.name,
+                           exc.strerror)
+        self._scancel(slurm_id, paths)
 
     def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
         """scancel a stopped job at once while Slurm still queues it, else after grace + kill_after + a margin."""
@@ -305,12 +438,13 @@ class SlurmExecutor:
         return None  # sbatch and squeue run on demand
 
     def wake_fds(self) -> list[int]:
-        return []  # Slurm's news arrives by polling squeue
+        return [self._submitter.wake_fd()]  # an sbatch answered; Slurm's other news arrives by polling squeue
 
     def close(self) -> None:
         if self._query is not None:
             self._query.close()
             self._query = None
+        self._submitter.close()
 
     # -- submitting ------------------------------------------------------------------------------
     def _prepare(self, spec: LaunchSpec, job_name: str, job_slurm: dict) -> tuple[JobPaths, LaunchSpec, SlurmOptions]:
@@ -327,26 +461,17 @@ class SlurmExecutor:
         atomic_write(paths.launch_spec, _json(spec.to_dict()), mode=0o600)  # it holds the job's environment
         return paths, spec, options
 
-    def _submit_one(self, paths: JobPaths, attempt: int, options: SlurmOptions) -> str | None:
-        """slurm.sh, slurm.json, then sbatch: the Slurm job id, or None while the submission is unconfirmed."""
+    def _submit_one(self, paths: JobPaths, attempt: int, options: SlurmOptions) -> None:
+        """slurm.sh, slurm.json, then sbatch in the worker; its answer is taken in ``_collect_answers``."""
         argv = options.argv(paths.slurm_script)
         atomic_write(paths.slurm_script, batch_script(paths, attempt, argv, self.python, self.package_parent),
                      mode=0o755)
         record = {"attempt": attempt, "slurm_job_id": None, "tag": options.comment, "requeue": options.requeue,
                   "submitted_at": iso_utc(time.time()), "sbatch": argv}
         atomic_write_json(paths.slurm_record, record)  # before sbatch: a crash right after it can still find the job
-        try:
-            slurm_id = self._submit(argv, paths)
-        except _NoAnswer as exc:
-            logger.warning("job %s: %s; looking for tag %s before submitting again", paths.dir.name, exc,
-                           options.comment)
-            self._unconfirmed[str(paths.dir)] = _Unconfirmed(paths, attempt, options.comment, argv)
-            return None
-        self._confirm(paths, record, slurm_id)
-        logger.debug("job %s: sbatch %s -> slurm job %s", paths.dir.name, shlex.join(argv[1:]), slurm_id)
-        return slurm_id
+        self._hand_over(_Inflight(paths, attempt, options.comment, argv))
 
-    def _submit_array(self, members: list[_Held]) -> list[tuple[str, str | None, None]]:
+    def _submit_array(self, members: list[_Held]) -> None:
         """One ``sbatch --array`` for a sweep's attempts: task ``i`` runs job ``<sweep>-i`` in its folder.
 
         Every member's slurm.sh is the array's script and its slurm.json names the array's tag and its index, so
@@ -355,36 +480,84 @@ class SlurmExecutor:
         first = members[0]
         running = first.paths.dir.parent
         tag = make_array_tag(self.key, first.sweep, secrets.token_hex(4))
+        spec = array_spec([m.index for m in members])
         options = dataclasses.replace(
             first.options, job_name=first.sweep, comment=tag, chdir=str(running),
             output=str(running / f"{first.sweep}-%a" / SLURM_OUTPUT.replace("%j", "%A_%a")),
-            array=array_spec([m.index for m in members]))
+            array=f"{spec}%{self.array_limit}" if self.array_limit else spec)
         argv = options.argv(first.paths.slurm_script)
         script = array_script(running, first.sweep, first.attempt, argv, self.python, self.package_parent)
         submitted_at = iso_utc(time.time())
-        records = []
         for member in members:
             atomic_write(member.paths.slurm_script, script, mode=0o755)
             record = {"attempt": member.attempt, "slurm_job_id": None, "tag": tag, "array_index": member.index,
                       "requeue": options.requeue, "submitted_at": submitted_at, "sbatch": argv}
             atomic_write_json(member.paths.slurm_record, record)
-            records.append(record)
-        try:
-            array_id = self._submit(argv, first.paths)
-        except _NoAnswer as exc:
-            logger.warning("sweep %s: %s; looking for tag %s before submitting its array again", first.sweep, exc, tag)
-            for member in members:
-                self._unconfirmed[str(member.paths.dir)] = _Unconfirmed(member.paths, member.attempt, tag, argv,
-                                                                        index=member.index)
-            return [(m.paths.dir.name, None, None) for m in members]
-        logger.info("sweep %s: attempt %d of %d job(s) submitted as Slurm job array %s (--array=%s)", first.sweep,
-                    first.attempt, len(members), array_id, options.array)
-        submitted = []
-        for member, record in zip(members, records):
-            slurm_id = array_task_id(array_id, member.index)
-            self._confirm(member.paths, record, slurm_id)
-            submitted.append((member.paths.dir.name, slurm_id, None))
-        return submitted
+        self._hand_over(_Inflight(first.paths, first.attempt, tag, argv, members))
+
+    def _hand_over(self, sub: _Inflight) -> None:
+        key = str(sub.paths.dir)
+        self._inflight[key] = sub
+        for member in sub.members or [sub]:
+            self._inflight_dirs[str(member.paths.dir)] = key
+        self._submitter.submit(key, sub.argv)
+
+    def _submitting(self, paths: JobPaths) -> bool:
+        """The attempt's sbatch is queued in the worker or running there."""
+        return str(paths.dir) in self._inflight_dirs
+
+    def _collect_answers(self) -> None:
+        """Take the sbatch worker's answers: confirm, leave unconfirmed, or pass the error on to ``flush``."""
+        for key, answer in self._submitter.take():
+            sub = self._inflight.pop(key, None)
+            if sub is None:
+                continue
+            members = sub.members or []
+            for member in members or [sub]:
+                self._inflight_dirs.pop(str(member.paths.dir), None)
+            try:
+                slurm_id = self._answer(answer, sub.paths)
+            except _NoAnswer as exc:
+                self._no_answer(sub, str(exc))
+            except (SpawnFailed, ExecutorUnavailable) as exc:
+                if len(members) > 1 and isinstance(exc, (SpawnFailed, SubmitLimited)):
+                    # only the jobs Slurm itself refuses fail, and only those over a limit wait (an array's tail)
+                    logger.warning("sweep %s: %s; submitting its %d jobs one by one", members[0].sweep, exc,
+                                   len(members))
+                    for member in members:
+                        self._submit_one(member.paths, member.attempt, member.options)
+                else:
+                    self._answers += [(m.paths.dir.name, None, exc) for m in members or [sub]]
+            else:
+                self._answers += self._confirm_submission(sub, slurm_id)
+
+    def _confirm_submission(self, sub: _Inflight, slurm_id: str) -> list[tuple[str, str, None]]:
+        if not sub.members:
+            self._confirm(sub.paths, read_json(sub.paths.slurm_record) or {}, slurm_id)
+            logger.debug("job %s: sbatch %s -> slurm job %s", sub.paths.dir.name, shlex.join(sub.argv[1:]), slurm_id)
+            return [(sub.paths.dir.name, slurm_id, None)]
+        first = sub.members[0]
+        logger.info("sweep %s: attempt %d of %d job(s) submitted as Slurm job array %s", first.sweep, first.attempt,
+                    len(sub.members), slurm_id)
+        confirmed = []
+        for member in sub.members:
+            task = array_task_id(slurm_id, member.index)
+            self._confirm(member.paths, read_json(member.paths.slurm_record) or {}, task)
+            confirmed.append((member.paths.dir.name, task, None))
+        return confirmed
+
+    def _no_answer(self, sub: _Inflight, why: str) -> None:
+        """sbatch got no answer: the job may exist; it is looked for by its tag before anything is submitted again."""
+        if sub.members:
+            logger.warning("sweep %s: %s; looking for tag %s before submitting its array again",
+                           sub.members[0].sweep, why, sub.tag)
+        else:
+            logger.warning("job %s: %s; looking for tag %s before submitting again", sub.paths.dir.name, why, sub.tag)
+        for member in sub.members or [None]:
+            paths = member.paths if member else sub.paths
+            self._unconfirmed[str(paths.dir)] = _Unconfirmed(paths, sub.attempt, sub.tag, sub.argv,
+                                                             index=member.index if member else None)
+        self._wake_poll()
 
     # -- sbatch options ------------------------------------------------------------------------
     def options_for(self, spec: LaunchSpec, job_name: str, job_slurm: dict, resources: dict | None = None,
@@ -395,17 +568,19 @@ class SlurmExecutor:
         nodes = int(resources.get("nodes") or 1)
         gpus = int(resources.get("gpus_per_node") or resources.get("gpus") or 0)
         ram_gb = resources.get("ram_gb")
+        time_min = time_limit_min(spec.timeout_s, spec.stop_grace_s, spec.kill_after_s)
+        extra = self.sbatch_args + tuple(str(a) for a in job_slurm.get("sbatch_args") or ())
         return SlurmOptions(
             job_name=job_name,
             partition=job_slurm.get("partition") or self.partition,
             gpus=gpus,
             mem_mb=math.ceil(float(ram_gb) * 1024) if ram_gb else None,
-            time_min=time_limit_min(spec.timeout_s, spec.stop_grace_s, spec.kill_after_s),
+            time_min=time_min,
             chdir=spec.cwd,
             output=str(Path(spec.job_dir) / SLURM_OUTPUT),
-            extra=self.sbatch_args + tuple(str(a) for a in job_slurm.get("sbatch_args") or ()),
+            extra=extra,
             comment=make_tag(self.key, Path(spec.job_dir).name, spec.attempt, token or secrets.token_hex(4)),
-            signal_lead_s=signal_lead_s(spec.stop_grace_s, spec.kill_after_s),
+            signal_lead_s=signal_lead_s(spec.stop_grace_s, spec.kill_after_s, effective_time_min(time_min, extra)),
             requeue=bool(job_slurm.get("requeue")),
             nodes=nodes,
             tasks_per_node=int(resources.get("tasks_per_node") or 1),
@@ -413,13 +588,22 @@ class SlurmExecutor:
 
     # -- talking to Slurm ------------------------------------------------------------------------
     def _submit(self, argv: list[str], paths: JobPaths) -> str:
-        """Run sbatch: the id; ExecutorUnavailable when refused at the door, _NoAnswer when it may exist anyway."""
+        """Run sbatch here (a resubmission after a tag lookup, rare): see ``_answer``."""
         try:
             done = run(argv, self.command_timeout_s)
         except FileNotFoundError:
             raise self._went_down("sbatch is not on PATH; install the Slurm client or fix PATH") from None
         except subprocess.TimeoutExpired:
             raise _NoAnswer(f"sbatch did not answer in {self.command_timeout_s:g} s") from None
+        return self._answer(Answer(done.returncode, done.stdout, done.stderr), paths)
+
+    def _answer(self, done: Answer, paths: JobPaths) -> str:
+        """sbatch's answer: the id; ExecutorUnavailable when refused at the door, SubmitLimited for a QOS or
+        association limit, _NoAnswer when the job may exist anyway, SlurmRejected for a refusal that will stay."""
+        if done.returncode is None:
+            raise _NoAnswer(done.stderr)
+        if done.returncode == -1:
+            raise self._went_down(done.stderr)
         first = first_line(done.stderr)
         if done.returncode == 0 and done.stdout.strip():
             return done.stdout.strip().splitlines()[-1].split(";")[0]
@@ -427,8 +611,12 @@ class SlurmExecutor:
             raise _NoAnswer(first)
         if REFUSED.search(done.stderr):
             raise self._went_down(first)
-        raise SpawnFailed(f"{paths.dir}: Slurm refused the job: {first or f'sbatch exited {done.returncode}'}; "
-                          "fix slurm.partition / slurm.sbatch_args in the job file or watcher.yaml")
+        said = "; ".join(line.strip().removeprefix("sbatch: error: ") for line in done.stderr.splitlines()
+                         if line.strip()) or f"sbatch exited {done.returncode}"
+        if LIMITED.search(done.stderr) and not PER_JOB_LIMIT.search(done.stderr):
+            raise SubmitLimited(f"Slurm: {said}; submitting again in {self.limit_retry_s:g} s", self.limit_retry_s)
+        raise SlurmRejected(f"{paths.dir}: Slurm refused the job: {said}; fix slurm.partition / slurm.sbatch_args "
+                            "in the job file or watcher.yaml, then submit it again")
 
     def _confirm(self, paths: JobPaths, record: dict, slurm_id: str) -> None:
         """The submission exists as ``slurm_id``: record it in slurm.json and track it."""
@@ -478,21 +666,26 @@ class SlurmExecutor:
         if slurm_id in self._tracked:
             return
         self._tracked.add(slurm_id)
+        self._tracked_at[slurm_id] = time.monotonic()
+        self._wake_poll()
         if seed is not None:
             self._jobs[slurm_id] = seed
 
     def _forget(self, slurm_id: str) -> None:
-        for store in (self._jobs, self._ended_seen, self._beats, self._exit_read_mono):
+        for store in (self._jobs, self._ended_seen, self._beats, self._exit_read_mono, self._tracked_at,
+                      self._running_at, self._last_known, self._node_lost):
             store.pop(slurm_id, None)
+        self._wake_poll()
         self._seeded.discard(slurm_id)
         self._tracked.discard(slurm_id)
         self._cancelled.discard(slurm_id)
 
     def _poll(self, start: bool) -> None:
-        """Take a finished squeue's answer; with ``start``, launch the next one when poll_s has passed.
+        """Take a finished squeue's answer; with ``start``, launch the next one when its interval has passed.
 
-        At most one squeue per poll_s, whatever the number of jobs, and none while nothing is tracked and no
-        launch asked whether Slurm is up.
+        At most one squeue per interval, whatever the number of jobs, and none while nothing is tracked and no
+        launch asked whether Slurm is up. The interval is poll_s after anything changed, and doubles (up to
+        poll_max_s) with each answer that brings nothing new.
         """
         now = time.monotonic()
         if self._query is not None:
@@ -501,54 +694,101 @@ class SlurmExecutor:
                 return
             query, self._query = self._query, None
             query.close()
-            self._absorb(*result)
+            self._absorb(*result, query)
         wanted = self._tracked or self._unconfirmed or now - self._probe_wanted_mono < 2 * self.poll_s
-        if start and wanted and now - self._last_query_mono >= self.poll_s:
+        if start and wanted and now - self._last_query_mono >= self._interval_s:
             self._last_query_mono = now
+            if self._accounting is None:
+                self._accounting = accounting_enabled(self.command_timeout_s)
+            # by id: only the queue's own jobs; all of the user's while a submission is looked for by its tag
+            ids = None if self._unconfirmed or not self._listed_all or not self._tracked else query_ids(self._tracked)
             try:
-                self._query = SqueueQuery()
+                self._query = SqueueQuery(ids)
             except OSError as exc:
                 self._absorb(-1, "", f"cannot run squeue ({exc.strerror}); install the Slurm client or fix PATH")
 
-    def _absorb(self, returncode: int, out: str, err: str) -> None:
-        """One squeue answer: live jobs' states, departed jobs' final states, duplicates, unconfirmed submissions."""
+    def _wake_poll(self) -> None:
+        """Something happened (a submission, a cancel, an end seen in a job folder): poll at poll_s again."""
+        if self._interval_s > self.poll_s:
+            self._interval_s = self.poll_s
+
+    def _absorb(self, returncode: int, out: str, err: str, query: SqueueQuery | None = None) -> None:
+        """One squeue answer: states (final ones too) of the jobs asked about, those gone, duplicates, unconfirmed
+        submissions (when it listed all of the user's jobs)."""
         if returncode != 0:
             self._down = f"Slurm is not reachable: {first_line(err) or f'squeue exited {returncode}'}"
+            self._interval_s = self.poll_s
             logger.debug("slurm: %s", self._down)
             return
         if self._down is not None:
             logger.info("slurm: reachable again")
         self._down = None
         seen = parse_squeue(out)
+        asked_at = query.started if query is not None else time.monotonic()
+        listed_all = query is None or query.ids is None
+        changed = self._take_states(seen, asked_at)
+        if listed_all:
+            self._listed_all = True
+            self._cancel_duplicates(seen)
+            self._resolve_unconfirmed(seen)
+        self._interval_s = self.poll_s if changed else min(self.poll_max_s, 2 * self._interval_s)
+
+    def _take_states(self, seen: dict[str, SlurmJob], asked_at: float) -> bool:
+        """Record what the answer says of each tracked job; True when anything changed."""
         now = time.monotonic()
-        departed = []
-        self._seeded.difference_update(seen)
+        changed, departed = False, []
         for slurm_id in sorted(self._tracked, key=id_order):
-            if slurm_id in seen:
-                self._jobs[slurm_id] = seen[slurm_id]
-            elif self._jobs.get(slurm_id) is None or self._jobs[slurm_id].is_live:
-                departed.append(slurm_id)
-        for slurm_id in (i for i in departed if i in self._cancelled):
-            # it left because we cancelled it: nothing to ask (a stopped sweep of 1000 costs no scontrol)
+            if self._tracked_at.get(slurm_id, -math.inf) > asked_at:
+                continue  # submitted after this squeue started: it cannot be in the answer
+            job, old = seen.get(slurm_id), self._jobs.get(slurm_id)
+            if job is None:
+                if old is None or old.is_live:
+                    departed.append(slurm_id)
+                continue
             self._seeded.discard(slurm_id)
-            self._jobs[slurm_id] = SlurmJob("CANCELLED")
-            self._ended_seen.setdefault(slurm_id, now)
-        asked = [i for i in departed if i not in self._cancelled]
-        for slurm_id in asked[:MAX_DEPARTED_PER_POLL]:  # left the live states: ask once how it ended
-            job = show_job(slurm_id, self.command_timeout_s)
-            if job is not None:
-                self._seeded.discard(slurm_id)
-                self._jobs[slurm_id] = job
-                if not job.is_live:
+            changed |= old is None or (old.state, old.reason) != (job.state, job.reason)
+            self._jobs[slurm_id] = job
+            self._last_known[slurm_id] = f"{job.state}{f' on node {job.node}' if job.node else ''} at " \
+                                         f"{iso_utc(time.time())}"
+            if job.state in RUNNING_STATES:
+                self._running_at.setdefault(slurm_id, now)
+            if not job.is_live:
+                self._ended_seen.setdefault(slurm_id, now)
+        self._settle_departed(departed, seen, now)
+        return changed or bool(departed)
+
+    def _settle_departed(self, departed: list[str], seen: dict[str, SlurmJob], now: float) -> None:
+        """Jobs the answer no longer lists: cancelled by us, a queued array task cancelled from outside (Slurm
+        keeps no record of it), or purged (asked of slurmdbd where accounting exists)."""
+        missing = []
+        for slurm_id in departed:
+            self._seeded.discard(slurm_id)
+            if slurm_id in self._cancelled:  # nothing to ask: a stopped sweep of 1000 costs no query
+                self._jobs[slurm_id] = SlurmJob("CANCELLED")
+                self._ended_seen.setdefault(slurm_id, now)
+            else:
+                missing.append(slurm_id)
+        if missing and self._accounting:
+            for slurm_id, job in sacct_jobs(missing, self.command_timeout_s).items():
+                if slurm_id in missing:
+                    missing.remove(slurm_id)
+                    self._jobs[slurm_id] = job
                     self._ended_seen.setdefault(slurm_id, now)
-        self._cancel_duplicates(seen)
-        self._resolve_unconfirmed(seen)
+        arrays = {i.partition("_")[0] for i in seen}
+        for slurm_id in missing:
+            last = self._jobs.get(slurm_id)
+            queued = last is not None and last.state in QUEUED_STATES and slurm_id not in self._running_at
+            if "_" in slurm_id and queued and slurm_id.partition("_")[0] in arrays:
+                self._jobs[slurm_id] = SlurmJob("CANCELLED", QUEUED_CANCEL_REASON)
+            else:
+                self._jobs[slurm_id] = SlurmJob(GONE, node=last.node if last else "")
+            self._ended_seen.setdefault(slurm_id, now)
 
     def _cancel_duplicates(self, seen: dict[str, SlurmJob]) -> None:
         """Two live Slurm jobs for one attempt of this queue: keep the tracked one, scancel the other."""
         by_attempt: dict[str, list[str]] = {}
         for slurm_id, job in seen.items():
-            attempt = duplicate_key(slurm_id, job.comment, self.key)
+            attempt = duplicate_key(slurm_id, job.comment, self.key) if job.is_live else None
             if attempt is not None:
                 by_attempt.setdefault(attempt, []).append(slurm_id)
         for ids in by_attempt.values():
@@ -680,9 +920,11 @@ class SlurmExecutor:
         return str(slurm_id) if slurm_id else None
 
     # -- when Slurm ended the job without an exit record ----------------------------------------
-    def _synthesize(self, paths: JobPaths, attempt: dict, slurm_id: str, job: SlurmJob) -> dict:
-        """Write exit.json in the supervisor's place, and say in output.log what Slurm did."""
-        outcome = ended_outcome(job, job.exit_code, job.exit_signal, paths, slurm_id, self.python)
+    def _synthesize(self, paths: JobPaths, attempt: dict, slurm_id: str, job: SlurmJob) -> dict | None:
+        """Write exit.json in the supervisor's place, and say in output.log what Slurm did; None while the job
+        folder cannot be written (the watcher tries again at the next poll)."""
+        outcome = ended_outcome(job, job.exit_code, job.exit_signal, paths, slurm_id, self.python,
+                                self._cancelled_by(paths, slurm_id), self._what_was_known(paths, slurm_id))
         started = read_json(paths.started) or {}
         now = time.time()
         record = {
@@ -694,12 +936,37 @@ class SlurmExecutor:
             "signals_sent": [], "spawn_error": None, "slurm_job_id": slurm_id, "slurm_state": job.state,
             "slurm_reason": job.reason, "executor_diagnosis": outcome["diagnosis"], "written_by": "watcher",
         }
-        _append_note(paths.log, f"trainq: Slurm job {slurm_id} ended {job.state} without an exit record from "
-                                f"trainq's supervisor: {outcome['evidence']}")
-        atomic_write_json(paths.exit_record, record)
+        try:
+            atomic_write_json(paths.exit_record, record)
+        except OSError as exc:
+            logger.warning("job %s: slurm job %s ended %s; cannot write its exit record yet (%s)", paths.dir.name,
+                           slurm_id, job.state, exc.strerror)
+            return None
+        said = "is no longer known to Slurm" if job.state == GONE else f"ended {job.state}"
+        _append_note(paths.log, f"trainq: Slurm job {slurm_id} {said} without an exit record from trainq's "
+                                f"supervisor: {outcome['evidence']}")
         logger.info("job %s: slurm job %s ended %s without an exit record; wrote one", paths.dir.name, slurm_id,
                     job.state)
         return record
+
+
+    def _what_was_known(self, paths: JobPaths, slurm_id: str) -> str:
+        """What was last known of a job Slurm forgot: this watcher's last sight of it, else the job folder's
+        records (submitted, started on a node, last heartbeat)."""
+        known = []
+        if slurm_id in self._last_known:
+            known.append(f"Slurm showed it {self._last_known[slurm_id]}")
+        submitted = (read_json(paths.slurm_record) or {}).get("submitted_at")
+        if submitted:
+            known.append(f"submitted at {submitted}")
+        started = read_json(paths.started) or {}
+        if started.get("started_at"):
+            known.append(f"its supervisor started at {started['started_at']}")
+        beat = read_json(paths.heartbeat) or {}
+        if str(beat.get("slurm_job_id")) == slurm_id and beat.get("at"):
+            known.append(f"last heartbeat from node {beat.get('node') or '?'} at {beat['at']}"
+                         + (" (its supervisor had ended)" if beat.get("ended") else ""))
+        return ", ".join(known) or "never seen running"
 
 
 class _NoAnswer(Exception):
@@ -714,24 +981,42 @@ def _claimed_id(pending: _Unconfirmed) -> str:
     return str((read_json(pending.paths.slurm_claim(pending.attempt)) or {}).get("slurm_job_id") or "")
 
 
-def _with_slurm_view(record: dict, slurm_id: str, job: SlurmJob | None, paths: JobPaths) -> dict:
+def _with_slurm_view(record: dict, slurm_id: str, job: SlurmJob | None, paths: JobPaths,
+                     cancelled_by: str | None = None) -> dict:
     """The node's record plus what Slurm says: its id and final state; OUT_OF_MEMORY (cgroups), or a SIGKILL that
-    Slurm's output says was for memory (OverMemoryKill, no cgroups), makes the kill an oom."""
+    Slurm's output says was for memory (OverMemoryKill, no cgroups), makes the kill an oom; a signal Slurm sent
+    says who sent it (scancel from outside: cancelled; preemption, a node failure or a node trainq gave up on:
+    preempted); and under srun the rank that failed first gives its own exit code, not srun's."""
     record = dict(record, slurm_job_id=record.get("slurm_job_id") or slurm_id)
     if job is not None and job.has_ended:
         record.setdefault("slurm_state", job.state)
+    record = real_rank_exit(record, paths)
     if job is None or record.get("executor_diagnosis"):
         return record
     node = f" on node {job.node}" if job.node else ""
+    signalled = _signalled(record) or record.get("stop_reason") == "sigterm"
     if job.state == "OUT_OF_MEMORY":
         record["executor_diagnosis"] = {"kind": "oom", "evidence": oom_evidence(node)}
     elif _was_sigkilled(record) and job.has_ended and (said := killed_for_memory(paths, slurm_id)):
         record["executor_diagnosis"] = {"kind": "oom", "evidence": f"{oom_evidence(node)}: {said}"}
+    elif signalled and cancelled_by and cancelled_by != "cancelled by trainq":
+        record["executor_diagnosis"] = {"kind": "preempted", "evidence": cancelled_by}
+    elif signalled and job.state == "CANCELLED" and not cancelled_by and record.get("stop_reason") != "stop_flag":
+        record.update(stop_reason=CANCELLED_OUTSIDE, executor_diagnosis={
+            "kind": "killed", "evidence": cancelled_evidence(slurm_id, job), "advice": CANCELLED_ADVICE})
+    elif signalled and job.state in ("PREEMPTED", "NODE_FAIL", "BOOT_FAIL"):
+        record["executor_diagnosis"] = {"kind": "preempted", "evidence": f"Slurm ended the job {job.state}{node}"}
     return record
 
 
 def _was_sigkilled(record: dict) -> bool:
     return record.get("signal") == SIGKILL or record.get("exit_code") == 128 + SIGKILL
+
+
+def _signalled(record: dict) -> bool:
+    """Killed or terminated by a signal (SIGKILL, SIGTERM: Slurm's ways of ending a job), or stopped on SIGTERM."""
+    return (record.get("signal") in (SIGKILL, SIGTERM) or record.get("exit_code") in (128 + SIGKILL, 128 + SIGTERM)
+            or record.get("stop_reason") == "sigterm")
 
 
 def _json(obj: object) -> str:

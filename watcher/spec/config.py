@@ -66,7 +66,8 @@ class WatcherConfig:
         """Validate a settings mapping and build the config; relative ``simulate_gpus`` resolves against ``root``."""
         problems = foreign_value_problems(dict(data)) or sort_problems(
             schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data)) + _interval_problems(data)
-            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS) + (("slurm", "poll_s"),))
+            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS) + (("slurm", "poll_s"),
+                                                                                 ("slurm", "poll_max_s")))
             + _string_problems(data))
         if problems:
             raise InvalidWatcherConfig(display, problems)
@@ -121,6 +122,8 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
     slurm = {**_default_slurm(), **data.get("slurm", {})}
     slurm["poll_s"] = parse_duration_s(slurm["poll_s"])
     slurm["exit_grace_s"] = parse_duration_s(slurm["exit_grace_s"])
+    if slurm.get("poll_max_s") is not None:
+        slurm["poll_max_s"] = parse_duration_s(slurm["poll_max_s"])
     slurm["sbatch_args"] = list(slurm["sbatch_args"])
     gpus, allowed, passthrough = data.get("gpus"), data.get("allow_commands"), data.get("env_passthrough")
     return WatcherConfig(

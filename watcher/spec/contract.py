@@ -154,6 +154,11 @@ class JobPaths:
         return self.dir / f"slurm-attempt-{attempt}.claim"
 
     @property
+    def rank_exits(self) -> Path:
+        """Under srun, each task writes ``<attempt>.<rank>`` here when its command exits: its own exit code."""
+        return self.dir / "ranks"
+
+    @property
     def slurm_record(self) -> Path:
         """What the watcher submitted to Slurm for the current attempt (its Slurm job id, sbatch argv)."""
         return self.dir / "slurm.json"
