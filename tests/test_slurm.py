@@ -338,7 +338,9 @@ def test_job_folder_the_node_cannot_see_is_diagnosed(queue_dir, watcher):
     assert "without an exit record" in (done / "output.log").read_text()
 
 
-def test_slurm_preemption_retries_and_resumes(queue_dir, watcher):
+def test_a_scancel_from_outside_is_cancelled_and_retry_flag_resumes_it(queue_dir, watcher):
+    """scancel by someone else: status cancelled, not retried although retries.on lists preempted; retry.flag
+    (the way to ask) runs attempt 2, resumed from the checkpoint."""
     w = watcher(**SLURM)
     cmd = ["sh", "-c", "echo attempt $TRAINQ_ATTEMPT args \"$*\"; [ -n \"$1\" ] && exit 0; "
                        "mkdir -p checkpoints/ckpt_latest; exec " + f"{PY} {FAKE / 'preempted.py'}", "sh"]
@@ -347,11 +349,15 @@ def test_slurm_preemption_retries_and_resumes(queue_dir, watcher):
     log = queue_dir / "running" / "pre" / "output.log"
     tick_until(w, lambda: log.exists() and "ready" in log.read_text(), 30, "pre to start")
     slurm_id = w.jobs["pre"].run["slurm_job_id"]
-    subprocess.run(["scancel", slurm_id], check=True, timeout=60)  # what a preempting scheduler does: SIGTERM
-    done = tick_until(w, lambda: finished(queue_dir, "pre"), 30, "pre to be retried and finish")
+    subprocess.run(["scancel", slurm_id], check=True, timeout=60)
+    cancelled = tick_until(w, lambda: finished(queue_dir, "pre"), 30, "pre to be cancelled")
+    run = run_json(cancelled)
+    assert run["status"] == "cancelled" and len(run["attempts"]) == 1, run
+    assert "cancelled from outside trainq" in run["diagnosis"]["evidence"]
+    (cancelled / "retry.flag").touch()
+    done = tick_until(w, lambda: (queue_dir / "done" / "pre" / "run.json").exists(), 30, "the retry to finish")
     run = run_json(done)
     assert run["status"] == "done" and len(run["attempts"]) == 2
-    assert run["attempts"][0]["diagnosis"]["kind"] == "preempted"
     assert run["attempts"][1]["slurm_job_id"] != slurm_id
     assert "attempt 2 args --resume" in (done / "output.log").read_text()
 
@@ -612,7 +618,7 @@ def test_slurms_time_limit_warning_checkpoints_and_ends_as_timeout(queue_dir, wa
     done = tick_until(w, lambda: finished(queue_dir, "limit"), 150, "Slurm's time limit warning to stop limit")
     run = run_json(done)
     sbatch = json.loads((done / "slurm.json").read_text())["sbatch"]
-    assert "--signal=B:USR1@60" in sbatch and "--time=1" in sbatch
+    assert "--signal=B:USR1@30" in sbatch and "--time=1" in sbatch  # the lead: at most half of a short limit
     log = (done / "output.log").read_text()
     assert "time limit is near (SIGUSR1)" in log and "checkpoint written" in log
     assert run["status"] == "timeout" and run["diagnosis"]["kind"] == "timeout", run

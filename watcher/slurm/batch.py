@@ -151,7 +151,8 @@ def srun_argv(argv: tuple[str, ...], tasks: int) -> tuple[str, ...]:
             "trainq-task", *argv)
 
 
-def batch_script(paths: JobPaths, attempt: int, argv: list[str], python: str, package_parent: str) -> str:
+def batch_script(paths: JobPaths, attempt: int, argv: list[str], python: str, package_parent: str,
+                 heartbeat_s: float | None = None) -> str:
     """slurm.sh: check the job folder is visible on the node, then exec the node side of the attempt."""
     return f"""#!/bin/sh
 # trainq job {paths.dir.name}, attempt {attempt}: written by the watcher and submitted with
@@ -159,11 +160,11 @@ def batch_script(paths: JobPaths, attempt: int, argv: list[str], python: str, pa
 # It runs the attempt's supervisor, which writes output.log, supervisor.json, heartbeat.json and exit.json in the
 # job folder.
 JOB_DIR={shlex.quote(str(paths.dir))}
-{_node_side(attempt, python, package_parent)}"""
+{_node_side(attempt, python, package_parent, heartbeat_s)}"""
 
 
 def array_script(running: Path, sweep_id: str, attempt: int, argv: list[str], python: str,
-                 package_parent: str) -> str:
+                 package_parent: str, heartbeat_s: float | None = None) -> str:
     """The script of a sweep's job array: task ``i`` runs attempt ``attempt`` of job ``<sweep>-i``."""
     return f"""#!/bin/sh
 # trainq sweep {sweep_id}, attempt {attempt} of its jobs as one Slurm job array: written by the watcher and
@@ -172,12 +173,13 @@ def array_script(running: Path, sweep_id: str, attempt: int, argv: list[str], py
 # Task i runs job {sweep_id}-i's supervisor, which writes output.log, supervisor.json, heartbeat.json and
 # exit.json in that job's folder.
 JOB_DIR={shlex.quote(str(running / sweep_id) + "-")}"$SLURM_ARRAY_TASK_ID"
-{_node_side(attempt, python, package_parent)}"""
+{_node_side(attempt, python, package_parent, heartbeat_s)}"""
 
 
-def _node_side(attempt: int, python: str, package_parent: str) -> str:
+def _node_side(attempt: int, python: str, package_parent: str, heartbeat_s: float | None = None) -> str:
     """The part of slurm.sh after JOB_DIR: the shared-filesystem check, then the node side of the attempt."""
     q = shlex.quote
+    beat = f" --heartbeat-s {heartbeat_s:g}" if heartbeat_s else ""
     return f"""if [ ! -r "$JOB_DIR/{JobPaths(Path()).launch_spec.name}" ]; then
   echo "trainq: job folder $JOB_DIR is not visible on Slurm node $(hostname): the queue root must be on a shared \\
 filesystem that the watcher's machine and every node mount at the same path (NFS, Lustre, ...)" >&2
@@ -185,5 +187,5 @@ filesystem that the watcher's machine and every node mount at the same path (NFS
 fi
 PYTHONPATH={q(package_parent)}${{PYTHONPATH:+:$PYTHONPATH}}
 export PYTHONPATH
-exec {q(python)} -m trainq.watcher.slurm.node "$JOB_DIR" --attempt {attempt}
+exec {q(python)} -m trainq.watcher.slurm.node "$JOB_DIR" --attempt {attempt}{beat}
 """

@@ -145,8 +145,9 @@ class SlurmExecutor:
         self.kill_after_s = float(config.kill_after_s)
         self.scancel_margin_s = SCANCEL_MARGIN_S
         self.command_timeout_s = COMMAND_TIMEOUT_S
-        self.heartbeat_stale_s = HEARTBEAT_STALE_PERIODS * HEARTBEAT_S
-        self.heartbeat_dead_s = HEARTBEAT_DEAD_PERIODS * HEARTBEAT_S
+        self.heartbeat_s = float(slurm.get("heartbeat_s") or HEARTBEAT_S)
+        self.heartbeat_stale_s = HEARTBEAT_STALE_PERIODS * self.heartbeat_s
+        self.heartbeat_dead_s = HEARTBEAT_DEAD_PERIODS * self.heartbeat_s
         self.poll_max_s = max(self.poll_s, float(slurm.get("poll_max_s") or DEFAULT_POLL_MAX_S))
         self.array_limit = int(slurm.get("array_limit") or 0) or None
         self.limit_retry_s = LIMIT_RETRY_S
@@ -386,7 +387,7 @@ class SlurmExecutor:
         running when no heartbeat of it was ever seen. Read at most once per heartbeat period."""
         now = time.monotonic()
         seen = self._beats.get(slurm_id)
-        if seen is None or self._exit_read_due(f"{slurm_id}#beat", min(HEARTBEAT_S, self.heartbeat_stale_s / 3)):
+        if seen is None or self._exit_read_due(f"{slurm_id}#beat", min(self.heartbeat_s, self.heartbeat_stale_s / 3)):
             beat = read_json(paths.heartbeat) or {}
             beats = beat.get("beats") if str(beat.get("slurm_job_id")) == slurm_id else None
             if seen is None or seen[0] != beats:
@@ -464,7 +465,8 @@ class SlurmExecutor:
     def _submit_one(self, paths: JobPaths, attempt: int, options: SlurmOptions) -> None:
         """slurm.sh, slurm.json, then sbatch in the worker; its answer is taken in ``_collect_answers``."""
         argv = options.argv(paths.slurm_script)
-        atomic_write(paths.slurm_script, batch_script(paths, attempt, argv, self.python, self.package_parent),
+        atomic_write(paths.slurm_script, batch_script(paths, attempt, argv, self.python, self.package_parent,
+                                                        self._node_heartbeat_s()),
                      mode=0o755)
         record = {"attempt": attempt, "slurm_job_id": None, "tag": options.comment, "requeue": options.requeue,
                   "submitted_at": iso_utc(time.time()), "sbatch": argv}
@@ -486,7 +488,8 @@ class SlurmExecutor:
             output=str(running / f"{first.sweep}-%a" / SLURM_OUTPUT.replace("%j", "%A_%a")),
             array=f"{spec}%{self.array_limit}" if self.array_limit else spec)
         argv = options.argv(first.paths.slurm_script)
-        script = array_script(running, first.sweep, first.attempt, argv, self.python, self.package_parent)
+        script = array_script(running, first.sweep, first.attempt, argv, self.python, self.package_parent,
+                              self._node_heartbeat_s())
         submitted_at = iso_utc(time.time())
         for member in members:
             atomic_write(member.paths.slurm_script, script, mode=0o755)
@@ -501,6 +504,9 @@ class SlurmExecutor:
         for member in sub.members or [sub]:
             self._inflight_dirs[str(member.paths.dir)] = key
         self._submitter.submit(key, sub.argv)
+
+    def _node_heartbeat_s(self) -> float | None:
+        return None if self.heartbeat_s == HEARTBEAT_S else self.heartbeat_s  # the node's default needs no option
 
     def _submitting(self, paths: JobPaths) -> bool:
         """The attempt's sbatch is queued in the worker or running there."""

@@ -37,6 +37,7 @@ class Submitter:
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def submit(self, key: str, argv: list[str]) -> None:
         """Queue ``argv`` (an sbatch command line) under ``key``; its answer comes back from ``take``."""
@@ -72,6 +73,9 @@ class Submitter:
 
     def close(self) -> None:
         """Stop after the sbatch running now (if any); submissions still queued are found by their tags later."""
+        if self._closed:
+            return
+        self._closed = True
         self._todo.put(None)
         if self._thread is not None:
             self._thread.join(timeout=0.2)

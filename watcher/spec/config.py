@@ -67,7 +67,7 @@ class WatcherConfig:
         problems = foreign_value_problems(dict(data)) or sort_problems(
             schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data)) + _interval_problems(data)
             + duration_problems(dict(data), tuple((key,) for key in _DURATIONS) + (("slurm", "poll_s"),
-                                                                                 ("slurm", "poll_max_s")))
+                                                                                 ("slurm", "poll_max_s"), ("slurm", "heartbeat_s")))
             + _string_problems(data))
         if problems:
             raise InvalidWatcherConfig(display, problems)
@@ -97,7 +97,7 @@ def _interval_problems(data: Mapping) -> list[Problem]:
     checks = [(key, data.get(key)) for key in _POSITIVE_DURATIONS]
     slurm = data.get("slurm")
     if isinstance(slurm, Mapping):
-        checks.append(("slurm.poll_s", slurm.get("poll_s")))
+        checks += [(f"slurm.{key}", slurm.get(key)) for key in ("poll_s", "poll_max_s", "heartbeat_s")]
     return [Problem(key, f"must be a duration greater than 0 (got {shown(value)})")
             for key, value in checks if is_zero_duration(value)]
 
@@ -122,8 +122,9 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
     slurm = {**_default_slurm(), **data.get("slurm", {})}
     slurm["poll_s"] = parse_duration_s(slurm["poll_s"])
     slurm["exit_grace_s"] = parse_duration_s(slurm["exit_grace_s"])
-    if slurm.get("poll_max_s") is not None:
-        slurm["poll_max_s"] = parse_duration_s(slurm["poll_max_s"])
+    for key in ("poll_max_s", "heartbeat_s"):
+        if slurm.get(key) is not None:
+            slurm[key] = parse_duration_s(slurm[key])
     slurm["sbatch_args"] = list(slurm["sbatch_args"])
     gpus, allowed, passthrough = data.get("gpus"), data.get("allow_commands"), data.get("env_passthrough")
     return WatcherConfig(
