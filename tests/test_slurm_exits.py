@@ -28,8 +28,8 @@ from trainq.watcher.slurm.state import decode_status, parse_sacct, parse_squeue
 pytestmark = pytest.mark.slurm
 
 #: Slurm's own words when a QOS limit on submitted jobs refuses sbatch (slurmdbd with AccountingStorageEnforce)
-QOS_LIMIT = ("sbatch: error: QOSMaxSubmitJobPerUserLimit\\nsbatch: error: Batch job submission failed: Job violates "
-             "accounting/QOS policy (job submit limit, user's size and/or time limits)")
+QOS_LIMIT = ("sbatch: error: QOSMaxSubmitJobPerUserLimit\nsbatch: error: Batch job submission failed: Job violates "
+             "accounting/QOS policy (job submit limit, user's size and/or time limits)\n")
 
 
 def _wrapped_sbatch(tmp_path: Path, monkeypatch, body: str) -> Path:
@@ -148,8 +148,9 @@ def test_one_rank_failing_gives_its_own_exit_code_not_sruns(queue_dir, watcher):
 def test_a_submit_limit_makes_the_job_wait_then_submits_it_again(queue_dir, watcher, tmp_path, monkeypatch):
     """QOSMaxSubmitJobPerUserLimit (once): the job goes back to pending, waiting_for names the limit, and it runs
     once the limit lets it in; nothing fails."""
-    once = tmp_path / "limited-once"
-    _wrapped_sbatch(tmp_path, monkeypatch, f"[ -e {once} ] || {{ touch {once}; printf '{QOS_LIMIT}\\n' >&2; exit 1; }}")
+    once, said = tmp_path / "limited-once", tmp_path / "qos-limit.txt"
+    said.write_text(QOS_LIMIT)
+    _wrapped_sbatch(tmp_path, monkeypatch, f"[ -e {once} ] || {{ touch {once}; cat {said} >&2; exit 1; }}")
     w = watcher(**SLURM)
     w.executor.limit_retry_s = 1.0  # the real wait is 30 s; only the wait shrinks here
     drop(queue_dir, "limited.yaml", job_file(command=["echo", "in at last"]))
@@ -224,7 +225,10 @@ def test_a_silent_node_is_stalled_then_cancelled_and_retried_as_preempted(queue_
         tick_until(w, lambda: w.jobs.get("hung") is not None and w.jobs["hung"].attempt == 2 or finished(
             queue_dir, "hung"), 60, "trainq to give up on the node")
     finally:
-        os.kill(node_side, signal.SIGCONT)
+        try:
+            os.kill(node_side, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # Slurm's cancel ended it (SIGCONT, SIGTERM, then SIGKILL after KillWait)
     done = tick_until(w, lambda: finished(queue_dir, "hung"), 60, "attempt 2 to finish")
     run = run_json(done)
     assert done.parent.name == "done" and len(run["attempts"]) == 2, run

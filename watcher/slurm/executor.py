@@ -179,6 +179,7 @@ class SlurmExecutor:
         self._inflight: dict[str, _Inflight] = {}  # the first job folder of a submission -> it
         self._inflight_dirs: dict[str, str] = {}  # every job folder in flight -> its submission's key
         self._answers: list[tuple[str, str | None, Exception | None]] = []  # for the next flush
+        self._refused_dirs: dict[str, str] = {}  # job id -> folder of a refusal the next flush hands over
 
     # -- the Executor protocol -----------------------------------------------------------------
     def unavailable(self, now: float) -> str | None:
@@ -225,6 +226,9 @@ class SlurmExecutor:
                 self._submit_one(members[0].paths, members[0].attempt, members[0].options)
         self._collect_answers()
         answers, self._answers = self._answers, []
+        for folder in self._refused_dirs.values():  # the daemon takes these from here: no longer being submitted
+            self._inflight_dirs.pop(folder, None)
+        self._refused_dirs.clear()
         return answers
 
     def reap(self) -> None:
@@ -519,23 +523,40 @@ class SlurmExecutor:
             if sub is None:
                 continue
             members = sub.members or []
-            for member in members or [sub]:
-                self._inflight_dirs.pop(str(member.paths.dir), None)
             try:
                 slurm_id = self._answer(answer, sub.paths)
             except _NoAnswer as exc:
+                self._settle(sub)
                 self._no_answer(sub, str(exc))
             except (SpawnFailed, ExecutorUnavailable) as exc:
                 if len(members) > 1 and isinstance(exc, (SpawnFailed, SubmitLimited)):
                     # only the jobs Slurm itself refuses fail, and only those over a limit wait (an array's tail)
                     logger.warning("sweep %s: %s; submitting its %d jobs one by one", members[0].sweep, exc,
                                    len(members))
+                    self._settle(sub)
                     for member in members:
                         self._submit_one(member.paths, member.attempt, member.options)
                 else:
-                    self._answers += [(m.paths.dir.name, None, exc) for m in members or [sub]]
+                    self._refused(sub, exc)
             else:
+                self._settle(sub)
                 self._answers += self._confirm_submission(sub, slurm_id)
+
+    def _settle(self, sub: _Inflight) -> None:
+        for member in sub.members or [sub]:
+            self._inflight_dirs.pop(str(member.paths.dir), None)
+
+    def _refused(self, sub: _Inflight, error: Exception) -> None:
+        """sbatch said no (for now, or for good): slurm.json says so, so the tag is never looked for; the job
+        stays "being submitted" until ``flush`` hands the error to the daemon."""
+        for member in sub.members or [sub]:
+            record = read_json(member.paths.slurm_record) or {}
+            try:
+                atomic_write_json(member.paths.slurm_record, {**record, "refused": str(error)})
+            except OSError:
+                pass  # the answer still reaches the daemon; a restart would look for the tag and find none
+            self._answers.append((member.paths.dir.name, None, error))
+            self._refused_dirs[member.paths.dir.name] = str(member.paths.dir)
 
     def _confirm_submission(self, sub: _Inflight, slurm_id: str) -> list[tuple[str, str, None]]:
         if not sub.members:
@@ -863,7 +884,8 @@ class SlurmExecutor:
         if pending is not None or attempt.get("ended_at"):
             return pending
         record = read_json(paths.slurm_record) or {}
-        if (record.get("tag") and not record.get("slurm_job_id") and attempt.get("n") in (None, record.get("attempt"))
+        if (record.get("tag") and not record.get("slurm_job_id") and not record.get("refused")
+                and attempt.get("n") in (None, record.get("attempt"))
                 and not _attempt_ended(paths, record.get("attempt"))):
             index = record.get("array_index")
             pending = _Unconfirmed(paths, int(record["attempt"]), str(record["tag"]), list(record.get("sbatch") or []),
