@@ -355,7 +355,8 @@ def test_a_scancel_from_outside_is_cancelled_and_retry_flag_resumes_it(queue_dir
     assert run["status"] == "cancelled" and len(run["attempts"]) == 1, run
     assert "cancelled from outside trainq" in run["diagnosis"]["evidence"]
     (cancelled / "retry.flag").touch()
-    done = tick_until(w, lambda: (queue_dir / "done" / "pre" / "run.json").exists(), 30, "the retry to finish")
+    done = tick_until(w, lambda: (queue_dir / "done" / "pre" / "run.json").exists() and queue_dir / "done" / "pre",
+                      30, "the retry to finish")
     run = run_json(done)
     assert run["status"] == "done" and len(run["attempts"]) == 2
     assert run["attempts"][1]["slurm_job_id"] != slurm_id

@@ -258,6 +258,8 @@ class Starting:
         elif slurm_id:
             job.run["attempts"][-1]["slurm_job_id"] = slurm_id
             job.run["slurm_job_id"] = slurm_id
+            if job.unsaved_since is None:
+                job.unsaved_since = now  # run.json was written before the id came: write it again soon
             self.report.touch()
 
     def _checked_executable(self, job: Job, values: dict) -> str | None:

@@ -419,7 +419,8 @@ class SlurmExecutor:
         job = self._state(slurm_id) if slurm_id else None
         if job is None or not job.is_live or slurm_id in self._cancelled or slurm_id in self._to_cancel:
             return
-        queued = job.state in QUEUED_STATES
+        # the last poll may be older than the job's start (polls space out while nothing changes)
+        queued = job.state in QUEUED_STATES and (read_json(paths.started) or {}).get("attempt") != attempt.get("n")
         if queued or now - stop_requested_at >= grace_s + self.kill_after_s + self.scancel_margin_s:
             why = "still queued in Slurm" if queued else "its supervisor did not end it in time"
             logger.info("job %s: scancel %s (stop requested, %s)", paths.dir.name, slurm_id, why)
