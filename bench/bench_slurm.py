@@ -342,6 +342,22 @@ def rpc(n: int, window_s: float, settle_s: float) -> None:
     print(f"| time to submit all {n} (s) | {submit_s:.1f} | |", flush=True)
 
 
+def bursts(n: int, runs: int) -> None:
+    """A burst of ``n`` trivial jobs, bare ``sbatch --wrap`` then trainq, ``runs`` times: seconds until the last
+    one is done, and the ratio of the medians."""
+    bare, ours = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-slurm-burst-") as tmp:
+        for i in range(runs):
+            bare.append(bare_burst(n, Path(tmp)))
+            ours.append(trainq_burst(n, Path(tmp) / f"burst{i}"))
+            print(f"run {i + 1}: bare {bare[-1]:.2f} s, trainq {ours[-1]:.2f} s (load "
+                  f"{open('/proc/loadavg').read().split()[0]})", flush=True)
+    print(f"| burst of {n} × `true` until the last is done | bare sbatch --wrap | trainq | ratio of medians |")
+    print("|---|---|---|---|")
+    print(f"| median of {runs} runs (s) | {statistics.median(bare):.2f} | {statistics.median(ours):.2f} | "
+          f"{statistics.median(ours) / statistics.median(bare):.2f}× |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20)
@@ -352,6 +368,8 @@ def main() -> None:
     parser.add_argument("--rpc", type=int, help="held jobs tracked: slurmctld RPCs per minute by type (sdiag), and "
                                                 "the worst status.json age while they are submitted")
     parser.add_argument("--settle", type=float, default=40.0, help="seconds after the submission before --rpc's window")
+    parser.add_argument("--burst-only", type=int, metavar="RUNS",
+                        help="only the burst of --jobs, bare and trainq alternately, RUNS times each")
     args = parser.parse_args()
     POLL["s"] = args.poll
     started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], check=True, capture_output=True, text=True)
@@ -369,6 +387,9 @@ def main() -> None:
         return
     if args.rpc:
         rpc(args.rpc, args.window, args.settle)
+        return
+    if args.burst_only:
+        bursts(args.jobs, args.burst_only)
         return
     with tempfile.TemporaryDirectory(prefix="bench-slurm-") as tmp:
         tmp_path = Path(tmp)

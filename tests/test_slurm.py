@@ -672,7 +672,8 @@ def test_the_node_keeps_slurms_variables_and_gets_only_the_jobs_env(queue_dir, w
 def test_a_sigkill_the_supervisor_saw_is_an_oom_when_slurms_record_says_out_of_memory(tmp_path):
     """The node's cgroup OOM kill: the supervisor records SIGKILL; Slurm's OUT_OF_MEMORY decides, not this host's dmesg."""
     from trainq.watcher.daemon.jobs import judge_exit
-    from trainq.watcher.slurm.executor import SlurmJob, _with_slurm_view
+    from trainq.watcher.slurm.records import with_slurm_view as _with_slurm_view
+    from trainq.watcher.slurm.state import SlurmJob
 
     paths = JobPaths(tmp_path / "job")
     paths.dir.mkdir()
