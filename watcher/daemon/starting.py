@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from trainq.watcher.daemon.admission import Holding, Limits, Request, plan
@@ -37,6 +38,9 @@ PLAN_HEAD = 50
 PLAN_EVERY_S = 0.5
 #: jobs planned beyond the free slots when a slot frees between full plans
 PLAN_MARGIN = 8
+#: seconds of launching per pass; the rest start on the next pass, so status.json and stops keep their pace
+#: while a thousand jobs start (each launch writes a few files; Slurm's also reads job.yaml for its options)
+LAUNCH_BUDGET_S = 1.0
 
 
 class Starting:
@@ -77,6 +81,7 @@ class Starting:
             self._all_wait(head, unavailable)
             return
         waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now)]
+        budget_ends = time.monotonic() + LAUNCH_BUDGET_S
         try:
             for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
                 job = self.jobs.get(decision.job_id)
@@ -84,6 +89,8 @@ class Starting:
                     continue
                 if decision.unsatisfiable:
                     self.guarded(job, "plan", self._fail_unsatisfiable, job, decision.unsatisfiable, now)
+                elif decision.start and time.monotonic() > budget_ends:
+                    self._plan_due = True  # out of time for this pass: the next one starts it
                 elif decision.start:
                     self.guarded(job, "start", self._launch, job, decision, now)
                 elif job.run.get("waiting_for") != decision.waiting_for:

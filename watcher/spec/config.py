@@ -34,11 +34,16 @@ _DURATIONS = ("settle_s", "rescan_s", "status_s", "heartbeat_s", "kill_after_s")
 DEFAULT_SLURM_POLL_S = 2.0
 #: seconds the watcher waits for a node's exit record after Slurm ended the job (NFS caches attributes 60 s)
 DEFAULT_SLURM_EXIT_GRACE_S = 60.0
+#: the longest wait between two Slurm polls while nothing changes (s)
+DEFAULT_SLURM_POLL_MAX_S = 30.0
+#: how often a Slurm job's node side rewrites heartbeat.json (s)
+DEFAULT_SLURM_HEARTBEAT_S = 10.0
 
 
 def _default_slurm() -> dict:
     return {"partition": None, "sbatch_args": [], "poll_s": DEFAULT_SLURM_POLL_S,
-            "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S, "arrays": True}
+            "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S, "arrays": True, "poll_max_s": DEFAULT_SLURM_POLL_MAX_S,
+            "heartbeat_s": DEFAULT_SLURM_HEARTBEAT_S, "array_limit": None}
 
 
 @dataclass(frozen=True)
