@@ -96,7 +96,7 @@ def test_huge_sparse_file_is_refused_without_reading_it(tmp_path: Path) -> None:
         f.truncate(64 * 1024 ** 3)  # 64 GiB: reading it whole would take minutes and all the RAM
     started = time.monotonic()
     assert "too large" in only_message(file_problems(path))
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 30  # a hang guard (reading 64 GiB takes minutes), not a speed goal
 
 
 def test_file_of_exactly_the_limit_is_read(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_alias_bomb_is_refused_promptly() -> None:
     started = time.monotonic()
     message = only_message(problems_of("\n".join(lines) + "\n"))
     assert "aliases" in message and "line 1" in message
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 30  # a hang guard (the expanded bomb is 10^9 items), not a speed goal
 
 
 @pytest.mark.parametrize("text,got", [("- a\n- b\n", "a list"), ("just words\n", "a string"), ("42\n", "a number"),

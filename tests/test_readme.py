@@ -7,12 +7,30 @@ import subprocess
 from conftest import PY, REPO
 
 
-def test_job_reference_in_readme_matches_the_schemas():
-    from trainq.watcher.cli.docs import END, START, reference
+def test_the_reference_page_matches_the_schemas():
+    from trainq.watcher.cli.docs import WRITE_COMMAND, reference
 
+    text = (REPO / "docs" / "reference.md").read_text(encoding="utf-8")
+    assert text == reference(), f"docs/reference.md is stale: run {WRITE_COMMAND}"
+
+
+def test_the_reference_page_lists_every_field_of_every_schema():
+    """Generated, so nothing can be left out: each property of the three schemas has its row."""
+    import json
+
+    text = (REPO / "docs" / "reference.md").read_text(encoding="utf-8")
+    for name in ("job", "train", "watcher"):
+        schema = json.loads((REPO / "schemas" / f"{name}.schema.json").read_text())
+        for field in schema["properties"]:
+            assert f"| `{field}` |" in text or f"| `{field}." in text, f"{name}.schema.json: {field} missing"
+
+
+def test_the_readme_is_the_front_door_and_links_into_the_manual():
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    inside = text.split(START, 1)[1].split(END, 1)[0]
-    assert inside.strip() == reference().strip(), "run: python -m trainq.watcher.cli.docs --write README.md"
+    assert len(text.splitlines()) <= 260
+    for page in ("contract.md", "reference.md", "cli.md", "trainer.md", "slurm.md", "benchmarks.md"):
+        assert f"docs/{page}" in text, page
+        assert (REPO / "docs" / page).is_file(), page
 
 
 def test_readme_two_commands_are_make_targets_and_ci_runs_the_test_one():

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from trainq.watcher.spec.contract import RECORD_EVENT
-from trainq.watcher.daemon.diagnosis import parse_records
+from trainq.watcher.spec.records import parse_records
 
 
 def finite_or_none(value: object) -> object:

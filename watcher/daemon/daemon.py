@@ -389,7 +389,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             return InvalidJobSpec(display, [bad_name])
         try:
             spec = load_job_file(cand.path, display)
-            self._check_allowed(spec, display, cand.name)
+            self.check_allowed(spec, display, cand.name)
         except InvalidJobSpec as exc:
             return exc
         except FileNotFoundError:
@@ -412,7 +412,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         else:
             self._accepted(cand, taken, now)
 
-    def _check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
+    def check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
         """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's)."""
         if self.config.allow_commands is None:
             return

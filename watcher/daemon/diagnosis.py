@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from trainq.watcher.spec.contract import EXIT_DATA, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, RECORD_EVENT
-from trainq.watcher.spec.fsutil import open_no_follow
+from trainq.watcher.spec.records import parse_records, read_metrics_tail, read_tail, strip_ansi  # noqa: F401 (re-exported)
 
 KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "dependency", "unknown")
 
@@ -59,7 +59,6 @@ _COMMAND_ADVICE = {
                "touch retry.flag (it resumes only if the job declares resume_args).",
 }
 
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 
 #: log patterns per kind, most specific first; the last matching line of the tail is the evidence
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -108,43 +107,6 @@ def advice_for(kind: str, train: bool = True) -> str:
     if not train and kind in _COMMAND_ADVICE:
         return _COMMAND_ADVICE[kind]
     return _ADVICE.get(kind, _ADVICE["unknown"])
-
-
-def strip_ansi(text: str) -> str:
-    """Remove terminal colour and cursor codes."""
-    return _ANSI.sub("", text)
-
-
-def read_tail(path: str | os.PathLike, max_bytes: int = 65536) -> str:
-    """The last ``max_bytes`` of a log, decoded leniently, without ANSI codes or a cut first line."""
-    try:
-        with open_no_follow(path) as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - max_bytes))
-            data = f.read(max_bytes)
-    except OSError:  # gone, a folder, a symlink (never followed) or a FIFO (cannot seek)
-        return ""
-    if size > max_bytes:
-        data = data.partition(b"\n")[2]  # the first line was cut in the middle
-    return strip_ansi(data.decode("utf-8", errors="replace"))
-
-
-def read_metrics_tail(path: str | os.PathLike, max_bytes: int = 65536) -> list[dict]:
-    """The JSON objects in the last ``max_bytes`` of metrics.jsonl (broken lines skipped)."""
-    return parse_records(read_tail(path, max_bytes).splitlines())
-
-
-def parse_records(lines: list[str] | list[bytes]) -> list[dict]:
-    """The JSON objects among ``lines`` (metrics.jsonl records); torn or foreign lines are skipped."""
-    records = []
-    for line in lines:
-        try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, (bytes) not UTF-8, or nested past Python's stack
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-    return records
 
 
 def read_kernel_log(max_bytes: int = KERNEL_LOG_MAX_BYTES) -> str | None:

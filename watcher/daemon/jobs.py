@@ -147,7 +147,8 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
 
 
 def _ran_here(exit_record: dict) -> bool:
-    """False for a Slurm attempt: this machine's kernel log says nothing about a node's OOM kills."""
+    """False for an attempt a batch scheduler ran (its exit record names its batch job): this machine's kernel
+    log says nothing about a node's OOM kills."""
     return not exit_record.get("slurm_job_id")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import JobState
@@ -18,13 +18,29 @@ from trainq.watcher.spec.jobspec import load_job_file
 from trainq.watcher.spec.units import iso_utc
 
 if TYPE_CHECKING:
-    from trainq.watcher.daemon.daemon import Watcher
     from trainq.watcher.daemon.jobs import Job
+    from trainq.watcher.spec.jobspec import JobSpec
 
 logger = logging.getLogger(__name__)
 
 #: most pending jobs whose job.yaml one rescan stats (a 10,000-job queue is covered in a few rescans)
 CHECK_BATCH = 2000
+
+
+class EditHost(Protocol):
+    """What re-reading a pending job needs from the loop (the Watcher provides it; no import of it here)."""
+
+    config: object
+    jobs: object
+    folders: object
+    deps: object
+    report: object
+    _plan_due: bool
+
+    def check_allowed(self, spec: "JobSpec", display: str, file_name: str) -> None: ...
+    def admit_workflow(self, job: "Job", now: float) -> None: ...
+    def forget_removed(self, job: "Job") -> None: ...
+    def _retire(self, job: "Job", now: float) -> None: ...
 
 
 class PendingEdits:
@@ -33,7 +49,7 @@ class PendingEdits:
     def __init__(self) -> None:
         self._cursor = 0
 
-    def check(self, watcher: "Watcher", now: float) -> None:
+    def check(self, watcher: "EditHost", now: float) -> None:
         """Stat the next batch of pending job files; re-read those that changed and have settled."""
         pending = watcher.jobs.in_state(JobState.PENDING)
         if not pending:
@@ -51,7 +67,7 @@ def file_sig(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-def _check_one(watcher: "Watcher", job: "Job", now: float) -> None:
+def _check_one(watcher: "EditHost", job: "Job", now: float) -> None:
     try:
         sig = file_sig(os.stat(job.paths.spec))
     except FileNotFoundError:
@@ -72,18 +88,18 @@ def _check_one(watcher: "Watcher", job: "Job", now: float) -> None:
     _reread(watcher, job, now)
 
 
-def _vanished(watcher: "Watcher", job: "Job", now: float) -> None:
+def _vanished(watcher: "EditHost", job: "Job", now: float) -> None:
     if job.dir.exists():
         _reject(watcher, job, InvalidJobSpec(f"pending/{job.id}/job.yaml", []), now, "job.yaml was removed")
         return
     watcher.forget_removed(job)  # containment.py: one log line, the id free again
 
 
-def _reread(watcher: "Watcher", job: "Job", now: float) -> None:
+def _reread(watcher: "EditHost", job: "Job", now: float) -> None:
     display = f"pending/{job.id}/job.yaml"
     try:
         spec = load_job_file(job.paths.spec, display)
-        watcher._check_allowed(spec, display, f"{job.id}.yaml")
+        watcher.check_allowed(spec, display, f"{job.id}.yaml")
     except InvalidJobSpec as exc:
         _reject(watcher, job, exc, now)
         return
@@ -103,7 +119,7 @@ def _reread(watcher: "Watcher", job: "Job", now: float) -> None:
     logger.info("job %s: job.yaml changed; re-read (priority %d -> %d)", job.id, before, spec.priority)
 
 
-def _rewire_dependencies(watcher: "Watcher", job: "Job", old_after: tuple, now: float) -> None:
+def _rewire_dependencies(watcher: "EditHost", job: "Job", old_after: tuple, now: float) -> None:
     """An edited after: is followed: the old dependencies forgotten, the new ones held on (or a cycle rejected)."""
     if old_after:
         watcher.deps.forget(job.id, old_after)
@@ -114,7 +130,7 @@ def _rewire_dependencies(watcher: "Watcher", job: "Job", old_after: tuple, now: 
         watcher.admit_workflow(job, now)
 
 
-def _reject(watcher: "Watcher", job: "Job", exc: InvalidJobSpec, now: float, why: str | None = None) -> None:
+def _reject(watcher: "EditHost", job: "Job", exc: InvalidJobSpec, now: float, why: str | None = None) -> None:
     lines = exc.lines() if exc.problems else [f"{exc.file}: {why}"]
     job.run.update(status="rejected", finished_at=iso_utc(now), waiting_for=None, error=lines[0],
                    errors=[p.to_dict() for p in exc.problems] or [{"path": "", "message": why}])

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec
@@ -22,12 +22,35 @@ from trainq.watcher.spec.jobspec import load_job_file
 from trainq.watcher.spec.units import iso_utc
 
 if TYPE_CHECKING:
-    from trainq.watcher.daemon.daemon import Watcher
+    from trainq.watcher.daemon.executor import Executor
+    from trainq.watcher.daemon.report import Report
+    from trainq.watcher.spec.config import WatcherConfig
+    from trainq.watcher.spec.folders import Folders, QueueRoot
+
+
+class RecoveryHost(Protocol):
+    """What start-up recovery needs from the loop (the Watcher provides it; no import of it here)."""
+
+    root: "QueueRoot"
+    config: "WatcherConfig"
+    folders: "Folders"
+    jobs: object
+    executor: "Executor"
+    report: "Report"
+    recovered_finished: list
+    _order_last: int
+
+    def guarded(self, job: Job, step: str, fn, *args): ...
+    def guarded_id(self, job_id: str, state: JobState, step: str, fn, *args): ...
+    def admit_workflow(self, job: Job, now: float) -> None: ...
+    def resume_sweeps(self, now: float) -> None: ...
+    def _finish(self, job: Job, outcome, record: dict, now: float) -> None: ...
+    def _finish_lost(self, job: Job, now: float) -> None: ...
 
 logger = logging.getLogger(__name__)
 
 
-def recover(watcher: "Watcher") -> None:
+def recover(watcher: "RecoveryHost") -> None:
     """Rebuild the daemon's index from the folders and repair interrupted steps."""
     now = time.time()
     found = watcher.folders.load_ids()
@@ -48,7 +71,7 @@ def recover(watcher: "Watcher") -> None:
     logger.info("watcher: recovered %d pending and %d running job(s)", len(watcher.jobs) - running, running)
 
 
-def _recover_pending(watcher: "Watcher", job_id: str, now: float) -> None:
+def _recover_pending(watcher: "RecoveryHost", job_id: str, now: float) -> None:
     path = watcher.root.job_dir(JobState.PENDING, job_id)
     paths = JobPaths(path)
     remove_stale_temps(path, (paths.run.name,))
@@ -86,7 +109,7 @@ def _validation_error(paths: JobPaths, job_id: str) -> tuple[str, list[dict]]:
     return f"pending/{job_id}/job.yaml no longer validates", []
 
 
-def _recover_running(watcher: "Watcher", job_id: str, now: float) -> None:
+def _recover_running(watcher: "RecoveryHost", job_id: str, now: float) -> None:
     path = watcher.root.job_dir(JobState.RUNNING, job_id)
     job = load_job(path, JobState.RUNNING)
     if job is None:
@@ -141,7 +164,7 @@ def _sync_attempt(job: Job, record: dict | None) -> None:
     job.run["started_at"] = job.run.get("started_at") or record.get("started_at")
 
 
-def _never_started(watcher: "Watcher", job: Job) -> None:
+def _never_started(watcher: "RecoveryHost", job: Job) -> None:
     """The watcher died between moving the folder and forking the supervisor: start it again later."""
     job.run.update(status="pending", waiting_for=None)
     job.save()
@@ -150,7 +173,7 @@ def _never_started(watcher: "Watcher", job: Job) -> None:
     logger.info("job %s: running -> pending, its attempt never started", job.id)
 
 
-def _remove_stale_temp_files(watcher: "Watcher", found: dict) -> None:
+def _remove_stale_temp_files(watcher: "RecoveryHost", found: dict) -> None:
     """Temp files of atomic writes a killed watcher left: status.json's, status.html's, run.json's in running/."""
     root = watcher.root
     removed = remove_stale_temps(root.path, (root.status_json.name, root.status_html.name))
@@ -171,7 +194,7 @@ def _remove_abandoned_claim(paths: JobPaths) -> None:
         logger.warning("queue: %s has no job.yaml but is not empty; leaving it", paths.dir)
 
 
-def _unlink_claimed_inbox_names(watcher: "Watcher", found: dict) -> None:
+def _unlink_claimed_inbox_names(watcher: "RecoveryHost", found: dict) -> None:
     """A crash between link and unlink leaves one file with two names; drop the inbox one."""
     suspects = {}
     try:
@@ -195,7 +218,7 @@ def _unlink_claimed_inbox_names(watcher: "Watcher", found: dict) -> None:
                 logger.info("queue: %s was already claimed as %s; removed the inbox name", name.name, job_id)
 
 
-def _seed_recent(watcher: "Watcher") -> None:
+def _seed_recent(watcher: "RecoveryHost") -> None:
     """List the most recently finished jobs (by folder change time) in status.json."""
     finished = []
     for state in (JobState.DONE, JobState.FAILED):

@@ -10,7 +10,7 @@ import os
 import socket
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from trainq.watcher import __version__
 from trainq.watcher.spec.folders import JobState, QueueRoot
@@ -25,8 +25,23 @@ from trainq.watcher.spec.units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
     from trainq.watcher.spec.config import WatcherConfig
-    from trainq.watcher.daemon.daemon import Watcher
+    from trainq.watcher.daemon.executor import Executor
     from trainq.watcher.daemon.jobs import Job
+    from trainq.watcher.daemon.resources import ResourceProbe
+
+
+class ReportSource(Protocol):
+    """What the report reads from the loop (the Watcher provides it; no import of it here)."""
+
+    jobs: object
+    executor: "Executor"
+    probe: "ResourceProbe"
+    paused: bool
+    stopping: bool
+    disk_full: object  # None while the disk has room
+
+    def problems(self) -> list[str]: ...
+    def _holding(self, job: "Job"): ...
 
 #: most awaiting/pending entries listed in status.json (CONTRACT section 5)
 MAX_LISTED = 50
@@ -134,7 +149,7 @@ class Report:
                 self.dirty = True
 
     # -- progress ------------------------------------------------------------------------------
-    def update_progress(self, watcher: "Watcher", job: "Job", now: float) -> None:
+    def update_progress(self, watcher: "ReportSource", job: "Job", now: float) -> None:
         """Read new metrics/log lines of a running job; measure its process tree now and then."""
         if job.unsaved_since is not None:
             return  # just launched: looked at once it has run a moment (most trivial jobs are over by then)
@@ -158,7 +173,7 @@ class Report:
                 self.dirty = True
 
     # -- writing -------------------------------------------------------------------------------
-    def write(self, watcher: "Watcher", now: float, force: bool = False, state: str | None = None) -> None:
+    def write(self, watcher: "ReportSource", now: float, force: bool = False, state: str | None = None) -> None:
         if now - self.last_recount >= RECOUNT_EVERY_S:
             self.last_recount = now
             self.recount()
@@ -176,7 +191,7 @@ class Report:
             self.last_write = now
             self.dirty = False
 
-    def snapshot(self, watcher: "Watcher", now: float, state: str | None = None) -> StatusSnapshot:
+    def snapshot(self, watcher: "ReportSource", now: float, state: str | None = None) -> StatusSnapshot:
         running = sorted(watcher.jobs.in_state(JobState.RUNNING), key=lambda j: j.order)
         # the next to start, without sorting a 10,000-job queue on every write
         pending = watcher.jobs.pending_head(MAX_LISTED)

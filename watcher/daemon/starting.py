@@ -22,8 +22,7 @@ from trainq.watcher.spec.contract import (
     ENV_RESUME_FROM,
     ENV_STOP_FLAG,
 )
-from trainq.watcher.spec.errors import SpawnFailed
-from trainq.watcher.daemon.executor import ExecutorUnavailable
+from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
 from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
@@ -150,8 +149,8 @@ class Starting:
 
     def _request(self, job: Job) -> Request:
         res = job.spec.resources
-        if getattr(self.executor, "places_resources", False):
-            # Slurm places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
+        if self.executor.places_resources:
+            # a scheduler places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
             return Request(job_id=job.id, priority=job.priority, order=job.order, gpus=0, disk_gb=res.disk_gb,
                            allow_battery=True, disk_path=self._disk_path(job))
         return Request(
@@ -214,7 +213,7 @@ class Starting:
             timeout_s=job.spec.timeout_s,
             banner=_banner(job.id, attempt, now, resume_from),
             executable=self._checked_executable(job, values),
-            inherit_env=self.executor.name == "slurm",  # only a batch job adds to its environment: its node's SLURM_*
+            inherit_env=self.executor.inherits_environment,
         )
         job.run.update(status="running", attempt=attempt, waiting_for=None, not_before=None,
                        gpus=list(decision.gpus), stop_requested_at=None)
@@ -224,7 +223,7 @@ class Starting:
         sweep = job.run.get("sweep") or {}
         group = (sweep["id"], sweep["index"]) if sweep.get("id") and isinstance(sweep.get("index"), int) else None
         try:
-            record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.slurm, group))
+            record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.options_for(self.executor.name), group))
         except ExecutorUnavailable as exc:
             self._unlaunch(job, str(exc), getattr(exc, "retry_after_s", None), now)
             return
@@ -234,37 +233,35 @@ class Starting:
             return
         job.run["attempts"].append(record)
         job.run["executor"] = self.executor.name
-        if record.get("slurm_job_id"):
-            job.run["slurm_job_id"] = record["slurm_job_id"]
+        ref_field = self.executor.job_ref_field
+        if ref_field and record.get(ref_field):
+            job.run[ref_field] = record[ref_field]
         job.unsaved_since = now  # written by watch_running once it has run a moment (finishing.py)
         job.health, job.last_activity, job.activity_sig, job.readers = "healthy", now, (), None
         gpus = ",".join(map(str, decision.gpus)) or "none"
-        if record.get("slurm_job_id"):
-            where = f"slurm job {record['slurm_job_id']}"
-        else:
-            where = f"pid {record['pid']}" if record.get("pid") else "Slurm job id not known yet"
+        where = self.executor.describe(record)
         logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
         self.report.touch()
         self.deps_changed(job.id, now)
 
     def _flush_launches(self, now: float) -> None:
-        """Submit the attempts the executor held back this pass (a sweep's jobs: one Slurm job array)."""
-        for job_id, slurm_id, error in self.executor.flush():
+        """Submit the attempts the executor held back this pass (a sweep's jobs: one batch-job array)."""
+        for job_id, ref, error in self.executor.flush():
             job = self.jobs.get(job_id)
             if job is None or job.state is not JobState.RUNNING:
                 continue
-            self.guarded(job, "start", self._launched, job, slurm_id, error, now)
+            self.guarded(job, "start", self._launched, job, ref, error, now)
 
-    def _launched(self, job: Job, slurm_id: str | None, error: Exception | None, now: float) -> None:
+    def _launched(self, job: Job, ref: str | None, error: Exception | None, now: float) -> None:
         """The held-back submission of ``job``'s attempt went out (or failed: the same paths as in ``_launch``)."""
         if isinstance(error, ExecutorUnavailable):
             job.run["attempts"].pop()
             self._unlaunch(job, str(error), getattr(error, "retry_after_s", None), now)
         elif error is not None:
             self._finish(job, _spawn_outcome(error), {"spawn_error": str(error)}, now)
-        elif slurm_id:
-            job.run["attempts"][-1]["slurm_job_id"] = slurm_id
-            job.run["slurm_job_id"] = slurm_id
+        elif ref and self.executor.job_ref_field:
+            job.run["attempts"][-1][self.executor.job_ref_field] = ref
+            job.run[self.executor.job_ref_field] = ref
             if job.unsaved_since is None:
                 job.unsaved_since = now  # run.json was written before the id came: write it again soon
             self.report.touch()
@@ -288,8 +285,8 @@ class Starting:
         self._retire(job, now)
 
     def _unlaunch(self, job: Job, reason: str, retry_after_s: float | None = None, now: float = 0.0) -> None:
-        """The executor could not take the attempt (Slurm down, or a submit limit reached: then not before
-        ``retry_after_s``): back to pending, nothing lost."""
+        """The executor could not take the attempt (its scheduler is down, or a submit limit is reached: then not
+        before ``retry_after_s``): back to pending, nothing lost."""
         job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[],
                        not_before=iso_utc(now + retry_after_s) if retry_after_s else None)
         job.save(durable=False)

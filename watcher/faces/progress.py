@@ -16,7 +16,7 @@ from collections import deque
 from pathlib import Path
 
 from trainq.watcher.spec.contract import RECORD_CHECKPOINT, RECORD_EVAL
-from trainq.watcher.daemon.diagnosis import parse_records
+from trainq.watcher.spec.records import parse_records
 from trainq.watcher.spec.fsutil import open_no_follow
 
 logger = logging.getLogger(__name__)

@@ -10,13 +10,19 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from trainq.watcher.daemon.diagnosis import parse_records, read_tail
+from trainq.watcher.spec.records import parse_records, read_tail
 from trainq.watcher.spec.fsutil import read_json
 
-if TYPE_CHECKING:
-    from trainq.watcher.daemon.jobs import Job
+
+class JobView(Protocol):
+    """The parts of the daemon's Job that a sweep entry reads."""
+
+    run: dict
+    state: object  # a JobState
+    spec: object  # a JobSpec, or None
+    paths: object  # a JobPaths
 
 #: how much of metrics.jsonl is read for a finished job's best eval loss when summary.json has none (bytes)
 BEST_EVAL_MAX_BYTES = 512 * 1024
@@ -40,7 +46,7 @@ class SweepGroup:
         return any(r.best_eval_loss is not None for r in self.rows)
 
 
-def workflow_entry(job: "Job") -> dict:
+def workflow_entry(job: JobView) -> dict:
     """status.json entry fields for sweeps: ``sweep``, ``params``, and a finished job's ``best_eval_loss``."""
     sweep = job.run.get("sweep") or {}
     out: dict = {}

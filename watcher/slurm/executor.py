@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainq.watcher.daemon.executor import ExecutorUnavailable
+from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.batch import (
     SlurmOptions, array_script, batch_env, batch_script, signal_lead_s, time_limit_min,
 )
@@ -68,11 +68,13 @@ DEFAULT_POLL_MAX_S = 30.0
 
 
 class SlurmExecutor(Submitting, Polling, Liveness):
-    """Attempts run as Slurm batch jobs; the Executor protocol of watcher/executor.py."""
+    """Attempts run as Slurm batch jobs; the Executor protocol of watcher/daemon/executor.py."""
 
     name = "slurm"
     #: Slurm places GPUs and memory on its nodes: admission must not gate on this machine's
     places_resources = True
+    inherits_environment = True  # a batch job adds to its node's environment (SLURM_*, the rendezvous variables)
+    job_ref_field = "slurm_job_id"
 
     def __init__(self, config: "WatcherConfig", root: Path):
         slurm = dict(config.slurm or {})
@@ -146,6 +148,10 @@ class SlurmExecutor(Submitting, Polling, Liveness):
             return {"slurm_job_id": None, "pid": None}
         self._submit_one(paths, spec.attempt, options)
         return {"slurm_job_id": None, "pid": None}
+
+    def describe(self, record: dict) -> str:
+        ref = record.get(self.job_ref_field)
+        return f"slurm job {ref}" if ref else "Slurm job id not known yet"
 
     def flush(self) -> list[tuple[str, str | None, Exception | None]]:
         """Hand what ``launch`` held back to the sbatch worker (one ``sbatch --array`` per sweep, attempt and set

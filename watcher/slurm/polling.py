@@ -8,7 +8,7 @@ import subprocess
 import time
 from typing import TYPE_CHECKING
 
-from trainq.watcher.daemon.executor import ExecutorUnavailable
+from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.records import (
     NoAnswer, Unconfirmed, attempt_ended,
     claimed_id,

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainq.watcher.daemon.executor import ExecutorUnavailable
+from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.batch import SlurmOptions
 from trainq.watcher.slurm.ranks import real_rank_exit
 from trainq.watcher.slurm.state import (

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainq.watcher.daemon.executor import ExecutorUnavailable
+from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.batch import (
     SlurmOptions, array_script, batch_env, batch_script, effective_time_min, signal_lead_s, srun_argv, time_limit_min,
 )

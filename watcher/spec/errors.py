@@ -72,3 +72,7 @@ class JobFolderRemoved(WatcherError):
         self.job_id = job_id
         self.where = where
         super().__init__(f"job {job_id}: its folder {where} was removed")
+
+
+class ExecutorUnavailable(WatcherError):
+    """Raised when the executor cannot take jobs right now (its scheduler is down); the job waits, nothing is lost."""

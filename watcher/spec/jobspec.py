@@ -197,6 +197,10 @@ class JobSpec:
         """True for jobs run by the built-in trainer."""
         return self.train is not None
 
+    def options_for(self, executor: str) -> dict | None:
+        """The job file's section for that executor (``slurm:`` for ``slurm``), or None."""
+        return {"slurm": self.slurm}.get(executor)
+
     @property
     def has_resume(self) -> bool:
         """Whether a retry can resume: train jobs always, command jobs that declare resume_args."""

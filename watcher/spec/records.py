@@ -1,0 +1,52 @@
+"""Reading what a job writes: the tail of ``output.log`` and the records of ``metrics.jsonl``.
+
+The daemon's diagnosis, the faces' progress and sweep views, and the trainer all read these files the
+same way: never following a link, never blocking on a FIFO, skipping torn or foreign lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from trainq.watcher.spec.fsutil import open_no_follow
+
+#: terminal colour, cursor and OSC sequences (stripped from log text shown to people)
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+
+
+def strip_ansi(text: str) -> str:
+    """Remove terminal colour and cursor codes."""
+    return _ANSI.sub("", text)
+
+
+def read_tail(path: str | os.PathLike, max_bytes: int = 65536) -> str:
+    """The last ``max_bytes`` of a log, decoded leniently, without ANSI codes or a cut first line."""
+    try:
+        with open_no_follow(path) as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - max_bytes))
+            data = f.read(max_bytes)
+    except OSError:  # gone, a folder, a symlink (never followed) or a FIFO (cannot seek)
+        return ""
+    if size > max_bytes:
+        data = data.partition(b"\n")[2]  # the first line was cut in the middle
+    return strip_ansi(data.decode("utf-8", errors="replace"))
+
+
+def read_metrics_tail(path: str | os.PathLike, max_bytes: int = 65536) -> list[dict]:
+    """The JSON objects in the last ``max_bytes`` of metrics.jsonl (broken lines skipped)."""
+    return parse_records(read_tail(path, max_bytes).splitlines())
+
+
+def parse_records(lines: list[str] | list[bytes]) -> list[dict]:
+    """The JSON objects among ``lines`` (metrics.jsonl records); torn or foreign lines are skipped."""
+    records = []
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):  # not JSON, (bytes) not UTF-8, or nested past Python's stack
+            continue
+        if isinstance(obj, dict):
+            records.append(obj)
+    return records
