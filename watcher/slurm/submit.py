@@ -54,19 +54,29 @@ class Submitter:
         with self._lock:
             return self._queued
 
-    def take(self) -> list[tuple[str, Answer]]:
-        """The answers in since the last call, in submission order."""
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
+    def take(self, limit: int | None = None) -> list[tuple[str, Answer]]:
+        """The answers in since the last call (at most ``limit``), in submission order. While answers remain, the
+        wake fd stays readable, so the loop comes back for them at once."""
         answers = []
-        while self._done:
+        while self._done and (limit is None or len(answers) < limit):
             answers.append(self._done.popleft())
         with self._lock:
             self._queued -= len(answers)
+        if not self._done:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+            if self._done:  # one came in while draining: keep the loop awake for it
+                self._poke()
         return answers
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (the loop will look anyway) or closed (the watcher is going)
 
     def wake_fd(self) -> int:
         return self._wake_r
@@ -90,10 +100,7 @@ class Submitter:
                 return
             key, argv = item
             self._done.append((key, _sbatch(argv, self.timeout_s)))
-            try:
-                os.write(self._wake_w, b"x")
-            except (BlockingIOError, OSError):
-                pass  # the pipe is full (the loop will look anyway) or closed (the watcher is going)
+            self._poke()
 
 
 def _sbatch(argv: list[str], timeout_s: float) -> Answer:

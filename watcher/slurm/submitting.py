@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: seconds per pass spent on taking sbatch's answers (each writes slurm.json); the rest wait for the next pass
+ANSWERS_BUDGET_S = 0.3
+
 
 class Submitting:
     """How SlurmExecutor submits: sbatch options, the hand-over to the worker, each answer, scancel (a mixin: the state lives in SlurmExecutor.__init__)."""
@@ -108,8 +111,17 @@ class Submitting:
         return str(paths.dir) in self._inflight_dirs
 
     def _collect_answers(self) -> None:
-        """Take the sbatch worker's answers: confirm, leave unconfirmed, or pass the error on to ``flush``."""
-        for key, answer in self._submitter.take():
+        """Take the sbatch worker's answers: confirm, leave unconfirmed, or pass the error on to ``flush``.
+
+        At most ANSWERS_BUDGET_S of work per call: a thousand answers that piled up during a long pass are taken
+        over several passes, so the loop (and status.json) keep their pace.
+        """
+        budget_ends = time.monotonic() + ANSWERS_BUDGET_S
+        while time.monotonic() < budget_ends:
+            taken = self._submitter.take(1)
+            if not taken:
+                return
+            key, answer = taken[0]
             sub = self._inflight.pop(key, None)
             if sub is None:
                 continue
@@ -238,7 +250,8 @@ class Submitting:
 
     def _confirm(self, paths: JobPaths, record: dict, slurm_id: str) -> None:
         """The submission exists as ``slurm_id``: record it in slurm.json and track it."""
-        atomic_write_json(paths.slurm_record, {**record, "slurm_job_id": slurm_id})
+        # not fsynced: the tag written before sbatch (durably) finds the job again if this write is lost
+        atomic_write_json(paths.slurm_record, {**record, "slurm_job_id": slurm_id}, durable=False)
         self._unconfirmed.pop(str(paths.dir), None)
         self._track(slurm_id, SlurmJob("PENDING", "None"))
         self._seeded.add(slurm_id)  # "PENDING" until squeue says otherwise: it may run and end before the next poll
