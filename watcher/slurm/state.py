@@ -67,7 +67,6 @@ PER_JOB_LIMIT = re.compile(r"PerJob|MaxWall|Wall\w*Limit|MinTRES|MinCpu|MinNode"
 #: scontrol's answer for an id it no longer knows: purged after MinJobAge, or a cancelled array task that never
 #: started ("Job 12_3 not found", printed on stdout)
 NO_SUCH_JOB = re.compile(r"Invalid job id|^Job \S+ not found", re.MULTILINE)
-_FIELD = re.compile(r"(\w+)=(\S*)")
 #: slurmstepd's words when it kills a step for its memory: without cgroups (JobAcctGatherParams=OverMemoryKill)
 #: the job then ends FAILED, not OUT_OF_MEMORY, and only Slurm's output file says why
 MEMORY_KILL = re.compile(r"exceeded (?:job )?memory limit|oom[-_ ]kill", re.IGNORECASE)
@@ -229,21 +228,6 @@ def decode_status(status: str) -> tuple[int | None, int | None]:
         return None, None
     raw = int(status)
     return (None, raw & 0x7F) if raw & 0x7F else (raw >> 8, None)
-
-
-def show_job(slurm_id: str, timeout_s: float) -> SlurmJob | None:
-    """``scontrol -o show job``: the job's state, reason, node and exit status; GONE when purged, None on error."""
-    try:
-        done = run(["scontrol", "-o", "show", "job", slurm_id], timeout_s)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:
-        return SlurmJob(GONE) if NO_SUCH_JOB.search(done.stderr + done.stdout) else None
-    fields = dict(_FIELD.findall(done.stdout))
-    code, _, sig = fields.get("ExitCode", "").partition(":")
-    return SlurmJob(fields.get("JobState", "UNKNOWN"), fields.get("Reason", ""), fields.get("BatchHost", ""),
-                    fields.get("Comment", ""), int(code) if code.isdigit() else None,
-                    int(sig) if sig.isdigit() else None)
 
 
 def accounting_enabled(timeout_s: float) -> bool:
