@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: how long the one ``scontrol show config`` (does sacct answer here?) may hold the loop (s)
+ACCOUNTING_TIMEOUT_S = 5.0
 #: squeue answers that must miss an unconfirmed submission's tag before a full lookup may resubmit it
 UNCONFIRMED_POLLS = 2
 
@@ -82,7 +84,7 @@ class Polling:
         if start and wanted and now - self._last_query_mono >= self._interval_s:
             self._last_query_mono = now
             if self._accounting is None:
-                self._accounting = accounting_enabled(self.command_timeout_s)
+                self._accounting = accounting_enabled(ACCOUNTING_TIMEOUT_S)  # once; a short wait, in the loop
             # by id: only the queue's own jobs; all of the user's while a submission is looked for by its tag
             ids = None if self._unconfirmed or not self._listed_all or not self._tracked else query_ids(self._tracked)
             try:

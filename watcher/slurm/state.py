@@ -230,14 +230,17 @@ def decode_status(status: str) -> tuple[int | None, int | None]:
     return (None, raw & 0x7F) if raw & 0x7F else (raw >> 8, None)
 
 
-def accounting_enabled(timeout_s: float) -> bool:
-    """Whether this cluster keeps job records in slurmdbd (``sacct`` answers), from ``scontrol show config``."""
+def accounting_enabled(timeout_s: float) -> bool | None:
+    """Whether this cluster keeps job records in slurmdbd (``sacct`` answers), from ``scontrol show config``;
+    None when the controller did not answer (asked again later)."""
     try:
         done = run(["scontrol", "show", "config"], timeout_s)
     except (OSError, subprocess.TimeoutExpired):
-        return False
+        return None
+    if done.returncode != 0:
+        return None
     fields = dict(re.findall(r"^(\w+)\s*=\s*(\S*)", done.stdout, re.MULTILINE))
-    return done.returncode == 0 and fields.get("AccountingStorageType", "").endswith("slurmdbd")
+    return fields.get("AccountingStorageType", "").endswith("slurmdbd")
 
 
 #: sacct -P fields (one line per job with -X)
