@@ -7,11 +7,9 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from trainq.watcher.slurm.records import (
-    append_note,
-)
+from trainq.watcher.slurm.records import append_note, refresh_listing
 from trainq.watcher.slurm.state import (
-    EXIT_NO_PYTHON, EXIT_NOT_SHARED, GONE, SIGNAL_NAMES, SlurmJob, ended_outcome,
+    EXIT_NO_PYTHON, EXIT_NOT_SHARED, GONE, SIGNAL_NAMES, SLURM_OUTPUT, SlurmJob, ended_outcome,
 )
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
@@ -127,10 +125,21 @@ class Liveness:
         if first is None:
             return False
         job = self._jobs.get(slurm_id)
-        ran = slurm_id in self._running_at or bool(job and job.node) or paths.started.exists()
-        if not ran or (job is not None and job.exit_code in (EXIT_NOT_SHARED, *EXIT_NO_PYTHON)):
+        if job is not None and job.exit_code in (EXIT_NOT_SHARED, *EXIT_NO_PYTHON):
+            return False  # slurm.sh stopped before the supervisor: nothing can be on its way
+        if time.monotonic() - first >= self.exit_grace_s:
             return False
-        return time.monotonic() - first < self.exit_grace_s
+        return slurm_id in self._running_at or self._node_side_seen(paths, slurm_id)
+
+    def _node_side_seen(self, paths: JobPaths, slurm_id: str) -> bool:
+        """Any sign that the node side started (its claim, heartbeat, start record, or Slurm's output file), after
+        listing the folder (which revalidates an NFS client's cache): not supervisor.json alone."""
+        refresh_listing(paths.dir)
+        attempt = (read_json(paths.slurm_record) or {}).get("attempt")
+        signs = [paths.started, paths.heartbeat, paths.dir / SLURM_OUTPUT.replace("%j", slurm_id)]
+        if isinstance(attempt, int):
+            signs.append(paths.slurm_claim(attempt))
+        return any(p.exists() for p in signs)
 
     def _exit_read_due(self, slurm_id: str, interval_s: float) -> bool:
         """At most one look at this job's exit.json per ``interval_s``."""
