@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(if $(PIP_CONSTRAINT),-c $(PIP_CONSTRAINT)) -e '.[train,test,lightning]'
+	$(PY) -m pip install -q $(if $(PIP_CONSTRAINT),-c $(PIP_CONSTRAINT)) -e '.[train,test,lightning,serve]'
 	touch $@
 
 demo: setup

@@ -230,7 +230,7 @@ def test_wrong_types_are_all_reported_sorted_by_path() -> None:
         ("resources.ram_gb", "must be a number >= 0 (got -1)"),
         ("retries.max", "must be an integer >= 0 (got -1)"),
         ("retries.on[1]", 'must be one of oom, nan, killed, data, timeout, stalled, preempted, unsatisfiable, '
-                          'unknown (got "nann") (did you mean \'nan\'?)'),
+                          'schedule, unknown (got "nann") (did you mean \'nan\'?)'),
     ]
 
 
@@ -488,7 +488,10 @@ def test_job_schema_lists_every_jobspec_field() -> None:
     schema = json.loads((SCHEMAS_DIR / JOB_SCHEMA).read_text())
     assert set(schema["properties"]) == {"approved", "name", "priority", "command", "train", "cwd", "env", "resources",
                                          "timeout", "stop_grace", "stall_after", "retries", "resume_args", "slurm",
-                                         "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint"}
+                                         "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint",
+                                         "deadline", "expected_duration", "deliver", "expected_lr",
+                                         "abort_on_lr_deviation",
+                                         "rerun_of", "checkpoint_exit_code", "snapshot"}  # run records (issue 29)
 
 
 def test_missing_referenced_schema_is_a_problem_not_a_crash(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ def test_why_names_every_gate_that_holds_a_job(queue_dir, watcher_process, tmp_p
     wait_until(lambda: (json.loads((queue_dir / "status.json").read_text())["watcher"]["state"] == "paused"), 10)
     assert "pause.flag is present" in _holds(_cli(queue_dir, "why", "held", env=env).stdout)["pause"]
     (queue_dir / "stop.flag").touch()
-    wait_until(lambda: json.loads((queue_dir / "status.json").read_text())["watcher"]["state"] == "stopping", 10)
+    wait_until(lambda: json.loads((queue_dir / "status.json").read_text())["watcher"]["state"] == "stopped", 10)
     assert "no watcher is running" in _holds(_cli(queue_dir, "why", "held", env=env).stdout)["watcher"]
     (queue_dir / "running" / "hog" / "stop.flag").touch()
     (queue_dir / "pause.flag").unlink()

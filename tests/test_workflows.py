@@ -136,8 +136,8 @@ def test_sweep_of_command_jobs(queue_dir, watcher_process):
     wait_until(lambda: _where(queue_dir, "report") == "done", 20, what="after the whole sweep")
     assert "['2e-4']" in (queue_dir / "done" / "report" / "output.log").read_text()
     assert _run(queue_dir, "report")["started_at"] >= max(_run(queue_dir, f"grid-{i}")["finished_at"] for i in range(1, 5))
-    entries = wait_until(lambda: [e for e in _status(queue_dir).get("jobs", []) if e.get("sweep") == "grid"
-                                  and e["state"] == "done"], 10)
+    entries = wait_until(lambda: (found := [e for e in _status(queue_dir).get("jobs", []) if e.get("sweep") == "grid"
+                                            and e["state"] == "done"]) and len(found) == 4 and found, 10)
     assert len(entries) == 4 and entries[0]["params"]
     out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status"], capture_output=True,
                          text=True, cwd=REPO, timeout=60)

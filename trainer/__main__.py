@@ -51,23 +51,37 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes are not the user's business
     from trainq.trainer.plotter import LossPlotter
 
+    try:
+        from trainq.trainer import launch
+
+        ranks = launch.plan(args.job_dir)
+        if ranks is not None:  # several ranks: this process is their torchrun agent
+            return launch.launch(ranks, args.job_dir, ["--resume-from", args.resume_from] if args.resume_from else [])
+    except Exception as exc:  # noqa: BLE001 - a bad train: block exits 2 here as it would in the trainer
+        return _exit_code(exc)
     # started before torch is imported: matplotlib's import (~1 s) then overlaps ours and the model load, so a
-    # short run finds the helper ready at the end instead of importing matplotlib itself on the critical path
-    plotter = LossPlotter().start()
+    # short run finds the helper ready at the end instead of importing matplotlib itself on the critical path;
+    # ranks other than 0 draw nothing: no helper for them
+    plotter = LossPlotter().start() if os.environ.get("RANK", "0") == "0" else LossPlotter()
     try:
         from trainq.trainer.run import main_run
 
         return main_run(args.job_dir, args.resume_from, plotter)
     except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
-        code = getattr(exc, "exit_code", None)
-        if code is None:
-            traceback.print_exc()
-            print(f"trainq: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-        print(f"trainq: {exc}", file=sys.stderr)
-        return code
+        return _exit_code(exc)
     finally:
         plotter.close()  # a helper that never plotted (an error, a failed debug run) ends with us
+
+
+def _exit_code(exc: Exception) -> int:
+    """The documented exit code of an error, after its one stderr line (a traceback for the unexpected)."""
+    code = getattr(exc, "exit_code", None)
+    if code is None:
+        traceback.print_exc()
+        print(f"trainq: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"trainq: {exc}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from trainq.trainer.checkpoints import sha256_file
 from trainq.trainer.metrics import read_records
 from trainq.watcher.spec.contract import RECORD_EVAL, RECORD_STEP
 from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json
+from trainq.watcher.spec.wall import attempt_cost_from_env
 
 SUMS_FILE = "SHA256SUMS"
 ENV_FILE = "env.json"
@@ -55,7 +56,12 @@ def write_env(job_dir: Path, env: dict) -> None:
 
 
 def write_summary(job_dir: Path, summary: dict) -> None:
-    """summary.json, atomically."""
+    """summary.json, atomically; with ``cost`` (this attempt's runtime at the queue's rate) when the watcher gave one."""
+    seconds = (summary.get("durations_s") or {}).get("total")
+    if isinstance(seconds, (int, float)) and "cost" not in summary:
+        cost = attempt_cost_from_env(float(seconds))
+        if cost is not None:
+            summary = {**summary, "cost": cost}
     atomic_write_json(job_dir / "summary.json", summary)
 
 

@@ -21,6 +21,7 @@ from transformers import Trainer, TrainerCallback
 
 from trainq.trainer import checkpoints
 from trainq.trainer.config import TrainConfig
+from trainq.trainer.distributed import StepVote, World, barrier
 from trainq.trainer.faults import Faults
 from trainq.trainer.metrics import MetricsWriter
 from trainq.trainer.modeling import fingerprint, trainable_state
@@ -56,7 +57,7 @@ class RunState:
     best_step: int | None = None
     last_eval_loss: float | None = None
     last_loss: float | None = None
-    stop_reason: str | None = None  # "stopped" | "preempted" | "rollback"
+    stop_reason: str | None = None  # "stopped" | "preempted" | "rollback" | "schedule"
     sigterm_received: bool = False
     nonfinite_streak: int = 0
     nan_consumed: set[int] = field(default_factory=set)
@@ -74,6 +75,9 @@ class RunState:
     resumed_from: Path | None = None  # the step-N folder this attempt resumed from
     data_files: tuple = ()
     plotter: object | None = None  # plotter.LossPlotter, warmed up while training runs
+    step_vitals: dict = field(default_factory=dict)  # this step's clip and update_ratio (vitals.py)
+    started_mono: float = field(default_factory=time.monotonic)  # for train.max_minutes_per_attempt
+    world: World = field(default_factory=World)  # this rank among the job's ranks (distributed.py)
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """Signal handler: only sets a flag; the next step boundary acts on it."""
@@ -153,8 +157,8 @@ class TrainqTrainer(Trainer):
 def _trainq_state(trainer: TrainqTrainer, run: RunState) -> dict:
     state = trainer.state
     return {
-        "resumable": True, "step": state.global_step, "epoch": state.epoch,
-        "samples_seen": state.global_step * run.config.effective_batch,
+        "resumable": True, "step": state.global_step, "epoch": state.epoch, "world_size": run.world.world_size,
+        "samples_seen": state.global_step * run.config.effective_batch * run.world.world_size,
         "best_eval_loss": run.best_eval_loss, "best_step": run.best_step, "lr_scale": run.lr_scale,
         "rollbacks": run.rollbacks, "trainable_fingerprint": fingerprint(trainable_state(trainer.model)),
         "tokens_seen": run.tokens_before + run.tokens_seen, "data_files": [f.to_dict() for f in run.data_files],
@@ -163,9 +167,15 @@ def _trainq_state(trainer: TrainqTrainer, run: RunState) -> dict:
 
 
 def save_checkpoint(trainer: TrainqTrainer, run: RunState) -> Path:
-    """Everything exact resume needs, in a folder that only becomes visible when complete."""
+    """Everything exact resume needs, in a folder that only becomes visible when complete.
+
+    Several ranks: rank 0 makes step-N.tmp, every rank writes its part (its RNG state; the model and optimizer
+    come from rank 0 under DDP, from every rank under FSDP), and only after a barrier does rank 0 write the
+    manifest and rename the folder, so a rank that dies mid-save never leaves a checkpoint that looks complete."""
     step = trainer.state.global_step
-    tmp = checkpoints.begin(run.ckpt_dir, step)
+    world = run.world
+    tmp = checkpoints.begin(run.ckpt_dir, step) if world.is_main else run.ckpt_dir / f"{checkpoints.step_dir_name(step)}.tmp"
+    barrier(world)
     trainer.store_flos()
     trainer.save_model(str(tmp), _internal_call=True)
     if run.faults.kill_in_save == step:
@@ -173,8 +183,13 @@ def save_checkpoint(trainer: TrainqTrainer, run: RunState) -> Path:
     trainer._save_optimizer_and_scheduler(str(tmp))
     trainer._save_scaler(str(tmp))
     trainer._save_rng_state(str(tmp))
+    state = _trainq_state(trainer, run)  # every rank: the fingerprint of FSDP shards is a collective
+    barrier(world)  # every rank's part is on disk
+    if not world.is_main:
+        run.last_checkpoint = tmp.with_name(checkpoints.step_dir_name(step))
+        return run.last_checkpoint
     trainer.state.save_to_json(str(tmp / "trainer_state.json"))
-    atomic_write_json(tmp / checkpoints.STATE_FILE, _trainq_state(trainer, run))
+    atomic_write_json(tmp / checkpoints.STATE_FILE, state)
     final = checkpoints.publish(tmp)
     checkpoints.point_link(run.ckpt_dir, CKPT_LATEST, final)
     if run.best_step == step:
@@ -190,6 +205,12 @@ def peak_mem_mb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _grads_nonfinite(model) -> bool:
+    """Any non-finite gradient (DDP without clipping, where no global gradient norm is computed)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
 
 def _finite(value: float | None) -> bool:
@@ -208,12 +229,13 @@ class TrainqCallback(TrainerCallback):
         self.step_nonfinite = False
         self.step_nonfinite_grad = False
         self.step_lr: float | None = None
+        self.vote = StepVote(run.world)
 
     def on_train_begin(self, args, state, control, **kwargs):
         """Apply a rollback's lr halving and verify a resumed adapter before the first step."""
         self.last_save = time.monotonic()
         self._rescale_lr(kwargs["optimizer"], kwargs["lr_scheduler"])
-        if self.run.resumed_fingerprint is not None:
+        if self.run.resumed_fingerprint is not None and self.run.world.is_main:  # rank 0's weights (FSDP: its shard)
             self._verify_resumed(state)
 
     def _rescale_lr(self, optimizer, scheduler) -> None:
@@ -247,15 +269,23 @@ class TrainqCallback(TrainerCallback):
         self.step_lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
         grad_norm = self.trainer.last_grad_norm
         self.step_nonfinite_grad = grad_norm is not None and not math.isfinite(grad_norm)
-        self.step_nonfinite = self.step_nonfinite_grad or not math.isfinite(float(self.trainer.step_loss))
+        if self.run.world.is_distributed:  # the gradients are averaged over the ranks: the same verdict on each
+            self.step_nonfinite = self.step_nonfinite_grad if grad_norm is not None else _grads_nonfinite(self.trainer.model)
+        else:
+            self.step_nonfinite = self.step_nonfinite_grad or not math.isfinite(float(self.trainer.step_loss))
         if self.step_nonfinite:
             for param in self.trainer.model.parameters():
                 param.grad = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        """Record the step, then guards, faults, stop requests and the checkpoint cadence."""
+        """Faults, then one vote of the ranks (loss, tokens, stop, preemption, time cadence), then the record,
+        guards, stop and checkpoint cadence, all from the voted values: every rank takes the same branch."""
         elapsed = time.perf_counter() - self.step_started
         loss, tokens = self.trainer.pop_step()
+        self._apply_step_faults(state)
+        vote = self.vote(loss, tokens, os.path.exists(self.run.stop_flag), self.run.sigterm_received,
+                         self._time_due(), state.global_step < state.max_steps and self._slice_used_up())
+        loss, tokens = vote.loss, vote.tokens
         self.run.tokens_seen += tokens
         bad = self.step_nonfinite or not math.isfinite(loss)
         self.step_nonfinite = self.step_nonfinite_grad = False
@@ -265,9 +295,8 @@ class TrainqCallback(TrainerCallback):
             return control
         if not nonfinite:
             self._check_spike(state, loss)
-        self._apply_step_faults(state)
-        self._schedule_save(state, control, defer=nonfinite)
-        self._check_stop(control)
+        self._schedule_save(state, control, defer=nonfinite, time_due=vote.due)
+        self._check_stop(control, vote)
         if self.has_eval and state.global_step >= state.max_steps and not nonfinite:
             control.should_evaluate = True
         return control
@@ -276,10 +305,14 @@ class TrainqCallback(TrainerCallback):
         lr = self.step_lr
         self.run.metrics.write(
             RECORD_STEP, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch, loss=loss, lr=lr,
+            world_size=self.run.world.world_size,
             grad_norm=self.trainer.last_grad_norm, tokens_per_s=tokens / elapsed if elapsed > 0 else None,
             time=time.time(), peak_mem_mb=round(peak_mem_mb(), 1), **({"nonfinite": True} if bad else {}),
+            **self.run.step_vitals,
         )
         every = self.run.config.log_every
+        if not self.run.world.is_main:
+            return  # rank 0 speaks for the world (the loss and tokens it prints are the world's)
         if state.global_step % every == 0 or state.global_step in (1, state.max_steps) or bad:
             print(f"step {state.global_step}/{state.max_steps}: loss {loss:.4f}, lr {lr or 0:.1e}, {elapsed * 1000:.0f}ms", flush=True)
 
@@ -324,22 +357,32 @@ class TrainqCallback(TrainerCallback):
         if faults.sigterm_at == state.global_step:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def _check_stop(self, control) -> None:
-        if self.run.sigterm_received:
+    def _check_stop(self, control, vote) -> None:
+        if vote.preempt:
             self.run.stop_reason = "preempted"
-        elif os.path.exists(self.run.stop_flag):  # one stat per step
+        elif vote.stop:
             self.run.stop_reason = "stopped"
+        elif vote.sliced:
+            self.run.stop_reason = "sliced"  # save, exit EXIT_CHECKPOINT: the watcher starts the next slice at once
         else:
             return
         control.should_save = True
         control.should_training_stop = True
 
-    def _schedule_save(self, state, control, defer: bool) -> None:
+    def _slice_used_up(self) -> bool:
+        """``train.max_minutes_per_attempt`` has passed since this process started."""
+        limit = self.run.config.max_minutes_per_attempt
+        return limit is not None and time.monotonic() - self.run.started_mono >= limit * 60
+
+    def _time_due(self) -> bool:
+        """every_minutes has passed since the last save (on this rank's clock: the vote makes it the world's)."""
+        return time.monotonic() - self.last_save >= self.run.config.checkpoint.every_minutes * 60
+
+    def _schedule_save(self, state, control, defer: bool, time_due: bool) -> None:
         """Every every_steps or every_minutes, whichever first; a non-finite step defers it to the next good one."""
         cadence = self.run.config.checkpoint
         due_steps = cadence.every_steps is not None and state.global_step % cadence.every_steps == 0
-        due_time = time.monotonic() - self.last_save >= cadence.every_minutes * 60
-        if not (due_steps or due_time or self.run.save_pending):
+        if not (due_steps or time_due or self.run.save_pending):
             return
         if defer:
             self.run.save_pending = True
@@ -358,7 +401,8 @@ class TrainqCallback(TrainerCallback):
         self.run.last_eval_loss = eval_loss
         self.run.metrics.write(RECORD_EVAL, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch,
                                eval_loss=eval_loss, time=time.time())
-        print(f"step {state.global_step}/{state.max_steps}: eval_loss {eval_loss:.4f}", flush=True)
+        if self.run.world.is_main:
+            print(f"step {state.global_step}/{state.max_steps}: eval_loss {eval_loss:.4f}", flush=True)
         if _finite(eval_loss) and (self.run.best_eval_loss is None or eval_loss < self.run.best_eval_loss):
             self.run.best_eval_loss, self.run.best_step = eval_loss, state.global_step
             control.should_save = True

@@ -78,6 +78,10 @@ class TrainConfig:
     gradient_checkpointing: bool | None = None  # None: on for QLoRA on a GPU
     optim: str | None = None  # None: transformers' default (adamw_torch_fused with torch >= 2.8)
     data_cache: bool = True
+    health: dict | None = None  # thresholds of the vital signs: {clip_fraction, update_ratio} (trainer/vitals.py)
+    max_minutes_per_attempt: float | None = None  # then save and exit EXIT_CHECKPOINT (85): time-sliced training
+    processes: int | None = None  # ranks per node; None: one per GPU given, 1 without GPUs (trainer/distributed.py)
+    strategy: str = "ddp"  # ddp | fsdp
 
     @property
     def train_file(self) -> str:

@@ -11,6 +11,7 @@ Comma-separated ``key=value`` items; steps are 1-based optimizer steps, ``;`` or
   stop_at=4           create the stop flag after step 4 (a deterministic stop.flag)
   sigterm_at=4        send SIGTERM to this process after step 4 (a deterministic preemption)
   kill_in_save=4      SIGKILL this process halfway through writing the checkpoint of step 4
+  lr_bug_at=5         multiply the optimizer's lr by 10 just before step 5 (a schedule bug for the lr check)
 Nothing else in the trainer is simulated.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from trainq.watcher.spec.contract import ENV_TRAINER_FAULTS, EXIT_USAGE
 
 _INT_LIST_KEYS = ("nan_at", "nan_grad_at", "spike_at", "oom_at")
-_INT_KEYS = ("nan_after", "oom_if_batch_over", "stop_at", "sigterm_at", "kill_in_save")
+_INT_KEYS = ("nan_after", "oom_if_batch_over", "stop_at", "sigterm_at", "kill_in_save", "lr_bug_at")
 _FLOAT_KEYS = ("sleep_per_step",)
 
 
@@ -45,6 +46,7 @@ class Faults:
     stop_at: int | None = None
     sigterm_at: int | None = None
     kill_in_save: int | None = None
+    lr_bug_at: int | None = None
     raw: str = field(default="", compare=False)
 
     def is_nan(self, step: int) -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +88,8 @@ def load_base(config: TrainConfig, precision: Precision):
     if config.method == "qlora":
         kwargs["quantization_config"] = _quantization_config(precision)
         kwargs["dtype"] = precision.dtype
-        kwargs["device_map"] = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
+        # each rank's 4-bit base on its own GPU (LOCAL_RANK, set by torchrun; 0 for a single process)
+        kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))} if torch.cuda.is_available() else {"": "cpu"}
     elif config.method == "lora":
         kwargs["dtype"] = precision.dtype
     else:

@@ -72,7 +72,7 @@ class LossPlotter:
             self.proc.stdin.write(json.dumps({"metrics": str(metrics_path), "out": str(out), "title": title}).encode() + b"\n")
             self.proc.stdin.close()
             return True
-        except OSError:
+        except (OSError, ValueError):  # the helper died (a SIGTERM to the process group); ValueError: already closed
             return False
 
     def _wait(self) -> bool:

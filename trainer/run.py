@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import PrinterCallback, TrainingArguments
 
-from trainq.trainer import artifacts, checkpoints, ladder, packing
+from trainq.trainer import artifacts, checkpoints, distributed, ladder, packing
 from trainq.trainer.callbacks import RunState, TrainqCallback, TrainqTrainer
 from trainq.trainer.config import ConfigError, TrainConfig, load_config
 from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError
@@ -24,8 +24,10 @@ from trainq.trainer.plotter import LossPlotter
 from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
+from trainq.trainer.vitals import OUTCOME_SCHEDULE, VitalsCallback
 from trainq.watcher.spec.contract import (ENV_ATTEMPT, ENV_INIT_FROM, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
-                              EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, RECORD_DONE, JobPaths)
+                              EXIT_CHECKPOINT, EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_SCHEDULE, RECORD_DONE,
+                              JobPaths)
 from trainq.watcher.spec.units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,8 @@ logger = logging.getLogger(__name__)
 #: rollbacks after non-finite streaks; the third request ends the run with EXIT_NAN
 MAX_ROLLBACKS = 3
 #: exit code per outcome
-EXIT_FOR = {"done": EXIT_OK, "stopped": EXIT_OK, "preempted": EXIT_PREEMPTED, "nan": EXIT_NAN, "oom": EXIT_OOM}
+EXIT_FOR = {"done": EXIT_OK, "stopped": EXIT_OK, "preempted": EXIT_PREEMPTED, "nan": EXIT_NAN, "oom": EXIT_OOM,
+            OUTCOME_SCHEDULE: EXIT_SCHEDULE, "sliced": EXIT_CHECKPOINT}
 
 
 class ScheduleChanged(checkpoints.CheckpointError):
@@ -81,9 +84,12 @@ def apply_preset(config: TrainConfig, metrics: MetricsWriter) -> tuple[TrainConf
     requested = Knobs(config.seq_len, config.batch_size, config.grad_accum, config.lora.r)
     choice = choose(shape, config.method, requested, free[0])
     knobs = choice.knobs
-    info = {"applied": True, "gpu": free[1], **choice.to_dict(), "params": shape.params}
+    world_size = distributed.World.from_env().world_size  # the preset fits one rank's GPU; the batch is per rank
+    info = {"applied": True, "gpu": free[1], **choice.to_dict(), "params": shape.params,
+            "global_batch": knobs.batch_size * knobs.grad_accum * world_size, "world_size": world_size}
     metrics.event("preset", f"preset: auto on {free[1]}: seq_len {knobs.seq_len}, batch_size {knobs.batch_size}, "
-                  f"grad_accum {knobs.grad_accum}, lora.r {knobs.lora_r} (~{choice.estimate.total_mb:.0f} of "
+                  f"grad_accum {knobs.grad_accum}, lora.r {knobs.lora_r}, global batch {info['global_batch']} "
+                  f"(x {world_size} ranks) (~{choice.estimate.total_mb:.0f} of "
                   f"{choice.budget_mb:.0f} MiB budget)", **info)
     return config.with_changes(seq_len=knobs.seq_len, batch_size=knobs.batch_size, grad_accum=knobs.grad_accum,
                                lora_r=knobs.lora_r), info
@@ -150,11 +156,12 @@ def check_data(config: TrainConfig, state: dict, data: LoadedData, folder: Path,
 
 # -- the run ------------------------------------------------------------------------------------------------
 
-def total_steps(config: TrainConfig, train_rows: int) -> int:
-    """Optimizer steps of the whole run (as the Trainer counts them: the last partial accumulation still steps)."""
+def total_steps(config: TrainConfig, train_rows: int, world_size: int = 1) -> int:
+    """Optimizer steps of the whole run (as the Trainer counts them: the last partial accumulation still steps;
+    each of ``world_size`` ranks takes its own batch per micro-step)."""
     if config.max_steps:
         return config.max_steps
-    batches = math.ceil(train_rows / config.batch_size)
+    batches = math.ceil(train_rows / (config.batch_size * world_size))
     return max(math.ceil(config.epochs * math.ceil(batches / config.grad_accum)), 1)
 
 
@@ -163,7 +170,8 @@ def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_
     """The Trainer knobs users know, mapped 1:1 from the train: block; checkpoints and logs are trainq's.
     Warm-up is passed as a whole number of steps, which every transformers version reads the same way."""
     length = {"max_steps": config.max_steps} if config.max_steps else {"num_train_epochs": config.epochs}
-    warmup_steps = math.ceil(config.warmup_ratio * total_steps(config, train_rows))
+    world = distributed.World.from_env()
+    warmup_steps = math.ceil(config.warmup_ratio * total_steps(config, train_rows, world.world_size))
     reporting = {"report_to": list(config.report_to) or "none", "logging_strategy": "no"}
     optimizer = {"optim": config.optim} if config.optim else {}  # unset: the Trainer's own default
     if config.report_to:
@@ -179,6 +187,7 @@ def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_
         eval_strategy="steps" if has_eval and config.eval_every else "no", eval_steps=config.eval_every,
         save_strategy="no", logging_nan_inf_filter=False, **reporting,
         disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, **length, **optimizer,
+        **distributed.training_kwargs(config, world, cpu=not torch.cuda.is_available()),
     )
 
 
@@ -204,14 +213,16 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
         run.packing = packing.decide(config.packing, model, str(inv.job_dir / "job.yaml"))
         run.metrics.event("packing", f"packing {'on' if run.packing.enabled else 'off'}: {run.packing.reason}",
                           **run.packing.to_dict())
-    print(f"trainq: {config.method} on {Path(config.model).name}: {trainable:,} trainable of {total:,} params, "
-          f"{precision.name}, {len(datasets[0])} train / {len(datasets[1] or [])} eval rows, "
-          f"packing {'on' if run.packing.enabled else 'off'} ({run.packing.reason})", flush=True)
+    if run.world.is_main:
+        print(f"trainq: {config.method} on {Path(config.model).name}: {trainable:,} trainable of {total:,} params, "
+              f"{precision.name}, {len(datasets[0])} train / {len(datasets[1] or [])} eval rows, "
+              f"packing {'on' if run.packing.enabled else 'off'} ({run.packing.reason})", flush=True)
     callback = TrainqCallback(run, has_eval=datasets[1] is not None)
+    vitals = VitalsCallback(run, lr_bug_at=run.faults.lr_bug_at)
     args = training_args(config, precision, run.ckpt_dir, datasets[1] is not None, run.lr_scale, len(datasets[0]), inv.job_dir)
     trainer = TrainqTrainer(
         model=model, args=args, train_dataset=datasets[0], eval_dataset=datasets[1],
-        data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled), callbacks=[callback], run=run,
+        data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled), callbacks=[vitals, callback], run=run,
     )
     run.trainer = trainer
     callback.trainer = trainer
@@ -262,8 +273,11 @@ def record_oom(exc: BaseException, config: TrainConfig, run: RunState, inv: Invo
     """The OOM event (with the knobs in effect and the ladder advice); returns the final stderr line."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     advice = ladder.advice(config)
-    run.metrics.event(ladder.OOM_EVENT, f"out of memory: {first}", attempt=inv.attempt, advice=advice,
-                      **ladder.knobs_of(config))
+    if not run.world.is_main:  # the rank that ran out of memory says so, whichever it is (the ladder reads it)
+        run.metrics = MetricsWriter(inv.metrics)
+    where = f"rank {run.world.rank}: " if run.world.is_distributed else ""
+    run.metrics.event(ladder.OOM_EVENT, f"{where}out of memory: {first}", attempt=inv.attempt, advice=advice,
+                      **ladder.knobs_of(config), **({"rank": run.world.rank} if run.world.is_distributed else {}))
     return f"trainq: out of memory: {first}; {advice}"
 
 
@@ -277,17 +291,30 @@ def _relative(path: Path | None, job_dir: Path) -> str | None:
         return str(path)
 
 
+def world_info(config: TrainConfig, world: distributed.World) -> dict:
+    """What env.json and summary.json say about the ranks."""
+    return {"world_size": world.world_size, "processes": world.local_world_size,
+            "strategy": config.strategy if world.is_distributed else None}
+
+
 def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState, inv: Invocation, timing: dict) -> int:
-    """Final artifacts, summary.json, loss.png, SHA256SUMS and the done record; returns the exit code."""
+    """Final artifacts, summary.json, loss.png, SHA256SUMS and the done record; returns the exit code.
+    A rank other than 0 only takes its part in saving the final weights (FSDP gathers them)."""
     trainer = trainer or run.trainer
     final_dir = inv.job_dir / ("model" if config.method == "full" else "adapter")
+    fsdp = run.world.is_distributed and config.strategy == "fsdp" and outcome == "done" and trainer is not None
+    if fsdp:
+        distributed.save_full_weights(trainer, tokenizer, final_dir, run.world)  # every rank joins the gather
+    if not run.world.is_main:
+        return EXIT_FOR[outcome]
     names = ["summary.json", "loss.png", artifacts.ENV_FILE]
     merged = None
     plotter = run.plotter or LossPlotter()
     # the step records are all written: the helper draws loss.png while the model is saved
     plotter.request(inv.metrics, inv.job_dir / "loss.png", f"{inv.job_dir.name}: {config.method} ({outcome})")
     if outcome == "done" and trainer is not None:
-        artifacts.save_final(trainer, tokenizer, final_dir)
+        if not fsdp:
+            artifacts.save_final(trainer, tokenizer, final_dir)
         names.insert(0, final_dir.name)
         if config.export_merge and config.method != "full":
             from trainq.trainer.export import export_merged
@@ -306,7 +333,7 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
         "latest_checkpoint": _relative(run.last_checkpoint, inv.job_dir),
         "output": final_dir.name if outcome == "done" else None, "merged": merged.name if merged else None,
         "attempt": inv.attempt, "resumed_from": _relative(run.resumed_from, inv.job_dir),
-        "rollbacks": run.rollbacks,
+        "rollbacks": run.rollbacks, **world_info(config, run.world),
         "tokens_per_s": run.tokens_seen / train_s if train_s > 0 else None,
         "tokens": run.tokens_before + run.tokens_seen, "tokens_this_attempt": run.tokens_seen,
         "packing": run.packing.to_dict() if run.packing else None, "train_on": config.train_on,
@@ -335,13 +362,14 @@ def check_reporters(config: TrainConfig, job_dir: Path) -> None:
                           "trainer's environment (pip install 'trainq[tensorboard]'); remove it or install it")
 
 
-def settle_config(config: TrainConfig, inv: Invocation, metrics: MetricsWriter, data: LoadedData):
+def settle_config(config: TrainConfig, inv: Invocation, metrics: MetricsWriter, data: LoadedData, world_size: int = 1):
     """Preset, OOM ladder and the resume checks; returns (config, resume folder, its saved state, preset info)."""
     resume = checkpoints.resolve_resume(inv.resume_from) if inv.resume_from else None
     saved = checkpoints.read_state(resume) if resume else None
     config, preset_info = (pin_to_checkpoint(config, saved["config"]), None) if saved else apply_preset(config, metrics)
     config, laddered = apply_ladder(config, inv, metrics)
     if saved:
+        config = distributed.keep_global_batch(config, saved, world_size, resume)
         check_schedule(config, saved["config"], laddered, resume)
         check_data(config, saved, data, resume, metrics)
     return config, resume, saved, preset_info
@@ -355,15 +383,22 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     timing = {"start": time.time()}
     inv = Invocation.from_args(job_dir, resume_arg)
     config = load_config(inv.job_dir)
+    world = distributed.World.from_env()
+    distributed.init(world, cpu=not torch.cuda.is_available())
+    if world.is_distributed:
+        print(f"trainq: rank {world.rank} of {world.world_size} (local rank {world.local_rank}, "
+              f"{'cpu' if not torch.cuda.is_available() else f'cuda:{world.local_rank}'}, pid {os.getpid()})", flush=True)
     check_reporters(config, inv.job_dir)
     if config.report_to:
         os.environ["TENSORBOARD_LOGGING_DIR"] = str(inv.job_dir / "tensorboard")  # read by transformers' callback
     faults = parse_faults(os.environ.get(ENV_TRAINER_FAULTS))
-    metrics = MetricsWriter(inv.metrics)
+    metrics = MetricsWriter(inv.metrics if world.is_main else Path(os.devnull))  # rank 0 alone writes records
     data = load_data(config.train_sources, config.eval_file, config.eval_fraction, config.max_bad_rows)
     report_data(data, metrics)
-    config, resume, saved, preset_info = settle_config(config, inv, metrics, data)
-    if config.debug and resume is None:
+    config, resume, saved, preset_info = settle_config(config, inv, metrics, data, world.world_size)
+    if config.debug and resume is None and world.is_distributed:
+        metrics.event("debug", "debug: the smoke run is not made with several ranks; training directly")
+    elif config.debug and resume is None:
         from trainq.trainer.debugrun import run_debug
 
         code = run_debug(config, inv.job_dir, inv.stop_flag, total_steps(config, len(data.train)), metrics)
@@ -375,14 +410,19 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     precision = resolve_precision(config.precision)
     tokenizer = load_tokenizer(config.model)
     cache_dir = inv.job_dir / ".cache" / "tokenized" if config.data_cache else None
+    if not world.is_main:
+        distributed.barrier(world)  # rank 0 tokenizes (and fills the cache) first; the others then read it
     train_set, eval_set, cached = tokenize_cached(data, tokenizer, config.seq_len, config.train_on, config.eval_fraction, cache_dir)
-    if cached:
+    if world.is_main:
+        distributed.barrier(world)
+    if cached and world.is_main:
         print(f"trainq: tokenized data from the cache ({len(train_set)} train rows)", flush=True)
     env = artifacts.environment(config.to_dict(), {"name": precision.name, "reason": precision.reason}, preset_info)
-    artifacts.write_env(inv.job_dir, {**env, "data": [f.to_dict() for f in data.files]})
+    if world.is_main:
+        artifacts.write_env(inv.job_dir, {**env, "data": [f.to_dict() for f in data.files], **world_info(config, world)})
 
     run = RunState(config=config, ckpt_dir=JobPaths(inv.job_dir).checkpoints, stop_flag=inv.stop_flag, metrics=metrics,
-                   faults=faults, attempt=inv.attempt, data_files=data.files, resumed_from=resume)
+                   faults=faults, attempt=inv.attempt, data_files=data.files, resumed_from=resume, world=world)
     if saved:
         run.lr_scale, run.rollbacks = saved["lr_scale"], saved.get("rollbacks", 0)
         run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]

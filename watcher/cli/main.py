@@ -16,10 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from trainq.watcher.spec.text import PrintableFormatter
 
+from trainq.watcher.cli.records import add_record_commands
 from trainq.watcher.cli.manage_commands import add_commands, add_global_options, enable_completion, run_trainer_command
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.cli.locate import BadUserConfig, RootNotFound, locate_root
 from trainq.watcher.cli.manage import UsageError
+from trainq.watcher.cli.serve import add_serve_command
 
 #: exit status for success, for invalid input (a bad job file, an unknown id), and for anything else
 EXIT_OK = 0
@@ -113,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("why", help="say where a job is and why: every gate that holds it, or how it failed")
     p.add_argument("id")
+    p.add_argument("--stack", action="store_true",
+                   help="a running job: record its processes' Python stacks (py-spy) into stacks/ and show the main thread")
     p.set_defaults(func=cmd_why)
 
     p = sub.add_parser("fork", help="write a new job file into the inbox: ID's job.yaml with changes and fork_of: ID")
@@ -121,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from-checkpoint", action="store_true", help="start from ID's latest checkpoint (command jobs)")
     p.set_defaults(func=cmd_fork)
     add_commands(sub, _root)
+    add_serve_command(sub, _root)
+    add_record_commands(sub, _root)
     add_global_options(parser, sub)
     return parser
 
@@ -239,12 +245,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from trainq.watcher.spec.errors import InvalidJobSpec
-    from trainq.watcher.spec.jobspec import load_job_file
+    from trainq.watcher.spec.jobspec import check_submission, load_job_file
 
     worst = EXIT_OK
     for name in args.files:
         try:
             spec = load_job_file(Path(name), name)
+            check_submission(spec, name, time.time())
         except InvalidJobSpec as exc:
             for line in exc.lines():
                 print(line)
@@ -433,6 +440,10 @@ def cmd_why(args: argparse.Namespace) -> int:
     if lines is None:
         return _fail(f"{_root(args)}: no job with id {args.id!r} (not in inbox/, pending/, running/, done/ or failed/)",
                      EXIT_INVALID)
+    if getattr(args, "stack", False):
+        from trainq.watcher.cli.why import stack_lines
+
+        lines += stack_lines(_root(args), args.id)
     print("\n".join(printable(line) for line in lines))  # evidence is the job's own output
     return EXIT_OK
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write, read_json, remove_quietly, touch
+from trainq.watcher.spec.tombstones import prune_tombstones, record_removal
 
 #: the states a job folder can be in, in the order a lookup tries them
 STATES = ("running", "pending", "failed", "done")
@@ -194,7 +195,7 @@ def watcher_alive(root: Path) -> bool:
     status = read_json(root / "status.json") or {}
     watcher = status.get("watcher") or {}
     beat = parse_iso(watcher.get("heartbeat_at"))
-    return beat is not None and time.time() - beat < ALIVE_HEARTBEAT_S and watcher.get("state") != "stopping"
+    return beat is not None and time.time() - beat < ALIVE_HEARTBEAT_S and watcher.get("state") not in ("stopping", "stopped")
 
 
 def watcher_words(root: Path) -> str:
@@ -228,6 +229,9 @@ def _rm_one(root: Path, job_id: str, now: bool, timeout_s: float | None) -> None
     found = require_job(root, job_id)
     if found.state == "running":
         found = _stop_and_wait(root, found, now, timeout_s)
+    run = read_json(JobPaths(found.path).run) or {}
+    record_removal(root, job_id, found.state, run.get("status") or found.state, by="trainq rm",
+                   sweep=run.get("sweep"))  # its dependents count it as ended (removed), across restarts
     try:
         remove_folder(found.path)
     except FileNotFoundError:  # it started meanwhile: stop it, then remove it
@@ -293,11 +297,15 @@ def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_
             if cutoff is not None and finished > cutoff:
                 continue
             if not dry_run:
+                record_removal(root, path.name, state, run.get("status") or state, by="trainq clean",
+                               sweep=run.get("sweep"))  # a dependent submitted later still sees how it ended
                 try:
                     remove_folder(path)
                 except FileNotFoundError:
                     continue
             removed.append(f"{state}/{path.name}")
+    if removed and not dry_run:
+        prune_tombstones(root)
     verb = "would remove" if dry_run else "removed"
     say(f"{root}: {verb} {len(removed)} finished job(s)" + (": " + ", ".join(removed) if removed else ""))
     return EXIT_OK

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainq.watcher.daemon.admission import Holding, Limits, Request, gate_report
+from trainq.watcher.spec.tombstones import ended_status, read_tombstone, removal_words
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import JobState
@@ -132,6 +133,49 @@ def _running(root: Path, found: Found, now: float) -> list[str]:
     waiting = entry.get("waiting_for") if entry else run.get("waiting_for")  # status.json is the newer
     if waiting:
         lines.append(f"  {waiting}")
+    if entry.get("forecast") or entry.get("deadline"):
+        fits = {True: "fits", False: "does NOT fit", None: "no forecast yet"}[entry.get("fits")]
+        lines.append(f"  deadline {entry.get('deadline') or 'none (the window)'}: {fits}"
+                     + (f"; {entry['forecast']}" if entry.get("forecast") else ""))
+    lines += _vitals_lines(entry, run)
+    return lines
+
+
+def _vitals_lines(entry: dict, run: dict) -> list[str]:
+    """The vital signs: clip fraction and update ratio (and whether past their thresholds), an lr deviation."""
+    progress = entry.get("progress") or {}
+    measured = []
+    if progress.get("clip_fraction") is not None:
+        measured.append(f"clip fraction {progress['clip_fraction']:.2f}")
+    if progress.get("update_ratio") is not None:
+        measured.append(f"update ratio {progress['update_ratio']:.3g}")
+    lines = []
+    if entry.get("vitals"):
+        lines.append(f"  health: {entry['vitals']}")
+    elif measured:
+        lines.append(f"  health: ok ({', '.join(measured)})")
+    deviation = run.get("lr_deviation")
+    if deviation and not (entry.get("vitals") or "").endswith(deviation.get("words", "")):
+        lines.append(f"  lr off its declared schedule: {deviation.get('words')}")
+    return lines
+
+
+def stack_lines(root: Path, job_id: str) -> list[str]:
+    """``trainq why ID --stack``: record the running job's Python stacks now (bounded) and show the main thread."""
+    from trainq.watcher.supervisor.leftovers import process_tree
+    from trainq.watcher.supervisor.stacks import capture
+
+    path = root / "running" / job_id
+    if not path.is_dir():
+        return [f"  --stack: {job_id} is not running; nothing to record"]
+    pids = process_tree(JobPaths(path))
+    if not pids:
+        return ["  --stack: no live process found for the job"]
+    summary = capture(path, pids, "trainq why --stack")
+    lines = [f"  stacks of {len(pids)} process(es) recorded in {path.name}/{summary.get('file')}"]
+    if summary.get("innermost"):
+        lines.append("  main thread: " + " <- ".join(summary["innermost"]))
+    lines += [f"  stack: {e}" for e in summary.get("errors") or ()]
     return lines
 
 
@@ -154,8 +198,17 @@ def _finished(found: Found, now: float) -> list[str]:
             lines.append("  see the dependency itself: trainq why " + _dep_named(diagnosis.get("evidence") or ""))
     elif run.get("error") and not run.get("errors"):
         lines.append(f"  error: {run['error']}")
+    if run.get("reason") == "deadline":
+        lines.append("  stopped at its wall (its deadline, or the window's final-checkpoint mark) after a checkpoint")
     if status in ("failed", "cancelled", "timeout"):
         lines.append(f"  to run it again (resuming from its latest checkpoint): trainq retry {found.job_id}")
+    delivered = run.get("delivered")
+    if delivered:
+        lines.append(f"  delivered to {delivered.get('to')} at {delivered.get('at')}: "
+                     + ("verified" if delivered.get("verified") else f"NOT verified ({delivered.get('error')})"))
+    if run.get("cost"):
+        lines.append(f"  cost: {run['cost'].get('amount'):.2f} {run['cost'].get('currency')}"
+                     f" ({run['cost'].get('gpu_hours')} GPU-hours)")
     hook = read_json(JobPaths(found.path).hook_record)
     if hook:
         code = "killed at its time limit" if hook.get("timed_out") else f"exit code {hook.get('exit_code')}"
@@ -173,7 +226,7 @@ def _dep_named(evidence: str) -> str:
 def _watcher_row(root: Path, now: float) -> tuple[str, str, str]:
     watcher = (read_json(root / "status.json") or {}).get("watcher") or {}
     beat = parse_iso(watcher.get("heartbeat_at"))
-    if beat is None or now - beat > STALE_HEARTBEAT_S or watcher.get("state") == "stopping":
+    if beat is None or now - beat > STALE_HEARTBEAT_S or watcher.get("state") in ("stopping", "stopped"):
         last = f"last heartbeat {_ago(now - beat)} ago" if beat else "no status.json"
         return ("watcher", _HOLD, f"no watcher is running on this queue ({last}); start one: trainq watch")
     return ("watcher", _PASS, f"pid {watcher.get('pid')} on {watcher.get('host')}, heartbeat {_ago(now - beat)} ago")
@@ -204,7 +257,11 @@ def _dependency(root: Path, dep: str) -> tuple[bool, bool, str]:
             if state in (JobState.PENDING, JobState.RUNNING):
                 return False, False, f"{dep} is {status} ({state.value}/{dep}); see trainq why {dep}"
             return True, state is JobState.DONE, f"{dep} ended {status}"
-    first = read_json(JobPaths(root / "pending" / f"{dep}-1").run) or {}
+    stone = read_tombstone(root, dep)
+    if stone is not None:  # its folder was removed (trainq rm, rm -rf): it counts as ended
+        status = ended_status(stone)
+        return True, status == "done", f"{dep} was {removal_words(stone)}: it counts as ended {status}"
+    first = read_json(JobPaths(root / "pending" / f"{dep}-1").run) or read_tombstone(root, f"{dep}-1") or {}
     for state in JobState:
         first = read_json(JobPaths(root / state.value / f"{dep}-1").run) or first
     info = first.get("sweep") or {}
@@ -248,12 +305,32 @@ def _admission_rows(root: Path, found: Found, spec: JobSpec, machine=None) -> li
     limits = Limits(config.max_concurrent, config.gpus, config.min_free_ram_gb, config.min_free_disk_gb,
                     paused=(root / "pause.flag").exists())
     gates = gate_report(req, running, machine, limits)
+    wall = _window_row(config, found, spec)
     if gates["never"]:
         return [("machine", _HOLD, f"this machine can never run it: {gates['never']}")]
     ok = _ok_words(req, running, machine, limits)
     return [(gate, _HOLD if gates[key] else _PASS, gates[key] or ok[key])
             for gate, key in (("pause", "pause"), ("max_concurrent", "max_concurrent"), ("RAM", "ram"),
-                              ("disk", "disk"), ("battery", "battery"), ("GPUs", "gpus"))]
+                              ("disk", "disk"), ("battery", "battery"), ("GPUs", "gpus"))] + wall
+
+
+def _window_row(config, found: Found, spec: JobSpec) -> list[tuple[str, str, str]]:
+    """The window's freeze as a gate (watcher.yaml ``window:``), with the estimate it judged by."""
+    from trainq.watcher.spec.wall import freeze_hold, minutes
+
+    window = config.window
+    if window is None:
+        return []
+    remaining = (found.run.get("forecast") or {}).get("remaining_s")
+    estimate, source = (spec.expected_duration_s, "expected_duration") if spec.expected_duration_s else \
+        (float(remaining), "its last attempt's forecast") if isinstance(remaining, (int, float)) else (None, "")
+    now = time.time()
+    hold = freeze_hold(window, now, estimate, source)
+    if hold:
+        return [("window", _HOLD, hold)]
+    if window.is_frozen(now):
+        return [("window", _PASS, f"inside the freeze, but {source} {minutes(estimate or 0)} ends before the final checkpoint")]
+    return [("window", _PASS, f"freezes at {iso_utc(window.freeze_at)}, final checkpoint at {iso_utc(window.final_checkpoint_at)}")]
 
 
 def _ok_words(req: Request, running: list[Holding], machine, limits: Limits) -> dict[str, str]:

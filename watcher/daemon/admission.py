@@ -61,6 +61,7 @@ class Request:
     disk_gb: float = 0.0
     allow_battery: bool = False
     disk_path: Path | None = None
+    gpus_default: int = 1  # wanted without ``gpus`` where the machine has GPUs (a train job: one per rank)
 
     @classmethod
     def from_resources(
@@ -236,7 +237,7 @@ class _Ledger:
         if req.gpus is not None:
             return req.gpus
         # an unreadable GPU probe must not start a default job with every GPU visible
-        return 1 if self.gpus or self.machine.gpu_error else 0
+        return req.gpus_default if self.gpus or self.machine.gpu_error else 0
 
     # -- never: this machine cannot run the job at all --
 

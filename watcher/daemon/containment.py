@@ -24,6 +24,7 @@ from trainq.watcher.daemon.diagnosis import Diagnosis
 from trainq.watcher.spec.errors import JobFolderRemoved, WatcherError
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json, touch
+from trainq.watcher.spec.tombstones import ended_status, read_tombstone, record_removal
 from trainq.watcher.daemon.jobs import Job, load_job, new_run
 from trainq.watcher.spec.units import iso_utc
 
@@ -135,11 +136,25 @@ class Containment:
                        " (its supervisor stops it as a stop.flag would)" if running else "")
         self._plan_due = True
         self.report.touch()
+        self.note_removed(job.id, job.state.value, job.status, job.run.get("sweep"))
+
+    def note_removed(self, job_id: str, state: str, status: str | None, sweep: dict | None = None) -> None:
+        """A job folder is gone: leave a tombstone (restarts remember it) and end it for its dependents."""
+        try:
+            record_removal(self.root.path, job_id, state, status, by="its folder vanished", sweep=sweep)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self.note_disk_full(exc, f"job {job_id}: tombstone")
+        stone = read_tombstone(self.root.path, job_id) or {"status": status}
+        self.deps.finished[job_id] = ended_status(stone)
+        self.deps_changed(job_id, time.time())
 
     def forget_removed_folders(self) -> None:
         """Notice job folders removed by hand (one listing per live state, not a stat per job)."""
         for job_id, state in self.report.forget_removed_recent():
             logger.warning("job %s: folder %s/%s was removed; forgetting the job", job_id, state, job_id)
+            self.note_removed(job_id, state, self.deps.finished.get(job_id) or state)
         for state in (JobState.PENDING, JobState.RUNNING):
             live = self.jobs.in_state(state)
             if not live:

@@ -17,19 +17,25 @@ from pathlib import Path
 
 from trainq.watcher import __version__
 from trainq.watcher.spec.config import WatcherConfig, check_command_allowed
+from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.daemon.containment import ENV_WATCHER_FAULTS, Containment, Faults, is_disk_full
+from trainq.watcher.daemon.crashpoints import ENV_WATCHER_CRASH, CrashPoints
 from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFullHandling, take_reserve
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
 from trainq.watcher.spec.fsutil import drain, remove_quietly
 from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
+from trainq.watcher.daemon import records
 from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
-from trainq.watcher.spec.jobspec import JobSpec, load_job_file
+from trainq.watcher.spec.jobspec import JobSpec, check_submission, load_job_file
+from trainq.watcher.spec.ranks import nodes_problem
 from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
 from trainq.watcher.daemon.workflows import Workflows
 from trainq.watcher.daemon.pending_edits import PendingEdits
 from trainq.watcher.daemon.recovery import recover
 from trainq.watcher.daemon.starting import Starting
+from trainq.watcher.daemon.walls import Walls
+from trainq.watcher.daemon.vitals import Vitals
 from trainq.watcher.daemon.report import Report
 from trainq.watcher.daemon.resources import ResourceProbe
 from trainq.watcher.daemon.executor import make_executor
@@ -48,7 +54,7 @@ ADMIT_THREADS = 2
 LOOP_ERROR_PAUSE_S = 0.5
 
 
-class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
+class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Walls, Vitals):
     """The daemon: owns the queue root while it runs."""
 
     def __init__(self, root: Path, config: WatcherConfig, *, polling: bool = False, env: dict | None = None):
@@ -61,6 +67,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         self.probe = ResourceProbe(simulate_gpus=config.simulate_gpus, env=self.env)
         self.jobs = JobIndex()
         self.faults = Faults.parse(self.env.get(ENV_WATCHER_FAULTS))  # a test switch (README, "Switches")
+        self.crashes = CrashPoints.parse(self.env.get(ENV_WATCHER_CRASH))  # a test switch (docs/reliability.md)
         self.disk_full = None  # a DiskFull while writes fail for lack of space (diskfull.py)
         self.report = Report(self.root, config, started_at=time.time())
         self.inbox: Inbox | None = None
@@ -82,6 +89,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         self._last_plan = 0.0
         self.init_workflows()
         self.pending_edits = PendingEdits()
+        self.init_walls()
+        self.init_vitals()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, *, install_signals: bool = True) -> None:
@@ -110,10 +119,11 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             self.retire_concluded(time.time())
             self._save_started(time.time(), all_now=True)
         try:
-            self.write_status(time.time(), force=True, state="stopping")
+            self.write_status(time.time(), force=True, state="stopped")
         except Exception as exc:  # noqa: BLE001 - shutting down: say it, and still release everything below
             logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
+        self.hooks.close()
         self.executor.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -167,6 +177,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
 
     def _next_wait_s(self) -> float:
         wait = min(self.config.rescan_s, self.config.status_s, DISK_FULL_RETRY_S)
+        held_back = self.inbox.next_due_s() if self.inbox is not None else None
+        if held_back is not None:
+            wait = min(wait, held_back)
         if self._count(JobState.RUNNING):
             wait = min(wait, RUNNING_POLL_S)
             save_in = self._next_started_save_s(time.time())
@@ -232,7 +245,18 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
                 self.start_pending(now)  # before retiring: the next job need not wait for the last one's writes
         finally:
             self.retire_concluded(now)
+        if self.deps_released and self.disk_full is None:
+            self._start_released(now)
         self.watch_running(now)
+        self.keep_walls(now)
+
+    def _start_released(self, now: float) -> None:
+        """Dependents released by a job retired in this pass start in this same pass (a chain: one link a pass)."""
+        self.deps_released = False
+        try:
+            self.start_pending(now)
+        finally:
+            self.retire_concluded(now)
 
     def write_status(self, now: float, *, force: bool = False, state: str | None = None) -> None:
         """status.json and status.html; a full disk is noted, not raised."""
@@ -371,6 +395,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         result = self._validate(cand)
         if result is None or (isinstance(result, JobSpec) and (not result.approved or result.sweep)):
             return _Taken(result)  # a sweep is claimed on the loop's thread (workflows.py)
+        if isinstance(result, InvalidJobSpec) and self._maybe_unfinished(cand):
+            return _Taken(result, unfinished=True)  # read again once it stood still, before it is rejected
         if isinstance(result, InvalidJobSpec):
             run = new_run(None, order, now, name=_stem(printable_name(cand.name)))
             run.update(status="rejected", finished_at=iso_utc(now), errors=[p.to_dict() for p in result.problems],
@@ -379,6 +405,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         run = new_run(result, order, now, name=_stem(printable_name(cand.name)))
         if result.fork_of:
             run["lineage"] = self.lineage_of(result.fork_of)
+        if result.rerun_of:
+            run["lineage"] = self.lineage_of(result.rerun_of, "rerun_of")
         return _Taken(result, run, self.folders.claim(cand.path, JobState.PENDING, run))
 
     def _validate(self, cand) -> JobSpec | InvalidJobSpec | None:
@@ -390,11 +418,16 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         try:
             spec = load_job_file(cand.path, display)
             self.check_allowed(spec, display, cand.name)
+            check_submission(spec, display, time.time())
         except InvalidJobSpec as exc:
             return exc
         except FileNotFoundError:
             return None
         return spec
+
+    def _maybe_unfinished(self, cand) -> bool:
+        """Written less than settle_s ago and not renamed in: a writer may still be appending to it."""
+        return cand.name not in self.inbox.moved_in and not self.inbox.is_still(cand, time.time())
 
     def _admit_one(self, cand, taken: "_Taken", now: float) -> None:
         result = taken.result
@@ -402,9 +435,14 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             self._unclaimable[cand.name] = (cand.size, cand.mtime_ns, cand.ino)
         if result is None:
             return
-        if isinstance(result, InvalidJobSpec):
+        if taken.unfinished:
+            self.inbox.hold_back(cand)
+            logger.debug("inbox/%s: not valid yet, written a moment ago; read again once it stands still", cand.name)
+        elif isinstance(result, InvalidJobSpec):
             self._rejected(cand, taken, now)
         elif not result.approved:
+            if self._maybe_unfinished(cand):
+                self.inbox.hold_back(cand)  # lines may still be coming (approved: true among them)
             sig = (cand.size, cand.mtime_ns, cand.ino)
             self._awaiting[cand.name] = (sig, {"name": cand.name, "spec": result, "seen_at": now})
         elif result.sweep:
@@ -413,8 +451,12 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
             self._accepted(cand, taken, now)
 
     def check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
-        """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's)."""
-        if self.config.allow_commands is None:
+        """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's);
+        also what needs the executor: several nodes only with Slurm."""
+        nodes = nodes_problem(spec.raw, self.config.executor)
+        if nodes is not None:
+            raise InvalidJobSpec(display, [nodes])
+        if self.config.allow_commands is None and self.config.allow_env is None:
             return
         job_id = id_from_name(file_name)
         values = {"job_dir": str(self.root.job_dir(JobState.PENDING, job_id)), "job_id": job_id, "attempt": "1"}
@@ -435,6 +477,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         taken.run["id"] = job_id
         job = Job(job_id, JobState.PENDING, path, taken.run, taken.result, spec_sig=(cand.size, cand.mtime_ns, cand.ino))
         self.jobs.add(job)
+        records.accepted(job.paths, taken.run, cand.name, cand.mtime_ns / 1e9, now)
         logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, printable_name(cand.name),
                     taken.result.priority)
         self.report.touch()
@@ -449,6 +492,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling):
         taken.run["id"] = job_id
         for line in taken.result.lines():
             logger.warning("job %s: rejected: %s", job_id, line)
+        records.rejected(JobPaths(path), taken.run, cand.name, cand.mtime_ns / 1e9, now)
         logger.info("job %s: inbox/%s -> failed, rejected", job_id, printable_name(cand.name))
         self.report.finished(Job(job_id, JobState.FAILED, path, taken.run, None), now)
         self.deps.finished[job_id] = "rejected"
@@ -471,6 +515,7 @@ class _Taken:
     claimed: tuple[str, Path] | None = None  # (id, folder), None when the file vanished or was not claimed
     disk_full: OSError | None = None  # claiming it ran out of space (the file stays in the inbox)
     unclaimable: bool = False  # admitting it failed, and so did rejecting it
+    unfinished: bool = False  # invalid, but written a moment ago: held back until it stands still
 
 
 def _stem(file_name: str) -> str:

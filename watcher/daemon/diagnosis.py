@@ -10,10 +10,11 @@ import os
 import re
 from dataclasses import dataclass
 
-from trainq.watcher.spec.contract import EXIT_DATA, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, RECORD_EVENT
+from trainq.watcher.spec.contract import EXIT_DATA, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, EXIT_SCHEDULE, RECORD_EVENT
 from trainq.watcher.spec.records import parse_records, read_metrics_tail, read_tail, strip_ansi  # noqa: F401 (re-exported)
 
-KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "dependency", "unknown")
+KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "dependency", "schedule",
+         "unknown")
 
 #: longest evidence line kept (characters)
 EVIDENCE_MAX_CHARS = 300
@@ -44,6 +45,9 @@ _ADVICE = {
                      "to what the machine has, then submit it again.",
     "dependency": "A job this one runs after did not end done: fix and retry that job, then retry this one "
                   "(or use after_policy: any to run whatever their outcome).",
+    "schedule": "The learning rate applied left the configured schedule (evidence: the step, the expected and the "
+                "applied value): look for code that sets the optimizer's lr, a scheduler changed on resume, or the "
+                "warm-up settings; fix it, then touch retry.flag to resume from the last checkpoint.",
     "unknown": "Read the end of output.log (trainq logs ID) for the error, fix its cause, then touch retry.flag.",
 }
 
@@ -134,9 +138,10 @@ def read_kernel_log(max_bytes: int = KERNEL_LOG_MAX_BYTES) -> str | None:
     return "\n".join(lines)[-max_bytes:]
 
 
-def stalled_diagnosis(seconds: float) -> Diagnosis:
-    """For the watcher's stall rule: no new output or metrics for ``seconds``."""
-    return Diagnosis("stalled", advice_for("stalled"), f"no new output or metrics for {seconds:.0f} s")
+def stalled_diagnosis(seconds: float, stack: str | None = None) -> Diagnosis:
+    """For the watcher's stall rule: no new output or metrics for ``seconds``; ``stack`` says where it waited."""
+    evidence = f"no new output or metrics for {seconds:.0f} s" + (f"; {stack}" if stack else "")
+    return Diagnosis("stalled", advice_for("stalled"), _clip(evidence))
 
 
 def unsatisfiable_diagnosis(reason: str) -> Diagnosis:
@@ -204,7 +209,7 @@ def _from_stop_or_code(exit: dict, lines: list[str]) -> Diagnosis | None:
     if exit.get("stop_reason") == "sigterm":
         return _make("preempted", "the supervisor received SIGTERM and stopped the job")
     code = exit.get("exit_code")
-    by_code = {EXIT_OOM: "oom", EXIT_NAN: "nan", EXIT_DATA: "data", EXIT_PREEMPTED: "preempted"}
+    by_code = {EXIT_OOM: "oom", EXIT_NAN: "nan", EXIT_DATA: "data", EXIT_PREEMPTED: "preempted", EXIT_SCHEDULE: "schedule"}
     if code in by_code:
         kind = by_code[code]
         return _make(kind, _last_match(lines, kind) or f"exit code {code}")

@@ -116,6 +116,8 @@ class LocalExecutor:
 
     def __init__(self, config: "WatcherConfig | None" = None, root: Path | None = None) -> None:
         self.supervisor = SpawningSupervisor()
+        #: status.json's watcher.containment: a cgroup per attempt where the kernel lets us, else the tree walk
+        self.containment = self.supervisor.containment.mode
 
     def start(self) -> None:
         # now, not at the first launch: a launch then only writes one line to a running helper

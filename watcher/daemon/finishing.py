@@ -9,7 +9,11 @@ from pathlib import Path
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import remove_quietly, touch
-from trainq.watcher.daemon.jobs import Job, judge_exit, load_job, resume_point, should_retry, supervisor_lost
+from trainq.watcher.daemon import records
+from trainq.watcher.daemon.jobs import (
+    CHECKPOINTED, Job, judge_exit, load_job, resume_point, retries_used, should_retry, supervisor_lost,
+)
+from trainq.watcher.spec import events
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 logger = logging.getLogger(__name__)
@@ -58,6 +62,7 @@ class Finishing:
         if record is None or record.get("attempt") != job.attempt:
             return False
         self._conclude(job, judge_exit(job.run, record, job.paths, job.spec), record, now)
+        self.crashes.reached("concluded", job.id)
         return True
 
     def _finish_lost(self, job: Job, now: float) -> None:
@@ -66,7 +71,10 @@ class Finishing:
             logger.warning("job %s: killed %d leftover process(es) of a dead supervisor", job.id, killed)
         started = self.executor.read_started(job.paths) or {}
         record = {"job_pid": started.get("job_pid")} if started.get("attempt") == job.attempt else {}
-        self._finish(job, supervisor_lost(started), record, now)
+        outcome = supervisor_lost(started)
+        events.emit(job.paths, "exited", now, attempt=job.attempt, code=None, lost=True,
+                    evidence=outcome.diagnosis.evidence)
+        self._finish(job, outcome, record, now)
 
     def _finish(self, job: Job, outcome, record: dict, now: float) -> None:
         """Conclude the attempt and, unless it is retried, write the job's final state and move its folder now."""
@@ -86,12 +94,23 @@ class Finishing:
                 stop_reason=record.get("stop_reason"),
                 diagnosis=outcome.diagnosis.to_dict() if outcome.diagnosis else None,
             )
+            if outcome.status == CHECKPOINTED:
+                attempt["checkpoint_exit"] = True
+        if outcome.diagnosis and outcome.diagnosis.kind == "preempted" and record.get("stop_reason") != "sigterm":
+            # SIGTERM reached the job itself (the supervisor's own SIGTERM is recorded by the supervisor)
+            events.emit(job.paths, "preempted", now, attempt=job.attempt, evidence=outcome.diagnosis.evidence)
+        self.account_attempt(job, attempt)
         job.run["diagnosis"] = outcome.diagnosis.to_dict() if outcome.diagnosis else None
         job.run["error"] = record.get("spawn_error") or (outcome.diagnosis.evidence if outcome.diagnosis else None)
+        if outcome.status == CHECKPOINTED:
+            self.guarded(job, "retry", self._requeue_after_checkpoint, job, record, now)
+            return
         if should_retry(job, outcome):
             self.guarded(job, "retry", self._requeue_for_retry, job, outcome, now)
             return
-        job.run.update(status=outcome.status, finished_at=iso_utc(now), waiting_for=None, gpus=[])
+        # the attempt's real end (its exit record), not when this watcher got to it (after a SIGSTOP, a crash)
+        job.run.update(status=outcome.status, finished_at=record.get("ended_at") or iso_utc(now), waiting_for=None,
+                       gpus=[])
         self.jobs.remove(job.id)
         self._concluded.append((job, outcome))
         self._plan_due = True
@@ -116,13 +135,15 @@ class Finishing:
         backoff_s = job.spec.retries.backoff_s if job.spec else 0.0
         resume = resume_point(job)
         total = 1 + (job.spec.retries.max if job.spec else 0)
+        used = retries_used(job) + 1
         job.run.update(
             status="pending",
             not_before=iso_utc(now + backoff_s),
             resume_from=resume,
             stop_requested_at=None,
             gpus=[],
-            waiting_for=f"retry {job.attempt + 1} of {total} after {outcome.diagnosis.kind}, backoff {backoff_s:g}s",
+            retries_used=used,
+            waiting_for=f"retry {used + 1} of {total} after {outcome.diagnosis.kind}, backoff {backoff_s:g}s",
         )
         job.run.pop("stop_requested_by", None)
         remove_quietly(job.paths.stop_flag)
@@ -133,14 +154,35 @@ class Finishing:
         self._plan_due = True
         logger.info("job %s: running -> pending, retry after %s in %gs%s", job.id, outcome.diagnosis.kind,
                     backoff_s, f" (resume from {resume})" if resume else "")
+        events.emit(job.paths, "retrying", now, attempt=job.attempt + 1, after=outcome.diagnosis.kind,
+                    resume_from=resume, backoff_s=backoff_s, retry=used, of=job.spec.retries.max if job.spec else 0)
+        self.report.touch()
+
+    def _requeue_after_checkpoint(self, job: Job, record: dict, now: float) -> None:
+        """The job exited with its checkpoint_exit_code: the next attempt starts at once, resuming; no retry counted."""
+        resume = resume_point(job)
+        restarts = int(job.run.get("checkpoint_restarts") or 0) + 1
+        job.run.update(status="pending", not_before=None, resume_from=resume, stop_requested_at=None, gpus=[],
+                       checkpoint_restarts=restarts, waiting_for=None, diagnosis=None, error=None)
+        job.save()
+        job.dir = self.folders.requeue(job.id, JobState.RUNNING)
+        self.jobs.move(job, JobState.PENDING)
+        job.readers = None
+        self._plan_due = True
+        logger.info("job %s: running -> pending, checkpoint exit %s: next attempt at once%s", job.id,
+                    record.get("exit_code"), f" (resume from {resume})" if resume else "")
+        events.emit(job.paths, "retrying", now, attempt=job.attempt + 1, after="checkpoint_exit",
+                    exit_code=record.get("exit_code"), resume_from=resume, counted=False)
         self.report.touch()
 
     def _retire(self, job: Job, now: float) -> None:
         """A job reached done/ or failed/: it leaves the live index, the report keeps it as recent."""
+        records.finished(job.paths, job.run, now)
         self._plan_due = True
         self.jobs.remove(job.id)
         self.report.finished(job, now)
         self.workflow_concluded(job, now)
+        self.deliver_if_due(job)
 
     def _drop(self, job: Job) -> None:
         self.jobs.remove(job.id)
@@ -167,24 +209,36 @@ class Finishing:
         self._retire(job, now)
 
     def retry_finished(self, job_id: str, state: JobState, now: float) -> None:
-        """retry.flag: back to pending as a new attempt that resumes from the latest checkpoint."""
+        """retry.flag: back to pending as a new attempt that resumes from the latest checkpoint.
+
+        The flag is the durable request, so it goes last: run.json (pending) is written in failed/,
+        the folder moves to pending/, then the flag is removed. A crash before the move leaves the
+        flag in failed/ (the next watcher honours it again); after it, a pending job whose stray
+        flag recovery removes. The old stop.flag goes first: left behind, it would cancel the retry.
+        """
         paths = JobPaths(self.root.job_dir(state, job_id))
-        remove_quietly(paths.retry_flag)
         remove_quietly(paths.stop_flag)
         job = load_job(paths.dir, state)
         if job is None or job.run.get("status") == "rejected":
+            remove_quietly(paths.retry_flag)
             logger.warning("job %s: retry.flag ignored (%s)", job_id,
                            "rejected jobs cannot run; fix and resubmit the file" if job else "unreadable run.json")
             return
         resume = resume_point(job)
         job.run.update(status="pending", finished_at=None, not_before=None, resume_from=resume,
                        waiting_for=None, diagnosis=None, error=None, stop_requested_at=None)
-        job.run.pop("stop_requested_by", None)
+        for key in ("stop_requested_by", "reason", "delivered"):
+            job.run.pop(key, None)
         job.save()
+        self.crashes.reached("retry-saved", job_id)
         job.dir = self.folders.requeue(job_id, state)
+        self.crashes.reached("retry-moved", job_id)
+        remove_quietly(job.paths.retry_flag)
+        self.crashes.reached("retry-done", job_id)
         self.jobs.move(job, JobState.PENDING)
         self.jobs.add(job)
         self.report.unfinished(job_id, state)
+        events.emit(job.paths, "retrying", now, attempt=job.attempt + 1, after="retry.flag", resume_from=resume)
         self.workflow_requeued(job, now)
         logger.info("job %s: %s -> pending, retry requested%s", job_id, state.value,
                     f" (resume from {resume})" if resume else "")
@@ -218,6 +272,7 @@ class Finishing:
         if not self._check_node(job, now):
             self._check_stall(job, now)
         self.report.update_progress(self, job, now)
+        self.check_vitals(job, now)
 
     def _save_started(self, now: float, *, all_now: bool = False) -> None:
         """Write run.json of jobs launched at least STARTED_SAVE_AFTER_S ago (every one with ``all_now``).
@@ -261,6 +316,9 @@ class Finishing:
         stall_after = job.spec.stall_after_s if job.spec else None
         if not stall_after:
             return
+        if job.run.get("stop_after_stacks") and not self.stacks_pending(job):
+            job.run.pop("stop_after_stacks")
+            touch(job.paths.stop_flag)
         sig = tuple(_mtime(p) for p in (job.paths.log, job.paths.metrics))
         if sig != job.activity_sig:
             job.activity_sig, job.last_activity = sig, now
@@ -272,11 +330,15 @@ class Finishing:
             return
         job.health = "stalled"
         logger.warning("job %s: stalled: no new output for %gs", job.id, now - job.last_activity)
+        self.capture_stacks(job, f"stalled for {now - job.last_activity:.0f}s")
         self.report.touch()
         if "stalled" in job.spec.retries.on:  # the user opted in: end it (retried while attempts remain)
             job.run.update(stop_requested_by="stalled", stall_after_s=stall_after)
             job.save(durable=False)
-            touch(job.paths.stop_flag)
+            if self.stacks_pending(job):
+                job.run["stop_after_stacks"] = True  # stopped once its stacks are recorded (vitals.py)
+            else:
+                touch(job.paths.stop_flag)
 
 
 def _mtime(path: Path) -> int:

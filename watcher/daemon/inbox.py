@@ -44,6 +44,7 @@ MAX_IGNORED_LISTED = 50
 
 WRITING = "writing"
 READY = "ready"
+MOVED_IN = "moved_in"  # ready, and complete by the README's rule (written elsewhere, renamed in)
 
 
 def is_quiet_name(name: str) -> bool:
@@ -163,7 +164,7 @@ class InboxEvents(FileSystemEventHandler):
             return
         if isinstance(event, FileMovedEvent):
             self._set(self._name(event.src_path), None)
-            self._set(self._name(event.dest_path), READY)
+            self._set(self._name(event.dest_path), MOVED_IN)
         elif isinstance(event, FileClosedEvent):
             self._set(self._name(event.src_path), READY)
         elif isinstance(event, (FileCreatedEvent, FileModifiedEvent)):
@@ -201,6 +202,11 @@ class Inbox:
         self.settle_s = settle_s
         self.events = events
         self._seen: dict[str, _Seen] = {}
+        #: name -> inode of a file found unfinished just after a write (invalid, or valid but unapproved):
+        #: a writer that appends in pieces. It is taken again only once it has stood still for settle_s.
+        self._appending: dict[str, int] = {}
+        #: names whose latest event was a rename into the inbox (complete: never held back as appending)
+        self.moved_in: frozenset[str] = frozenset()
         #: entries the last scan left alone, with why (status.json ``ignored``), at most MAX_IGNORED_LISTED
         self.ignored: list[dict] = []
 
@@ -238,6 +244,8 @@ class Inbox:
         for name in list(self._seen):
             if name not in live:
                 del self._seen[name]
+        for name in [n for n in self._appending if n not in live]:
+            del self._appending[name]
         if self.events:
             self.events.prune(live, generation)
         return found
@@ -245,10 +253,13 @@ class Inbox:
     def ready(self, candidates: Iterable[Candidate], now: float) -> list[Candidate]:
         """The candidates that are complete: closed or renamed in, or settled with no writer."""
         hints = self.events.hints() if self.events else {}
+        self.moved_in = frozenset(name for name, hint in hints.items() if hint == MOVED_IN)
         ready, unsure = [], []
         for cand in candidates:
             hint = hints.get(cand.name)
-            if hint == READY or cand.is_symlink:
+            if self._appending.get(cand.name) == cand.ino and not self.is_still(cand, now):
+                continue  # an appending writer may not be done: wait until the file stands still
+            if hint in (READY, MOVED_IN) or cand.is_symlink:
                 ready.append(cand)
             elif self._settled(cand, now, recheck_s=_WRITER_RECHECK_S if hint == WRITING else 0.0):
                 unsure.append(cand)
@@ -270,9 +281,25 @@ class Inbox:
             return False
         return now - seen.writer_checked_at >= max(recheck_s, self.settle_s)
 
+    def is_still(self, cand: Candidate, now: float) -> bool:
+        """True once the file was last written at least settle_s ago (an mtime in the future counts as still)."""
+        age_s = now - cand.mtime_ns / 1e9
+        return age_s >= self.settle_s or age_s < -1.0
+
+    def hold_back(self, cand: Candidate) -> None:
+        """``cand`` was found unfinished right after a write: take it again only once it stands still."""
+        self._appending[cand.name] = cand.ino
+
+    def next_due_s(self) -> float | None:
+        """How soon the loop should look again for held-back files (None when none is held back)."""
+        if not self._appending:
+            return None
+        return self.settle_s
+
     def taken(self, name: str) -> None:
         """Forget what was known about a name that left the inbox."""
         self._seen.pop(name, None)
+        self._appending.pop(name, None)
         if self.events:
             self.events.forget(name)
 

@@ -6,23 +6,29 @@
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainq.watcher.daemon.checkpoints import find_checkpoint, latest_checkpoint, note_skipped
 from trainq.watcher.spec.contract import ATTEMPT_BANNER_PREFIX, JobPaths
 from trainq.watcher.spec.errors import JobFolderRemoved
-from trainq.watcher.daemon.diagnosis import SIGKILL, Diagnosis, diagnose, read_kernel_log, read_metrics_tail, read_tail, stalled_diagnosis
+from trainq.watcher.daemon.diagnosis import (SIGKILL, Diagnosis, advice_for, diagnose, read_kernel_log, read_metrics_tail,
+                                             read_tail, stalled_diagnosis)
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
 from trainq.watcher.spec.jobspec import JobSpec
 from trainq.watcher.spec.units import iso_utc, parse_iso
+from trainq.watcher.supervisor.stacks import evidence as stack_evidence
+from trainq.watcher.supervisor.hooks import HOOK_STATUSES, mark_due
 
 RUN_SCHEMA_VERSION = 1
 #: statuses after which a job never runs again unless retried
 FINAL_STATUSES = ("done", "failed", "cancelled", "timeout", "rejected")
 #: statuses a run.json may hold while its folder is in running/
 LIVE_STATUSES = ("running", "stopping")
+#: an attempt's outcome (never a job's status) when it exited with the job's checkpoint_exit_code
+CHECKPOINTED = "checkpointed"
 
 
 @dataclass
@@ -74,6 +80,8 @@ class Job:
     def save(self, durable: bool = True) -> None:
         """Write run.json atomically; JobFolderRemoved when the folder was removed by hand."""
         try:
+            if self.run.get("status") in HOOK_STATUSES:
+                mark_due(self.paths, self.spec, self.run)  # the hook is on disk before the conclusion is
             atomic_write_json(self.paths.run, self.run, durable=durable)
         except FileNotFoundError:
             if self.dir.exists():
@@ -133,17 +141,34 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
     if run.get("stop_requested_by") == "internal_error" and run.get("diagnosis"):
         return Outcome("failed", Diagnosis.from_dict(run["diagnosis"]))  # containment.py stopped it
     if run.get("stop_requested_by") == "stalled" and reason != "timeout":
-        return Outcome("failed", stalled_diagnosis(float(run.get("stall_after_s") or 0)))
+        started = parse_iso(((run.get("attempts") or [{}])[-1] or {}).get("started_at"))
+        return Outcome("failed", stalled_diagnosis(float(run.get("stall_after_s") or 0), stack_evidence(paths.dir, started)))
+    if run.get("stop_requested_by") == "schedule" and reason != "timeout":
+        return Outcome("failed", Diagnosis("schedule", advice_for("schedule"),
+                                           str((run.get("lr_deviation") or {}).get("words") or "off the declared lr schedule")))
     if reason != "timeout" and (reason == "stop_flag" or run.get("status") == "stopping"):
         return Outcome("cancelled", None)
     if reason == "cancelled":  # ended from outside trainq (Slurm: scancel by a user or an admin): never retried
         return Outcome("cancelled", diagnose(exit_record, attempt_log_tail(paths), []))
     if reason is None and exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
         return Outcome("done", None)
+    if reason is None and is_checkpoint_exit(exit_record, spec):
+        return Outcome(CHECKPOINTED, None)
     diagnosis = diagnose(exit_record, attempt_log_tail(paths), attempt_metrics(paths, run),
                          kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record)
                          else None, train=spec is None or spec.is_train)
     return Outcome("timeout" if reason == "timeout" else "failed", diagnosis)
+
+
+def is_checkpoint_exit(exit_record: dict, spec: JobSpec | None) -> bool:
+    """The job exited with its ``checkpoint_exit_code``: "saved, run me again" (CONTRACT section 13)."""
+    code = spec.checkpoint_exit_code if spec is not None else None
+    return code is not None and exit_record.get("exit_code") == code and not exit_record.get("signal")
+
+
+def retries_used(job: Job) -> int:
+    """Attempts after the first that count as retries: checkpoint exits' restarts do not."""
+    return max(0, job.attempt - 1 - int(job.run.get("checkpoint_restarts") or 0))
 
 
 def _ran_here(exit_record: dict) -> bool:
@@ -220,7 +245,7 @@ def should_retry(job: Job, outcome: Outcome) -> bool:
     if job.spec is None or outcome.diagnosis is None or outcome.status not in ("failed", "timeout"):
         return False
     retries = job.spec.retries
-    return outcome.diagnosis.kind in retries.on and job.attempt < 1 + retries.max
+    return outcome.diagnosis.kind in retries.on and retries_used(job) < retries.max
 
 
 def load_job(job_dir: Path, state: JobState) -> Job | None:
@@ -233,11 +258,13 @@ def load_job(job_dir: Path, state: JobState) -> Job | None:
     if run is None:
         return None
     try:
+        st = os.stat(paths.spec)  # before the read: a change in between shows as a change later, never hides
         spec = load_job_file(paths.spec, f"{state.value}/{job_dir.name}/job.yaml")
     except (InvalidJobSpec, OSError):
-        spec = None
+        st, spec = None, None
     run.setdefault("id", job_dir.name)
-    return Job(job_dir.name, state, job_dir, run, spec)
+    sig = (st.st_size, st.st_mtime_ns, st.st_ino) if st is not None and spec is not None else None
+    return Job(job_dir.name, state, job_dir, run, spec, spec_sig=sig)
 
 
 class JobIndex:

@@ -41,6 +41,7 @@ class EditHost(Protocol):
     def admit_workflow(self, job: "Job", now: float) -> None: ...
     def forget_removed(self, job: "Job") -> None: ...
     def _retire(self, job: "Job", now: float) -> None: ...
+    def wake(self) -> None: ...
 
 
 class PendingEdits:
@@ -86,6 +87,36 @@ def _check_one(watcher: "EditHost", job: "Job", now: float) -> None:
         return
     job.spec_sig, job.spec_change = sig, None
     _reread(watcher, job, now)
+
+
+def ready_to_start(watcher: "EditHost", job: "Job", now: float) -> bool:
+    """Right before a start: one ``stat`` of job.yaml against the version the spec was read from.
+
+    An edit that landed since (even milliseconds ago) is read now, and the job is planned again
+    with it on the next pass (False). An edit that does not validate yet is judged only once it
+    has stood still for ``settle_s`` (a save in progress); until then the job does not start.
+    """
+    try:
+        sig = file_sig(os.stat(job.paths.spec))
+    except FileNotFoundError:
+        _vanished(watcher, job, now)
+        return False
+    if job.spec_sig is None or sig == job.spec_sig:
+        return True
+    if now - sig[1] / 1e9 < watcher.config.settle_s:
+        try:
+            load_job_file(job.paths.spec, f"pending/{job.id}/job.yaml")
+        except InvalidJobSpec:
+            if job.spec_change is None or job.spec_change[0] != sig:
+                job.spec_change = (sig, now)  # pending_edits.check judges it once settled
+            return False
+        except OSError:
+            return False
+    job.spec_sig, job.spec_change = sig, None
+    _reread(watcher, job, now)
+    watcher._plan_due = True
+    watcher.wake()  # planned again at once, with what the file says now
+    return False
 
 
 def _vanished(watcher: "EditHost", job: "Job", now: float) -> None:

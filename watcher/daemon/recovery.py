@@ -19,7 +19,9 @@ from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, remove_quietly, remove_stale_temps
 from trainq.watcher.daemon.jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
 from trainq.watcher.spec.jobspec import load_job_file
+from trainq.watcher.spec.tombstones import prune_tombstones
 from trainq.watcher.spec.units import iso_utc
+from trainq.watcher.supervisor import cgroups
 
 if TYPE_CHECKING:
     from trainq.watcher.daemon.executor import Executor
@@ -37,6 +39,7 @@ class RecoveryHost(Protocol):
     jobs: object
     executor: "Executor"
     report: "Report"
+    hooks: object  # the HookLauncher: recover() queues every due hook
     recovered_finished: list
     _order_last: int
 
@@ -55,6 +58,7 @@ def recover(watcher: "RecoveryHost") -> None:
     now = time.time()
     found = watcher.folders.load_ids()
     _unlink_claimed_inbox_names(watcher, found)
+    prune_tombstones(watcher.root.path)
     _remove_stale_temp_files(watcher, found)
     for job_id in found[JobState.PENDING]:
         watcher.guarded_id(job_id, JobState.PENDING, "recover", _recover_pending, watcher, job_id, now)
@@ -65,6 +69,8 @@ def recover(watcher: "RecoveryHost") -> None:
         watcher.guarded(job, "recover", watcher.admit_workflow, job, now)  # hold again on dependencies (kept only in job.yaml)
     watcher.report.recount()
     _seed_recent(watcher)
+    watcher.hooks.recover(watcher.root.path)  # every due hook, however many finished jobs there are
+    _remove_empty_cgroups(watcher)
     orders = [j.order for j in watcher.jobs.values()]
     watcher._order_last = max(orders + [time.time_ns()])
     running = watcher.jobs.count(JobState.RUNNING)
@@ -75,6 +81,7 @@ def _recover_pending(watcher: "RecoveryHost", job_id: str, now: float) -> None:
     path = watcher.root.job_dir(JobState.PENDING, job_id)
     paths = JobPaths(path)
     remove_stale_temps(path, (paths.run.name,))
+    remove_quietly(paths.retry_flag)  # a retry interrupted after its move (finishing.py): it is done
     if not paths.spec.exists() and not paths.spec.is_symlink():
         _remove_abandoned_claim(paths)
         watcher.folders.forget(job_id)
@@ -216,6 +223,13 @@ def _unlink_claimed_inbox_names(watcher: "RecoveryHost", found: dict) -> None:
             if name is not None:
                 remove_quietly(name)
                 logger.info("queue: %s was already claimed as %s; removed the inbox name", name.name, job_id)
+
+
+def _remove_empty_cgroups(watcher: "RecoveryHost") -> None:
+    """Groups a killed supervisor or hook runner left empty (live attempts' groups are never empty)."""
+    containment = getattr(getattr(watcher.executor, "supervisor", None), "containment", None)
+    if containment is not None and cgroups.remove_empty_groups(containment, watcher.root.path):
+        logger.info("queue: removed empty cgroups left by killed supervisors")
 
 
 def _seed_recent(watcher: "RecoveryHost") -> None:

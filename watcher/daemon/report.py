@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from trainq.watcher import __version__
 from trainq.watcher.spec.folders import JobState, QueueRoot
 from trainq.watcher.daemon.diagnosis import read_metrics_tail
-from trainq.watcher.faces.progress import PROGRESS_KEYS, MetricsTail, merge_progress
+from trainq.watcher.faces.progress import PROGRESS_KEYS, MetricsTail, merge_progress, vitals_words
 from trainq.watcher.faces.progress_log import LogProgress
 from trainq.watcher.daemon.admission import resources_dict
 from trainq.watcher.faces.html import CurveStore
@@ -41,6 +41,8 @@ class ReportSource(Protocol):
     disk_full: object  # None while the disk has room
 
     def problems(self) -> list[str]: ...
+    def window_now(self, now: float) -> dict | None: ...
+    def cost_now(self, now: float) -> dict | None: ...
     def _holding(self, job: "Job"): ...
 
 #: most awaiting/pending entries listed in status.json (CONTRACT section 5)
@@ -219,12 +221,22 @@ class Report:
                 "state": state or ("stopping" if watcher.stopping else "paused" if watcher.paused else "running"),
                 "started_at": iso_utc(self.started_at), "heartbeat_at": iso_utc(now),
                 "disk_full": watcher.disk_full is not None, "problems": watcher.problems(),
+                **_containment(watcher.executor),
             },
             counts=counts,
             jobs=tuple(listed),
             resources=resources_dict(machine, holdings),
             ignored=tuple(self.ignored),
+            window=watcher.window_now(now),
+            cost=watcher.cost_now(now),
         )
+
+
+def _containment(executor) -> dict:
+    """``containment``: how this machine's attempts are held (cgroup-v2, cgroup-v1, process-tree); absent on
+    executors that run attempts elsewhere (Slurm contains them with its own proctrack)."""
+    mode = getattr(executor, "containment", None)
+    return {"containment": mode} if mode else {}
 
 
 def _entry(job: "Job", root: QueueRoot) -> dict:
@@ -233,6 +245,10 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
     attempt = job.current_attempt() or {}
     readers = job.readers
     progress = merge_progress(readers.metrics.fields, readers.log.fields) if readers is not None else None
+    vitals = readers.metrics.vitals if readers is not None else {}
+    if vitals:
+        progress = {**(progress or {}), "clip_fraction": vitals.get("clip_fraction"),
+                    "update_ratio": vitals.get("update_ratio")}
     entry = {
         "id": job.id,
         "state": job.state.value,
@@ -260,7 +276,27 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
     if job.state in (JobState.DONE, JobState.FAILED):
         entry["outputs"] = _outputs(job, root)
     entry.update(workflow_entry(job))
+    entry.update(_wall_entry(job))
+    if vitals:
+        thresholds = (job.spec.train or {}).get("health") if job.spec is not None and job.spec.train else None
+        entry["vitals"] = vitals_words(vitals, thresholds)
+    if job.run.get("lr_deviation"):
+        entry["vitals"] = "; ".join(filter(None, [entry.get("vitals"), job.run["lr_deviation"].get("words")]))
     return entry
+
+
+def _wall_entry(job: "Job") -> dict:
+    """``deadline``, ``predicted_end`` and ``fits`` of a job planned against a wall (CONTRACT section 11)."""
+    forecast = job.run.get("forecast")
+    if job.state is JobState.RUNNING and forecast:
+        out = {k: forecast.get(k) for k in ("deadline", "predicted_end", "fits")}
+        if forecast.get("words"):
+            out["forecast"] = forecast["words"]
+        return out
+    if job.spec is not None and job.spec.deadline is not None:
+        at = job.spec.deadline.resolve(parse_iso(job.run.get("started_at")))
+        return {"deadline": iso_utc(at) if at else None, "predicted_end": None, "fits": None}
+    return {}
 
 
 #: how much of a finished job's metrics.jsonl is read for its final progress (bytes)

@@ -23,11 +23,15 @@ from trainq.watcher.spec.contract import (
     ENV_STOP_FLAG,
 )
 from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
+from trainq.watcher.spec.wall import ENV_COST
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
 from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
+from trainq.watcher.daemon.records import gpu_facts, snapshot_request
+from trainq.watcher.daemon.pending_edits import ready_to_start
 from trainq.watcher.supervisor import LaunchSpec
 from trainq.watcher.spec.units import iso_utc, parse_iso
+from trainq.watcher.spec.ranks import default_gpus
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class Starting:
         self._plan_due = False
         head = self.jobs.pending_head(depth)
         machine = self.probe.sample(self._disk_paths(head + running))
+        self._machine = machine  # the GPUs' names for the snapshot (records.py)
         limits = self._limits()
         holdings = self._per_job(running, self._holding, "plan")
         self._reject_unsatisfiable(unchecked, holdings, machine, limits, now)
@@ -79,7 +84,7 @@ class Starting:
         if unavailable:
             self._all_wait(head, unavailable)
             return
-        waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now)]
+        waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now) and not self.held_by_wall(j, now)]
         budget_ends = time.monotonic() + LAUNCH_BUDGET_S
         try:
             for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
@@ -156,7 +161,7 @@ class Starting:
         return Request(
             job_id=job.id, priority=job.priority, order=job.order, gpus=res.gpus,
             gpu_memory_gb=res.gpu_memory_gb, ram_gb=res.ram_gb, disk_gb=res.disk_gb,
-            allow_battery=res.allow_battery, disk_path=self._disk_path(job),
+            allow_battery=res.allow_battery, disk_path=self._disk_path(job), gpus_default=default_gpus(job.spec.raw),
         )
 
     def _holding(self, job: Job) -> Holding:
@@ -188,9 +193,12 @@ class Starting:
         if job.paths.stop_flag.exists():  # stopped after the last flag scan (a retry's requeue clears its old flag)
             self.cancel_pending(job, now)
             return
+        if not ready_to_start(self, job, time.time()):
+            return  # job.yaml changed since it was read: re-read, planned again with the new values
         attempt = job.attempt + 1
         job.dir = self.folders.start(job.id)
         self.jobs.move(job, JobState.RUNNING)
+        self.crashes.reached("start-moved", job.id)
         paths = job.paths
         # resolved now, where the folder is: it moved since the checkpoint was written
         resume_from = resume_checkpoint(job) if job.run.get("resume_from") else None
@@ -198,15 +206,18 @@ class Starting:
             resume_from = job.spec.from_checkpoint  # a fork started from its parent's checkpoint (CONTRACT section 9)
         values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
                   **self.after_values(job)}
-        problem = command_problem(job.spec, self.config.allow_commands, values, self.env.get("PATH", ""))
+        problem = command_problem(job.spec, self.config.allow_commands, values, self.env.get("PATH", ""),
+                                  self.config.allow_env)
         if problem is not None:
             self._refuse(job, problem, now)
             return
+        argv = tuple(job.spec.launch_argv(values, sys.executable, resume=bool(resume_from)))
+        cwd = job.spec.launch_cwd(values) or str(paths.dir)
         spec = LaunchSpec(
             job_dir=str(paths.dir),
-            argv=tuple(job.spec.launch_argv(values, sys.executable, resume=bool(resume_from))),
+            argv=argv,
             env=self._job_env(job, values, decision, resume_from),
-            cwd=job.spec.launch_cwd(values) or str(paths.dir),
+            cwd=cwd,
             attempt=attempt,
             stop_grace_s=job.spec.stop_grace_s,
             kill_after_s=self.config.kill_after_s,
@@ -214,6 +225,7 @@ class Starting:
             banner=_banner(job.id, attempt, now, resume_from),
             executable=self._checked_executable(job, values),
             inherit_env=self.executor.inherits_environment,
+            snapshot=self._snapshot_request(job, argv, cwd, values, decision),
         )
         job.run.update(status="running", attempt=attempt, waiting_for=None, not_before=None,
                        gpus=list(decision.gpus), stop_requested_at=None)
@@ -243,6 +255,18 @@ class Starting:
         logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
         self.report.touch()
         self.deps_changed(job.id, now)
+
+    def _snapshot_request(self, job: Job, argv: tuple[str, ...], cwd: str, values: dict, decision) -> dict | None:
+        """What the supervisor records in snapshot/ (records.py); None with ``snapshot: false``."""
+        if not job.spec.snapshot:
+            return None
+        try:
+            gpus = gpu_facts(getattr(self, "_machine", None), list(decision.gpus))
+            return snapshot_request(job.spec, job.run, list(argv), cwd, job.spec.launch_env(values), gpus,
+                                    self.root.path, sys.executable).to_dict()
+        except (OSError, ValueError) as exc:  # a record must not keep the job from starting
+            logger.warning("job %s: no snapshot for this attempt: %s", job.id, exc)
+            return None
 
     def _flush_launches(self, now: float) -> None:
         """Submit the attempts the executor held back this pass (a sweep's jobs: one batch-job array)."""
@@ -312,6 +336,8 @@ class Starting:
             env[ENV_RESUME_FROM] = resume_from
         elif job.spec.is_train and job.spec.from_checkpoint:
             env[ENV_INIT_FROM] = job.spec.from_checkpoint  # weights only: fresh optimizer and schedule
+        if self.config.cost is not None:  # the trainer writes its attempt's cost into summary.json
+            env[ENV_COST] = self.config.cost.to_env(len(decision.gpus))
         return env
 
 

@@ -20,16 +20,20 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainq.watcher.daemon import records
+from trainq.watcher.spec import events
 from trainq.watcher.spec.config import passed_through
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.daemon.diagnosis import Diagnosis
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json, remove_quietly
-from trainq.watcher.supervisor.hooks import HookLauncher, hook_due
+from trainq.watcher.supervisor.hook_launcher import HookLauncher
+from trainq.watcher.supervisor.hooks import hook_due
 from trainq.watcher.daemon.jobs import Job, new_run
 from trainq.watcher.spec.jobspec import JobSpec, load_job_file
-from trainq.watcher.spec.sweeps import after_refs, expand, variant_text
+from trainq.watcher.spec.tombstones import REMOVED, ended_status, read_tombstone, record_removal, removal_words
+from trainq.watcher.spec.sweeps import after_refs, combinations, expand, variant_text
 from trainq.watcher.spec.units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -87,6 +91,7 @@ class Workflows:
         self.hooks = HookLauncher(passed_through(self.env, self.config.env_passthrough))
         self._deps_queue: list[str] = []
         self._sweeps_unfinished = False  # a sweep's expansion failed (a full disk): retried on each rescan
+        self.deps_released = False  # a held job was released in this pass: start_pending runs again (daemon.py)
 
     # -- accepting -----------------------------------------------------------------------------
     def admit_workflow(self, job: Job, now: float) -> None:
@@ -137,7 +142,7 @@ class Workflows:
         """Hold, release or fail one pending job according to where its dependencies stand."""
         if job.state is not JobState.PENDING or job.spec is None or not job.spec.after:
             return
-        states = [self.dependency_state(dep) for dep in job.spec.after]
+        states = self._remember_seen(job, [self.dependency_state(dep) for dep in job.spec.after])
         dead = [s for s in states if s.ended and not s.ok]
         if dead and job.spec.after_policy == "ok":
             self.deps.forget(job.id, job.spec.after)
@@ -149,7 +154,9 @@ class Workflows:
             if job.held:
                 self.jobs.release(job)
                 job.run["waiting_for"] = None
+                events.emit(job.paths, "released", now, after=list(job.spec.after))
                 self._plan_due = True
+                self.deps_released = True
                 self.report.touch()
                 logger.info("job %s: dependencies ended (%s); may start", job.id, ", ".join(job.spec.after))
             return
@@ -162,9 +169,28 @@ class Workflows:
         more = f"; and {len(waiting) - _MAX_SHOWN} more" if len(waiting) > _MAX_SHOWN else ""
         if not job.held:
             self.jobs.hold(job)
+            events.emit(job.paths, "held", now, after=[s.dep_id for s in waiting], waiting_for=shown + more)
         if job.run.get("waiting_for") != shown + more:
             job.run["waiting_for"] = shown + more
             self.report.touch()
+
+    def _remember_seen(self, job: Job, states: list[DepState]) -> list[DepState]:
+        """Record in run.json (``after_seen``) each dependency seen in the queue; one seen before and now
+        found nowhere, with no tombstone, was removed while no watcher ran: it gets its tombstone now."""
+        seen, seen_done = set(job.run.get("after_seen") or ()), set(job.run.get("after_seen_done") or ())
+        gone = [s.dep_id for s in states if not s.known and s.dep_id in seen]
+        for dep in gone:  # one seen done and cleaned up since stays done
+            status = "done" if dep in seen_done else None
+            record_removal(self.root.path, dep, "done" if status else "unknown", status,
+                           by="found gone when a watcher started")
+            self.deps.finished[dep] = status or REMOVED
+        fresh = [s.dep_id for s in states if s.known and s.dep_id not in seen]
+        fresh_done = [s.dep_id for s in states if s.ended and s.ok and s.dep_id not in seen_done]
+        if fresh or fresh_done:
+            job.run["after_seen"] = sorted(seen | set(fresh))
+            job.run["after_seen_done"] = sorted(seen_done | set(fresh_done))
+            job.save(durable=False)
+        return [self.dependency_state(s.dep_id) if s.dep_id in gone else s for s in states]
 
     def dependency_state(self, dep: str) -> DepState:
         """Where dependency ``dep`` (a job id or a sweep id) stands now."""
@@ -173,8 +199,7 @@ class Workflows:
             return DepState(dep, False, False, f"{dep} ({live.status})")
         status = self._finished_status(dep)
         if status is not None:
-            return DepState(dep, True, status == "done", f"{dep} ({status})",
-                            evidence=f"dependency {dep} ended {status}" + self._dep_reason(dep))
+            return DepState(dep, True, status == "done", f"{dep} ({status})", evidence=self._dep_evidence(dep, status))
         members = self.sweep_members(dep)
         if members:
             return self._sweep_state(dep, members)
@@ -193,6 +218,7 @@ class Workflows:
                                              f"{', '.join(open_)}{' ...' if len(states) - len(ended) > 3 else ''})")
 
     def _finished_status(self, dep: str) -> str | None:
+        """A dependency's final status: from done/ or failed/, else its tombstone (``removed``), else None."""
         cached = self.deps.finished.get(dep)
         if cached is not None:
             return cached
@@ -205,7 +231,17 @@ class Workflows:
                     status = "done"
                 self.deps.finished[dep] = status
                 return status
+        stone = read_tombstone(self.root.path, dep)
+        if stone is not None:
+            self.deps.finished[dep] = ended_status(stone)
+            return self.deps.finished[dep]
         return None
+
+    def _dep_evidence(self, dep: str, status: str) -> str:
+        stone = read_tombstone(self.root.path, dep) if status == REMOVED else None
+        if stone is not None:
+            return f"dependency {dep} was {removal_words(stone)}"
+        return f"dependency {dep} ended {status}" + self._dep_reason(dep)
 
     def _dep_reason(self, dep: str) -> str:
         path = self.root.job_dir(JobState.FAILED, dep)
@@ -218,8 +254,9 @@ class Workflows:
         members = self.deps.sweeps.get(sweep)
         if members:
             return members
-        for state in JobState:
-            run = read_json(JobPaths(self.root.job_dir(state, f"{sweep}-1")).run)
+        for state in (*JobState, None):
+            run = (read_json(JobPaths(self.root.job_dir(state, f"{sweep}-1")).run) if state is not None
+                   else read_tombstone(self.root.path, f"{sweep}-1"))  # its first job removed: its tombstone
             info = (run or {}).get("sweep") or {}
             if info.get("id") == sweep and isinstance(info.get("of"), int):
                 members = [f"{sweep}-{i}" for i in range(1, info["of"] + 1)]
@@ -316,7 +353,7 @@ class Workflows:
     # -- sweeps ------------------------------------------------------------------------------------
     def admit_sweep(self, cand, spec: JobSpec, now: float) -> None:
         """Claim a sweep file into its staging folder, then write its jobs."""
-        total = len(expand(spec.raw))
+        total = combinations(spec.sweep)
         claimed = self.folders.claim_sweep(cand.path, total, SWEEP_STAGING_PREFIX)
         self.inbox.taken(cand.name)
         self._awaiting.pop(cand.name, None)
@@ -365,7 +402,9 @@ class Workflows:
         paths = JobPaths(path)
         atomic_write_json(paths.run, run, durable=False)
         atomic_write(paths.spec, variant_text(variant.data, sweep_id, variant.index, total), durable=False)
-        job = Job(job_id, JobState.PENDING, path, run, spec)
+        records.accepted(paths, run, f"sweep {sweep_id}", None, now)
+        st = os.stat(paths.spec)
+        job = Job(job_id, JobState.PENDING, path, run, spec, spec_sig=(st.st_size, st.st_mtime_ns, st.st_ino))
         self.jobs.add(job)
         return job
 
@@ -382,15 +421,15 @@ class Workflows:
             self.expand_staged(sweep_id, Path(entry.path), now)
 
     # -- lineage -------------------------------------------------------------------------------------
-    def lineage_of(self, parent: str) -> dict:
-        """run.json's lineage for a job forked from ``parent``: it, then its own parents, nearest first."""
+    def lineage_of(self, parent: str, how: str = "fork_of") -> dict:
+        """run.json's lineage for a job forked (or rerun, ``how``) from ``parent``: it, then its parents, nearest first."""
         parents = [parent]
         for state in JobState:
             run = read_json(JobPaths(self.root.job_dir(state, parent)).run)
             if run is not None:
                 parents += list(((run.get("lineage") or {}).get("parents") or []))[: MAX_LINEAGE - 1]
                 break
-        return {"fork_of": parent, "parents": parents}
+        return {how: parent, "parents": parents}
 
 
 def _stem(file_name: str) -> str:

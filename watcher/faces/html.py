@@ -17,6 +17,8 @@ from trainq.watcher.faces.sweepview import sweep_html
 MAX_CURVE_POINTS = 300
 #: a heartbeat older than this means the watcher is not responding (3 missed 5 s heartbeats)
 STALE_HEARTBEAT_S = 15
+#: how the static page refreshes itself; `trainq serve` swaps it for live streams (faces/live.py)
+REFRESH_META = '<meta http-equiv="refresh" content="2">'
 
 
 class _Series:
@@ -142,6 +144,25 @@ def _e(value: object) -> str:
     return "–" if value is None else escape(str(value), quote=True)
 
 
+def wall_line(snapshot: dict) -> str | None:
+    """"window: wall 08:00 UTC · freeze 07:30 · final checkpoint 07:45 · fits a, b · misses c · cost 12.40 USD"."""
+    window, cost = snapshot.get("window"), snapshot.get("cost")
+    parts = []
+    if window:
+        clock = lambda iso: str(iso or "")[11:16]  # noqa: E731
+        parts.append(f"window: wall {clock(window.get('ends_at'))} UTC ({window.get('phase')}) · freeze "
+                     f"{clock(window.get('freeze_at'))} · final checkpoint {clock(window.get('final_checkpoint_at'))}")
+        if window.get("fits"):
+            parts.append("fits " + ", ".join(window["fits"]))
+        if window.get("misses"):
+            parts.append("MISSES " + ", ".join(window["misses"]))
+    if cost:
+        spent = f"cost {cost.get('total'):.2f} {cost.get('currency')}"
+        projected = (window or {}).get("projected_cost")
+        parts.append(spent + (f" (by the final checkpoint {projected['total']:.2f})" if projected else ""))
+    return " · ".join(parts) or None
+
+
 def format_eta(seconds: float | None) -> str:
     """42 → '42s', 185 → '3m 05s', 7380 → '2h 03m'; None → '–'."""
     if seconds is None:
@@ -241,6 +262,7 @@ def _header(snapshot: dict) -> str:
         f'<noscript><div class="banner">JavaScript is off: if the heartbeat above is more than '
         f'{STALE_HEARTBEAT_S} s old, the watcher is not responding.</div></noscript>'
         + "".join(f'<div class="banner">{_e(problem)}</div>' for problem in w.get("problems") or ())
+        + (f'<div class="meta wall">{_e(wall)}</div>' if (wall := wall_line(snapshot)) else "")
     )
 
 
@@ -277,6 +299,14 @@ def _running_card(job: dict, curve: dict | None) -> str:
         ("GPUs", _e(",".join(map(str, job.get("gpus") or [])) or None)),
         ("RSS MB", format_number(usage.get("rss_mb"), 5)),
     ]
+    if job.get("deadline") or job.get("forecast"):
+        facts.append(("deadline", _e({True: "fits", False: "MISSES", None: "?"}[job.get("fits")]
+                                     + (f": {job['forecast']}" if job.get("forecast") else ""))))
+    if progress.get("clip_fraction") is not None or progress.get("update_ratio") is not None:
+        facts += [("clip fraction", format_number(progress.get("clip_fraction"), 2)),
+                  ("update ratio", format_number(progress.get("update_ratio"), 3))]
+    if job.get("vitals"):
+        facts.append(("health", _e(job["vitals"])))
     return (
         f'<article class="job running" id="job-{_e(job.get("id"))}"><h3>{_label(job)} '
         f'<span class="badge {_e(health)}">{_e(health)}</span></h3>'
@@ -438,7 +468,7 @@ def render_html(snapshot: dict, curves: dict[str, dict]) -> str:
     ))
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        '<meta http-equiv="refresh" content="2"><meta name="viewport" content="width=device-width">'
+        f'{REFRESH_META}<meta name="viewport" content="width=device-width">'
         f'<title>trainq · {_e((snapshot.get("counts") or {}).get("running", 0))} running</title>'
         f'<style>{_CSS}</style></head><body>{body}<script>{_SCRIPT}</script></body></html>\n'
     )

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from trainq.watcher.spec.contract import RECORD_CHECKPOINT, RECORD_EVAL
+from trainq.watcher.spec.contract import HEALTH_DEFAULTS, RECORD_CHECKPOINT, RECORD_EVAL
 from trainq.watcher.spec.records import parse_records
 from trainq.watcher.spec.fsutil import open_no_follow
 
@@ -31,6 +31,8 @@ TAIL_RECORDS = 20
 PROGRESS_KEYS = ("step", "total_steps", "epoch", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "eta_s")
 #: the keys a reader sets (eta_s is derived)
 FIELD_KEYS = PROGRESS_KEYS[:-1]
+#: step records the clip fraction is taken over (the trainer's vitals: clip, update_ratio)
+CLIP_WINDOW = 50
 
 
 class LineReader:
@@ -197,6 +199,8 @@ class MetricsTail:
         self._tail: deque[dict] = deque(maxlen=TAIL_RECORDS)
         self.new_records: list[dict] = []
         self.bad_lines = 0
+        self._clips: deque[bool] = deque(maxlen=CLIP_WINDOW)
+        self._update_ratio: float | None = None
 
     def poll(self) -> bool:
         """Read the complete lines appended since the last call; True if any record was new."""
@@ -217,6 +221,10 @@ class MetricsTail:
         self._tail.append(record)
         if record.get("type") == RECORD_CHECKPOINT and isinstance(record.get("path"), str):
             self._last_checkpoint = record["path"]
+        if isinstance(record.get("clip"), bool):
+            self._clips.append(record["clip"])
+        if finite(record.get("update_ratio")) is not None:
+            self._update_ratio = finite(record["update_ratio"])
         self._apply_progress(record, at, read_at)
 
     def _apply_progress(self, record: dict, at: float, read_at: float) -> None:
@@ -241,6 +249,18 @@ class MetricsTail:
         return self.fields.progress()
 
     @property
+    def vitals(self) -> dict:
+        """``clip_fraction`` over the last CLIP_WINDOW step records that say ``clip``, and the latest
+        ``update_ratio``; empty for a job that logs neither."""
+        out: dict = {}
+        if self._clips:
+            out["clip_fraction"] = round(sum(self._clips) / len(self._clips), 4)
+            out["clip_window"] = len(self._clips)
+        if self._update_ratio is not None:
+            out["update_ratio"] = self._update_ratio
+        return out
+
+    @property
     def last_record_at(self) -> float | None:
         """Unix time of the newest record (its ``time`` field, else when it was read)."""
         return self._last_record_at
@@ -254,6 +274,19 @@ class MetricsTail:
     def records_tail(self) -> list[dict]:
         """The last records read, oldest first (for diagnosis)."""
         return list(self._tail)
+
+
+def vitals_words(vitals: dict, thresholds: dict | None = None) -> str | None:
+    """"clip fraction 0.92 > 0.05 over 50 steps; update ratio 0.31 > 0.1" for the vitals past their thresholds."""
+    limits = {**HEALTH_DEFAULTS, **(thresholds or {})}
+    words = []
+    fraction = vitals.get("clip_fraction")
+    if fraction is not None and vitals.get("clip_window", 0) >= 10 and fraction > limits["clip_fraction"]:
+        words.append(f"clip fraction {fraction:.2f} > {limits['clip_fraction']:g} over {vitals['clip_window']} steps")
+    ratio = vitals.get("update_ratio")
+    if ratio is not None and ratio > limits["update_ratio"]:
+        words.append(f"update ratio {ratio:.3g} > {limits['update_ratio']:g}")
+    return "; ".join(words) or None
 
 
 def merge_progress(*sources: Fields) -> dict | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from trainq.watcher.spec.fsutil import atomic_write, read_json
+from trainq.watcher.faces.bounds import bounded_entry
 from trainq.watcher.faces.html import CurveStore, render_html
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class StatusSnapshot:
     jobs: tuple[dict, ...]
     resources: dict = field(default_factory=dict)
     ignored: tuple[dict, ...] = ()  # inbox entries that are not job files, with why (CONTRACT section 2)
+    window: dict | None = None  # the queue's wall and who fits before it (CONTRACT section 11)
+    cost: dict | None = None  # {total, currency}
 
     def to_dict(self) -> dict:
         """The status.json object (``ignored`` only when the inbox holds something that is not a job file)."""
@@ -53,6 +56,10 @@ class StatusSnapshot:
         }
         if self.ignored:
             data["ignored"] = list(self.ignored)
+        if self.window is not None:
+            data["window"] = self.window
+        if self.cost is not None:
+            data["cost"] = self.cost
         return data
 
     @classmethod
@@ -70,6 +77,8 @@ class StatusSnapshot:
             jobs=tuple(d.get("jobs") or ()),
             resources=dict(d.get("resources") or {}),
             ignored=tuple(d.get("ignored") or ()),
+            window=d.get("window"),
+            cost=d.get("cost"),
         )
 
 
@@ -210,9 +219,11 @@ class StatusWriter:
         self._html_dirty = True
 
     def _bounded(self, snapshot: StatusSnapshot) -> StatusSnapshot:
-        if not _has_excess(snapshot.jobs, self.keep_finished):
-            return snapshot
-        jobs = select_jobs(snapshot.jobs, keep_finished=self.keep_finished)
+        """The listed jobs bounded in number (CONTRACT section 5) and each entry in size (bounds.py)."""
+        jobs = snapshot.jobs
+        if _has_excess(jobs, self.keep_finished):
+            jobs = select_jobs(jobs, keep_finished=self.keep_finished)
+        jobs = tuple(bounded_entry(job) for job in jobs)
         return StatusSnapshot(snapshot.watcher, snapshot.counts, jobs, snapshot.resources, snapshot.ignored)
 
     def _maybe_write_html(self, now: float) -> None:

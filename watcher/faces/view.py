@@ -22,7 +22,7 @@ from rich.padding import Padding
 from rich.text import Text
 
 from trainq.watcher.spec.fsutil import read_json
-from trainq.watcher.faces.html import STALE_HEARTBEAT_S, format_eta, format_number
+from trainq.watcher.faces.html import STALE_HEARTBEAT_S, format_eta, format_number, wall_line
 from trainq.watcher.spec.units import parse_iso
 from trainq.watcher.spec.text import printable_tree
 from trainq.watcher.faces.sweepview import sweep_lines
@@ -98,6 +98,9 @@ def _header(snapshot: dict, now: float) -> Text:
         text.append(f" · heartbeat {format_eta(age)} ago", style="dim")
     for problem in w.get("problems") or ():
         text.append(f"\n{problem}", style="bold red")
+    line = wall_line(snapshot)
+    if line:
+        text.append(f"\n{line}", style="bold magenta" if (snapshot.get("window") or {}).get("misses") else "magenta")
     return text
 
 
@@ -207,6 +210,10 @@ def _reason(job: dict, wide: bool) -> Text:
     if state == "running":
         p = job.get("progress") or {}
         parts = [str(job.get("health") or job.get("status"))]
+        if job.get("fits") is False:
+            parts.append(f"MISSES its wall: {job.get('forecast')}")
+        if job.get("vitals"):
+            parts.append(f"health: {job['vitals']}")
         if p.get("tokens_per_s") is not None:
             parts.append(f"{format_number(p['tokens_per_s'])} tok/s")
         if p.get("eval_loss") is not None:

@@ -3,8 +3,11 @@
 After placeholders expand, a command's executable is resolved the way exec would find it (a
 path with a slash against the job's cwd; a bare name on the *watcher's* PATH) to a real path,
 which must be the real path of an allowed entry (resolved the same way). While the list is set
-a job's env may not set the variables that choose what actually runs (LOADER_VARIABLES), so the
-program checked is the program started. The check runs at acceptance and again at start, where
+a job's env may not set the variables that make an allowed program load or run other code
+(LOADER_VARIABLES: the search path, the dynamic loader, shells' start-up and tracing hooks, the
+interpreters' start-up options, OpenSSL's config, git's command hooks, ...), so the program checked is
+the program started and nothing else runs in it. ``allow_env`` (watcher.yaml) is the strict form: the
+job's env may only set the names it lists. The checks run at acceptance and again at start, where
 the checked real path is what the supervisor execs (``LaunchSpec.executable``).
 """
 from __future__ import annotations
@@ -18,20 +21,54 @@ from trainq.watcher.spec.errors import Problem
 from trainq.watcher.spec.jobspec import JobSpec, expand_placeholders
 from trainq.watcher.spec.schema_errors import field_name
 
-#: env names a job may not set while allow_commands is set: the executable search path, the dynamic
-#: loader's (LD_*, DYLD_*) and the start-up hooks of the usual interpreters, each of which runs code
-#: other than the allowed program. PYTHONPATH is among them: it loads sitecustomize.py from anywhere.
-#: The watcher's own environment still passes them through (env_passthrough) for the operator.
-LOADER_VARIABLES = (
-    "PATH", "LD_*", "DYLD_*", "GCONV_PATH", "HOSTALIASES", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP",
-    "PYTHONUSERBASE", "PYTHONEXECUTABLE", "BASH_ENV", "ENV", "PERL5LIB", "PERL5OPT", "PERLLIB", "RUBYLIB",
-    "RUBYOPT", "NODE_OPTIONS", "NODE_PATH",
-)
+#: env names a job may not set while allow_commands is set, by family (globs; case matters). Each makes
+#: an allowed program load or run code other than itself. The watcher's own environment still passes
+#: them through (env_passthrough) for the operator. docs/containment.md says why each is here, and why
+#: the allocator's MALLOC_* and the like are not (they tune behaviour but load nothing).
+LOADER_FAMILIES: dict[str, tuple[str, ...]] = {
+    # which program a bare name is, and the dynamic loader: preload, audit and library paths
+    "loader": ("PATH", "LD_*", "DYLD_*", "GCONV_PATH", "GLIBC_TUNABLES", "LOCPATH", "NLSPATH", "HOSTALIASES"),
+    # shells: exported functions, start-up files, options that turn tracing on and the prompts it expands
+    "shell": ("BASH_FUNC_*", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS0", "PS1", "PS2", "PS3", "PS4",
+              "PROMPT_COMMAND", "BASH_LOADABLES_PATH", "ZDOTDIR"),
+    # whose start-up files and user site-packages programs read: python's user site (.pth files run
+    # code), ~/.gitconfig, ~/.curlrc, ~/.zshenv, ...
+    "home": ("HOME", "XDG_CONFIG_HOME", "CURL_HOME", "WGETRC"),
+    # OpenSSL loads engines and providers (shared objects) named in its config
+    "openssl": ("OPENSSL_CONF", "OPENSSL_CONF_INCLUDE", "OPENSSL_ENGINES", "OPENSSL_MODULES"),
+    "python": ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONINSPECT", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
+               "PYTHONPLATLIBDIR", "PYTHONBREAKPOINT", "PYTHONWARNINGS", "PYTHONPYCACHEPREFIX"),
+    "perl": ("PERL5OPT", "PERL5LIB", "PERLLIB", "PERL5DB", "PERLIO"),
+    "ruby": ("RUBYOPT", "RUBYLIB", "GEM_HOME", "GEM_PATH"),
+    "node": ("NODE_OPTIONS", "NODE_PATH", "NODE_REPL_EXTERNAL_MODULE"),
+    "java": ("JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "CLASSPATH", "JAVA_HOME"),
+    "other interpreters": ("LUA_INIT*", "LUA_PATH*", "LUA_CPATH*", "R_PROFILE*", "R_ENVIRON*", "PHPRC",
+                           "PHP_INI_SCAN_DIR", "JULIA_DEPOT_PATH", "JULIA_LOAD_PATH", "TCLLIBPATH"),
+    # git runs these as commands (ssh, editor, pager, askpass), or reads config/repos that do (core.fsmonitor)
+    "git": ("GIT_SSH", "GIT_SSH_COMMAND", "GIT_EXEC_PATH", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "GIT_PAGER",
+            "GIT_ASKPASS", "SSH_ASKPASS", "GIT_CONFIG", "GIT_CONFIG_*", "GIT_DIR", "GIT_WORK_TREE",
+            "GIT_COMMON_DIR", "GIT_TEMPLATE_DIR", "GIT_PROXY_COMMAND", "GIT_EXTERNAL_DIFF"),
+    # commands other programs start: editors, pagers (less runs LESSOPEN), browsers, make's extra makefiles
+    "commands": ("EDITOR", "VISUAL", "PAGER", "MANPAGER", "LESSOPEN", "LESSCLOSE", "BROWSER", "MAKEFLAGS",
+                 "MFLAGS", "GNUMAKEFLAGS", "MAKEFILES"),
+    # plug-ins loaded as shared objects: CUDA/NVTX injection, MPI components, GL/Vulkan drivers, Kerberos
+    "plugins": ("CUDA_INJECTION*_PATH", "NVTX_INJECTION*_PATH", "OMPI_MCA_mca_base_component_path",
+                "OMPI_MCA_plm_rsh_agent", "LIBGL_DRIVERS_PATH", "__EGL_VENDOR_LIBRARY_*", "__GLX_VENDOR_LIBRARY_NAME",
+                "VK_ICD_FILENAMES", "VK_DRIVER_FILES", "VK_LAYER_PATH", "VK_ADD_LAYER_PATH", "GST_PLUGIN_PATH*",
+                "GTK_MODULES", "GTK_PATH", "QT_PLUGIN_PATH", "GIO_EXTRA_MODULES", "KRB5_CONFIG", "SASL_PATH"),
+}
+#: every family's names in one tuple
+LOADER_VARIABLES = tuple(name for names in LOADER_FAMILIES.values() for name in names)
 
 
 def is_loader_variable(name: str) -> bool:
     """True for a name in LOADER_VARIABLES (``*`` globs, matched case-sensitively)."""
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in LOADER_VARIABLES)
+
+
+def is_allowed_env(name: str, allow_env: Sequence[str]) -> bool:
+    """True when ``name`` matches a name or glob of watcher.yaml's ``allow_env`` (case matters)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in allow_env)
 
 
 def resolve_executable(argv0: str, cwd: str, path_env: str | None) -> str | None:
@@ -58,15 +95,16 @@ def allowed_real_paths(allowed: Sequence[str], path_env: str | None) -> dict[str
 
 
 def command_problem(spec: JobSpec, allowed: Sequence[str] | None, values: Mapping[str, str],
-                    path_env: str | None) -> Problem | None:
-    """Why ``spec`` may not start under ``allowed`` (None: it may).
+                    path_env: str | None, allow_env: Sequence[str] | None = None) -> Problem | None:
+    """Why ``spec`` may not start under ``allowed`` and ``allow_env`` (None: it may).
 
     Train jobs are always allowed, but their env is held to the same rule (the trainer is python, and
     PYTHONPATH or LD_PRELOAD would run other code in it); an ``on_finish`` hook is held to the list
     like a command (it runs in the job folder).
     """
-    if allowed is None:
-        return None
+    problem = _allow_env_problem(spec, allow_env)
+    if allowed is None or problem is not None:
+        return problem
     problem = _env_problem(spec)
     if problem is not None:
         return problem
@@ -119,5 +157,18 @@ def _env_problem(spec: JobSpec) -> Problem | None:
         return None
     names = ", ".join(field_name(n) for n in refused)
     return Problem(f"env.{field_name(refused[0])}",
-                   f"{names} may not be set while watcher.yaml sets allow_commands: they change which program "
-                   "runs; set them in the watcher's own environment instead")
+                   f"{names} may not be set while watcher.yaml sets allow_commands: they make an allowed program "
+                   "load or run other code; set them in the watcher's own environment instead")
+
+
+def _allow_env_problem(spec: JobSpec, allow_env: Sequence[str] | None) -> Problem | None:
+    if allow_env is None:
+        return None
+    refused = [name for name in spec.env if not is_allowed_env(name, allow_env)]
+    if not refused:
+        return None
+    names = ", ".join(field_name(n) for n in refused)
+    listed = ", ".join(allow_env) or "nothing"
+    return Problem(f"env.{field_name(refused[0])}",
+                   f"{names} may not be set: watcher.yaml's allow_env lists the only variables a job may set "
+                   f"(allowed: {listed}); ask whoever runs the queue to add it, or drop it from env")

@@ -18,7 +18,8 @@ from trainq.watcher.spec.jobspec import (
     SCHEMAS_DIR, JobSpec, control_problems, duration_problems, foreign_value_problems, parse_mapping, read_spec_text,
 )
 from trainq.watcher.spec.schema_errors import schema_problems, schema_validator, shown, sort_problems
-from trainq.watcher.spec.units import is_zero_duration, parse_duration_s
+from trainq.watcher.spec.units import is_zero_duration, iso_utc, parse_duration_s
+from trainq.watcher.spec.wall import Cost, Window, watcher_wall_problems
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +66,20 @@ class WatcherConfig:
     simulate_gpus: Path | None = None
     kill_after_s: float = 5.0
     env_passthrough: tuple[str, ...] | None = None
+    window: Window | None = None  # CONTRACT section 11
+    cost: Cost | None = None
+    #: names or globs a job's env may set (None: any name, within allow_commands' rules)
+    allow_env: tuple[str, ...] | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping, root: Path | None = None, display: str = WATCHER_FILE) -> WatcherConfig:
         """Validate a settings mapping and build the config; relative ``simulate_gpus`` resolves against ``root``."""
         problems = foreign_value_problems(dict(data)) or sort_problems(
             schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data)) + _interval_problems(data)
-            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS) + (("slurm", "poll_s"),
-                                                                                 ("slurm", "poll_max_s"), ("slurm", "heartbeat_s")))
-            + _string_problems(data))
+            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS)
+                                + (("slurm", "poll_s"), ("slurm", "poll_max_s"), ("slurm", "heartbeat_s"))
+                                + (("window", "freeze_before"), ("window", "final_checkpoint_before")))
+            + _string_problems(data) + watcher_wall_problems(dict(data)))
         if problems:
             raise InvalidWatcherConfig(display, problems)
         return _build(data, root)
@@ -94,6 +100,14 @@ class WatcherConfig:
             out["simulate_gpus"] = str(self.simulate_gpus)
         if self.env_passthrough is not None:
             out["env_passthrough"] = list(self.env_passthrough)
+        if self.window is not None:
+            out["window"] = {"ends_at": iso_utc(self.window.ends_at), "freeze_before": self.window.freeze_before_s,
+                             "final_checkpoint_before": self.window.final_checkpoint_before_s}
+        if self.cost is not None:
+            out["cost"] = {"per_gpu_hour" if self.cost.per_gpu else "per_hour": self.cost.rate,
+                           "currency": self.cost.currency}
+        if self.allow_env is not None:
+            out["allow_env"] = list(self.allow_env)
         return out
 
 
@@ -110,7 +124,7 @@ def _interval_problems(data: Mapping) -> list[Problem]:
 def _string_problems(data: Mapping) -> list[Problem]:
     """Control characters in the settings that become paths or argv."""
     strings = [("simulate_gpus", data.get("simulate_gpus"))]
-    for key in ("allow_commands", "env_passthrough"):
+    for key in ("allow_commands", "env_passthrough", "allow_env"):
         if isinstance(data.get(key), list):
             strings += [(f"{key}[{i}]", item) for i, item in enumerate(data[key])]
     slurm = data.get("slurm")
@@ -139,10 +153,13 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
         min_free_disk_gb=float(data.get("min_free_disk_gb", 0.0)),
         allow_commands=None if allowed is None else tuple(allowed),
         env_passthrough=None if passthrough is None else tuple(passthrough),
+        allow_env=None if data.get("allow_env") is None else tuple(data["allow_env"]),
         keep_finished=int(data.get("keep_finished", defaults.keep_finished)),
         executor=data.get("executor", defaults.executor),
         slurm=slurm,
         simulate_gpus=_resolve(data.get("simulate_gpus"), root),
+        window=Window.from_dict(data["window"]) if data.get("window") else None,
+        cost=Cost.from_dict(data["cost"]) if data.get("cost") else None,
         **{key: parse_duration_s(data.get(key, getattr(defaults, key))) for key in _DURATIONS},
     )
 
@@ -197,4 +214,4 @@ def check_command_allowed(spec: JobSpec, config: WatcherConfig, values: Mapping[
     (default: this process's).
     """
     path_env = os.environ.get("PATH", os.defpath) if path_env is None else path_env
-    return command_problem(spec, config.allow_commands, values or {}, path_env)
+    return command_problem(spec, config.allow_commands, values or {}, path_env, config.allow_env)

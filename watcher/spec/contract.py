@@ -23,6 +23,13 @@ EXIT_NAN = 66
 EXIT_OOM = 67
 #: stopped by SIGTERM from outside trainq (preemption), after checkpointing: 128 + SIGTERM
 EXIT_PREEMPTED = 143
+#: the vital signs' thresholds (train.health), from the runbooks: clipped on > 5 % of steps, updates > 0.1 of the weights
+HEALTH_DEFAULTS = {"clip_fraction": 0.05, "update_ratio": 0.1}
+#: the trainer stopped because the lr it applied left the configured schedule (diagnosis ``schedule``)
+EXIT_SCHEDULE = 68
+#: "I saved a checkpoint, run me again" (HTCondor's checkpoint_exit_code): the built-in trainer's exit at
+#: ``train.max_minutes_per_attempt``, and the usual value of a job's ``checkpoint_exit_code``
+EXIT_CHECKPOINT = 85
 
 # -- environment given to every job --
 ENV_JOB_ID = "TRAINQ_JOB_ID"
@@ -109,7 +116,8 @@ class JobPaths:
 
     @property
     def hook_record(self) -> Path:
-        """Created (O_EXCL) by the one hook runner of a conclusion, then its outcome: runs the hook exactly once."""
+        """The conclusion's hook: "due" (written before the final run.json), "running" (the one runner took it,
+        under hook.lock), then "ended" with its outcome: runs the hook exactly once."""
         return self.dir / "hook.json"
 
     @property
@@ -157,6 +165,21 @@ class JobPaths:
     def rank_exits(self) -> Path:
         """Under srun, each task writes ``<attempt>.<rank>`` here when its command exits: its own exit code."""
         return self.dir / "ranks"
+
+    @property
+    def events(self) -> Path:
+        """The job's story, one JSON record a line, appended by the watcher and the supervisor (CONTRACT section 13)."""
+        return self.dir / "events.jsonl"
+
+    @property
+    def events_rotated(self) -> Path:
+        """The older part of ``events`` once it outgrew its bound (one generation is kept)."""
+        return self.dir / "events.1.jsonl"
+
+    @property
+    def snapshot(self) -> Path:
+        """What the latest attempt ran: code, resolved config, sources, environment (CONTRACT section 13)."""
+        return self.dir / "snapshot"
 
     @property
     def slurm_record(self) -> Path:

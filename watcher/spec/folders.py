@@ -20,6 +20,7 @@ from pathlib import Path
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import IllegalTransition, JobFolderRemoved, QueueLayoutError
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json, same_filesystem
+from trainq.watcher.spec.tombstones import clear_tombstone
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +199,7 @@ class Folders:
                 os.mkdir(path, self.root.job_dir_mode())
             except FileExistsError:
                 continue  # a folder nobody told us about: it stays known, try the next suffix
+            clear_tombstone(self.root.path, job_id)  # a removed job's id, taken again (tombstones.py)
             return job_id, path
 
     def _is_sweep_id(self, job_id: str) -> bool:
@@ -257,6 +259,8 @@ class Folders:
                     continue  # folders nobody told us about
                 self._known_ids.update(ids)
                 break
+        for job_id in ids:
+            clear_tombstone(self.root.path, job_id)
         os.mkdir(staging, self.root.job_dir_mode())
         try:
             _link_or_rename(inbox_file, staging / JobPaths(staging).spec.name)

@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from trainq.watcher.spec.contract import EXIT_CHECKPOINT
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
+from trainq.watcher.spec.ranks import rank_problems
 from trainq.watcher.spec.schema_errors import field_name, schema_problems, schema_validator, shown, sort_problems
 from trainq.watcher.spec.units import DURATION_PATTERN, MAX_DURATION_TEXT, is_zero_duration, parse_duration_s
 from trainq.watcher.spec.yaml12 import MAX_INT_DIGITS, HugeInt, YamlError, load_yaml12
 from trainq.watcher.spec.sweeps import workflow_problems
+from trainq.watcher.spec.wall import Deadline, job_wall_problems, submission_problems
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +35,9 @@ SCHEMAS_DIR = Path(__file__).resolve().parent.parent.parent / "schemas"
 #: largest job file accepted, in bytes (CONTRACT section 2)
 MAX_JOB_FILE_BYTES = 1024 * 1024
 #: diagnosis kinds a failure can carry (CONTRACT section 4)
-FAILURE_KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "unknown")
+FAILURE_KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "schedule", "unknown")
 #: retried by default: every kind but nan, data and timeout (retrying those repeats the same failure)
-DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout"))
+DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout", "schedule"))
 #: seconds a stopped job may take to checkpoint and exit before its tree is terminated
 DEFAULT_STOP_GRACE_S = 120.0
 #: seconds a failed job waits before its retry
@@ -51,7 +54,7 @@ MAX_RETRIES = 100
 #: shortest retry backoff, in seconds: a job failing at once must not spin the loop
 MIN_BACKOFF_S = 1.0
 #: the job file's durations (schema-checked for form; their size is checked here)
-DURATION_FIELDS = (("timeout",), ("stop_grace",), ("stall_after",), ("retries", "backoff"))
+DURATION_FIELDS = (("timeout",), ("stop_grace",), ("stall_after",), ("retries", "backoff"), ("expected_duration",))
 #: C0 controls and DEL: never in a command, an env entry, a cwd or a name (a NUL kills the exec; ESC forges logs)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: the " (got VALUE)" part of a message, which quotes the file
@@ -169,6 +172,12 @@ class JobSpec:
     sweep: dict | None = None
     fork_of: str | None = None
     from_checkpoint: str | None = None
+    deadline: Deadline | None = None  # CONTRACT section 11
+    expected_duration_s: float | None = None
+    deliver: dict | None = None
+    rerun_of: str | None = None  # run records (CONTRACT section 13): trainq rerun's lineage
+    snapshot: bool = True
+    declared_checkpoint_exit_code: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict, display: str = "<job>") -> JobSpec:
@@ -188,6 +197,9 @@ class JobSpec:
             out["command"] = list(self.command)
         if self.resume_args is not None:
             out["resume_args"] = list(self.resume_args)
+        records = {"rerun_of": self.rerun_of, "checkpoint_exit_code": self.declared_checkpoint_exit_code,
+                   "snapshot": None if self.snapshot else False}
+        out.update({k: v for k, v in records.items() if v is not None})
         out.update(priority=self.priority, env=dict(self.env), resources=self.resources.to_dict(),
                    stop_grace=self.stop_grace_s, retries=self.retries.to_dict())
         return out
@@ -203,8 +215,17 @@ class JobSpec:
 
     @property
     def has_resume(self) -> bool:
-        """Whether a retry can resume: train jobs always, command jobs that declare resume_args."""
-        return self.is_train or self.resume_args is not None
+        """Whether a retry can resume: train jobs always, command jobs that declare resume_args or a checkpoint exit."""
+        return self.is_train or self.resume_args is not None or self.declared_checkpoint_exit_code is not None
+
+    @property
+    def checkpoint_exit_code(self) -> int | None:
+        """The exit code that means "saved, run me again": the job's own, or 85 for a time-sliced train job."""
+        if self.declared_checkpoint_exit_code is not None:
+            return self.declared_checkpoint_exit_code
+        if self.is_train and isinstance(self.train, dict) and self.train.get("max_minutes_per_attempt"):
+            return EXIT_CHECKPOINT
+        return None
 
     @property
     def approval_hint(self) -> str | None:
@@ -269,7 +290,22 @@ def _build(data: dict) -> JobSpec:
         slurm=data.get("slurm"),
         raw=data,
         **_workflow_fields(data),
+        **_wall_fields(data),
     )
+
+
+def _wall_fields(data: dict) -> dict:
+    """The CONTRACT section 11 fields: deadline, expected_duration, deliver."""
+    return {"deadline": Deadline.parse(data["deadline"]) if "deadline" in data else None,
+            "expected_duration_s": _duration_or_none(data, "expected_duration"),
+            "deliver": data.get("deliver")}
+
+
+def check_submission(spec: JobSpec, display: str, now: float) -> None:
+    """What holds only when a file is submitted (a deadline in the past); raises InvalidJobSpec."""
+    problems = submission_problems(spec.raw, now)
+    if problems:
+        raise InvalidJobSpec(display, problems)
 
 
 def _workflow_fields(data: dict) -> dict:
@@ -282,7 +318,9 @@ def _workflow_fields(data: dict) -> dict:
             "after_policy": data.get("after_policy", "ok"),
             "on_finish": None if hook is None else tuple(_argv_item(a) for a in hook),
             "sweep": data.get("sweep"), "fork_of": data.get("fork_of"),
-            "from_checkpoint": data.get("from_checkpoint")}
+            "from_checkpoint": data.get("from_checkpoint"), "rerun_of": data.get("rerun_of"),
+            "snapshot": data.get("snapshot", True) is not False,
+            "declared_checkpoint_exit_code": data.get("checkpoint_exit_code")}
 
 
 def _duration_or_none(data: dict, key: str) -> float | None:
@@ -331,7 +369,7 @@ def _semantic_problems(data: dict) -> list[Problem]:
         problems.append(Problem("resume_args", "only applies to command jobs; train jobs resume from their "
                                                "checkpoints by themselves (remove resume_args)"))
     return (problems + _control_problems(data) + duration_problems(data, DURATION_FIELDS) + _backoff_problems(data)
-            + _zero_limit_problems(data))
+            + _zero_limit_problems(data) + job_wall_problems(data) + rank_problems(data))
 
 
 def duration_problems(data: dict, fields: tuple[tuple[str, ...], ...]) -> list[Problem]:

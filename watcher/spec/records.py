@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 
 from trainq.watcher.spec.fsutil import open_no_follow
 
@@ -50,3 +51,21 @@ def parse_records(lines: list[str] | list[bytes]) -> list[dict]:
         if isinstance(obj, dict):
             records.append(obj)
     return records
+
+
+def append_record(path: str | os.PathLike, record: dict) -> bool:
+    """Append one JSON line to a job's metrics.jsonl (the watcher's own ``event`` records): never through a link,
+    never blocking on a FIFO, one write(2) so a concurrent writer's lines stay whole. False when it could not."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        os.write(fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

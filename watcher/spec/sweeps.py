@@ -23,14 +23,22 @@ from trainq.watcher.spec.errors import Problem
 
 #: most jobs one sweep file may make (CONTRACT section 9)
 MAX_SWEEP_JOBS = 1000
+#: most bytes one sweep may write in all: every job's job.yaml plus its params in run.json (values are
+#: copied into every job, so a 200 KB file could become 200 MB); over it the file is rejected unwritten
+MAX_SWEEP_BYTES = 16 * 1024 * 1024
 #: variant problems reported before "and N more"
 _MAX_VARIANT_PROBLEMS = 5
+#: a combination's values quoted in a problem: how many, and how long each
+_MAX_SHOWN_PARAMS = 8
+_MAX_SHOWN_CHARS = 60
 #: placeholders trainq itself fills; a sweep key may not reuse them
 BUILTIN_PLACEHOLDERS = ("job_dir", "job_id", "attempt", "resume_from", "status")
 #: fields where placeholders expand
 _TEMPLATED = ("command", "cwd", "env", "resume_args", "on_finish")
 _SCHEMAS_DIR = Path(__file__).resolve().parent.parent.parent / "schemas"
 _AFTER_REF = re.compile(r"\{after:([^}]*)\}")
+#: a placeholder a sweep key may fill: ``{lr}`` (keys are identifiers, job.schema.json)
+_KEY_REF = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,8 @@ def _templated_strings(data: dict):
 def sweep_problems(data: dict, job_problems: Callable[[dict], list[Problem]]) -> list[Problem]:
     """Keys that name nothing, too many combinations, and variants that would not validate."""
     sweep = data["sweep"]
-    problems = [p for key in sweep for p in _key_problems(data, key)]
+    used = _placeholders_used(data)
+    problems = [p for key in sweep for p in _key_problems(data, key, used)]
     total = math.prod(len(v) for v in sweep.values())
     if total > MAX_SWEEP_JOBS:
         sizes = " x ".join(f"{k}: {len(v)}" for k, v in sweep.items())
@@ -106,18 +115,42 @@ def sweep_problems(data: dict, job_problems: Callable[[dict], list[Problem]]) ->
                                                     f"{MAX_SWEEP_JOBS}; shorten {biggest} or split the sweep"))
     if problems:
         return problems
+    too_big = _size_problem(data)
+    if too_big is not None:
+        return [too_big]
     bad: list[Problem] = []
-    for variant in expand(data):
+    for variant in iter_variants(data):
         for p in job_problems(variant.data):
             key = _key_for(p.path, sweep) or next(iter(sweep))
-            values = ", ".join(f"{k}={_shown(v)}" for k, v in variant.params.items())
+            values = ", ".join(f"{k}={_shown(v)}" for k, v in list(variant.params.items())[:_MAX_SHOWN_PARAMS])
+            values += f", and {len(variant.params) - _MAX_SHOWN_PARAMS} more" if len(variant.params) > _MAX_SHOWN_PARAMS else ""
             bad.append(Problem(f"sweep.{key}", f"combination {variant.index} ({values}): {p.path}: {p.message}"))
         if len(bad) >= _MAX_VARIANT_PROBLEMS:
             break
     return bad[:_MAX_VARIANT_PROBLEMS]
 
 
-def _key_problems(data: dict, key: str) -> list[Problem]:
+def _placeholders_used(data: dict) -> set[str]:
+    """Every ``{name}`` in the templated fields, found in one pass (not one pass per sweep key)."""
+    return {name for _path, text in _templated_strings(data) for name in _KEY_REF.findall(text)}
+
+
+def _size_problem(data: dict) -> Problem | None:
+    """The sweep would write more than MAX_SWEEP_BYTES: counted variant by variant, stopping once over."""
+    written = 0
+    for variant in iter_variants(data):
+        written += len(variant_text(variant.data, "x", variant.index, 1).encode("utf-8"))
+        written += len(json.dumps(variant.params, ensure_ascii=False).encode("utf-8"))
+        if written > MAX_SWEEP_BYTES:
+            made = combinations(data["sweep"])
+            return Problem("sweep", f"the sweep's {made} jobs would write more than {MAX_SWEEP_BYTES // 2**20} MiB "
+                                    f"(the limit MAX_SWEEP_BYTES; over it after job {variant.index}): every job "
+                                    "copies the values it uses; use fewer combinations or shorter values, or "
+                                    "read big values from a file")
+    return None
+
+
+def _key_problems(data: dict, key: str, used: set[str]) -> list[Problem]:
     if "." in key:
         missing = _unknown_field(data, key.split("."))
         return [Problem(f"sweep.{key}", missing)] if missing else []
@@ -131,7 +164,7 @@ def _key_problems(data: dict, key: str) -> list[Problem]:
         return [Problem(f"sweep.{key}[{i}]", "a placeholder's value is text, a number or true/false "
                                              f"(got {'null' if values[i] is None else 'a list' if isinstance(values[i], list) else 'a mapping'})")
                 for i in not_text]
-    if not any("{" + key + "}" in text for _path, text in _templated_strings(data)):
+    if key not in used:
         return [Problem(f"sweep.{key}", f"a plain key is a placeholder, but {{{key}}} appears nowhere in "
                                         f"{', '.join(_TEMPLATED)}; use it there, or write a dotted key "
                                         f"(e.g. train.{key}) to override a field")]
@@ -176,20 +209,23 @@ def combinations(sweep: dict) -> int:
 
 def expand(data: dict) -> list[Variant]:
     """Every combination of ``data["sweep"]`` as a concrete job mapping (no ``sweep`` key)."""
+    return list(iter_variants(data))
+
+
+def iter_variants(data: dict):
+    """The combinations of ``expand``, one at a time (a size check stops early without building them all)."""
     sweep = data["sweep"]
     keys = list(sweep)
     base = {k: v for k, v in data.items() if k != "sweep"}
-    variants = []
     for index, values in enumerate(itertools.product(*(sweep[k] for k in keys)), start=1):
         params = dict(zip(keys, values))
-        variants.append(Variant(index, params, apply_params(base, params)))
-    return variants
+        yield Variant(index, params, apply_params(base, params))
 
 
 def apply_params(base: dict, params: dict) -> dict:
     """``base`` with dotted keys set and plain keys substituted as placeholders."""
     out = copy.deepcopy(base)
-    plain = {k: v for k, v in params.items() if "." not in k}
+    plain = {k: _text(v) for k, v in params.items() if "." not in k}
     for key, value in params.items():
         if "." in key:
             set_dotted(out, key, value)
@@ -211,11 +247,15 @@ def set_dotted(data: dict, key: str, value: object) -> None:
     node[last] = value
 
 
-def _substitute(value: object, plain: dict) -> object:
+def _substitute(value: object, plain: dict[str, str]) -> object:
+    """Fill ``{key}`` placeholders in one pass over each string (linear in its length, whatever the keys).
+
+    A value is inserted as it is: a ``{other}`` inside a value stays literal text.
+    """
     if isinstance(value, str):
-        for key, v in plain.items():
-            value = value.replace("{" + key + "}", _text(v))
-        return value
+        if "{" not in value:
+            return value
+        return _KEY_REF.sub(lambda m: plain.get(m.group(1), m.group(0)), value)
     if isinstance(value, list):
         return [_substitute(v, plain) for v in value]
     if isinstance(value, dict):
@@ -230,7 +270,8 @@ def _text(value: object) -> str:
 
 
 def _shown(value: object) -> str:
-    return json.dumps(value) if isinstance(value, str) else _text(value)
+    text = json.dumps(value) if isinstance(value, str) else _text(value)
+    return text if len(text) <= _MAX_SHOWN_CHARS else f"{text[:_MAX_SHOWN_CHARS]}…[+{len(text) - _MAX_SHOWN_CHARS} chars]"
 
 
 def variant_text(data: dict, sweep_id: str, index: int, total: int) -> str:

@@ -21,6 +21,10 @@ Where things are:
   its pooled members; forking and detaching a supervisor.
 - ``leftovers.py``: liveness (``is_alive``, ``lock_state``), the process tree, the boot id, and
   ``kill_leftovers`` for a job whose supervisor died.
+- ``cgroups.py``: containment by the kernel: which mode this machine allows (cgroup-v2, cgroup-v1,
+  process-tree), a cgroup per attempt and per hook, and ending a whole group at once.
+- ``hooks.py`` (the on_finish runner, a process of its own) and ``hook_launcher.py`` (the watcher's
+  side): due hooks on disk, run exactly once, contained like jobs.
 
 The watcher's own signal handlers live beside the daemon, in watcher/signals.py.
 

@@ -43,6 +43,8 @@ from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import (
     atomic_write_json, open_no_follow, publish_then_sync, remove_quietly, touch,
 )
+from trainq.watcher.supervisor import cgroups, story
+from trainq.watcher.supervisor.cgroups import Containment
 from trainq.watcher.supervisor.leftovers import _descendants, boot_id
 from trainq.watcher.spec.units import iso_utc
 
@@ -85,6 +87,8 @@ class LaunchSpec:
     executable: str | None = None
     #: False: ``env`` is the job's whole environment (env_passthrough applied), not added to the supervisor's
     inherit_env: bool = True
+    #: what to record in snapshot/ before the job starts (snapshot.SnapshotRequest.to_dict); None: nothing
+    snapshot: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
@@ -135,7 +139,10 @@ class _Attempt:
     signals_sent: list[str] = field(default_factory=list)
     created_stop_flag: bool = False
     dir_ino: int | None = None  # the job folder's inode: a folder removed and made again is another job's
+    group: Path | None = None  # the attempt's cgroup (None: process-tree mode)
+    mode: str = "process-tree"  # how the attempt is contained (cgroups.MODES)
     grace_s: float | None = None  # the stop's grace: the spec's stop_grace_s, or 0 for a stop.flag saying "now"
+    checkpoints: story.CheckpointWatch | None = None  # checkpoint records become events (story.py)
 
 
 class _StopSignal:
@@ -233,23 +240,31 @@ def _die_reporting(log_fd: int) -> None:
 
 
 def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None,
-               ended: Callable[[], None] = lambda: None) -> dict:
+               ended: Callable[[], None] = lambda: None, containment: Containment | None = None) -> dict:
     """Run one attempt to the end of its whole process tree; returns the exit record it wrote.
 
-    ``ended`` is called once the exit record can be read, before it is synced to disk.
+    ``ended`` is called once the exit record can be read, before it is synced to disk. With a cgroup
+    ``containment`` the job starts inside a cgroup of its own, and "the tree" is that group.
     """
     stop_signal = _install_stop_handlers()
     _become_subreaper(prctl, log_fd)
     if spec.banner:
         _write_line(log_fd, spec.banner.splitlines()[0])
+    code = story.take_snapshot(spec.snapshot, spec.job_dir, spec.attempt, _job_env(spec),
+                               lambda message: _note(log_fd, message))
+    checkpoints = story.CheckpointWatch.from_now(JobPaths(Path(spec.job_dir)), spec.attempt)
     started_at, started_mono = time.time(), time.monotonic()
+    group = containment.group_for(spec.job_dir, str(spec.attempt)) if containment else None
     try:
-        job = _spawn(spec, log_fd)
+        job, group = _spawn_contained(spec, log_fd, group, containment)
     except OSError as exc:
+        _drop_group(group)
         return _record_spawn_error(spec, log_fd, exc, started_at, ended)
     attempt = _Attempt(spec, JobPaths(Path(spec.job_dir)), log_fd, job.pid, started_at, started_mono,
-                       dir_ino=_inode(spec.job_dir))
+                       dir_ino=_inode(spec.job_dir), group=group,
+                       mode=containment.mode if group is not None else "process-tree", checkpoints=checkpoints)
     _write_started(attempt)
+    story.started(attempt.paths, spec.attempt, started_at, job.pid, _job_env(spec), code)
     _watch(attempt, stop_signal)
     job.returncode = os.waitstatus_to_exitcode(attempt.status)  # we reaped it: Popen must not wait or warn
     return _write_exit(attempt, ended)
@@ -295,6 +310,45 @@ def _job_env(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
+def _spawn_contained(spec: LaunchSpec, log_fd: int, group: Path | None,
+                     containment: Containment | None) -> tuple[subprocess.Popen, Path | None]:
+    """Start the job inside ``group``; where joining it is refused, without it (a note says so).
+
+    The supervisor steps into the group, starts the job there (so the job is born inside it and
+    nothing it runs is ever outside), and steps out again before anything else happens.
+    """
+    if group is None or containment is None:
+        return _spawn(spec, log_fd), None
+    try:
+        home = cgroups.enter(group, containment.mode)
+    except OSError as exc:
+        _note(log_fd, f"cannot enter {group} ({exc.strerror}); contained by its process tree instead")
+        _drop_group(group)
+        return _spawn(spec, log_fd), None
+    try:
+        return _spawn(spec, log_fd), group
+    finally:
+        _leave(home, group, containment)
+
+
+def _leave(home: Path, group: Path, containment: Containment) -> None:
+    """Step out of the attempt's group: back home, else into trainq's own folder; never stay (a stop would kill us)."""
+    for procs in (home, containment.base / "cgroup.procs" if containment.base else None):
+        if procs is None:
+            continue
+        try:
+            cgroups.leave(procs)
+            return
+        except OSError:
+            continue
+    raise RuntimeError(f"the supervisor cannot leave the attempt's cgroup {group}")
+
+
+def _drop_group(group: Path | None) -> None:
+    if group is not None:
+        cgroups.remove(group)
+
+
 def _spawn(spec: LaunchSpec, log_fd: int) -> subprocess.Popen:
     """Start the job in its own process group; it inherits only stdin=/dev/null and output.log."""
     return subprocess.Popen(
@@ -314,7 +368,7 @@ def _write_started(a: _Attempt) -> None:
         atomic_write_json(a.paths.started, {
             "attempt": a.spec.attempt, "supervisor_pid": os.getpid(), "job_pid": a.job_pid, "pgid": a.job_pid,
             "started_at": iso_utc(a.started_at), "job_create_time": create_time, "boot_time": psutil.boot_time(),
-            "boot_id": boot_id(),
+            "boot_id": boot_id(), "containment": a.mode, "cgroup": str(a.group) if a.group else None,
         }, durable=False)  # a crash kills the job too, and then the record no longer matters
     except OSError as exc:  # a full disk or a removed folder must not kill the job; the lock still says it runs
         _note(a.log_fd, f"cannot write the start record ({exc.strerror})")
@@ -327,6 +381,7 @@ def _record_spawn_error(spec: LaunchSpec, log_fd: int, exc: OSError, started_at:
     _note(log_fd, f"cannot start the job: {reason}")
     code = EXIT_NOT_FOUND if exc.errno in (errno.ENOENT, errno.ENOTDIR) else EXIT_NOT_EXECUTABLE
     record = _exit_record(spec, None, started_at, status_code=code, spawn_error=reason)
+    story.exited(JobPaths(Path(spec.job_dir)), record)
     _publish_exit(JobPaths(Path(spec.job_dir)), record, ended, log_fd)
     return record
 
@@ -354,6 +409,8 @@ def _watch(a: _Attempt, stop_signal: _StopSignal) -> None:
             now = time.monotonic()
             # before reaping: a cooperative job exits right after it sees stop.flag, and that is still a stop
             _check_stop(a, stop_signal, now)
+            if a.checkpoints.due(now):
+                a.checkpoints.look()
             if _reap_all(a) and pidfd is not None:
                 # a reaped pidfd stays readable: unregister it or the poll would spin
                 poller.unregister(pidfd)
@@ -361,13 +418,22 @@ def _watch(a: _Attempt, stop_signal: _StopSignal) -> None:
                 pidfd = None
             if a.status is None and a.stop_mono is None:
                 continue  # the usual case: the job runs and nobody asked anything
-            tree = _descendants(os.getpid())
-            if a.status is not None and not tree:
+            tree = _tree(a)
+            if a.status is not None and not tree and not (a.group and cgroups.is_populated(a.group, a.mode)):
+                _drop_group(a.group)
                 return
             _escalate(a, tree, now, stop_signal.received)
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+def _tree(a: _Attempt) -> list[int]:
+    """The attempt's live processes: its cgroup's members and the supervisor's descendants."""
+    tree = _descendants(os.getpid())
+    if a.group is not None:
+        tree += [pid for pid in cgroups.members(a.group) if pid not in tree]
+    return tree
 
 
 def _reap_all(a: _Attempt) -> bool:
@@ -409,6 +475,9 @@ def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:
     """Record when and why the stop started."""
     a.stop_reason, a.stop_requested_at, a.stop_mono = reason, time.time(), now
     _note(a.log_fd, message)
+    a.checkpoints.look()  # what the job saved before the stop comes first in its story
+    story.stop_requested(a.paths, a.spec.attempt, reason, a.stop_requested_at,
+                         a.grace_s if a.grace_s is not None else a.spec.stop_grace_s)
 
 
 def _escalate(a: _Attempt, tree: list[int], now: float, got_stop_signal: bool) -> None:
@@ -437,6 +506,9 @@ def _term_due(a: _Attempt, now: float, got_stop_signal: bool) -> bool:
 def _signal_tree(a: _Attempt, tree: list[int], sig: signal.Signals) -> None:
     """Send ``sig`` to the job's process group (while it is surely ours) and to every descendant."""
     hit = 0
+    if a.group is not None and sig == signal.SIGKILL:
+        cgroups.kill(a.group, a.mode, wait_s=0.0)  # every member at once, forks in flight too
+        hit += 1
     if a.status is None:  # unreaped, so the group id cannot have been reused
         try:
             os.killpg(a.job_pid, sig)
@@ -462,6 +534,8 @@ def _write_exit(a: _Attempt, ended: Callable[[], None]) -> dict:
     if a.stop_reason == "folder_removed":
         ended()  # no record: the folder it would go to is gone (or is a new job's under the same id)
         return record
+    a.checkpoints.look()
+    story.exited(a.paths, record)
     _publish_exit(a.paths, record, ended, a.log_fd)
     return record
 

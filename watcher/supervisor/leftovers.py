@@ -4,7 +4,9 @@
 work). ``kill_leftovers`` SIGKILLs the processes of a job whose supervisor died, and never a stranger's:
 a start record from another boot signals nothing, and the job's process group counts only while its
 leader is the very process the record names. The process-tree helpers (``_descendants``) serve the
-supervisor too (attempt.py). This module imports nothing else of the supervisor package.
+supervisor too (attempt.py). Where the start record names the attempt's cgroup (cgroups.py), that
+group is the job: its members are the process tree, and ``kill_leftovers`` ends it with one write.
+This module imports nothing else of the supervisor package but cgroups.py.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import psutil
 
 from trainq.watcher.spec.contract import ENV_JOB_DIR, JobPaths
 from trainq.watcher.spec.fsutil import read_json
+from trainq.watcher.supervisor import cgroups
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,39 @@ def process_tree(paths: JobPaths) -> list[int]:
     started = read_json(paths.started)
     if not started or not is_alive(paths):
         return []
-    return _descendants(int(started["supervisor_pid"]))
+    tree = _descendants(int(started["supervisor_pid"]))
+    group, _mode = recorded_group(paths, started)
+    if group is not None:
+        tree += [pid for pid in cgroups.members(group) if pid not in tree]
+    return tree
+
+
+def recorded_group(paths: JobPaths, started: dict) -> tuple[Path | None, str]:
+    """The attempt's cgroup named by its start record, if it is this job's own (the record is the job's to
+    edit: a group named for another job, queue or boot is ignored)."""
+    group, mode = cgroups.mode_of(started)
+    if group is None or not is_this_boot(started):
+        return None, "process-tree"
+    if not cgroups.is_owned(group, paths.dir, str(started.get("attempt"))):
+        logger.warning("job %s: its start record names the cgroup %s, which is not this job's; ignoring it",
+                       paths.dir.name, group)
+        return None, "process-tree"
+    return group, mode
+
+
+def _kill_group(paths: JobPaths) -> int:
+    """End the attempt's cgroup at once and remove it; how many processes were in it."""
+    started = read_json(paths.started) or {}
+    group, mode = recorded_group(paths, started)
+    if group is None or not group.is_dir():
+        return 0
+    count = len(cgroups.members(group))
+    if not cgroups.kill(group, mode):
+        logger.warning("job %s: its cgroup %s is not empty %.0f s after cgroup.kill", paths.dir.name, group,
+                       cgroups.KILL_WAIT_S)
+        return count
+    cgroups.remove(group)
+    return count
 
 
 def kill_leftovers(paths: JobPaths) -> int:
@@ -93,6 +128,7 @@ def kill_leftovers(paths: JobPaths) -> int:
     a stranger: a start record from another boot means nothing of the job can be alive, and the process
     group counts only while its leader is the very process the record names (same start time).
     """
+    in_group = _kill_group(paths)
     killed: set[int] = set()
     deadline = time.monotonic() + LEFTOVER_KILL_DEADLINE_S
     while True:
@@ -110,9 +146,10 @@ def kill_leftovers(paths: JobPaths) -> int:
                            paths.dir.name, LEFTOVER_KILL_DEADLINE_S, sorted(found))
             break
         time.sleep(LEFTOVER_RESCAN_S)
-    if killed:
-        logger.info("job %s: killed %d leftover processes %s", paths.dir.name, len(killed), sorted(killed))
-    return len(killed)
+    if killed or in_group:
+        logger.info("job %s: killed %d leftover processes (%d in its cgroup) %s", paths.dir.name,
+                    len(killed) + in_group, in_group, sorted(killed))
+    return len(killed) + in_group
 
 
 def _leftover_pids(paths: JobPaths) -> set[int]:

@@ -33,6 +33,7 @@ from trainq.watcher.supervisor.attempt import (
     _take_lock,
     open_job_log,
 )
+from trainq.watcher.supervisor.cgroups import Containment, detect
 from trainq.watcher.supervisor.leftovers import is_alive, kill_leftovers, process_tree
 
 logger = logging.getLogger(__name__)
@@ -56,12 +57,15 @@ class Supervisor:
     of time (``SupervisorPool``); each supervises one attempt at a time and waits for the next after it.
     """
 
-    def __init__(self, notify_fd: int | None = None, *, keep_warm: bool = False) -> None:
+    def __init__(self, notify_fd: int | None = None, *, keep_warm: bool = False,
+                 containment: Containment | None = None) -> None:
         self._children: set[int] = set()
         self._notify_fd = notify_fd
         # resolved before any fork: dlopen in a child forked from a threaded process could deadlock
         self._prctl = _load_prctl()
-        self.pool = SupervisorPool(self._prctl, notify_fd) if keep_warm else None
+        #: how attempts are contained: a cgroup each where the kernel lets us, else the process tree
+        self.containment = containment or detect()
+        self.pool = SupervisorPool(self._prctl, notify_fd, self.containment) if keep_warm else None
 
     def launch(self, spec: LaunchSpec) -> int:
         """Take the job's lock and fork its supervisor, or hand the job to a waiting one; its pid (a few ms)."""
@@ -78,7 +82,7 @@ class Supervisor:
             os.close(lock_fd)
             raise SpawnFailed(f"{paths.dir}: cannot fork a supervisor for attempt {spec.attempt}: {exc}") from exc
         if pid == 0:
-            _child_main(spec, lock_fd, self._prctl, self._notify_fd)
+            _child_main(spec, lock_fd, self._prctl, self._notify_fd, self.containment)
         os.close(lock_fd)  # the child keeps the lock; ours must not outlive this call
         self._children.add(pid)
         logger.debug("job %s: supervisor %d forked (attempt %d)", paths.dir.name, pid, spec.attempt)
@@ -146,9 +150,11 @@ class SupervisorPool:
     helper like any other; it just is not thrown away afterwards. At most POOL_IDLE_MAX wait.
     """
 
-    def __init__(self, prctl: Callable[..., int] | None, notify_fd: int | None) -> None:
+    def __init__(self, prctl: Callable[..., int] | None, notify_fd: int | None,
+                 containment: Containment | None = None) -> None:
         self._prctl = prctl
         self._notify_fd = notify_fd
+        self._containment = containment
         self._idle: list[_Warm] = []
         self._busy: dict[int, _Warm] = {}
         self._leaving: list[_Warm] = []  # let go (surplus); reaped once they have left
@@ -186,7 +192,7 @@ class SupervisorPool:
             logger.warning("cannot fork a pooled supervisor (%s); launches fork on demand", exc)
             return
         if pid == 0:
-            _warm_main(to_child_r, from_child_w, self._prctl, self._notify_fd)
+            _warm_main(to_child_r, from_child_w, self._prctl, self._notify_fd, self._containment)
         os.close(to_child_r)
         os.close(from_child_w)
         self._idle.append(_Warm(pid, to_child_w, from_child_r))
@@ -314,14 +320,14 @@ def _clear_records(paths: JobPaths) -> None:
 
 
 def _child_main(spec: LaunchSpec, lock_fd: int, prctl: Callable[..., int] | None,
-                notify_fd: int | None) -> NoReturn:
+                notify_fd: int | None, containment: Containment | None = None) -> NoReturn:
     """Body of the forked child: never returns into the watcher's code, never runs atexit handlers."""
     code = EXIT_SUPERVISOR_ERROR
     log_fd = 2
     try:
         lock_fd, notify_fd = _detach(lock_fd, notify_fd)
         log_fd = _open_log(spec)
-        _supervise(spec, log_fd, prctl, lambda: _end_attempt(lock_fd, notify_fd))
+        _supervise(spec, log_fd, prctl, lambda: _end_attempt(lock_fd, notify_fd), containment)
         code = 0
     except BaseException:  # noqa: BLE001 - anything at all: report it and leave without the watcher's code
         _die_reporting(log_fd)
@@ -329,7 +335,8 @@ def _child_main(spec: LaunchSpec, lock_fd: int, prctl: Callable[..., int] | None
         os._exit(code)
 
 
-def _warm_main(requests: int, replies: int, prctl: Callable[..., int] | None, notify_fd: int | None) -> NoReturn:
+def _warm_main(requests: int, replies: int, prctl: Callable[..., int] | None, notify_fd: int | None,
+               containment: Containment | None = None) -> NoReturn:
     """Body of a pooled supervisor: detach now, then supervise one requested attempt after another.
 
     A request is one JSON line (``LaunchSpec.to_dict``). The answer is ``{"pid": ...}`` once the job's
@@ -349,7 +356,7 @@ def _warm_main(requests: int, replies: int, prctl: Callable[..., int] | None, no
             if taken is None:
                 break
             spec, lock_fd, log_fd = taken
-            record = _supervise(spec, log_fd, prctl, lambda: _end_attempt(lock_fd, notify_fd))
+            record = _supervise(spec, log_fd, prctl, lambda: _end_attempt(lock_fd, notify_fd), containment)
             log_fd = _quiet_stdio()
             if record.get("stop_reason") == "sigterm" or not _reply_quietly(replies, {"idle": os.getpid()}):
                 break  # we were told to stop, or nobody will send another job

@@ -1,0 +1,247 @@
+"""Containment by the kernel (issue 23, item 1): each attempt in a cgroup of its own, with real processes.
+
+A "pid hopper" (re-forks and exits, ignoring SIGTERM) and a grandchild started with ``setsid`` and an
+empty environment must be gone once a stop is recorded, and after the supervisor was SIGKILLed once the
+watcher has run ``kill_leftovers``. The cgroup tests skip, naming why, where this process cannot make
+and join a cgroup in that mode (not root, no writable hierarchy). How fast they go is bench/'s
+business (bench/bench_containment.py), not an assert here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+
+from conftest import tick_until, wait_until
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.supervisor import LaunchSpec, Supervisor, cgroups, kill_leftovers, process_tree
+
+FAKE = Path(__file__).resolve().parent / "fake_trainers"
+CGROUP_MODES = ("cgroup-v2", "cgroup-v1")
+
+
+def containment_or_skip(mode: str) -> cgroups.Containment:
+    found = cgroups.detect(mode)
+    if found.mode != mode:
+        pytest.skip(f"no usable {mode} here: {found.why}")
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def with_marker(marker: str) -> list[int]:
+    """Live processes whose command line holds ``marker`` (the hopper's generations)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and marker in " ".join(proc.cmdline()):
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+class Escaper:
+    """One escaper.sh job folder: its hopper's marker and its grandchild's pid; cleans up whatever is left."""
+
+    def __init__(self, root: Path, name: str = "esc") -> None:
+        self.paths = JobPaths(root / "running" / name)
+        self.paths.dir.mkdir(parents=True)
+        self.marker = f"hopper-marker-{os.getpid()}-{time.monotonic_ns()}"
+
+    def spec(self, **overrides: object) -> LaunchSpec:
+        argv = (str(FAKE / "escaper.sh"), sys.executable, str(FAKE / "pid_hopper.py"), self.marker, str(self.paths.dir))
+        fields = dict(job_dir=str(self.paths.dir), argv=argv, env={}, cwd=str(self.paths.dir), attempt=1,
+                      stop_grace_s=0.2, kill_after_s=0.5)
+        fields.update(overrides)
+        return LaunchSpec(**fields)
+
+    def wait_ready(self) -> int:
+        wait_until(lambda: (self.paths.dir / "hopper.ready").exists() and (self.paths.dir / "grandchild.pid").exists(),
+                   30.0, what="the hopper and the setsid grandchild to start")
+        return int((self.paths.dir / "grandchild.pid").read_text())
+
+    def leftovers(self, grandchild: int) -> list[int]:
+        return with_marker(self.marker) + ([grandchild] if alive(grandchild) else [])
+
+    def cleanup(self) -> None:
+        for _ in range(50):
+            pids = with_marker(self.marker)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        gc = self.paths.dir / "grandchild.pid"
+        if gc.exists():
+            try:
+                os.kill(int(gc.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+@pytest.fixture
+def escaper(tmp_path: Path) -> Iterator[Escaper]:
+    esc = Escaper(tmp_path)
+    try:
+        yield esc
+    finally:
+        esc.cleanup()
+
+
+def reap_all(sup: Supervisor) -> None:
+    wait_until(lambda: not sup.reap() and not sup.forked_pids, 30.0, what="the supervisor to be reaped")
+
+
+def test_detect_reads_the_mounts_and_honours_the_switch(monkeypatch) -> None:
+    found = cgroups.detect()
+    assert found.mode in cgroups.MODES and found.why
+    if found.is_cgroup:  # found through /proc/self/mountinfo, wherever the hierarchy is mounted
+        mounts = [point for point, _ in cgroups._mounts("cgroup2") + cgroups._mounts("cgroup", "freezer")]
+        assert any(str(found.base).startswith(str(point) + "/") for point in mounts), (found, mounts)
+    monkeypatch.setenv(cgroups.ENV_CONTAINMENT, "process-tree")
+    assert cgroups.detect() == cgroups.Containment("process-tree", None, "TRAINQ_CONTAINMENT=process-tree")
+    monkeypatch.setenv(cgroups.ENV_CONTAINMENT, "cgroup-v9")
+    forced = cgroups.detect()
+    assert forced.mode == "process-tree" and "cgroup-v9" in forced.why
+
+
+@pytest.mark.parametrize("mode", CGROUP_MODES)
+def test_stop_ends_a_pid_hopper_and_an_envless_setsid_grandchild(mode: str, escaper: Escaper) -> None:
+    containment = containment_or_skip(mode)
+    sup = Supervisor(containment=containment)
+    sup.launch(escaper.spec())
+    grandchild = escaper.wait_ready()
+    started = sup.read_started(escaper.paths)
+    group = Path(started["cgroup"])
+    assert started["containment"] == mode and cgroups.contains(group, grandchild)
+    assert set(process_tree(escaper.paths)) >= {grandchild}  # found by its group: no env, own session
+    escaper.paths.stop_flag.touch()
+    record = wait_until(lambda: sup.read_exit(escaper.paths), 60.0, what="the exit record")
+    assert record["stop_reason"] == "stop_flag" and "SIGKILL" in record["signals_sent"]
+    # the record is written only once the group is empty: nothing of the job may be left by then
+    assert escaper.leftovers(grandchild) == []
+    assert not group.exists(), "the attempt's empty cgroup was not removed"
+    reap_all(sup)
+
+
+@pytest.mark.parametrize("mode", CGROUP_MODES)
+def test_after_a_supervisor_sigkill_kill_leftovers_ends_the_group(mode: str, escaper: Escaper) -> None:
+    sup = Supervisor(containment=containment_or_skip(mode))
+    pid = sup.launch(escaper.spec())
+    grandchild = escaper.wait_ready()
+    group = Path(sup.read_started(escaper.paths)["cgroup"])
+    os.kill(pid, signal.SIGKILL)
+    reap_all(sup)
+    assert alive(grandchild) and with_marker(escaper.marker), "the job should outlive its supervisor"
+    assert kill_leftovers(escaper.paths) >= 2
+    assert escaper.leftovers(grandchild) == []
+    assert not group.exists()
+
+
+def test_a_start_record_naming_another_group_is_not_trusted(tmp_path: Path) -> None:
+    containment = containment_or_skip("cgroup-v2")
+    victim_dir = tmp_path / "running" / "victim"
+    victim_dir.mkdir(parents=True)
+    sup = Supervisor(containment=containment)
+    try:
+        sup.launch(LaunchSpec(job_dir=str(victim_dir), argv=("sleep", "60"), env={}, cwd=str(victim_dir), attempt=1))
+        wait_until(lambda: JobPaths(victim_dir).started.exists(), 30.0, what="the victim to start")
+        victim_group = Path(json.loads(JobPaths(victim_dir).started.read_text())["cgroup"])
+        assert cgroups.members(victim_group)
+        forger = JobPaths(tmp_path / "running" / "forger")
+        forger.dir.mkdir()
+        record = dict(json.loads(JobPaths(victim_dir).started.read_text()), pgid=None, job_create_time=None)
+        forger.started.write_text(json.dumps(record))  # names the victim's group, as a job could write it
+        kill_leftovers(forger)
+        assert cgroups.members(victim_group), "kill_leftovers ended another job's cgroup"
+    finally:
+        kill_leftovers(JobPaths(victim_dir))
+        reap_all(sup)
+
+
+@pytest.mark.parametrize("mode", ["cgroup-v2", "process-tree"])
+def test_watcher_says_which_mode_and_readopts_by_the_group(mode: str, queue_dir: Path, watcher, monkeypatch,
+                                                          write_job) -> None:
+    if mode != "process-tree":
+        containment_or_skip(mode)
+    monkeypatch.setenv(cgroups.ENV_CONTAINMENT, mode)
+    marker = f"hopper-marker-{os.getpid()}-{time.monotonic_ns()}"
+    job_dir = queue_dir / "running" / "esc"
+    write_job("esc", command=[str(FAKE / "escaper.sh"), sys.executable, str(FAKE / "pid_hopper.py"), marker,
+                              "{job_dir}"], stop_grace="0.2s")
+    w = watcher()
+    tick_until(w, lambda: (job_dir / "grandchild.pid").exists() and (job_dir / "hopper.ready").exists(),
+               timeout_s=30, what="the job to start its escapers")
+    w.tick(time.time())
+    status = json.loads((queue_dir / "status.json").read_text())
+    assert status["watcher"]["containment"] == mode
+    grandchild = int((job_dir / "grandchild.pid").read_text())
+    w.close()  # jobs outlive the watcher; the next one re-adopts them
+    try:
+        w2 = watcher()
+        tick_until(w2, lambda: w2.jobs.get("esc") is not None, what="re-adoption")
+        if mode == "cgroup-v2":
+            assert grandchild in process_tree(JobPaths(job_dir)), "the group should name the setsid grandchild"
+        (job_dir / "stop.flag").touch()
+        tick_until(w2, lambda: (queue_dir / "failed" / "esc").exists(), timeout_s=60, what="the stop")
+        run = json.loads((queue_dir / "failed" / "esc" / "run.json").read_text())
+        assert run["status"] == "cancelled"
+        if mode == "cgroup-v2":
+            assert with_marker(marker) == [] and not alive(grandchild)
+    finally:
+        for pid in with_marker(marker) + [grandchild]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_watcher_ends_the_group_of_a_sigkilled_supervisor(queue_dir: Path, watcher, monkeypatch, write_job) -> None:
+    containment_or_skip("cgroup-v2")
+    monkeypatch.setenv(cgroups.ENV_CONTAINMENT, "cgroup-v2")
+    marker = f"hopper-marker-{os.getpid()}-{time.monotonic_ns()}"
+    job_dir = queue_dir / "running" / "esc"
+    write_job("esc", command=[str(FAKE / "escaper.sh"), sys.executable, str(FAKE / "pid_hopper.py"), marker,
+                              "{job_dir}"])
+    w = watcher()
+    tick_until(w, lambda: (job_dir / "grandchild.pid").exists() and (job_dir / "hopper.ready").exists()
+               and JobPaths(job_dir).started.exists(), timeout_s=30, what="the job to start its escapers")
+    grandchild = int((job_dir / "grandchild.pid").read_text())
+    started = json.loads(JobPaths(job_dir).started.read_text())
+    try:
+        os.kill(started["supervisor_pid"], signal.SIGKILL)
+        tick_until(w, lambda: (queue_dir / "failed" / "esc").exists(), timeout_s=60, what="the lost attempt failed")
+        run = json.loads((queue_dir / "failed" / "esc" / "run.json").read_text())
+        assert run["diagnosis"]["kind"] == "killed", run
+        assert with_marker(marker) == [] and not alive(grandchild), "the dead supervisor's job outlived it"
+        assert not Path(started["cgroup"]).exists()
+    finally:
+        for pid in with_marker(marker) + [grandchild]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_start_up_removes_empty_groups_a_killed_supervisor_left(queue_dir: Path, watcher, monkeypatch) -> None:
+    containment = containment_or_skip("cgroup-v2")
+    monkeypatch.setenv(cgroups.ENV_CONTAINMENT, "cgroup-v2")
+    stale = containment.group_for(queue_dir / "done" / "old", "1")  # as a supervisor SIGKILLed before its rmdir
+    assert stale is not None and stale.is_dir()
+    watcher()
+    assert not stale.exists()

@@ -1,0 +1,169 @@
+"""A run's vital signs at every optimizer step (issue 30): clipped or not, the update's size against the weights,
+and the learning rate checked against the schedule the trainer configured.
+
+- ``clip``: the gradient norm before clipping exceeded ``max_grad_norm``.
+- ``update_ratio``: ‖Δθ‖ / ‖θ‖ over the trained parameters for this optimizer step. One copy of the trained
+  parameters is kept (foreach copies into buffers allocated once); with more than ``RATIO_MAX_VALUES``
+  trained values (a large full fine-tune) a fixed sample of whole tensors up to that many values is used.
+- thresholds (``train.health: {clip_fraction: 0.05, update_ratio: 0.1}``): crossing one writes an ``event``
+  record (``event: health``) once per crossing; they never stop a run.
+- the schedule: the lr the optimizer applies at step s must equal ``learning_rate × λ(s)`` of a reference
+  schedule built from the same scheduler name and warm-up (stateless in s, so a resume or a rollback's
+  lr halving raises nothing); a deviation beyond ``LR_RTOL`` ends the run with diagnosis ``schedule``.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+from transformers import TrainerCallback, get_scheduler
+
+from trainq.watcher.spec.contract import HEALTH_DEFAULTS
+
+#: the runbooks' thresholds: clipped on more than 5 % of steps, updates above a tenth of the weights
+DEFAULT_CLIP_FRACTION = HEALTH_DEFAULTS["clip_fraction"]
+DEFAULT_UPDATE_RATIO = HEALTH_DEFAULTS["update_ratio"]
+#: steps the clip fraction is taken over, and the fewest before it is judged
+CLIP_WINDOW = 50
+CLIP_MIN_STEPS = 10
+#: most trained values the update ratio copies each step (beyond: a fixed sample of tensors)
+RATIO_MAX_VALUES = 64 * 1024 * 1024
+#: relative tolerance between the applied and the scheduled lr (float32 lambdas differ by ~1e-7)
+LR_RTOL = 1e-4
+LR_ATOL = 1e-12
+#: the outcome (and diagnosis kind) of a run stopped for a schedule deviation
+OUTCOME_SCHEDULE = "schedule"
+SCHEDULE_ADVICE = ("The learning rate applied differs from the configured schedule: check custom code that sets "
+                   "param_groups' lr, a scheduler changed on resume, or the warm-up settings.")
+
+
+class UpdateRatio:
+    """‖θ_after − θ_before‖ / ‖θ_after‖ over the trained parameters (or a fixed sample of them)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], max_values: int = RATIO_MAX_VALUES):
+        chosen, total = [], 0
+        for p in params:
+            if total + p.numel() > max_values and chosen:
+                continue
+            chosen.append(p)
+            total += p.numel()
+        self.params = chosen
+        self.sampled = len(chosen) < len(params)
+        self.before = [torch.empty_like(p, memory_format=torch.preserve_format) for p in chosen]
+
+    def snapshot(self) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self.before, [p.detach() for p in self.params])
+
+    def ratio(self) -> float | None:
+        with torch.no_grad():
+            after = [p.detach() for p in self.params]
+            delta = torch._foreach_sub(after, self.before)
+            delta_norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(delta)]))
+            weight_norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(after)]))
+        value = float(delta_norm / weight_norm) if float(weight_norm) > 0 else None
+        return value if value is not None and math.isfinite(value) else None
+
+
+class ReferenceSchedule:
+    """λ(step) of the schedule the run configured, rebuilt on a dummy parameter: stateless in the step."""
+
+    def __init__(self, name: str, warmup_steps: int, total_steps: int, kwargs: dict | None = None):
+        dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = get_scheduler(name, optimizer=dummy, num_warmup_steps=warmup_steps,
+                                  num_training_steps=total_steps, scheduler_specific_kwargs=kwargs or {})
+        lambdas = getattr(scheduler, "lr_lambdas", None)
+        self.factor = lambdas[0] if lambdas else None
+        self.name, self.warmup_steps, self.total_steps = name, warmup_steps, total_steps
+
+    def expected(self, base_lr: float, step: int) -> float | None:
+        return None if self.factor is None else base_lr * float(self.factor(step))
+
+
+class VitalsCallback(TrainerCallback):
+    """Measures each step's vitals into ``run.step_vitals`` (the step record carries them) and checks the lr.
+
+    Registered before TrainqCallback, so the schedule check (and the test switch that breaks it) sees the lr
+    before the step record is written."""
+
+    def __init__(self, run, lr_bug_at: int | None = None):
+        self.run = run
+        self.lr_bug_at = lr_bug_at
+        self.ratio: UpdateRatio | None = None
+        self.reference: ReferenceSchedule | None = None
+        self.clips: deque = deque(maxlen=CLIP_WINDOW)
+        self.alerting: set[str] = set()
+        health = dict(getattr(run.config, "health", None) or {})
+        self.clip_threshold = float(health.get("clip_fraction", DEFAULT_CLIP_FRACTION))
+        self.ratio_threshold = float(health.get("update_ratio", DEFAULT_UPDATE_RATIO))
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.ratio = UpdateRatio([p for p in model.parameters() if p.requires_grad])
+        self.reference = ReferenceSchedule(str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+                                           args.get_warmup_steps(state.max_steps), state.max_steps,
+                                           args.lr_scheduler_kwargs)
+        if self.reference.factor is None:
+            self.run.metrics.event("schedule_check", f"schedule check off: {self.reference.name} is not a function "
+                                                     "of the step", scheduler=self.reference.name)
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
+        if optimizer is None:
+            return control
+        if self.lr_bug_at == state.global_step + 1:  # the test switch: a schedule bug at this step
+            for group in optimizer.param_groups:
+                group["lr"] *= 10.0
+        self._check_lr(args, state, control, optimizer, model)
+        if self.ratio is not None:
+            self.ratio.snapshot()
+        return control
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        grad_norm = getattr(self.run.trainer, "last_grad_norm", None)
+        clipped = bool(args.max_grad_norm and grad_norm is not None and math.isfinite(grad_norm)
+                       and grad_norm > args.max_grad_norm)
+        self.clips.append(clipped)
+        ratio = self.ratio.ratio() if self.ratio is not None else None
+        self.run.step_vitals = {"clip": clipped, "update_ratio": ratio}
+        self._judge(state.global_step + 1, ratio)
+        return control
+
+    def _check_lr(self, args, state, control, optimizer, model) -> None:
+        if self.reference is None or self.run.stop_reason is not None:
+            return
+        step = state.global_step  # the scheduler has stepped this many times before this optimizer step
+        expected = self.reference.expected(args.learning_rate, step)
+        applied = float(optimizer.param_groups[0]["lr"])
+        if expected is None or math.isclose(applied, expected, rel_tol=LR_RTOL, abs_tol=LR_ATOL):
+            return
+        words = (f"step {step + 1}: lr {applied:.6g} applied, the schedule says {expected:.6g} "
+                 f"({self.reference.name}, {self.reference.warmup_steps} warm-up steps of {self.reference.total_steps}, "
+                 f"peak {args.learning_rate:.3g})")
+        print(f"trainq: schedule deviation: {words}", flush=True)
+        self.run.metrics.event(OUTCOME_SCHEDULE, words, kind=OUTCOME_SCHEDULE, evidence=words, advice=SCHEDULE_ADVICE,
+                               step=step + 1, expected_lr=expected, applied_lr=applied)
+        self.run.stop_reason = OUTCOME_SCHEDULE
+        control.should_training_stop = True
+        for param in model.parameters():  # this step is not applied
+            param.grad = None
+
+    def _judge(self, step: int, ratio: float | None) -> None:
+        """Threshold crossings become one event each (and clear when back under)."""
+        fraction = sum(self.clips) / len(self.clips) if len(self.clips) >= CLIP_MIN_STEPS else None
+        self._crossing("clip_fraction", fraction, self.clip_threshold, step,
+                       f"clip fraction {fraction or 0:.2f} over the last {len(self.clips)} steps (threshold "
+                       f"{self.clip_threshold:g}): gradients are clipped on most steps; lower lr or raise max_grad_norm")
+        self._crossing("update_ratio", ratio, self.ratio_threshold, step,
+                       f"update ratio {ratio or 0:.3g} (threshold {self.ratio_threshold:g}): each step moves the weights "
+                       "by a large fraction of their size; lower lr")
+
+    def _crossing(self, name: str, value: float | None, threshold: float, step: int, message: str) -> None:
+        if value is None:
+            return
+        if value > threshold and name not in self.alerting:
+            self.alerting.add(name)
+            self.run.metrics.event("health", f"step {step}: {message}", signal=name, value=value, threshold=threshold,
+                                   step=step)
+            print(f"trainq: health: step {step}: {message}", flush=True)
+        elif value <= threshold and name in self.alerting:
+            self.alerting.discard(name)

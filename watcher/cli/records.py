@@ -1,0 +1,110 @@
+"""The run-records commands (CONTRACT section 13): ``trainq events ID``, ``trainq rerun ID``, ``trainq diff A B``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+#: exit status: success, a failure (a refused rerun), invalid input (an unknown id, a bad job file)
+EXIT_OK, EXIT_ERROR, EXIT_INVALID = 0, 1, 2
+
+
+def add_record_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Namespace], Path]) -> None:
+    """Register events, rerun and diff; ``root_of`` resolves the queue root as main.py does."""
+    p = sub.add_parser("events", help="print a job's events.jsonl: its story from submission to the end")
+    p.add_argument("id")
+    p.add_argument("--json", action="store_true", help="the records as they are, one JSON object a line")
+    p.set_defaults(func=lambda args: cmd_events(root_of(args), args.id, args.json))
+
+    p = sub.add_parser("rerun", help="submit a job again from its snapshot (same config, same code), rerun_of: ID")
+    p.add_argument("id")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--here", action="store_true", help="run today's code even though it differs from the snapshot")
+    how.add_argument("--at-snapshot", action="store_true",
+                     help="run the saved commit plus its uncommitted diff, from a scratch worktree")
+    p.set_defaults(func=lambda args: cmd_rerun(root_of(args), args.id,
+                                               "here" if args.here else "at-snapshot" if args.at_snapshot else None))
+
+    p = sub.add_parser("diff", help="what differs between two jobs: params, config, code, data, environment, results")
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--json", action="store_true", help="both jobs' records and the differing rows as JSON")
+    p.set_defaults(func=lambda args: cmd_diff(root_of(args), args.a, args.b, args.json))
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"trainq: {message}", file=sys.stderr)
+    return code
+
+
+def _job_dir(root: Path, job_id: str) -> Path | None:
+    from trainq.watcher.cli.fork import find_job_dir
+
+    return find_job_dir(root, job_id)
+
+
+def _no_job(root: Path, job_id: str) -> int:
+    return _fail(f"{root}: no job with id {job_id!r} (not in pending/, running/, done/ or failed/)", EXIT_INVALID)
+
+
+def cmd_events(root: Path, job_id: str, as_json: bool) -> int:
+    from trainq.watcher.spec import events
+    from trainq.watcher.spec.contract import JobPaths
+    from trainq.watcher.spec.text import printable
+
+    job_dir = _job_dir(root, job_id)
+    if job_dir is None:
+        return _no_job(root, job_id)
+    for record in events.read(JobPaths(job_dir)):
+        if as_json:
+            print(json.dumps(record, ensure_ascii=False))
+            continue
+        rest = " ".join(f"{k}={_word(v)}" for k, v in record.items() if k not in ("time", "event"))
+        print(printable(f"{record.get('time', '?')}  {record['event']:<10} {rest}".rstrip()))
+    return EXIT_OK
+
+
+def _word(value: object) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def cmd_rerun(root: Path, job_id: str, mode: str | None) -> int:
+    from trainq.watcher.cli.rerun import RerunRefused, rerun_data, write_rerun
+    from trainq.watcher.spec.errors import InvalidJobSpec
+
+    job_dir = _job_dir(root, job_id)
+    if job_dir is None:
+        return _no_job(root, job_id)
+    try:
+        data, notes = rerun_data(root, job_dir, job_id, mode)
+    except RerunRefused as exc:
+        return _fail(str(exc), EXIT_ERROR)
+    except InvalidJobSpec as exc:
+        for line in exc.lines():
+            print(line, file=sys.stderr)
+        return EXIT_INVALID
+    target = write_rerun(root / "inbox", job_id, data)
+    for note in notes:
+        print(f"trainq: {note}")
+    print(f"{target}: rerun of {job_id} submitted{'' if data.get('approved') is True else ' (awaiting approval)'}")
+    return EXIT_OK
+
+
+def cmd_diff(root: Path, a: str, b: str, as_json: bool) -> int:
+    from trainq.watcher.cli.diff import compare, describe, render
+    from trainq.watcher.spec.text import printable
+
+    dirs = [_job_dir(root, a), _job_dir(root, b)]
+    for job_id, job_dir in zip((a, b), dirs):
+        if job_dir is None:
+            return _no_job(root, job_id)
+    da, db = describe(dirs[0]), describe(dirs[1])
+    sections = compare(da, db)
+    if as_json:
+        print(json.dumps({"a": da, "b": db, "differ": sections}, indent=1, ensure_ascii=False, default=str))
+        return EXIT_OK
+    print("\n".join(printable(line) for line in render(da, db, sections)))
+    return EXIT_OK

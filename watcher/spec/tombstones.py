@@ -1,0 +1,90 @@
+"""Tombstones: what the queue remembers of a job whose folder was removed (``trainq rm``, ``rm -rf``).
+
+A dependent waits on a job id; once that job's folder is gone, nothing in the folders says the
+id ever existed, so after a watcher restart its dependents would wait forever. A tombstone is one
+small JSON file, ``ROOT/.removed/<id>.json``: ``{"id", "state", "status", "removed_at", "by",
+"sweep"}``, written by ``trainq rm`` before it removes a folder and by the watcher when it finds a
+folder of a job it knew vanished. A job removed before it ended counts as ended ``removed`` for its
+dependents; one removed after it ended keeps its final status (a cleaned-up ``done`` stays done).
+Claiming the id again for a new job clears its tombstone. At most MAX_TOMBSTONES are kept (the
+oldest go first), so the folder stays small however many jobs are removed.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from trainq.watcher.spec.fsutil import atomic_write_json, read_json
+from trainq.watcher.spec.units import iso_utc
+
+#: the folder of tombstones under the queue root (hidden: never a job folder, never listed)
+TOMBSTONES_DIR = ".removed"
+#: most tombstones kept; beyond it the oldest are deleted
+MAX_TOMBSTONES = 5000
+#: the status a dependency removed before it ended counts as
+REMOVED = "removed"
+#: final statuses a removed job keeps for its dependents
+_FINAL = ("done", "failed", "cancelled", "timeout", "rejected")
+
+
+def tombstone_path(root: Path, job_id: str) -> Path:
+    return Path(root) / TOMBSTONES_DIR / f"{job_id}.json"
+
+
+def record_removal(root: Path, job_id: str, state: str, status: str | None, by: str,
+                   sweep: dict | None = None, now: float | None = None) -> None:
+    """Write ``job_id``'s tombstone (keeping one already there: the first word on a removal is the best)."""
+    path = tombstone_path(root, job_id)
+    if path.exists():
+        return
+    path.parent.mkdir(exist_ok=True)
+    record = {"id": job_id, "state": state, "status": status, "removed_at": iso_utc(now or time.time()), "by": by}
+    if sweep:
+        record["sweep"] = {k: sweep.get(k) for k in ("id", "index", "of")}
+    atomic_write_json(path, record, durable=False)
+
+
+def read_tombstone(root: Path, job_id: str) -> dict | None:
+    """``job_id``'s tombstone, or None."""
+    if not job_id or "/" in job_id or job_id.startswith("."):
+        return None
+    return read_json(tombstone_path(root, job_id))
+
+
+def ended_status(tombstone: dict) -> str:
+    """The status a removed job counts as for its dependents: its final one, or ``removed``."""
+    status = tombstone.get("status")
+    return status if status in _FINAL else REMOVED
+
+
+def removal_words(tombstone: dict) -> str:
+    """``"removed at 2026-12-01T20:00:00Z (trainq rm) while pending"``: the evidence a dependent names."""
+    return (f"removed at {tombstone.get('removed_at')} ({tombstone.get('by')}) "
+            f"while {tombstone.get('status') or tombstone.get('state')}")
+
+
+def clear_tombstone(root: Path, job_id: str) -> None:
+    """A new job takes the id: the old removal no longer speaks for it."""
+    try:
+        os.unlink(tombstone_path(root, job_id))
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+
+
+def prune_tombstones(root: Path, keep: int = MAX_TOMBSTONES) -> int:
+    """Delete the oldest tombstones beyond ``keep``; how many were deleted."""
+    folder = Path(root) / TOMBSTONES_DIR
+    try:
+        entries = [e for e in os.scandir(folder) if e.name.endswith(".json")]
+    except FileNotFoundError:
+        return 0
+    if len(entries) <= keep:
+        return 0
+    entries.sort(key=lambda e: e.stat(follow_symlinks=False).st_mtime_ns)
+    for entry in entries[: len(entries) - keep]:
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+    return len(entries) - keep
