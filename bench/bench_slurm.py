@@ -18,6 +18,12 @@ open, stat, rename, unlink, ...), each over ``--window`` seconds (default 20) on
 whole sweep with ``trainq stop SWEEP``: ``sbatch`` and ``scancel`` runs (counting wrappers on the watcher's PATH),
 seconds until every variant is in Slurm and until every one is cancelled, with ``slurm.arrays`` on (one job
 array per sweep, the default) and off (one sbatch per job), in the same run.
+
+``--rpc 1000`` measures what the watcher costs slurmctld: it submits N jobs held in Slurm's queue, records the
+worst age of status.json while they are submitted (the loop must not wait on sbatch), waits ``--settle`` s, then
+counts slurmctld's RPCs by message type over ``--window`` s with ``sdiag -r``/``sdiag``, next to the same window
+without the watcher (other users of the cluster). Run it with another checkout's Python (``/other/.venv/bin/python
+bench/bench_slurm.py --rpc 1000``) to measure that checkout's watcher: the watcher is ``sys.executable -m trainq``.
 """
 from __future__ import annotations
 
@@ -255,12 +261,101 @@ def sweep(n: int) -> None:
 def scale(counts: list[int], window_s: float) -> None:
     if shutil.which("strace") is None:
         raise SystemExit("--scale needs strace (apt-get install strace)")
-    print(f"| jobs queued in Slurm (held) | squeue runs / min | filesystem calls / s | time to submit all (s) |")
+    print("| jobs queued in Slurm (held) | squeue runs / min | filesystem calls / s | time to submit all (s) |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="bench-slurm-scale-") as tmp:
         for n in counts:
             per_min, fs_per_s, submit_s = scale_point(n, Path(tmp) / f"q{n}", window_s)
             print(f"| {n} | {per_min:.0f} | {fs_per_s:.1f} | {submit_s:.1f} |", flush=True)
+
+
+def sdiag_rpcs() -> dict[str, int]:
+    """slurmctld's RPC counts by message type since the last ``sdiag -r``."""
+    out = subprocess.run(["sdiag"], capture_output=True, text=True, timeout=60).stdout
+    block = out.partition("by message type")[2].partition("by user")[0]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^\s*(\w+)\s+\(\s*\d+\)\s+count:(\d+)", block,
+                                                              re.MULTILINE)}
+
+
+def rpc_window(window_s: float) -> dict[str, float]:
+    """RPCs per minute by type over ``window_s`` (sdiag -r first; sdiag's own STATS_INFO left out)."""
+    subprocess.run(["sdiag", "-r"], capture_output=True, timeout=60, check=True)
+    time.sleep(window_s)
+    return {k: v * 60 / window_s for k, v in sdiag_rpcs().items() if k != "REQUEST_STATS_INFO"}
+
+
+def status_age_while(root: Path, done, limit_s: float) -> float:
+    """The largest age of status.json (now - its mtime) seen every 50 ms until ``done()``."""
+    worst, t0 = 0.0, time.monotonic()
+    while not done():
+        if time.monotonic() - t0 > limit_s:
+            raise SystemExit("the submission did not finish in time")
+        try:
+            worst = max(worst, time.time() - (root / "status.json").stat().st_mtime)
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return worst
+
+
+def rpc_point(n: int, root: Path, window_s: float, settle_s: float) -> tuple[dict[str, float], float, float, int]:
+    """(RPCs/min by type while the watcher tracks ``n`` held jobs, worst status.json age during their submission,
+    seconds to submit all, squeue runs in the window)."""
+    bin_dir = root.parent / f"bin-rpc-{n}-{time.time_ns()}"
+    calls = counting_wrappers(bin_dir, ("squeue", "scontrol", "sacct"), root.parent, f"rpc-{n}-{time.time_ns()}")
+    proc = launch_watcher(root, f"executor: slurm\nmax_concurrent: {n}\n", bin_dir)
+    try:
+        deadline = time.monotonic() + 30
+        while not (root / "status.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        for i in range(n):
+            staging = root / f".h{i}.tmp"
+            staging.write_text("approved: true\ncommand: [\"true\"]\nslurm: {sbatch_args: [--hold]}\n")
+            os.rename(staging, root / "inbox" / f"h{i}.yaml")
+        worst = status_age_while(root, lambda: all_submitted(root, n), 120 + 2 * n)
+        submit_s = time.monotonic() - t0
+        time.sleep(settle_s)  # the polls reach their longest interval (no change: 2, 4, 8, 16, 30 s)
+        for c in calls.values():
+            c.write_text("")
+        rates = rpc_window(window_s)
+        return rates, worst, submit_s, len(calls["squeue"].read_text().splitlines())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        cancel_queue_jobs(root)
+
+
+def rpc(n: int, window_s: float, settle_s: float) -> None:
+    """Controller RPCs per minute (sdiag) with ``n`` held jobs tracked, minus the cluster's background rate."""
+    background = rpc_window(window_s)
+    with tempfile.TemporaryDirectory(prefix="bench-slurm-rpc-") as tmp:
+        rates, worst, submit_s, squeues = rpc_point(n, Path(tmp) / "q", window_s, settle_s)
+    kinds = sorted(set(rates) | set(background))
+    print(f"| {n} held jobs tracked, {window_s:g} s window after {settle_s:g} s | RPCs/min (watcher window) "
+          f"| RPCs/min (background, no watcher) |")
+    print("|---|---|---|")
+    for kind in kinds:
+        print(f"| {kind} | {rates.get(kind, 0):.1f} | {background.get(kind, 0):.1f} |")
+    print(f"| squeue runs by the watcher in the window | {squeues} | |")
+    print(f"| worst status.json age while submitting (s) | {worst:.2f} | |")
+    print(f"| time to submit all {n} (s) | {submit_s:.1f} | |", flush=True)
+
+
+def bursts(n: int, runs: int) -> None:
+    """A burst of ``n`` trivial jobs, bare ``sbatch --wrap`` then trainq, ``runs`` times: seconds until the last
+    one is done, and the ratio of the medians."""
+    bare, ours = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-slurm-burst-") as tmp:
+        for i in range(runs):
+            bare.append(bare_burst(n, Path(tmp)))
+            ours.append(trainq_burst(n, Path(tmp) / f"burst{i}"))
+            print(f"run {i + 1}: bare {bare[-1]:.2f} s, trainq {ours[-1]:.2f} s (load "
+                  f"{open('/proc/loadavg').read().split()[0]})", flush=True)
+    print(f"| burst of {n} × `true` until the last is done | bare sbatch --wrap | trainq | ratio of medians |")
+    print("|---|---|---|---|")
+    print(f"| median of {runs} runs (s) | {statistics.median(bare):.2f} | {statistics.median(ours):.2f} | "
+          f"{statistics.median(ours) / statistics.median(bare):.2f}× |")
 
 
 def main() -> None:
@@ -270,6 +365,11 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured per --scale point")
     parser.add_argument("--poll", type=float, default=2.0, help="the watcher's slurm.poll_s for the overhead runs")
     parser.add_argument("--sweep", type=int, help="jobs in one sweep: sbatch/scancel runs with and without job arrays")
+    parser.add_argument("--rpc", type=int, help="held jobs tracked: slurmctld RPCs per minute by type (sdiag), and "
+                                                "the worst status.json age while they are submitted")
+    parser.add_argument("--settle", type=float, default=40.0, help="seconds after the submission before --rpc's window")
+    parser.add_argument("--burst-only", type=int, metavar="RUNS",
+                        help="only the burst of --jobs, bare and trainq alternately, RUNS times each")
     args = parser.parse_args()
     POLL["s"] = args.poll
     started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], check=True, capture_output=True, text=True)
@@ -284,6 +384,12 @@ def main() -> None:
         return
     if args.sweep:
         sweep(args.sweep)
+        return
+    if args.rpc:
+        rpc(args.rpc, args.window, args.settle)
+        return
+    if args.burst_only:
+        bursts(args.jobs, args.burst_only)
         return
     with tempfile.TemporaryDirectory(prefix="bench-slurm-") as tmp:
         tmp_path = Path(tmp)

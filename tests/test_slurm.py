@@ -168,10 +168,13 @@ def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
 
 
 @pytest.mark.parametrize("state, status, kind", [
-    ("NODE_FAIL", "failed", "killed"), ("OUT_OF_MEMORY", "failed", "oom"), ("PREEMPTED", "failed", "preempted"),
-    ("CANCELLED", "failed", "preempted"), ("TIMEOUT", "timeout", "timeout"), ("BOOT_FAIL", "failed", "killed"),
+    ("NODE_FAIL", "failed", "preempted"), ("OUT_OF_MEMORY", "failed", "oom"), ("PREEMPTED", "failed", "preempted"),
+    ("CANCELLED", "cancelled", "killed"), ("TIMEOUT", "timeout", "timeout"), ("BOOT_FAIL", "failed", "preempted"),
+    ("GONE", "failed", "unknown"),
 ])
 def test_slurm_ending_a_job_itself_gets_an_exit_record_and_diagnosis(tmp_path, state, status, kind):
+    """Each way Slurm ends a job without the supervisor's record: a node failure is preempted (retried), a scancel
+    from outside trainq is cancelled (never retried by itself), a job Slurm forgot says so."""
     from trainq.watcher.spec.config import WatcherConfig
     from trainq.watcher.daemon.jobs import judge_exit
     from trainq.watcher.slurm.executor import SlurmJob
@@ -184,7 +187,8 @@ def test_slurm_ending_a_job_itself_gets_an_exit_record_and_diagnosis(tmp_path, s
     assert json.loads(paths.exit_record.read_text()) == record and record["attempt"] == 1
     outcome = judge_exit({"status": "running"}, record, paths)
     assert (outcome.status, outcome.diagnosis.kind) == (status, kind)
-    assert state in paths.log.read_text() and "node7" in paths.log.read_text()
+    assert (state if state != "GONE" else "no longer known to Slurm") in paths.log.read_text()
+    assert "node7" in paths.log.read_text() or state == "GONE"
 
 
 # -- through Slurm -----------------------------------------------------------------------------------
@@ -307,13 +311,18 @@ def test_trainqs_own_timeout_fires_before_slurms_limit(queue_dir, watcher):
     assert slurm_state(run["slurm_job_id"]) == "FAILED"  # the supervisor ended it (143), not Slurm's TIMEOUT
 
 
-def test_slurm_refusing_the_job_fails_it_with_slurms_words(queue_dir, watcher):
+def test_slurm_refusing_the_job_rejects_it_with_slurms_words_and_never_retries(queue_dir, watcher, tmp_path,
+                                                                               monkeypatch):
+    """A bad partition will not change: status rejected with sbatch's own words, one sbatch, no retry."""
+    sbatch = _counting(tmp_path, monkeypatch, "sbatch")
     w = watcher(**SLURM)
-    drop(queue_dir, "nopart.yaml", job_file(command=["true"], slurm={"partition": "no-such-partition"}))
-    done = tick_until(w, lambda: finished(queue_dir, "nopart"), 15, "nopart to fail")
+    drop(queue_dir, "nopart.yaml", job_file(command=["true"], slurm={"partition": "no-such-partition"},
+                                            retries={"max": 2, "on": ["unknown"], "backoff": "1s"}))
+    done = tick_until(w, lambda: finished(queue_dir, "nopart"), 15, "nopart to be rejected")
     run = run_json(done)
-    assert run["status"] == "failed" and "Slurm refused the job" in run["error"]
-    assert "partition" in run["error"].lower()
+    assert done.parent.name == "failed" and run["status"] == "rejected", run
+    assert "Slurm refused the job" in run["error"] and "Invalid partition name specified" in run["error"]
+    assert len(run["attempts"]) == 1 and len(sbatch.read_text().splitlines()) == 1
 
 
 def test_job_folder_the_node_cannot_see_is_diagnosed(queue_dir, watcher):
@@ -329,7 +338,9 @@ def test_job_folder_the_node_cannot_see_is_diagnosed(queue_dir, watcher):
     assert "without an exit record" in (done / "output.log").read_text()
 
 
-def test_slurm_preemption_retries_and_resumes(queue_dir, watcher):
+def test_a_scancel_from_outside_is_cancelled_and_retry_flag_resumes_it(queue_dir, watcher):
+    """scancel by someone else: status cancelled, not retried although retries.on lists preempted; retry.flag
+    (the way to ask) runs attempt 2, resumed from the checkpoint."""
     w = watcher(**SLURM)
     cmd = ["sh", "-c", "echo attempt $TRAINQ_ATTEMPT args \"$*\"; [ -n \"$1\" ] && exit 0; "
                        "mkdir -p checkpoints/ckpt_latest; exec " + f"{PY} {FAKE / 'preempted.py'}", "sh"]
@@ -338,11 +349,16 @@ def test_slurm_preemption_retries_and_resumes(queue_dir, watcher):
     log = queue_dir / "running" / "pre" / "output.log"
     tick_until(w, lambda: log.exists() and "ready" in log.read_text(), 30, "pre to start")
     slurm_id = w.jobs["pre"].run["slurm_job_id"]
-    subprocess.run(["scancel", slurm_id], check=True, timeout=60)  # what a preempting scheduler does: SIGTERM
-    done = tick_until(w, lambda: finished(queue_dir, "pre"), 30, "pre to be retried and finish")
+    subprocess.run(["scancel", slurm_id], check=True, timeout=60)
+    cancelled = tick_until(w, lambda: finished(queue_dir, "pre"), 30, "pre to be cancelled")
+    run = run_json(cancelled)
+    assert run["status"] == "cancelled" and len(run["attempts"]) == 1, run
+    assert "cancelled from outside trainq" in run["diagnosis"]["evidence"]
+    (cancelled / "retry.flag").touch()
+    done = tick_until(w, lambda: (queue_dir / "done" / "pre" / "run.json").exists() and queue_dir / "done" / "pre",
+                      30, "the retry to finish")
     run = run_json(done)
     assert run["status"] == "done" and len(run["attempts"]) == 2
-    assert run["attempts"][0]["diagnosis"]["kind"] == "preempted"
     assert run["attempts"][1]["slurm_job_id"] != slurm_id
     assert "attempt 2 args --resume" in (done / "output.log").read_text()
 
@@ -603,7 +619,7 @@ def test_slurms_time_limit_warning_checkpoints_and_ends_as_timeout(queue_dir, wa
     done = tick_until(w, lambda: finished(queue_dir, "limit"), 150, "Slurm's time limit warning to stop limit")
     run = run_json(done)
     sbatch = json.loads((done / "slurm.json").read_text())["sbatch"]
-    assert "--signal=B:USR1@60" in sbatch and "--time=1" in sbatch
+    assert "--signal=B:USR1@30" in sbatch and "--time=1" in sbatch  # the lead: at most half of a short limit
     log = (done / "output.log").read_text()
     assert "time limit is near (SIGUSR1)" in log and "checkpoint written" in log
     assert run["status"] == "timeout" and run["diagnosis"]["kind"] == "timeout", run
@@ -656,7 +672,8 @@ def test_the_node_keeps_slurms_variables_and_gets_only_the_jobs_env(queue_dir, w
 def test_a_sigkill_the_supervisor_saw_is_an_oom_when_slurms_record_says_out_of_memory(tmp_path):
     """The node's cgroup OOM kill: the supervisor records SIGKILL; Slurm's OUT_OF_MEMORY decides, not this host's dmesg."""
     from trainq.watcher.daemon.jobs import judge_exit
-    from trainq.watcher.slurm.executor import SlurmJob, _with_slurm_view
+    from trainq.watcher.slurm.records import with_slurm_view as _with_slurm_view
+    from trainq.watcher.slurm.state import SlurmJob
 
     paths = JobPaths(tmp_path / "job")
     paths.dir.mkdir()

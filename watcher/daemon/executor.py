@@ -92,6 +92,10 @@ class Executor(Protocol):
     def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
         """Escalate a stop the supervisor cannot carry out itself (cancel the batch job after the grace)."""
 
+    def health(self, paths: JobPaths, attempt: dict, now: float) -> str | None:
+        """Why a running attempt looks dead where it runs (Slurm: its node's heartbeat stopped), in words; else
+        None. The job shows as stalled while this says so."""
+
     def folder_due(self, paths: JobPaths, attempt: dict, now: float) -> bool:
         """Whether the watcher should look into the job folder this tick (stop.flag, stall, progress)."""
 
@@ -155,6 +159,9 @@ class LocalExecutor:
 
     def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
         return None  # the supervisor escalates by itself
+
+    def health(self, paths: JobPaths, attempt: dict, now: float) -> str | None:
+        return None  # a local attempt's liveness is its supervisor's lock, seen every tick
 
     def folder_due(self, paths: JobPaths, attempt: dict, now: float) -> bool:
         return True  # a local folder is cheap to look at: every tick

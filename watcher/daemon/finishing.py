@@ -289,7 +289,8 @@ class Finishing:
         if job.run.get("waiting_for"):  # still in Slurm's queue: nothing written yet, and not stalled
             job.last_activity = now
             return
-        self._check_stall(job, now)
+        if not self._check_node(job, now):
+            self._check_stall(job, now)
         self.report.update_progress(self, job, now)
         self.check_vitals(job, now)
 
@@ -314,6 +315,22 @@ class Finishing:
         if job.run.get("waiting_for") != reason:
             job.run["waiting_for"] = reason
             self.report.touch()
+
+    def _check_node(self, job: Job, now: float) -> bool:
+        """The executor's word on the node (Slurm: its heartbeat stopped): health "stalled" while it says so."""
+        said = self.executor.health(job.paths, job.current_attempt() or {}, now)
+        if said is None:
+            if job.health == "stalled" and job.run.get("health_reason"):
+                job.health = "healthy"
+                job.run.pop("health_reason", None)
+                self.report.touch()
+            return False
+        if job.health != "stalled" or job.run.get("health_reason") != said.split(" for ")[0]:
+            logger.warning("job %s: stalled: %s", job.id, said)
+            job.health = "stalled"
+            job.run["health_reason"] = said.split(" for ")[0]
+            self.report.touch()
+        return True
 
     def _check_stall(self, job: Job, now: float) -> None:
         stall_after = job.spec.stall_after_s if job.spec else None

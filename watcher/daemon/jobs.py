@@ -148,6 +148,8 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
                                            str((run.get("lr_deviation") or {}).get("words") or "off the declared lr schedule")))
     if reason != "timeout" and (reason == "stop_flag" or run.get("status") == "stopping"):
         return Outcome("cancelled", None)
+    if reason == "cancelled":  # ended from outside trainq (Slurm: scancel by a user or an admin): never retried
+        return Outcome("cancelled", diagnose(exit_record, attempt_log_tail(paths), []))
     if reason is None and exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
         return Outcome("done", None)
     if reason is None and is_checkpoint_exit(exit_record, spec):

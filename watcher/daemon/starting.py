@@ -42,6 +42,9 @@ PLAN_HEAD = 50
 PLAN_EVERY_S = 0.5
 #: jobs planned beyond the free slots when a slot frees between full plans
 PLAN_MARGIN = 8
+#: seconds of launching per pass; the rest start on the next pass, so status.json and stops keep their pace
+#: while a thousand jobs start (each launch writes a few files; Slurm's also reads job.yaml for its options)
+LAUNCH_BUDGET_S = 1.0
 
 
 class Starting:
@@ -60,6 +63,7 @@ class Starting:
         """
         unchecked = self.jobs.take_unchecked()
         if not self.jobs.count(JobState.PENDING):
+            self._flush_launches(now)  # submissions answered since (Slurm's sbatch runs off the loop)
             return
         full = now - self._last_plan >= PLAN_EVERY_S
         if not (self._plan_due or unchecked or full):
@@ -83,6 +87,7 @@ class Starting:
             self._all_wait(head, unavailable)
             return
         waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now) and not self.held_by_wall(j, now)]
+        budget_ends = time.monotonic() + LAUNCH_BUDGET_S
         try:
             for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
                 job = self.jobs.get(decision.job_id)
@@ -90,6 +95,8 @@ class Starting:
                     continue
                 if decision.unsatisfiable:
                     self.guarded(job, "plan", self._fail_unsatisfiable, job, decision.unsatisfiable, now)
+                elif decision.start and time.monotonic() > budget_ends:
+                    self._plan_due = True  # out of time for this pass: the next one starts it
                 elif decision.start:
                     self.guarded(job, "start", self._launch, job, decision, now)
                 elif job.run.get("waiting_for") != decision.waiting_for:
@@ -238,11 +245,11 @@ class Starting:
         try:
             record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.options_for(self.executor.name), group))
         except ExecutorUnavailable as exc:
-            self._unlaunch(job, str(exc))
+            self._unlaunch(job, str(exc), getattr(exc, "retry_after_s", None), now)
             return
         except SpawnFailed as exc:
             job.run["attempts"].append(record)
-            self._finish(job, _spawn_outcome(str(exc)), {"spawn_error": str(exc)}, now)
+            self._finish(job, _spawn_outcome(exc), {"spawn_error": str(exc)}, now)
             return
         job.run["attempts"].append(record)
         job.run["executor"] = self.executor.name
@@ -281,12 +288,14 @@ class Starting:
         """The held-back submission of ``job``'s attempt went out (or failed: the same paths as in ``_launch``)."""
         if isinstance(error, ExecutorUnavailable):
             job.run["attempts"].pop()
-            self._unlaunch(job, str(error))
+            self._unlaunch(job, str(error), getattr(error, "retry_after_s", None), now)
         elif error is not None:
-            self._finish(job, _spawn_outcome(str(error)), {"spawn_error": str(error)}, now)
+            self._finish(job, _spawn_outcome(error), {"spawn_error": str(error)}, now)
         elif ref and self.executor.job_ref_field:
             job.run["attempts"][-1][self.executor.job_ref_field] = ref
             job.run[self.executor.job_ref_field] = ref
+            if job.unsaved_since is None:
+                job.unsaved_since = now  # run.json was written before the id came: write it again soon
             self.report.touch()
 
     def _checked_executable(self, job: Job, values: dict) -> str | None:
@@ -307,9 +316,11 @@ class Starting:
         logger.info("job %s: running -> failed, rejected", job.id)
         self._retire(job, now)
 
-    def _unlaunch(self, job: Job, reason: str) -> None:
-        """The executor could not take the attempt (its scheduler is down): back to pending, nothing lost."""
-        job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[])
+    def _unlaunch(self, job: Job, reason: str, retry_after_s: float | None = None, now: float = 0.0) -> None:
+        """The executor could not take the attempt (its scheduler is down, or a submit limit is reached: then not
+        before ``retry_after_s``): back to pending, nothing lost."""
+        job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[],
+                       not_before=iso_utc(now + retry_after_s) if retry_after_s else None)
         job.save(durable=False)
         job.dir = self.folders.requeue(job.id, JobState.RUNNING)
         self.jobs.move(job, JobState.PENDING)
@@ -347,10 +358,14 @@ def _banner(job_id: str, attempt: int, now: float, resume_from: str | None) -> s
     return f"{ATTEMPT_BANNER_PREFIX}job {job_id}, attempt {attempt}, started {iso_utc(now)}{resume} ====="
 
 
-def _spawn_outcome(message: str) -> Outcome:
-    """The attempt never started (fork failed, lock held): a failure whose evidence is the reason."""
+def _spawn_outcome(error: Exception) -> Outcome:
+    """The attempt never started (fork failed, lock held): a failure whose evidence is the reason; ``rejected``
+    when the executor says it will never take the job as it is (Slurm refused it), so it is never retried."""
+    if getattr(error, "rejected", False):
+        return Outcome("rejected", Diagnosis("unknown", "Slurm refused the job as it is: fix the job file's slurm "
+                                                        "options (or watcher.yaml's), then submit it again.", str(error)))
     return Outcome("failed", Diagnosis("unknown", "Check the job's command and cwd; the process could not be started.",
-                                       message))
+                                       str(error)))
 
 
 def _later(job: Job, now: float) -> bool:

@@ -14,12 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.slurm.ranks import RANK_EXIT_SH
 from trainq.watcher.slurm.state import EXIT_NOT_SHARED
 
 #: seconds added to timeout + stop_grace + kill_after for --time, so trainq's own timeout path runs first
 TIME_LIMIT_MARGIN_S = 60.0
 #: the least warning --signal gives before the time limit (s): slurmctld checks time limits every 30 s
 SIGNAL_MIN_LEAD_S = 60
+#: the largest share of the time limit the warning may take: --time=2 with a 125 s lead would stop every attempt at
+#: once; capped at half, the job runs at least half its limit (1 minute of --time=2) before it is warned
+SIGNAL_MAX_LEAD_FRACTION = 0.5
 #: the signal Slurm sends the batch job's supervisor before the time limit (it stops the job like a timeout)
 TIME_LIMIT_SIGNAL = "USR1"
 #: variables trainq itself sets for every job (GPU numbering that matches NVML's)
@@ -31,7 +35,7 @@ NODE_OWNED_ENV = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DE
 RENDEZVOUS_SH = ('MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; '
                  'export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))} '
                  'WORLD_SIZE=$SLURM_NTASKS RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID NODE_RANK=$SLURM_NODEID '
-                 'NNODES=$SLURM_NNODES LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; exec "$@"')
+                 'NNODES=$SLURM_NNODES LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; ' + RANK_EXIT_SH)
 
 
 @dataclass(frozen=True)
@@ -96,9 +100,49 @@ def time_limit_min(timeout_s: float | None, stop_grace_s: float, kill_after_s: f
     return max(1, math.ceil((timeout_s + stop_grace_s + kill_after_s + TIME_LIMIT_MARGIN_S) / 60))
 
 
-def signal_lead_s(stop_grace_s: float, kill_after_s: float) -> int:
-    """--signal's lead before the time limit: the stop grace plus the kill delay, at least SIGNAL_MIN_LEAD_S."""
-    return min(65535, max(SIGNAL_MIN_LEAD_S, math.ceil(stop_grace_s + kill_after_s)))
+def signal_lead_s(stop_grace_s: float, kill_after_s: float, time_min: float | None = None) -> int:
+    """--signal's lead before the time limit: the stop grace plus the kill delay, at least SIGNAL_MIN_LEAD_S, and
+    at most SIGNAL_MAX_LEAD_FRACTION of the time limit (``time_min``), so a short limit still lets the job run."""
+    lead = min(65535, max(SIGNAL_MIN_LEAD_S, math.ceil(stop_grace_s + kill_after_s)))
+    if time_min:
+        lead = min(lead, max(1, math.floor(time_min * 60 * SIGNAL_MAX_LEAD_FRACTION)))
+    return lead
+
+
+def effective_time_min(time_min: int | None, extra: tuple[str, ...]) -> float | None:
+    """The time limit sbatch will apply, in minutes: the last ``--time``/``-t`` in ``extra`` (watcher.yaml's and
+    the job's sbatch_args come after trainq's own), else ``time_min``."""
+    limit: float | None = time_min
+    for i, arg in enumerate(extra):
+        value = None
+        if arg.startswith("--time="):
+            value = arg.partition("=")[2]
+        elif arg in ("--time", "-t") and i + 1 < len(extra):
+            value = extra[i + 1]
+        elif arg.startswith("-t") and len(arg) > 2:
+            value = arg[2:]
+        if value is not None:
+            limit = slurm_minutes(value)
+    return limit
+
+
+def slurm_minutes(value: str) -> float | None:
+    """Slurm's time formats in minutes: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; None for UNLIMITED or what is not one."""
+    days, _, rest = value.strip().rpartition("-") if "-" in value else ("", "", value.strip())
+    try:
+        parts = [float(x) for x in rest.split(":")] if rest else []
+        d = float(days) if days else 0.0
+    except ValueError:
+        return None
+    if not parts or len(parts) > 3:
+        return None
+    if days:
+        h, m, sec = (parts + [0.0, 0.0])[:3]
+    elif len(parts) == 3:
+        h, m, sec = parts
+    else:
+        h, m, sec = 0.0, parts[0], (parts[1] if len(parts) == 2 else 0.0)
+    return d * 1440 + h * 60 + m + sec / 60
 
 
 def srun_argv(argv: tuple[str, ...], tasks: int) -> tuple[str, ...]:
@@ -107,7 +151,8 @@ def srun_argv(argv: tuple[str, ...], tasks: int) -> tuple[str, ...]:
             "trainq-task", *argv)
 
 
-def batch_script(paths: JobPaths, attempt: int, argv: list[str], python: str, package_parent: str) -> str:
+def batch_script(paths: JobPaths, attempt: int, argv: list[str], python: str, package_parent: str,
+                 heartbeat_s: float | None = None) -> str:
     """slurm.sh: check the job folder is visible on the node, then exec the node side of the attempt."""
     return f"""#!/bin/sh
 # trainq job {paths.dir.name}, attempt {attempt}: written by the watcher and submitted with
@@ -115,11 +160,11 @@ def batch_script(paths: JobPaths, attempt: int, argv: list[str], python: str, pa
 # It runs the attempt's supervisor, which writes output.log, supervisor.json, heartbeat.json and exit.json in the
 # job folder.
 JOB_DIR={shlex.quote(str(paths.dir))}
-{_node_side(attempt, python, package_parent)}"""
+{_node_side(attempt, python, package_parent, heartbeat_s)}"""
 
 
 def array_script(running: Path, sweep_id: str, attempt: int, argv: list[str], python: str,
-                 package_parent: str) -> str:
+                 package_parent: str, heartbeat_s: float | None = None) -> str:
     """The script of a sweep's job array: task ``i`` runs attempt ``attempt`` of job ``<sweep>-i``."""
     return f"""#!/bin/sh
 # trainq sweep {sweep_id}, attempt {attempt} of its jobs as one Slurm job array: written by the watcher and
@@ -128,12 +173,13 @@ def array_script(running: Path, sweep_id: str, attempt: int, argv: list[str], py
 # Task i runs job {sweep_id}-i's supervisor, which writes output.log, supervisor.json, heartbeat.json and
 # exit.json in that job's folder.
 JOB_DIR={shlex.quote(str(running / sweep_id) + "-")}"$SLURM_ARRAY_TASK_ID"
-{_node_side(attempt, python, package_parent)}"""
+{_node_side(attempt, python, package_parent, heartbeat_s)}"""
 
 
-def _node_side(attempt: int, python: str, package_parent: str) -> str:
+def _node_side(attempt: int, python: str, package_parent: str, heartbeat_s: float | None = None) -> str:
     """The part of slurm.sh after JOB_DIR: the shared-filesystem check, then the node side of the attempt."""
     q = shlex.quote
+    beat = f" --heartbeat-s {heartbeat_s:g}" if heartbeat_s else ""
     return f"""if [ ! -r "$JOB_DIR/{JobPaths(Path()).launch_spec.name}" ]; then
   echo "trainq: job folder $JOB_DIR is not visible on Slurm node $(hostname): the queue root must be on a shared \\
 filesystem that the watcher's machine and every node mount at the same path (NFS, Lustre, ...)" >&2
@@ -141,5 +187,5 @@ filesystem that the watcher's machine and every node mount at the same path (NFS
 fi
 PYTHONPATH={q(package_parent)}${{PYTHONPATH:+:$PYTHONPATH}}
 export PYTHONPATH
-exec {q(python)} -m trainq.watcher.slurm.node "$JOB_DIR" --attempt {attempt}
+exec {q(python)} -m trainq.watcher.slurm.node "$JOB_DIR" --attempt {attempt}{beat}
 """

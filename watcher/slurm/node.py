@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Run one attempt of a trainq job inside a Slurm batch job.")
     parser.add_argument("job_dir", help="the job folder, on the filesystem the watcher shares with the nodes")
     parser.add_argument("--attempt", type=int, required=True, help="the attempt this submission was made for")
+    parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S,
+                        help=f"seconds between two writes of heartbeat.json (watcher.yaml slurm.heartbeat_s; "
+                             f"default {HEARTBEAT_S:g})")
     args = parser.parse_args(argv)
     paths = JobPaths(Path(os.path.abspath(args.job_dir)))
     slurm_job_id = own_slurm_id(os.environ)
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainq: attempt {spec.attempt} already runs as Slurm job {holder}; this duplicate submission "
               f"(Slurm job {slurm_job_id}) runs nothing", file=sys.stderr)
         return EXIT_NOT_MINE
-    heartbeat = Heartbeat(paths, spec.attempt, slurm_job_id).start()
+    heartbeat = Heartbeat(paths, spec.attempt, slurm_job_id, max(0.1, args.heartbeat_s)).start()
     try:
         record = run_in_foreground(spec, lock_required=False)
     except SpawnFailed as exc:

@@ -3,13 +3,15 @@
 * Every submission carries a tag in ``--comment``: ``trainq:<queue key>:<job id>:<attempt>:<token>``. The queue
   key tells two queue roots of one user apart; the token tells two submissions of one attempt apart. A sweep's
   job array carries ``trainq:<queue key>:<sweep id>:array:<token>``; its task ``i`` is the sweep's job ``i``.
-* ``SqueueQuery`` is the poll: ONE ``squeue --me -r -t <live states>`` for all of the user's queued and running
-  jobs (``-r``: one line per array task, id ``<array id>_<index>``), whatever their number, run in the
-  background so the watcher's loop never waits for the controller.
-  Jobs that left it are asked about once each with ``scontrol show job`` (state, exit code, node).
+* ``SqueueQuery`` is the poll: ONE ``squeue -j <the queue's job ids> -t all -r`` per poll, run in the background
+  so the watcher's loop never waits for the controller. It asks only about the queue's own jobs, and ``-t all``
+  brings a job that ended (within MinJobAge) with its final state and exit status in the same answer, so no
+  job is asked about on its own. Only while a submission is unconfirmed (its id unknown) does the poll list the
+  user's jobs (``--me``), to find it by its tag.
+* ``sacct_jobs`` asks slurmdbd (where accounting exists) how jobs the controller no longer knows ended.
 * ``ended_outcome`` turns a batch job that ended without the supervisor's exit record into one.
 
-This module runs Slurm's commands (``subprocess``); watcher/slurm.py decides what to do with the answers.
+This module runs Slurm's commands (``subprocess``); watcher/slurm/executor.py decides what to do with the answers.
 """
 from __future__ import annotations
 
@@ -56,10 +58,15 @@ REFUSED = re.compile(
 #: stderr fragments meaning "the controller got the request but did not answer": it may have been submitted
 NO_ANSWER = re.compile(r"Socket timed out|Zero Bytes were transmitted|Communication connection failure"
                        r"|slurm_persist_conn", re.IGNORECASE)
+#: sbatch's words for a QOS or association limit on the jobs one may have submitted (AssocMaxSubmitJobLimit,
+#: QOSMaxSubmitJobPerUserLimit, QOSGrpSubmitJobsLimit, ...; then "Job violates accounting/QOS policy (job submit
+#: limit, ...)"): the count goes down as jobs end, so the job waits and is submitted again later
+LIMITED = re.compile(r"Submit\w*Limit|violates accounting/QOS policy", re.IGNORECASE)
+#: ... unless the limit named is one the job itself breaks (its size or time): that never changes, it is refused
+PER_JOB_LIMIT = re.compile(r"PerJob|MaxWall|Wall\w*Limit|MinTRES|MinCpu|MinNode", re.IGNORECASE)
 #: scontrol's answer for an id it no longer knows: purged after MinJobAge, or a cancelled array task that never
 #: started ("Job 12_3 not found", printed on stdout)
 NO_SUCH_JOB = re.compile(r"Invalid job id|^Job \S+ not found", re.MULTILINE)
-_FIELD = re.compile(r"(\w+)=(\S*)")
 #: slurmstepd's words when it kills a step for its memory: without cgroups (JobAcctGatherParams=OverMemoryKill)
 #: the job then ends FAILED, not OUT_OF_MEMORY, and only Slurm's output file says why
 MEMORY_KILL = re.compile(r"exceeded (?:job )?memory limit|oom[-_ ]kill", re.IGNORECASE)
@@ -146,26 +153,36 @@ def array_spec(indices: list[int]) -> str:
 
 
 class SqueueQuery:
-    """One squeue running in the background; output goes to temporary files so it can never block on a pipe."""
+    """One squeue running in the background; output goes to temporary files so it can never block on a pipe.
 
-    #: -o fields: id | state | reason | first node | comment (the tag)
-    FORMAT = "%i|%T|%r|%B|%k"
+    ``ids``: the Slurm job ids to ask about (an array's tasks by the array's id); None lists all of the user's jobs.
+    """
 
-    def __init__(self, squeue: str = "squeue"):
+    #: -O fields, each ended by "|" and without a width (nothing is cut); the tag last, so a "|" in it stays there
+    FIELDS = ("JobArrayID", "State", "Reason", "BatchHost", "exit_code", "Comment")
+    FORMAT = ",".join(f"{field}:|" for field in FIELDS)
+
+    def __init__(self, ids: list[str] | None = None, squeue: str = "squeue"):
         self.started = time.monotonic()
+        self.ids = ids
         self._out = tempfile.TemporaryFile()
         self._err = tempfile.TemporaryFile()
-        argv = [squeue, "--me", "-h", "-r", "-t", ",".join(sorted(LIVE_STATES)), "-o", self.FORMAT]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err,
-                                     close_fds=True)
+        self.proc = subprocess.Popen(squeue_argv(ids, squeue), stdin=subprocess.DEVNULL, stdout=self._out,
+                                     stderr=self._err, close_fds=True)
 
     def result(self) -> tuple[int, str, str] | None:
-        """(returncode, stdout, stderr) once squeue exited (or was killed after QUERY_TIMEOUT_S), else None."""
+        """(returncode, stdout, stderr) once squeue exited (or was killed after QUERY_TIMEOUT_S), else None.
+
+        squeue -j of ONE id Slurm no longer knows exits 1 ("Invalid job id specified"): that is an empty answer.
+        """
         if self.proc.poll() is None:
             if time.monotonic() - self.started <= QUERY_TIMEOUT_S:
                 return None
             return -1, "", f"squeue did not answer in {QUERY_TIMEOUT_S:g} s"
-        return self.proc.returncode, _read_all(self._out), _read_all(self._err)
+        out, err = _read_all(self._out), _read_all(self._err)
+        if self.proc.returncode != 0 and self.ids and NO_SUCH_JOB.search(err + out):
+            return 0, "", ""
+        return self.proc.returncode, out, err
 
     def close(self) -> None:
         """Kill (if still running), reap, and drop the temporary files."""
@@ -176,36 +193,87 @@ class SqueueQuery:
         self._err.close()
 
 
+def squeue_argv(ids: list[str] | None, squeue: str = "squeue") -> list[str]:
+    """The poll's squeue: these ids in every state (ended ones too), else all of the user's jobs."""
+    argv = [squeue, "-h", "-r", "-t", "all", "-O", SqueueQuery.FORMAT]
+    return argv + (["-j", ",".join(ids)] if ids else ["--me"])
+
+
+def query_ids(tracked: set[str] | list[str]) -> list[str]:
+    """The ids one squeue -j needs for ``tracked``: plain ids, and each job array once (by its id, with -r)."""
+    return sorted({i.partition("_")[0] for i in tracked}, key=id_order)
+
+
 def parse_squeue(out: str) -> dict[str, SlurmJob]:
-    """``id|STATE|reason|node|comment`` lines into SlurmJobs by id."""
+    """``id|STATE|reason|node|wait status|comment|`` lines (SqueueQuery.FORMAT) into SlurmJobs by id."""
     jobs = {}
     for line in out.splitlines():
-        parts = line.strip().split("|", 4)
-        if len(parts) >= 2 and parts[0]:
-            state = parts[1].split()[0] if parts[1] else "UNKNOWN"
-            extra = parts[2:] + [""] * (3 - len(parts[2:]))
-            jobs[parts[0]] = SlurmJob(state, extra[0], extra[1], "" if extra[2] == "(null)" else extra[2])
+        line = line.strip()
+        if line.endswith("|"):
+            line = line[:-1]
+        parts = line.split("|", 5)
+        if len(parts) < 2 or not parts[0]:
+            continue
+        state = parts[1].split()[0] if parts[1] else "UNKNOWN"
+        reason, node, status, comment = (parts[2:] + [""] * 4)[:4]
+        code, sig = decode_status(status)
+        jobs[parts[0]] = SlurmJob(state, reason, "" if node in ("n/a", "(null)") else node,
+                                  "" if comment == "(null)" else comment, code, sig)
     return jobs
 
 
-def show_job(slurm_id: str, timeout_s: float) -> SlurmJob | None:
-    """``scontrol -o show job``: the job's state, reason, node and exit status; GONE when purged, None on error."""
+def decode_status(status: str) -> tuple[int | None, int | None]:
+    """squeue's exit_code is the batch script's raw wait status: (exit code, None) or (None, signal)."""
+    if not status.strip().isdigit():
+        return None, None
+    raw = int(status)
+    return (None, raw & 0x7F) if raw & 0x7F else (raw >> 8, None)
+
+
+def accounting_enabled(timeout_s: float) -> bool | None:
+    """Whether this cluster keeps job records in slurmdbd (``sacct`` answers), from ``scontrol show config``;
+    None when the controller did not answer (asked again later)."""
     try:
-        done = run(["scontrol", "-o", "show", "job", slurm_id], timeout_s)
+        done = run(["scontrol", "show", "config"], timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0:
-        return SlurmJob(GONE) if NO_SUCH_JOB.search(done.stderr + done.stdout) else None
-    fields = dict(_FIELD.findall(done.stdout))
-    code, _, sig = fields.get("ExitCode", "").partition(":")
-    return SlurmJob(fields.get("JobState", "UNKNOWN"), fields.get("Reason", ""), fields.get("BatchHost", ""),
-                    fields.get("Comment", ""), int(code) if code.isdigit() else None,
-                    int(sig) if sig.isdigit() else None)
+        return None
+    fields = dict(re.findall(r"^(\w+)\s*=\s*(\S*)", done.stdout, re.MULTILINE))
+    return fields.get("AccountingStorageType", "").endswith("slurmdbd")
+
+
+#: sacct -P fields (one line per job with -X)
+SACCT_FIELDS = ("JobID", "State", "ExitCode", "NodeList", "Reason")
+
+
+def sacct_jobs(ids: list[str], timeout_s: float) -> dict[str, SlurmJob]:
+    """How slurmdbd recorded ``ids`` ended (one ``sacct -j``): jobs the controller has purged still have a record."""
+    try:
+        done = run(["sacct", "-n", "-X", "-P", "-o", ",".join(SACCT_FIELDS), "-j", ",".join(ids)], timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return parse_sacct(done.stdout) if done.returncode == 0 else {}
+
+
+def parse_sacct(out: str) -> dict[str, SlurmJob]:
+    """``JobID|State|ExitCode|NodeList|Reason`` lines; "CANCELLED by 0" is CANCELLED, ExitCode is "code:signal"."""
+    jobs = {}
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 3 or not parts[0] or "." in parts[0]:
+            continue
+        code, _, sig = parts[2].partition(":")
+        node = parts[3] if len(parts) > 3 and parts[3] not in ("None assigned", "(null)") else ""
+        jobs[parts[0]] = SlurmJob(parts[1].split()[0] if parts[1] else "UNKNOWN", parts[4] if len(parts) > 4 else "",
+                                  node, "", int(code) if code.isdigit() else None,
+                                  int(sig) if sig.isdigit() and int(sig) else None)
+    return jobs
 
 
 def find_tagged(tag_prefix: str, timeout_s: float) -> list[tuple[str, SlurmJob]]:
     """Every job Slurm still knows (queued, running or recently ended) whose tag starts with ``tag_prefix``."""
-    done = run(["squeue", "--me", "-h", "-r", "-t", "all", "-o", SqueueQuery.FORMAT], timeout_s)
+    done = run(squeue_argv(None), timeout_s)
     if done.returncode != 0:
         raise subprocess.CalledProcessError(done.returncode, "squeue", done.stdout, done.stderr)
     found = [(i, j) for i, j in parse_squeue(done.stdout).items() if j.comment.startswith(tag_prefix)]
@@ -238,15 +306,26 @@ def _read_all(f) -> str:
 
 
 def ended_outcome(job: SlurmJob, code: int | None, sig: int | None, paths: JobPaths, slurm_id: str,
-                  python: str) -> dict:
-    """How a batch job that left no exit record ended: exit_code, signal, stop_reason, evidence, diagnosis."""
+                  python: str, cancelled_by: str | None = None, last_known: str = "") -> dict:
+    """How a batch job that left no exit record ended: exit_code, signal, stop_reason, evidence, diagnosis.
+
+    ``cancelled_by`` is why the watcher itself scancelled the job (None: it did not); ``last_known`` says what was
+    last known of a job Slurm no longer knows.
+    """
     node = f" on node {job.node}" if job.node and job.node != "(null)" else ""
     stopped = "stop_flag" if paths.stop_flag.exists() else None
+    if job.state == GONE:
+        return _outcome(None, None, stopped, None if stopped else "unknown", purged_evidence(slurm_id, last_known),
+                        PURGED_ADVICE)
+    if job.state == "CANCELLED" and cancelled_by is None and not stopped:
+        return _outcome(None, SIGTERM, CANCELLED_OUTSIDE, "killed", cancelled_evidence(slurm_id, job), CANCELLED_ADVICE)
+    if job.state == "CANCELLED" and cancelled_by and not stopped:
+        return _outcome(None, SIGTERM, None, "preempted", cancelled_by)
     by_state = {
         "CANCELLED": (None, SIGTERM, stopped, "preempted", f"Slurm cancelled the job{node} (scancel)"),
         "PREEMPTED": (None, SIGTERM, None, "preempted", f"Slurm preempted the job{node}"),
-        "NODE_FAIL": (None, SIGKILL, None, "killed", f"Slurm node{node or ''} failed while running the job"),
-        "BOOT_FAIL": (None, SIGKILL, None, "killed", f"Slurm could not boot the node{node} for the job"),
+        "NODE_FAIL": (None, SIGKILL, None, "preempted", f"Slurm node{node or ''} failed while running the job"),
+        "BOOT_FAIL": (None, SIGKILL, None, "preempted", f"Slurm could not boot the node{node} for the job"),
         "OUT_OF_MEMORY": (None, SIGKILL, None, "oom", oom_evidence(node)),
         "TIMEOUT": (None, SIGKILL, "timeout", "timeout", f"Slurm's time limit ended the job{node}"),
         "DEADLINE": (None, SIGKILL, "timeout", "timeout", f"Slurm's deadline ended the job{node}"),
@@ -257,6 +336,32 @@ def ended_outcome(job: SlurmJob, code: int | None, sig: int | None, paths: JobPa
     if job.state == "COMPLETED":  # slurm.sh exits with the job's status, so 0 means the job succeeded
         return _outcome(0, None, stopped, None, f"Slurm reports COMPLETED{node}")
     return _failed_outcome(code, sig, paths, slurm_id, python, node)
+
+
+#: stop_reason of an attempt that someone outside trainq cancelled in Slurm (scancel): the job ends ``cancelled``
+CANCELLED_OUTSIDE = "cancelled"
+CANCELLED_ADVICE = ("Someone cancelled the Slurm job outside trainq (scancel, or an admin); trainq does not run it "
+                    "again by itself: touch retry.flag (or `trainq retry ID`) to run it again.")
+PURGED_ADVICE = ("Slurm forgot the job before trainq saw how it ended (MinJobAge, a controller that lost its state, "
+                 "or the watcher was stopped for longer than MinJobAge); output.log has whatever the job wrote. "
+                 "Touch retry.flag to run it again.")
+
+
+def cancelled_evidence(slurm_id: str, job: SlurmJob) -> str:
+    node = f" on node {job.node}" if job.node and job.node != "(null)" else ""
+    when = "before it started" if job.reason == QUEUED_CANCEL_REASON else f"while it ran{node}"
+    return f"Slurm job {slurm_id} was cancelled from outside trainq (scancel or an admin) {when}"
+
+
+#: SlurmJob.reason of a job array's task that left the queue without a record: Slurm keeps none for a task
+#: cancelled before it started, while its array's other tasks are still known
+QUEUED_CANCEL_REASON = "cancelled while queued"
+
+
+def purged_evidence(slurm_id: str, last_known: str) -> str:
+    known = f"; last known: {last_known}" if last_known else ""
+    return (f"Slurm no longer knows job {slurm_id} and trainq's supervisor left no exit record (the job was purged "
+            f"from slurmctld, after MinJobAge, before its end was seen){known}")
 
 
 def oom_evidence(node: str) -> str:

@@ -35,11 +35,16 @@ _DURATIONS = ("settle_s", "rescan_s", "status_s", "heartbeat_s", "kill_after_s")
 DEFAULT_SLURM_POLL_S = 2.0
 #: seconds the watcher waits for a node's exit record after Slurm ended the job (NFS caches attributes 60 s)
 DEFAULT_SLURM_EXIT_GRACE_S = 60.0
+#: the longest wait between two Slurm polls while nothing changes (s)
+DEFAULT_SLURM_POLL_MAX_S = 30.0
+#: how often a Slurm job's node side rewrites heartbeat.json (s)
+DEFAULT_SLURM_HEARTBEAT_S = 10.0
 
 
 def _default_slurm() -> dict:
     return {"partition": None, "sbatch_args": [], "poll_s": DEFAULT_SLURM_POLL_S,
-            "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S, "arrays": True}
+            "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S, "arrays": True, "poll_max_s": DEFAULT_SLURM_POLL_MAX_S,
+            "heartbeat_s": DEFAULT_SLURM_HEARTBEAT_S, "array_limit": None}
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,8 @@ class WatcherConfig:
         """Validate a settings mapping and build the config; relative ``simulate_gpus`` resolves against ``root``."""
         problems = foreign_value_problems(dict(data)) or sort_problems(
             schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data)) + _interval_problems(data)
-            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS) + (("slurm", "poll_s"),)
+            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS)
+                                + (("slurm", "poll_s"), ("slurm", "poll_max_s"), ("slurm", "heartbeat_s"))
                                 + (("window", "freeze_before"), ("window", "final_checkpoint_before")))
             + _string_problems(data) + watcher_wall_problems(dict(data)))
         if problems:
@@ -117,7 +123,7 @@ def _interval_problems(data: Mapping) -> list[Problem]:
     checks = [(key, data.get(key)) for key in _POSITIVE_DURATIONS]
     slurm = data.get("slurm")
     if isinstance(slurm, Mapping):
-        checks.append(("slurm.poll_s", slurm.get("poll_s")))
+        checks += [(f"slurm.{key}", slurm.get(key)) for key in ("poll_s", "poll_max_s", "heartbeat_s")]
     return [Problem(key, f"must be a duration greater than 0 (got {shown(value)})")
             for key, value in checks if is_zero_duration(value)]
 
@@ -142,6 +148,9 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
     slurm = {**_default_slurm(), **data.get("slurm", {})}
     slurm["poll_s"] = parse_duration_s(slurm["poll_s"])
     slurm["exit_grace_s"] = parse_duration_s(slurm["exit_grace_s"])
+    for key in ("poll_max_s", "heartbeat_s"):
+        if slurm.get(key) is not None:
+            slurm[key] = parse_duration_s(slurm[key])
     slurm["sbatch_args"] = list(slurm["sbatch_args"])
     gpus, allowed, passthrough = data.get("gpus"), data.get("allow_commands"), data.get("env_passthrough")
     return WatcherConfig(

@@ -162,6 +162,11 @@ class JobPaths:
         return self.dir / f"slurm-attempt-{attempt}.claim"
 
     @property
+    def rank_exits(self) -> Path:
+        """Under srun, each task writes ``<attempt>.<rank>`` here when its command exits: its own exit code."""
+        return self.dir / "ranks"
+
+    @property
     def events(self) -> Path:
         """The job's story, one JSON record a line, appended by the watcher and the supervisor (CONTRACT section 13)."""
         return self.dir / "events.jsonl"

@@ -543,7 +543,8 @@ def _write_exit(a: _Attempt, ended: Callable[[], None]) -> dict:
 def _publish_exit(paths: JobPaths, record: dict, ended: Callable[[], None], log_fd: int = 2) -> None:
     """The watcher may go on as soon as the record can be read; the fsync follows.
 
-    A full disk does not lose the record: the lock stays held (the attempt still counts as alive,
+    A full disk, or a folder that cannot be written for now (permissions, a read-only or unreachable shared
+    filesystem), does not lose the record: the lock stays held (the attempt still counts as alive,
     so nobody guesses its end) and the write is retried every EXIT_RETRY_S until it gets through.
     A job folder removed by hand gets no record: the attempt just ends.
     """
@@ -562,12 +563,17 @@ def _publish_exit(paths: JobPaths, record: dict, ended: Callable[[], None], log_
         except OSError as exc:
             if once.called:
                 return  # published: only its fsync failed, and readers have it
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno not in _EXIT_RETRIED_ERRNOS:
                 raise
             if not noted:
                 _note(log_fd, f"cannot write the exit record ({exc.strerror}); retrying every {EXIT_RETRY_S:g} s")
                 noted = True
             time.sleep(EXIT_RETRY_S)
+
+
+#: errors on writing the exit record that may go away (space freed, the folder writable again): retried
+_EXIT_RETRIED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO,
+                                  errno.ESTALE})
 
 
 class _Once:
