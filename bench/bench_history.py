@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_history.py [--count 100000] [--runs 5]
 
 Builds a queue root in a temp folder whose history.jsonl holds COUNT records written by the same
-function the watcher uses (spec/history.py), a mix of done/failed/cancelled train and command jobs,
+function the watcher uses (faces/history.py), a mix of done/failed/cancelled train and command jobs,
 some in sweeps, then times the real command line (a fresh ``python -m trainq.watcher`` process, its
 output to /dev/null) for: everything as a table, ``--state failed``, ``--since 1d --json`` and
 ``--csv``. Prints the median wall time of each, and the load average.
@@ -29,7 +29,7 @@ GOAL_S = 1.0
 
 def build(root: Path, count: int) -> None:
     """A queue root with ``count`` history records (no job folders: history needs none)."""
-    from trainq.watcher.spec.history import history_path, record_of
+    from trainq.watcher.faces.history import history_path, record_of
     from trainq.watcher.spec.units import iso_utc
 
     for name in ("inbox", "pending", "running", "done", "failed"):

@@ -1,6 +1,6 @@
 """``trainq history [--state S] [--since T] [--kind K] [--sweep S] [--json|--csv]``: every finished job.
 
-Read from ``ROOT/history.jsonl`` (spec/history.py), which the watcher appends to at each conclusion,
+Read from ``ROOT/history.jsonl`` (faces/history.py), which the watcher appends to at each conclusion,
 so it answers at once however many jobs finished (status.json keeps only the latest 50). A queue
 without that file yet (made before this version) is read from its done/ and failed/ folders instead.
 Jobs now pending or running again (retried) are left out: they have not finished.
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainq.watcher.spec.history import FIELDS, read_records, record_of
+from trainq.watcher.faces.history import FIELDS, read_records, record_of
 
 EXIT_OK, EXIT_INVALID = 0, 2
 #: the states and statuses --state takes

@@ -32,7 +32,7 @@ class AmbiguousName(Exception):
 
 def ids_named(root: Path, name: str) -> list[str]:
     """Ids of the jobs (any state) whose name is ``name``, sorted."""
-    from trainq.watcher.spec.history import read_records
+    from trainq.watcher.faces.history import read_records
 
     found = set()
     for state in ("pending", "running"):

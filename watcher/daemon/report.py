@@ -22,7 +22,7 @@ from trainq.watcher.daemon.admission import resources_dict
 from trainq.watcher.faces.html import CurveStore
 from trainq.watcher.faces.status import StatusSnapshot, StatusWriter, job_entry
 from trainq.watcher.faces.sweepview import workflow_entry
-from trainq.watcher.spec.history import HISTORY_FILE, append_record, record_of
+from trainq.watcher.faces.history import HISTORY_FILE, append_record, record_of
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
