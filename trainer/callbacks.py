@@ -24,6 +24,7 @@ from trainq.trainer.config import TrainConfig
 from trainq.trainer.faults import Faults
 from trainq.trainer.metrics import MetricsWriter
 from trainq.trainer.modeling import fingerprint, trainable_state
+from trainq.trainer.resume_knobs import apply_to_optimizer
 from trainq.watcher.spec.contract import CKPT_BEST, CKPT_LATEST, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_STEP
 from trainq.watcher.spec.fsutil import atomic_write_json, touch
 
@@ -66,6 +67,7 @@ class RunState:
     save_pending: bool = False
     resumed_lr_scale: float | None = None
     resumed_fingerprint: str | None = None
+    resumed_lr: float | None = None  # the lr the resumed checkpoint's optimizer and scheduler were built with
     last_checkpoint: Path | None = None
     trainer: object | None = None  # the current segment's Trainer (an OOM leaves it behind for the summary)
     packing: object | None = None  # packing.PackingDecision, made once per process
@@ -217,15 +219,10 @@ class TrainqCallback(TrainerCallback):
             self._verify_resumed(state)
 
     def _rescale_lr(self, optimizer, scheduler) -> None:
+        """The restored optimizer and scheduler take this run's lr (times the rollback scale) and weight_decay."""
         loaded = self.run.resumed_lr_scale if self.run.resumed_lr_scale is not None else self.run.lr_scale
-        factor = self.run.lr_scale / loaded
-        if factor == 1.0:
-            return
-        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-        for group in optimizer.param_groups:
-            group["lr"] *= factor
-            if "initial_lr" in group:
-                group["initial_lr"] *= factor
+        saved_lr = self.run.resumed_lr if self.run.resumed_lr is not None else self.run.config.lr
+        apply_to_optimizer(optimizer, scheduler, self.run.config, saved_lr, loaded, self.run.lr_scale)
 
     def _verify_resumed(self, state) -> None:
         actual = fingerprint(trainable_state(self.trainer.model))

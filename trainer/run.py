@@ -17,10 +17,12 @@ from transformers import PrinterCallback, TrainingArguments
 from trainq.trainer import artifacts, checkpoints, ladder, packing
 from trainq.trainer.callbacks import RunState, TrainqCallback, TrainqTrainer
 from trainq.trainer.config import ConfigError, TrainConfig, load_config
-from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError
-from trainq.trainer.sources import LoadedData, changed_files, load_data, tokenize_cached
+from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError, count_reasons, counts_text
+from trainq.trainer.sources import LoadedData, changed_files, check_encoded, load_data, tokenize_cached
 from trainq.trainer.faults import parse_faults
 from trainq.trainer.plotter import LossPlotter
+from trainq.trainer.preflight import check_startup
+from trainq.trainer.resume_knobs import check_resume_knobs
 from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
@@ -187,13 +189,18 @@ def report_data(data: LoadedData, metrics: MetricsWriter) -> None:
     metrics.event("data", "; ".join(f"{f.role} {f.path}: {f.rows} rows, {f.bad_rows} bad, sha256 {f.sha256[:12]}"
                                     for f in data.files), files=[f.to_dict() for f in data.files],
                   train_rows=len(data.train), eval_rows=len(data.eval))
-    bad = data.bad
+    report_bad_rows(data.bad, metrics, "reading")
+
+
+def report_bad_rows(bad: list, metrics: MetricsWriter, stage: str) -> None:
+    """Bad rows within the limit: each to stderr (the first MAX_REPORTED_BAD_ROWS) and one ``bad_rows`` event."""
     if not bad:
         return
     for row in bad[:MAX_REPORTED_BAD_ROWS]:
         print(f"trainq: skipped bad row: {row}", file=sys.stderr, flush=True)
-    metrics.event("bad_rows", f"{len(bad)} bad rows skipped", count=len(bad),
-                  rows=[{"file": r.file, "line": r.line, "reason": r.reason} for r in bad[:MAX_REPORTED_BAD_ROWS]])
+    metrics.event("bad_rows", f"{len(bad)} bad rows skipped while {stage}: {counts_text(bad)}", count=len(bad), stage=stage,
+                  reasons=count_reasons(bad), rows=[{"file": r.file, "line": r.line, "reason": r.reason, "category": r.category}
+                                                    for r in bad[:MAX_REPORTED_BAD_ROWS]])
 
 
 def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: Path | None, inv: Invocation):
@@ -219,6 +226,7 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
     if resume is not None:
         saved = checkpoints.read_state(resume)
         run.resumed_fingerprint, run.resumed_lr_scale = saved["trainable_fingerprint"], saved["lr_scale"]
+        run.resumed_lr = saved["config"]["lr"]
     elif inv.init_from is not None:
         loaded = checkpoints.load_initial_weights(model, inv.init_from, full=config.method == "full")
         run.metrics.event("init_from", f"initial weights from {inv.init_from} ({loaded} tensors); fresh optimizer "
@@ -343,6 +351,7 @@ def settle_config(config: TrainConfig, inv: Invocation, metrics: MetricsWriter, 
     config, laddered = apply_ladder(config, inv, metrics)
     if saved:
         check_schedule(config, saved["config"], laddered, resume)
+        check_resume_knobs(config, saved["config"], resume)
         check_data(config, saved, data, resume, metrics)
     return config, resume, saved, preset_info
 
@@ -363,6 +372,15 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     data = load_data(config.train_sources, config.eval_file, config.eval_fraction, config.max_bad_rows)
     report_data(data, metrics)
     config, resume, saved, preset_info = settle_config(config, inv, metrics, data)
+    check_startup(config, inv.job_dir / "job.yaml")  # model, weights, tokenizer, target modules, template: before any (smoke) training
+    precision = resolve_precision(config.precision)
+    tokenizer = load_tokenizer(config.model, config.chat_template)
+    cache_dir = inv.job_dir / ".cache" / "tokenized" if config.data_cache else None
+    train_set, eval_set, cached = tokenize_cached(data, tokenizer, config.seq_len, config.train_on, config.eval_fraction, cache_dir)
+    if cached:
+        print(f"trainq: tokenized data from the cache ({len(train_set)} train rows)", flush=True)
+    report_bad_rows(check_encoded(data, train_set, eval_set, config.max_bad_rows), metrics, "tokenizing")
+    eval_set = eval_set if eval_set else None  # every eval row filtered out: no eval
     if config.debug and resume is None:
         from trainq.trainer.debugrun import run_debug
 
@@ -371,13 +389,6 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
             return code
     metrics.event("start", f"attempt {inv.attempt}: {config.method}, pid {os.getpid()}" + (f", resuming from {resume}" if resume else ""),
                   attempt=inv.attempt, pid=os.getpid(), resume_from=str(resume) if resume else None)
-
-    precision = resolve_precision(config.precision)
-    tokenizer = load_tokenizer(config.model)
-    cache_dir = inv.job_dir / ".cache" / "tokenized" if config.data_cache else None
-    train_set, eval_set, cached = tokenize_cached(data, tokenizer, config.seq_len, config.train_on, config.eval_fraction, cache_dir)
-    if cached:
-        print(f"trainq: tokenized data from the cache ({len(train_set)} train rows)", flush=True)
     env = artifacts.environment(config.to_dict(), {"name": precision.name, "reason": precision.reason}, preset_info)
     artifacts.write_env(inv.job_dir, {**env, "data": [f.to_dict() for f in data.files]})
 
