@@ -141,6 +141,10 @@ class TrainqTrainer(Trainer):
         self.last_grad_norm = float(value) if value is not None else None
         return value
 
+    def step_extras(self) -> dict:
+        """Extra fields of the step record (method: dpo adds TRL's rewards); none for SFT."""
+        return {}
+
     def pop_step(self) -> tuple[float, int]:
         """(raw loss, tokens) of the optimizer step that just ended; resets the accumulators."""
         loss, tokens = float(self.step_loss), self.step_tokens
@@ -275,6 +279,7 @@ class TrainqCallback(TrainerCallback):
             RECORD_STEP, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch, loss=loss, lr=lr,
             grad_norm=self.trainer.last_grad_norm, tokens_per_s=tokens / elapsed if elapsed > 0 else None,
             time=time.time(), peak_mem_mb=round(peak_mem_mb(), 1), **({"nonfinite": True} if bad else {}),
+            **self.trainer.step_extras(),
         )
         every = self.run.config.log_every
         if state.global_step % every == 0 or state.global_step in (1, state.max_steps) or bad:
@@ -353,8 +358,9 @@ class TrainqCallback(TrainerCallback):
         if eval_loss is None or not self.trainer.is_in_train:
             return
         self.run.last_eval_loss = eval_loss
+        extras = {k.removeprefix("eval_"): v for k, v in (metrics or {}).items() if "/" in k}  # dpo: eval rewards
         self.run.metrics.write(RECORD_EVAL, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch,
-                               eval_loss=eval_loss, time=time.time())
+                               eval_loss=eval_loss, time=time.time(), **extras)
         print(f"step {state.global_step}/{state.max_steps}: eval_loss {eval_loss:.4f}", flush=True)
         if _finite(eval_loss) and (self.run.best_eval_loss is None or eval_loss < self.run.best_eval_loss):
             self.run.best_eval_loss, self.run.best_step = eval_loss, state.global_step

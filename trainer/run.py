@@ -161,7 +161,8 @@ def total_steps(config: TrainConfig, train_rows: int) -> int:
 
 
 def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_eval: bool, lr_scale: float,
-                  train_rows: int, job_dir: Path | None = None) -> TrainingArguments:
+                  train_rows: int, job_dir: Path | None = None, args_class: type = TrainingArguments,
+                  **extra: object) -> TrainingArguments:
     """The Trainer knobs users know, mapped 1:1 from the train: block; checkpoints and logs are trainq's.
     Warm-up is passed as a whole number of steps, which every transformers version reads the same way."""
     length = {"max_steps": config.max_steps} if config.max_steps else {"num_train_epochs": config.epochs}
@@ -171,7 +172,7 @@ def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_
     if config.report_to:
         reporting.update(logging_strategy="steps", logging_steps=config.log_every)
     gradient_checkpointing = config.gradient_checkpointing if config.method != "qlora" else False  # peft prepares qlora
-    return TrainingArguments(
+    return args_class(
         output_dir=str(out_dir), per_device_train_batch_size=config.batch_size,
         per_device_eval_batch_size=config.batch_size, gradient_accumulation_steps=config.grad_accum,
         learning_rate=config.lr * lr_scale, lr_scheduler_type=config.scheduler, warmup_steps=warmup_steps,
@@ -180,7 +181,7 @@ def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_
         bf16=precision.name == "bf16", fp16=precision.name == "fp16", use_cpu=not torch.cuda.is_available(),
         eval_strategy="steps" if has_eval and config.eval_every else "no", eval_steps=config.eval_every,
         save_strategy="no", logging_nan_inf_filter=False, **reporting,
-        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, **length, **optimizer,
+        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, **length, **optimizer, **extra,
     )
 
 
@@ -208,18 +209,30 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
     model = build_model(config, precision)
     trainable, total = count_params(model)
     if run.packing is None:
-        run.packing = packing.decide(config.packing, model, str(inv.job_dir / "job.yaml"))
+        run.packing = (packing.PackingDecision(False, "method: dpo pads chosen/rejected pairs (TRL's collator)")
+                       if config.method == "dpo" else packing.decide(config.packing, model, str(inv.job_dir / "job.yaml")))
         run.metrics.event("packing", f"packing {'on' if run.packing.enabled else 'off'}: {run.packing.reason}",
                           **run.packing.to_dict())
     print(f"trainq: {config.method} on {Path(config.model).name}: {trainable:,} trainable of {total:,} params, "
           f"{precision.name}, {len(datasets[0])} train / {len(datasets[1] or [])} eval rows, "
           f"packing {'on' if run.packing.enabled else 'off'} ({run.packing.reason})", flush=True)
+    if resume is None or config.method == "dpo":  # dpo: the reference is the starting adapter, on resume too
+        initial_weights(model, config, run, inv, announce=resume is None)
     callback = TrainqCallback(run, has_eval=datasets[1] is not None)
-    args = training_args(config, precision, run.ckpt_dir, datasets[1] is not None, run.lr_scale, len(datasets[0]), inv.job_dir)
-    trainer = TrainqTrainer(
-        model=model, args=args, train_dataset=datasets[0], eval_dataset=datasets[1],
-        data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled), callbacks=[callback], run=run,
-    )
+    dpo_extra = {}
+    if config.method == "dpo":
+        from trainq.trainer.dpo import build_dpo_trainer, dpo_arguments
+
+        dpo_extra = dpo_arguments(config)
+    args = training_args(config, precision, run.ckpt_dir, datasets[1] is not None, run.lr_scale, len(datasets[0]),
+                         inv.job_dir, **dpo_extra)
+    if config.method == "dpo":
+        trainer = build_dpo_trainer(model, args, datasets, tokenizer, callback, run)
+    else:
+        trainer = TrainqTrainer(
+            model=model, args=args, train_dataset=datasets[0], eval_dataset=datasets[1],
+            data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled), callbacks=[callback], run=run,
+        )
     run.trainer = trainer
     callback.trainer = trainer
     trainer.remove_callback(PrinterCallback)  # trainq prints its own one line per interval
@@ -227,17 +240,29 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
         saved = checkpoints.read_state(resume)
         run.resumed_fingerprint, run.resumed_lr_scale = saved["trainable_fingerprint"], saved["lr_scale"]
         run.resumed_lr = saved["config"]["lr"]
-    elif inv.init_from is not None:
-        loaded = checkpoints.load_initial_weights(model, inv.init_from, full=config.method == "full")
-        run.metrics.event("init_from", f"initial weights from {inv.init_from} ({loaded} tensors); fresh optimizer "
-                          "and schedule", path=str(inv.init_from), tensors=loaded)
-        print(f"trainq: initial weights from {inv.init_from} ({loaded} tensors); fresh optimizer and schedule", flush=True)
     started = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     finally:
         run.train_s += time.perf_counter() - started  # the trainer.train() window, as bench/ times the plain Trainer
     return trainer
+
+
+def initial_weights(model, config: TrainConfig, run: RunState, inv: Invocation, announce: bool) -> None:
+    """``init_from`` (or the watcher's TRAINQ_INIT_FROM from a fork): load the weights, checked shape by shape."""
+    source = inv.init_from or (Path(config.init_from) if config.init_from else None)
+    if source is None:
+        return
+    from trainq.trainer import init_from
+
+    try:
+        kind, loaded = init_from.load(model, source, config.method)
+    except ConfigError as exc:
+        raise ConfigError(f"{inv.job_dir / 'job.yaml'}: {exc}") from None
+    if announce:
+        run.metrics.event("init_from", f"initial weights from {source} ({kind}, {loaded} tensors); fresh optimizer "
+                          "and schedule", path=str(source), kind=kind, tensors=loaded)
+        print(f"trainq: initial weights from {source} ({kind}, {loaded} tensors); fresh optimizer and schedule", flush=True)
 
 
 def train_with_rollbacks(config, precision, datasets, tokenizer, run: RunState, resume: Path | None, inv: Invocation):
@@ -376,7 +401,13 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     precision = resolve_precision(config.precision)
     tokenizer = load_tokenizer(config.model, config.chat_template)
     cache_dir = inv.job_dir / ".cache" / "tokenized" if config.data_cache else None
-    train_set, eval_set, cached = tokenize_cached(data, tokenizer, config.seq_len, config.train_on, config.eval_fraction, cache_dir)
+    if config.method == "dpo":
+        from trainq.trainer.dpo import datasets_for
+
+        (train_set, eval_set), cached = datasets_for(data, tokenizer, config.seq_len), False
+    else:
+        train_set, eval_set, cached = tokenize_cached(data, tokenizer, config.seq_len, config.train_on,
+                                                      config.eval_fraction, cache_dir)
     if cached:
         print(f"trainq: tokenized data from the cache ({len(train_set)} train rows)", flush=True)
     report_bad_rows(check_encoded(data, train_set, eval_set, config.max_bad_rows), metrics, "tokenizing")
