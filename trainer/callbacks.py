@@ -24,6 +24,7 @@ from trainq.trainer.config import TrainConfig
 from trainq.trainer.faults import Faults
 from trainq.trainer.metrics import MetricsWriter
 from trainq.trainer.modeling import fingerprint, trainable_state
+from trainq.trainer.plateau import PLATEAU_STEPS, PlateauWatch
 from trainq.trainer.resume_knobs import apply_to_optimizer
 from trainq.watcher.spec.contract import CKPT_BEST, CKPT_LATEST, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_STEP
 from trainq.watcher.spec.fsutil import atomic_write_json, touch
@@ -76,6 +77,7 @@ class RunState:
     resumed_from: Path | None = None  # the step-N folder this attempt resumed from
     data_files: tuple = ()
     plotter: object | None = None  # plotter.LossPlotter, warmed up while training runs
+    plateau: PlateauWatch = field(default_factory=lambda: PlateauWatch(None))  # set with ln V once the tokenizer is known
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """Signal handler: only sets a flag; the next step boundary acts on it."""
@@ -266,6 +268,7 @@ class TrainqCallback(TrainerCallback):
             return control
         if not nonfinite:
             self._check_spike(state, loss)
+            self._check_plateau(state, loss)
         self._apply_step_faults(state)
         self._schedule_save(state, control, defer=nonfinite)
         self._check_stop(control)
@@ -316,6 +319,15 @@ class TrainqCallback(TrainerCallback):
                                        step=state.global_step, loss=loss, mean=mean, sigma=sigma)
                 print(f"step {state.global_step}: loss spike {loss:.4f} (mean {mean:.4f}, sigma {sigma:.4f})", flush=True)
         history.append(loss)
+
+    def _check_plateau(self, state, loss: float) -> None:
+        if not self.run.plateau.update(loss):
+            return
+        level = self.run.plateau.level
+        message = (f"step {state.global_step}: loss {loss:.4f} has sat at ln V = {level:.4f} (a uniform prediction) for "
+                   f"{PLATEAU_STEPS} steps: the run is not learning; lower lr or set max_grad_norm")
+        self.run.metrics.event("plateau", message, step=state.global_step, loss=loss, uniform_loss=level)
+        print(f"trainq: warning: {message}", flush=True)
 
     def _apply_step_faults(self, state) -> None:
         faults = self.run.faults

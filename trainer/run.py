@@ -21,6 +21,7 @@ from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError, count_reasons,
 from trainq.trainer.sources import LoadedData, changed_files, check_encoded, load_data, tokenize_cached
 from trainq.trainer.faults import parse_faults
 from trainq.trainer.plotter import LossPlotter
+from trainq.trainer.plateau import PlateauWatch, uniform_loss
 from trainq.trainer.preflight import check_startup
 from trainq.trainer.resume_knobs import check_resume_knobs
 from trainq.trainer.metrics import MetricsWriter, read_records
@@ -415,7 +416,8 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     if config.debug and resume is None:
         from trainq.trainer.debugrun import run_debug
 
-        code = run_debug(config, inv.job_dir, inv.stop_flag, total_steps(config, len(data.train)), metrics)
+        code = run_debug(config, inv.job_dir, inv.stop_flag, total_steps(config, len(data.train)), metrics,
+                         uniform_loss(len(tokenizer)))
         if code is not None:
             return code
     metrics.event("start", f"attempt {inv.attempt}: {config.method}, pid {os.getpid()}" + (f", resuming from {resume}" if resume else ""),
@@ -429,6 +431,7 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
         run.lr_scale, run.rollbacks = saved["lr_scale"], saved.get("rollbacks", 0)
         run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]
         run.tokens_before, run.resumed_step = saved.get("tokens_seen", 0), saved["step"]
+    run.plateau = PlateauWatch(uniform_loss(len(tokenizer)))
     signal.signal(signal.SIGTERM, run.on_sigterm)
     run.plotter = plotter or LossPlotter().start()  # imports matplotlib on another core while the model trains
     timing["setup"] = time.time() - timing["start"]
