@@ -77,6 +77,7 @@ class RunState:
     resumed_from: Path | None = None  # the step-N folder this attempt resumed from
     data_files: tuple = ()
     plotter: object | None = None  # plotter.LossPlotter, warmed up while training runs
+    early_stop: dict = field(default_factory=dict)  # early_stop.EarlyStopping's count and outcome (checkpointed)
     plateau: PlateauWatch = field(default_factory=lambda: PlateauWatch(None))  # set with ln V once the tokenizer is known
 
     def on_sigterm(self, signum: int, frame: object) -> None:
@@ -166,7 +167,7 @@ def _trainq_state(trainer: TrainqTrainer, run: RunState) -> dict:
         "best_eval_loss": run.best_eval_loss, "best_step": run.best_step, "lr_scale": run.lr_scale,
         "rollbacks": run.rollbacks, "trainable_fingerprint": fingerprint(trainable_state(trainer.model)),
         "tokens_seen": run.tokens_before + run.tokens_seen, "data_files": [f.to_dict() for f in run.data_files],
-        "config": run.config.to_dict(), "time": time.time(),
+        "config": run.config.to_dict(), "time": time.time(), "early_stop": dict(run.early_stop),
     }
 
 

@@ -62,6 +62,10 @@ def check_startup(config: TrainConfig, spec: Path) -> None:
 def _check_startup(config: TrainConfig) -> None:
     from trainq.trainer.modeling import load_tokenizer
 
+    if config.eval_samples_prompts is not None:
+        from trainq.trainer.eval_samples import read_prompts
+
+        read_prompts(config.eval_samples_prompts)
     check_weights(config.model)
     check_template(load_tokenizer(config.model, config.chat_template), config)
     check_targets(meta_model(config.model), config)

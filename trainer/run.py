@@ -21,6 +21,7 @@ from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError, count_reasons,
 from trainq.trainer.sources import LoadedData, changed_files, check_encoded, load_data, tokenize_cached
 from trainq.trainer.faults import parse_faults
 from trainq.trainer.plotter import LossPlotter
+from trainq.trainer.early_stop import EarlyStopping, restore_best
 from trainq.trainer.plateau import PlateauWatch, uniform_loss
 from trainq.trainer.preflight import check_startup
 from trainq.trainer.resume_knobs import check_resume_knobs
@@ -237,6 +238,8 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
     run.trainer = trainer
     callback.trainer = trainer
     trainer.remove_callback(PrinterCallback)  # trainq prints its own one line per interval
+    for extra in round_three_callbacks(config, run, tokenizer, inv.job_dir):
+        trainer.add_callback(extra)
     if resume is not None:
         saved = checkpoints.read_state(resume)
         run.resumed_fingerprint, run.resumed_lr_scale = saved["trainable_fingerprint"], saved["lr_scale"]
@@ -247,6 +250,18 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
     finally:
         run.train_s += time.perf_counter() - started  # the trainer.train() window, as bench/ times the plain Trainer
     return trainer
+
+
+def round_three_callbacks(config: TrainConfig, run: RunState, tokenizer, job_dir: Path) -> list:
+    """Callbacks of the opt-in knobs: early_stopping, eval_samples."""
+    found = []
+    if config.early_stopping_patience is not None:
+        found.append(EarlyStopping(run, config.early_stopping_patience, config.early_stopping_min_delta))
+    if config.eval_samples_prompts is not None:
+        from trainq.trainer.eval_samples import EvalSamples
+
+        found.append(EvalSamples(run, config, tokenizer, job_dir))
+    return found
 
 
 def initial_weights(model, config: TrainConfig, run: RunState, inv: Invocation, announce: bool) -> None:
@@ -321,6 +336,7 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
     # the step records are all written: the helper draws loss.png while the model is saved
     plotter.request(inv.metrics, inv.job_dir / "loss.png", f"{inv.job_dir.name}: {config.method} ({outcome})")
     if outcome == "done" and trainer is not None:
+        restore_best(trainer.model, run, full=config.method == "full")
         artifacts.save_final(trainer, tokenizer, final_dir)
         names.insert(0, final_dir.name)
         if config.export_merge and config.method != "full":
@@ -341,6 +357,7 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
         "output": final_dir.name if outcome == "done" else None, "merged": merged.name if merged else None,
         "attempt": inv.attempt, "resumed_from": _relative(run.resumed_from, inv.job_dir),
         "rollbacks": run.rollbacks,
+        "early_stopping": run.early_stop or None,
         "tokens_per_s": run.tokens_seen / train_s if train_s > 0 else None,
         "tokens": run.tokens_before + run.tokens_seen, "tokens_this_attempt": run.tokens_seen,
         "packing": run.packing.to_dict() if run.packing else None, "train_on": config.train_on,
@@ -431,6 +448,7 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
         run.lr_scale, run.rollbacks = saved["lr_scale"], saved.get("rollbacks", 0)
         run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]
         run.tokens_before, run.resumed_step = saved.get("tokens_seen", 0), saved["step"]
+        run.early_stop = dict(saved.get("early_stop") or {})
     run.plateau = PlateauWatch(uniform_loss(len(tokenizer)))
     signal.signal(signal.SIGTERM, run.on_sigterm)
     run.plotter = plotter or LossPlotter().start()  # imports matplotlib on another core while the model trains
