@@ -64,6 +64,7 @@ class RunState:
     nan_consumed: set[int] = field(default_factory=set)
     losses: deque = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
     train_s: float = 0.0  # seconds inside trainer.train() in this process (every segment)
+    train_cpu_s: float = 0.0  # CPU seconds of this process inside trainer.train() (tokens per CPU-second)
     tokens_seen: int = 0
     save_pending: bool = False
     resumed_lr_scale: float | None = None

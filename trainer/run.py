@@ -244,11 +244,12 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
         saved = checkpoints.read_state(resume)
         run.resumed_fingerprint, run.resumed_lr_scale = saved["trainable_fingerprint"], saved["lr_scale"]
         run.resumed_lr = saved["config"]["lr"]
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     finally:
         run.train_s += time.perf_counter() - started  # the trainer.train() window, as bench/ times the plain Trainer
+        run.train_cpu_s += time.process_time() - cpu_started
     return trainer
 
 
@@ -362,7 +363,7 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
         "tokens": run.tokens_before + run.tokens_seen, "tokens_this_attempt": run.tokens_seen,
         "packing": run.packing.to_dict() if run.packing else None, "train_on": config.train_on,
         "data": [f.to_dict() for f in run.data_files],
-        "durations_s": {"setup": round(timing["setup"], 3), "train": round(train_s, 3), "total": round(now - timing["start"], 3)},
+        "durations_s": {"setup": round(timing["setup"], 3), "train": round(train_s, 3), "train_cpu": round(run.train_cpu_s, 3), "total": round(now - timing["start"], 3)},
         "started_at": iso_utc(timing["start"]), "finished_at": iso_utc(now),
     }
     summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
