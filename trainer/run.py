@@ -21,7 +21,8 @@ from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError, count_reasons,
 from trainq.trainer.sources import LoadedData, changed_files, check_encoded, load_data, tokenize_cached
 from trainq.trainer.faults import parse_faults
 from trainq.trainer.plotter import LossPlotter
-from trainq.trainer.early_stop import EarlyStopping, restore_best
+from trainq.trainer.early_stop import restore_best
+from trainq.trainer.knobs import initial_weights, round_three_callbacks
 from trainq.trainer.plateau import PlateauWatch, uniform_loss
 from trainq.trainer.preflight import check_startup
 from trainq.trainer.resume_knobs import check_resume_knobs
@@ -251,35 +252,6 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
         run.train_s += time.perf_counter() - started  # the trainer.train() window, as bench/ times the plain Trainer
         run.train_cpu_s += time.process_time() - cpu_started
     return trainer
-
-
-def round_three_callbacks(config: TrainConfig, run: RunState, tokenizer, job_dir: Path) -> list:
-    """Callbacks of the opt-in knobs: early_stopping, eval_samples."""
-    found = []
-    if config.early_stopping_patience is not None:
-        found.append(EarlyStopping(run, config.early_stopping_patience, config.early_stopping_min_delta))
-    if config.eval_samples_prompts is not None:
-        from trainq.trainer.eval_samples import EvalSamples
-
-        found.append(EvalSamples(run, config, tokenizer, job_dir))
-    return found
-
-
-def initial_weights(model, config: TrainConfig, run: RunState, inv: Invocation, announce: bool) -> None:
-    """``init_from`` (or the watcher's TRAINQ_INIT_FROM from a fork): load the weights, checked shape by shape."""
-    source = inv.init_from or (Path(config.init_from) if config.init_from else None)
-    if source is None:
-        return
-    from trainq.trainer import init_from
-
-    try:
-        kind, loaded = init_from.load(model, source, config.method)
-    except ConfigError as exc:
-        raise ConfigError(f"{inv.job_dir / 'job.yaml'}: {exc}") from None
-    if announce:
-        run.metrics.event("init_from", f"initial weights from {source} ({kind}, {loaded} tensors); fresh optimizer "
-                          "and schedule", path=str(source), kind=kind, tensors=loaded)
-        print(f"trainq: initial weights from {source} ({kind}, {loaded} tensors); fresh optimizer and schedule", flush=True)
 
 
 def train_with_rollbacks(config, precision, datasets, tokenizer, run: RunState, resume: Path | None, inv: Invocation):
