@@ -45,6 +45,11 @@ def smoke_block(block: dict, config: TrainConfig, steps: int) -> dict:
     """The job's train: block with absolute paths, shortened, evaluated and checkpointed halfway, no debug/export."""
     out = {k: v for k, v in block.items() if k not in ("debug", "export", "report_to", "epochs", "max_steps", "preset")}
     out["model"] = config.model
+    for key in ("init_from", "chat_template"):  # the smoke job lives in debug/: its relative paths would not resolve
+        if getattr(config, key):
+            out[key] = getattr(config, key)
+    if config.eval_samples_prompts:
+        out["eval_samples"] = {**block["eval_samples"], "prompts": config.eval_samples_prompts}
     data = {"train": [{"path": p, "weight": w} for p, w in config.train_sources], "max_bad_rows": config.max_bad_rows}
     if config.eval_file:
         data["eval"] = config.eval_file
