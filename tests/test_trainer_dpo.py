@@ -34,6 +34,7 @@ def dpo_job(job: Path, tiny: Path, data: Path, **extra) -> Path:
                      eval_every=4, log_every=4, checkpoint={"every_steps": 4, "keep": 2}, **extra)
 
 
+@pytest.mark.slow  # five trainer processes (~40 s on a quiet machine)
 def test_dpo_records_rewards_and_resumes_bitwise_after_a_stop(tiny, tmp_path):
     data = preference_file(tmp_path / "pref.jsonl")
     whole = dpo_job(tmp_path / "whole", tiny, data)

@@ -32,6 +32,7 @@ def jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+@pytest.mark.slow  # a full fine-tune until it overfits (~15 s on a quiet machine)
 def test_early_stopping_restores_the_best_checkpoint_into_model(tiny, tmp_path):
     # one sentence learned by heart, evaluated on others: the eval loss falls, then rises as it overfits
     train = jsonl(tmp_path / "train.jsonl", [{"text": "zebra quartz yodel zebra quartz yodel."}] * 64)
