@@ -15,18 +15,29 @@ from trainq.trainer.config import ConfigError, TrainConfig
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "*.pt")
 
 
-def meta_model(model_dir: str):
-    """The model's architecture on the meta device (ConfigError naming train.model when it cannot be built)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def model_config(model_dir: str):
+    """The model's config (ConfigError naming train.model when transformers cannot read it)."""
+    from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (ValueError, OSError, KeyError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"train.model: {model_dir}: not a causal LM transformers can build: {first}") from None
+        raise ConfigError(f"train.model: {model_dir}: not a model transformers can read: {first}") from None
+
+
+def meta_model(model_dir: str):
+    """The model's architecture on the meta device, or None when it cannot be built that way (the real load, which
+    reports its own error, decides then)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(model_dir)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - some architectures (pre-quantized, remote code) build only from weights
+        return None
 
 
 def check_weights(model_dir: str) -> None:
@@ -40,7 +51,7 @@ def check_targets(model, config: TrainConfig) -> None:
     """ConfigError naming each lora.target_modules entry that matches no module of the model (peft's rule: the
     module's name, or its last dotted parts)."""
     targets = config.lora.target_modules
-    if config.method == "full" or targets == "all-linear":
+    if model is None or config.method == "full" or targets == "all-linear":
         return
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
@@ -68,7 +79,10 @@ def _check_startup(config: TrainConfig) -> None:
         read_prompts(config.eval_samples_prompts)
     check_weights(config.model)
     check_template(load_tokenizer(config.model, config.chat_template), config)
-    check_targets(meta_model(config.model), config)
+    if config.method == "full" or config.lora.target_modules == "all-linear":
+        model_config(config.model)
+    else:
+        check_targets(meta_model(config.model), config)
 
 
 def check_template(tokenizer, config: TrainConfig) -> None:
