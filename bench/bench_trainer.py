@@ -51,6 +51,13 @@ set_seed(S["seed"])
 model = get_peft_model(AutoModelForCausalLM.from_pretrained(d + "/model", local_files_only=True),
     LoraConfig(r=S["r"], lora_alpha=S["alpha"], lora_dropout=S["dropout"], target_modules="all-linear", task_type="CAUSAL_LM"))
 collate = PadCollator(tok.pad_token_id)
+if S.get("flatten"):  # the one-line alternative to padding a user would add: padding-free batches
+    from transformers import DataCollatorWithFlattening
+    collate = DataCollatorWithFlattening(return_position_ids=True)
+_real_tokens, _collate = [0], collate
+def collate(features):  # counts the real (non-pad) tokens of every batch the loop draws
+    _real_tokens[0] += sum(len(f["input_ids"]) for f in features)
+    return _collate(features)
 """
 
 PLAIN_TRAINER = _COMMON + r"""
@@ -68,15 +75,16 @@ class Losses(TrainerCallback):
 trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collate, callbacks=[Losses()])
 from transformers import PrinterCallback
 trainer.remove_callback(PrinterCallback)
-t0 = time.perf_counter(); trainer.train(); print("TRAIN_S", time.perf_counter() - t0, flush=True)
-print("TOKENS", sum(len(e["input_ids"]) for e in ds.examples), flush=True)
+t0, c0 = time.perf_counter(), time.process_time(); trainer.train()
+print("TRAIN_S", time.perf_counter() - t0, flush=True); print("TRAIN_CPU_S", time.process_time() - c0, flush=True)
+print("TOKENS", _real_tokens[0], flush=True)
 print("LOSSES", json.dumps(losses), flush=True)
 os._exit(0)
 """
 
 BARE_LOOP = _COMMON + r"""
 from transformers import get_scheduler
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 loader = torch.utils.data.DataLoader(ds, batch_size=S["batch_size"], shuffle=True, collate_fn=collate,
     generator=torch.Generator().manual_seed(S["seed"]))
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=S["lr"], fused=True)
@@ -89,7 +97,8 @@ while done < steps:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step(); sched.step(); opt.zero_grad(); done += 1
         if done >= steps: break
-print("TRAIN_S", time.perf_counter() - t0, flush=True)
+print("TRAIN_S", time.perf_counter() - t0, flush=True); print("TRAIN_CPU_S", time.process_time() - c0, flush=True)
+print("TOKENS", _real_tokens[0], flush=True)
 os._exit(0)
 """
 
@@ -108,28 +117,30 @@ def build_model(work: Path) -> Path:
     return work / "tiny"
 
 
-def write_job(job: Path, tiny: Path, steps: int, settings: dict = SETTINGS, packing: bool = False) -> Path:
-    """A trainq job with the shared settings (no eval, no checkpoint during the run); steps 0 means one epoch."""
+def write_job(job: Path, tiny: Path, steps: int, settings: dict = SETTINGS, packing: bool | None = None) -> Path:
+    """A trainq job with the shared settings (no eval, no checkpoint during the run); steps 0 means one epoch;
+    packing None leaves the default (on where the model's attention allows it)."""
     job.mkdir(parents=True, exist_ok=True)
     length = {"max_steps": steps} if steps > 0 else {"epochs": 1}
     train = {"model": str(tiny / "model"), "data": settings.get("data", str(tiny / "train.jsonl")), "eval_fraction": 0,
              "method": "lora", **length, "batch_size": settings["batch_size"], "seq_len": settings["seq_len"],
              "lr": settings["lr"], "lora": {"r": settings["r"], "alpha": settings["alpha"], "dropout": settings["dropout"]},
              "seed": settings["seed"], "log_every": 50, "checkpoint": {"every_minutes": 600, "keep": 1},
-             "packing": packing, "data_cache": False}
+             "data_cache": False, **({} if packing is None else {"packing": packing})}
     (job / "job.yaml").write_text(yaml.safe_dump({"approved": True, "train": train}))
     return job
 
 
-def run_trainq(work: Path, tiny: Path, steps: int, tag: str, settings: dict = SETTINGS, packing: bool = False) -> dict:
-    """train_s (the trainer.train() window), whole_s, tokens (real), losses of `python -m trainq.trainer`."""
+def run_trainq(work: Path, tiny: Path, steps: int, tag: str, settings: dict = SETTINGS, packing: bool | None = None) -> dict:
+    """train_s (the trainer.train() window), its CPU seconds, whole_s, tokens (real), losses of `python -m trainq.trainer`."""
     job = write_job(work / f"job-{tag}", tiny, steps, settings, packing)
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "trainq.trainer", str(job)], check=True, cwd=REPO, env=env(), capture_output=True)
     whole = time.perf_counter() - start
     summary = json.loads((job / "summary.json").read_text())
     records = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"train_s": summary["durations_s"]["train"], "whole_s": whole, "tokens": summary["tokens"],
+    return {"train_s": summary["durations_s"]["train"], "cpu_s": summary["durations_s"]["train_cpu"], "whole_s": whole,
+            "tokens": summary["tokens"],
             "losses": [r["loss"] for r in records if r.get("type") == "step"]}
 
 
@@ -140,7 +151,8 @@ def run_script(code: str, tiny: Path, steps: int, settings: dict = SETTINGS) -> 
                          cwd=REPO, env=env(), capture_output=True, text=True).stdout
     whole = time.perf_counter() - start
     found = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines() if " " in line}
-    return {"train_s": float(found["TRAIN_S"]), "whole_s": whole, "tokens": int(found.get("TOKENS", 0)),
+    return {"train_s": float(found["TRAIN_S"]), "cpu_s": float(found["TRAIN_CPU_S"]), "whole_s": whole,
+            "tokens": int(found.get("TOKENS", 0)),
             "losses": json.loads(found.get("LOSSES", "[]"))}
 
 
@@ -178,8 +190,9 @@ def packing_comparison(work: Path, tiny: Path, rows: int) -> dict:
     settings = {**SETTINGS, "data": str(data), "seq_len": 1024, "dropout": 0.0, "log_losses": True}
     packed = run_trainq(work, tiny, 0, "packed", settings, packing=True)
     padded = run_script(PLAIN_TRAINER, tiny, 0, settings)
+    flattened = run_script(PLAIN_TRAINER, tiny, 0, {**settings, "flatten": True})
     pairs = list(zip(packed["losses"], padded["losses"]))
-    return {"stats": stats, "packed": packed, "padded": padded, "steps": len(packed["losses"]),
+    return {"stats": stats, "packed": packed, "padded": padded, "flattened": flattened, "steps": len(packed["losses"]),
             "loss_diff": max((abs(a - b) for a, b in pairs if a is not None), default=float("nan"))}
 
 
@@ -205,6 +218,18 @@ def stop_latency(work: Path, tiny: Path) -> tuple[float, bool]:
     return latency, (latest / "manifest.json").is_file()
 
 
+def load_average() -> str:
+    """The 1/5/15-minute load averages (quote them with every figure: the machines are shared)."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _row(name: str, r: dict, base: dict | None = None) -> str:
+    rate = r["tokens"] / r["cpu_s"] if r["cpu_s"] > 0 else float("nan")
+    ratio = f" | {rate / (base['tokens'] / base['cpu_s']):.2f}x" if base else " | 1.00x"
+    return (f"| {name} | {r['tokens']} | {r['train_s']:.2f} | {r['cpu_s']:.2f} | {r['tokens'] / r['train_s']:.0f} | "
+            f"{rate:.0f}{ratio} | {r['whole_s']:.2f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="40 steps, one repeat")
@@ -213,34 +238,46 @@ def main() -> int:
     parser.add_argument("--packing-rows", type=int, default=160, help="rows of the variable-length packing set")
     args = parser.parse_args()
     steps, repeats, packing_rows = (40, 1, 48) if args.quick else (args.steps, args.repeats, args.packing_rows)
+    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
         tiny = build_model(work)
-        results: dict[str, list[tuple[float, float]]] = {"trainq": [], "plain Trainer": [], "bare loop": []}
+        runners = {"trainq (defaults: packing on)": lambda i: run_trainq(work, tiny, steps, str(i)),
+                   "plain Trainer + DataCollatorWithFlattening": lambda i: run_script(PLAIN_TRAINER, tiny, steps, {**SETTINGS, "flatten": True}),
+                   "plain Trainer, padded": lambda i: run_script(PLAIN_TRAINER, tiny, steps),
+                   "trainq, packing off": lambda i: run_trainq(work, tiny, steps, f"off{i}", packing=False),
+                   "bare loop, padded": lambda i: run_script(BARE_LOOP, tiny, steps)}
+        results: dict[str, list[dict]] = {name: [] for name in runners}
         for i in range(repeats):  # interleaved so load changes hit every contender alike
-            for name, result in (("trainq", run_trainq(work, tiny, steps, str(i))),
-                                 ("plain Trainer", run_script(PLAIN_TRAINER, tiny, steps)),
-                                 ("bare loop", run_script(BARE_LOOP, tiny, steps))):
-                results[name].append((result["train_s"], result["whole_s"]))
+            for name, run in runners.items():
+                results[name].append(run(i))
         latency, complete = stop_latency(work, tiny)
         pack = packing_comparison(work, tiny, packing_rows)
-    med = {k: (statistics.median(t for t, _ in v), statistics.median(w for _, w in v)) for k, v in results.items()}
-    print(f"\n{steps} LoRA steps on the small tiny model (median of {repeats}; OMP_NUM_THREADS=1)\n")
-    print("| runner | train s | whole process s | trainq/runner (train) | trainq/runner (whole) |")
-    print("|---|---|---|---|---|")
-    for name, (train_s, whole_s) in med.items():
-        print(f"| {name} | {train_s:.2f} | {whole_s:.2f} | {med['trainq'][0] / train_s:.3f} | {med['trainq'][1] / whole_s:.3f} |")
+    load_after = load_average()
+    med = {k: {f: statistics.median(r[f] for r in v) for f in ("train_s", "cpu_s", "whole_s", "tokens")}
+           for k, v in results.items()}
+    first = next(iter(med))
+    print(f"\n{steps} LoRA steps on the small tiny model (median of {repeats}; OMP_NUM_THREADS=1; "
+          f"load average {load_before} before, {load_after} after)\n")
+    print("| runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | vs trainq | whole process s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, row in med.items():
+        rate, base = row["tokens"] / row["cpu_s"], med[first]["tokens"] / med[first]["cpu_s"]
+        print(f"| {name} | {row['tokens']:.0f} | {row['train_s']:.2f} | {row['cpu_s']:.2f} | "
+              f"{row['tokens'] / row['train_s']:.0f} | {rate:.0f} | {rate / base:.2f}x | {row['whole_s']:.2f} |")
     print(f"\n| stop latency (flag touched -> exited) | {latency:.2f} s | checkpoint complete: {complete} |")
-    st, packed, padded = pack["stats"], pack["packed"], pack["padded"]
-    rate = {k: r["tokens"] / r["train_s"] for k, r in (("packed", packed), ("padded", padded))}
+    st = pack["stats"]
     print(f"\nPacking: 1 epoch of {st['rows']} rows, {st['min']}-{st['max']} tokens (median {st['median']}, mean "
           f"{st['mean']:.0f}), seq_len 1024, batch {SETTINGS['batch_size']}, {pack['steps']} steps, LoRA without dropout\n")
-    print("| packing runner | real tokens | train s | real tokens/s | whole process s |")
-    print("|---|---|---|---|---|")
-    print(f"| trainq, packed | {packed['tokens']} | {packed['train_s']:.2f} | {rate['packed']:.0f} | {packed['whole_s']:.2f} |")
-    print(f"| plain Trainer, padded | {padded['tokens']} | {padded['train_s']:.2f} | {rate['padded']:.0f} | {padded['whole_s']:.2f} |")
-    print(f"\n| packing speed-up (real tokens/s, trainq packed / plain Trainer padded) | {rate['packed'] / rate['padded']:.2f}x "
-          f"| time to 1 epoch {padded['train_s'] / packed['train_s']:.2f}x shorter | max step-loss difference {pack['loss_diff']:.1e} |")
+    print("| packing runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | trainq packed vs it | whole process s |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(_row("trainq, packed", pack["packed"]).replace(" | 1.00x", " | 1.00x"))
+    cpu_rate = lambda r: r["tokens"] / r["cpu_s"]  # noqa: E731
+    for name, key in (("plain Trainer + DataCollatorWithFlattening", "flattened"), ("plain Trainer, padded", "padded")):
+        r = pack[key]
+        print(f"| {name} | {r['tokens']} | {r['train_s']:.2f} | {r['cpu_s']:.2f} | {r['tokens'] / r['train_s']:.0f} | "
+              f"{cpu_rate(r):.0f} | {cpu_rate(pack['packed']) / cpu_rate(r):.2f}x | {r['whole_s']:.2f} |")
+    print(f"\n| max step-loss difference, trainq packed vs plain Trainer padded | {pack['loss_diff']:.1e} |")
     return 0
 
 

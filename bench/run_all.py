@@ -58,31 +58,64 @@ def _bench_trainer(base: Path, quick: bool, profile_dir: Path | None = None) -> 
     return trainer_rows(done.stdout)
 
 
-def trainer_rows(text: str) -> list[Row]:
-    """Rows from bench_trainer.py's output: `| runner | train s | whole process s | … |` and the stop line."""
-    runners = {}
+#: bench_trainer.py's overhead runners: trainq with its defaults (packing on) first
+TRAINER_RUNNERS = ("trainq (defaults: packing on)", "plain Trainer + DataCollatorWithFlattening", "plain Trainer, padded",
+                   "trainq, packing off", "bare loop, padded")
+#: its packing runners
+PACKING_RUNNERS = ("trainq, packed", "plain Trainer + DataCollatorWithFlattening", "plain Trainer, padded")
+
+
+def _tables(text: str) -> list[dict[str, dict]]:
+    """Each 8-column runner table of bench_trainer.py: runner -> {tokens, train_s, cpu_s, whole_s} (in order)."""
+    tables: list[dict[str, dict]] = []
+    current: dict[str, dict] = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[0] in ("trainq", "plain Trainer", "bare loop"):
-            runners[cells[0]] = (float(cells[1]), float(cells[2]))
-    if len(runners) != 3:
+        if len(cells) == 8 and cells[0] in TRAINER_RUNNERS + PACKING_RUNNERS:
+            current[cells[0]] = {"tokens": float(cells[1]), "train_s": float(cells[2]), "cpu_s": float(cells[3]),
+                                 "whole_s": float(cells[7])}
+        elif current and not line.startswith("|"):
+            tables.append(current)
+            current = {}
+    return tables + ([current] if current else [])
+
+
+def _per_cpu(r: dict) -> float:
+    return r["tokens"] / r["cpu_s"]
+
+
+def trainer_rows(text: str) -> list[Row]:
+    """Rows from bench_trainer.py's output: the overhead table (defaults, packing on), the packing table (against a
+    plain Trainer with DataCollatorWithFlattening and with padding; real tokens per CPU-second) and the stop line."""
+    tables = _tables(text)
+    over = next((t for t in tables if all(r in t for r in TRAINER_RUNNERS)), None)
+    if over is None:
         raise RuntimeError(f"bench_trainer.py output has no runner table: {text.strip()[-300:]}")
     title = next((line.strip() for line in text.splitlines() if "LoRA steps" in line), "LoRA steps")
+    load = re.search(r"load average ([\d. ]+) before", title)
     steps = title.split()[0]
-    ours, plain, bare = runners["trainq"], runners["plain Trainer"], runners["bare loop"]
-    values = {"title": title, "runners": {k: {"train_s": t, "whole_s": w} for k, (t, w) in runners.items()}}
+    ours, flat, padded, off, bare = (over[r] for r in TRAINER_RUNNERS)
     rows = [
-        Row("trainer", f"8. trainer: {steps} LoRA steps, training wall time", f"{ours[0]:.2f} s",
-            f"plain Trainer {plain[0]:.2f} s, bare loop {bare[0]:.2f} s", "—", None, values),
-        Row("trainer", "8. trainer: training time vs plain Trainer / vs bare loop",
-            f"{ours[0] / plain[0]:.2f}× / {ours[0] / bare[0]:.2f}×",
-            f"plain Trainer vs bare loop {plain[0] / bare[0]:.2f}×",
-            "—", None),
-        Row("trainer", "8. trainer: whole process (imports, load, train, save) vs plain Trainer",
-            f"{ours[1]:.2f} s ({ours[1] / plain[1]:.2f}×)",
-            f"plain Trainer {plain[1]:.2f} s, bare loop {bare[1]:.2f} s",
-            "—", None),
+        Row("trainer", f"8. trainer: {steps} LoRA steps with the defaults (packing on), training wall time",
+            f"{ours['train_s']:.2f} s", f"plain Trainer + flattening {flat['train_s']:.2f} s, padded "
+            f"{padded['train_s']:.2f} s, bare loop {bare['train_s']:.2f} s", "—", None,
+            {"title": title, "load_average": load.group(1).strip() if load else None, "runners": over}),
+        Row("trainer", "8. trainer: real tokens per CPU-second vs plain Trainer + flattening / padded",
+            f"{_per_cpu(ours) / _per_cpu(flat):.2f}× / {_per_cpu(ours) / _per_cpu(padded):.2f}×",
+            f"trainq packing off vs plain padded {_per_cpu(off) / _per_cpu(padded):.2f}×", "—", None),
+        Row("trainer", "8. trainer: whole process (imports, load, train, save) vs plain Trainer + flattening",
+            f"{ours['whole_s']:.2f} s ({ours['whole_s'] / flat['whole_s']:.2f}×)",
+            f"plain Trainer + flattening {flat['whole_s']:.2f} s, bare loop {bare['whole_s']:.2f} s", "—", None),
     ]
+    pack = next((t for t in tables if all(r in t for r in PACKING_RUNNERS) and "trainq, packed" in t), None)
+    if pack:
+        packed = pack["trainq, packed"]
+        rows.append(Row("trainer", "8. trainer: packing, real tokens per CPU-second vs plain Trainer + "
+                        "DataCollatorWithFlattening / padded",
+                        f"{_per_cpu(packed) / _per_cpu(pack['plain Trainer + DataCollatorWithFlattening']):.2f}× / "
+                        f"{_per_cpu(packed) / _per_cpu(pack['plain Trainer, padded']):.2f}×",
+                        f"wall: {packed['train_s']:.2f} s vs {pack['plain Trainer + DataCollatorWithFlattening']['train_s']:.2f} s"
+                        f" / {pack['plain Trainer, padded']['train_s']:.2f} s", "—", None, {"runners": pack}))
     stop = re.search(r"\|\s*stop latency[^|]*\|\s*([\d.]+) s\s*\|\s*checkpoint complete: (\w+)", text)
     if stop:
         complete = stop.group(2) == "True"

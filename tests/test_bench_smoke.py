@@ -19,15 +19,23 @@ from bench.run_all import (  # noqa: E402
 
 #: a real bench_trainer.py output (abridged numbers), the format run_all.py folds into rows
 TRAINER_OUTPUT = """
-40 LoRA steps on the small tiny model (median of 1; OMP_NUM_THREADS=1)
+40 LoRA steps on the small tiny model (median of 1; OMP_NUM_THREADS=1; load average 1.0 0.8 0.5 before, 1.2 0.9 0.6 after)
 
-| runner | train s | whole process s | train ratio vs trainq | whole ratio vs trainq |
-|---|---|---|---|---|
-| trainq | 2.20 | 9.10 | 1.000 | 1.000 |
-| plain Trainer | 2.00 | 8.50 | 1.100 | 1.071 |
-| bare loop | 1.80 | 7.90 | 1.222 | 1.152 |
+| runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | vs trainq | whole process s |
+|---|---|---|---|---|---|---|---|
+| trainq (defaults: packing on) | 4000 | 2.00 | 2.00 | 2000 | 2000 | 1.00x | 9.10 |
+| plain Trainer + DataCollatorWithFlattening | 4000 | 2.50 | 2.50 | 1600 | 1600 | 0.80x | 8.50 |
+| plain Trainer, padded | 4000 | 4.00 | 4.00 | 1000 | 1000 | 0.50x | 8.60 |
+| trainq, packing off | 4000 | 4.20 | 4.20 | 952 | 952 | 0.48x | 9.00 |
+| bare loop, padded | 4000 | 3.80 | 3.80 | 1053 | 1053 | 0.53x | 7.90 |
 
 | stop latency (flag touched -> exited) | 0.41 s | checkpoint complete: True |
+
+| packing runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | trainq packed vs it | whole process s |
+|---|---|---|---|---|---|---|---|
+| trainq, packed | 9000 | 3.00 | 3.00 | 3000 | 3000 | 1.00x | 10.00 |
+| plain Trainer + DataCollatorWithFlattening | 9000 | 4.50 | 4.50 | 2000 | 2000 | 1.50x | 11.00 |
+| plain Trainer, padded | 9000 | 6.00 | 6.00 | 1500 | 1500 | 2.00x | 12.00 |
 """
 
 
@@ -84,9 +92,12 @@ def test_an_unknown_section_is_refused_with_the_list(tmp_path: Path) -> None:
 
 def test_trainer_output_folds_into_rows() -> None:
     rows = trainer_rows(TRAINER_OUTPUT)
-    assert rows[0].metric.startswith("8. trainer: 40 LoRA steps")
-    assert rows[0].trainq == "2.20 s" and rows[0].peer == "plain Trainer 2.00 s, bare loop 1.80 s"
-    assert rows[1].trainq == "1.10× / 1.22×"
+    assert rows[0].metric.startswith("8. trainer: 40 LoRA steps with the defaults (packing on)")
+    assert rows[0].trainq == "2.00 s" and rows[0].peer == "plain Trainer + flattening 2.50 s, padded 4.00 s, bare loop 3.80 s"
+    assert rows[0].values["load_average"] == "1.0 0.8 0.5"
+    assert rows[1].trainq == "1.25× / 2.00×"
+    packing = next(r for r in rows if "packing, real tokens per CPU-second" in r.metric)
+    assert packing.trainq == "1.50× / 2.00×"
     assert rows[-1].trainq == "0.41 s" and rows[-1].met is True
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from trainq.trainer import checkpoints, ladder
 from trainq.trainer.config import ConfigError, load_config
-from trainq.trainer.data import IGNORE_INDEX, DataError, Row, encode, read_rows, split
+from trainq.trainer.data import IGNORE_INDEX, DataError, Row, RowError, encode, read_rows, split
 from trainq.trainer.sources import load_data
 from trainq.trainer.faults import FaultSpecError, parse_faults
 from trainq.trainer.presets import Knobs, ModelShape, PresetError, choose, estimate
@@ -165,7 +165,11 @@ def test_messages_without_template_train_on_assistant_contents_only(tokenizer):
     kept = [t for t in example["labels"] if t != IGNORE_INDEX]
     assert tokenizer.decode(kept).strip() == "is brown." + tokenizer.eos_token  # the token " is" carries the space
     assert encode(row, tokenizer, seq_len=64, train_on="all")["labels"] == example["input_ids"]
-    assert len(encode(row, tokenizer, seq_len=4)["input_ids"]) == 4
+    whole = len(example["input_ids"])
+    assert len(encode(row, tokenizer, seq_len=whole - 2)["input_ids"]) == whole - 2, "a little over seq_len: truncated"
+    with pytest.raises(RowError, match=r"more than half would be cut at seq_len 4") as info:  # round three: a bad row
+        encode(row, tokenizer, seq_len=4)
+    assert info.value.bad.category == "truncated"
 
 
 # -- config --------------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from trainq.trainer.distributed import StepVote, World, barrier
 from trainq.trainer.faults import Faults
 from trainq.trainer.metrics import MetricsWriter
 from trainq.trainer.modeling import fingerprint, trainable_state
+from trainq.trainer.plateau import PLATEAU_STEPS, PlateauWatch
+from trainq.trainer.resume_knobs import apply_to_optimizer
 from trainq.watcher.spec.contract import CKPT_BEST, CKPT_LATEST, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_STEP
 from trainq.watcher.spec.fsutil import atomic_write_json, touch
 
@@ -63,10 +65,12 @@ class RunState:
     nan_consumed: set[int] = field(default_factory=set)
     losses: deque = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
     train_s: float = 0.0  # seconds inside trainer.train() in this process (every segment)
+    train_cpu_s: float = 0.0  # CPU seconds of this process inside trainer.train() (tokens per CPU-second)
     tokens_seen: int = 0
     save_pending: bool = False
     resumed_lr_scale: float | None = None
     resumed_fingerprint: str | None = None
+    resumed_lr: float | None = None  # the lr the resumed checkpoint's optimizer and scheduler were built with
     last_checkpoint: Path | None = None
     trainer: object | None = None  # the current segment's Trainer (an OOM leaves it behind for the summary)
     packing: object | None = None  # packing.PackingDecision, made once per process
@@ -78,6 +82,8 @@ class RunState:
     step_vitals: dict = field(default_factory=dict)  # this step's clip and update_ratio (vitals.py)
     started_mono: float = field(default_factory=time.monotonic)  # for train.max_minutes_per_attempt
     world: World = field(default_factory=World)  # this rank among the job's ranks (distributed.py)
+    early_stop: dict = field(default_factory=dict)  # early_stop.EarlyStopping's count and outcome (checkpointed)
+    plateau: PlateauWatch = field(default_factory=lambda: PlateauWatch(None))  # set with ln V once the tokenizer is known
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """Signal handler: only sets a flag; the next step boundary acts on it."""
@@ -143,6 +149,10 @@ class TrainqTrainer(Trainer):
         self.last_grad_norm = float(value) if value is not None else None
         return value
 
+    def step_extras(self) -> dict:
+        """Extra fields of the step record (method: dpo adds TRL's rewards); none for SFT."""
+        return {}
+
     def pop_step(self) -> tuple[float, int]:
         """(raw loss, tokens) of the optimizer step that just ended; resets the accumulators."""
         loss, tokens = float(self.step_loss), self.step_tokens
@@ -162,7 +172,7 @@ def _trainq_state(trainer: TrainqTrainer, run: RunState) -> dict:
         "best_eval_loss": run.best_eval_loss, "best_step": run.best_step, "lr_scale": run.lr_scale,
         "rollbacks": run.rollbacks, "trainable_fingerprint": fingerprint(trainable_state(trainer.model)),
         "tokens_seen": run.tokens_before + run.tokens_seen, "data_files": [f.to_dict() for f in run.data_files],
-        "config": run.config.to_dict(), "time": time.time(),
+        "config": run.config.to_dict(), "time": time.time(), "early_stop": dict(run.early_stop),
     }
 
 
@@ -239,15 +249,10 @@ class TrainqCallback(TrainerCallback):
             self._verify_resumed(state)
 
     def _rescale_lr(self, optimizer, scheduler) -> None:
+        """The restored optimizer and scheduler take this run's lr (times the rollback scale) and weight_decay."""
         loaded = self.run.resumed_lr_scale if self.run.resumed_lr_scale is not None else self.run.lr_scale
-        factor = self.run.lr_scale / loaded
-        if factor == 1.0:
-            return
-        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-        for group in optimizer.param_groups:
-            group["lr"] *= factor
-            if "initial_lr" in group:
-                group["initial_lr"] *= factor
+        saved_lr = self.run.resumed_lr if self.run.resumed_lr is not None else self.run.config.lr
+        apply_to_optimizer(optimizer, scheduler, self.run.config, saved_lr, loaded, self.run.lr_scale)
 
     def _verify_resumed(self, state) -> None:
         actual = fingerprint(trainable_state(self.trainer.model))
@@ -295,6 +300,7 @@ class TrainqCallback(TrainerCallback):
             return control
         if not nonfinite:
             self._check_spike(state, loss)
+            self._check_plateau(state, loss)
         self._schedule_save(state, control, defer=nonfinite, time_due=vote.due)
         self._check_stop(control, vote)
         if self.has_eval and state.global_step >= state.max_steps and not nonfinite:
@@ -308,7 +314,7 @@ class TrainqCallback(TrainerCallback):
             world_size=self.run.world.world_size,
             grad_norm=self.trainer.last_grad_norm, tokens_per_s=tokens / elapsed if elapsed > 0 else None,
             time=time.time(), peak_mem_mb=round(peak_mem_mb(), 1), **({"nonfinite": True} if bad else {}),
-            **self.run.step_vitals,
+            **self.run.step_vitals, **self.trainer.step_extras(),
         )
         every = self.run.config.log_every
         if not self.run.world.is_main:
@@ -347,6 +353,15 @@ class TrainqCallback(TrainerCallback):
                                        step=state.global_step, loss=loss, mean=mean, sigma=sigma)
                 print(f"step {state.global_step}: loss spike {loss:.4f} (mean {mean:.4f}, sigma {sigma:.4f})", flush=True)
         history.append(loss)
+
+    def _check_plateau(self, state, loss: float) -> None:
+        if not self.run.plateau.update(loss):
+            return
+        level = self.run.plateau.level
+        message = (f"step {state.global_step}: loss {loss:.4f} has sat at ln V = {level:.4f} (a uniform prediction) for "
+                   f"{PLATEAU_STEPS} steps: the run is not learning; lower lr or set max_grad_norm")
+        self.run.metrics.event("plateau", message, step=state.global_step, loss=loss, uniform_loss=level)
+        print(f"trainq: warning: {message}", flush=True)
 
     def _apply_step_faults(self, state) -> None:
         faults = self.run.faults
@@ -399,8 +414,9 @@ class TrainqCallback(TrainerCallback):
         if eval_loss is None or not self.trainer.is_in_train:
             return
         self.run.last_eval_loss = eval_loss
+        extras = {k.removeprefix("eval_"): v for k, v in (metrics or {}).items() if "/" in k}  # dpo: eval rewards
         self.run.metrics.write(RECORD_EVAL, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch,
-                               eval_loss=eval_loss, time=time.time())
+                               eval_loss=eval_loss, time=time.time(), **extras)
         if self.run.world.is_main:
             print(f"step {state.global_step}/{state.max_steps}: eval_loss {eval_loss:.4f}", flush=True)
         if _finite(eval_loss) and (self.run.best_eval_loss is None or eval_loss < self.run.best_eval_loss):

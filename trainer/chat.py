@@ -10,13 +10,14 @@ Three ways to find the assistant tokens, tried in this order:
    two are that turn (with its end-of-turn marker). Tokens overlapping those character spans (fast tokenizer
    offsets) are trained on, the same overlap rule transformers uses for ``{% generation %}``.
    A template whose renderings are not prefixes of each other cannot be masked: ``UnmaskableTemplate``.
-3. No chat template: ``role: content`` lines; the assistant contents (and the final eos) are trained on.
+3. No chat template: ``role: content`` lines; the assistant contents, each followed by an eos, are trained on.
 
 The template's text is tokenized as it is: trainq adds no BOS/EOS of its own to templated rows (a template that
 writes ``{{ bos_token }}`` would otherwise get it twice).
 """
 from __future__ import annotations
 
+import json
 import re
 
 #: label value the loss ignores (transformers' convention)
@@ -46,16 +47,39 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) ->
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def _plain(messages: list[dict], tokenizer) -> tuple[str, list[tuple[int, int]]]:
-    """``role: content`` lines and the character spans of assistant contents."""
+def _plain_content(msg: dict) -> str:
+    """A message's text for ``role: content`` lines; tool calls are written as JSON after it."""
+    calls = msg.get("tool_calls")
+    if not calls:
+        return msg["content"]
+    return msg["content"] + json.dumps([c.get("function", c) for c in calls], ensure_ascii=False)
+
+
+def _plain(messages: list[dict], tokenizer) -> tuple[list[int], list[bool]]:
+    """``role: content`` lines, bos first; every assistant turn ends with eos (trained), so a model learns to stop
+    after each of its turns, not only after the last one; a conversation ending on another role ends with an
+    untrained eos."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids, mask = list(bos), [False] * len(bos)
     text, spans = "", []
     for i, msg in enumerate(messages):
-        head = f"{msg['role']}: "
+        head = ("\n" if text or i else "") + f"{msg['role']}: "
+        content = _plain_content(msg)
         start = len(text) + len(head)
-        text += head + msg["content"] + ("\n" if i < len(messages) - 1 else "")
-        if msg["role"] == "assistant":
-            spans.append((start, start + len(msg["content"])))
-    return text, spans
+        text += head + content
+        if msg["role"] != "assistant":
+            continue
+        spans.append((start, start + len(content)))
+        piece_ids, piece_mask = _tokenize_spans(text, spans, tokenizer)
+        ids += piece_ids + eos
+        mask += piece_mask + [True] * len(eos)
+        text, spans = "", []
+    if text or messages[-1]["role"] != "assistant":
+        piece_ids, piece_mask = _tokenize_spans(text, spans, tokenizer) if text else ([], [])
+        ids += piece_ids + eos
+        mask += piece_mask + [False] * len(eos)
+    return ids, mask
 
 
 def prefix_spans(messages: list[dict], tokenizer) -> tuple[str, list[tuple[int, int]]]:
@@ -97,12 +121,7 @@ def encode_messages(messages: list[dict], tokenizer, train_on: str) -> tuple[lis
     """(input_ids, labels) of one conversation; labels are IGNORE_INDEX outside what ``train_on`` trains."""
     method = masking_method(tokenizer)
     if method == "plain":
-        text, spans = _plain(messages, tokenizer)
-        ids, mask = _tokenize_spans(text, spans, tokenizer)
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        ids = bos + ids + eos
-        mask = [False] * len(bos) + mask + [messages[-1]["role"] == "assistant"] * len(eos)
+        ids, mask = _plain(messages, tokenizer)
     elif train_on == "all":
         ids = tokenizer(_render(tokenizer, messages), add_special_tokens=False)["input_ids"]
         mask = [True] * len(ids)

@@ -29,6 +29,8 @@ class LoraConfig:
     alpha: float = 16
     dropout: float = 0.05
     target_modules: str | tuple[str, ...] = "all-linear"
+    dora: bool = False  # weight-decomposed LoRA (peft use_dora)
+    rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r) (peft use_rslora)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,13 @@ class TrainConfig:
     max_minutes_per_attempt: float | None = None  # then save and exit EXIT_CHECKPOINT (85): time-sliced training
     processes: int | None = None  # ranks per node; None: one per GPU given, 1 without GPUs (trainer/distributed.py)
     strategy: str = "ddp"  # ddp | fsdp
+    init_from: str | None = None  # a peft adapter folder or HF checkpoint: starting weights, fresh optimizer
+    early_stopping_patience: int | None = None  # evals without an improvement of min_delta before stopping
+    early_stopping_min_delta: float = 0.0
+    chat_template: str | None = None  # a Jinja file that replaces the tokenizer's chat template
+    eval_samples_prompts: str | None = None  # JSONL of prompts generated from at each eval (samples.jsonl)
+    eval_samples_max_new_tokens: int = 64
+    dpo_beta: float = 0.1  # method: dpo: strength of the pull towards the reference model
 
     @property
     def train_file(self) -> str:
@@ -96,8 +105,10 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, block: dict, base_dirs: tuple[Path, ...]) -> TrainConfig:
         """Build from an already schema-valid ``train:`` block; relative paths resolve against ``base_dirs``."""
-        values = {k: v for k, v in block.items() if k not in ("data", "lora", "checkpoint", "export", "report_to")}
+        values = {k: v for k, v in block.items()
+                  if k not in ("data", "lora", "checkpoint", "export", "report_to", "early_stopping", "eval_samples", "dpo")}
         values["model"] = _resolve(block["model"], base_dirs)
+        values.update(_round_three(block, base_dirs))
         data = block["data"]
         if isinstance(data, str):
             values["train_sources"] = ((_resolve(data, base_dirs), 1.0),)
@@ -145,6 +156,23 @@ class TrainConfig:
         if lora_r is not None:
             new = replace(new, lora=replace(new.lora, r=int(lora_r)))
         return new
+
+
+def _round_three(block: dict, base_dirs: tuple[Path, ...]) -> dict:
+    """init_from, chat_template, early_stopping, eval_samples and dpo as TrainConfig fields (paths resolved)."""
+    out: dict = {}
+    for key in ("init_from", "chat_template"):
+        if key in block:
+            out[key] = _resolve(block[key], base_dirs)
+    if "early_stopping" in block:
+        out["early_stopping_patience"] = block["early_stopping"]["patience"]
+        out["early_stopping_min_delta"] = float(block["early_stopping"].get("min_delta", 0.0))
+    if "eval_samples" in block:
+        out["eval_samples_prompts"] = _resolve(block["eval_samples"]["prompts"], base_dirs)
+        out["eval_samples_max_new_tokens"] = block["eval_samples"].get("max_new_tokens", 64)
+    if "dpo" in block:
+        out["dpo_beta"] = float(block["dpo"].get("beta", 0.1))
+    return out
 
 
 def _resolve(path: str, base_dirs: tuple[Path, ...]) -> str:
@@ -233,3 +261,11 @@ def _check_paths(config: TrainConfig, spec: str) -> None:
             raise ConfigError(f"{spec}: {field_name}: {path} does not exist")
     if config.eval_file is not None and not Path(config.eval_file).is_file():
         raise ConfigError(f"{spec}: train.data.eval: {config.eval_file} does not exist")
+    for field_name, path in (("train.chat_template", config.chat_template), ("train.eval_samples.prompts", config.eval_samples_prompts)):
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{spec}: {field_name}: {path} does not exist")
+    if config.init_from is not None and not Path(config.init_from).is_dir():
+        raise ConfigError(f"{spec}: train.init_from: {config.init_from} is not a folder; give a peft adapter folder or an "
+                          "HF checkpoint folder")
+    if config.early_stopping_patience is not None and config.eval_every is None:
+        raise ConfigError(f"{spec}: train.early_stopping: needs eval_every (early stopping watches the eval loss)")

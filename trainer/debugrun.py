@@ -2,7 +2,9 @@
 
 In ``JOB_DIR/debug/`` the trainer runs the job's own config shortened to ``smoke_steps`` (20 steps, or 2 % of the
 run when that is fewer, at least 4), with an eval and a checkpoint halfway, then a second process resumes from
-that checkpoint and finishes. It passes when both processes exit 0 with finite losses; the verdict (losses,
+that checkpoint and finishes. It passes when both processes exit 0 with finite losses and the loss shows learning
+(it falls by at least LEARN_MARGIN of its start and does not sit at ln V, the uniform-prediction level: plateau.py);
+the verdict (losses,
 peak memory, whether the resumed run matches the first one) goes to ``debug/verdict.json``, a ``debug`` event
 and the log. On failure the real run never starts: this process exits with the smoke run's exit code and its
 last line, so the watcher's diagnosis names what broke (data, oom, nan, ...).
@@ -21,6 +23,7 @@ import yaml
 
 from trainq.trainer.config import TrainConfig, read_job
 from trainq.trainer.metrics import MetricsWriter, read_records
+from trainq.trainer.plateau import LEARN_MARGIN, learning_verdict
 from trainq.watcher.spec.contract import ENV_ATTEMPT, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, EXIT_FAILED, EXIT_OK
 from trainq.watcher.spec.fsutil import atomic_write_json
 
@@ -42,6 +45,11 @@ def smoke_block(block: dict, config: TrainConfig, steps: int) -> dict:
     """The job's train: block with absolute paths, shortened, evaluated and checkpointed halfway, no debug/export."""
     out = {k: v for k, v in block.items() if k not in ("debug", "export", "report_to", "epochs", "max_steps", "preset")}
     out["model"] = config.model
+    for key in ("init_from", "chat_template"):  # the smoke job lives in debug/: its relative paths would not resolve
+        if getattr(config, key):
+            out[key] = getattr(config, key)
+    if config.eval_samples_prompts:
+        out["eval_samples"] = {**block["eval_samples"], "prompts": config.eval_samples_prompts}
     data = {"train": [{"path": p, "weight": w} for p, w in config.train_sources], "max_bad_rows": config.max_bad_rows}
     if config.eval_file:
         data["eval"] = config.eval_file
@@ -60,7 +68,8 @@ def _run(job: Path, env: dict[str, str], stop_flag: Path) -> tuple[int, str]:
     return code, lines[-1] if lines else ""
 
 
-def run_debug(config: TrainConfig, job_dir: Path, stop_flag: Path, real_steps: int, metrics: MetricsWriter) -> int | None:
+def run_debug(config: TrainConfig, job_dir: Path, stop_flag: Path, real_steps: int, metrics: MetricsWriter,
+              uniform: float | None = None) -> int | None:
     """Run the smoke test; None when it passed (go on with the real run), else the exit code to end with."""
     steps = smoke_steps(config, real_steps)
     folder = job_dir / DEBUG_DIR
@@ -81,13 +90,14 @@ def run_debug(config: TrainConfig, job_dir: Path, stop_flag: Path, real_steps: i
         env[ENV_RESUME_FROM] = str(folder / "checkpoints" / _step_name(steps // 2))
         code, last = _run(folder, env, stop_flag)
         resumed = _step_losses(folder)
-    verdict = _verdict(folder, code, last, steps, first, resumed)
+    verdict = _verdict(folder, code, last, steps, first, resumed, uniform)
     atomic_write_json(folder / VERDICT_FILE, verdict)
     metrics.event("debug", verdict["message"], **{k: v for k, v in verdict.items() if k != "message"})
     print(f"trainq: {verdict['message']}", flush=True)
     if verdict["passed"]:
         return None
-    print(f"trainq: debug run failed; the real run was not started: {last}", file=sys.stderr, flush=True)
+    why = verdict["not_learning"] or last
+    print(f"trainq: debug run failed; the real run was not started: {why}", file=sys.stderr, flush=True)
     return code if code not in (EXIT_OK, None) else EXIT_FAILED
 
 
@@ -101,7 +111,8 @@ def _step_losses(folder: Path) -> dict[int, float | None]:
     return {r["step"]: r.get("loss") for r in read_records(folder / "metrics.jsonl") if r.get("type") == "step"}
 
 
-def _verdict(folder: Path, code: int, last: str, steps: int, first: dict, resumed: dict | None) -> dict:
+def _verdict(folder: Path, code: int, last: str, steps: int, first: dict, resumed: dict | None,
+             uniform: float | None = None) -> dict:
     summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").is_file() else {}
     records = read_records(folder / "metrics.jsonl") + read_records(folder / "metrics-first.jsonl")
     peak = max((r.get("peak_mem_mb") or 0 for r in records), default=0)
@@ -111,8 +122,10 @@ def _verdict(folder: Path, code: int, last: str, steps: int, first: dict, resume
     overlap = sorted(set(first) & set(resumed or {}))
     resume_diff = max((abs(first[s] - resumed[s]) for s in overlap if first[s] is not None and resumed[s] is not None),
                       default=None) if resumed else None
-    passed = code == EXIT_OK and resumed is not None and finite and summary.get("outcome") == "done"
-    what = "passed" if passed else f"FAILED (exit {code}: {last})"
+    by_step = {**first, **(resumed or {})}
+    not_learning = learning_verdict([by_step[k] for k in sorted(by_step)], uniform) if finite else None
+    passed = code == EXIT_OK and resumed is not None and finite and summary.get("outcome") == "done" and not not_learning
+    what = "passed" if passed else (f"FAILED: {not_learning}" if code == EXIT_OK and not_learning else f"FAILED (exit {code}: {last})")
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     message = (f"debug run {what}: {steps} steps, loss {fmt(losses[0] if losses else None)} -> "
                f"{fmt(losses[-1] if losses else None)}, eval loss {fmt(evals[-1] if evals else None)}, peak memory {peak:.0f} MiB, "
@@ -121,4 +134,5 @@ def _verdict(folder: Path, code: int, last: str, steps: int, first: dict, resume
     return {"passed": passed, "exit_code": code, "steps": steps, "first_loss": losses[0] if losses else None,
             "final_loss": losses[-1] if losses else None, "eval_loss": evals[-1] if evals else None,
             "peak_mem_mb": peak, "resumed": resumed is not None, "resume_loss_diff": resume_diff, "last_line": last,
+            "not_learning": not_learning, "uniform_loss": uniform, "learn_margin": LEARN_MARGIN,
             "message": message}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainq.trainer.config import TrainConfig
+from trainq.trainer.config import ConfigError, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +39,32 @@ def resolve_precision(requested: str) -> Precision:
     return Precision("fp32", f"auto: compute capability {major}.{minor} < 7")
 
 
-def load_tokenizer(model_dir: str):
-    """The tokenizer saved beside the model; a pad token is borrowed from eos when missing."""
+#: files of which at least one means "a tokenizer was saved here"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def check_tokenizer_files(model_dir: str) -> None:
+    """ConfigError when the model folder holds no tokenizer at all (transformers would blame sentencepiece)."""
+    from pathlib import Path
+
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"train.model: {model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save it "
+                          "beside the weights with tokenizer.save_pretrained(FOLDER)")
+
+
+def load_tokenizer(model_dir: str, chat_template: str | None = None):
+    """The tokenizer saved beside the model; a pad token is borrowed from eos when missing; ``chat_template``
+    (a Jinja file, the train.chat_template knob) replaces the saved template."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
     return tokenizer
 
 
@@ -90,7 +109,7 @@ def load_base(config: TrainConfig, precision: Precision):
         kwargs["dtype"] = precision.dtype
         # each rank's 4-bit base on its own GPU (LOCAL_RANK, set by torchrun; 0 for a single process)
         kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))} if torch.cuda.is_available() else {"": "cpu"}
-    elif config.method == "lora":
+    elif config.method in ("lora", "dpo"):
         kwargs["dtype"] = precision.dtype
     else:
         kwargs["dtype"] = torch.float32  # the Trainer's autocast handles bf16/fp16; Adam wants fp32 masters
@@ -111,6 +130,7 @@ def attach_lora(model, config: TrainConfig):
     lora = LoraConfig(
         r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
         target_modules=_lora_targets(config), bias="none", task_type="CAUSAL_LM",
+        use_dora=config.lora.dora, use_rslora=config.lora.rslora,
     )
     return get_peft_model(model, lora)
 

@@ -17,10 +17,15 @@ from transformers import PrinterCallback, TrainingArguments
 from trainq.trainer import artifacts, checkpoints, distributed, ladder, packing
 from trainq.trainer.callbacks import RunState, TrainqCallback, TrainqTrainer
 from trainq.trainer.config import ConfigError, TrainConfig, load_config
-from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError
-from trainq.trainer.sources import LoadedData, changed_files, load_data, tokenize_cached
+from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError, count_reasons, counts_text
+from trainq.trainer.sources import LoadedData, changed_files, check_encoded, load_data, tokenize_cached
 from trainq.trainer.faults import parse_faults
 from trainq.trainer.plotter import LossPlotter
+from trainq.trainer.early_stop import restore_best
+from trainq.trainer.knobs import initial_weights, round_three_callbacks
+from trainq.trainer.plateau import PlateauWatch, uniform_loss
+from trainq.trainer.preflight import check_startup
+from trainq.trainer.resume_knobs import check_resume_knobs
 from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
@@ -166,7 +171,8 @@ def total_steps(config: TrainConfig, train_rows: int, world_size: int = 1) -> in
 
 
 def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_eval: bool, lr_scale: float,
-                  train_rows: int, job_dir: Path | None = None) -> TrainingArguments:
+                  train_rows: int, job_dir: Path | None = None, args_class: type = TrainingArguments,
+                  **extra: object) -> TrainingArguments:
     """The Trainer knobs users know, mapped 1:1 from the train: block; checkpoints and logs are trainq's.
     Warm-up is passed as a whole number of steps, which every transformers version reads the same way."""
     length = {"max_steps": config.max_steps} if config.max_steps else {"num_train_epochs": config.epochs}
@@ -177,7 +183,7 @@ def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_
     if config.report_to:
         reporting.update(logging_strategy="steps", logging_steps=config.log_every)
     gradient_checkpointing = config.gradient_checkpointing if config.method != "qlora" else False  # peft prepares qlora
-    return TrainingArguments(
+    return args_class(
         output_dir=str(out_dir), per_device_train_batch_size=config.batch_size,
         per_device_eval_batch_size=config.batch_size, gradient_accumulation_steps=config.grad_accum,
         learning_rate=config.lr * lr_scale, lr_scheduler_type=config.scheduler, warmup_steps=warmup_steps,
@@ -186,7 +192,7 @@ def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_
         bf16=precision.name == "bf16", fp16=precision.name == "fp16", use_cpu=not torch.cuda.is_available(),
         eval_strategy="steps" if has_eval and config.eval_every else "no", eval_steps=config.eval_every,
         save_strategy="no", logging_nan_inf_filter=False, **reporting,
-        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, **length, **optimizer,
+        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, **length, **optimizer, **extra,
         **distributed.training_kwargs(config, world, cpu=not torch.cuda.is_available()),
     )
 
@@ -196,13 +202,18 @@ def report_data(data: LoadedData, metrics: MetricsWriter) -> None:
     metrics.event("data", "; ".join(f"{f.role} {f.path}: {f.rows} rows, {f.bad_rows} bad, sha256 {f.sha256[:12]}"
                                     for f in data.files), files=[f.to_dict() for f in data.files],
                   train_rows=len(data.train), eval_rows=len(data.eval))
-    bad = data.bad
+    report_bad_rows(data.bad, metrics, "reading")
+
+
+def report_bad_rows(bad: list, metrics: MetricsWriter, stage: str) -> None:
+    """Bad rows within the limit: each to stderr (the first MAX_REPORTED_BAD_ROWS) and one ``bad_rows`` event."""
     if not bad:
         return
     for row in bad[:MAX_REPORTED_BAD_ROWS]:
         print(f"trainq: skipped bad row: {row}", file=sys.stderr, flush=True)
-    metrics.event("bad_rows", f"{len(bad)} bad rows skipped", count=len(bad),
-                  rows=[{"file": r.file, "line": r.line, "reason": r.reason} for r in bad[:MAX_REPORTED_BAD_ROWS]])
+    metrics.event("bad_rows", f"{len(bad)} bad rows skipped while {stage}: {counts_text(bad)}", count=len(bad), stage=stage,
+                  reasons=count_reasons(bad), rows=[{"file": r.file, "line": r.line, "reason": r.reason, "category": r.category}
+                                                    for r in bad[:MAX_REPORTED_BAD_ROWS]])
 
 
 def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: Path | None, inv: Invocation):
@@ -210,36 +221,49 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
     model = build_model(config, precision)
     trainable, total = count_params(model)
     if run.packing is None:
-        run.packing = packing.decide(config.packing, model, str(inv.job_dir / "job.yaml"))
+        run.packing = (packing.PackingDecision(False, "method: dpo pads chosen/rejected pairs (TRL's collator)")
+                       if config.method == "dpo" else packing.decide(config.packing, model, str(inv.job_dir / "job.yaml")))
         run.metrics.event("packing", f"packing {'on' if run.packing.enabled else 'off'}: {run.packing.reason}",
                           **run.packing.to_dict())
     if run.world.is_main:
         print(f"trainq: {config.method} on {Path(config.model).name}: {trainable:,} trainable of {total:,} params, "
               f"{precision.name}, {len(datasets[0])} train / {len(datasets[1] or [])} eval rows, "
               f"packing {'on' if run.packing.enabled else 'off'} ({run.packing.reason})", flush=True)
+    if resume is None or config.method == "dpo":  # dpo: the reference is the starting adapter, on resume too
+        initial_weights(model, config, run, inv, announce=resume is None)
     callback = TrainqCallback(run, has_eval=datasets[1] is not None)
     vitals = VitalsCallback(run, lr_bug_at=run.faults.lr_bug_at)
-    args = training_args(config, precision, run.ckpt_dir, datasets[1] is not None, run.lr_scale, len(datasets[0]), inv.job_dir)
-    trainer = TrainqTrainer(
-        model=model, args=args, train_dataset=datasets[0], eval_dataset=datasets[1],
-        data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled), callbacks=[vitals, callback], run=run,
-    )
+    dpo_extra = {}
+    if config.method == "dpo":
+        from trainq.trainer.dpo import build_dpo_trainer, dpo_arguments
+
+        dpo_extra = dpo_arguments(config)
+    args = training_args(config, precision, run.ckpt_dir, datasets[1] is not None, run.lr_scale, len(datasets[0]),
+                         inv.job_dir, **dpo_extra)
+    if config.method == "dpo":
+        trainer = build_dpo_trainer(model, args, datasets, tokenizer, callback, run)
+        trainer.add_callback(vitals)
+    else:
+        trainer = TrainqTrainer(
+            model=model, args=args, train_dataset=datasets[0], eval_dataset=datasets[1],
+            data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled), callbacks=[vitals, callback],
+            run=run,
+        )
     run.trainer = trainer
     callback.trainer = trainer
     trainer.remove_callback(PrinterCallback)  # trainq prints its own one line per interval
+    for extra in round_three_callbacks(config, run, tokenizer, inv.job_dir):
+        trainer.add_callback(extra)
     if resume is not None:
         saved = checkpoints.read_state(resume)
         run.resumed_fingerprint, run.resumed_lr_scale = saved["trainable_fingerprint"], saved["lr_scale"]
-    elif inv.init_from is not None:
-        loaded = checkpoints.load_initial_weights(model, inv.init_from, full=config.method == "full")
-        run.metrics.event("init_from", f"initial weights from {inv.init_from} ({loaded} tensors); fresh optimizer "
-                          "and schedule", path=str(inv.init_from), tensors=loaded)
-        print(f"trainq: initial weights from {inv.init_from} ({loaded} tensors); fresh optimizer and schedule", flush=True)
-    started = time.perf_counter()
+        run.resumed_lr = saved["config"]["lr"]
+    started, cpu_started = time.perf_counter(), time.process_time()
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     finally:
         run.train_s += time.perf_counter() - started  # the trainer.train() window, as bench/ times the plain Trainer
+        run.train_cpu_s += time.process_time() - cpu_started
     return trainer
 
 
@@ -314,6 +338,7 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
     plotter.request(inv.metrics, inv.job_dir / "loss.png", f"{inv.job_dir.name}: {config.method} ({outcome})")
     if outcome == "done" and trainer is not None:
         if not fsdp:
+            restore_best(trainer.model, run, full=config.method == "full")
             artifacts.save_final(trainer, tokenizer, final_dir)
         names.insert(0, final_dir.name)
         if config.export_merge and config.method != "full":
@@ -334,11 +359,12 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
         "output": final_dir.name if outcome == "done" else None, "merged": merged.name if merged else None,
         "attempt": inv.attempt, "resumed_from": _relative(run.resumed_from, inv.job_dir),
         "rollbacks": run.rollbacks, **world_info(config, run.world),
+        "early_stopping": run.early_stop or None,
         "tokens_per_s": run.tokens_seen / train_s if train_s > 0 else None,
         "tokens": run.tokens_before + run.tokens_seen, "tokens_this_attempt": run.tokens_seen,
         "packing": run.packing.to_dict() if run.packing else None, "train_on": config.train_on,
         "data": [f.to_dict() for f in run.data_files],
-        "durations_s": {"setup": round(timing["setup"], 3), "train": round(train_s, 3), "total": round(now - timing["start"], 3)},
+        "durations_s": {"setup": round(timing["setup"], 3), "train": round(train_s, 3), "train_cpu": round(run.train_cpu_s, 3), "total": round(now - timing["start"], 3)},
         "started_at": iso_utc(timing["start"]), "finished_at": iso_utc(now),
     }
     summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
@@ -371,6 +397,7 @@ def settle_config(config: TrainConfig, inv: Invocation, metrics: MetricsWriter, 
     if saved:
         config = distributed.keep_global_batch(config, saved, world_size, resume)
         check_schedule(config, saved["config"], laddered, resume)
+        check_resume_knobs(config, saved["config"], resume)
         check_data(config, saved, data, resume, metrics)
     return config, resume, saved, preset_info
 
@@ -396,27 +423,36 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     data = load_data(config.train_sources, config.eval_file, config.eval_fraction, config.max_bad_rows)
     report_data(data, metrics)
     config, resume, saved, preset_info = settle_config(config, inv, metrics, data, world.world_size)
+    check_startup(config, inv.job_dir / "job.yaml")  # model, weights, tokenizer, target modules, template: before any (smoke) training
+    precision = resolve_precision(config.precision)
+    tokenizer = load_tokenizer(config.model, config.chat_template)
+    cache_dir = inv.job_dir / ".cache" / "tokenized" if config.data_cache else None
+    if not world.is_main:
+        distributed.barrier(world)  # rank 0 tokenizes (and fills the cache) first; the others then read it
+    if config.method == "dpo":
+        from trainq.trainer.dpo import datasets_for
+
+        (train_set, eval_set), cached = datasets_for(data, tokenizer, config.seq_len), False
+    else:
+        train_set, eval_set, cached = tokenize_cached(data, tokenizer, config.seq_len, config.train_on,
+                                                      config.eval_fraction, cache_dir)
+    if world.is_main:
+        distributed.barrier(world)
+    if cached and world.is_main:
+        print(f"trainq: tokenized data from the cache ({len(train_set)} train rows)", flush=True)
+    report_bad_rows(check_encoded(data, train_set, eval_set, config.max_bad_rows), metrics, "tokenizing")
+    eval_set = eval_set if eval_set else None  # every eval row filtered out: no eval
     if config.debug and resume is None and world.is_distributed:
         metrics.event("debug", "debug: the smoke run is not made with several ranks; training directly")
     elif config.debug and resume is None:
         from trainq.trainer.debugrun import run_debug
 
-        code = run_debug(config, inv.job_dir, inv.stop_flag, total_steps(config, len(data.train)), metrics)
+        code = run_debug(config, inv.job_dir, inv.stop_flag, total_steps(config, len(data.train)), metrics,
+                         uniform_loss(len(tokenizer)))
         if code is not None:
             return code
     metrics.event("start", f"attempt {inv.attempt}: {config.method}, pid {os.getpid()}" + (f", resuming from {resume}" if resume else ""),
                   attempt=inv.attempt, pid=os.getpid(), resume_from=str(resume) if resume else None)
-
-    precision = resolve_precision(config.precision)
-    tokenizer = load_tokenizer(config.model)
-    cache_dir = inv.job_dir / ".cache" / "tokenized" if config.data_cache else None
-    if not world.is_main:
-        distributed.barrier(world)  # rank 0 tokenizes (and fills the cache) first; the others then read it
-    train_set, eval_set, cached = tokenize_cached(data, tokenizer, config.seq_len, config.train_on, config.eval_fraction, cache_dir)
-    if world.is_main:
-        distributed.barrier(world)
-    if cached and world.is_main:
-        print(f"trainq: tokenized data from the cache ({len(train_set)} train rows)", flush=True)
     env = artifacts.environment(config.to_dict(), {"name": precision.name, "reason": precision.reason}, preset_info)
     if world.is_main:
         artifacts.write_env(inv.job_dir, {**env, "data": [f.to_dict() for f in data.files], **world_info(config, world)})
@@ -427,6 +463,8 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
         run.lr_scale, run.rollbacks = saved["lr_scale"], saved.get("rollbacks", 0)
         run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]
         run.tokens_before, run.resumed_step = saved.get("tokens_seen", 0), saved["step"]
+        run.early_stop = dict(saved.get("early_stop") or {})
+    run.plateau = PlateauWatch(uniform_loss(len(tokenizer)))
     signal.signal(signal.SIGTERM, run.on_sigterm)
     run.plotter = plotter or LossPlotter().start()  # imports matplotlib on another core while the model trains
     timing["setup"] = time.time() - timing["start"]

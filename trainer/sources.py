@@ -15,16 +15,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainq.trainer.checkpoints import sha256_file
-from trainq.trainer.data import BadRow, DataError, Row, TokenizedDataset, read_rows, require_rows, split, tokenize
+from trainq.trainer.data import (BadRow, DataError, Row, TokenizedDataset, counts_text, read_rows, require_rows, split,
+                                 tokenize)
 
 logger = logging.getLogger(__name__)
 
 #: bad lines named in the error when the limit is exceeded
 NAMED_BAD_LINES = 3
 #: bump when the cached example layout changes
-CACHE_FORMAT = 1
-
-
+CACHE_FORMAT = 2
 @dataclass(frozen=True)
 class DataFile:
     """One data file as this run read it."""
@@ -145,7 +144,7 @@ def tokenize_cached(data: LoadedData, tokenizer, seq_len: int, train_on: str, ev
         try:
             with open(path, "rb") as f:
                 train, evals = pickle.load(f)  # our own file, written below by this same code
-            return TokenizedDataset(train), TokenizedDataset(evals) if evals is not None else None, True
+            return TokenizedDataset(*train), TokenizedDataset(*evals) if evals is not None else None, True
         except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:
             logger.warning("%s: unreadable tokenized cache (%s); tokenizing again", path, exc)
     train_set = tokenize(data.train, tokenizer, seq_len, train_on)
@@ -154,6 +153,31 @@ def tokenize_cached(data: LoadedData, tokenizer, seq_len: int, train_on: str, ev
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
-            pickle.dump((train_set.examples, eval_set.examples if eval_set is not None else None), f)
+            pickle.dump(((train_set.examples, train_set.bad),
+                         (eval_set.examples, eval_set.bad) if eval_set is not None else None), f)
         os.replace(tmp, path)
     return train_set, eval_set, False
+
+
+def check_encoded(data: LoadedData, train_set: TokenizedDataset, eval_set: TokenizedDataset | None,
+                  max_bad_rows: float) -> list[BadRow]:
+    """Gate the rows tokenizing rejected (with each file's parse errors) on ``max_bad_rows``, and refuse a training
+    set that filtering emptied, with the count of each reason; returns the newly rejected rows."""
+    encoded_bad = train_set.bad + (eval_set.bad if eval_set is not None else [])
+    for info in data.files:
+        mine = [b for b in data.bad if b.file == info.path] + [b for b in encoded_bad if b.file == info.path]
+        total = info.rows + info.bad_rows
+        limit = bad_row_limit(max_bad_rows, total)
+        if len(mine) > limit:
+            first = "; ".join(f"line {b.line}: {b.reason}" for b in sorted(mine, key=lambda b: b.line)[:NAMED_BAD_LINES])
+            raise DataError(f"{info.path}: {len(mine)} bad rows of {total} ({counts_text(mine)}), over "
+                            f"train.data.max_bad_rows ({max_bad_rows:g} -> {limit} allowed): {first}; fix the rows or "
+                            "raise the limit")
+    if len(train_set) == 0:
+        train_files = ", ".join(f.path for f in data.files if f.role == "train")
+        every = data.bad + encoded_bad
+        raise DataError(f"{train_files}: no usable training row after filtering ({len(every)} bad: "
+                        f"{counts_text(every)}); first: {every[0] if every else 'none'}")
+    return encoded_bad
+
+

@@ -158,11 +158,11 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
 
 
 #: commands that hand every argument after them to a trainer module (``trainq train --help`` is the trainer's help)
-TRAINER_COMMANDS = {"train": "trainq.trainer", "tiny": "trainq.trainer.tiny"}
+TRAINER_COMMANDS = {"train": "trainq.trainer", "tiny": "trainq.trainer.tiny", "preview": "trainq.trainer.preview"}
 
 
 def run_trainer_command(argv: list[str]) -> int | None:
-    """``trainq [--root R] train|tiny ARGS…``: run the trainer module with ARGS (never returns); None otherwise."""
+    """``trainq [--root R] train|tiny|preview ARGS…``: run the trainer module with ARGS (never returns); None otherwise."""
     rest = list(argv)
     while rest and (rest[0] == "--root" or rest[0].startswith("--root=")):
         rest = rest[2:] if rest[0] == "--root" else rest[1:]  # the trainer needs no queue root

@@ -310,9 +310,19 @@ def _running_card(job: dict, curve: dict | None) -> str:
     return (
         f'<article class="job running" id="job-{_e(job.get("id"))}"><h3>{_label(job)} '
         f'<span class="badge {_e(health)}">{_e(health)}</span></h3>'
-        f'<div class="bar">{_progress_bar(progress)}</div>{_facts(facts)}{render_curve(curve)}'
+        f'<div class="bar">{_progress_bar(progress)}</div>{_facts(facts)}{render_curve(curve)}{_warning_and_samples(progress)}'
         f'<div class="dir">{_e(job.get("dir"))} · started {_when(job.get("started_at"))}</div></article>'
     )
+
+
+def _warning_and_samples(progress: dict) -> str:
+    """The trainer's warning (a loss plateau) and its latest sample generations (eval_samples), when there are any."""
+    out = f'<p class="warning">{_e(progress["warning"])}</p>' if progress.get("warning") else ""
+    samples = [s for s in progress.get("samples") or () if isinstance(s, dict)]
+    if samples:
+        rows = "".join(f'<li><q>{_e(s.get("prompt"))}</q> → <q>{_e(s.get("completion"))}</q></li>' for s in samples)
+        out += f'<details class="samples"><summary>sample generations</summary><ul>{rows}</ul></details>'
+    return out
 
 
 def _running(snapshot: dict, curves: dict[str, dict]) -> str:

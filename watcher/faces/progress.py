@@ -15,7 +15,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from trainq.watcher.spec.contract import HEALTH_DEFAULTS, RECORD_CHECKPOINT, RECORD_EVAL
+from trainq.watcher.spec.contract import HEALTH_DEFAULTS, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_EVENT
 from trainq.watcher.spec.records import parse_records
 from trainq.watcher.spec.fsutil import open_no_follow
 
@@ -178,6 +178,8 @@ class Fields:
         return {**self.values, "eta_s": self.eta_s() if eta_s is None else eta_s}
 
 
+#: trainer events copied into progress (absent until one is seen): event -> (progress key, record field)
+EVENT_FIELDS = {"plateau": ("warning", "message"), "eval_samples": ("samples", "samples")}
 #: record fields copied into progress when present and valid
 _PROGRESS_FIELDS = (("total_steps", whole), ("epoch", finite), ("tokens_per_s", finite), ("eval_loss", finite),
                     ("lr", finite), ("grad_norm", finite))
@@ -229,6 +231,10 @@ class MetricsTail:
 
     def _apply_progress(self, record: dict, at: float, read_at: float) -> None:
         fields = self.fields
+        if record.get("type") == RECORD_EVENT and record.get("event") in EVENT_FIELDS:
+            key, source = EVENT_FIELDS[record["event"]]
+            if record.get(source) is not None:
+                fields.set(key, record[source], read_at)
         for key, convert in _PROGRESS_FIELDS:
             if key in record:
                 value = convert(record[key])
@@ -307,6 +313,10 @@ def merge_progress(*sources: Fields) -> dict | None:
         merged[key] = best.values[key] if best else None
         if best:
             owner[key] = best
+    for key, _source in EVENT_FIELDS.values():
+        having = [s for s in seen if key in s.read_at]
+        if having:
+            merged[key] = max(having, key=lambda s: s.read_at[key]).values[key]
     etas = [s.eta_s() for s in ([owner["step"]] if "step" in owner else []) + seen]
     merged["eta_s"] = next((eta for eta in etas if eta is not None), None)
     return merged
