@@ -12,7 +12,6 @@ A job that ends done, or stopped at a wall, with ``deliver:`` gets a durable del
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from trainq.watcher.daemon.jobs import Job
@@ -21,7 +20,7 @@ from trainq.watcher.spec import events
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.records import append_record
-from trainq.watcher.spec.fsutil import atomic_write_json, read_json, touch
+from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, read_json, touch
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.wall import Forecast, freeze_hold
 from trainq.watcher.supervisor.deliver import LOCK_NAME, RECORD_NAME, DeliveryQueue
@@ -239,16 +238,4 @@ def _progress(job: Job) -> dict | None:
 
 def _runner_alive(job_dir: Path) -> bool:
     """A delivery runner holds delivery.lock for as long as it works."""
-    import fcntl
-
-    try:
-        fd = os.open(job_dir / LOCK_NAME, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return is_locked(job_dir / LOCK_NAME)

@@ -172,3 +172,23 @@ def remove_quietly(path: str | os.PathLike) -> bool:
 def same_filesystem(*paths: Path) -> bool:
     """True when every path lives on one filesystem (so ``rename`` between them is atomic)."""
     return len({os.stat(p).st_dev for p in paths}) <= 1
+
+
+def is_locked(path: str | os.PathLike) -> bool:
+    """True while some process holds a flock on ``path`` (a runner's liveness lock). Probes with a fresh open file
+    and a shared lock, released at once, so two probes never see each other; never follows a link or blocks."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False

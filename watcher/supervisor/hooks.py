@@ -38,7 +38,7 @@ from trainq.watcher.spec.allow import hook_executable
 from trainq.watcher.spec.config import load_watcher_config
 from trainq.watcher.spec.contract import ENV_DIAGNOSIS, ENV_JOB_DIR, ENV_JOB_ID, ENV_STATUS, JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
-from trainq.watcher.spec.fsutil import atomic_write_json, read_json
+from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, read_json
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import cgroups
 from trainq.watcher.supervisor.attempt import open_job_log
@@ -113,19 +113,7 @@ def lock_path(paths: JobPaths) -> Path:
 
 def runner_alive(paths: JobPaths) -> bool:
     """True while a runner holds the job's hook.lock."""
-    try:
-        fd = os.open(lock_path(paths), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return False
+    return is_locked(lock_path(paths))
 
 
 # ---------------------------------------------------------------- the runner process
