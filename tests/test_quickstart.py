@@ -37,7 +37,9 @@ def test_quick_start_then_the_shipped_hf_example_ends_done(tmp_path):
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         out = _trainq(tmp_path, "submit", "queue/examples/hf-trainer.yaml", env=env)
-        assert out.returncode == 0 and out.stdout.strip() == "job hf-trainer", out.stdout + out.stderr
+        # "job hf-trainer" once the watcher took it; a watcher still starting on a loaded machine is not there yet
+        # within submit's wait, and submit then says which id the file will get
+        assert out.returncode == 0 and "hf-trainer" in out.stdout, out.stdout + out.stderr
         folder = {}
 
         def ended() -> bool:
