@@ -47,7 +47,8 @@ def append(paths: JobPaths, *records: dict) -> bool:
     """Append ``records`` to the job's events.jsonl in one write; False when it could not be written."""
     if not records:
         return True
-    data = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records).encode()
+    # ASCII JSON: a file name that is not UTF-8 (lone surrogates) is escaped, never an encoding error
+    data = "".join(json.dumps(r, default=str) + "\n" for r in records).encode()
     try:
         fd = _open_for_append(paths, len(data))
     except OSError:
