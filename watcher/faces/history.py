@@ -45,7 +45,7 @@ def record_of(job_id: str, state: str, run: dict, is_train: bool | None, pool: s
 
 def append_record(root: Path, record: dict) -> None:
     """Append one line (one ``write`` on an O_APPEND descriptor: lines from one writer never interleave)."""
-    line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
     fd = os.open(history_path(root), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         os.write(fd, line)

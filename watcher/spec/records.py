@@ -63,7 +63,7 @@ def append_record(path: str | os.PathLike, record: dict) -> bool:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return False
-        os.write(fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
+        os.write(fd, (json.dumps(record) + "\n").encode())
         return True
     except OSError:
         return False
