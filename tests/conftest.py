@@ -1,6 +1,7 @@
 """Shared fixtures: real queue folders, real job files, an in-process watcher and a real watcher process."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,15 @@ def wait_until(pred: Callable[[], object], timeout_s: float = 10.0, interval_s: 
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s}s waiting for {what or pred}")
         time.sleep(interval_s)
+
+
+def run_json(root: Path, job_id: str) -> dict:
+    """A job's run.json wherever its folder is now (pending, running, done or failed), or {} before it exists."""
+    for state in ("pending", "running", "done", "failed"):
+        path = root / state / job_id / "run.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    return {}
 
 
 @pytest.fixture

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import PY, REPO, drop, tick_until
+from conftest import run_json, PY, REPO, drop, tick_until
 from trainer_util import build_tiny, events, records, run_trainer, summary, write_job
 from trainq.watcher.spec.contract import EXIT_SCHEDULE
 from trainq.watcher.spec.lrschedule import lr_deviation, scheduled_lr
@@ -29,12 +27,7 @@ def tiny(tmp_path_factory) -> Path:
     return build_tiny(tmp_path_factory.mktemp("tiny"))
 
 
-def _run(root: Path, job_id: str) -> dict:
-    for state in ("pending", "running", "done", "failed"):
-        path = root / state / job_id / "run.json"
-        if path.exists():
-            return json.loads(path.read_text())
-    return {}
+_run = run_json
 
 
 def _entry(root: Path, job_id: str) -> dict:

@@ -13,14 +13,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import FAKE, PY, REPO, drop, tick_until, wait_until
+from conftest import run_json, FAKE, PY, REPO, drop, tick_until, wait_until
 from trainq.watcher.spec.config import WatcherConfig
 from trainq.watcher.spec.errors import InvalidWatcherConfig
 from trainq.watcher.spec.units import iso_utc
@@ -35,12 +34,7 @@ def _job(root: Path, name: str, **fields) -> Path:
     return drop(root, f"{name}.yaml", yaml.safe_dump(fields, sort_keys=False))
 
 
-def _run(root: Path, job_id: str) -> dict:
-    for state in ("pending", "running", "done", "failed"):
-        path = root / state / job_id / "run.json"
-        if path.exists():
-            return json.loads(path.read_text())
-    return {}
+_run = run_json
 
 
 def _status(root: Path) -> dict:
