@@ -9,7 +9,7 @@ import heapq
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -224,7 +224,7 @@ class StatusWriter:
         if _has_excess(jobs, self.keep_finished):
             jobs = select_jobs(jobs, keep_finished=self.keep_finished)
         jobs = tuple(bounded_entry(job) for job in jobs)
-        return StatusSnapshot(snapshot.watcher, snapshot.counts, jobs, snapshot.resources, snapshot.ignored)
+        return replace(snapshot, jobs=jobs)  # window and cost go through as they are
 
     def _maybe_write_html(self, now: float) -> None:
         if not self._html_dirty or self.html_path is None:
@@ -246,7 +246,8 @@ class StatusWriter:
 def _content(snapshot: StatusSnapshot) -> tuple:
     """Everything but heartbeat_at: what decides whether the file changed."""
     watcher = {k: v for k, v in snapshot.watcher.items() if k != "heartbeat_at"}
-    return (watcher, snapshot.counts, snapshot.jobs, snapshot.resources, snapshot.ignored)
+    return (watcher, snapshot.counts, snapshot.jobs, snapshot.resources, snapshot.ignored, snapshot.window,
+            snapshot.cost)
 
 
 def _has_excess(jobs: tuple[dict, ...], keep_finished: int) -> bool:
