@@ -204,6 +204,19 @@ def _read_until(fd: int, needle: str, deadline_s: float = 30.0) -> str:
     return seen.decode("utf-8", "replace")
 
 
+def _drain_until_exit(fd: int, proc: subprocess.Popen, deadline_s: float) -> int | None:
+    """Read the terminal as a real one would while ``proc`` winds up: a full pty buffer blocks its last redraw."""
+    deadline = time.monotonic() + deadline_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                os.read(fd, 65536)
+            except OSError:  # EIO: the slave side closed as the process ended
+                break
+    return proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+
+
 def test_follow_redraws_until_ctrl_c(tmp_path: Path) -> None:
     path = tmp_path / "status.json"
     path.write_text(json.dumps(_snapshot()))
@@ -218,7 +231,7 @@ def test_follow_redraws_until_ctrl_c(tmp_path: Path) -> None:
         path.write_text(json.dumps(changed))
         _read_until(master, "321/400")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        assert _drain_until_exit(master, proc, 30.0) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
