@@ -108,7 +108,8 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
-    """Poll ``predicate`` until truthy (returned) or fail after ``timeout_s``."""
+    """Poll ``predicate`` until truthy (returned) or fail after ``timeout_s`` × TRAINQ_TEST_SLACK (conftest.py)."""
+    timeout_s *= float(os.environ.get("TRAINQ_TEST_SLACK", "3"))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()

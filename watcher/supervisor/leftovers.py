@@ -132,9 +132,14 @@ def kill_leftovers(paths: JobPaths) -> int:
     killed: set[int] = set()
     deadline = time.monotonic() + LEFTOVER_KILL_DEADLINE_S
     while True:
-        found = _leftover_pids(paths)
+        found, whole_groups = _leftovers(paths)
         if not found:
             break
+        for pgid in whole_groups:  # one signal to a whole group: a process forking as fast as it can escapes
+            try:                  # pid-by-pid kills (each scan is stale by then), never a group-wide one
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for pid in found:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -152,27 +157,36 @@ def kill_leftovers(paths: JobPaths) -> int:
     return len(killed) + in_group
 
 
-def _leftover_pids(paths: JobPaths) -> set[int]:
-    """Live (non-zombie) processes that belong to the job folder ``paths.dir``."""
+def _leftovers(paths: JobPaths) -> tuple[set[int], set[int]]:
+    """The job's live processes, and the process groups made of nothing else (never this process's own).
+
+    A pid hopper (fork, parent exits, over and over) keeps its process group; killing the group ends
+    every generation at once, where a pid list read a moment ago names only the dead."""
     job_dirs = {os.path.normpath(str(paths.dir)), os.path.realpath(paths.dir)}
     started = read_json(paths.started) or {}
     if not is_this_boot(started):
         logger.info("job %s: its start record is from an earlier boot, so none of its processes can be alive; "
                     "signalling nothing", paths.dir.name)
-        return set()
+        return set(), set()
     pgid, born = _job_group(started), started.get("job_create_time")
-    found = set()
+    found: set[int] = set()
+    members: dict[int, int] = {}  # process group -> live members, the job's or not
+    ours: dict[int, int] = {}  # process group -> the job's members
     for proc in psutil.process_iter():
         if proc.pid == os.getpid():
             continue
         try:
             if proc.status() == psutil.STATUS_ZOMBIE:
                 continue
+            group = os.getpgid(proc.pid)
+            members[group] = members.get(group, 0) + 1
             if _in_job_group(proc, pgid, born) or _has_job_dir(proc, job_dirs):
                 found.add(proc.pid)
+                ours[group] = ours.get(group, 0) + 1
         except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError, PermissionError):
             continue
-    return found
+    whole = {group for group, count in ours.items() if group > 1 and count == members[group]}
+    return found, whole - {os.getpgrp()}
 
 
 def boot_id() -> str | None:
