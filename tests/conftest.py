@@ -193,3 +193,17 @@ def no_leaked_job_processes(tmp_path: Path):
             pass
     if leaked:
         pytest.fail(f"test leaked job processes: {[p.pid for p in leaked]}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_escaped_hopper(request):
+    """After each test file: no pid hopper of tests/fake_trainers may outlive it. One that escaped would
+    burn a core (and its zombies the kernel's time) for the rest of the run; it is ended, and the file
+    that let it go fails its last test's teardown, saying so."""
+    yield
+    sys.path.insert(0, str(FAKE))
+    from pid_hopper import stamp_out, with_marker
+
+    if with_marker("hopper-marker-"):
+        groups = stamp_out("hopper-marker-")
+        pytest.fail(f"{request.module.__name__} left a pid hopper running ({groups} process groups, now killed)")
