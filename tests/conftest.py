@@ -207,3 +207,20 @@ def no_escaped_hopper(request):
     if with_marker("hopper-marker-"):
         groups = stamp_out("hopper-marker-")
         pytest.fail(f"{request.module.__name__} left a pid hopper running ({groups} process groups, now killed)")
+
+
+_timeline = {"file": None, "t0": time.monotonic()}
+
+
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    """With TRAINQ_TEST_TIMELINE=1 (.ci/pytest sets it), a line as each test file starts: seconds since the
+    run began, the load average and the zombie count, so a CI log that ran out of time says where it went."""
+    if os.environ.get("TRAINQ_TEST_TIMELINE") != "1":
+        return
+    path = nodeid.split("::")[0]
+    if path == _timeline["file"]:
+        return
+    _timeline["file"] = path
+    zombies = sum(1 for p in psutil.process_iter(["status"]) if p.info["status"] == psutil.STATUS_ZOMBIE)
+    elapsed = time.monotonic() - _timeline["t0"]
+    sys.stderr.write(f"\n[+{elapsed:5.0f} s, load {os.getloadavg()[0]:.1f}, {zombies} zombies] {path}\n")
