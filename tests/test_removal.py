@@ -90,3 +90,29 @@ def test_a_dependency_cleaned_up_after_it_ended_done_still_counts_done(queue_dir
     assert _read(queue_dir / ".removed" / "made.json")["status"] == "done"
     drop(queue_dir, "uses.yaml", "approved: true\ncommand: ['true']\nafter: [made]\n")
     wait_until(lambda: (queue_dir / "done" / "uses").exists(), 20, what="the dependent of a cleaned done job")
+
+
+def test_rm_rf_while_no_watcher_runs_before_the_dependents_were_accepted(queue_dir, watcher_process):
+    """The soak's finding: dependents dropped while no watcher ran, after their dependency's folder was
+    rm -rf'd, waited forever ("no such job yet"): nothing on disk said the id had ever existed."""
+    (queue_dir / "watcher.yaml").write_text("rescan_s: 0.2\n")
+    wp = watcher_process()
+    drop(queue_dir, "made.yaml", "approved: true\ncommand: ['true']\n")
+    wait_until(lambda: (queue_dir / "done" / "made").exists(), 20)
+    (queue_dir / "pause.flag").touch()
+    drop(queue_dir, "dep.yaml", "approved: true\ncommand: ['true']\n")
+    wait_until(lambda: (queue_dir / "pending" / "dep").exists(), 20)
+    wp.kill()
+    shutil.rmtree(queue_dir / "pending" / "dep")
+    shutil.rmtree(queue_dir / "done" / "made")  # a finished job cleaned up by hand: it stays done
+    _submit_chain_after_removal(queue_dir)
+    drop(queue_dir, "uses.yaml", "approved: true\ncommand: ['true']\nafter: [made]\n")
+    watcher_process()
+    _check_dependents(queue_dir)
+    assert _read(queue_dir / ".removed" / "dep.json")["by"] == "found gone when a watcher started"
+    wait_until(lambda: (queue_dir / "done" / "uses").exists(), 20, what="the dependent of a cleaned-up done job")
+
+
+def _submit_chain_after_removal(root: Path) -> None:
+    drop(root, "need.yaml", "approved: true\ncommand: ['true']\nafter: [dep]\n")
+    drop(root, "anyway.yaml", "approved: true\ncommand: ['true']\nafter: [dep]\nafter_policy: any\n")

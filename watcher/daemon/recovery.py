@@ -19,7 +19,7 @@ from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, remove_quietly, remove_stale_temps
 from trainq.watcher.daemon.jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
 from trainq.watcher.spec.jobspec import load_job_file
-from trainq.watcher.spec.tombstones import prune_tombstones
+from trainq.watcher.spec.tombstones import prune_tombstones, settle_known_ids
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import cgroups
 
@@ -65,6 +65,11 @@ def recover(watcher: "RecoveryHost") -> None:
     watcher.resume_sweeps(now)
     for job_id in found[JobState.RUNNING]:
         watcher.guarded_id(job_id, JobState.RUNNING, "recover", _recover_running, watcher, job_id, now)
+    present = {job_id for ids in found.values() for job_id in ids} | set(watcher.folders.ids_in(JobState.PENDING))
+    gone = settle_known_ids(watcher.root.path, present, now)  # folders removed while no watcher ran
+    if gone:
+        logger.warning("watcher: %d job folder(s) were removed while no watcher ran (%s%s); their dependents count "
+                       "them as removed", len(gone), ", ".join(gone[:5]), " ..." if len(gone) > 5 else "")
     for job in sorted(watcher.jobs.in_state(JobState.PENDING), key=lambda j: j.order):
         watcher.guarded(job, "recover", watcher.admit_workflow, job, now)  # hold again on dependencies (kept only in job.yaml)
     watcher.report.recount()

@@ -20,7 +20,7 @@ from pathlib import Path
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import IllegalTransition, JobFolderRemoved, QueueLayoutError
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json, same_filesystem
-from trainq.watcher.spec.tombstones import clear_tombstone
+from trainq.watcher.spec.tombstones import clear_tombstone, remember_ids
 
 logger = logging.getLogger(__name__)
 
@@ -165,13 +165,17 @@ class Folders:
         """List every job folder by state (hidden and temporary names skipped) and remember the ids."""
         found: dict[JobState, list[str]] = {}
         for state in JobState:
-            try:
-                names = [e.name for e in os.scandir(self.root.state_dir(state)) if e.is_dir(follow_symlinks=False)]
-            except FileNotFoundError:
-                names = []
-            found[state] = [n for n in names if not n.startswith(".")]
+            found[state] = self.ids_in(state)
             self._known_ids.update(found[state])
         return found
+
+    def ids_in(self, state: JobState) -> list[str]:
+        """The job folders in ``state`` now (hidden and temporary names skipped)."""
+        try:
+            return [e.name for e in os.scandir(self.root.state_dir(state))
+                    if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")]
+        except FileNotFoundError:
+            return []
 
     def forget(self, job_id: str) -> None:
         """Drop an id whose folder the user deleted, so it may be used again."""
@@ -200,6 +204,7 @@ class Folders:
             except FileExistsError:
                 continue  # a folder nobody told us about: it stays known, try the next suffix
             clear_tombstone(self.root.path, job_id)  # a removed job's id, taken again (tombstones.py)
+            remember_ids(self.root.path, [job_id], "failed" if state is JobState.FAILED else None)
             return job_id, path
 
     def _is_sweep_id(self, job_id: str) -> bool:
@@ -261,6 +266,7 @@ class Folders:
                 break
         for job_id in ids:
             clear_tombstone(self.root.path, job_id)
+        remember_ids(self.root.path, ids)
         os.mkdir(staging, self.root.job_dir_mode())
         try:
             _link_or_rename(inbox_file, staging / JobPaths(staging).spec.name)
@@ -297,6 +303,8 @@ class Folders:
                 raise IllegalTransition(f"job {job_id}: {dst.value}/{job_id} already exists") from None
             raise
         logger.debug("job %s: folder %s -> %s", job_id, src.value, dst.value)
+        if dst in (JobState.DONE, JobState.FAILED, JobState.PENDING):  # what a restart needs if it is removed
+            remember_ids(self.root.path, [job_id], dst.value if dst is not JobState.PENDING else None)
         return target
 
     def start(self, job_id: str) -> Path:

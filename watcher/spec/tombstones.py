@@ -88,3 +88,60 @@ def prune_tombstones(root: Path, keep: int = MAX_TOMBSTONES) -> int:
         except FileNotFoundError:
             pass
     return len(entries) - keep
+
+
+#: every id a watcher has handed out, a line each under TOMBSTONES_DIR (``ID`` when it is taken or queued again,
+#: ``ID<TAB>done|failed`` when it ends), appended as it happens and rewritten at start-up to the ids that still
+#: have a folder. It is how a restart tells a folder removed while no watcher ran (whose dependents, even ones
+#: accepted later, must not wait forever) from an id never seen, and a cleaned-up ``done`` from a removal.
+KNOWN_IDS = "known-ids"
+
+
+def remember_ids(root: Path, ids: list[str], status: str | None = None) -> None:
+    """Append ``ids`` (with their final ``status``, once ended) to the known-ids file. Best effort: a lost
+    line only means the next start-up rewrite records that id (its folder exists until then)."""
+    folder = Path(root) / TOMBSTONES_DIR
+    tail = f"\t{status}\n" if status else "\n"
+    try:
+        folder.mkdir(exist_ok=True)
+        fd = os.open(folder / KNOWN_IDS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        return
+    try:
+        os.write(fd, "".join(job_id + tail for job_id in ids).encode("utf-8", "surrogateescape"))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def settle_known_ids(root: Path, present: set[str], now: float | None = None) -> list[str]:
+    """At start-up: each id handed out before that now has neither a folder nor a tombstone was removed
+    while no watcher ran, and gets a tombstone with its last known status (one that ended keeps it; one
+    that had not counts as ``removed``). The file is then rewritten to the ``present`` ids, so it stays as
+    small as the queue. Returns the ids found removed."""
+    path = Path(root) / TOMBSTONES_DIR / KNOWN_IDS
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode("utf-8", "surrogateescape").splitlines()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        lines = []
+    except OSError:
+        return []
+    known: dict[str, str | None] = {}
+    for line in lines:
+        job_id, _, status = line.partition("\t")
+        if job_id:
+            known[job_id] = status or None
+    gone = sorted(job_id for job_id in known.keys() - present if read_tombstone(root, job_id) is None)
+    for job_id in gone:
+        status = known[job_id]
+        record_removal(root, job_id, status or "unknown", status, by="found gone when a watcher started", now=now)
+    kept = "".join(job_id + (f"\t{known[job_id]}" if known.get(job_id) else "") + "\n" for job_id in sorted(present))
+    try:
+        tmp = path.with_name(f".{KNOWN_IDS}.tmp")
+        tmp.write_text(kept, encoding="utf-8", errors="surrogateescape")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return gone
