@@ -222,7 +222,9 @@ def test_follow_redraws_until_ctrl_c(tmp_path: Path) -> None:
     path.write_text(json.dumps(_snapshot()))
     master, slave = pty.openpty()
     env = {**os.environ, "COLUMNS": "80", "LINES": "60", "PYTHONPATH": str(REPO), "TERM": "xterm"}
-    proc = subprocess.Popen(_status_cmd(path, follow=True), stdin=slave, stdout=slave, stderr=slave, cwd=REPO, env=env)
+    # Ctrl-C's default, whatever this run inherited (a run started in the background ignores SIGINT)
+    proc = subprocess.Popen(_status_cmd(path, follow=True), stdin=slave, stdout=slave, stderr=slave, cwd=REPO, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     try:
         _read_until(master, "llama-lora-a")

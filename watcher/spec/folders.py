@@ -266,7 +266,7 @@ class Folders:
                 break
         for job_id in ids:
             clear_tombstone(self.root.path, job_id)
-        remember_ids(self.root.path, ids)
+        remember_ids(self.root.path, ids[1:])  # its jobs: the sweep's own id never has a folder
         os.mkdir(staging, self.root.job_dir_mode())
         try:
             _link_or_rename(inbox_file, staging / JobPaths(staging).spec.name)
