@@ -245,6 +245,11 @@ def test_start_up_removes_empty_groups_a_killed_supervisor_left(queue_dir: Path,
     containment = containment_or_skip("cgroup-v2")
     monkeypatch.setenv(cgroups.ENV_CONTAINMENT, "cgroup-v2")
     stale = containment.group_for(queue_dir / "done" / "old", "1")  # as a supervisor SIGKILLed before its rmdir
-    assert stale is not None and stale.is_dir()
+    young = containment.group_for(queue_dir / "done" / "new", "hook")  # a hook runner about to join it
+    assert stale is not None and stale.is_dir() and young is not None
+    past = time.time() - cgroups.EMPTY_GROUP_GRACE_S - 5
+    os.utime(stale, (past, past))
     watcher()
     assert not stale.exists()
+    assert young.is_dir(), "a group made a moment ago was removed before its owner could join it"
+    young.rmdir()

@@ -244,8 +244,10 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         try:
             if self.disk_full is None:
                 self.admit_inbox(now)
+                self.keep_status_fresh()
             if self.disk_full is None:
                 self.start_pending(now)  # before retiring: the next job need not wait for the last one's writes
+                self.keep_status_fresh()
         finally:
             self.retire_concluded(now)
         if self.deps_released and self.disk_full is None:
@@ -260,6 +262,12 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             self.start_pending(now)
         finally:
             self.retire_concluded(now)
+
+    def keep_status_fresh(self) -> None:
+        """status.json between the steps of a long pass (a burst admitted, a thousand sbatch answers taken), so
+        its heartbeat is never a whole pass old; a no-op unless a write is due (status_s, heartbeat_s)."""
+        if self.disk_full is None:
+            self.write_status(time.time())
 
     def write_status(self, now: float, *, force: bool = False, state: str | None = None) -> None:
         """status.json and status.html; a full disk is noted, not raised."""

@@ -44,7 +44,7 @@ PLAN_EVERY_S = 0.5
 PLAN_MARGIN = 8
 #: seconds of launching per pass; the rest start on the next pass, so status.json and stops keep their pace
 #: while a thousand jobs start (each launch writes a few files; Slurm's also reads job.yaml for its options)
-LAUNCH_BUDGET_S = 1.0
+LAUNCH_BUDGET_S = 0.5
 
 
 class Starting:

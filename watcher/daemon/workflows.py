@@ -203,12 +203,18 @@ class Workflows:
         members = self.sweep_members(dep)
         if members:
             return self._sweep_state(dep, members)
+        if self._has_live_folder(dep):  # concluded, its folder not yet moved to done/ or failed/
+            return DepState(dep, False, False, f"{dep} (ending)")
         named = self._ids_named(dep)
         if named:
             return DepState(dep, False, False, f"{dep}: no job with id {dep}; job {' and '.join(named)} "
                             f"{'is' if len(named) == 1 else 'are'} named {dep} (after: takes ids: write "
                             f"after: [{named[0]}])", known=False)
         return DepState(dep, False, False, f"{dep}: no such job yet", known=False)
+
+    def _has_live_folder(self, dep: str) -> bool:
+        """Whether ``dep`` still has a folder in pending/ or running/ (a job between its end and its move)."""
+        return any(self.root.job_dir(state, dep).is_dir() for state in (JobState.RUNNING, JobState.PENDING))
 
     def _ids_named(self, name: str) -> list[str]:
         """Ids of the live and recently finished jobs whose name is ``name`` (an ``after:`` that names a name)."""

@@ -228,8 +228,14 @@ def _under(path: Path, folder: Path) -> bool:
     return True
 
 
+#: an empty group younger than this is left alone: a supervisor or hook runner made it and is about to join it
+EMPTY_GROUP_GRACE_S = 30.0
+
+
 def remove_empty_groups(containment: Containment, root: str | os.PathLike) -> int:
-    """Remove the queue's groups that are empty (a supervisor killed between its job's end and its rmdir)."""
+    """Remove the queue's groups that are empty (a supervisor killed between its job's end and its rmdir), but
+    none made in the last EMPTY_GROUP_GRACE_S (a starting watcher removed a hook runner's group before the
+    hook joined it, and the hook was lost; the soak found it)."""
     if containment.base is None:
         return 0
     folder = containment.base / _queue_key(Path(root))
@@ -237,9 +243,13 @@ def remove_empty_groups(containment: Containment, root: str | os.PathLike) -> in
         groups = [Path(e.path) for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)]
     except OSError:
         return 0
-    removed = 0
+    removed, now = 0, time.time()
     for group in groups:
-        if not is_populated(group, containment.mode) and remove(group):
+        try:
+            young = now - group.stat().st_mtime < EMPTY_GROUP_GRACE_S
+        except OSError:
+            continue
+        if not young and not is_populated(group, containment.mode) and remove(group):
             removed += 1
     return removed
 

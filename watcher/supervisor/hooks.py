@@ -259,7 +259,10 @@ def _start(argv: list[str], executable: str | None, log, paths: JobPaths, env: d
 
     if group is None:
         return _Started(popen(), None)
-    procs = os.open(group / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        procs = os.open(group / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:  # the group is gone or closed to us: the hook still runs, held by its process tree
+        return _Started(popen(), None)
     try:
         return _Started(popen(lambda: os.write(procs, b"0")), group)
     except subprocess.SubprocessError:
