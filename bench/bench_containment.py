@@ -30,6 +30,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._common import wait_until  # noqa: E402
 from trainq.watcher.spec.contract import JobPaths  # noqa: E402
 from trainq.watcher.supervisor import LaunchSpec, Supervisor, cgroups, kill_leftovers  # noqa: E402
 
@@ -48,14 +49,7 @@ def _alive(pid: int) -> bool:
 
 
 def _wait(pred, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError("timed out")
-        time.sleep(0.002)
+    return wait_until(pred, timeout_s, interval_s=0.002)
 
 
 def _launch(sup: Supervisor, base: Path, name: str) -> tuple[JobPaths, int, str, int]:

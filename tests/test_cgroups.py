@@ -43,6 +43,15 @@ def alive(pid: int) -> bool:
         return False
 
 
+def end_escapers(marker: str, grandchild: int) -> None:
+    """Whatever a test leaves of escaper.sh: every hopper generation and the setsid grandchild."""
+    stamp_out(marker)
+    try:
+        os.kill(grandchild, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 class Escaper:
     """One escaper.sh job folder: its hopper's marker and its grandchild's pid; cleans up whatever is left."""
 
@@ -67,13 +76,13 @@ class Escaper:
         return with_marker(self.marker) + ([grandchild] if alive(grandchild) else [])
 
     def cleanup(self) -> None:
-        stamp_out(self.marker)
         gc = self.paths.dir / "grandchild.pid"
-        if gc.exists():
-            try:
-                os.kill(int(gc.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        try:
+            grandchild = int(gc.read_text())
+        except (OSError, ValueError):
+            stamp_out(self.marker)  # the grandchild never started: only hoppers to end
+            return
+        end_escapers(self.marker, grandchild)
 
 
 @pytest.fixture
@@ -207,11 +216,7 @@ def test_watcher_says_which_mode_and_readopts_by_the_group(mode: str, queue_dir:
         if mode == "cgroup-v2":
             assert with_marker(marker) == [] and not alive(grandchild)
     finally:
-        stamp_out(marker)
-        try:
-            os.kill(grandchild, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        end_escapers(marker, grandchild)
 
 
 def test_watcher_ends_the_group_of_a_sigkilled_supervisor(queue_dir: Path, watcher, monkeypatch, write_job) -> None:
@@ -234,11 +239,7 @@ def test_watcher_ends_the_group_of_a_sigkilled_supervisor(queue_dir: Path, watch
         assert with_marker(marker) == [] and not alive(grandchild), "the dead supervisor's job outlived it"
         assert not Path(started["cgroup"]).exists()
     finally:
-        stamp_out(marker)
-        try:
-            os.kill(grandchild, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        end_escapers(marker, grandchild)
 
 
 def test_start_up_removes_empty_groups_a_killed_supervisor_left(queue_dir: Path, watcher, monkeypatch) -> None:

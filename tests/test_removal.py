@@ -68,7 +68,7 @@ def test_a_removal_the_watcher_saw_is_remembered_after_a_restart(queue_dir, watc
     (queue_dir / "pause.flag").touch()
     wp = watcher_process()
     drop(queue_dir, "dep.yaml", "approved: true\ncommand: ['true']\n")
-    wait_until(lambda: (queue_dir / "pending" / "dep").exists(), 20)
+    wait_until(lambda: (queue_dir / "pending" / "dep" / "job.yaml").exists(), 20)  # the claim complete
     shutil.rmtree(queue_dir / "pending" / "dep")
     wait_until(lambda: (queue_dir / ".removed" / "dep.json").exists(), 20, what="the watcher's tombstone")
     wp.kill()
@@ -101,7 +101,7 @@ def test_rm_rf_while_no_watcher_runs_before_the_dependents_were_accepted(queue_d
     wait_until(lambda: (queue_dir / "done" / "made").exists(), 20)
     (queue_dir / "pause.flag").touch()
     drop(queue_dir, "dep.yaml", "approved: true\ncommand: ['true']\n")
-    wait_until(lambda: (queue_dir / "pending" / "dep").exists(), 20)
+    wait_until(lambda: (queue_dir / "pending" / "dep" / "job.yaml").exists(), 20)  # the claim complete
     wp.kill()
     shutil.rmtree(queue_dir / "pending" / "dep")
     shutil.rmtree(queue_dir / "done" / "made")  # a finished job cleaned up by hand: it stays done

@@ -267,7 +267,10 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         """status.json between the steps of a long pass (a burst admitted, a thousand sbatch answers taken), so
         its heartbeat is never a whole pass old; a no-op unless a write is due (status_s, heartbeat_s)."""
         if self.disk_full is None:
-            self.write_status(time.time())
+            try:
+                self.write_status(time.time())
+            except Exception:  # noqa: BLE001 - the write at the end of the pass reports it; the pass goes on
+                logger.debug("status.json between steps could not be written", exc_info=True)
 
     def write_status(self, now: float, *, force: bool = False, state: str | None = None) -> None:
         """status.json and status.html; a full disk is noted, not raised."""
