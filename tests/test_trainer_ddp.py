@@ -130,6 +130,19 @@ def test_sigstopped_rank_fails_the_job_naming_it(tiny, tmp_path):
     assert not psutil.pid_exists(ranks[1].pid) or ranks[1].status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_nan_on_one_rank_rolls_every_rank_back_together(tiny, tmp_path):
+    """The NaN guard decides from the loss reduced across ranks: rank 1's bad steps roll both ranks back to the
+    same checkpoint (ranks that decided apart would hang in the next collective or drift)."""
+    job = write_job(tmp_path / "nan", tiny, checkpoint={"every_steps": 4, "keep": 2}, eval_every=None, **RANKS)
+    code = run_trainer(job, TRAINQ_TRAINER_FAULTS="nan_at=6,7,8,nan_rank=1", timeout_s=HANG_GUARD_S)
+    assert code == 0, output(job)[-3000:]
+    assert [r["step"] for r in records(job, "step") if r.get("nonfinite")] == [6, 7, 8]
+    rollback = events(job, "rollback")
+    assert len(rollback) == 1 and rollback[0]["to"].endswith("step-000004"), rollback
+    done = summary(job)
+    assert done["outcome"] == "done" and done["rollbacks"] == 1 and done["world_size"] == 2
+
+
 def test_resume_with_another_world_size_is_refused_naming_both(reference, tmp_path):
     job = tmp_path / "one-rank"
     job.mkdir()

@@ -124,7 +124,8 @@ class TrainqTrainer(Trainer):
         step = self.state.global_step + 1
         if self._fault_nan(step):
             loss = loss * float("nan")
-        if step in self.run.faults.nan_grad_at and step not in self.run.nan_consumed and loss.requires_grad:
+        if (step in self.run.faults.nan_grad_at and step not in self.run.nan_consumed and loss.requires_grad
+                and self.run.faults.nan_rank in (None, self.run.world.rank)):
             loss.register_hook(lambda grad: grad * float("nan"))  # gradients NaN, the loss value untouched
         if step in self.run.faults.spike_at:
             loss = loss + SPIKE_FAULT_LOSS / max(self.current_gradient_accumulation_steps, 1)
@@ -132,6 +133,8 @@ class TrainqTrainer(Trainer):
 
     def _fault_nan(self, step: int) -> bool:
         faults = self.run.faults
+        if faults.nan_rank is not None and faults.nan_rank != self.run.world.rank:
+            return False
         if faults.nan_after is not None and step >= faults.nan_after:
             return True
         return step in faults.nan_at and step not in self.run.nan_consumed

@@ -4,6 +4,7 @@ Comma-separated ``key=value`` items; steps are 1-based optimizer steps, ``;`` or
   nan_at=5,6,7        the loss of each listed step becomes NaN, once per process (a rollback replays it cleanly)
   nan_after=5         every step from 5 on is NaN (also after rollbacks: drives the run to EXIT_NAN)
   nan_grad_at=5       the gradients of step 5 become NaN while its loss stays finite (once per process)
+  nan_rank=1          the NaN faults above fire on this rank only (several ranks: one rank's bad step)
   spike_at=12         add 50 to the loss of step 12 (gradients unchanged)
   oom_at=3            raise torch.OutOfMemoryError in step 3
   oom_if_batch_over=2 raise torch.OutOfMemoryError in every step while batch_size > 2 (tests the OOM ladder)
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from trainq.watcher.spec.contract import ENV_TRAINER_FAULTS, EXIT_USAGE
 
 _INT_LIST_KEYS = ("nan_at", "nan_grad_at", "spike_at", "oom_at")
-_INT_KEYS = ("nan_after", "oom_if_batch_over", "stop_at", "sigterm_at", "kill_in_save", "lr_bug_at")
+_INT_KEYS = ("nan_after", "nan_rank", "oom_if_batch_over", "stop_at", "sigterm_at", "kill_in_save", "lr_bug_at")
 _FLOAT_KEYS = ("sleep_per_step",)
 
 
@@ -39,6 +40,7 @@ class Faults:
     nan_at: frozenset[int] = frozenset()
     nan_after: int | None = None
     nan_grad_at: frozenset[int] = frozenset()
+    nan_rank: int | None = None
     spike_at: frozenset[int] = frozenset()
     oom_at: frozenset[int] = frozenset()
     oom_if_batch_over: int | None = None
