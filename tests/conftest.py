@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 FAKE = REPO / "tests" / "fake_trainers"
 PY = sys.executable
 sys.path.insert(0, str(REPO))
+sys.path.append(str(FAKE))  # last: nothing there shadows a real module
+from pid_hopper import stamp_out, with_marker  # noqa: E402  (tests/fake_trainers: the hopper's own clean-up)
 
 
 #: every wait's bound is multiplied by this (TRAINQ_TEST_SLACK, default 3): a bound says "something is wrong
@@ -201,9 +203,6 @@ def no_escaped_hopper(request):
     burn a core (and its zombies the kernel's time) for the rest of the run; it is ended, and the file
     that let it go fails its last test's teardown, saying so."""
     yield
-    sys.path.insert(0, str(FAKE))
-    from pid_hopper import stamp_out, with_marker
-
     if with_marker("hopper-marker-"):
         groups = stamp_out("hopper-marker-")
         pytest.fail(f"{request.module.__name__} left a pid hopper running ({groups} process groups, now killed)")

@@ -23,8 +23,7 @@ from conftest import FAKE, tick_until, wait_until
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.supervisor import LaunchSpec, Supervisor, cgroups, kill_leftovers, process_tree
 
-sys.path.insert(0, str(FAKE))
-from pid_hopper import stamp_out, with_marker  # noqa: E402
+from pid_hopper import stamp_out, with_marker  # noqa: E402  (conftest puts tests/fake_trainers on the path)
 
 CGROUP_MODES = ("cgroup-v2", "cgroup-v1")
 

@@ -180,7 +180,7 @@ def _leftovers(paths: JobPaths) -> tuple[set[int], set[int]]:
                 continue
             group = os.getpgid(proc.pid)
             members[group] = members.get(group, 0) + 1
-            if _in_job_group(proc, pgid, born) or _has_job_dir(proc, job_dirs):
+            if _in_job_group(proc, group, pgid, born) or _has_job_dir(proc, job_dirs):
                 found.add(proc.pid)
                 ours[group] = ours.get(group, 0) + 1
         except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError, PermissionError):
@@ -230,11 +230,12 @@ def _has_job_dir(proc: psutil.Process, job_dirs: set[str]) -> bool:
     return bool(value) and (os.path.normpath(value) in job_dirs or os.path.realpath(value) in job_dirs)
 
 
-def _in_job_group(proc: psutil.Process, pgid: int | None, born: float | None) -> bool:
-    """True for a member of the job's process group created no earlier than the job (pid reuse guard)."""
+def _in_job_group(proc: psutil.Process, group: int, pgid: int | None, born: float | None) -> bool:
+    """True for a member of the job's process group (``group`` is ``proc``'s) created no earlier than the job
+    (pid reuse guard)."""
     if not pgid or born is None:
         return False
-    return os.getpgid(proc.pid) == pgid and proc.create_time() >= born - 0.01
+    return group == pgid and proc.create_time() >= born - 0.01
 
 
 def _descendants(root: int) -> list[int]:
