@@ -20,6 +20,8 @@ import yaml
 
 from conftest import FAKE, PY, REPO, drop, tick_until, wait_until
 from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.slurm.batch import sbatch_env
+from trainq.watcher.supervisor import LaunchSpec
 from trainq.watcher.slurm.executor import EXIT_NOT_SHARED, SlurmExecutor, batch_env, batch_script, time_limit_min
 
 pytestmark = pytest.mark.slurm
@@ -151,11 +153,32 @@ def test_time_limit_rounds_up_to_minutes_and_leaves_room_for_trainqs_own_timeout
 
 def test_batch_env_passes_only_the_jobs_own_variables_and_never_the_nodes():
     env = {"CUDA_VISIBLE_DEVICES": "0", "SLURM_JOB_ID": "9", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "A": "b",
-           "SECRET_TOKEN": "x", "TMPDIR": "/watcher/tmp", "GPU_DEVICE_ORDINAL": "1", "TRAINQ_JOB_ID": "j"}
-    assert batch_env(env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TRAINQ_JOB_ID": "j"}
+           "SECRET_TOKEN": "x", "TMPDIR": "/watcher/tmp", "GPU_DEVICE_ORDINAL": "1", "TRAINQ_JOB_ID": "j",
+           "PATH": "/venv/bin:/usr/bin", "LC_ALL": "C.UTF-8", "HOME": "/home/w"}
+    assert batch_env(env, node_env="login") == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TRAINQ_JOB_ID": "j"}
+    # clean: the base a local job gets too (PATH with the watcher's Python first, the locale); HOME comes with sbatch
+    assert batch_env(env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TRAINQ_JOB_ID": "j", "PATH": "/venv/bin:/usr/bin",
+                              "LC_ALL": "C.UTF-8"}
     # the job's own env (or env_passthrough) names what passes; Slurm's allocation still wins on the node
-    assert batch_env(env, {"A", "TMPDIR", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID"}) == {
+    assert batch_env(env, {"A", "TMPDIR", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID"}, "login") == {
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TRAINQ_JOB_ID": "j", "A": "b", "TMPDIR": "/watcher/tmp"}
+
+
+def test_sbatch_runs_with_the_base_only_when_its_environment_is_the_batch_jobs():
+    watcher_env = {"PATH": "/usr/bin", "HOME": "/home/w", "USER": "w", "LANG": "C.UTF-8", "LC_TIME": "C",
+                   "SLURM_CONF": "/etc/slurm/x.conf", "SBATCH_PARTITION": "gpu", "SLURM_JOB_ID": "77",
+                   "AWS_SECRET_ACCESS_KEY": "s", "TMPDIR": "/w/tmp", "CUDA_VISIBLE_DEVICES": "3", "PYTHONPATH": "/w"}
+    assert sbatch_env(watcher_env) == {"PATH": "/usr/bin", "HOME": "/home/w", "USER": "w", "LANG": "C.UTF-8",
+                                       "LC_TIME": "C", "SLURM_CONF": "/etc/slurm/x.conf", "SBATCH_PARTITION": "gpu"}
+    assert sbatch_env(watcher_env, "login") == watcher_env  # --export=NONE: none of it reaches the node
+    from trainq.watcher.spec.config import WatcherConfig
+
+    script = Path("/q/running/j/slurm.sh")
+    for node_env, export in (({}, "--export=ALL"), ({"node_env": "login"}, "--export=NONE")):
+        ex = SlurmExecutor(WatcherConfig.from_dict({"executor": "slurm", "slurm": node_env}), Path("/q"))
+        spec = LaunchSpec(job_dir="/q/running/j", argv=("true",), env={}, cwd="/q/running/j", attempt=1)
+        assert export in ex.options_for(spec, "j", {}, {}).argv(script)
+        ex.close()
 
 
 def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
@@ -667,6 +690,27 @@ def test_the_node_keeps_slurms_variables_and_gets_only_the_jobs_env(queue_dir, w
     assert line == f"secret=none ordinal=unset tmp=/tmp mine=from-job id={slurm_id}"
     assert (done / "launch.json").stat().st_mode & 0o777 == 0o600
     assert "do-not-leak" not in (done / "launch.json").read_text()
+    assert "--export=ALL" in json.loads((done / "slurm.json").read_text())["sbatch"]
+
+
+def test_node_env_clean_starts_from_the_watchers_base_and_login_from_the_nodes_login_shell(queue_dir, watcher,
+                                                                                            monkeypatch):
+    """clean (the default): PATH (the watcher's Python first, as for a local job) and the locale come from the
+    watcher, and Slurm loads no login environment; login: Slurm loads it (``--export=NONE``, SLURM_GET_USER_ENV)."""
+    monkeypatch.setenv("LC_TIME", "C.UTF-8")
+    monkeypatch.setenv("WATCHER_SECRET", "do-not-leak")
+    show = "echo env: get_user_env=${SLURM_GET_USER_ENV:-0} lc=${LC_TIME:-unset} secret=${WATCHER_SECRET:-none} path=$PATH"
+    lines = {}
+    for mode in ("clean", "login"):
+        w = watcher(executor="slurm", slurm={"poll_s": 0.2, "node_env": mode}, max_concurrent=4)
+        drop(queue_dir, f"{mode}.yaml", job_file(command=["sh", "-c", show]))
+        done = tick_until(w, lambda m=mode: finished(queue_dir, m), 60, f"the {mode} job to finish")
+        assert run_json(done)["status"] == "done", (done / "output.log").read_text()
+        lines[mode] = next(x for x in (done / "output.log").read_text().splitlines() if x.startswith("env: "))
+        w.close()
+    assert "get_user_env=0 lc=C.UTF-8 secret=none" in lines["clean"]
+    assert lines["clean"].split("path=")[1].split(":")[0] == str(Path(sys.executable).parent)
+    assert "get_user_env=1" in lines["login"] and "secret=none" in lines["login"]
 
 
 def test_a_sigkill_the_supervisor_saw_is_an_oom_when_slurms_record_says_out_of_memory(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.batch import (
-    SlurmOptions, array_script, batch_env, batch_script, signal_lead_s, time_limit_min,
+    SlurmOptions, array_script, batch_env, batch_script, sbatch_env, signal_lead_s, time_limit_min,
 )
 from trainq.watcher.slurm.node import HEARTBEAT_S
 from trainq.watcher.slurm.records import (
@@ -86,6 +87,8 @@ class SlurmExecutor(Submitting, Polling, Liveness):
         self.arrays = bool(slurm.get("arrays", True))
         self.exit_grace_s = float(slurm.get("exit_grace_s", 60.0))
         self.passthrough = frozenset(getattr(config, "env_passthrough", None) or ())
+        self.node_env = str(slurm.get("node_env") or "clean")
+        self.sbatch_env = sbatch_env(dict(os.environ), self.node_env)
         self.kill_after_s = float(config.kill_after_s)
         self.scancel_margin_s = SCANCEL_MARGIN_S
         self.command_timeout_s = COMMAND_TIMEOUT_S
@@ -119,7 +122,7 @@ class SlurmExecutor(Submitting, Polling, Liveness):
         self._running_at: dict[str, float] = {}  # Slurm job id -> when a poll first showed it running
         self._last_known: dict[str, str] = {}  # Slurm job id -> "RUNNING on node n1 at <time>", for a purged job
         self._node_lost: dict[str, str] = {}  # Slurm job id -> why trainq cancelled it as a lost node
-        self._submitter = Submitter(self.command_timeout_s)
+        self._submitter = Submitter(self.command_timeout_s, self.sbatch_env)
         self._inflight: dict[str, Inflight] = {}  # the first job folder of a submission -> it
         self._inflight_dirs: dict[str, str] = {}  # every job folder in flight -> its submission's key
         self._answers: list[tuple[str, str | None, Exception | None]] = []  # for the next flush

@@ -280,9 +280,9 @@ def find_tagged(tag_prefix: str, timeout_s: float) -> list[tuple[str, SlurmJob]]
     return sorted(found, key=lambda pair: id_order(pair[0]))
 
 
-def run(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+def run(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
-                          check=False)
+                          check=False, env=env)
 
 
 def first_line(text: str) -> str:

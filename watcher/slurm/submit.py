@@ -29,8 +29,8 @@ class Answer:
 class Submitter:
     """A worker thread that runs queued sbatch command lines one after the other."""
 
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float, env: dict[str, str] | None = None) -> None:
+        self.timeout_s, self.env = timeout_s, env
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: collections.deque[tuple[str, Answer]] = collections.deque()
         self._queued = 0
@@ -99,14 +99,16 @@ class Submitter:
             if item is None:
                 return
             key, argv = item
-            self._done.append((key, _sbatch(argv, self.timeout_s)))
+            self._done.append((key, _sbatch(argv, self.timeout_s, self.env)))
             self._poke()
 
 
-def _sbatch(argv: list[str], timeout_s: float) -> Answer:
+def _sbatch(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> Answer:
+    """One sbatch run with ``env`` (None: the watcher's): with --export=ALL that is the batch job's starting
+    environment (batch.sbatch_env)."""
     try:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
-                              check=False)
+                              check=False, env=env)
     except subprocess.TimeoutExpired:
         return Answer(None, "", f"sbatch did not answer in {timeout_s:g} s")
     except OSError as exc:

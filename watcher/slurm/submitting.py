@@ -50,9 +50,10 @@ class Submitting:
         """The attempt's LaunchSpec as the node runs it (written to launch.json, 0600) and its sbatch options."""
         job_dir = os.path.abspath(spec.job_dir)
         resources, declared_env = job_file(Path(job_dir))
-        # the node's own environment (Slurm's variables, --export=NONE keeps the watcher's out) is the base
-        spec = dataclasses.replace(spec, job_dir=job_dir, env=batch_env(spec.env, declared_env | self.passthrough),
-                                   inherit_env=True)
+        # the batch job's starting environment (sbatch's base with --export=ALL, or the node's login environment
+        # with --export=NONE, and Slurm's variables) is the base; launch.json adds the job's own on top
+        spec = dataclasses.replace(spec, job_dir=job_dir, env=batch_env(spec.env, declared_env | self.passthrough,
+                                                                        self.node_env), inherit_env=True)
         paths = JobPaths(Path(job_dir))
         options = self.options_for(spec, job_name, job_slurm, resources)
         if options.nodes > 1 or options.tasks_per_node > 1:
@@ -214,13 +215,14 @@ class Submitting:
             requeue=bool(job_slurm.get("requeue")),
             nodes=nodes,
             tasks_per_node=int(resources.get("tasks_per_node") or 1),
+            node_env=self.node_env,
         )
 
     # -- talking to Slurm ------------------------------------------------------------------------
     def _submit(self, argv: list[str], paths: JobPaths) -> str:
         """Run sbatch here (a resubmission after a tag lookup, rare): see ``_answer``."""
         try:
-            done = run(argv, self.command_timeout_s)
+            done = run(argv, self.command_timeout_s, self.sbatch_env)
         except FileNotFoundError:
             raise self._went_down("sbatch is not on PATH; install the Slurm client or fix PATH") from None
         except subprocess.TimeoutExpired:

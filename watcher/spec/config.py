@@ -44,7 +44,7 @@ DEFAULT_SLURM_HEARTBEAT_S = 10.0
 def _default_slurm() -> dict:
     return {"partition": None, "sbatch_args": [], "poll_s": DEFAULT_SLURM_POLL_S,
             "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S, "arrays": True, "poll_max_s": DEFAULT_SLURM_POLL_MAX_S,
-            "heartbeat_s": DEFAULT_SLURM_HEARTBEAT_S, "array_limit": None}
+            "heartbeat_s": DEFAULT_SLURM_HEARTBEAT_S, "array_limit": None, "node_env": "clean"}
 
 
 @dataclass(frozen=True)
