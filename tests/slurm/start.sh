@@ -11,6 +11,8 @@
 #   SLURM_CPUS=N       CPUs the node advertises (default 8, more than a small VM has, so several test jobs
 #                      run at once; above the real count Slurm needs SlurmdParameters=config_overrides)
 #   SLURM_READY_TIMEOUT seconds to wait for the node to be idle (default 60)
+# Partitions: debug (the default) and urgent, whose jobs preempt debug's (preempt/partition_prio, PreemptMode=CANCEL),
+# so tests can have Slurm itself take a running job away.
 # Exit 0 and the line `SLURM_CONF=...` on stdout when the node is ready; exit 1 with the reason on stderr;
 # exit 3 when Slurm's packages are missing (tests skip then).
 set -euo pipefail
@@ -74,7 +76,8 @@ fi
 # --mem is enforced without cgroups: jobacct_gather/linux samples every second and OverMemoryKill kills a job
 # over its --mem (it ends FAILED with "exceeded memory limit" in its output; with cgroups it would be
 # OUT_OF_MEMORY). DefMemPerCPU shares the node's memory among its CPUs, so 8 default jobs still fit.
-conf="# written by trainq's tests/slurm/start.sh: one node, no slurmdbd, no cgroups
+conf="# written by trainq's tests/slurm/start.sh: one node, no slurmdbd, no cgroups; a job in partition urgent
+# preempts (cancels: SIGTERM, SIGKILL after KillWait) the debug jobs in its way
 ClusterName=trainqtest
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
@@ -104,8 +107,11 @@ SlurmctldLogFile=$BASE/log/slurmctld.log
 SlurmdLogFile=$BASE/log/slurmd.log
 $gres_types
 $overrides
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM $gres_node State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF"
 gres="AutoDetect=off"
 [ "$FAKE_GPUS" -gt 0 ] && gres+=$'\n'"NodeName=$HOST Name=gpu File=$BASE/fakegpu/gpu[0-$((FAKE_GPUS - 1))]"
 

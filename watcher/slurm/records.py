@@ -12,7 +12,7 @@ from trainq.watcher.slurm.batch import SlurmOptions
 from trainq.watcher.slurm.ranks import real_rank_exit
 from trainq.watcher.slurm.state import (
     CANCELLED_ADVICE, CANCELLED_OUTSIDE, SIGKILL, SIGTERM, SlurmJob, cancelled_evidence, killed_for_memory,
-    oom_evidence,
+    oom_evidence, taken_by_slurm,
 )
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
@@ -106,7 +106,7 @@ def with_slurm_view(record: dict, slurm_id: str, job: SlurmJob | None, paths: Jo
         record.update(stop_reason=CANCELLED_OUTSIDE, executor_diagnosis={
             "kind": "killed", "evidence": cancelled_evidence(slurm_id, job), "advice": CANCELLED_ADVICE})
     elif by_signal and job.state in ("PREEMPTED", "NODE_FAIL", "BOOT_FAIL"):
-        record["executor_diagnosis"] = {"kind": "preempted", "evidence": f"Slurm ended the job {job.state}{node}"}
+        record["executor_diagnosis"] = {"kind": "preempted", "evidence": taken_by_slurm(job.state, job.node)}
     return record
 
 

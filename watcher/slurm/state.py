@@ -285,6 +285,17 @@ def run(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) ->
                           check=False, env=env)
 
 
+def taken_by_slurm(state: str, node: str | None) -> str:
+    """The evidence for a job Slurm itself took away (a preemption, a failed node), in Slurm's terms."""
+    on = f" on node {node}" if node and node != "(null)" else ""
+    if state == "PREEMPTED":
+        return f"Slurm preempted the job{on} (PREEMPTED: a job of higher priority took its resources)"
+    if state == "NODE_FAIL":
+        return f"Slurm node {node} failed while running the job (NODE_FAIL)" if on else \
+            "the Slurm node failed while running the job (NODE_FAIL)"
+    return f"Slurm could not boot the node{on} for the job ({state})"
+
+
 def first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
@@ -323,9 +334,9 @@ def ended_outcome(job: SlurmJob, code: int | None, sig: int | None, paths: JobPa
         return _outcome(None, SIGTERM, None, "preempted", cancelled_by)
     by_state = {
         "CANCELLED": (None, SIGTERM, stopped, "preempted", f"Slurm cancelled the job{node} (scancel)"),
-        "PREEMPTED": (None, SIGTERM, None, "preempted", f"Slurm preempted the job{node}"),
-        "NODE_FAIL": (None, SIGKILL, None, "preempted", f"Slurm node{node or ''} failed while running the job"),
-        "BOOT_FAIL": (None, SIGKILL, None, "preempted", f"Slurm could not boot the node{node} for the job"),
+        "PREEMPTED": (None, SIGTERM, None, "preempted", taken_by_slurm(job.state, job.node)),
+        "NODE_FAIL": (None, SIGKILL, None, "preempted", taken_by_slurm(job.state, job.node)),
+        "BOOT_FAIL": (None, SIGKILL, None, "preempted", taken_by_slurm(job.state, job.node)),
         "OUT_OF_MEMORY": (None, SIGKILL, None, "oom", oom_evidence(node)),
         "TIMEOUT": (None, SIGKILL, "timeout", "timeout", f"Slurm's time limit ended the job{node}"),
         "DEADLINE": (None, SIGKILL, "timeout", "timeout", f"Slurm's deadline ended the job{node}"),
