@@ -34,7 +34,8 @@ def test_no_file_gives_the_documented_defaults(tmp_path: Path) -> None:
     assert (config.keep_finished, config.kill_after_s, config.simulate_gpus) == (50, 5.0, None)
     assert (config.min_free_ram_gb, config.min_free_disk_gb) == (0.0, 0.0)
     assert config.slurm == {"partition": None, "sbatch_args": [], "poll_s": 2.0, "exit_grace_s": 60.0,
-                            "arrays": True, "poll_max_s": 30.0, "heartbeat_s": 10.0, "array_limit": None}
+                            "arrays": True, "poll_max_s": 30.0, "heartbeat_s": 10.0, "array_limit": None,
+                            "node_env": "clean"}
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "# all defaults\n"])
@@ -56,7 +57,8 @@ def test_good_file(tmp_path: Path) -> None:
         0.3, 1.0, 0.5, 2.0, 60.0)
     assert config.executor == "slurm"
     assert config.slurm == {"partition": "debug", "sbatch_args": ["--qos=low"], "poll_s": 0.5, "exit_grace_s": 120.0,
-                            "arrays": False, "poll_max_s": 30.0, "heartbeat_s": 10.0, "array_limit": None}
+                            "arrays": False, "poll_max_s": 30.0, "heartbeat_s": 10.0, "array_limit": None,
+                            "node_env": "clean"}
     assert config.simulate_gpus == tmp_path.absolute() / "sim" / "gpus.json"
 
 
