@@ -24,8 +24,6 @@ STATES = ("running", "pending", "failed", "done")
 FINISHED = ("done", "failed")
 #: how often ``wait`` and ``rm`` look at where a job's folder is (seconds)
 POLL_S = 0.25
-#: a status.json heartbeat older than this means no watcher is looking after the queue (seconds)
-ALIVE_HEARTBEAT_S = 15.0
 #: what a stop.flag holds to skip the stop grace (``trainq stop --now``)
 STOP_NOW = "now"
 #: exit status of ``wait`` past its --timeout (as timeout(1))
@@ -197,13 +195,18 @@ def _inbox_hint(root: Path, job_id: str) -> str:
 
 
 def watcher_alive(root: Path) -> bool:
-    """True when a watcher wrote status.json's heartbeat recently (and says it is not stopping)."""
-    from trainq.watcher.spec.units import parse_iso
+    """True when a watcher keeps status.json's heartbeat going (and says it is not stopping).
+
+    "Going" is judged as faces/liveness.py says: by this machine's clock where it agrees with the heartbeat,
+    else by watching the heartbeat change (up to liveness.CONFIRM_S, once per process).
+    """
+    from trainq.watcher.faces.liveness import check
 
     status = read_json(root / "status.json") or {}
     watcher = status.get("watcher") or {}
-    beat = parse_iso(watcher.get("heartbeat_at"))
-    return beat is not None and time.time() - beat < ALIVE_HEARTBEAT_S and watcher.get("state") not in ("stopping", "stopped")
+    if not isinstance(watcher, dict) or watcher.get("state") in ("stopping", "stopped"):
+        return False
+    return check(root / "status.json", status)[1].is_alive
 
 
 def watcher_words(root: Path) -> str:

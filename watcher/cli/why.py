@@ -24,8 +24,6 @@ from trainq.watcher.spec.jobspec import JobSpec, load_job_file
 from trainq.watcher.spec.pools import paused_pools
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
-#: a heartbeat older than this means no watcher is looking after the queue, seconds
-STALE_HEARTBEAT_S = 15.0
 _PASS, _HOLD = "ok  ", "HOLD"
 
 
@@ -241,12 +239,26 @@ def _dep_named(evidence: str) -> str:
 
 # -- gates ------------------------------------------------------------------------------------
 def _watcher_row(root: Path, now: float) -> tuple[str, str, str]:
-    watcher = (read_json(root / "status.json") or {}).get("watcher") or {}
+    """Whether a watcher looks after the queue, judged as faces/liveness.py says (this machine's clock where it
+    agrees with the heartbeat, else watching the heartbeat change for a few seconds)."""
+    from trainq.watcher.faces.liveness import BY_CLOCK, check, dead_words, offset_words
+
+    status = read_json(root / "status.json") or {}
+    watcher = status.get("watcher") or {}
     beat = parse_iso(watcher.get("heartbeat_at"))
-    if beat is None or now - beat > STALE_HEARTBEAT_S or watcher.get("state") in ("stopping", "stopped"):
+    if beat is None or watcher.get("state") in ("stopping", "stopped"):
         last = f"last heartbeat {_ago(now - beat)} ago" if beat else "no status.json"
         return ("watcher", _HOLD, f"no watcher is running on this queue ({last}); start one: trainq watch")
-    return ("watcher", _PASS, f"pid {watcher.get('pid')} on {watcher.get('host')}, heartbeat {_ago(now - beat)} ago")
+    _, live = check(root / "status.json", status)
+    if not live.is_alive:
+        return ("watcher", _HOLD, f"no watcher is running on this queue ({dead_words(live, _ago)}); "
+                                  "start one: trainq watch")
+    where = f"pid {watcher.get('pid')} on {watcher.get('host')}"
+    if live.how == BY_CLOCK:
+        return ("watcher", _PASS, f"{where}, heartbeat {_ago(now - beat)} ago")
+    offset = offset_words(live, _ago)
+    return ("watcher", _PASS, f"{where}, heartbeat seen changing {_ago(live.changed_ago_s)} ago from this machine"
+                              + (f"; {offset}" if offset else ""))
 
 
 def _dependency_rows(root: Path, spec: JobSpec) -> list[tuple[str, str, str]]:

@@ -11,12 +11,11 @@ from operator import itemgetter
 from typing import Iterable
 
 from trainq.watcher.spec.contract import RECORD_EVAL
+from trainq.watcher.faces.liveness import CONFIRM_S, STALE_HEARTBEAT_S
 from trainq.watcher.faces.sweepview import sweep_html
 
 #: most points kept per curve however long the run
 MAX_CURVE_POINTS = 300
-#: a heartbeat older than this means the watcher is not responding (3 missed 5 s heartbeats)
-STALE_HEARTBEAT_S = 15
 #: how the static page refreshes itself; `trainq serve` swaps it for live streams (faces/live.py)
 REFRESH_META = '<meta http-equiv="refresh" content="2">'
 
@@ -256,8 +255,9 @@ def _header(snapshot: dict) -> str:
         f'<header><h1>trainq</h1><div class="meta">{_e(w.get("host"))} · watcher pid {_e(w.get("pid"))} · '
         f'v{_e(w.get("version"))} · <b class="wstate {_e(w.get("state"))}">{_e(w.get("state"))}</b> · '
         f'started {_when(w.get("started_at"))} · heartbeat <time id="hb" datetime="{_e(heartbeat)}" '
-        f'data-stale-s="{STALE_HEARTBEAT_S}">{_e(str(heartbeat or "").replace("T", " ")[:19])}</time></div></header>'
-        '<div id="stale" class="banner" hidden>watcher not responding: no heartbeat for '
+        f'data-stale-s="{STALE_HEARTBEAT_S}" data-confirm-s="{CONFIRM_S:g}">'
+        f'{_e(str(heartbeat or "").replace("T", " ")[:19])}</time></div></header>'
+        '<div id="stale" class="banner" hidden><span id="stale-what">watcher not responding</span>: no heartbeat for '
         '<span id="age"></span>. Is <code>trainq watch</code> running?</div>'
         f'<noscript><div class="banner">JavaScript is off: if the heartbeat above is more than '
         f'{STALE_HEARTBEAT_S} s old, the watcher is not responding.</div></noscript>'
@@ -458,14 +458,37 @@ dl.two{grid-template-columns:repeat(2,minmax(0,1fr))}.banner code{background:rgb
 code{font-size:12px;background:#f0f1f4;padding:0 3px}.none{color:#778}.why{color:#8a4b00}
 """
 
-# the page is a static file: only the browser knows how old the heartbeat is now
+# the page is a static file: only the browser can tell how old the heartbeat is now, and its clock need not
+# agree with the watcher's. The rules of faces/liveness.py: where the browser's clock agrees with the heartbeat
+# it judges; where not, the browser watches the heartbeat change across the page's reloads (sessionStorage
+# keeps each value and the browser time it was first seen). `trainq serve`'s live script calls
+# trainqHeartbeat(value) again for every heartbeat it is sent.
 _SCRIPT = """
-(function(){var hb=document.getElementById('hb');var t=Date.parse(hb.getAttribute('datetime'));
-if(isNaN(t))return;var age=Math.max(0,Math.round((Date.now()-t)/1000));
-var txt=age<60?age+' s':age<3600?Math.floor(age/60)+' min '+age%60+' s':Math.floor(age/3600)+' h '+Math.floor(age%3600/60)+' min';
-hb.textContent+=' ('+txt+' ago)';
-if(age>Number(hb.dataset.staleS)){document.getElementById('age').textContent=txt;
-document.getElementById('stale').hidden=false;}})();
+(function(){var KEY='trainq-heartbeat:'+location.pathname,mem=null;
+function words(s){s=Math.max(0,Math.round(s));return s<60?s+' s':s<3600?Math.floor(s/60)+' min '+s%60+' s':
+ Math.floor(s/3600)+' h '+Math.floor(s%3600/60)+' min';}
+function byClock(s){return s>=0?words(s)+' ago':words(-s)+' in the future';}
+function seen(v,now){var old=mem;try{old=JSON.parse(sessionStorage.getItem(KEY))||old;}catch(e){}
+ if(old&&old.v===v)return old;mem={v:v,at:now,moved:!!(old&&old.v)};
+ try{sessionStorage.setItem(KEY,JSON.stringify(mem));}catch(e){}return mem;}
+window.trainqHeartbeat=function(v){var hb=document.getElementById('hb'),t=Date.parse(v);if(!hb||!v||isNaN(t))return;
+ var now=Date.now(),bound=Number(hb.dataset.staleS),confirm=Number(hb.dataset.confirmS)||bound,r=seen(v,now);
+ var clock=(now-t)/1000,watched=(now-r.at)/1000,off=(r.at-t)/1000,what=null,age='',note;
+ if(Math.abs(clock)<=bound){note=words(clock)+' ago';}
+ else if(r.moved&&watched<=bound){note='changed '+words(watched)+' ago, timed by this browser, whose clock is '+
+  words(Math.abs(off))+(off>=0?' ahead of':' behind')+' the watcher\\'s';}
+ else if(r.moved){what='watcher not responding';note=byClock(clock)+' by this browser\\'s clock';
+  age=words(watched)+', timed by this browser (its clock is '+words(Math.abs(off))+(off>=0?' ahead of':' behind')+
+  ' the watcher\\'s)';}
+ else{note=byClock(clock)+' by this browser\\'s clock';
+  if(watched>=confirm){what='watcher not responding';age=byClock(clock)+' by this browser\\'s clock, and none '+
+   'while it watched for '+words(watched);}
+  else{what='watcher may not be responding';age=byClock(clock)+' by this browser\\'s clock, which may not agree '+
+   'with the watcher\\'s; watching for a new one';}}
+ hb.setAttribute('datetime',v);hb.textContent=v.replace('T',' ').slice(0,19)+' ('+note+')';
+ var stale=document.getElementById('stale');if(!stale)return;stale.hidden=!what;
+ if(what){document.getElementById('stale-what').textContent=what;document.getElementById('age').textContent=age;}};
+var hb=document.getElementById('hb');if(hb)trainqHeartbeat(hb.getAttribute('datetime'));})();
 """
 
 

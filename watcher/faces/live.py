@@ -22,16 +22,14 @@ padding:6px;border-radius:4px;white-space:pre-wrap;word-break:break-all}
 
 _LIVE_SCRIPT = """
 (function(){'use strict';
-var LOG_LINES=%(log_lines)d,STALE_S=Number((document.getElementById('hb')||{dataset:{}}).dataset.staleS)||15;
+var LOG_LINES=%(log_lines)d;
 var tok=new URLSearchParams(location.search).get('token');
 function url(p,q){var s=new URLSearchParams(q||{});if(tok)s.set('token',tok);var t=s.toString();return p+(t?'?'+t:'');}
 var hb0=document.getElementById('hb'),state={hb:hb0&&hb0.getAttribute('datetime'),dirty:0,follow:{}},badge=document.createElement('div');badge.id='live';
 function setLive(up){badge.textContent=up?'\\u25cf live':'reconnecting\\u2026';badge.className=up?'':'down';}
-function ago(s){return s<60?s+' s':s<3600?Math.floor(s/60)+' min '+s%%60+' s':Math.floor(s/3600)+' h '+Math.floor(s%%3600/60)+' min';}
-function tick(){var hb=document.getElementById('hb');if(!hb||!state.hb)return;var t=Date.parse(state.hb);if(isNaN(t))return;
- var age=Math.max(0,Math.round((Date.now()-t)/1000));hb.setAttribute('datetime',state.hb);
- hb.textContent=state.hb.replace('T',' ').slice(0,19)+' ('+ago(age)+' ago)';
- var stale=document.getElementById('stale');if(stale){stale.hidden=age<=STALE_S;var a=document.getElementById('age');if(a)a.textContent=ago(age);}}
+// the heartbeat's age and the stale banner: status.html's own script judges (faces/html.py, the rules of
+// faces/liveness.py: the browser's clock where it agrees with the heartbeat, else watching the value change)
+function tick(){if(state.hb&&window.trainqHeartbeat)window.trainqHeartbeat(state.hb);}
 function counts(c){if(!c)return;for(var k in c){var b=document.querySelector('.count.'+k+' b');if(b)b.textContent=c[k];}
  if(c.running!==undefined)document.title='trainq \\u00b7 '+c.running+' running';}
 function fact(card,name,value){card.querySelectorAll('dt').forEach(function(dt){if(dt.textContent===name)dt.nextSibling.textContent=value;});}

@@ -24,7 +24,9 @@ from rich.padding import Padding
 from rich.text import Text
 
 from trainq.watcher.spec.fsutil import read_json
-from trainq.watcher.faces.html import STALE_HEARTBEAT_S, format_eta, format_number, wall_line
+from trainq.watcher.faces.html import format_eta, format_number, wall_line
+from trainq.watcher.faces.liveness import (ALIVE, BY_CLOCK, DEAD, WATCHING, Liveness, by_clock, check,
+                                           clock_words, dead_words, offset_words, watch_for)
 from trainq.watcher.spec.units import parse_iso
 from trainq.watcher.spec.text import printable_tree
 from trainq.watcher.faces.sweepview import sweep_lines
@@ -87,23 +89,35 @@ def _age_s(iso: str | None, now: float) -> float | None:
     return None if at is None else max(0.0, now - at)
 
 
-def _header(snapshot: dict, now: float) -> Text:
+def _header(snapshot: dict, now: float, live: Liveness) -> Text:
     w = snapshot.get("watcher") or {}
     text = Text("trainq ", style="bold", no_wrap=True, overflow="ellipsis")
     text.append(f"{w.get('host')} · pid {w.get('pid')} · ")
     text.append(str(w.get("state")), style={"running": "green", "paused": "yellow"}.get(w.get("state"), "red"))
-    age = _age_s(w.get("heartbeat_at"), now)
-    if age is not None and age > STALE_HEARTBEAT_S:
-        text.append(f"\nwatcher not responding: last heartbeat {format_eta(age)} ago — is `trainq watch` running?",
-                    style="bold red")
-    elif age is not None:
-        text.append(f" · heartbeat {format_eta(age)} ago", style="dim")
+    _heartbeat(text, live)
     for problem in w.get("problems") or ():
         text.append(f"\n{problem}", style="bold red")
     line = wall_line(snapshot)
     if line:
         text.append(f"\n{line}", style="bold magenta" if (snapshot.get("window") or {}).get("misses") else "magenta")
     return text
+
+
+def _heartbeat(text: Text, live: Liveness) -> None:
+    """The heartbeat's age, or why the watcher looks dead, in the words of what was measured (liveness.py)."""
+    if live.verdict == DEAD:
+        text.append(f"\nwatcher not responding: {dead_words(live, format_eta)} — is `trainq watch` running?",
+                    style="bold red")
+    elif live.verdict == ALIVE and live.how == BY_CLOCK:
+        text.append(f" · heartbeat {format_eta(max(0.0, live.clock_age_s))} ago", style="dim")
+    elif live.verdict == ALIVE:
+        text.append(f" · heartbeat {format_eta(live.changed_ago_s)} ago (seen changing from here)", style="dim")
+    elif live.verdict == WATCHING:
+        text.append(f" · heartbeat {clock_words(live.clock_age_s, format_eta)} by this machine's clock: "
+                    "watching whether it changes", style="yellow")
+    offset = offset_words(live, format_eta)
+    if offset:
+        text.append(f"\n{offset}", style="yellow")
 
 
 def _counts(snapshot: dict) -> Text:
@@ -374,12 +388,19 @@ def _machine(snapshot: dict) -> list[Text]:
 
 
 def render_status(snapshot: dict, width: int = 80, now: float | None = None, *, height: int | None = None,
-                  wide: bool = False, filters: Filters | None = None) -> RenderableType:
-    """The whole status: header, counts, one row per job, machine; fitted to ``height`` lines when given."""
+                  wide: bool = False, filters: Filters | None = None, liveness: Liveness | None = None) -> RenderableType:
+    """The whole status: header, counts, one row per job, machine; fitted to ``height`` lines when given.
+
+    ``liveness``: the reader's verdict on the watcher (liveness.check); without one, this machine's clock judges.
+    Once watching measured how far this clock is off the watcher's, job times are taken by the watcher's clock.
+    """
     now = time.time() if now is None else now
     snapshot = printable_tree(snapshot)  # names, ids and errors come from job files: no terminal escapes
     filters = filters or Filters()
-    head: list[RenderableType] = [_header(snapshot, now), _counts(snapshot), *_ignored(snapshot)]
+    live = liveness or by_clock(snapshot.get("watcher") or {}, now)
+    head: list[RenderableType] = [_header(snapshot, now, live), _counts(snapshot), *_ignored(snapshot)]
+    if offset_words(live, format_eta):
+        now -= live.offset_s  # started_at, submitted_at, … are the watcher's clock too
     machine = _machine(snapshot)
     rows = _rows(snapshot, filters)
     hidden: list[dict] = []
@@ -405,9 +426,11 @@ def _sweeps(snapshot: dict, filters: Filters) -> list[RenderableType]:
 
 
 def _view(snapshot: dict | None, status_path: Path, console: Console, wide: bool, filters: Filters) -> RenderableType:
+    """One --follow frame; the heartbeat's age is what this reader saw of it (liveness.HeartbeatWatch)."""
     if snapshot is None:
         return Text(missing_message(status_path))
-    return render_status(snapshot, console.width, height=console.height, wide=wide, filters=filters)
+    live = watch_for(status_path).observe(snapshot.get("watcher") or {}, time.time(), time.monotonic())
+    return render_status(snapshot, console.width, height=console.height, wide=wide, filters=filters, liveness=live)
 
 
 def read_status(status_path: Path, wait_s: float = STARTUP_WAIT_S) -> dict | None:
@@ -434,7 +457,8 @@ def print_status(status_path: Path, follow: bool = False, json_out: bool = False
     if snapshot is None:
         print(missing_message(status_path), file=sys.stderr)
         return 1
-    console.print(render_status(snapshot, console.width, wide=wide, filters=filters))
+    snapshot, live = check(status_path, snapshot)  # may watch the heartbeat for a few seconds: liveness.py
+    console.print(render_status(snapshot, console.width, wide=wide, filters=filters, liveness=live))
     return 0
 
 
