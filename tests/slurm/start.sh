@@ -11,6 +11,10 @@
 #   SLURM_CPUS=N       CPUs the node advertises (default 8, more than a small VM has, so several test jobs
 #                      run at once; above the real count Slurm needs SlurmdParameters=config_overrides)
 #   SLURM_READY_TIMEOUT seconds to wait for the node to be idle (default 60)
+#   TRAINQ_SLURM_ACCOUNTING=1  also run slurmdbd on a private MariaDB (Debian's `slurmdbd mariadb-server`; exit 3
+#                      without them), so sacct answers, and purge finished jobs from slurmctld after MinJobAge=2 s
+#                      (every 10 s): the cluster of a site with accounting, whose squeue soon forgets ended jobs.
+#                      A start without it switches back (the configuration changed: Slurm restarts).
 # Partitions: debug (the default) and urgent, whose jobs preempt debug's (preempt/partition_prio, PreemptMode=CANCEL),
 # so tests can have Slurm itself take a running job away.
 # Exit 0 and the line `SLURM_CONF=...` on stdout when the node is ready; exit 1 with the reason on stderr;
@@ -20,6 +24,9 @@ BASE=${TRAINQ_SLURM_DIR:-/run/trainq-test-slurm}
 CONF=$BASE/slurm.conf
 if [ "${1:-}" = --env ]; then echo "SLURM_CONF=$CONF"; exit 0; fi
 FAKE_GPUS=${SLURM_FAKE_GPUS:-2}
+ACCOUNTING=${TRAINQ_SLURM_ACCOUNTING:-0}
+DB_PORT=3307      # the private MariaDB's TCP port on 127.0.0.1 (not 3306: a site's own database may use it)
+DBD_PORT=6819
 READY_TIMEOUT=${SLURM_READY_TIMEOUT:-60}
 log() { printf '[tests/slurm/start %s] %s\n' "$(date +%T)" "$*" >&2; }
 die() {
@@ -32,6 +39,11 @@ die() {
 for tool in munged munge slurmctld slurmd sbatch squeue; do
   command -v "$tool" >/dev/null 2>&1 || { echo "tests/slurm/start.sh: $tool not installed (apt-get install slurmctld slurmd slurm-client munge)" >&2; exit 3; }
 done
+if [ "$ACCOUNTING" = 1 ]; then
+  for tool in slurmdbd sacctmgr mariadbd mariadb-install-db mariadb; do
+    command -v "$tool" >/dev/null 2>&1 || { echo "tests/slurm/start.sh: $tool not installed (apt-get install slurmdbd mariadb-server)" >&2; exit 3; }
+  done
+fi
 [ "$(id -u)" = 0 ] || die "needs root (slurmd runs jobs as their users)"
 export SLURM_CONF=$CONF
 
@@ -66,6 +78,13 @@ REAL_CPUS=$(field CPUs); MEM=$(( $(field RealMemory) * 9 / 10 ))
 CPUS=${SLURM_CPUS:-8}
 HOST=$(hostname -s)
 gres_node=""; gres_types=""; overrides=""
+accounting="AccountingStorageType=accounting_storage/none"; min_job_age=3600
+if [ "$ACCOUNTING" = 1 ]; then
+  accounting="AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$DBD_PORT"
+  min_job_age=2
+fi
 [ "$CPUS" -gt "$REAL_CPUS" ] && overrides="SlurmdParameters=config_overrides"
 if [ "$FAKE_GPUS" -gt 0 ]; then
   gres_types="GresTypes=gpu"; gres_node="Gres=gpu:$FAKE_GPUS"
@@ -92,11 +111,11 @@ DefMemPerCPU=$((MEM / CPUS))
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=task=1
 JobAcctGatherParams=OverMemoryKill
-AccountingStorageType=accounting_storage/none
+$accounting
 JobCompType=jobcomp/filetxt
 JobCompLoc=$BASE/log/jobcomp.txt
 ReturnToService=2
-MinJobAge=3600
+MinJobAge=$min_job_age
 KillWait=5
 SchedulerParameters=sched_min_interval=100000
 StateSaveLocation=$BASE/state
@@ -124,6 +143,50 @@ if [ $changed = 1 ] && { alive slurmctld || alive slurmd; }; then
 fi
 
 busy() { ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
+if [ "$ACCOUNTING" = 1 ]; then
+  # a private MariaDB for slurmdbd: data in $BASE/mysql, socket, pid and log in $BASE/mariadb (the mysql user's),
+  # TCP on 127.0.0.1:$DB_PORT; root logs in by the unix socket only
+  if ! alive mariadbd; then
+    busy "$DB_PORT" && die "port $DB_PORT is taken by a database this script did not start"
+    mkdir -p "$BASE/mysql" "$BASE/mariadb"; chown mysql:mysql "$BASE/mysql" "$BASE/mariadb"
+    if [ ! -d "$BASE/mysql/mysql" ]; then
+      mariadb-install-db --user=mysql --datadir="$BASE/mysql" --skip-test-db >"$BASE/log/mariadb-install.log" 2>&1 \
+        || die "mariadb-install-db failed (see $BASE/log/mariadb-install.log)"
+    fi
+    rm -f "$BASE/mariadb/mariadbd.pid"
+    setsid mariadbd --user=mysql --datadir="$BASE/mysql" --socket="$BASE/mariadb/mariadb.sock" --port="$DB_PORT" \
+      --bind-address=127.0.0.1 --skip-name-resolve --pid-file="$BASE/mariadb/mariadbd.pid" \
+      --log-error="$BASE/mariadb/mariadb.log" </dev/null >/dev/null 2>&1 &
+    for _ in $(seq 150); do mariadb --socket="$BASE/mariadb/mariadb.sock" -e 'select 1' >/dev/null 2>&1 && break; sleep 0.2; done
+    mariadb --socket="$BASE/mariadb/mariadb.sock" -e "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY
+      'trainq-test'; GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;" \
+      || die "MariaDB did not start (see $BASE/mariadb/mariadb.log)"
+    cp "$BASE/mariadb/mariadbd.pid" "$BASE/mariadbd.pid"   # ours: stop.sh stops it
+  fi
+  dbd="# written by trainq's tests/slurm/start.sh
+AuthType=auth/munge
+DbdHost=$HOST
+DbdAddr=127.0.0.1
+DbdPort=$DBD_PORT
+SlurmUser=root
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=trainq-test
+StorageLoc=slurm_acct_db
+PidFile=$BASE/slurmdbd.pid
+LogFile=$BASE/log/slurmdbd.log"
+  [ "$(cat "$BASE/slurmdbd.conf" 2>/dev/null)" = "$dbd" ] || { printf '%s\n' "$dbd" >"$BASE/slurmdbd.conf"; }
+  chmod 0600 "$BASE/slurmdbd.conf"
+  if ! alive slurmdbd; then
+    busy "$DBD_PORT" && die "port $DBD_PORT is taken by a slurmdbd this script did not start"
+    slurmdbd || die "slurmdbd did not start"
+    for _ in $(seq 150); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.2; done
+  fi
+  sacctmgr -n list cluster format=cluster 2>/dev/null | grep -qw trainqtest \
+    || sacctmgr -i add cluster trainqtest >/dev/null || die "sacctmgr could not add the cluster"
+fi
 if ! alive slurmctld; then
   busy 6817 && die "port 6817 is taken by a slurmctld this script did not start (ss -ltnp | grep 6817)"
   slurmctld -f "$CONF" || die "slurmctld did not start"

@@ -5,8 +5,8 @@
 set -uo pipefail
 BASE=${TRAINQ_SLURM_DIR:-/run/trainq-test-slurm}
 export SLURM_CONF=$BASE/slurm.conf
-daemons=(slurmd slurmctld munged)
-[ "${1:-}" = --keep-munge ] && daemons=(slurmd slurmctld)
+daemons=(slurmd slurmctld slurmdbd mariadbd munged)   # slurmdbd and mariadbd: TRAINQ_SLURM_ACCOUNTING=1
+[ "${1:-}" = --keep-munge ] && daemons=(slurmd slurmctld slurmdbd mariadbd)
 
 alive() {
   local pid

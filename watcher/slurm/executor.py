@@ -244,8 +244,10 @@ class SlurmExecutor(Submitting, Polling, Liveness):
             self._wake_poll()  # the end is in: ask Slurm for its final word soon
             if self._requeues(paths):
                 return None  # a requeueing job's record is final only once Slurm says the job ended
-            if signalled(record) and job is not None:
-                return None  # Slurm's final state says who sent it: its OOM handling, scancel, a preemption
+            if signalled(record) and (job is not None or self._down is None):
+                # Slurm's final state says who sent it: its OOM handling, scancel, a preemption. Not asked yet (a
+                # watcher restarted after the end): wait for the first poll, unless Slurm cannot be reached
+                return None
         if record is not None:
             return self._final(with_slurm_view(record, slurm_id, job, paths, self._cancelled_by(paths, slurm_id)),
                                slurm_id)

@@ -1,0 +1,111 @@
+"""A cluster with accounting (slurmdbd): sacct tells how a job ended once slurmctld has forgotten it.
+
+tests/slurm/start.sh with ``TRAINQ_SLURM_ACCOUNTING=1`` runs the one-node cluster with a real slurmdbd on a
+private MariaDB and ``MinJobAge=2``: slurmctld purges a finished job within about 12 s, as a busy site's does
+within minutes. The watcher detects accounting at its first poll (``scontrol show config``) and asks ``sacct``
+about the jobs squeue no longer lists. Here a watcher is down while its job ends and is purged; the next one must
+say how it really ended (Slurm's words), not "Slurm no longer knows job N".
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from conftest import drop, tick_until, wait_until
+from test_slurm import (  # noqa: F401  (the autouse clean-up fixture is used by name)
+    CLUSTER_DIR, EXIT_NOT_INSTALLED, SLURM, SLURM_DIR, _counting, finished, job_file, no_leftover_slurm_jobs,
+    run_json,
+)
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def accounting_cluster():
+    """The one-node cluster in accounting mode for this module (the next Slurm module's start switches back)."""
+    if os.geteuid() != 0:
+        pytest.skip("the one-node Slurm of tests/slurm/start.sh needs root")
+    env = dict(os.environ, TRAINQ_SLURM_ACCOUNTING="1")
+    started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], capture_output=True, text=True, timeout=600,
+                             stdin=subprocess.DEVNULL, env=env)
+    if started.returncode == EXIT_NOT_INSTALLED:
+        pytest.skip(started.stderr.strip().splitlines()[-1])
+    assert started.returncode == 0, f"tests/slurm/start.sh failed:\n{started.stderr[-3000:]}"
+    users = open(CLUSTER_DIR / "users.lock", "a")
+    fcntl.flock(users, fcntl.LOCK_SH)
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = started.stdout.strip().splitlines()[-1].partition("=")[2]
+    yield
+    try:
+        fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        subprocess.run(["bash", str(SLURM_DIR / "stop.sh")], capture_output=True, timeout=600)
+    except BlockingIOError:
+        pass  # another test run still uses the cluster
+    finally:
+        users.close()
+    if previous is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = previous
+
+
+def _purged(slurm_id: str) -> bool:
+    """slurmctld no longer knows the job (squeue: "Invalid job id specified", or nothing)."""
+    done = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%T", "-j", slurm_id], capture_output=True, text=True,
+                          timeout=60)
+    return not done.stdout.strip()
+
+
+def _started(w, queue_dir, name: str) -> str:
+    log = queue_dir / "running" / name / "output.log"
+    tick_until(w, lambda: log.exists() and "up" in log.read_text(), 60, f"{name} to start")
+    return w.jobs[name].run["slurm_job_id"]
+
+
+def test_a_job_cancelled_and_purged_while_no_watcher_looked_is_told_by_sacct(queue_dir, watcher, tmp_path,
+                                                                             monkeypatch):
+    sacct_calls = _counting(tmp_path, monkeypatch, "sacct")
+    w = watcher(**SLURM)
+    drop(queue_dir, "gone.yaml", job_file(command=["sh", "-c", "echo up; sleep 300"]))
+    slurm_id = _started(w, queue_dir, "gone")
+    w.close()  # the watcher is down from here on
+    subprocess.run(["scancel", slurm_id], check=True, timeout=60)  # a user or an admin, not trainq
+    wait_until(lambda: _purged(slurm_id), 90, 0.5, f"slurmctld to purge job {slurm_id}")
+    w2 = watcher(**SLURM)
+    done = tick_until(w2, lambda: finished(queue_dir, "gone"), 60, "gone to be concluded")
+    run = run_json(done)
+    assert run["status"] == "cancelled", run
+    evidence = run["diagnosis"]["evidence"]
+    assert "cancelled from outside trainq" in evidence and slurm_id in evidence, evidence
+    assert "no longer knows" not in evidence
+    assert any(f"-j {slurm_id}" in line for line in sacct_calls.read_text().splitlines())
+
+
+def test_a_job_whose_node_side_died_without_a_record_gets_its_end_from_sacct(queue_dir, watcher, tmp_path,
+                                                                           monkeypatch):
+    """The node side and the job SIGKILLed (an OOM killer on the node, say): no exit record, the batch job ends
+    FAILED; slurmctld forgets it before a watcher looks. The conclusion comes from sacct's record."""
+    _counting(tmp_path, monkeypatch, "sacct")
+    w = watcher(**SLURM)
+    drop(queue_dir, "shot.yaml", job_file(command=["sh", "-c", "echo up; sleep 300"]))
+    slurm_id = _started(w, queue_dir, "shot")
+    folder = queue_dir / "running" / "shot"
+    supervisor = json.loads((folder / "supervisor.json").read_text())
+    w.close()
+    os.killpg(supervisor["pgid"], signal.SIGKILL)
+    os.kill(supervisor["supervisor_pid"], signal.SIGKILL)
+    wait_until(lambda: _purged(slurm_id), 90, 0.5, f"slurmctld to purge job {slurm_id}")
+    assert not (folder / "exit.json").exists()
+    w2 = watcher(**SLURM)
+    done = tick_until(w2, lambda: finished(queue_dir, "shot"), 120, "shot to be concluded")
+    run = run_json(done)
+    assert run["status"] == "failed", run
+    evidence = run["diagnosis"]["evidence"]
+    assert "no longer knows" not in evidence, evidence
+    record = json.loads((done / "exit.json").read_text())
+    assert record.get("slurm_state") == "FAILED" and record.get("signal") == signal.SIGKILL, record
