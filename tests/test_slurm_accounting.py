@@ -109,3 +109,30 @@ def test_a_job_whose_node_side_died_without_a_record_gets_its_end_from_sacct(que
     assert "no longer knows" not in evidence, evidence
     record = json.loads((done / "exit.json").read_text())
     assert record.get("slurm_state") == "FAILED" and record.get("signal") == signal.SIGKILL, record
+
+
+def test_a_real_qos_submit_limit_holds_the_job_back_until_a_slot_frees(queue_dir, watcher):
+    """QOS normal allows 2 submitted jobs per user (sacctmgr; limits enforced): slurmctld refuses the third sbatch
+    with QOSMaxSubmitJobPerUserLimit; trainq keeps it pending, says which limit, and submits it again."""
+    limit = ["sacctmgr", "-i", "modify", "qos", "normal", "set"]
+    subprocess.run(limit + ["MaxSubmitJobsPerUser=2"], check=True, capture_output=True, timeout=60)
+    try:
+        w = watcher(**SLURM)
+        w.executor.limit_retry_s = 1.0  # the real wait is 30 s; only the wait shrinks here
+        for name in ("q1", "q2", "q3"):
+            drop(queue_dir, f"{name}.yaml", job_file(command=["sh", "-c", "sleep 3; echo in"]))
+        seen: list[str] = []
+
+        def one_held_back() -> bool:
+            waiting = [w.jobs[n].run.get("waiting_for") or "" for n in ("q1", "q2", "q3") if n in w.jobs]
+            seen.extend(x for x in waiting if "QOSMaxSubmitJobPerUserLimit" in x)
+            return bool(seen)
+
+        tick_until(w, one_held_back, 60, "Slurm's QOS limit to hold a job back")
+        assert "submitting again" in seen[0] and "violates accounting/QOS policy" in seen[0], seen[0]
+        for name in ("q1", "q2", "q3"):
+            done = tick_until(w, lambda n=name: finished(queue_dir, n), 90, f"{name} to run")
+            run = run_json(done)
+            assert done.parent.name == "done" and len(run["attempts"]) == 1, run
+    finally:
+        subprocess.run(limit + ["MaxSubmitJobsPerUser=-1"], check=True, capture_output=True, timeout=60)

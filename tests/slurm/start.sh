@@ -82,7 +82,8 @@ accounting="AccountingStorageType=accounting_storage/none"; min_job_age=3600
 if [ "$ACCOUNTING" = 1 ]; then
   accounting="AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
-AccountingStoragePort=$DBD_PORT"
+AccountingStoragePort=$DBD_PORT
+AccountingStorageEnforce=associations,limits,qos"
   min_job_age=2
 fi
 [ "$CPUS" -gt "$REAL_CPUS" ] && overrides="SlurmdParameters=config_overrides"
@@ -186,6 +187,12 @@ LogFile=$BASE/log/slurmdbd.log"
   fi
   sacctmgr -n list cluster format=cluster 2>/dev/null | grep -qw trainqtest \
     || sacctmgr -i add cluster trainqtest >/dev/null || die "sacctmgr could not add the cluster"
+  # limits are enforced (a test sets a QOS submit limit): the users who submit need an association
+  sacctmgr -n list account format=account 2>/dev/null | grep -qw trainq \
+    || sacctmgr -i add account trainq Cluster=trainqtest Description=trainq-tests >/dev/null \
+    || die "sacctmgr could not add the account"
+  sacctmgr -n list user format=user 2>/dev/null | grep -qw root \
+    || sacctmgr -i add user root Account=trainq DefaultAccount=trainq >/dev/null || die "sacctmgr could not add root"
 fi
 if ! alive slurmctld; then
   busy 6817 && die "port 6817 is taken by a slurmctld this script did not start (ss -ltnp | grep 6817)"
