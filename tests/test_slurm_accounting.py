@@ -101,7 +101,8 @@ def test_a_job_whose_node_side_died_without_a_record_gets_its_end_from_sacct(que
     os.kill(supervisor["supervisor_pid"], signal.SIGKILL)
     wait_until(lambda: _purged(slurm_id), 90, 0.5, f"slurmctld to purge job {slurm_id}")
     assert not (folder / "exit.json").exists()
-    w2 = watcher(**SLURM)
+    # no exit record: trainq waits exit_grace_s for one the shared filesystem may not show yet (60 s by default)
+    w2 = watcher(executor="slurm", slurm={"poll_s": 0.2, "exit_grace_s": 5}, max_concurrent=4)
     done = tick_until(w2, lambda: finished(queue_dir, "shot"), 120, "shot to be concluded")
     run = run_json(done)
     assert run["status"] == "failed", run
