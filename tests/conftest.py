@@ -83,6 +83,18 @@ def write_job(queue_dir: Path) -> Callable[..., Path]:
 
 
 @pytest.fixture
+def browser(tmp_path: Path):
+    """A headless Chromium (browser_util.Browser) for the browser tests; skipped, saying why, without one."""
+    from browser_util import CHROMIUM, Browser
+
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    opened = Browser(tmp_path / "chromium-profile")
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
 def watcher_config():
     """Build a WatcherConfig with test-friendly cadences; override fields by keyword."""
     from trainq.watcher.spec.config import WatcherConfig

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from browser_util import CHROMIUM, Browser
+from browser_util import Browser
 from conftest import PY, drop, wait_until
 from test_train_queue import job_entry, tiny, train_job  # noqa: F401  (tiny is a module fixture)
 from trainq.watcher.spec.fsutil import atomic_write
@@ -49,15 +49,6 @@ def _wait_done(queue_dir: Path, job_id: str) -> Path:
     assert done.exists(), (failed / "output.log").read_text()[-2000:]
     wait_until(lambda: job_entry(queue_dir, job_id).get("state") == "done", 15, 0.1, "status.json says done")
     return done
-
-
-@pytest.fixture
-def browser(tmp_path: Path):
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    opened = Browser(tmp_path / "chromium-profile")
-    yield opened
-    opened.close()
 
 
 #: what the test reads from the live DOM in one evaluation

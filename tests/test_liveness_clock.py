@@ -141,17 +141,6 @@ PAGE_FACTS = """JSON.stringify({hb: (document.getElementById('hb') || {}).textCo
     ? document.getElementById('stale').textContent : null, loaded: document.readyState === 'complete'})"""
 
 
-@pytest.fixture
-def browser(tmp_path: Path):
-    from browser_util import CHROMIUM, Browser
-
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    opened = Browser(tmp_path / "chromium-profile")
-    yield opened
-    opened.close()
-
-
 def _page_alive_then_frozen(browser, wp, url: str) -> None:
     """Open ``url``: the page, which reloads itself (or is fed by `trainq serve`), must name the offset and
     never say "not responding" while the watcher beats; frozen, it must say so."""

@@ -11,20 +11,11 @@ import pytest
 pytest.importorskip("starlette", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
 pytest.importorskip("uvicorn", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
 
-from browser_util import CHROMIUM, Browser  # noqa: E402
+from browser_util import Browser  # noqa: E402
 from conftest import drop, wait_until  # noqa: E402
 from serve_util import Server, chatty_job  # noqa: E402
 
 TOKEN = "f00dfeedcafe0123456789"
-
-
-@pytest.fixture
-def browser(tmp_path: Path):
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    opened = Browser(tmp_path / "chromium-profile")
-    yield opened
-    opened.close()
 
 
 @pytest.fixture

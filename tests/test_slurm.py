@@ -41,16 +41,17 @@ def _sh(script: str, *args: str) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def slurm_cluster():
-    """Bring up the repository's one-node cluster for this module (skip, saying why, when it cannot be).
+def use_cluster(env: dict[str, str] | None = None):
+    """Bring up the repository's one-node cluster (``env``: extra variables for start.sh) for a module, as a
+    generator for its fixture; skip, saying why, when it cannot be.
 
     Several test runs on one machine share the cluster: each holds a shared flock on users.lock while it runs,
     and the last one out (the one that gets it exclusively) stops the daemons.
     """
     if os.geteuid() != 0:
         pytest.skip("the one-node Slurm of tests/slurm/start.sh needs root")
-    started = _sh("start.sh")
+    started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], capture_output=True, text=True, timeout=600,
+                             stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
     if started.returncode == EXIT_NOT_INSTALLED:
         pytest.skip(started.stderr.strip().splitlines()[-1])
     assert started.returncode == 0, f"tests/slurm/start.sh failed:\n{started.stderr[-3000:]}"
@@ -71,6 +72,12 @@ def slurm_cluster():
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster():
+    """The one-node cluster, as tests/slurm/start.sh sets it up by default, for this module."""
+    yield from use_cluster()
 
 
 def _live_slurm_ids(prefix: str = "") -> list[str]:

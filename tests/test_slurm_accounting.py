@@ -8,7 +8,6 @@ say how it really ended (Slurm's words), not "Slurm no longer knows job N".
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -18,8 +17,7 @@ import pytest
 
 from conftest import drop, tick_until, wait_until
 from test_slurm import (  # noqa: F401  (the autouse clean-up fixture is used by name)
-    CLUSTER_DIR, EXIT_NOT_INSTALLED, SLURM, SLURM_DIR, _counting, finished, job_file, no_leftover_slurm_jobs,
-    run_json,
+    SLURM, _counting, finished, job_file, no_leftover_slurm_jobs, run_json, use_cluster,
 )
 
 pytestmark = pytest.mark.slurm
@@ -28,30 +26,7 @@ pytestmark = pytest.mark.slurm
 @pytest.fixture(scope="module", autouse=True)
 def accounting_cluster():
     """The one-node cluster in accounting mode for this module (the next Slurm module's start switches back)."""
-    if os.geteuid() != 0:
-        pytest.skip("the one-node Slurm of tests/slurm/start.sh needs root")
-    env = dict(os.environ, TRAINQ_SLURM_ACCOUNTING="1")
-    started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], capture_output=True, text=True, timeout=600,
-                             stdin=subprocess.DEVNULL, env=env)
-    if started.returncode == EXIT_NOT_INSTALLED:
-        pytest.skip(started.stderr.strip().splitlines()[-1])
-    assert started.returncode == 0, f"tests/slurm/start.sh failed:\n{started.stderr[-3000:]}"
-    users = open(CLUSTER_DIR / "users.lock", "a")
-    fcntl.flock(users, fcntl.LOCK_SH)
-    previous = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = started.stdout.strip().splitlines()[-1].partition("=")[2]
-    yield
-    try:
-        fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        subprocess.run(["bash", str(SLURM_DIR / "stop.sh")], capture_output=True, timeout=600)
-    except BlockingIOError:
-        pass  # another test run still uses the cluster
-    finally:
-        users.close()
-    if previous is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = previous
+    yield from use_cluster({"TRAINQ_SLURM_ACCOUNTING": "1"})
 
 
 def _purged(slurm_id: str) -> bool:
