@@ -21,8 +21,9 @@ import pytest
 from rich.console import Console
 
 from conftest import PY, REPO, wait_until
+from trainq.watcher.faces.html import render_html
 from trainq.watcher.faces.liveness import (ALIVE, BY_CLOCK, BY_WATCHING, CONFIRM_S, DEAD, STALE_HEARTBEAT_S,
-                                           WATCHING, HeartbeatWatch)
+                                           WATCHING, HeartbeatWatch, heartbeat_period, watch_for)
 from trainq.watcher.faces.view import Filters, _view, render_status
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
@@ -216,6 +217,26 @@ def test_a_heartbeat_that_disagrees_is_watched_until_it_changes_or_stands_still(
     assert never.observe(_watcher(beat), now, mono).verdict == WATCHING
     assert never.observe(_watcher(beat), now + CONFIRM_S - 1, mono + CONFIRM_S - 1).verdict == WATCHING
     assert never.observe(_watcher(beat), now + CONFIRM_S, mono + CONFIRM_S).verdict == DEAD
+
+
+def test_a_watcher_that_beats_every_30_s_is_given_three_beats_by_its_readers_and_its_page(queue_dir):
+    """watcher.yaml heartbeat_s: 30: a 20 s old heartbeat is fresh (the fixed 15 s called it dead), watching
+    waits 62 s (two beats and 2 s) before "not responding", and status.html carries the same bounds."""
+    (queue_dir / "watcher.yaml").write_text("heartbeat_s: 30s\n")
+    now, mono = 1_000_000.0, 50.0
+    watch = watch_for(queue_dir / "status.json")
+    assert (watch.stale_s, watch.confirm_s) == (90.0, 62.0)
+    assert watch.observe(_watcher(now - 20), now, mono).verdict == ALIVE
+    skewed = HeartbeatWatch(30.0)  # a heartbeat 10 minutes off this clock: watched
+    assert skewed.observe(_watcher(now - 600), now, mono).verdict == WATCHING
+    assert skewed.observe(_watcher(now - 600), now + 61, mono + 61).verdict == WATCHING
+    assert skewed.observe(_watcher(now - 600), now + 62, mono + 62).verdict == DEAD
+    assert heartbeat_period(queue_dir.parent) == 5.0  # no watcher.yaml there: the default
+    (queue_dir / "watcher.yaml").write_text("heartbeat_s: [not, a, duration]\n")
+    assert heartbeat_period(queue_dir) == 5.0
+    data = json.loads((Path(__file__).parent / "data" / "status_v1.json").read_text())
+    page = render_html(data, {}, heartbeat_s=30.0)
+    assert 'data-stale-s="90" data-confirm-s="62"' in page and "more than 90 s old" in page
 
 
 def test_a_heartbeat_far_in_this_clocks_future_is_not_taken_for_fresh():

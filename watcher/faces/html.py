@@ -11,7 +11,7 @@ from operator import itemgetter
 from typing import Iterable
 
 from trainq.watcher.spec.contract import RECORD_EVAL
-from trainq.watcher.faces.liveness import CONFIRM_S, STALE_HEARTBEAT_S
+from trainq.watcher.faces.liveness import bounds
 from trainq.watcher.faces.sweepview import sweep_html
 
 #: most points kept per curve however long the run
@@ -248,19 +248,20 @@ def render_curve(curve: dict | None) -> str:
 
 # -- sections ------------------------------------------------------------------------------------
 
-def _header(snapshot: dict) -> str:
+def _header(snapshot: dict, heartbeat_s: float = 5.0) -> str:
     w = snapshot.get("watcher") or {}
     heartbeat = w.get("heartbeat_at")
+    stale_s, confirm_s = bounds(heartbeat_s)
     return (
         f'<header><h1>trainq</h1><div class="meta">{_e(w.get("host"))} · watcher pid {_e(w.get("pid"))} · '
         f'v{_e(w.get("version"))} · <b class="wstate {_e(w.get("state"))}">{_e(w.get("state"))}</b> · '
         f'started {_when(w.get("started_at"))} · heartbeat <time id="hb" datetime="{_e(heartbeat)}" '
-        f'data-stale-s="{STALE_HEARTBEAT_S}" data-confirm-s="{CONFIRM_S:g}">'
+        f'data-stale-s="{stale_s:g}" data-confirm-s="{confirm_s:g}">'
         f'{_e(str(heartbeat or "").replace("T", " ")[:19])}</time></div></header>'
         '<div id="stale" class="banner" hidden><span id="stale-what">watcher not responding</span>: no heartbeat for '
         '<span id="age"></span>. Is <code>trainq watch</code> running?</div>'
         f'<noscript><div class="banner">JavaScript is off: if the heartbeat above is more than '
-        f'{STALE_HEARTBEAT_S} s old, the watcher is not responding.</div></noscript>'
+        f'{stale_s:g} s old, the watcher is not responding.</div></noscript>'
         + "".join(f'<div class="banner">{_e(problem)}</div>' for problem in w.get("problems") or ())
         + (f'<div class="meta wall">{_e(wall)}</div>' if (wall := wall_line(snapshot)) else "")
     )
@@ -492,10 +493,11 @@ var hb=document.getElementById('hb');if(hb)trainqHeartbeat(hb.getAttribute('date
 """
 
 
-def render_html(snapshot: dict, curves: dict[str, dict]) -> str:
-    """The whole status page for a status.json object and CurveStore.curves()."""
+def render_html(snapshot: dict, curves: dict[str, dict], heartbeat_s: float = 5.0) -> str:
+    """The whole status page for a status.json object and CurveStore.curves(); ``heartbeat_s``: how often the
+    watcher rewrites its heartbeat (the page's stale bounds follow it)."""
     body = "".join((
-        _header(snapshot), _counts(snapshot), _running(snapshot, curves), _pending(snapshot),
+        _header(snapshot, heartbeat_s), _counts(snapshot), _running(snapshot, curves), _pending(snapshot),
         _awaiting(snapshot), _ignored(snapshot), _finished(snapshot), sweep_html(list(snapshot.get("jobs") or ())),
         _machine(snapshot),
     ))

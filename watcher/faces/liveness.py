@@ -7,7 +7,7 @@ reader's clock there calls a live watcher dead when the reader's clock is ahead,
 when it is behind. So a reader decides, in this order:
 
 1. Its clock agrees with the heartbeat (at most STALE_HEARTBEAT_S old, and not more than that in the
-   future): the watcher is alive. This is the answer readers always gave; it costs nothing, and a live
+   future; 3 heartbeats for a watcher.yaml heartbeat_s above 5 s): the watcher is alive. This is the answer readers always gave; it costs nothing, and a live
    watcher that shares this machine's clock always gets it.
 2. status.json says the watcher stopped: no heartbeat will come.
 3. The watcher's host is this machine and its pid is not running here: it is dead, for certain.
@@ -38,8 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 from trainq.watcher.spec.fsutil import read_json
-from trainq.watcher.spec.units import parse_iso
+from trainq.watcher.spec.units import parse_duration_s, parse_iso
 
 #: a heartbeat older than this (by a clock that agrees with the watcher's) means the watcher is not
 #: responding: 3 missed 5 s heartbeats (seconds). Also how long a heartbeat seen changing may then stand still.
@@ -49,6 +51,8 @@ STALE_HEARTBEAT_S = 15
 CONFIRM_S = 12.0
 #: how often a one-shot reader re-reads status.json while it watches the heartbeat (seconds)
 WATCH_POLL_S = 0.25
+#: a watcher.yaml heartbeat_s above 5 s stretches both bounds: STALE_PERIODS heartbeats, CONFIRM_PERIODS + 2 s
+STALE_PERIODS, CONFIRM_PERIODS = 3, 2
 #: a measured clock offset below this is within the measurement's own error (a poll, a write): not said (seconds)
 OFFSET_WORTH_SAYING_S = 2.0
 
@@ -81,13 +85,31 @@ class Liveness:
         return self.verdict == ALIVE
 
 
-def by_clock(watcher: dict, now: float) -> Liveness:
+def bounds(heartbeat_s: float = 5.0) -> tuple[float, float]:
+    """(stale, confirm) seconds for a watcher that rewrites its heartbeat every ``heartbeat_s``: 15 s and 12 s
+    for the default 5 s, STALE_PERIODS and CONFIRM_PERIODS (+ 2 s) heartbeats for a longer one."""
+    return (max(float(STALE_HEARTBEAT_S), STALE_PERIODS * heartbeat_s),
+            max(CONFIRM_S, CONFIRM_PERIODS * heartbeat_s + 2.0))
+
+
+def heartbeat_period(root: Path) -> float:
+    """The watcher's heartbeat_s from the queue root's watcher.yaml (5 s when unset or unreadable): a reader
+    must not call a watcher dead that beats every 30 s because 15 s passed."""
+    try:
+        text = (Path(root) / "watcher.yaml").read_text(encoding="utf-8")[:65536]
+        period = parse_duration_s((yaml.safe_load(text) or {}).get("heartbeat_s", 5.0))
+    except Exception:  # noqa: BLE001 - a reader judges with the default rather than fail on a bad file
+        return 5.0
+    return period if isinstance(period, (int, float)) and 0 < period < 86400 else 5.0
+
+
+def by_clock(watcher: dict, now: float, stale_s: float = STALE_HEARTBEAT_S) -> Liveness:
     """The verdict by this machine's clock alone, as readers always judged: for a snapshot with no reader
     behind it (a rendered picture, a test)."""
     beat = parse_iso(watcher.get("heartbeat_at"))
     if beat is None:
         return Liveness(ABSENT, BY_CLOCK, host=watcher.get("host"), pid=watcher.get("pid"))
-    verdict = DEAD if now - beat > STALE_HEARTBEAT_S else ALIVE
+    verdict = DEAD if now - beat > stale_s else ALIVE
     return Liveness(verdict, BY_CLOCK, now - beat, host=watcher.get("host"), pid=watcher.get("pid"))
 
 
@@ -95,7 +117,8 @@ class HeartbeatWatch:
     """One reader's record of one status.json's heartbeat: the value it last saw, when it first saw it
     (monotonic, and by this machine's clock) and whether it saw that value replace another one."""
 
-    def __init__(self) -> None:
+    def __init__(self, heartbeat_s: float = 5.0) -> None:
+        self.stale_s, self.confirm_s = bounds(heartbeat_s)
         self.value: str | None = None
         self.seen_at = 0.0
         self.seen_at_wall = 0.0
@@ -107,8 +130,8 @@ class HeartbeatWatch:
         if value and value != self.value:
             self.changed = self.value is not None
             self.value, self.seen_at, self.seen_at_wall = value, mono, now
-        clock = by_clock(watcher, now)
-        if clock.verdict == ABSENT or abs(clock.clock_age_s) <= STALE_HEARTBEAT_S:
+        clock = by_clock(watcher, now, self.stale_s)
+        if clock.verdict == ABSENT or abs(clock.clock_age_s) <= self.stale_s:
             return clock
         if watcher.get("state") == "stopped":
             return Liveness(DEAD, BY_STOPPED, clock.clock_age_s, host=clock.host, pid=clock.pid)
@@ -119,11 +142,11 @@ class HeartbeatWatch:
     def _by_watching(self, clock: Liveness, mono: float) -> Liveness:
         unchanged = mono - self.seen_at
         if self.changed:
-            verdict = ALIVE if unchanged <= STALE_HEARTBEAT_S else DEAD
+            verdict = ALIVE if unchanged <= self.stale_s else DEAD
             offset = self.seen_at_wall - (parse_iso(self.value) or self.seen_at_wall)
             return Liveness(verdict, BY_WATCHING, clock.clock_age_s, unchanged, unchanged, offset, clock.host,
                             clock.pid)
-        verdict = DEAD if unchanged >= CONFIRM_S else WATCHING
+        verdict = DEAD if unchanged >= self.confirm_s else WATCHING
         return Liveness(verdict, BY_WATCHING, clock.clock_age_s, None, unchanged, None, clock.host, clock.pid)
 
 
@@ -146,8 +169,11 @@ _WATCHES: dict[Path, HeartbeatWatch] = {}
 
 
 def watch_for(status_path: Path) -> HeartbeatWatch:
-    """This process's HeartbeatWatch of ``status_path``."""
-    return _WATCHES.setdefault(Path(status_path).absolute(), HeartbeatWatch())
+    """This process's HeartbeatWatch of ``status_path``, with the bounds of its watcher.yaml's heartbeat_s."""
+    path = Path(status_path).absolute()
+    if path not in _WATCHES:
+        _WATCHES[path] = HeartbeatWatch(heartbeat_period(path.parent))
+    return _WATCHES[path]
 
 
 def check(status_path: Path, snapshot: dict | None = None) -> tuple[dict | None, Liveness]:

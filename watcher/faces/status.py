@@ -238,7 +238,7 @@ class StatusWriter:
             return
         curves = self.curves.curves() if self.curves is not None else {}
         # a view, rebuilt every second: not worth an fsync
-        atomic_write(self.html_path, render_html(self._written_dict, curves), durable=False)
+        atomic_write(self.html_path, render_html(self._written_dict, curves, self.heartbeat_s), durable=False)
         self._html_at = now
         self._html_dirty = False
 
