@@ -31,6 +31,8 @@ FAKETIME = shutil.which("faketime")
 needs_faketime = pytest.mark.skipif(FAKETIME is None, reason="faketime is not installed (apt-get install faketime)")
 #: how far the watcher's clock is off this machine's (seconds; negative: the watcher's clock is behind)
 SKEW_S = 600
+#: each skew test runs with the watcher's clock ten minutes behind this one, then ten minutes ahead
+both_ways = pytest.mark.parametrize("offset_s", [-SKEW_S, SKEW_S], ids=["watcher-behind", "watcher-ahead"])
 
 
 def _faked_clock(offset_s: int) -> dict:
@@ -78,7 +80,7 @@ def _says_dead(out: dict[str, str]) -> None:
 
 
 @needs_faketime
-@pytest.mark.parametrize("offset_s", [-SKEW_S, SKEW_S], ids=["watcher-behind", "watcher-ahead"])
+@both_ways
 def test_a_watcher_with_another_clock_is_alive_while_it_beats_and_dead_once_frozen(
         queue_dir, watcher_process, write_job, offset_s):
     wp = _start(queue_dir, watcher_process, write_job, offset_s)
@@ -104,7 +106,7 @@ def test_a_watcher_with_another_clock_is_alive_while_it_beats_and_dead_once_froz
 
 
 @needs_faketime
-@pytest.mark.parametrize("offset_s", [-SKEW_S, SKEW_S], ids=["watcher-behind", "watcher-ahead"])
+@both_ways
 def test_status_left_by_a_killed_watcher_with_another_clock_says_not_responding(
         queue_dir, watcher_process, write_job, offset_s):
     """Ahead, its last heartbeat is in this clock's future: compared, it looked fresh for ten minutes."""

@@ -94,7 +94,8 @@ def bounds(heartbeat_s: float = 5.0) -> tuple[float, float]:
 
 def heartbeat_period(root: Path) -> float:
     """The watcher's heartbeat_s from the queue root's watcher.yaml (5 s when unset or unreadable): a reader
-    must not call a watcher dead that beats every 30 s because 15 s passed."""
+    must not call a watcher dead that beats every 30 s because 15 s passed. Read here, not through
+    spec.config.load_watcher_config: that imports jsonschema (0.15 s), which `trainq status` never needs."""
     try:
         text = (Path(root) / "watcher.yaml").read_text(encoding="utf-8")[:65536]
         period = parse_duration_s((yaml.safe_load(text) or {}).get("heartbeat_s", 5.0))

@@ -89,7 +89,7 @@ def _age_s(iso: str | None, now: float) -> float | None:
     return None if at is None else max(0.0, now - at)
 
 
-def _header(snapshot: dict, now: float, live: Liveness) -> Text:
+def _header(snapshot: dict, live: Liveness) -> Text:
     w = snapshot.get("watcher") or {}
     text = Text("trainq ", style="bold", no_wrap=True, overflow="ellipsis")
     text.append(f"{w.get('host')} · pid {w.get('pid')} · ")
@@ -398,7 +398,7 @@ def render_status(snapshot: dict, width: int = 80, now: float | None = None, *, 
     snapshot = printable_tree(snapshot)  # names, ids and errors come from job files: no terminal escapes
     filters = filters or Filters()
     live = liveness or by_clock(snapshot.get("watcher") or {}, now)
-    head: list[RenderableType] = [_header(snapshot, now, live), _counts(snapshot), *_ignored(snapshot)]
+    head: list[RenderableType] = [_header(snapshot, live), _counts(snapshot), *_ignored(snapshot)]
     if offset_words(live, format_eta):
         now -= live.offset_s  # started_at, submitted_at, … are the watcher's clock too
     machine = _machine(snapshot)

@@ -31,12 +31,10 @@ TRAINQ_OWNED_ENV = ("CUDA_DEVICE_ORDER",)
 #: variables Slurm sets on the node for the job's allocation: the watcher's values never replace them
 NODE_OWNED_ENV = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
                   "TMPDIR", "HOSTNAME", "HOME", "USER", "LOGNAME", "PWD", "SHELL")
-#: slurm.node_env: "clean" (the default) passes sbatch a named base of the watcher's environment and
-#: ``--export=ALL``; "login" asks Slurm for the node's login environment with ``--export=NONE``, which makes slurmd run
-#: a login shell (``su - USER``) before every batch job: measured on the test cluster, a burst of 100 trivial jobs
-#: took 40 s that way against 24 s for bare ``sbatch --wrap`` (docs/slurm.md, "Environment")
-NODE_ENV_MODES = ("clean", "login")
-#: the watcher variables a "clean" batch job starts from (with every LC_*), besides what Slurm sets itself
+#: the watcher variables a batch job starts from (with every LC_*) under slurm.node_env "clean" (the default), besides
+#: what Slurm sets itself; "login" asks Slurm for the node's login environment with ``--export=NONE`` instead, which
+#: makes slurmd run a login shell (``su - USER``) before every batch job: measured on the test cluster, a burst of 100
+#: trivial jobs took 40 s that way against 24 s for bare ``sbatch --wrap`` (docs/slurm.md, "Environment")
 CLEAN_BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ")
 #: the variables sbatch itself reads (its configuration, its option defaults); they reach the node with the base
 SBATCH_OWN_ENV = ("SLURM_CONF", "SLURM_CLUSTERS")

@@ -16,6 +16,8 @@ import subprocess
 import threading
 from dataclasses import dataclass
 
+from trainq.watcher.slurm.state import run
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -107,8 +109,7 @@ def _sbatch(argv: list[str], timeout_s: float, env: dict[str, str] | None = None
     """One sbatch run with ``env`` (None: the watcher's): with --export=ALL that is the batch job's starting
     environment (batch.sbatch_env)."""
     try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
-                              check=False, env=env)
+        done = run(argv, timeout_s, env)
     except subprocess.TimeoutExpired:
         return Answer(None, "", f"sbatch did not answer in {timeout_s:g} s")
     except OSError as exc:
