@@ -4,6 +4,7 @@ Everything here drives the product the way a user does (files renamed into inbox
 status.json read) and cleans up after itself: every process a section starts is found again by the
 section's unique temp folder and killed by pid.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,8 +52,15 @@ class Row:
 
     def to_dict(self) -> dict:
         """The JSON form of the row."""
-        return {"section": self.section, "metric": self.metric, "trainq": self.trainq, "peer": self.peer,
-                "goal": self.goal, "met": self.met, "values": self.values}
+        return {
+            "section": self.section,
+            "metric": self.metric,
+            "trainq": self.trainq,
+            "peer": self.peer,
+            "goal": self.goal,
+            "met": self.met,
+            "values": self.values,
+        }
 
     def cells(self) -> list[str]:
         """The markdown cells: metric | trainq | peer / floor | goal | met?."""
@@ -141,8 +149,9 @@ def spread_out(folder: Path) -> None:
     effort: other filesystems have no such flag, and nothing changes there.
     """
     try:
-        subprocess.run(["chattr", "+T", str(folder)], check=False, timeout=10,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            ["chattr", "+T", str(folder)], check=False, timeout=10, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
     except (OSError, subprocess.TimeoutExpired):
         pass
 
@@ -255,7 +264,11 @@ class WatcherProc:
         with open(self.root.parent / "watcher.stderr", "ab") as err:
             self.proc = subprocess.Popen(
                 [*prefix, "-m", "trainq.watcher", "--root", str(self.root), "watch", "-q"],
-                cwd=REPO, env=bench_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                cwd=REPO,
+                env=bench_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
             )
         return self
 
@@ -266,10 +279,12 @@ class WatcherProc:
 
     def wait_ready(self, timeout_s: float = WATCHER_READY_S) -> float:
         """Wait until status.json names this watcher; the wall time it did."""
+
         def ready() -> bool:
             self._check_alive()
             status = read_status(self.root)
             return bool(status) and status.get("watcher", {}).get("pid") == self.pid
+
         wait_until(ready, timeout_s, interval_s=0.01, what=f"watcher {self.pid} to write status.json")
         return time.time()
 

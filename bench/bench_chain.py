@@ -6,6 +6,7 @@ finished_at - first link's started_at), read from their run.json. Run it alone:
 
     nice .venv/bin/python bench/bench_chain.py [--links 3000] [--tmp DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,15 +43,24 @@ def run_chain(work: Path, links: int) -> dict:
         released = time.time()
         (queue.root / "pause.flag").unlink()
         last = queue.job_dir("done", link_id(links - 1))
-        wait_until(lambda: (last / "run.json").exists() or queue.count("failed"), 3600, interval_s=0.2,
-                   what="the last link done")
+        wait_until(
+            lambda: (last / "run.json").exists() or queue.count("failed"),
+            3600,
+            interval_s=0.2,
+            what="the last link done",
+        )
     first_run = json.loads((queue.job_dir("done", link_id(0)) / "run.json").read_text())
     last_run = json.loads((last / "run.json").read_text())
     span = parse_iso(last_run["finished_at"]) - parse_iso(first_run["started_at"])
-    return {"links": links, "failed": queue.count("failed"), "done": queue.count("done"),
-            "span_s": round(span, 2), "links_per_s": round((links - 1) / span, 1),
-            "release_to_last_s": round(parse_iso(last_run["finished_at"]) - released, 2),
-            "load_average": [round(x, 2) for x in load_average()]}
+    return {
+        "links": links,
+        "failed": queue.count("failed"),
+        "done": queue.count("done"),
+        "span_s": round(span, 2),
+        "links_per_s": round((links - 1) / span, 1),
+        "release_to_last_s": round(parse_iso(last_run["finished_at"]) - released, 2),
+        "load_average": [round(x, 2) for x in load_average()],
+    }
 
 
 def main() -> int:

@@ -13,6 +13,7 @@ ignores SIGTERM, plus ``setsid env -i sleep`` in a session of its own) under a r
 kill_after_s is 0.5 s (SIGTERM, then SIGKILL 0.5 s later), so a stop takes at least that. Prints a
 markdown table with the load average. Needs root for the cgroup modes (skipped otherwise, with why).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,17 @@ def _launch(sup: Supervisor, base: Path, name: str) -> tuple[JobPaths, int, str,
     paths.dir.mkdir(parents=True)
     marker = f"bench-hopper-{os.getpid()}-{name}"
     argv = (str(FAKE / "escaper.sh"), sys.executable, str(FAKE / "pid_hopper.py"), marker, str(paths.dir))
-    pid = sup.launch(LaunchSpec(job_dir=str(paths.dir), argv=argv, env={}, cwd=str(paths.dir), attempt=1,
-                                stop_grace_s=0.0, kill_after_s=KILL_AFTER_S))
+    pid = sup.launch(
+        LaunchSpec(
+            job_dir=str(paths.dir),
+            argv=argv,
+            env={},
+            cwd=str(paths.dir),
+            attempt=1,
+            stop_grace_s=0.0,
+            kill_after_s=KILL_AFTER_S,
+        )
+    )
     _wait(lambda: (paths.dir / "hopper.ready").exists() and (paths.dir / "grandchild.pid").exists())
     return paths, pid, marker, int((paths.dir / "grandchild.pid").read_text())
 
@@ -97,9 +107,16 @@ def bench_mode(mode: str, runs: int, base: Path) -> dict:
         kill_escaped = [a + b for a, b in zip(kill_escaped, _escaped(marker, gc))]
         _clean(marker, gc)
     _wait(lambda: not sup.reap() and not sup.forked_pids, 30)
-    return {"mode": mode, "runs": runs, "stop_median_s": statistics.median(stop_s), "stop_max_s": max(stop_s),
-            "stop_escaped": stop_escaped, "kill_median_s": statistics.median(kill_s), "kill_max_s": max(kill_s),
-            "kill_escaped": kill_escaped}
+    return {
+        "mode": mode,
+        "runs": runs,
+        "stop_median_s": statistics.median(stop_s),
+        "stop_max_s": max(stop_s),
+        "stop_escaped": stop_escaped,
+        "kill_median_s": statistics.median(kill_s),
+        "kill_max_s": max(kill_s),
+        "kill_escaped": kill_escaped,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,16 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"Containment: pid hopper + envless setsid grandchild (load average {load}; kill_after_s {KILL_AFTER_S})\n")
     print("Escaped: runs in which the hopper / the envless setsid grandchild outlived it.\n")
-    print("| mode | runs | stop.flag now → exit record, median (max) | escaped the stop "
-          "| supervisor SIGKILL: kill_leftovers, median (max) | escaped |")
+    print(
+        "| mode | runs | stop.flag now → exit record, median (max) | escaped the stop "
+        "| supervisor SIGKILL: kill_leftovers, median (max) | escaped |"
+    )
     print("|---|---|---|---|---|---|")
     for r in results:
         if "skipped" in r:
             print(f"| {r['mode']} | skipped: {r['skipped']} | | | | |")
             continue
-        print(f"| {r['mode']} | {r['runs']} | {r['stop_median_s']:.3f} s ({r['stop_max_s']:.3f} s) "
-              f"| {r['stop_escaped'][0]} / {r['stop_escaped'][1]} of {r['runs']} | {r['kill_median_s']:.3f} s ({r['kill_max_s']:.3f} s) "
-              f"| {r['kill_escaped'][0]} / {r['kill_escaped'][1]} of {r['runs']} |")
+        print(
+            f"| {r['mode']} | {r['runs']} | {r['stop_median_s']:.3f} s ({r['stop_max_s']:.3f} s) "
+            f"| {r['stop_escaped'][0]} / {r['stop_escaped'][1]} of {r['runs']} | {r['kill_median_s']:.3f} s ({r['kill_max_s']:.3f} s) "
+            f"| {r['kill_escaped'][0]} / {r['kill_escaped'][1]} of {r['runs']} |"
+        )
     return 0
 
 

@@ -8,6 +8,7 @@ model folder, e.g. a 0.5-1B causal LM, and a JSONL file, for figures that mean s
 
     .venv/bin/python bench/bench_ddp_gpu.py [--model DIR --data FILE] [--gpus 1,2,4,8] [--steps N] [--batch B]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,15 +35,26 @@ def gpu_count() -> int:
 def run(base: Path, model: str, data: str, gpus: int, steps: int, batch: int, seq_len: int) -> dict:
     job = base / f"gpus-{gpus}"
     job.mkdir()
-    train = {"model": model, "data": data, "method": "lora", "max_steps": steps, "batch_size": batch,
-             "seq_len": seq_len, "packing": False, "eval_fraction": 0, "log_every": max(steps // 5, 1),
-             "checkpoint": {"every_steps": steps * 10, "keep": 1}, "processes": gpus}
+    train = {
+        "model": model,
+        "data": data,
+        "method": "lora",
+        "max_steps": steps,
+        "batch_size": batch,
+        "seq_len": seq_len,
+        "packing": False,
+        "eval_fraction": 0,
+        "log_every": max(steps // 5, 1),
+        "checkpoint": {"every_steps": steps * 10, "keep": 1},
+        "processes": gpus,
+    }
     (job / "job.yaml").write_text(yaml.safe_dump({"approved": True, "train": train}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINQ_", "TORCHELASTIC_"))}
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
     with open(job / "output.log", "wb") as log:
-        code = subprocess.run([PY, "-m", "trainq.trainer", str(job)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                              timeout=7200).returncode
+        code = subprocess.run(
+            [PY, "-m", "trainq.trainer", str(job)], stdout=log, stderr=subprocess.STDOUT, env=env, timeout=7200
+        ).returncode
     if code != 0:
         raise SystemExit(f"{gpus} GPUs: trainer exited {code}:\n{(job / 'output.log').read_text()[-3000:]}")
     return json.loads((job / "summary.json").read_text())
@@ -68,12 +80,16 @@ def main() -> int:
         base = Path(tmp)
         model, data = args.model, args.data
         if model is None:
-            subprocess.run([PY, "-m", "trainq.trainer.tiny", str(base / "small"), "--size", "small"], check=True,
-                           capture_output=True)
+            subprocess.run(
+                [PY, "-m", "trainq.trainer.tiny", str(base / "small"), "--size", "small"],
+                check=True,
+                capture_output=True,
+            )
             model, data = str(base / "small" / "model"), str(base / "small" / "train.jsonl")
         for n in counts:
-            summary = run(base, model, data or str(Path(model).parent / "train.jsonl"), n, args.steps, args.batch,
-                          args.seq_len)
+            summary = run(
+                base, model, data or str(Path(model).parent / "train.jsonl"), n, args.steps, args.batch, args.seq_len
+            )
             rows.append({"gpus": n, "tokens_per_s": summary["tokens_per_s"], "world_size": summary["world_size"]})
     single = rows[0]["tokens_per_s"] if rows and rows[0]["gpus"] == 1 else None
     print("| GPUs | tokens/s (world) | scaling efficiency | goal |")
@@ -82,8 +98,10 @@ def main() -> int:
         eff = row["tokens_per_s"] / (row["gpus"] * single) if single else None
         row["efficiency"] = eff
         met = "—" if eff is None or row["gpus"] == 1 else ("met" if eff >= EFFICIENCY_GOAL else "NOT met")
-        print(f"| {row['gpus']} | {row['tokens_per_s']:.0f} | {'' if eff is None else f'{eff:.2f}'} | "
-              f">= {EFFICIENCY_GOAL} ({met}) |")
+        print(
+            f"| {row['gpus']} | {row['tokens_per_s']:.0f} | {'' if eff is None else f'{eff:.2f}'} | "
+            f">= {EFFICIENCY_GOAL} ({met}) |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

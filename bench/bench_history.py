@@ -8,6 +8,7 @@ some in sweeps, then times the real command line (a fresh ``python -m trainq.wat
 output to /dev/null) for: everything as a table, ``--state failed``, ``--since 1d --json`` and
 ``--csv``. Prints the median wall time of each, and the load average.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,16 @@ def build(root: Path, count: int) -> None:
     with open(history_path(root), "w", encoding="utf-8") as f:
         for i in range(count):
             status = ("done", "failed", "cancelled", "done")[i % 4]
-            run = {"name": f"lora-{i}", "status": status, "submitted_at": iso_utc(start + i * 5),
-                   "started_at": iso_utc(start + i * 5 + 1), "finished_at": iso_utc(start + i * 5 + 4),
-                   "attempts": [{"n": 1, "exit_code": 0 if status == "done" else 1}],
-                   "diagnosis": {"kind": "oom"} if status == "failed" else None,
-                   "sweep": {"id": f"grid{i // 100}", "index": i % 100 + 1} if i % 3 == 0 else None}
+            run = {
+                "name": f"lora-{i}",
+                "status": status,
+                "submitted_at": iso_utc(start + i * 5),
+                "started_at": iso_utc(start + i * 5 + 1),
+                "finished_at": iso_utc(start + i * 5 + 4),
+                "attempts": [{"n": 1, "exit_code": 0 if status == "done" else 1}],
+                "diagnosis": {"kind": "oom"} if status == "failed" else None,
+                "sweep": {"id": f"grid{i // 100}", "index": i % 100 + 1} if i % 3 == 0 else None,
+            }
             record = record_of(f"job-{i}", "done" if status == "done" else "failed", run, i % 2 == 0, "default")
             f.write(json.dumps(record, separators=(",", ":")) + "\n")
 
@@ -59,8 +65,12 @@ def time_command(root: Path, args: list[str], runs: int) -> tuple[float, float]:
     for _ in range(runs):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "trainq.watcher", "--root", str(root), "history", *args],
-                       stdout=subprocess.DEVNULL, check=True, cwd=REPO)
+        subprocess.run(
+            [sys.executable, "-m", "trainq.watcher", "--root", str(root), "history", *args],
+            stdout=subprocess.DEVNULL,
+            check=True,
+            cwd=REPO,
+        )
         walls.append(time.perf_counter() - t0)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
@@ -77,13 +87,19 @@ def main() -> int:
         root = tmp / "queue"
         build(root, args.count)
         size_mb = (root / "history.jsonl").stat().st_size / 2**20
-        print(f"trainq history over {args.count} finished jobs (history.jsonl {size_mb:.1f} MB), "
-              f"median of {args.runs}, load average {os.getloadavg()[0]:.2f}")
+        print(
+            f"trainq history over {args.count} finished jobs (history.jsonl {size_mb:.1f} MB), "
+            f"median of {args.runs}, load average {os.getloadavg()[0]:.2f}"
+        )
         print("| command | wall s | CPU s (user+sys) | goal |")
         print("|---|---|---|---|")
         worst = 0.0
-        for label, extra in (("history", []), ("history --state failed", ["--state", "failed"]),
-                             ("history --since 1d --json", ["--since", "1d", "--json"]), ("history --csv", ["--csv"])):
+        for label, extra in (
+            ("history", []),
+            ("history --state failed", ["--state", "failed"]),
+            ("history --since 1d --json", ["--since", "1d", "--json"]),
+            ("history --csv", ["--csv"]),
+        ):
             wall, cpu = time_command(root, extra, args.runs)
             worst = max(worst, wall)
             print(f"| {label} | {wall:.3f} | {cpu:.3f} | < {GOAL_S:g} s |")

@@ -6,6 +6,7 @@ median time until ``launch()`` returns, until the start record exists, and until
 (a quiet 2-core VM): launch < 50 ms, start record < 100 ms, exit record < 500 ms; the product's drop-to-start goal
 is <= 15 ms (bench_queue.py's latency section measures the whole path).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,15 @@ def measure(n: int, root: Path) -> dict[str, list[float]]:
         for i in range(n):
             paths = JobPaths(root / "running" / f"fast{i}")
             paths.dir.mkdir(parents=True)
-            spec = LaunchSpec(job_dir=str(paths.dir), argv=("true",), env={}, cwd=str(paths.dir), attempt=1,
-                              stop_grace_s=0.5, kill_after_s=1.0)
+            spec = LaunchSpec(
+                job_dir=str(paths.dir),
+                argv=("true",),
+                env={},
+                cwd=str(paths.dir),
+                attempt=1,
+                stop_grace_s=0.5,
+                kill_after_s=1.0,
+            )
             t0 = time.perf_counter()
             sup.launch(spec)
             out["launch returns"].append(time.perf_counter() - t0)
@@ -66,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         median = statistics.median(values)
         ok = median < GOALS_S[name]
         met &= ok
-        print(f"{name:15s} median {median * 1000:7.1f} ms  (goal < {GOALS_S[name] * 1000:.0f} ms) {'met' if ok else 'NOT met'}")
+        print(
+            f"{name:15s} median {median * 1000:7.1f} ms  (goal < {GOALS_S[name] * 1000:.0f} ms) {'met' if ok else 'NOT met'}"
+        )
     return 0 if met else 1
 
 

@@ -5,6 +5,7 @@ Each tick does what the daemon does every second with one running job: ``Resourc
 ``resources_dict``. The share is process CPU time over wall time for ``--seconds`` of ticks, next
 to a loop that only sleeps. Run: ``.venv/bin/python bench/bench_probes.py [--seconds 30]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,12 +59,26 @@ def run(seconds: float, n: int) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             sim = root / "gpus.json"
-            sim.write_text(json.dumps([
-                {"index": 0, "name": "Sim 6GB", "memory_total_mb": 6144, "memory_used_mb": 1000,
-                 "processes": [{"pid": job.pid, "used_mb": 1000}]},
-                {"index": 1, "name": "Sim 6GB", "memory_total_mb": 6144, "memory_used_mb": 900,
-                 "processes": [{"pid": foreign.pid, "used_mb": 900}]},
-            ]))
+            sim.write_text(
+                json.dumps(
+                    [
+                        {
+                            "index": 0,
+                            "name": "Sim 6GB",
+                            "memory_total_mb": 6144,
+                            "memory_used_mb": 1000,
+                            "processes": [{"pid": job.pid, "used_mb": 1000}],
+                        },
+                        {
+                            "index": 1,
+                            "name": "Sim 6GB",
+                            "memory_total_mb": 6144,
+                            "memory_used_mb": 900,
+                            "processes": [{"pid": foreign.pid, "used_mb": 900}],
+                        },
+                    ]
+                )
+            )
             probes = {
                 "real (no NVML here)": ResourceProbe(env={}),
                 "simulated 2 GPUs": ResourceProbe(sim, env={}),

@@ -5,6 +5,7 @@ cProfile output of the watcher; it returns table rows. Peers (an inotifywait loo
 run in the same call on the same jobs. ``bench/run_all.py`` calls these; run one alone with
 ``.venv/bin/python bench/run_all.py --only NAME``.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,22 @@ import psutil
 
 from trainq.watcher.spec.units import parse_iso
 from bench._common import (
-    PY, REPO, BenchError, Queue, Row, WatcherProc, bench_env, fmt_ms, fmt_s, job_yaml, median,
-    percentile, read_status, running_watcher, wait_until, workspace,
+    PY,
+    REPO,
+    BenchError,
+    Queue,
+    Row,
+    WatcherProc,
+    bench_env,
+    fmt_ms,
+    fmt_s,
+    job_yaml,
+    median,
+    percentile,
+    read_status,
+    running_watcher,
+    wait_until,
+    workspace,
 )
 
 logger = logging.getLogger(__name__)
@@ -94,10 +109,23 @@ def bench_latency(base: Path, drops: int, profile_dir: Path | None = None) -> li
     values = {"drops": drops, "trainq_s": ours, "floor_s": floor}
     med, p95 = median(ours), percentile(ours, 95)
     return [
-        Row("latency", "1. drop→start latency, median", fmt_ms(med), f"inotifywait loop {fmt_ms(median(floor))}",
-            f"≤ {LATENCY_MEDIAN_GOAL_S * 1000:g} ms", med <= LATENCY_MEDIAN_GOAL_S, values),
-        Row("latency", "1. drop→start latency, p95", fmt_ms(p95), f"inotifywait loop {fmt_ms(percentile(floor, 95))}",
-            f"≤ {LATENCY_P95_GOAL_S * 1000:g} ms", p95 <= LATENCY_P95_GOAL_S),
+        Row(
+            "latency",
+            "1. drop→start latency, median",
+            fmt_ms(med),
+            f"inotifywait loop {fmt_ms(median(floor))}",
+            f"≤ {LATENCY_MEDIAN_GOAL_S * 1000:g} ms",
+            med <= LATENCY_MEDIAN_GOAL_S,
+            values,
+        ),
+        Row(
+            "latency",
+            "1. drop→start latency, p95",
+            fmt_ms(p95),
+            f"inotifywait loop {fmt_ms(percentile(floor, 95))}",
+            f"≤ {LATENCY_P95_GOAL_S * 1000:g} ms",
+            p95 <= LATENCY_P95_GOAL_S,
+        ),
     ]
 
 
@@ -124,8 +152,10 @@ def _inotify_latencies(work: Path, drops: int) -> list[float]:
     watched, staging, stamps = work / "watched", work / "staging", work / "stamps"
     for folder in (watched, staging, stamps):
         folder.mkdir()
-    script = (f"inotifywait -m -e close_write,moved_to --format %f {watched} 2>{work}/inotify.err | "
-              f"while read -r f; do bash -c '{STAMP_SCRIPT}' \"{stamps}/$f\"; done")
+    script = (
+        f"inotifywait -m -e close_write,moved_to --format %f {watched} 2>{work}/inotify.err | "
+        f"while read -r f; do bash -c '{STAMP_SCRIPT}' \"{stamps}/$f\"; done"
+    )
     loop = subprocess.Popen(["bash", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL)
     try:
         wait_until(lambda: "Watches established" in _read(work / "inotify.err"), 10, what="inotifywait watches")
@@ -162,9 +192,17 @@ def bench_throughput(base: Path, jobs: int, runs: int, profile_dir: Path | None 
             rates["tsp"].append(jobs / _tsp_serial(work / f"tsp-{run}", jobs))
     ours = median(rates["trainq"])
     peers = f"nq {median(rates['nq']):.0f}/s, tsp {median(rates['tsp']):.0f}/s"
-    return [Row("throughput", f"2. throughput, {jobs} × `true`, max_concurrent 1 (median of {runs})",
-                f"{ours:.0f} jobs/s", peers, f"≥ {THROUGHPUT_GOAL:g} jobs/s", ours >= THROUGHPUT_GOAL,
-                {"jobs": jobs, "runs": runs, "jobs_per_s": rates})]
+    return [
+        Row(
+            "throughput",
+            f"2. throughput, {jobs} × `true`, max_concurrent 1 (median of {runs})",
+            f"{ours:.0f} jobs/s",
+            peers,
+            f"≥ {THROUGHPUT_GOAL:g} jobs/s",
+            ours >= THROUGHPUT_GOAL,
+            {"jobs": jobs, "runs": runs, "jobs_per_s": rates},
+        )
+    ]
 
 
 def _trainq_serial(work: Path, jobs: int, profile_to: Path | None) -> float:
@@ -176,8 +214,9 @@ def _trainq_serial(work: Path, jobs: int, profile_to: Path | None) -> float:
         start = time.monotonic()
         for name in names:
             q.drop_staged(name)
-        wait_until(lambda: q.count("done") + q.count("failed") >= jobs, 600, interval_s=0.02,
-                   what=f"{jobs} jobs to finish")
+        wait_until(
+            lambda: q.count("done") + q.count("failed") >= jobs, 600, interval_s=0.02, what=f"{jobs} jobs to finish"
+        )
         elapsed = time.monotonic() - start
     if q.count("failed"):
         raise BenchError(f"throughput: {q.count('failed')} of {jobs} trivial jobs failed; see {q.root}/failed")
@@ -190,8 +229,15 @@ def _nq_serial(work: Path, jobs: int) -> float:
     env = bench_env(NQDIR=str(work))
     script = f"for i in $(seq {jobs}); do nq -q true; done; nq -w"
     start = time.monotonic()
-    subprocess.run(["bash", "-c", script], env=env, cwd=work, check=True, timeout=600,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        ["bash", "-c", script],
+        env=env,
+        cwd=work,
+        check=True,
+        timeout=600,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     elapsed = time.monotonic() - start
     logs = [n for n in os.listdir(work) if n.startswith(",")]
     if len(logs) != jobs:
@@ -259,26 +305,58 @@ def bench_burst(base: Path, files: int, profile_dir: Path | None = None) -> list
                 q.drop_staged(name)
             renamed_s = time.monotonic() - start
             # 10 Hz: listing a 10,000-entry folder costs ms, and the watcher needs the CPU
-            wait_until(lambda: q.count("pending") + q.count("failed") >= files, 600, interval_s=0.1,
-                       what=f"{files} files in pending/")
+            wait_until(
+                lambda: q.count("pending") + q.count("failed") >= files,
+                600,
+                interval_s=0.1,
+                what=f"{files} files in pending/",
+            )
             elapsed = time.monotonic() - start
-            wait_until(lambda: _status_count(q.root, "pending") >= files, 120, interval_s=0.1,
-                       what="status.json to count every pending job")
+            wait_until(
+                lambda: _status_count(q.root, "pending") >= files,
+                120,
+                interval_s=0.1,
+                what="status.json to count every pending job",
+            )
             shown_s = time.monotonic() - start
         size_kb = (q.root / "status.json").stat().st_size / 1024
         rejected = q.count("failed")
     if rejected:
         raise BenchError(f"burst: {rejected} of {files} valid files were rejected")
-    values = {"files": files, "renames_s": renamed_s, "all_pending_s": elapsed, "in_status_json_s": shown_s,
-              "peak_rss_mb": rss.peak_mb, "status_json_kb": size_kb}
+    values = {
+        "files": files,
+        "renames_s": renamed_s,
+        "all_pending_s": elapsed,
+        "in_status_json_s": shown_s,
+        "peak_rss_mb": rss.peak_mb,
+        "status_json_kb": size_kb,
+    }
     return [
-        Row("burst", f"3. burst of {files:,} files → all in pending/", fmt_s(elapsed),
-            f"the renames alone {fmt_s(renamed_s)}", f"≤ {BURST_GOAL_S:g} s", elapsed <= BURST_GOAL_S, values),
-        Row("burst", "3. burst: watcher peak RSS", f"{rss.peak_mb:.0f} MB", "—", f"< {BURST_RSS_GOAL_MB:g} MB",
-            rss.peak_mb < BURST_RSS_GOAL_MB),
-        Row("burst", f"3. burst: status.json size with {files:,} pending", f"{size_kb:.0f} KB",
-            f"counted in status.json after {fmt_s(shown_s)}", f"< {STATUS_SIZE_GOAL_KB:g} KB",
-            size_kb < STATUS_SIZE_GOAL_KB),
+        Row(
+            "burst",
+            f"3. burst of {files:,} files → all in pending/",
+            fmt_s(elapsed),
+            f"the renames alone {fmt_s(renamed_s)}",
+            f"≤ {BURST_GOAL_S:g} s",
+            elapsed <= BURST_GOAL_S,
+            values,
+        ),
+        Row(
+            "burst",
+            "3. burst: watcher peak RSS",
+            f"{rss.peak_mb:.0f} MB",
+            "—",
+            f"< {BURST_RSS_GOAL_MB:g} MB",
+            rss.peak_mb < BURST_RSS_GOAL_MB,
+        ),
+        Row(
+            "burst",
+            f"3. burst: status.json size with {files:,} pending",
+            f"{size_kb:.0f} KB",
+            f"counted in status.json after {fmt_s(shown_s)}",
+            f"< {STATUS_SIZE_GOAL_KB:g} KB",
+            size_kb < STATUS_SIZE_GOAL_KB,
+        ),
     ]
 
 
@@ -301,11 +379,23 @@ def bench_idle(base: Path, seconds: float, profile_dir: Path | None = None) -> l
             rss_mb = proc.memory_info().rss / 2**20
     values = {"seconds": seconds, "cpu_pct": cpu_pct, "rss_mb": rss_mb}
     return [
-        Row("idle", f"4. idle watcher CPU over {seconds:g} s", f"{cpu_pct:.2f} %", "—",
+        Row(
+            "idle",
+            f"4. idle watcher CPU over {seconds:g} s",
+            f"{cpu_pct:.2f} %",
+            "—",
             f"≤ {IDLE_CPU_GOAL_PCT:g} %",
-            cpu_pct <= IDLE_CPU_GOAL_PCT, values),
-        Row("idle", "4. idle watcher RSS", f"{rss_mb:.0f} MB", "—", f"≤ {IDLE_RSS_GOAL_MB:g} MB",
-            rss_mb <= IDLE_RSS_GOAL_MB),
+            cpu_pct <= IDLE_CPU_GOAL_PCT,
+            values,
+        ),
+        Row(
+            "idle",
+            "4. idle watcher RSS",
+            f"{rss_mb:.0f} MB",
+            "—",
+            f"≤ {IDLE_RSS_GOAL_MB:g} MB",
+            rss_mb <= IDLE_RSS_GOAL_MB,
+        ),
     ]
 
 
@@ -320,9 +410,17 @@ def bench_help(base: Path, runs: int, profile_dir: Path | None = None) -> list[R
         commands["trainq --help"] = [str(console), "--help"]
     for label, argv in commands.items():
         wall = median(_wall_times(argv, runs))
-        rows.append(Row("help", f"4. `{label}` wall time (median of {runs})", fmt_ms(wall),
-                        f"`python -c pass` {fmt_ms(floor)}", f"≤ {HELP_GOAL_S * 1000:g} ms", wall <= HELP_GOAL_S,
-                        {"runs": runs, "median_s": wall, "python_floor_s": floor}))
+        rows.append(
+            Row(
+                "help",
+                f"4. `{label}` wall time (median of {runs})",
+                fmt_ms(wall),
+                f"`python -c pass` {fmt_ms(floor)}",
+                f"≤ {HELP_GOAL_S * 1000:g} ms",
+                wall <= HELP_GOAL_S,
+                {"runs": runs, "median_s": wall, "python_floor_s": floor},
+            )
+        )
     return rows
 
 
@@ -344,20 +442,37 @@ def bench_stop(base: Path, drops: int, ignoring: int, profile_dir: Path | None =
         stamps.mkdir()
         with running_watcher(q.root, _profile(profile_dir, "stop")):
             coop = [_stop_one(q, stamps, f"coop-{i:03d}", COOPERATIVE_SCRIPT, {}) for i in range(drops)]
-            stubborn = [_stop_one(q, stamps, f"ignore-{i:02d}", IGNORING_SCRIPT,
-                                  {"stop_grace": f"{STOP_IGNORING_GRACE_S:g}s"}) for i in range(ignoring)]
+            stubborn = [
+                _stop_one(q, stamps, f"ignore-{i:02d}", IGNORING_SCRIPT, {"stop_grace": f"{STOP_IGNORING_GRACE_S:g}s"})
+                for i in range(ignoring)
+            ]
     coop_s = [s for s, _ in coop]
     stubborn_s = [s for s, _ in stubborn]
     statuses = sorted({status for _, status in coop + stubborn})
     goal_ignoring = STOP_IGNORING_GRACE_S + STOP_IGNORING_EXTRA_GOAL_S
     values = {"cooperative_s": coop_s, "ignoring_sigterm_s": stubborn_s, "statuses": statuses}
-    rows = [Row("stop", f"5. stop latency, cooperative job (median of {drops})", fmt_s(median(coop_s)),
-                f"max {fmt_s(max(coop_s))}", f"≤ {STOP_GOAL_S:g} s", median(coop_s) <= STOP_GOAL_S, values)]
+    rows = [
+        Row(
+            "stop",
+            f"5. stop latency, cooperative job (median of {drops})",
+            fmt_s(median(coop_s)),
+            f"max {fmt_s(max(coop_s))}",
+            f"≤ {STOP_GOAL_S:g} s",
+            median(coop_s) <= STOP_GOAL_S,
+            values,
+        )
+    ]
     if stubborn_s:
-        rows.append(Row("stop", f"5. stop latency, job ignoring SIGTERM, stop_grace {STOP_IGNORING_GRACE_S:g} s "
-                                f"(median of {ignoring})", fmt_s(median(stubborn_s)), f"max {fmt_s(max(stubborn_s))}",
-                        f"≤ {goal_ignoring:g} s (grace + {STOP_IGNORING_EXTRA_GOAL_S:g})",
-                        median(stubborn_s) <= goal_ignoring))
+        rows.append(
+            Row(
+                "stop",
+                f"5. stop latency, job ignoring SIGTERM, stop_grace {STOP_IGNORING_GRACE_S:g} s (median of {ignoring})",
+                fmt_s(median(stubborn_s)),
+                f"max {fmt_s(max(stubborn_s))}",
+                f"≤ {goal_ignoring:g} s (grace + {STOP_IGNORING_EXTRA_GOAL_S:g})",
+                median(stubborn_s) <= goal_ignoring,
+            )
+        )
     return rows
 
 
@@ -390,27 +505,51 @@ def bench_loaded(base: Path, jobs: int, reads: int, poll_s: float, profile_dir: 
             stop_s = _stop_everything(q, jobs)
     goal_stop = READOPT_STOP_GRACE_S + STOP_IGNORING_EXTRA_GOAL_S
     return status_rows + [
-        Row("readopt", f"6. re-adoption of {jobs} running jobs after SIGKILL of the watcher", fmt_s(readopt_s), "—",
-            f"≤ {READOPT_GOAL_S:g} s", readopt_s <= READOPT_GOAL_S, {"jobs": jobs, "readopt_s": readopt_s}),
-        Row("readopt", f"6. stop {jobs} running (stop_grace {READOPT_STOP_GRACE_S:g} s) + cancel {jobs} pending",
-            fmt_s(stop_s), "—", f"≤ {goal_stop:g} s (grace + {STOP_IGNORING_EXTRA_GOAL_S:g})", stop_s <= goal_stop,
-            {"stop_all_s": stop_s}),
+        Row(
+            "readopt",
+            f"6. re-adoption of {jobs} running jobs after SIGKILL of the watcher",
+            fmt_s(readopt_s),
+            "—",
+            f"≤ {READOPT_GOAL_S:g} s",
+            readopt_s <= READOPT_GOAL_S,
+            {"jobs": jobs, "readopt_s": readopt_s},
+        ),
+        Row(
+            "readopt",
+            f"6. stop {jobs} running (stop_grace {READOPT_STOP_GRACE_S:g} s) + cancel {jobs} pending",
+            fmt_s(stop_s),
+            "—",
+            f"≤ {goal_stop:g} s (grace + {STOP_IGNORING_EXTRA_GOAL_S:g})",
+            stop_s <= goal_stop,
+            {"stop_all_s": stop_s},
+        ),
     ]
 
 
 def _fill(q: Queue, jobs: int) -> None:
     """``jobs`` finished (`true`), then ``jobs`` running (`sleep 600`), then ``jobs`` pending behind them."""
     sleeper = job_yaml(["sleep", "600"], stop_grace=f"{READOPT_STOP_GRACE_S:g}s")
-    for prefix, text, state in (("fin", job_yaml(["true"]), "done"), ("run", sleeper, "running"),
-                                ("wait", sleeper, "pending")):
+    for prefix, text, state in (
+        ("fin", job_yaml(["true"]), "done"),
+        ("run", sleeper, "running"),
+        ("wait", sleeper, "pending"),
+    ):
         for i in range(jobs):
             q.stage(f"{prefix}-{i:03d}.yaml", text)
         for i in range(jobs):
             q.drop_staged(f"{prefix}-{i:03d}.yaml")
-        wait_until(lambda: _status_count(q.root, state) >= jobs, 120, interval_s=0.02,
-                   what=f"status.json to show {jobs} {state}")
-    wait_until(lambda: len((read_status(q.root) or {}).get("jobs", ())) >= 3 * jobs, 60, interval_s=0.02,
-               what="status.json to list every job")
+        wait_until(
+            lambda: _status_count(q.root, state) >= jobs,
+            120,
+            interval_s=0.02,
+            what=f"status.json to show {jobs} {state}",
+        )
+    wait_until(
+        lambda: len((read_status(q.root) or {}).get("jobs", ())) >= 3 * jobs,
+        60,
+        interval_s=0.02,
+        what="status.json to list every job",
+    )
 
 
 def _status_cost(root: Path, jobs: int, reads: int, poll_s: float) -> list[Row]:
@@ -422,15 +561,26 @@ def _status_cost(root: Path, jobs: int, reads: int, poll_s: float) -> list[Row]:
         with open(path, "rb") as f:
             json.loads(f.read())
     read_us = (time.perf_counter() - start) / reads * 1e6
-    out = subprocess.run([PY, "-c", POLLER_SCRIPT, str(path), str(poll_s)], check=True, capture_output=True,
-                         text=True, timeout=poll_s + 60).stdout
+    out = subprocess.run(
+        [PY, "-c", POLLER_SCRIPT, str(path), str(poll_s)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=poll_s + 60,
+    ).stdout
     poller_pct = float(out.strip()) * 100
     values = {"jobs_each": jobs, "status_json_kb": size_kb, "read_parse_us": read_us, "poller_cpu_pct": poller_pct}
     return [
-        Row("status", f"7. status.json read+parse ({jobs} running, {jobs} pending, {jobs} finished; "
-                      f"{size_kb:.0f} KB)", f"{read_us:.0f} µs", "—", "—", None, values),
-        Row("status", f"7. CPU of a 10 Hz status.json poller over {poll_s:g} s", f"{poller_pct:.2f} %", "—", "—",
-            None),
+        Row(
+            "status",
+            f"7. status.json read+parse ({jobs} running, {jobs} pending, {jobs} finished; {size_kb:.0f} KB)",
+            f"{read_us:.0f} µs",
+            "—",
+            "—",
+            None,
+            values,
+        ),
+        Row("status", f"7. CPU of a 10 Hz status.json poller over {poll_s:g} s", f"{poller_pct:.2f} %", "—", "—", None),
     ]
 
 
@@ -441,8 +591,12 @@ def _readopting_watcher(root: Path, profile_to: Path | None) -> Iterator[float]:
     watcher = WatcherProc(root, profile_to).start()
     try:
         restart = watcher.started_at
-        wait_until(lambda: _readopted(root, watcher, running, restart), 60, interval_s=0.005,
-                   what=f"{len(running)} running jobs re-adopted")
+        wait_until(
+            lambda: _readopted(root, watcher, running, restart),
+            60,
+            interval_s=0.005,
+            what=f"{len(running)} running jobs re-adopted",
+        )
         yield time.time() - restart
     finally:
         watcher.stop()
@@ -470,7 +624,10 @@ def _stop_everything(q: Queue, jobs: int) -> float:
         for job in (q.root / state).iterdir():
             if not job.name.startswith("."):
                 (job / "stop.flag").touch()
-    wait_until(lambda: q.count("failed") >= 2 * jobs and q.count("running") == 0, 120, interval_s=0.02,
-               what=f"{2 * jobs} jobs in failed/")
+    wait_until(
+        lambda: q.count("failed") >= 2 * jobs and q.count("running") == 0,
+        120,
+        interval_s=0.02,
+        what=f"{2 * jobs} jobs in failed/",
+    )
     return time.monotonic() - start
-

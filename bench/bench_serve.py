@@ -12,6 +12,7 @@ Figures: the server's CPU (process CPU time / wall time, % of one core), its pea
 
     .venv/bin/python bench/bench_serve.py [--clients 100] [--jobs 1000] [--rate 100] [--seconds 10] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,6 +63,7 @@ def fill(root: Path, jobs: int) -> None:
         (staging / f"old-{i:04d}.yaml").write_text('approved: true\ncommand: ["true"]\n')
     for path in sorted(staging.iterdir()):
         path.rename(root / "inbox" / path.name)
+
     def finished() -> bool:
         if count_entries(root / "failed"):
             raise RuntimeError(f"a filler job failed: see {root / 'watcher.log'}")
@@ -160,8 +162,9 @@ def check(logs: list[list], lines: int) -> list[float]:
         assert got[-1][0] == "end", "a client never got the end event"
         ids = [int(e[1]) for e in got if e[0] != "end" and e[1]]
         assert ids == sorted(set(ids)), "ids not increasing"
-        latencies += [(received - float(text.rsplit("t=", 1)[1])) * 1000 for text, received in ticks
-                      if text.startswith("tick ")]
+        latencies += [
+            (received - float(text.rsplit("t=", 1)[1])) * 1000 for text, received in ticks if text.startswith("tick ")
+        ]
     return latencies
 
 
@@ -187,8 +190,12 @@ def run(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
         job = {"approved": True, "command": [PY, str(work / "hot.py"), str(args.rate), str(args.seconds)]}
         (root / ".staging" / "hot.yaml").write_text(yaml.safe_dump(job))
         (root / ".staging" / "hot.yaml").rename(root / "inbox" / "hot.yaml")
-        wait_until(lambda: (root / "pending" / "hot").is_dir() or (root / "running" / "hot").is_dir(), 60, 0.01,
-                   "hot job accepted")
+        wait_until(
+            lambda: (root / "pending" / "hot").is_dir() or (root / "running" / "hot").is_dir(),
+            60,
+            0.01,
+            "hot job accepted",
+        )
         sampler = Sampler(server.pid)
         sampler.start()
         logs, _events = asyncio.run(stream_phase(port, args.clients))
@@ -205,17 +212,37 @@ def run(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
             shutil.rmtree(work, ignore_errors=True)
     lines = int(args.rate * args.seconds)
     return [
-        ("server CPU, idle (5 /events listeners)", f"{idle_cpu:.1f} % of a core", f"< {GOAL_IDLE_CPU_PCT:.0f} %",
-         "yes" if idle_cpu < GOAL_IDLE_CPU_PCT else "no"),
-        (f"server CPU, {args.clients} clients × {args.rate:g} lines/s", f"{stream_cpu:.1f} % of a core",
-         f"< {GOAL_STREAM_CPU_PCT:.0f} %", "yes" if stream_cpu < GOAL_STREAM_CPU_PCT else "no"),
-        ("server peak RSS", f"{max(idle_rss, stream_rss):.0f} MB", f"< {GOAL_RSS_MB:.0f} MB",
-         "yes" if max(idle_rss, stream_rss) < GOAL_RSS_MB else "no"),
+        (
+            "server CPU, idle (5 /events listeners)",
+            f"{idle_cpu:.1f} % of a core",
+            f"< {GOAL_IDLE_CPU_PCT:.0f} %",
+            "yes" if idle_cpu < GOAL_IDLE_CPU_PCT else "no",
+        ),
+        (
+            f"server CPU, {args.clients} clients × {args.rate:g} lines/s",
+            f"{stream_cpu:.1f} % of a core",
+            f"< {GOAL_STREAM_CPU_PCT:.0f} %",
+            "yes" if stream_cpu < GOAL_STREAM_CPU_PCT else "no",
+        ),
+        (
+            "server peak RSS",
+            f"{max(idle_rss, stream_rss):.0f} MB",
+            f"< {GOAL_RSS_MB:.0f} MB",
+            "yes" if max(idle_rss, stream_rss) < GOAL_RSS_MB else "no",
+        ),
         ("server CPU per delivered line", f"{per_line_us:.0f} µs", "–", "–"),
-        (f"line latency, p50 / p99 ({args.clients * lines} deliveries, all complete and in order)",
-         f"{median(latencies):.1f} / {percentile(latencies, 99):.1f} ms", f"p50 < {GOAL_P50_LATENCY_MS:.0f} ms",
-         "yes" if median(latencies) < GOAL_P50_LATENCY_MS else "no"),
-        (f"/events snapshot of {args.jobs + 1} jobs", f"{snapshot_ms:.0f} ms, {snapshot_bytes / 1024:.0f} KiB", "–", "–"),
+        (
+            f"line latency, p50 / p99 ({args.clients * lines} deliveries, all complete and in order)",
+            f"{median(latencies):.1f} / {percentile(latencies, 99):.1f} ms",
+            f"p50 < {GOAL_P50_LATENCY_MS:.0f} ms",
+            "yes" if median(latencies) < GOAL_P50_LATENCY_MS else "no",
+        ),
+        (
+            f"/events snapshot of {args.jobs + 1} jobs",
+            f"{snapshot_ms:.0f} ms, {snapshot_bytes / 1024:.0f} KiB",
+            "–",
+            "–",
+        ),
     ]
 
 
@@ -234,8 +261,10 @@ def main() -> int:
     before = load_average()
     rows = run(args)
     after = load_average()
-    print(f"trainq serve, {args.clients} clients on one job, {args.jobs} jobs in the queue "
-          f"(load average {before[0]:.1f} before, {after[0]:.1f} after; {psutil.cpu_count()} CPUs)\n")
+    print(
+        f"trainq serve, {args.clients} clients on one job, {args.jobs} jobs in the queue "
+        f"(load average {before[0]:.1f} before, {after[0]:.1f} after; {psutil.cpu_count()} CPUs)\n"
+    )
     print("| metric | trainq serve | goal | met? |\n|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")

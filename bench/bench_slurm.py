@@ -25,6 +25,7 @@ counts slurmctld's RPCs by message type over ``--window`` s with ``sdiag -r``/``
 without the watcher (other users of the cluster). Run it with another checkout's Python (``/other/.venv/bin/python
 bench/bench_slurm.py --rpc 1000``) to measure that checkout's watcher: the watcher is ``sys.executable -m trainq``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,14 +55,20 @@ def squeue_ok() -> bool:
 
 
 def completed(ids: list[str]) -> set[str]:
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i|%T", "-j", ",".join(ids)], capture_output=True,
-                         text=True, timeout=60).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-o", "%i|%T", "-j", ",".join(ids)], capture_output=True, text=True, timeout=60
+    ).stdout
     return {line.split("|")[0] for line in out.split() if line.endswith("|COMPLETED")}
 
 
 def sbatch(out_dir: Path) -> str:
-    done = subprocess.run(["sbatch", "--parsable", f"--output={out_dir}/bare-%j.out", "--wrap", "true"],
-                          capture_output=True, text=True, check=True, timeout=60)
+    done = subprocess.run(
+        ["sbatch", "--parsable", f"--output={out_dir}/bare-%j.out", "--wrap", "true"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     return done.stdout.strip().split(";")[0]
 
 
@@ -87,13 +94,21 @@ def bare_burst(n: int, out_dir: Path) -> float:
 def launch_watcher(root: Path, settings: str, bin_dir: Path | None = None) -> subprocess.Popen:
     """``trainq init`` root, write ``settings`` as its watcher.yaml, start a quiet watcher on it (with
     ``bin_dir`` first on its PATH, for counting wrappers)."""
-    subprocess.run([sys.executable, "-m", "trainq.watcher", "init", str(root)], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "trainq.watcher", "init", str(root)], cwd=REPO, check=True, capture_output=True
+    )
     (root / "watcher.yaml").write_text(settings)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     if bin_dir is not None:
         env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
-    return subprocess.Popen([sys.executable, "-m", "trainq.watcher", "--root", str(root), "watch", "-q"], cwd=REPO,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainq.watcher", "--root", str(root), "watch", "-q"],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 def counting_wrappers(bin_dir: Path, commands: tuple[str, ...], calls_dir: Path, suffix: str) -> dict[str, Path]:
@@ -103,7 +118,7 @@ def counting_wrappers(bin_dir: Path, commands: tuple[str, ...], calls_dir: Path,
     for command in commands:
         calls[command] = calls_dir / f"{command}-calls-{suffix}"
         calls[command].touch()
-        (bin_dir / command).write_text(f"#!/bin/sh\necho x >> {calls[command]}\nexec {shutil.which(command)} \"$@\"\n")
+        (bin_dir / command).write_text(f'#!/bin/sh\necho x >> {calls[command]}\nexec {shutil.which(command)} "$@"\n')
         (bin_dir / command).chmod(0o755)
     return calls
 
@@ -120,7 +135,7 @@ def start_watcher(root: Path, max_concurrent: int) -> subprocess.Popen:
 
 def drop(root: Path, name: str) -> None:
     staging = root / f".{name}.tmp"
-    staging.write_text("approved: true\ncommand: [\"true\"]\n")
+    staging.write_text('approved: true\ncommand: ["true"]\n')
     os.rename(staging, root / "inbox" / f"{name}.yaml")
 
 
@@ -169,7 +184,7 @@ def scale_point(n: int, root: Path, window_s: float) -> tuple[float, float, floa
         t0 = time.monotonic()
         for i in range(n):
             staging = root / f".h{i}.tmp"
-            staging.write_text("approved: true\ncommand: [\"true\"]\nslurm: {sbatch_args: [--hold]}\n")
+            staging.write_text('approved: true\ncommand: ["true"]\nslurm: {sbatch_args: [--hold]}\n')
             os.rename(staging, root / "inbox" / f"h{i}.yaml")
         while sum(1 for _ in (root / "running").glob("*/slurm.json")) < n or not all_submitted(root, n):
             if time.monotonic() - t0 > 60 + n:
@@ -178,8 +193,12 @@ def scale_point(n: int, root: Path, window_s: float) -> tuple[float, float, floa
         submit_s = time.monotonic() - t0
         time.sleep(3)  # let the last launches' writes settle
         calls.write_text("")
-        trace = subprocess.Popen(["strace", "-f", "-c", "-e", "trace=%file", "-p", str(proc.pid)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        trace = subprocess.Popen(
+            ["strace", "-f", "-c", "-e", "trace=%file", "-p", str(proc.pid)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(window_s)
         trace.send_signal(signal.SIGINT)
         summary = trace.communicate(timeout=60)[1]
@@ -201,7 +220,7 @@ def cancel_queue_jobs(root: Path) -> None:
     prefix = f"trainq:{queue_key(root)}:"
     ids = [line.split("|")[0] for line in out.splitlines() if line.partition("|")[2].startswith(prefix)]
     for i in range(0, len(ids), 200):
-        subprocess.run(["scancel", *ids[i:i + 200]], capture_output=True, timeout=120)
+        subprocess.run(["scancel", *ids[i : i + 200]], capture_output=True, timeout=120)
 
 
 def all_submitted(root: Path, n: int) -> bool:
@@ -223,8 +242,10 @@ def sweep_point(n: int, root: Path, arrays: bool) -> tuple[int, int, float, floa
     try:
         t0 = time.monotonic()
         staging = root / ".grid.tmp"
-        staging.write_text(f"approved: true\ncommand: [echo, \"{{x}}\"]\nsweep: {{x: {list(range(n))}}}\n"
-                           "slurm: {sbatch_args: [--hold]}\n")
+        staging.write_text(
+            f'approved: true\ncommand: [echo, "{{x}}"]\nsweep: {{x: {list(range(n))}}}\n'
+            "slurm: {sbatch_args: [--hold]}\n"
+        )
         os.rename(staging, root / "inbox" / "grid.yaml")
         while not all_submitted(root, n):
             if time.monotonic() - t0 > 120 + n:
@@ -232,15 +253,24 @@ def sweep_point(n: int, root: Path, arrays: bool) -> tuple[int, int, float, floa
             time.sleep(0.2)
         submit_s = time.monotonic() - t0
         t1 = time.monotonic()
-        subprocess.run([sys.executable, "-m", "trainq.watcher", "--root", str(root), "stop", "grid"], cwd=REPO,
-                       check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+        subprocess.run(
+            [sys.executable, "-m", "trainq.watcher", "--root", str(root), "stop", "grid"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
         while sum(1 for _ in (root / "failed").glob("grid-*/run.json")) < n:
             if time.monotonic() - t1 > 120 + n:
                 raise SystemExit(f"only part of the sweep's {n} jobs were cancelled")
             time.sleep(0.2)
         cancel_s = time.monotonic() - t1
-        return (len(counts["sbatch"].read_text().splitlines()), len(counts["scancel"].read_text().splitlines()),
-                submit_s, cancel_s)
+        return (
+            len(counts["sbatch"].read_text().splitlines()),
+            len(counts["scancel"].read_text().splitlines()),
+            submit_s,
+            cancel_s,
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -248,8 +278,10 @@ def sweep_point(n: int, root: Path, arrays: bool) -> tuple[int, int, float, floa
 
 
 def sweep(n: int) -> None:
-    print(f"| one sweep of {n} jobs (held), then `trainq stop` of the sweep | sbatch runs | scancel runs "
-          "| all in Slurm (s) | all cancelled (s) |")
+    print(
+        f"| one sweep of {n} jobs (held), then `trainq stop` of the sweep | sbatch runs | scancel runs "
+        "| all in Slurm (s) | all cancelled (s) |"
+    )
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="bench-slurm-sweep-") as tmp:
         for arrays in (True, False):
@@ -273,8 +305,9 @@ def sdiag_rpcs() -> dict[str, int]:
     """slurmctld's RPC counts by message type since the last ``sdiag -r``."""
     out = subprocess.run(["sdiag"], capture_output=True, text=True, timeout=60).stdout
     block = out.partition("by message type")[2].partition("by user")[0]
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^\s*(\w+)\s+\(\s*\d+\)\s+count:(\d+)", block,
-                                                              re.MULTILINE)}
+    return {
+        m.group(1): int(m.group(2)) for m in re.finditer(r"^\s*(\w+)\s+\(\s*\d+\)\s+count:(\d+)", block, re.MULTILINE)
+    }
 
 
 def rpc_window(window_s: float) -> dict[str, float]:
@@ -311,7 +344,7 @@ def rpc_point(n: int, root: Path, window_s: float, settle_s: float) -> tuple[dic
         t0 = time.monotonic()
         for i in range(n):
             staging = root / f".h{i}.tmp"
-            staging.write_text("approved: true\ncommand: [\"true\"]\nslurm: {sbatch_args: [--hold]}\n")
+            staging.write_text('approved: true\ncommand: ["true"]\nslurm: {sbatch_args: [--hold]}\n')
             os.rename(staging, root / "inbox" / f"h{i}.yaml")
         worst = status_age_while(root, lambda: all_submitted(root, n), 120 + 2 * n)
         submit_s = time.monotonic() - t0
@@ -332,8 +365,10 @@ def rpc(n: int, window_s: float, settle_s: float) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-slurm-rpc-") as tmp:
         rates, worst, submit_s, squeues = rpc_point(n, Path(tmp) / "q", window_s, settle_s)
     kinds = sorted(set(rates) | set(background))
-    print(f"| {n} held jobs tracked, {window_s:g} s window after {settle_s:g} s | RPCs/min (watcher window) "
-          f"| RPCs/min (background, no watcher) |")
+    print(
+        f"| {n} held jobs tracked, {window_s:g} s window after {settle_s:g} s | RPCs/min (watcher window) "
+        f"| RPCs/min (background, no watcher) |"
+    )
     print("|---|---|---|")
     for kind in kinds:
         print(f"| {kind} | {rates.get(kind, 0):.1f} | {background.get(kind, 0):.1f} |")
@@ -350,12 +385,17 @@ def bursts(n: int, runs: int) -> None:
         for i in range(runs):
             bare.append(bare_burst(n, Path(tmp)))
             ours.append(trainq_burst(n, Path(tmp) / f"burst{i}"))
-            print(f"run {i + 1}: bare {bare[-1]:.2f} s, trainq {ours[-1]:.2f} s (load "
-                  f"{open('/proc/loadavg').read().split()[0]})", flush=True)
+            print(
+                f"run {i + 1}: bare {bare[-1]:.2f} s, trainq {ours[-1]:.2f} s (load "
+                f"{open('/proc/loadavg').read().split()[0]})",
+                flush=True,
+            )
     print(f"| burst of {n} × `true` until the last is done | bare sbatch --wrap | trainq | ratio of medians |")
     print("|---|---|---|---|")
-    print(f"| median of {runs} runs (s) | {statistics.median(bare):.2f} | {statistics.median(ours):.2f} | "
-          f"{statistics.median(ours) / statistics.median(bare):.2f}× |")
+    print(
+        f"| median of {runs} runs (s) | {statistics.median(bare):.2f} | {statistics.median(ours):.2f} | "
+        f"{statistics.median(ours) / statistics.median(bare):.2f}× |"
+    )
 
 
 def main() -> None:
@@ -365,11 +405,19 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured per --scale point")
     parser.add_argument("--poll", type=float, default=2.0, help="the watcher's slurm.poll_s for the overhead runs")
     parser.add_argument("--sweep", type=int, help="jobs in one sweep: sbatch/scancel runs with and without job arrays")
-    parser.add_argument("--rpc", type=int, help="held jobs tracked: slurmctld RPCs per minute by type (sdiag), and "
-                                                "the worst status.json age while they are submitted")
+    parser.add_argument(
+        "--rpc",
+        type=int,
+        help="held jobs tracked: slurmctld RPCs per minute by type (sdiag), and "
+        "the worst status.json age while they are submitted",
+    )
     parser.add_argument("--settle", type=float, default=40.0, help="seconds after the submission before --rpc's window")
-    parser.add_argument("--burst-only", type=int, metavar="RUNS",
-                        help="only the burst of --jobs, bare and trainq alternately, RUNS times each")
+    parser.add_argument(
+        "--burst-only",
+        type=int,
+        metavar="RUNS",
+        help="only the burst of --jobs, bare and trainq alternately, RUNS times each",
+    )
     args = parser.parse_args()
     POLL["s"] = args.poll
     started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], check=True, capture_output=True, text=True)
@@ -398,15 +446,21 @@ def main() -> None:
         bare_b = bare_burst(args.jobs, tmp_path)
         ours_b = trainq_burst(args.jobs, tmp_path / "burst")
     med_bare, med_ours = statistics.median(bare_s), statistics.median(ours_s)
-    print(f"| {args.jobs} × `true` on one-node Slurm | bare sbatch | trainq (executor: slurm, poll_s {args.poll:g}) "
-          "| ratio |")
+    print(
+        f"| {args.jobs} × `true` on one-node Slurm | bare sbatch | trainq (executor: slurm, poll_s {args.poll:g}) "
+        "| ratio |"
+    )
     print("|---|---|---|---|")
     print(f"| serial: median latency per job (s) | {med_bare:.3f} | {med_ours:.3f} | {med_ours / med_bare:.2f}× |")
-    print(f"| serial: max latency per job (s) | {max(bare_s):.3f} | {max(ours_s):.3f} | "
-          f"{max(ours_s) / max(bare_s):.2f}× |")
+    print(
+        f"| serial: max latency per job (s) | {max(bare_s):.3f} | {max(ours_s):.3f} | "
+        f"{max(ours_s) / max(bare_s):.2f}× |"
+    )
     print(f"| serial: total (s) | {sum(bare_s):.2f} | {sum(ours_s):.2f} | {sum(ours_s) / sum(bare_s):.2f}× |")
-    print(f"| burst: all {args.jobs} at once, until the last is done (s) | {bare_b:.2f} | {ours_b:.2f} | "
-          f"{ours_b / bare_b:.2f}× |")
+    print(
+        f"| burst: all {args.jobs} at once, until the last is done (s) | {bare_b:.2f} | {ours_b:.2f} | "
+        f"{ours_b / bare_b:.2f}× |"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ changes three tracked files, adds five small untracked files and one 5 MB one, t
 ``snapshot.take`` as the supervisor runs it before exec: the first (which probes the interpreter's
 packages) and the median of the next RUNS. Prints the figures with the load average.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,19 @@ from trainq.watcher.supervisor import snapshot  # noqa: E402
 
 
 def git(repo: Path, *args: str) -> None:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b",
-           "GIT_COMMITTER_EMAIL": "b@b"}
-    subprocess.run(["git", "-C", str(repo), "-c", "core.looseCompression=0", "-c", "core.compression=0", *args],
-                   check=True, capture_output=True, env=env)
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "b",
+        "GIT_AUTHOR_EMAIL": "b@b",
+        "GIT_COMMITTER_NAME": "b",
+        "GIT_COMMITTER_EMAIL": "b@b",
+    }
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "core.looseCompression=0", "-c", "core.compression=0", *args],
+        check=True,
+        capture_output=True,
+        env=env,
+    )
 
 
 def build(repo: Path, size_mb: int, files: int) -> None:
@@ -55,9 +65,14 @@ def dirty(repo: Path) -> None:
 
 
 def time_take(repo: Path, job: Path, cache: Path) -> float:
-    request = snapshot.SnapshotRequest(config={"command": ["python", "train.py"]}, code_dir=str(repo),
-                                       named=(str(repo / "train.py"),), sources=(str(repo / "train.py"),),
-                                       python=sys.executable, cache_dir=str(cache))
+    request = snapshot.SnapshotRequest(
+        config={"command": ["python", "train.py"]},
+        code_dir=str(repo),
+        named=(str(repo / "train.py"),),
+        sources=(str(repo / "train.py"),),
+        python=sys.executable,
+        cache_dir=str(cache),
+    )
     start = time.perf_counter()
     snapshot.take(request, str(job), 1, dict(os.environ))
     return time.perf_counter() - start
@@ -84,12 +99,14 @@ def main() -> int:
         warm = [time_take(repo, job, cache) for _ in range(args.runs)]
         code = (job / "snapshot" / "code.json").read_text()
         diff_kb = (job / "snapshot" / "code.diff").stat().st_size / 1024
-        print(f"snapshot of a dirty {args.size_mb} MB git tree: first {first:.3f} s (probes the packages), "
-              f"then median {statistics.median(warm):.3f} s (min {min(warm):.3f}, max {max(warm):.3f}) over "
-              f"{args.runs}; code.diff {diff_kb:.0f} KB; untracked.tar "
-              f"{(job / 'snapshot' / 'untracked.tar').stat().st_size / 1024:.0f} KB; "
-              f"'big_untracked.bin' left out: {'big_untracked.bin' in code}; load average "
-              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        print(
+            f"snapshot of a dirty {args.size_mb} MB git tree: first {first:.3f} s (probes the packages), "
+            f"then median {statistics.median(warm):.3f} s (min {min(warm):.3f}, max {max(warm):.3f}) over "
+            f"{args.runs}; code.diff {diff_kb:.0f} KB; untracked.tar "
+            f"{(job / 'snapshot' / 'untracked.tar').stat().st_size / 1024:.0f} KB; "
+            f"'big_untracked.bin' left out: {'big_untracked.bin' in code}; load average "
+            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+        )
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

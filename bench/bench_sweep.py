@@ -4,6 +4,7 @@ Measures: drop → every job of the sweep in pending/ (expansion), status.json's
 loop's CPU share while the jobs wait (over ``seconds``), first with the sweep held by ``after:``
 (its jobs outside the start order), then with a second sweep of the same size waiting in line.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,13 @@ def _measure(q: Queue, watcher, name: str, n: int, after: list[str] | None, seco
     expand_s = time.monotonic() - start
     time.sleep(1.0)  # the first full plan and status write after the burst
     cpu_pct = _cpu_pct(watcher.pid, seconds)
-    return {"expand_s": expand_s, "cpu_pct": cpu_pct, "status_json_kb": (q.root / "status.json").stat().st_size / 1024,
-            "rss_mb": psutil.Process(watcher.pid).memory_info().rss / 2**20, "pending": _pending(q.root)}
+    return {
+        "expand_s": expand_s,
+        "cpu_pct": cpu_pct,
+        "status_json_kb": (q.root / "status.json").stat().st_size / 1024,
+        "rss_mb": psutil.Process(watcher.pid).memory_info().rss / 2**20,
+        "pending": _pending(q.root),
+    }
 
 
 def bench_sweep(base: Path, variants: int, seconds: float, profile_dir: Path | None = None) -> list[Row]:
@@ -68,13 +74,30 @@ def bench_sweep(base: Path, variants: int, seconds: float, profile_dir: Path | N
     rows = []
     for label, m in ((f"{variants} held by after:", held), (f"+ {variants} more waiting in line", line)):
         rows += [
-            Row("sweep", f"9. sweep: drop → {variants} jobs pending ({label})", fmt_s(m["expand_s"]), "—",
-                f"≤ {EXPAND_GOAL_S:g} s", m["expand_s"] <= EXPAND_GOAL_S, values if m is held else {}),
-            Row("sweep", f"9. sweep: status.json size, {m['pending']} pending ({label})",
-                f"{m['status_json_kb']:.0f} KB", "—", f"< {STATUS_SIZE_GOAL_KB:g} KB",
-                m["status_json_kb"] < STATUS_SIZE_GOAL_KB),
-            Row("sweep", f"9. sweep: watcher CPU over {seconds:g} s, {m['pending']} pending ({label})",
-                f"{m['cpu_pct']:.2f} %", f"RSS {m['rss_mb']:.0f} MB", f"≤ {WAITING_CPU_GOAL_PCT:g} %",
-                m["cpu_pct"] <= WAITING_CPU_GOAL_PCT),
+            Row(
+                "sweep",
+                f"9. sweep: drop → {variants} jobs pending ({label})",
+                fmt_s(m["expand_s"]),
+                "—",
+                f"≤ {EXPAND_GOAL_S:g} s",
+                m["expand_s"] <= EXPAND_GOAL_S,
+                values if m is held else {},
+            ),
+            Row(
+                "sweep",
+                f"9. sweep: status.json size, {m['pending']} pending ({label})",
+                f"{m['status_json_kb']:.0f} KB",
+                "—",
+                f"< {STATUS_SIZE_GOAL_KB:g} KB",
+                m["status_json_kb"] < STATUS_SIZE_GOAL_KB,
+            ),
+            Row(
+                "sweep",
+                f"9. sweep: watcher CPU over {seconds:g} s, {m['pending']} pending ({label})",
+                f"{m['cpu_pct']:.2f} %",
+                f"RSS {m['rss_mb']:.0f} MB",
+                f"≤ {WAITING_CPU_GOAL_PCT:g} %",
+                m["cpu_pct"] <= WAITING_CPU_GOAL_PCT,
+            ),
         ]
     return rows

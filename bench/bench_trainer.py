@@ -15,6 +15,7 @@ Stop latency: stop.flag touched -> process exited with a complete checkpoint.
 
     .venv/bin/python bench/bench_trainer.py [--quick] [--steps N] [--repeats N] [--packing-rows N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,9 @@ def collate(features):  # counts the real (non-pad) tokens of every batch the lo
     return _collate(features)
 """
 
-PLAIN_TRAINER = _COMMON + r"""
+PLAIN_TRAINER = (
+    _COMMON
+    + r"""
 from transformers import Trainer, TrainingArguments, TrainerCallback
 length = {"max_steps": steps} if steps > 0 else {"num_train_epochs": 1}
 total = steps if steps > 0 else math.ceil(len(ds) / S["batch_size"])
@@ -81,8 +84,11 @@ print("TOKENS", _real_tokens[0], flush=True)
 print("LOSSES", json.dumps(losses), flush=True)
 os._exit(0)
 """
+)
 
-BARE_LOOP = _COMMON + r"""
+BARE_LOOP = (
+    _COMMON
+    + r"""
 from transformers import get_scheduler
 t0, c0 = time.perf_counter(), time.process_time()
 loader = torch.utils.data.DataLoader(ds, batch_size=S["batch_size"], shuffle=True, collate_fn=collate,
@@ -101,6 +107,7 @@ print("TRAIN_S", time.perf_counter() - t0, flush=True); print("TRAIN_CPU_S", tim
 print("TOKENS", _real_tokens[0], flush=True)
 os._exit(0)
 """
+)
 
 
 def env() -> dict[str, str]:
@@ -112,8 +119,13 @@ def env() -> dict[str, str]:
 
 def build_model(work: Path) -> Path:
     """The small benchmark model and data."""
-    subprocess.run([sys.executable, "-m", "trainq.trainer.tiny", str(work / "tiny"), "--size", "small"], check=True,
-                   cwd=REPO, env=env(), capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "trainq.trainer.tiny", str(work / "tiny"), "--size", "small"],
+        check=True,
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+    )
     return work / "tiny"
 
 
@@ -122,38 +134,67 @@ def write_job(job: Path, tiny: Path, steps: int, settings: dict = SETTINGS, pack
     packing None leaves the default (on where the model's attention allows it)."""
     job.mkdir(parents=True, exist_ok=True)
     length = {"max_steps": steps} if steps > 0 else {"epochs": 1}
-    train = {"model": str(tiny / "model"), "data": settings.get("data", str(tiny / "train.jsonl")), "eval_fraction": 0,
-             "method": "lora", **length, "batch_size": settings["batch_size"], "seq_len": settings["seq_len"],
-             "lr": settings["lr"], "lora": {"r": settings["r"], "alpha": settings["alpha"], "dropout": settings["dropout"]},
-             "seed": settings["seed"], "log_every": 50, "checkpoint": {"every_minutes": 600, "keep": 1},
-             "data_cache": False, **({} if packing is None else {"packing": packing})}
+    train = {
+        "model": str(tiny / "model"),
+        "data": settings.get("data", str(tiny / "train.jsonl")),
+        "eval_fraction": 0,
+        "method": "lora",
+        **length,
+        "batch_size": settings["batch_size"],
+        "seq_len": settings["seq_len"],
+        "lr": settings["lr"],
+        "lora": {"r": settings["r"], "alpha": settings["alpha"], "dropout": settings["dropout"]},
+        "seed": settings["seed"],
+        "log_every": 50,
+        "checkpoint": {"every_minutes": 600, "keep": 1},
+        "data_cache": False,
+        **({} if packing is None else {"packing": packing}),
+    }
     (job / "job.yaml").write_text(yaml.safe_dump({"approved": True, "train": train}))
     return job
 
 
-def run_trainq(work: Path, tiny: Path, steps: int, tag: str, settings: dict = SETTINGS, packing: bool | None = None) -> dict:
+def run_trainq(
+    work: Path, tiny: Path, steps: int, tag: str, settings: dict = SETTINGS, packing: bool | None = None
+) -> dict:
     """train_s (the trainer.train() window), its CPU seconds, whole_s, tokens (real), losses of `python -m trainq.trainer`."""
     job = write_job(work / f"job-{tag}", tiny, steps, settings, packing)
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "trainq.trainer", str(job)], check=True, cwd=REPO, env=env(), capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "trainq.trainer", str(job)], check=True, cwd=REPO, env=env(), capture_output=True
+    )
     whole = time.perf_counter() - start
     summary = json.loads((job / "summary.json").read_text())
     records = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"train_s": summary["durations_s"]["train"], "cpu_s": summary["durations_s"]["train_cpu"], "whole_s": whole,
-            "tokens": summary["tokens"],
-            "losses": [r["loss"] for r in records if r.get("type") == "step"]}
+    return {
+        "train_s": summary["durations_s"]["train"],
+        "cpu_s": summary["durations_s"]["train_cpu"],
+        "whole_s": whole,
+        "tokens": summary["tokens"],
+        "losses": [r["loss"] for r in records if r.get("type") == "step"],
+    }
 
 
 def run_script(code: str, tiny: Path, steps: int, settings: dict = SETTINGS) -> dict:
     """train_s, whole_s (and tokens, losses where the script prints them) of a comparison script."""
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code, str(tiny), json.dumps(settings), str(steps)], check=True,
-                         cwd=REPO, env=env(), capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tiny), json.dumps(settings), str(steps)],
+        check=True,
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+    ).stdout
     whole = time.perf_counter() - start
     found = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines() if " " in line}
-    return {"train_s": float(found["TRAIN_S"]), "cpu_s": float(found["TRAIN_CPU_S"]), "whole_s": whole,
-            "tokens": int(found.get("TOKENS", 0)),
-            "losses": json.loads(found.get("LOSSES", "[]"))}
+    return {
+        "train_s": float(found["TRAIN_S"]),
+        "cpu_s": float(found["TRAIN_CPU_S"]),
+        "whole_s": whole,
+        "tokens": int(found.get("TOKENS", 0)),
+        "losses": json.loads(found.get("LOSSES", "[]")),
+    }
 
 
 #: the packing headline's data: lengths in tokens, log-normal (median ~150) clipped to 20..1000, fixed seed
@@ -180,8 +221,13 @@ def build_packing_data(tiny: Path, rows: int) -> tuple[Path, dict]:
     path = tiny / "packing.jsonl"
     path.write_text("\n".join(lines) + "\n")
     lengths.sort()
-    return path, {"rows": rows, "median": lengths[rows // 2], "min": lengths[0], "max": lengths[-1],
-                  "mean": sum(lengths) / rows}
+    return path, {
+        "rows": rows,
+        "median": lengths[rows // 2],
+        "min": lengths[0],
+        "max": lengths[-1],
+        "mean": sum(lengths) / rows,
+    }
 
 
 def packing_comparison(work: Path, tiny: Path, rows: int) -> dict:
@@ -192,19 +238,35 @@ def packing_comparison(work: Path, tiny: Path, rows: int) -> dict:
     padded = run_script(PLAIN_TRAINER, tiny, 0, settings)
     flattened = run_script(PLAIN_TRAINER, tiny, 0, {**settings, "flatten": True})
     pairs = list(zip(packed["losses"], padded["losses"]))
-    return {"stats": stats, "packed": packed, "padded": padded, "flattened": flattened, "steps": len(packed["losses"]),
-            "loss_diff": max((abs(a - b) for a, b in pairs if a is not None), default=float("nan"))}
+    return {
+        "stats": stats,
+        "packed": packed,
+        "padded": padded,
+        "flattened": flattened,
+        "steps": len(packed["losses"]),
+        "loss_diff": max((abs(a - b) for a, b in pairs if a is not None), default=float("nan")),
+    }
 
 
 def stop_latency(work: Path, tiny: Path) -> tuple[float, bool]:
     """Seconds from touching stop.flag to the process having exited; and whether a complete checkpoint exists."""
     job = write_job(work / "job-stop", tiny, 100_000)
-    proc = subprocess.Popen([sys.executable, "-m", "trainq.trainer", str(job)], cwd=REPO, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainq.trainer", str(job)],
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         metrics = job / "metrics.jsonl"
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and metrics.exists() and metrics.read_text().count('"type": "step"') < 10 or not metrics.exists():
+        while (
+            time.monotonic() < deadline
+            and metrics.exists()
+            and metrics.read_text().count('"type": "step"') < 10
+            or not metrics.exists()
+        ):
             time.sleep(0.05)
         touched = time.perf_counter()
         (job / "stop.flag").touch()
@@ -226,8 +288,10 @@ def load_average() -> str:
 def _row(name: str, r: dict, base: dict | None = None) -> str:
     rate = r["tokens"] / r["cpu_s"] if r["cpu_s"] > 0 else float("nan")
     ratio = f" | {rate / (base['tokens'] / base['cpu_s']):.2f}x" if base else " | 1.00x"
-    return (f"| {name} | {r['tokens']} | {r['train_s']:.2f} | {r['cpu_s']:.2f} | {r['tokens'] / r['train_s']:.0f} | "
-            f"{rate:.0f}{ratio} | {r['whole_s']:.2f} |")
+    return (
+        f"| {name} | {r['tokens']} | {r['train_s']:.2f} | {r['cpu_s']:.2f} | {r['tokens'] / r['train_s']:.0f} | "
+        f"{rate:.0f}{ratio} | {r['whole_s']:.2f} |"
+    )
 
 
 def main() -> int:
@@ -242,11 +306,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
         tiny = build_model(work)
-        runners = {"trainq (defaults: packing on)": lambda i: run_trainq(work, tiny, steps, str(i)),
-                   "plain Trainer + DataCollatorWithFlattening": lambda i: run_script(PLAIN_TRAINER, tiny, steps, {**SETTINGS, "flatten": True}),
-                   "plain Trainer, padded": lambda i: run_script(PLAIN_TRAINER, tiny, steps),
-                   "trainq, packing off": lambda i: run_trainq(work, tiny, steps, f"off{i}", packing=False),
-                   "bare loop, padded": lambda i: run_script(BARE_LOOP, tiny, steps)}
+        runners = {
+            "trainq (defaults: packing on)": lambda i: run_trainq(work, tiny, steps, str(i)),
+            "plain Trainer + DataCollatorWithFlattening": lambda i: run_script(
+                PLAIN_TRAINER, tiny, steps, {**SETTINGS, "flatten": True}
+            ),
+            "plain Trainer, padded": lambda i: run_script(PLAIN_TRAINER, tiny, steps),
+            "trainq, packing off": lambda i: run_trainq(work, tiny, steps, f"off{i}", packing=False),
+            "bare loop, padded": lambda i: run_script(BARE_LOOP, tiny, steps),
+        }
         results: dict[str, list[dict]] = {name: [] for name in runners}
         for i in range(repeats):  # interleaved so load changes hit every contender alike
             for name, run in runners.items():
@@ -254,29 +322,43 @@ def main() -> int:
         latency, complete = stop_latency(work, tiny)
         pack = packing_comparison(work, tiny, packing_rows)
     load_after = load_average()
-    med = {k: {f: statistics.median(r[f] for r in v) for f in ("train_s", "cpu_s", "whole_s", "tokens")}
-           for k, v in results.items()}
+    med = {
+        k: {f: statistics.median(r[f] for r in v) for f in ("train_s", "cpu_s", "whole_s", "tokens")}
+        for k, v in results.items()
+    }
     first = next(iter(med))
-    print(f"\n{steps} LoRA steps on the small tiny model (median of {repeats}; OMP_NUM_THREADS=1; "
-          f"load average {load_before} before, {load_after} after)\n")
-    print("| runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | vs trainq | whole process s |")
+    print(
+        f"\n{steps} LoRA steps on the small tiny model (median of {repeats}; OMP_NUM_THREADS=1; "
+        f"load average {load_before} before, {load_after} after)\n"
+    )
+    print(
+        "| runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | vs trainq | whole process s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, row in med.items():
         rate, base = row["tokens"] / row["cpu_s"], med[first]["tokens"] / med[first]["cpu_s"]
-        print(f"| {name} | {row['tokens']:.0f} | {row['train_s']:.2f} | {row['cpu_s']:.2f} | "
-              f"{row['tokens'] / row['train_s']:.0f} | {rate:.0f} | {rate / base:.2f}x | {row['whole_s']:.2f} |")
+        print(
+            f"| {name} | {row['tokens']:.0f} | {row['train_s']:.2f} | {row['cpu_s']:.2f} | "
+            f"{row['tokens'] / row['train_s']:.0f} | {rate:.0f} | {rate / base:.2f}x | {row['whole_s']:.2f} |"
+        )
     print(f"\n| stop latency (flag touched -> exited) | {latency:.2f} s | checkpoint complete: {complete} |")
     st = pack["stats"]
-    print(f"\nPacking: 1 epoch of {st['rows']} rows, {st['min']}-{st['max']} tokens (median {st['median']}, mean "
-          f"{st['mean']:.0f}), seq_len 1024, batch {SETTINGS['batch_size']}, {pack['steps']} steps, LoRA without dropout\n")
-    print("| packing runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | trainq packed vs it | whole process s |")
+    print(
+        f"\nPacking: 1 epoch of {st['rows']} rows, {st['min']}-{st['max']} tokens (median {st['median']}, mean "
+        f"{st['mean']:.0f}), seq_len 1024, batch {SETTINGS['batch_size']}, {pack['steps']} steps, LoRA without dropout\n"
+    )
+    print(
+        "| packing runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | trainq packed vs it | whole process s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     print(_row("trainq, packed", pack["packed"]).replace(" | 1.00x", " | 1.00x"))
     cpu_rate = lambda r: r["tokens"] / r["cpu_s"]  # noqa: E731
     for name, key in (("plain Trainer + DataCollatorWithFlattening", "flattened"), ("plain Trainer, padded", "padded")):
         r = pack[key]
-        print(f"| {name} | {r['tokens']} | {r['train_s']:.2f} | {r['cpu_s']:.2f} | {r['tokens'] / r['train_s']:.0f} | "
-              f"{cpu_rate(r):.0f} | {cpu_rate(pack['packed']) / cpu_rate(r):.2f}x | {r['whole_s']:.2f} |")
+        print(
+            f"| {name} | {r['tokens']} | {r['train_s']:.2f} | {r['cpu_s']:.2f} | {r['tokens'] / r['train_s']:.0f} | "
+            f"{cpu_rate(r):.0f} | {cpu_rate(pack['packed']) / cpu_rate(r):.2f}x | {r['whole_s']:.2f} |"
+        )
     print(f"\n| max step-loss difference, trainq packed vs plain Trainer padded | {pack['loss_diff']:.1e} |")
     return 0
 

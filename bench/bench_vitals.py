@@ -5,6 +5,7 @@ runs real optimizer steps (forward, backward, clip, AdamW) and, separately, the 
 (the update ratio's snapshot and norms, the clip flag, the schedule check), and prints both medians and
 their ratio, with the load average.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,10 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         step_s.append((t5 - t0) - vitals_s[-1])
     warm = args.steps // 10
     step_med, vit_med = statistics.median(step_s[warm:]), statistics.median(vitals_s[warm:])
-    print(f"load average {os.getloadavg()[0]:.2f}; tiny model, {args.method}, {sum(p.numel() for p in params):,} trained "
-          f"values, batch {args.batch} x {args.seq}, {args.steps} steps, 1 thread")
-    print(f"optimizer step (median): {step_med * 1000:.2f} ms; vitals per step (median): {vit_med * 1000:.3f} ms "
-          f"= {100 * vit_med / step_med:.2f} % of a step (goal < 1 %)")
+    print(
+        f"load average {os.getloadavg()[0]:.2f}; tiny model, {args.method}, {sum(p.numel() for p in params):,} trained "
+        f"values, batch {args.batch} x {args.seq}, {args.steps} steps, 1 thread"
+    )
+    print(
+        f"optimizer step (median): {step_med * 1000:.2f} ms; vitals per step (median): {vit_med * 1000:.3f} ms "
+        f"= {100 * vit_med / step_med:.2f} % of a step (goal < 1 %)"
+    )
     return 0 if vit_med / step_med < 0.01 else 1
 
 

@@ -8,6 +8,7 @@ section (drops, jobs, files, runs or seconds); ``--profile`` runs the queue sect
 cProfile and writes ``OUT/profile-*.txt``. Sections: latency, throughput, burst, idle, help, stop,
 readopt, status, trainer, probes, sweep. Exit status 0 when every section ran (goals met or not), 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,13 @@ def _bench_trainer(base: Path, quick: bool, profile_dir: Path | None = None) -> 
 
 
 #: bench_trainer.py's overhead runners: trainq with its defaults (packing on) first
-TRAINER_RUNNERS = ("trainq (defaults: packing on)", "plain Trainer + DataCollatorWithFlattening", "plain Trainer, padded",
-                   "trainq, packing off", "bare loop, padded")
+TRAINER_RUNNERS = (
+    "trainq (defaults: packing on)",
+    "plain Trainer + DataCollatorWithFlattening",
+    "plain Trainer, padded",
+    "trainq, packing off",
+    "bare loop, padded",
+)
 #: its packing runners
 PACKING_RUNNERS = ("trainq, packed", "plain Trainer + DataCollatorWithFlattening", "plain Trainer, padded")
 
@@ -72,8 +78,12 @@ def _tables(text: str) -> list[dict[str, dict]]:
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 8 and cells[0] in TRAINER_RUNNERS + PACKING_RUNNERS:
-            current[cells[0]] = {"tokens": float(cells[1]), "train_s": float(cells[2]), "cpu_s": float(cells[3]),
-                                 "whole_s": float(cells[7])}
+            current[cells[0]] = {
+                "tokens": float(cells[1]),
+                "train_s": float(cells[2]),
+                "cpu_s": float(cells[3]),
+                "whole_s": float(cells[7]),
+            }
         elif current and not line.startswith("|"):
             tables.append(current)
             current = {}
@@ -96,32 +106,64 @@ def trainer_rows(text: str) -> list[Row]:
     steps = title.split()[0]
     ours, flat, padded, off, bare = (over[r] for r in TRAINER_RUNNERS)
     rows = [
-        Row("trainer", f"8. trainer: {steps} LoRA steps with the defaults (packing on), training wall time",
-            f"{ours['train_s']:.2f} s", f"plain Trainer + flattening {flat['train_s']:.2f} s, padded "
-            f"{padded['train_s']:.2f} s, bare loop {bare['train_s']:.2f} s", "—", None,
-            {"title": title, "load_average": load.group(1).strip() if load else None, "runners": over}),
-        Row("trainer", "8. trainer: real tokens per CPU-second vs plain Trainer + flattening / padded",
+        Row(
+            "trainer",
+            f"8. trainer: {steps} LoRA steps with the defaults (packing on), training wall time",
+            f"{ours['train_s']:.2f} s",
+            f"plain Trainer + flattening {flat['train_s']:.2f} s, padded "
+            f"{padded['train_s']:.2f} s, bare loop {bare['train_s']:.2f} s",
+            "—",
+            None,
+            {"title": title, "load_average": load.group(1).strip() if load else None, "runners": over},
+        ),
+        Row(
+            "trainer",
+            "8. trainer: real tokens per CPU-second vs plain Trainer + flattening / padded",
             f"{_per_cpu(ours) / _per_cpu(flat):.2f}× / {_per_cpu(ours) / _per_cpu(padded):.2f}×",
-            f"trainq packing off vs plain padded {_per_cpu(off) / _per_cpu(padded):.2f}×", "—", None),
-        Row("trainer", "8. trainer: whole process (imports, load, train, save) vs plain Trainer + flattening",
+            f"trainq packing off vs plain padded {_per_cpu(off) / _per_cpu(padded):.2f}×",
+            "—",
+            None,
+        ),
+        Row(
+            "trainer",
+            "8. trainer: whole process (imports, load, train, save) vs plain Trainer + flattening",
             f"{ours['whole_s']:.2f} s ({ours['whole_s'] / flat['whole_s']:.2f}×)",
-            f"plain Trainer + flattening {flat['whole_s']:.2f} s, bare loop {bare['whole_s']:.2f} s", "—", None),
+            f"plain Trainer + flattening {flat['whole_s']:.2f} s, bare loop {bare['whole_s']:.2f} s",
+            "—",
+            None,
+        ),
     ]
     pack = next((t for t in tables if all(r in t for r in PACKING_RUNNERS) and "trainq, packed" in t), None)
     if pack:
         packed = pack["trainq, packed"]
-        rows.append(Row("trainer", "8. trainer: packing, real tokens per CPU-second vs plain Trainer + "
-                        "DataCollatorWithFlattening / padded",
-                        f"{_per_cpu(packed) / _per_cpu(pack['plain Trainer + DataCollatorWithFlattening']):.2f}× / "
-                        f"{_per_cpu(packed) / _per_cpu(pack['plain Trainer, padded']):.2f}×",
-                        f"wall: {packed['train_s']:.2f} s vs {pack['plain Trainer + DataCollatorWithFlattening']['train_s']:.2f} s"
-                        f" / {pack['plain Trainer, padded']['train_s']:.2f} s", "—", None, {"runners": pack}))
+        rows.append(
+            Row(
+                "trainer",
+                "8. trainer: packing, real tokens per CPU-second vs plain Trainer + "
+                "DataCollatorWithFlattening / padded",
+                f"{_per_cpu(packed) / _per_cpu(pack['plain Trainer + DataCollatorWithFlattening']):.2f}× / "
+                f"{_per_cpu(packed) / _per_cpu(pack['plain Trainer, padded']):.2f}×",
+                f"wall: {packed['train_s']:.2f} s vs {pack['plain Trainer + DataCollatorWithFlattening']['train_s']:.2f} s"
+                f" / {pack['plain Trainer, padded']['train_s']:.2f} s",
+                "—",
+                None,
+                {"runners": pack},
+            )
+        )
     stop = re.search(r"\|\s*stop latency[^|]*\|\s*([\d.]+) s\s*\|\s*checkpoint complete: (\w+)", text)
     if stop:
         complete = stop.group(2) == "True"
-        rows.append(Row("trainer", "8. trainer: stop.flag touched → process exited",
-                        f"{float(stop.group(1)):.2f} s", f"checkpoint complete: {'yes' if complete else 'no'}",
-                        "complete checkpoint", complete, {"stop_s": float(stop.group(1))}))
+        rows.append(
+            Row(
+                "trainer",
+                "8. trainer: stop.flag touched → process exited",
+                f"{float(stop.group(1)):.2f} s",
+                f"checkpoint complete: {'yes' if complete else 'no'}",
+                "complete checkpoint",
+                complete,
+                {"stop_s": float(stop.group(1))},
+            )
+        )
     return rows
 
 
@@ -142,10 +184,17 @@ def probe_rows(data: dict) -> list[Row]:
     for name, figures in data.items():
         if not isinstance(figures, dict) or "cpu_pct_at_1hz" not in figures:
             continue
-        rows.append(Row("probes", f"9. resource probes at 1 Hz, {name}: CPU share ({data['seconds']:g} s)",
-                        f"{figures['cpu_pct_at_1hz']:.2f} % ({figures['tick_us']:.0f} µs/tick)",
-                        f"sleep-only loop {baseline:.2f} %", "—", None,
-                        {name: figures, "baseline_cpu_pct": baseline}))
+        rows.append(
+            Row(
+                "probes",
+                f"9. resource probes at 1 Hz, {name}: CPU share ({data['seconds']:g} s)",
+                f"{figures['cpu_pct_at_1hz']:.2f} % ({figures['tick_us']:.0f} µs/tick)",
+                f"sleep-only loop {baseline:.2f} %",
+                "—",
+                None,
+                {name: figures, "baseline_cpu_pct": baseline},
+            )
+        )
     return rows
 
 
@@ -156,10 +205,18 @@ SECTIONS = [
     Section("idle", bench_queue.bench_idle, {"seconds": 60.0}, {"seconds": 20.0}),
     Section("help", bench_queue.bench_help, {"runs": 10}, {"runs": 3}),
     Section("stop", bench_queue.bench_stop, {"drops": 20, "ignoring": 3}, {"drops": 5, "ignoring": 1}),
-    Section("readopt", bench_queue.bench_loaded, {"jobs": 50, "reads": 2000, "poll_s": 10.0},
-            {"jobs": 10, "reads": 200, "poll_s": 3.0}),
-    Section("status", bench_queue.bench_loaded, {"jobs": 50, "reads": 2000, "poll_s": 10.0},
-            {"jobs": 10, "reads": 200, "poll_s": 3.0}),
+    Section(
+        "readopt",
+        bench_queue.bench_loaded,
+        {"jobs": 50, "reads": 2000, "poll_s": 10.0},
+        {"jobs": 10, "reads": 200, "poll_s": 3.0},
+    ),
+    Section(
+        "status",
+        bench_queue.bench_loaded,
+        {"jobs": 50, "reads": 2000, "poll_s": 10.0},
+        {"jobs": 10, "reads": 200, "poll_s": 3.0},
+    ),
     Section("trainer", _bench_trainer, {"quick": False}, {"quick": True}),
     Section("probes", _bench_probes, {"seconds": 10.0, "calls": 1000}, {"seconds": 2.0, "calls": 200}),
     Section("sweep", bench_sweep.bench_sweep, {"variants": 1000, "seconds": 20.0}, {"variants": 200, "seconds": 3.0}),
@@ -170,15 +227,24 @@ BY_NAME = {s.name: s for s in SECTIONS}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small counts (smoke test, CI sanity)")
-    parser.add_argument("--only", action="append", default=[], metavar="NAME[,NAME]",
-                        help=f"run only these sections (repeatable): {', '.join(BY_NAME)}")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME[,NAME]",
+        help=f"run only these sections (repeatable): {', '.join(BY_NAME)}",
+    )
     parser.add_argument("--count", type=int, help="override the main count of every chosen section")
-    parser.add_argument("--out", type=Path, default=RESULTS,
-                        help="where latest.md/latest.json go (default bench/results)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="where latest.md/latest.json go (default bench/results)"
+    )
     parser.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where temp workspaces go (default /tmp)")
-    parser.add_argument("--no-spread", action="store_true",
-                        help="do not chattr +T the run's folder: workspaces then land next to recently deleted "
-                             "files, which on a journal-less ext4 slows every file creation (trainq's and peers')")
+    parser.add_argument(
+        "--no-spread",
+        action="store_true",
+        help="do not chattr +T the run's folder: workspaces then land next to recently deleted "
+        "files, which on a journal-less ext4 slows every file creation (trainq's and peers')",
+    )
     parser.add_argument("--profile", action="store_true", help="run the queue sections' watchers under cProfile")
     args = parser.parse_args(argv)
     names = [n.strip() for item in args.only for n in item.split(",") if n.strip()]
@@ -262,9 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     args.tmp = Path(tempfile.mkdtemp(prefix="trainq-bench-", dir=args.tmp))  # this run's, removed at its end
     if not args.no_spread:
         spread_out(args.tmp)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "mode": "quick" if args.quick else "full", "load_start": load_average(),
-            "command": " ".join(["bench/run_all.py", *(argv if argv is not None else sys.argv[1:])])}
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "mode": "quick" if args.quick else "full",
+        "load_start": load_average(),
+        "command": " ".join(["bench/run_all.py", *(argv if argv is not None else sys.argv[1:])]),
+    }
     try:
         rows, facts = run_sections(args)
     finally:
@@ -274,8 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     table = render(rows, meta)
     print(table)
     atomic_write(args.out / "latest.md", table)
-    atomic_write(args.out / "latest.json", json.dumps({**meta, "sections": facts, "rows": [r.to_dict() for r in rows]},
-                                                indent=1, default=str) + "\n")
+    atomic_write(
+        args.out / "latest.json",
+        json.dumps({**meta, "sections": facts, "rows": [r.to_dict() for r in rows]}, indent=1, default=str) + "\n",
+    )
     if args.profile:
         write_profiles(args.out)
     return 1 if any(f["error"] for f in facts.values()) else 0

@@ -18,6 +18,7 @@ Every job appends ``ID ATTEMPT WORD`` to a ledger and every hook ``ID STATUS`` t
 
 Prints one JSON line; exit status 0 when every check holds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,17 @@ class Plan:
         """Every job id expected in done/ or failed/ at the end (removed ones excluded)."""
         sweep_jobs = [f"{s}-{i}" for s in self.sweeps for i in range(1, 5)]
         chain_jobs = [j for chain in self.chains for j in chain]
-        return (self.plain + self.stops + self.retries + self.edits + self.rm_ok + self.rm_any + sweep_jobs
-                + chain_jobs + ["gate-edit", "gate-rm"])
+        return (
+            self.plain
+            + self.stops
+            + self.retries
+            + self.edits
+            + self.rm_ok
+            + self.rm_any
+            + sweep_jobs
+            + chain_jobs
+            + ["gate-edit", "gate-rm"]
+        )
 
     def _cmd(self, word: str, extra: str = "", sleep_s: float | None = None) -> list[str]:
         nap = self.rng.choice([0, 0, 0.05, 0.2]) if sleep_s is None else sleep_s
@@ -85,15 +95,21 @@ class Plan:
         out += [(f"{j}.yaml", {"command": self._cmd("orig"), "after": ["gate-edit"]}) for j in self.edits]
         out += [(f"{j}.yaml", {"command": self._cmd("gone"), "after": ["gate-rm"]}) for j in self.removed]
         out += [(f"{j}.yaml", {"command": self._cmd("ok"), "after": [g]}) for j, g in zip(self.rm_ok, self.removed)]
-        out += [(f"{j}.yaml", {"command": self._cmd("any"), "after": [g], "after_policy": "any"})
-                for j, g in zip(self.rm_any, self.removed[len(self.rm_ok):])]
+        out += [
+            (f"{j}.yaml", {"command": self._cmd("any"), "after": [g], "after_policy": "any"})
+            for j, g in zip(self.rm_any, self.removed[len(self.rm_ok) :])
+        ]
         rest = [(f"{j}.yaml", {"command": self._cmd("stop", sleep_s=60), "stop_grace": "1s"}) for j in self.stops]
-        rest += [(f"{j}.yaml", {"command": self._cmd("retry", 'test "$TRAINQ_ATTEMPT" -ge 2 || exit 3; ')})
-                 for j in self.retries]
+        rest += [
+            (f"{j}.yaml", {"command": self._cmd("retry", 'test "$TRAINQ_ATTEMPT" -ge 2 || exit 3; ')})
+            for j in self.retries
+        ]
         rest += [(f"{s}.yaml", {"command": self._cmd("sweep {i}"), "sweep": {"i": [1, 2, 3, 4]}}) for s in self.sweeps]
         for chain in self.chains:
-            rest += [(f"{j}.yaml", {"command": self._cmd("chain"), **({"after": [chain[k - 1]]} if k else {})})
-                     for k, j in enumerate(chain)]
+            rest += [
+                (f"{j}.yaml", {"command": self._cmd("chain"), **({"after": [chain[k - 1]]} if k else {})})
+                for k, j in enumerate(chain)
+            ]
         rest += [(f"{j}.yaml", {"command": self._cmd("plain")}) for j in self.plain]
         self.rng.shuffle(rest)
         for _name, job in out + rest:
@@ -157,7 +173,7 @@ def _lines(path: Path) -> list[list[str]]:
 def _drive(queue: Queue, plan: Plan, killer: Killer, kills: int, files: list) -> dict:
     """Drop the files in waves, stop, retry, edit and remove as the jobs get there, until the kills are done."""
     root, acted = queue.root, {"stopped": set(), "retried": set(), "edited": False, "removed": False}
-    waves = [files[i:i + 100] for i in range(0, len(files), 100)]
+    waves = [files[i : i + 100] for i in range(0, len(files), 100)]
     deadline = time.monotonic() + DEADLINE_S
     hooks_seen: Counter = Counter()
     failed_seen: dict[str, float] = {}
@@ -189,8 +205,13 @@ def _drive(queue: Queue, plan: Plan, killer: Killer, kills: int, files: list) ->
             acted["edited"] = True
         if not acted["removed"] and all((root / "pending" / j / "job.yaml").exists() for j in plan.removed):
             half = len(plan.removed) // 2
-            subprocess.run([PY, "-m", "trainq.watcher", "--root", str(root), "rm", *plan.removed[:half]],
-                           cwd=REPO, env=bench_env(), capture_output=True, timeout=300)
+            subprocess.run(
+                [PY, "-m", "trainq.watcher", "--root", str(root), "rm", *plan.removed[:half]],
+                cwd=REPO,
+                env=bench_env(),
+                capture_output=True,
+                timeout=300,
+            )
             for job_id in plan.removed[half:]:
                 shutil.rmtree(root / "pending" / job_id, ignore_errors=True)
             (plan.gates / "rm").touch()
@@ -229,20 +250,22 @@ def _verify(queue: Queue, plan: Plan) -> dict:
     wanted_runs.update({j: 2 for j in plan.retries})
     wanted_runs.update({j: 0 for j in ("gate-edit", "gate-rm", *plan.rm_ok)})  # gates write no line; rm_ok fail
     conclusions = {j: (2 if j in plan.retries else 1) for j in plan.hooked}
-    lost = [j for j in expected if j not in where] + [p.name for s in ("inbox", "pending", "running")
-                                                      for p in (root / s).iterdir() if not p.name.startswith(".")]
+    lost = [j for j in expected if j not in where] + [
+        p.name for s in ("inbox", "pending", "running") for p in (root / s).iterdir() if not p.name.startswith(".")
+    ]
     status = {j: _run(root / where[j] / j / "run.json").get("status") for j in where}
     problems = {
         "lost": lost,
-        "doubled": sorted({j for (j, _a), n in attempts.items() if n > 1}
-                          | {j for j, n in ran.items() if n > wanted_runs.get(j, 0)}),
+        "doubled": sorted(
+            {j for (j, _a), n in attempts.items() if n > 1} | {j for j, n in ran.items() if n > wanted_runs.get(j, 0)}
+        ),
         "never_ran": [j for j in expected if wanted_runs[j] and j not in plan.stops and ran[j] < wanted_runs[j]],
         "hooks_wrong": {j: hooks[j] for j in plan.hooked if hooks[j] != conclusions[j]},
         "retries_not_honoured": [j for j in plan.retries if status.get(j) != "done"],
         "edits_lost": [j for j in plan.edits if not any(w[0] == j and w[2:] == ["edited"] for w in runs)],
         "removed_ran": [j for j in plan.removed if ran[j]],
         "removed_wrong": [j for j in plan.rm_ok if status.get(j) != "failed"]
-                         + [j for j in plan.rm_any if status.get(j) != "done"],
+        + [j for j in plan.rm_any if status.get(j) != "done"],
         "stops_wrong": [j for j in plan.stops if status.get(j) != "cancelled"],
         "rejected": [j for j, s in status.items() if s == "rejected"],
     }
@@ -275,12 +298,21 @@ def main() -> int:
     finally:
         killer.halt.set()
         kill_strays(work)
-    result = {"jobs": len(plan.ids()) + len(plan.removed), "files": len(files), "kills": killer.kills,
-              "stopped": len(acted["stopped"]), "retried": len(acted["retried"]), "edits": len(plan.edits),
-              "removed": len(plan.removed), "hooked": len(plan.hooked), "orphans": orphans,
-              "problems": {k: (v[:10] if isinstance(v, list) else dict(list(v.items())[:10])) for k, v in problems.items()},
-              "problem_counts": {k: len(v) for k, v in problems.items()},
-              "wall_s": round(time.monotonic() - started, 1), "load_average": [round(x, 2) for x in load_average()]}
+    result = {
+        "jobs": len(plan.ids()) + len(plan.removed),
+        "files": len(files),
+        "kills": killer.kills,
+        "stopped": len(acted["stopped"]),
+        "retried": len(acted["retried"]),
+        "edits": len(plan.edits),
+        "removed": len(plan.removed),
+        "hooked": len(plan.hooked),
+        "orphans": orphans,
+        "problems": {k: (v[:10] if isinstance(v, list) else dict(list(v.items())[:10])) for k, v in problems.items()},
+        "problem_counts": {k: len(v) for k, v in problems.items()},
+        "wall_s": round(time.monotonic() - started, 1),
+        "load_average": [round(x, 2) for x in load_average()],
+    }
     print(json.dumps(result))
     if not problems and not orphans:
         shutil.rmtree(work, ignore_errors=True)

@@ -1,4 +1,5 @@
 """A headless Chromium driven over the DevTools protocol (shared by the browser tests)."""
+
 from __future__ import annotations
 
 import base64
@@ -16,6 +17,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 # -- a DevTools client over --remote-debugging-pipe (no websocket library needed) --------------------------
 
+
 class Browser:
     """Headless Chromium driven through the DevTools protocol on fds 3/4 (NUL-separated JSON messages)."""
 
@@ -29,11 +31,29 @@ class Browser:
             os.dup2(a, 3)
             os.dup2(b, 4)
 
-        argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-default-apps",
-                f"--user-data-dir={profile}", "--remote-debugging-pipe", "about:blank"]
-        self.proc = subprocess.Popen(argv, pass_fds=(3, 4), preexec_fn=_fds_3_and_4, start_new_session=True,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        argv = [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--disable-default-apps",
+            f"--user-data-dir={profile}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
+        self.proc = subprocess.Popen(
+            argv,
+            pass_fds=(3, 4),
+            preexec_fn=_fds_3_and_4,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_child_r)
         os.close(from_child_w)
         self._buf, self._next_id, self.events = b"", 0, []
@@ -41,8 +61,11 @@ class Browser:
         self.session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Runtime", "Log", "Network", "Page"):
             self.call(f"{domain}.enable", session=True)
-        self.call("Emulation.setDeviceMetricsOverride",
-                  {"width": 1200, "height": 1600, "deviceScaleFactor": 1, "mobile": False}, session=True)
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1200, "height": 1600, "deviceScaleFactor": 1, "mobile": False},
+            session=True,
+        )
 
     def _send(self, method: str, params: dict, session: bool) -> int:
         self._next_id += 1

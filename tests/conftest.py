@@ -1,4 +1,5 @@
 """Shared fixtures: real queue folders, real job files, an in-process watcher and a real watcher process."""
+
 from __future__ import annotations
 
 import json
@@ -148,8 +149,11 @@ class WatcherProcess:
     def start(self) -> "WatcherProcess":
         self.proc = subprocess.Popen(
             [PY, "-m", "trainq.watcher", "--root", str(self.root), "watch", "-q", *self.args],
-            cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=open(self.root / "watcher.stderr", "ab"),
+            cwd=REPO,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.root / "watcher.stderr", "ab"),
         )
         return self
 

@@ -1,4 +1,5 @@
 """Helpers for the `trainq serve` tests: a real server process on a loopback ephemeral port, and a raw SSE reader."""
+
 from __future__ import annotations
 
 import http.client
@@ -21,8 +22,9 @@ class Server:
     def __init__(self, root: Path, *args: str, port: int = 0) -> None:
         argv = [sys.executable, "-m", "trainq.watcher", "--root", str(root), "serve", "--port", str(port), *args]
         self.log = root.parent / "serve.stderr"
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=open(self.log, "ab"), text=True)
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True
+        )
         first = self.proc.stdout.readline()
         found = re.search(r"http://127\.0\.0\.1:(\d+)/", first)
         if not found:

@@ -1,4 +1,5 @@
 """Admission over real probe samples: simulated GPU files, real RAM/disk readings, real processes."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,14 @@ from trainq.watcher.daemon.resources import ENV_SIMULATE_BATTERY, MachineState, 
 
 
 def sim_gpu(index: int, total_mb: float = 6144, processes: list[dict] | None = None) -> dict:
-    return {"index": index, "name": f"Sim {total_mb / 1024:g}GB", "memory_total_mb": total_mb,
-            "memory_used_mb": 0, "utilization_pct": 0, "processes": processes or []}
+    return {
+        "index": index,
+        "name": f"Sim {total_mb / 1024:g}GB",
+        "memory_total_mb": total_mb,
+        "memory_used_mb": 0,
+        "utilization_pct": 0,
+        "processes": processes or [],
+    }
 
 
 @pytest.fixture
@@ -192,8 +199,10 @@ def test_disk_gate_counts_declared_disk_per_filesystem(machine: Callable, tmp_pa
     # two jobs in one plan, one in a subfolder of the same filesystem: the first one's disk counts
     sub = tmp_path / "job-b"
     state = ResourceProbe(env={}).sample([tmp_path, sub])
-    pair = [Request("a", order=0, gpus=0, disk_gb=free * 0.6, disk_path=tmp_path),
-            Request("b", order=1, gpus=0, disk_gb=free * 0.6, disk_path=sub)]
+    pair = [
+        Request("a", order=0, gpus=0, disk_gb=free * 0.6, disk_path=tmp_path),
+        Request("b", order=1, gpus=0, disk_gb=free * 0.6, disk_path=sub),
+    ]
     assert [d.start for d in plan(pair, [], state, limits)] == [True, False]
 
 
@@ -223,8 +232,11 @@ def test_paused_and_max_concurrent_say_so(machine: Callable) -> None:
 
 
 def test_priority_first_then_acceptance_order(machine: Callable) -> None:
-    requests = [Request("old", priority=0, order=1, gpus=1), Request("older", priority=0, order=0, gpus=1),
-                Request("urgent", priority=5, order=9, gpus=1)]
+    requests = [
+        Request("old", priority=0, order=1, gpus=1),
+        Request("older", priority=0, order=0, gpus=1),
+        Request("urgent", priority=5, order=9, gpus=1),
+    ]
     decisions = plan(requests, [], machine(), Limits(max_concurrent=9))
     assert [d.job_id for d in decisions] == ["urgent", "older", "old"]
     assert started(decisions) == {"urgent": (0,), "older": (1,)}
@@ -326,29 +338,79 @@ RESOURCES_SCHEMA = {
     "required": ["ram", "disk", "gpus", "battery"],
     "additionalProperties": False,
     "properties": {
-        "ram": {"type": "object", "required": ["total_gb", "available_gb"], "additionalProperties": False,
-                "properties": {"total_gb": {"type": "number"}, "available_gb": {"type": "number"}}},
-        "disk": {"type": "object", "additionalProperties": {
-            "type": "object", "required": ["total_gb", "free_gb"], "additionalProperties": False,
-            "properties": {"total_gb": {"type": "number"}, "free_gb": {"type": "number"}}}},
-        "gpus": {"type": "array", "items": {
-            "type": "object", "additionalProperties": False,
-            "required": ["index", "name", "memory_total_mb", "memory_used_mb", "memory_free_mb", "utilization_pct",
-                         "temperature_c", "compute_capability", "held_by", "foreign", "simulated"],
-            "properties": {
-                "index": {"type": "integer"}, "name": {"type": "string"},
-                "memory_total_mb": {"type": "number"}, "memory_used_mb": {"type": "number"},
-                "memory_free_mb": {"type": "number"}, "utilization_pct": {"type": ["number", "null"]},
-                "temperature_c": {"type": ["number", "null"]}, "compute_capability": {"type": ["string", "null"]},
-                "held_by": {"type": ["string", "null"]}, "simulated": {"type": "boolean"},
-                "foreign": {"type": "array", "items": {
-                    "type": "object", "required": ["pid", "name", "used_mb"], "additionalProperties": False,
-                    "properties": {"pid": {"type": "integer"}, "name": {"type": ["string", "null"]},
-                                   "used_mb": {"type": "number"}}}}}}},
-        "battery": {"anyOf": [{"type": "null"}, {
-            "type": "object", "required": ["percent", "power_plugged"],
-            "properties": {"percent": {"type": ["number", "null"]},
-                           "power_plugged": {"type": ["boolean", "null"]}}}]},
+        "ram": {
+            "type": "object",
+            "required": ["total_gb", "available_gb"],
+            "additionalProperties": False,
+            "properties": {"total_gb": {"type": "number"}, "available_gb": {"type": "number"}},
+        },
+        "disk": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "required": ["total_gb", "free_gb"],
+                "additionalProperties": False,
+                "properties": {"total_gb": {"type": "number"}, "free_gb": {"type": "number"}},
+            },
+        },
+        "gpus": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": [
+                    "index",
+                    "name",
+                    "memory_total_mb",
+                    "memory_used_mb",
+                    "memory_free_mb",
+                    "utilization_pct",
+                    "temperature_c",
+                    "compute_capability",
+                    "held_by",
+                    "foreign",
+                    "simulated",
+                ],
+                "properties": {
+                    "index": {"type": "integer"},
+                    "name": {"type": "string"},
+                    "memory_total_mb": {"type": "number"},
+                    "memory_used_mb": {"type": "number"},
+                    "memory_free_mb": {"type": "number"},
+                    "utilization_pct": {"type": ["number", "null"]},
+                    "temperature_c": {"type": ["number", "null"]},
+                    "compute_capability": {"type": ["string", "null"]},
+                    "held_by": {"type": ["string", "null"]},
+                    "simulated": {"type": "boolean"},
+                    "foreign": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["pid", "name", "used_mb"],
+                            "additionalProperties": False,
+                            "properties": {
+                                "pid": {"type": "integer"},
+                                "name": {"type": ["string", "null"]},
+                                "used_mb": {"type": "number"},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+        "battery": {
+            "anyOf": [
+                {"type": "null"},
+                {
+                    "type": "object",
+                    "required": ["percent", "power_plugged"],
+                    "properties": {
+                        "percent": {"type": ["number", "null"]},
+                        "power_plugged": {"type": ["boolean", "null"]},
+                    },
+                },
+            ]
+        },
     },
 }
 

@@ -1,5 +1,6 @@
 """Issue 12, item 6: allow_commands is a boundary (CONTRACT section 7). One test per bypass that used
 to work with ``allow_commands: [echo]``; each is refused and the other program never runs."""
+
 from __future__ import annotations
 
 import json
@@ -117,7 +118,7 @@ def test_resolution_rules(tmp_path: Path) -> None:
 
 def test_on_finish_hook_is_held_to_the_list(queue_dir, watcher, evil):
     w = watcher(allow_commands=["echo", "true"])
-    drop(queue_dir, "hook.yaml", f"approved: true\ncommand: [\"true\"]\non_finish: [{evil / 'echo'}]\n")
+    drop(queue_dir, "hook.yaml", f'approved: true\ncommand: ["true"]\non_finish: [{evil / "echo"}]\n')
     run = rejected(queue_dir, w, "hook")
     assert run["errors"][0]["path"] == "on_finish" and f"resolves to {evil / 'echo'}" in run["error"]
 

@@ -1,4 +1,5 @@
 """The benchmark suite still runs and still prints its table: bench/run_all.py --quick on two cheap sections."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,14 @@ sys.path.insert(0, str(REPO))
 
 from bench._common import Row  # noqa: E402
 from bench.run_all import (  # noqa: E402
-    BY_NAME, HEADER, Section, parse_args, probe_rows, run_sections, section_kwargs, trainer_rows,
+    BY_NAME,
+    HEADER,
+    Section,
+    parse_args,
+    probe_rows,
+    run_sections,
+    section_kwargs,
+    trainer_rows,
 )
 
 #: a real bench_trainer.py output (abridged numbers), the format run_all.py folds into rows
@@ -54,9 +62,23 @@ def _ms(cell: str) -> float:
 def test_quick_latency_and_help_print_the_table(tmp_path: Path) -> None:
     out, work = tmp_path / "out", tmp_path / "work"
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "run_all.py"), "--quick", "--only", "latency,help", "--count", "8",
-         "--out", str(out), "--tmp", str(work)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(REPO / "bench" / "run_all.py"),
+            "--quick",
+            "--only",
+            "latency,help",
+            "--count",
+            "8",
+            "--out",
+            str(out),
+            "--tmp",
+            str(work),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     table = (out / "latest.md").read_text(encoding="utf-8")
@@ -83,8 +105,13 @@ def test_quick_latency_and_help_print_the_table(tmp_path: Path) -> None:
 
 
 def test_an_unknown_section_is_refused_with_the_list(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "run_all.py"), "--only", "latnecy",
-                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "run_all.py"), "--only", "latnecy", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "latnecy" in done.stderr and "throughput" in done.stderr
     assert not (tmp_path / "latest.md").exists()
@@ -93,7 +120,10 @@ def test_an_unknown_section_is_refused_with_the_list(tmp_path: Path) -> None:
 def test_trainer_output_folds_into_rows() -> None:
     rows = trainer_rows(TRAINER_OUTPUT)
     assert rows[0].metric.startswith("8. trainer: 40 LoRA steps with the defaults (packing on)")
-    assert rows[0].trainq == "2.00 s" and rows[0].peer == "plain Trainer + flattening 2.50 s, padded 4.00 s, bare loop 3.80 s"
+    assert (
+        rows[0].trainq == "2.00 s"
+        and rows[0].peer == "plain Trainer + flattening 2.50 s, padded 4.00 s, bare loop 3.80 s"
+    )
     assert rows[0].values["load_average"] == "1.0 0.8 0.5"
     assert rows[1].trainq == "1.25× / 2.00×"
     packing = next(r for r in rows if "packing, real tokens per CPU-second" in r.metric)
@@ -107,9 +137,12 @@ def test_trainer_output_without_a_table_is_an_error() -> None:
 
 
 def test_probe_json_folds_into_rows() -> None:
-    data = {"seconds": 2.0, "baseline_cpu_pct": 0.05,
-            "real (no NVML here)": {"sample_us": 50.0, "tree_usage_us": 20.0, "tick_us": 120.0, "cpu_pct_at_1hz": 0.3},
-            "real, no cache": {"sample_us": 90.0, "tree_usage_us": 40.0, "tick_us": 300.0}}
+    data = {
+        "seconds": 2.0,
+        "baseline_cpu_pct": 0.05,
+        "real (no NVML here)": {"sample_us": 50.0, "tree_usage_us": 20.0, "tick_us": 120.0, "cpu_pct_at_1hz": 0.3},
+        "real, no cache": {"sample_us": 90.0, "tree_usage_us": 40.0, "tick_us": 300.0},
+    }
     rows = probe_rows(data)
     assert [r.trainq for r in rows] == ["0.30 % (120 µs/tick)"]
     assert rows[0].peer == "sleep-only loop 0.05 %"
@@ -132,8 +165,11 @@ def test_a_failing_section_is_reported_for_every_name_sharing_it(tmp_path: Path)
         return [Row("ok", "fine row", "1 ms")]
 
     args = parse_args(["--quick", "--out", str(tmp_path), "--tmp", str(tmp_path)])
-    args.sections = [Section("a", broken, {"n": 5}, {"n": 1}), Section("b", broken, {"n": 5}, {"n": 1}),
-                     Section("ok", fine, {"n": 5}, {"n": 1})]
+    args.sections = [
+        Section("a", broken, {"n": 5}, {"n": 1}),
+        Section("b", broken, {"n": 5}, {"n": 1}),
+        Section("ok", fine, {"n": 5}, {"n": 1}),
+    ]
     rows, facts = run_sections(args)
     assert calls == [1], "a function shared by two sections must run once"
     assert [r.metric for r in rows] == ["a: FAILED", "b: FAILED", "fine row"]

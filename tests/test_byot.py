@@ -4,6 +4,7 @@ One tiny model, one uninterrupted reference run, then: progress from the printed
 SIGKILL + automatic retry, each resuming from the right checkpoint-N, and final weights equal to the
 reference's (HF resume is exact on CPU when max_steps stays fixed). The same with the one-line callback.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,22 @@ from conftest import FAKE, PY, REPO, drop, job_processes, wait_until
 
 HF_SCRIPT = FAKE / "hf_plain.py"
 MAX_STEPS = 24
-TRAIN_ARGS = ["--max_steps", str(MAX_STEPS), "--logging_steps", "4", "--per_device_train_batch_size", "4",
-              "--learning_rate", "1e-3", "--report_to", "none", "--seed", "7", "--disable_tqdm", "false"]
+TRAIN_ARGS = [
+    "--max_steps",
+    str(MAX_STEPS),
+    "--logging_steps",
+    "4",
+    "--per_device_train_batch_size",
+    "4",
+    "--learning_rate",
+    "1e-3",
+    "--report_to",
+    "none",
+    "--seed",
+    "7",
+    "--disable_tqdm",
+    "false",
+]
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 
 
@@ -36,10 +51,25 @@ def tiny(tmp_path_factory) -> Path:
 def reference(tiny: Path, tmp_path_factory) -> dict:
     """Final weights of an uninterrupted run of the same script and arguments."""
     out = tmp_path_factory.mktemp("reference")
-    subprocess.run([PY, str(HF_SCRIPT), *_script_args(tiny), "--output_dir", str(out / "run"), "--save_steps", "1000",
-                    "--save_weights", str(out / "final.pt")] + TRAIN_ARGS,
-                   check=True, env=dict(os.environ, **ENV), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   timeout=300)
+    subprocess.run(
+        [
+            PY,
+            str(HF_SCRIPT),
+            *_script_args(tiny),
+            "--output_dir",
+            str(out / "run"),
+            "--save_steps",
+            "1000",
+            "--save_weights",
+            str(out / "final.pt"),
+        ]
+        + TRAIN_ARGS,
+        check=True,
+        env=dict(os.environ, **ENV),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=300,
+    )
     return _weights(out / "final.pt")
 
 
@@ -61,9 +91,19 @@ def _max_abs_diff(a: dict, b: dict) -> float:
 def _submit(queue: Path, name: str, tiny: Path, *extra: str, **fields) -> Path:
     job = {
         "approved": True,
-        "command": [PY, str(HF_SCRIPT), *_script_args(tiny), "--output_dir", "{job_dir}/checkpoints",
-                    "--save_weights", "{job_dir}/final.pt", *TRAIN_ARGS, *extra],
-        "env": ENV, "resources": {"gpus": 0},
+        "command": [
+            PY,
+            str(HF_SCRIPT),
+            *_script_args(tiny),
+            "--output_dir",
+            "{job_dir}/checkpoints",
+            "--save_weights",
+            "{job_dir}/final.pt",
+            *TRAIN_ARGS,
+            *extra,
+        ],
+        "env": ENV,
+        "resources": {"gpus": 0},
         "resume_args": ["--resume_from_checkpoint", "{resume_from}"],
         **fields,
     }
@@ -72,8 +112,9 @@ def _submit(queue: Path, name: str, tiny: Path, *extra: str, **fields) -> Path:
 
 
 def _cli(queue: Path, *args: str) -> str:
-    done = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue), *args], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue), *args], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -133,11 +174,24 @@ def _assert_finished_like_reference(queue: Path, job_id: str, reference: dict) -
 def test_plain_hf_script_resumes_after_stop_retry_and_sigkill(queue_dir, watcher_process, tiny, reference):
     """No trainq code: progress from the printed bar; stop+retry and SIGKILL+auto-retry resume from checkpoint-N."""
     watcher_process()
-    _submit(queue_dir, "hf", tiny, "--save_steps", "4", "--step_sleep_s", "0.25",
-            stop_grace="1s", retries={"max": 2, "on": ["killed", "unknown"], "backoff": "1s"})
+    _submit(
+        queue_dir,
+        "hf",
+        tiny,
+        "--save_steps",
+        "4",
+        "--step_sleep_s",
+        "0.25",
+        stop_grace="1s",
+        retries={"max": 2, "on": ["killed", "unknown"], "backoff": "1s"},
+    )
     running = queue_dir / "running" / "hf"
-    progress = wait_until(lambda: (p := _progress(queue_dir, "hf")) and p["step"] and p["eta_s"] is not None and p,
-                          120, 0.2, "step/total/ETA in status.json")
+    progress = wait_until(
+        lambda: (p := _progress(queue_dir, "hf")) and p["step"] and p["eta_s"] is not None and p,
+        120,
+        0.2,
+        "step/total/ETA in status.json",
+    )
     assert progress["total_steps"] == MAX_STEPS and 0 < progress["step"] <= MAX_STEPS
     wait_until(lambda: _checkpoints(running) and _checkpoints(running)[-1] >= 8, 60, 0.1, "checkpoint-8")
 
@@ -174,8 +228,18 @@ def test_plain_hf_script_resumes_after_stop_retry_and_sigkill(queue_dir, watcher
 def test_hf_callback_stops_with_a_fresh_checkpoint_and_exits_0(queue_dir, watcher_process, tiny, reference):
     """With TrainqCallback: stop saves at the end of the step (no SIGTERM), exit 0; SIGTERM saves then exits 143."""
     watcher_process()
-    _submit(queue_dir, "cb", tiny, "--trainq", "--save_steps", "1000", "--step_sleep_s", "0.25",
-            stop_grace="60s", retries={"max": 2, "on": ["preempted", "killed", "unknown"], "backoff": "1s"})
+    _submit(
+        queue_dir,
+        "cb",
+        tiny,
+        "--trainq",
+        "--save_steps",
+        "1000",
+        "--step_sleep_s",
+        "0.25",
+        stop_grace="60s",
+        retries={"max": 2, "on": ["preempted", "killed", "unknown"], "backoff": "1s"},
+    )
     running = queue_dir / "running" / "cb"
     wait_until(lambda: (p := _progress(queue_dir, "cb")) and (p["step"] or 0) >= 3, 120, 0.1, "step 3")
     _cli(queue_dir, "stop", "cb")
@@ -186,7 +250,9 @@ def test_hf_callback_stops_with_a_fresh_checkpoint_and_exits_0(queue_dir, watche
     [step] = _checkpoints(failed)  # save_steps 1000: the only checkpoint is the one the stop asked for
     assert 3 <= step < MAX_STEPS
     records = [json.loads(line) for line in (failed / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["type"] == "checkpoint" and records[-1]["path"].endswith(f"running/cb/checkpoints/checkpoint-{step}")
+    assert records[-1]["type"] == "checkpoint" and records[-1]["path"].endswith(
+        f"running/cb/checkpoints/checkpoint-{step}"
+    )
     assert {"step", "total_steps"} <= records[0].keys()
 
     assert f"resuming from checkpoints/checkpoint-{step}" in _cli(queue_dir, "retry", "cb")
@@ -196,8 +262,12 @@ def test_hf_callback_stops_with_a_fresh_checkpoint_and_exits_0(queue_dir, watche
     # preemption: SIGTERM to the script; the callback saves at the step's end and exits 143, retried at once
     wait_until(lambda: (p := _progress(queue_dir, "cb")) and (p["step"] or 0) >= step + 2, 90, 0.05, "2 more steps")
     _signal_script(running, signal.SIGTERM)
-    third = wait_until(lambda: (r := _run(queue_dir, "cb")) and (r["attempt"] == 3 or r["state"] in ("done", "failed")) and r,
-                       90, 0.05, "attempt 3")
+    third = wait_until(
+        lambda: (r := _run(queue_dir, "cb")) and (r["attempt"] == 3 or r["state"] in ("done", "failed")) and r,
+        90,
+        0.05,
+        "attempt 3",
+    )
     assert third["attempts"][1]["exit_code"] == 143 and third["attempt"] == 3, third["attempts"][1]
     assert third["attempts"][1]["diagnosis"]["kind"] == "preempted"
     preempted_at = Path(third["attempts"][-1]["resumed_from"])
@@ -213,10 +283,18 @@ def test_plain_pytorch_loop_example_stops_and_resumes_exactly(tmp_path):
 
     def run(job: Path, **env: str) -> str:
         job.mkdir(exist_ok=True)
-        base = {"TRAINQ_JOB_DIR": str(job), "TRAINQ_METRICS": str(job / "metrics.jsonl"),
-                "TRAINQ_STOP_FLAG": str(job / "stop.flag")}
-        done = subprocess.run([PY, str(script), "--steps", "30", "--save-every", "10"], capture_output=True,
-                              text=True, env=dict(os.environ, **ENV, **base, **env), timeout=120)
+        base = {
+            "TRAINQ_JOB_DIR": str(job),
+            "TRAINQ_METRICS": str(job / "metrics.jsonl"),
+            "TRAINQ_STOP_FLAG": str(job / "stop.flag"),
+        }
+        done = subprocess.run(
+            [PY, str(script), "--steps", "30", "--save-every", "10"],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, **ENV, **base, **env),
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout
 
@@ -236,8 +314,14 @@ def test_lightning_callback_stops_with_a_checkpoint_and_resumes(queue_dir, watch
     """A real Lightning script with TrainqLightningCallback: stop saves and exits 0; retry resumes to max_steps."""
     pytest.importorskip("pytorch_lightning")
     watcher_process()
-    job = {"approved": True, "command": [PY, str(FAKE / "lightning_script.py")], "env": ENV,
-           "resources": {"gpus": 0}, "stop_grace": "60s", "resume_args": ["--ckpt_path", "{resume_from}"]}
+    job = {
+        "approved": True,
+        "command": [PY, str(FAKE / "lightning_script.py")],
+        "env": ENV,
+        "resources": {"gpus": 0},
+        "stop_grace": "60s",
+        "resume_args": ["--ckpt_path", "{resume_from}"],
+    }
     drop(queue_dir, "pl.yaml", yaml.safe_dump(job, sort_keys=False))
     wait_until(lambda: (p := _progress(queue_dir, "pl")) and (p["step"] or 0) >= 5, 120, 0.1, "step 5")
     _cli(queue_dir, "stop", "pl")
@@ -254,10 +338,12 @@ def test_lightning_callback_stops_with_a_checkpoint_and_resumes(queue_dir, watch
 
 def test_integrations_import_light_and_do_nothing_outside_trainq(tmp_path):
     """Importing the integrations loads no torch/transformers; the callbacks load them only when asked for."""
-    code = ("import sys; from trainq.trainer.integrations import TrainqLink; "
-            "assert not {'torch', 'transformers', 'pytorch_lightning'} & set(sys.modules), sorted(sys.modules); "
-            "link = TrainqLink.from_env({}); link.step(3, loss=1.0); "
-            "assert not link.active and not link.stop_requested() and not link.catch_sigterm(); print('ok')")
+    code = (
+        "import sys; from trainq.trainer.integrations import TrainqLink; "
+        "assert not {'torch', 'transformers', 'pytorch_lightning'} & set(sys.modules), sorted(sys.modules); "
+        "link = TrainqLink.from_env({}); link.step(3, loss=1.0); "
+        "assert not link.active and not link.stop_requested() and not link.catch_sigterm(); print('ok')"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINQ_")}
     done = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert done.stdout.strip() == "ok", done.stderr
@@ -269,11 +355,33 @@ def test_shipped_hf_example_with_the_callback_stops_after_one_step(tmp_path, tin
     job = tmp_path / "job"
     job.mkdir()
     (job / "stop.flag").touch()
-    env = dict(os.environ, **ENV, TRAINQ_JOB_DIR=str(job), TRAINQ_METRICS=str(job / "metrics.jsonl"),
-               TRAINQ_STOP_FLAG=str(job / "stop.flag"))
-    done = subprocess.run([PY, str(REPO / "queue" / "examples" / "hf_train.py"), *_script_args(tiny),
-                           "--output_dir", str(job / "checkpoints"), "--max_steps", "40", "--save_steps", "10",
-                           "--report_to", "none", "--trainq"], capture_output=True, text=True, env=env, timeout=300)
+    env = dict(
+        os.environ,
+        **ENV,
+        TRAINQ_JOB_DIR=str(job),
+        TRAINQ_METRICS=str(job / "metrics.jsonl"),
+        TRAINQ_STOP_FLAG=str(job / "stop.flag"),
+    )
+    done = subprocess.run(
+        [
+            PY,
+            str(REPO / "queue" / "examples" / "hf_train.py"),
+            *_script_args(tiny),
+            "--output_dir",
+            str(job / "checkpoints"),
+            "--max_steps",
+            "40",
+            "--save_steps",
+            "10",
+            "--report_to",
+            "none",
+            "--trainq",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert _global_step(job / "checkpoints" / "checkpoint-1") == 1
     assert not (job / "checkpoints" / "final").exists()  # the script's save after train() did not run on it

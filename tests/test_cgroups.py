@@ -6,6 +6,7 @@ watcher has run ``kill_leftovers``. The cgroup tests skip, naming why, where thi
 and join a cgroup in that mode (not root, no writable hierarchy). How fast they go is bench/'s
 business (bench/bench_containment.py), not an assert here.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,14 +62,24 @@ class Escaper:
 
     def spec(self, **overrides: object) -> LaunchSpec:
         argv = (str(FAKE / "escaper.sh"), sys.executable, str(FAKE / "pid_hopper.py"), self.marker, str(self.paths.dir))
-        fields = dict(job_dir=str(self.paths.dir), argv=argv, env={}, cwd=str(self.paths.dir), attempt=1,
-                      stop_grace_s=0.2, kill_after_s=0.5)
+        fields = dict(
+            job_dir=str(self.paths.dir),
+            argv=argv,
+            env={},
+            cwd=str(self.paths.dir),
+            attempt=1,
+            stop_grace_s=0.2,
+            kill_after_s=0.5,
+        )
         fields.update(overrides)
         return LaunchSpec(**fields)
 
     def wait_ready(self) -> int:
-        wait_until(lambda: (self.paths.dir / "hopper.ready").exists() and (self.paths.dir / "grandchild.pid").exists(),
-                   30.0, what="the hopper and the setsid grandchild to start")
+        wait_until(
+            lambda: (self.paths.dir / "hopper.ready").exists() and (self.paths.dir / "grandchild.pid").exists(),
+            30.0,
+            what="the hopper and the setsid grandchild to start",
+        )
         return int((self.paths.dir / "grandchild.pid").read_text())
 
     def leftovers(self, grandchild: int) -> list[int]:
@@ -186,18 +197,26 @@ def test_a_start_record_naming_another_group_is_not_trusted(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("mode", ["cgroup-v2", "process-tree"])
-def test_watcher_says_which_mode_and_readopts_by_the_group(mode: str, queue_dir: Path, watcher, monkeypatch,
-                                                          write_job) -> None:
+def test_watcher_says_which_mode_and_readopts_by_the_group(
+    mode: str, queue_dir: Path, watcher, monkeypatch, write_job
+) -> None:
     if mode != "process-tree":
         containment_or_skip(mode)
     monkeypatch.setenv(cgroups.ENV_CONTAINMENT, mode)
     marker = f"hopper-marker-{os.getpid()}-{time.monotonic_ns()}"
     job_dir = queue_dir / "running" / "esc"
-    write_job("esc", command=[str(FAKE / "escaper.sh"), sys.executable, str(FAKE / "pid_hopper.py"), marker,
-                              "{job_dir}"], stop_grace="0.2s")
+    write_job(
+        "esc",
+        command=[str(FAKE / "escaper.sh"), sys.executable, str(FAKE / "pid_hopper.py"), marker, "{job_dir}"],
+        stop_grace="0.2s",
+    )
     w = watcher()
-    tick_until(w, lambda: (job_dir / "grandchild.pid").exists() and (job_dir / "hopper.ready").exists(),
-               timeout_s=30, what="the job to start its escapers")
+    tick_until(
+        w,
+        lambda: (job_dir / "grandchild.pid").exists() and (job_dir / "hopper.ready").exists(),
+        timeout_s=30,
+        what="the job to start its escapers",
+    )
     w.tick(time.time())
     status = json.loads((queue_dir / "status.json").read_text())
     assert status["watcher"]["containment"] == mode
@@ -223,11 +242,20 @@ def test_watcher_ends_the_group_of_a_sigkilled_supervisor(queue_dir: Path, watch
     monkeypatch.setenv(cgroups.ENV_CONTAINMENT, "cgroup-v2")
     marker = f"hopper-marker-{os.getpid()}-{time.monotonic_ns()}"
     job_dir = queue_dir / "running" / "esc"
-    write_job("esc", command=[str(FAKE / "escaper.sh"), sys.executable, str(FAKE / "pid_hopper.py"), marker,
-                              "{job_dir}"])
+    write_job(
+        "esc", command=[str(FAKE / "escaper.sh"), sys.executable, str(FAKE / "pid_hopper.py"), marker, "{job_dir}"]
+    )
     w = watcher()
-    tick_until(w, lambda: (job_dir / "grandchild.pid").exists() and (job_dir / "hopper.ready").exists()
-               and JobPaths(job_dir).started.exists(), timeout_s=30, what="the job to start its escapers")
+    tick_until(
+        w,
+        lambda: (
+            (job_dir / "grandchild.pid").exists()
+            and (job_dir / "hopper.ready").exists()
+            and JobPaths(job_dir).started.exists()
+        ),
+        timeout_s=30,
+        what="the job to start its escapers",
+    )
     grandchild = int((job_dir / "grandchild.pid").read_text())
     started = json.loads(JobPaths(job_dir).started.read_text())
     try:

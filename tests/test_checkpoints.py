@@ -1,4 +1,5 @@
 """Checkpoint discovery for jobs with no trainq code: records, ckpt_latest, checkpoint-N, step-N, *.ckpt."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def test_highest_complete_hf_checkpoint_in_any_output_dir(tmp_path: Path) -> Non
     half = _hf(job.dir / "out" / "run-1", 40, complete=False)  # killed while saving
     found = find_checkpoint(job)
     assert found.path == str(job.dir / "out" / "run-1" / "checkpoint-30") and found.kind == "checkpoint-N"
-    assert found.skipped == (f"{half}: incomplete (no trainer_state.json; the Trainer writes it last, "
-                             f"so the save was interrupted)",)
+    assert found.skipped == (
+        f"{half}: incomplete (no trainer_state.json; the Trainer writes it last, so the save was interrupted)",
+    )
     note_skipped(job.log, found)
     assert f"trainq: skipped checkpoint {half}: incomplete" in job.log.read_text()
 
@@ -105,7 +107,7 @@ def test_nothing_found_and_the_walk_is_bounded(tmp_path: Path) -> None:
     assert find_checkpoint(job).path == str(deep.parent.parent / "checkpoint-3")
 
 
-HALF_SAVED = r'''
+HALF_SAVED = r"""
 import os, sys
 job, attempt = os.environ["TRAINQ_JOB_DIR"], int(os.environ["TRAINQ_ATTEMPT"])
 print("attempt", attempt, "argv", sys.argv[1:], "resume", os.environ.get("TRAINQ_RESUME_FROM"), flush=True)
@@ -118,7 +120,7 @@ if attempt == 1:
             open(os.path.join(folder, "trainer_state.json"), "w").write('{"global_step": %d}' % step)
     print("  5%|#  | 10/200 [00:01<00:19]\r", end="", flush=True)
     sys.exit(1)
-'''
+"""
 
 
 def test_a_retry_skips_a_half_saved_checkpoint_and_says_so(queue_dir, watcher, write_job):
@@ -126,8 +128,12 @@ def test_a_retry_skips_a_half_saved_checkpoint_and_says_so(queue_dir, watcher, w
     from conftest import PY, tick_until
 
     w = watcher()
-    write_job("half", command=[PY, "-c", HALF_SAVED], resume_args=["--resume_from_checkpoint", "{resume_from}"],
-              retries={"max": 1, "on": ["unknown"], "backoff": "1s"})
+    write_job(
+        "half",
+        command=[PY, "-c", HALF_SAVED],
+        resume_args=["--resume_from_checkpoint", "{resume_from}"],
+        retries={"max": 1, "on": ["unknown"], "backoff": "1s"},
+    )
     tick_until(w, lambda: (queue_dir / "done" / "half").exists(), 30)
     run = json.loads((queue_dir / "done" / "half" / "run.json").read_text())
     good = str(queue_dir / "running" / "half" / "out" / "checkpoint-5")

@@ -1,4 +1,5 @@
 """The trainq command line: a thin layer over the files, with exit codes 0 / 2 (invalid input) / 1."""
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,10 @@ def test_submit_approve_renames_in_atomically_and_never_clobbers(queue_dir, tmp_
 def test_submit_debug_adds_train_debug_and_keeps_every_other_byte(queue_dir, tmp_path):
     from trainq.watcher.spec.jobspec import parse_job_text
 
-    block = ("# mine\napproved: false  # not yet\ntrain:\n    # the base\n    model: /models/m\n"
-             "    max_steps: 3\n    data: {train: d.jsonl}\nname: sft\n")
+    block = (
+        "# mine\napproved: false  # not yet\ntrain:\n    # the base\n    model: /models/m\n"
+        "    max_steps: 3\n    data: {train: d.jsonl}\nname: sft\n"
+    )
     flow = "train: {model: /models/m, max_steps: 3, data: {train: d.jsonl}, debug: false}\n"
     (tmp_path / "block.yaml").write_text(block)
     (tmp_path / "flow.yaml").write_text(flow)
@@ -128,11 +131,13 @@ def test_help_is_fast():
 
 # -- finding the queue, global options, version ------------------------------------------------------------
 
+
 def _trainq_in(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k != "TRAINQ_ROOT"}
     full_env.update(env or {})
-    return subprocess.run([PY, "-m", "trainq.watcher", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=60, env=full_env)
+    return subprocess.run(
+        [PY, "-m", "trainq.watcher", *args], cwd=cwd, capture_output=True, text=True, timeout=60, env=full_env
+    )
 
 
 def test_root_after_the_command_and_version(queue_dir):
@@ -212,7 +217,9 @@ def test_stop_with_a_sweep_id_stops_every_pending_and_running_job_of_the_sweep(q
     out = trainq("stop", "--now", "grid", root=queue_dir, check_rc=0)
     assert out.stdout.strip() == "sweep grid: stop requested for 4 job(s) (grid-1 … grid-4), without the grace"
     wait_until(lambda: all(_where(queue_dir, f"grid-{i}") == "failed" for i in range(1, 5)), 30, what="all stopped")
-    statuses = {json.loads((queue_dir / "failed" / f"grid-{i}" / "run.json").read_text())["status"] for i in range(1, 5)}
+    statuses = {
+        json.loads((queue_dir / "failed" / f"grid-{i}" / "run.json").read_text())["status"] for i in range(1, 5)
+    }
     assert statuses == {"cancelled"}
     assert "none of its 4 job(s) is pending or running" in trainq("stop", "grid", root=queue_dir, check_rc=2).stderr
 
@@ -235,8 +242,11 @@ def test_submit_prints_the_job_id_and_rm_removes_pending_running_and_finished(qu
     assert "stopping now" in out.stdout and "removed (failed/long)" in out.stdout
     assert time.monotonic() - started < 30
     # finished: removed, and status.json stops listing it
-    wait_until(lambda: _where(queue_dir, "quick") == "done", 30,
-               what=f"quick done ({_where(queue_dir, 'quick')}; {(queue_dir / 'watcher.log').read_text()})")
+    wait_until(
+        lambda: _where(queue_dir, "quick") == "done",
+        30,
+        what=f"quick done ({_where(queue_dir, 'quick')}; {(queue_dir / 'watcher.log').read_text()})",
+    )
     trainq("rm", "quick", root=queue_dir, check_rc=0)
     wait_until(lambda: not _listed(queue_dir) & {"long", "long-2", "quick"}, 15, what="status.json forgot them")
     assert "no job with id 'nope'" in trainq("rm", "nope", root=queue_dir, check_rc=2).stderr
@@ -256,8 +266,11 @@ def test_edited_pending_job_is_reread_or_rejected_and_a_removed_one_forgotten(qu
     spec = queue_dir / "pending" / "b" / "job.yaml"
     spec.write_text(spec.read_text().replace("- b", "- edited"))
     (queue_dir / "pending" / "a" / "job.yaml").write_text("approved: true\ncommand: [echo]\nresources: {gpus: -1}\n")
-    tick_until(w, lambda: w.jobs.get("c") and w.jobs["c"].priority == 5 and w.jobs["b"].spec.command[-1] == "edited",
-               what="edits re-read")
+    tick_until(
+        w,
+        lambda: w.jobs.get("c") and w.jobs["c"].priority == 5 and w.jobs["b"].spec.command[-1] == "edited",
+        what="edits re-read",
+    )
     assert [j.id for j in w.jobs.pending_head(2)] == ["c", "b"]
     assert json.loads((queue_dir / "pending" / "c" / "run.json").read_text())["priority"] == 5
     tick_until(w, lambda: (queue_dir / "failed" / "a").exists(), what="broken edit rejected")
@@ -283,17 +296,30 @@ def test_priority_and_edit_refuse_a_bad_file_and_leave_the_job_as_it_was(queue_d
     editor = tmp_path / "editor.sh"
     editor.write_text("#!/bin/sh\nsed -i 's/priority: 1/priority: high/' \"$1\"\n")
     editor.chmod(0o755)
-    out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "edit", "j"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, EDITOR=str(editor)),
-                         stdin=subprocess.DEVNULL)
+    out = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "edit", "j"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, EDITOR=str(editor)),
+        stdin=subprocess.DEVNULL,
+    )
     assert out.returncode == 2 and "pending/j/job.yaml: priority:" in out.stderr, out.stderr
     assert (job / "job.yaml").read_text() == original
     assert not list(tmp_path.glob("*.edited.yaml"))  # nothing left in the caller's folder ...
     assert (job / ".edit-draft.yaml").read_text() == original.replace("priority: 1", "priority: high")
     assert "`trainq edit j` opens it again" in out.stderr  # ... the next edit opens the kept draft
     editor.write_text("#!/bin/sh\nsed -i 's/priority: high/priority: 1/; s/echo, hi/echo, there/' \"$1\"\n")
-    again = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "edit", "j"], cwd=tmp_path,
-                           check=True, capture_output=True, text=True, timeout=60, env=dict(os.environ, EDITOR=str(editor)))
+    again = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "edit", "j"],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, EDITOR=str(editor)),
+    )
     assert "opening your earlier edit of job j" in again.stderr
     assert (job / "job.yaml").read_text() == original.replace("hi", "there")
     assert not (job / ".edit-draft.yaml").exists()
@@ -310,8 +336,11 @@ def test_pause_resume_wait_show_clean_and_the_messages(queue_dir, watcher_proces
     assert (queue_dir / "pause.flag").exists()
     # logs and status right after starting a watcher wait for it instead of failing
     drop_dir = queue_dir.parent
-    _job(queue_dir, "ok", "echo fine; printf '{\"type\": \"step\", \"step\": 3, \"total_steps\": 3, \"loss\": 0.5}\\n' "
-                          ">> $TRAINQ_METRICS")
+    _job(
+        queue_dir,
+        "ok",
+        'echo fine; printf \'{"type": "step", "step": 3, "total_steps": 3, "loss": 0.5}\\n\' >> $TRAINQ_METRICS',
+    )
     _job(queue_dir, "bad", f"echo about to fail; {PY} -c \"open('/nowhere/train.jsonl')\"")
     (drop_dir / "broken.yaml").write_text("approved: true\ncommand: [echo]\npriority: high\n")
     for name in ("ok", "bad", "broken"):
@@ -334,15 +363,32 @@ def test_pause_resume_wait_show_clean_and_the_messages(queue_dir, watcher_proces
     waited = trainq("wait", "ok", "bad", root=queue_dir)
     assert waited.returncode == 1 and "job bad: failed" in waited.stdout, waited.stdout
     shown = trainq("show", "bad", root=queue_dir, check_rc=0).stdout
-    for needle in ("job bad: failed, exit status 1", "attempts (1):", "exit 1", "evidence:",
-                   "/nowhere/train.jsonl", "advice:", "output.log", str(queue_dir / "failed" / "bad")):
+    for needle in (
+        "job bad: failed, exit status 1",
+        "attempts (1):",
+        "exit 1",
+        "evidence:",
+        "/nowhere/train.jsonl",
+        "advice:",
+        "output.log",
+        str(queue_dir / "failed" / "bad"),
+    ):
         assert needle in shown, (needle, shown)
     assert "progress: step 3/3 · loss 0.5" in trainq("show", "ok", root=queue_dir, check_rc=0).stdout
     # a finished job's row keeps its final loss and its times
-    wait_until(lambda: any(j["id"] == "ok" and j["state"] == "done" for j in json.loads(
-        (queue_dir / "status.json").read_text())["jobs"]), 15, what="status.json lists ok as done")
-    row = next(line for line in trainq("status", "--state", "done", root=queue_dir, check_rc=0).stdout.splitlines()
-               if line.startswith("ok "))
+    wait_until(
+        lambda: any(
+            j["id"] == "ok" and j["state"] == "done"
+            for j in json.loads((queue_dir / "status.json").read_text())["jobs"]
+        ),
+        15,
+        what="status.json lists ok as done",
+    )
+    row = next(
+        line
+        for line in trainq("status", "--state", "done", root=queue_dir, check_rc=0).stdout.splitlines()
+        if line.startswith("ok ")
+    )
     assert "done" in row and "3/3" in row and "0.5" in row, row
     # a command job's missing file is not "training data"
     assert "diagnosis: data" in shown and "training data" not in shown and "A file the command reads" in shown
@@ -368,7 +414,9 @@ def test_ignored_inbox_entries_are_listed_with_the_reason(queue_dir, watcher):
     w.report.write(w, time.time(), force=True)
     status = json.loads((queue_dir / "status.json").read_text())
     ignored = {e["name"]: e["reason"] for e in status["ignored"]}
-    assert set(ignored) == {"notes.txt", "drafts", "job.json", "odd.yaml", "bad-\ufffd-name", "esc\\x1b[31m.txt"}, ignored
+    assert set(ignored) == {"notes.txt", "drafts", "job.json", "odd.yaml", "bad-\ufffd-name", "esc\\x1b[31m.txt"}, (
+        ignored
+    )
     assert "folder" in ignored["drafts"] and "*.yaml" in ignored["job.json"]
     import jsonschema
 
@@ -393,8 +441,9 @@ def test_shell_completion_offers_commands_and_job_ids(queue_dir):
         env = dict(os.environ, _ARGCOMPLETE="1", COMP_LINE=line, COMP_POINT=str(len(line)), _ARGCOMPLETE_IFS="\n")
         script = Path(PY).with_name("trainq")
         # argcomplete answers on fd 8 (what bash's completion hook reads) and exits
-        done = subprocess.run(["sh", "-c", f"'{script}' 8>&1 9>/dev/null"], env=env, capture_output=True, text=True,
-                              timeout=60)
+        done = subprocess.run(
+            ["sh", "-c", f"'{script}' 8>&1 9>/dev/null"], env=env, capture_output=True, text=True, timeout=60
+        )
         return done.stdout.split()
 
     assert "priority" in complete("trainq pri")
@@ -411,11 +460,15 @@ def test_an_edited_after_holds_and_releases_a_pending_job(queue_dir, watcher, wr
     tick_until(w, lambda: "next" in w.jobs)
     spec = queue_dir / "pending" / "next" / "job.yaml"
     spec.write_text(spec.read_text() + "after: [slow]\n")
-    tick_until(w, lambda: w.jobs["next"].held and "after slow (running)" in (w.jobs["next"].run["waiting_for"] or ""),
-               what="held on the new dependency")
+    tick_until(
+        w,
+        lambda: w.jobs["next"].held and "after slow (running)" in (w.jobs["next"].run["waiting_for"] or ""),
+        what="held on the new dependency",
+    )
     spec.write_text(spec.read_text().replace("after: [slow]\n", ""))
-    tick_until(w, lambda: not w.jobs["next"].held and "after" not in (w.jobs["next"].run["waiting_for"] or ""),
-               what="released")
+    tick_until(
+        w, lambda: not w.jobs["next"].held and "after" not in (w.jobs["next"].run["waiting_for"] or ""), what="released"
+    )
     (queue_dir / "pause.flag").unlink()
     tick_until(w, lambda: (queue_dir / "done" / "next").exists(), what="next ran without waiting for slow")
     assert (queue_dir / "running" / "slow").exists()
@@ -430,8 +483,11 @@ def test_stop_now_on_a_job_already_stopping_skips_the_rest_of_the_grace(queue_di
     assert trainq("submit", str(src), root=queue_dir, check_rc=0).stdout.strip() == "job stubborn"
     wait_until(lambda: _where(queue_dir, "stubborn") == "running", 30, what="running")
     trainq("stop", "stubborn", root=queue_dir, check_rc=0)  # a plain stop: 120 s of grace
-    wait_until(lambda: "SIGTERM in 120 s" in (queue_dir / "running" / "stubborn" / "output.log").read_text(), 15,
-               what="the supervisor saw the plain stop")
+    wait_until(
+        lambda: "SIGTERM in 120 s" in (queue_dir / "running" / "stubborn" / "output.log").read_text(),
+        15,
+        what="the supervisor saw the plain stop",
+    )
     started = time.monotonic()
     trainq("stop", "--now", "stubborn", root=queue_dir, check_rc=0)
     wait_until(lambda: _where(queue_dir, "stubborn") == "failed", 60, what="stopped without the grace")

@@ -1,4 +1,5 @@
 """watcher.yaml: defaults, good and bad files, the TRAINQ_SIMULATE_GPUS override, and allow_commands."""
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,17 @@ def test_no_file_gives_the_documented_defaults(tmp_path: Path) -> None:
     assert (config.settle_s, config.rescan_s, config.status_s, config.heartbeat_s) == (0.3, 2.0, 1.0, 5.0)
     assert (config.keep_finished, config.kill_after_s, config.simulate_gpus) == (50, 5.0, None)
     assert (config.min_free_ram_gb, config.min_free_disk_gb) == (0.0, 0.0)
-    assert config.slurm == {"partition": None, "sbatch_args": [], "poll_s": 2.0, "exit_grace_s": 60.0,
-                            "arrays": True, "poll_max_s": 30.0, "heartbeat_s": 10.0, "array_limit": None,
-                            "node_env": "clean"}
+    assert config.slurm == {
+        "partition": None,
+        "sbatch_args": [],
+        "poll_s": 2.0,
+        "exit_grace_s": 60.0,
+        "arrays": True,
+        "poll_max_s": 30.0,
+        "heartbeat_s": 10.0,
+        "array_limit": None,
+        "node_env": "clean",
+    }
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "# all defaults\n"])
@@ -45,28 +54,47 @@ def test_empty_file_gives_defaults(tmp_path: Path, text: str) -> None:
 
 
 def test_good_file(tmp_path: Path) -> None:
-    write_settings(tmp_path, (
-        "max_concurrent: 3\ngpus: [0, 2]\nmin_free_ram_gb: 1.5\nmin_free_disk_gb: 10\n"
-        "allow_commands: [python, /usr/bin/env]\nsettle_s: 300ms\nrescan_s: 1\nstatus_s: 0.5\nheartbeat_s: 2s\n"
-        "kill_after_s: 1m\nkeep_finished: 10\nexecutor: slurm\n"
-        "slurm: {partition: debug, sbatch_args: [--qos=low], poll_s: 500ms, exit_grace_s: 2m, arrays: false}\nsimulate_gpus: sim/gpus.json\n"))
+    write_settings(
+        tmp_path,
+        (
+            "max_concurrent: 3\ngpus: [0, 2]\nmin_free_ram_gb: 1.5\nmin_free_disk_gb: 10\n"
+            "allow_commands: [python, /usr/bin/env]\nsettle_s: 300ms\nrescan_s: 1\nstatus_s: 0.5\nheartbeat_s: 2s\n"
+            "kill_after_s: 1m\nkeep_finished: 10\nexecutor: slurm\n"
+            "slurm: {partition: debug, sbatch_args: [--qos=low], poll_s: 500ms, exit_grace_s: 2m, arrays: false}\nsimulate_gpus: sim/gpus.json\n"
+        ),
+    )
     config = load_watcher_config(tmp_path, {})
     assert (config.max_concurrent, config.gpus, config.allow_commands) == (3, (0, 2), ("python", "/usr/bin/env"))
     assert (config.min_free_ram_gb, config.min_free_disk_gb, config.keep_finished) == (1.5, 10.0, 10)
     assert (config.settle_s, config.rescan_s, config.status_s, config.heartbeat_s, config.kill_after_s) == (
-        0.3, 1.0, 0.5, 2.0, 60.0)
+        0.3,
+        1.0,
+        0.5,
+        2.0,
+        60.0,
+    )
     assert config.executor == "slurm"
-    assert config.slurm == {"partition": "debug", "sbatch_args": ["--qos=low"], "poll_s": 0.5, "exit_grace_s": 120.0,
-                            "arrays": False, "poll_max_s": 30.0, "heartbeat_s": 10.0, "array_limit": None,
-                            "node_env": "clean"}
+    assert config.slurm == {
+        "partition": "debug",
+        "sbatch_args": ["--qos=low"],
+        "poll_s": 0.5,
+        "exit_grace_s": 120.0,
+        "arrays": False,
+        "poll_max_s": 30.0,
+        "heartbeat_s": 10.0,
+        "array_limit": None,
+        "node_env": "clean",
+    }
     assert config.simulate_gpus == tmp_path.absolute() / "sim" / "gpus.json"
 
 
 def test_bad_file_reports_every_problem(tmp_path: Path) -> None:
-    write_settings(tmp_path, "max_concurrent: 0\ngpus: [0, 0, -1]\nexecutor: slrum\nsettle_s: soon\n"
-                             "keep_finished: lots\nstatus_s: 0\n")
+    write_settings(
+        tmp_path,
+        "max_concurrent: 0\ngpus: [0, 0, -1]\nexecutor: slrum\nsettle_s: soon\nkeep_finished: lots\nstatus_s: 0\n",
+    )
     assert config_problems(tmp_path) == [
-        ("executor", 'must be one of local, slurm (got "slrum") (did you mean \'slurm\'?)'),
+        ("executor", "must be one of local, slurm (got \"slrum\") (did you mean 'slurm'?)"),
         ("gpus", "must not list the same item twice"),
         ("gpus[2]", "must be an integer >= 0 (got -1)"),
         ("keep_finished", 'must be an integer >= 0 (got "lots")'),
@@ -85,11 +113,14 @@ def test_unknown_keys_are_errors_with_suggestions(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("- max_concurrent: 2\n", "expected a mapping of settings at the top level, got a list"),
-    ("max_concurrent: [1\n", "YAML syntax error"),
-    ("a: &x 1\nb: *x\n", "aliases"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("- max_concurrent: 2\n", "expected a mapping of settings at the top level, got a list"),
+        ("max_concurrent: [1\n", "YAML syntax error"),
+        ("a: &x 1\nb: *x\n", "aliases"),
+    ],
+)
 def test_unreadable_settings(tmp_path: Path, text: str, expected: str) -> None:
     write_settings(tmp_path, text)
     problems = config_problems(tmp_path)
@@ -125,8 +156,11 @@ def test_env_simulate_gpus_relative_to_the_current_folder(tmp_path: Path, monkey
 
 
 def test_round_trip(tmp_path: Path) -> None:
-    write_settings(tmp_path, "max_concurrent: 2\ngpus: []\nallow_commands: [python]\nsettle_s: 1.5s\n"
-                             "executor: slurm\nslurm: {sbatch_args: [-N1]}\nsimulate_gpus: g.json\n")
+    write_settings(
+        tmp_path,
+        "max_concurrent: 2\ngpus: []\nallow_commands: [python]\nsettle_s: 1.5s\n"
+        "executor: slurm\nslurm: {sbatch_args: [-N1]}\nsimulate_gpus: g.json\n",
+    )
     config = load_watcher_config(tmp_path, {})
     assert config.gpus == ()
     again = WatcherConfig.from_dict(json.loads(json.dumps(config.to_dict())))
@@ -137,11 +171,13 @@ def test_round_trip(tmp_path: Path) -> None:
 def test_from_dict_validates_with_its_display_name() -> None:
     with pytest.raises(InvalidWatcherConfig) as info:
         WatcherConfig.from_dict({"rescan_s": "2 seconds"}, display="/etc/trainq/watcher.yaml")
-    assert str(info.value) == ('/etc/trainq/watcher.yaml: rescan_s: expected a duration like 90, 90s, 10m, 1.5h '
-                               '(got "2 seconds")')
+    assert str(info.value) == (
+        '/etc/trainq/watcher.yaml: rescan_s: expected a duration like 90, 90s, 10m, 1.5h (got "2 seconds")'
+    )
 
 
 # -- allow_commands --
+
 
 def command_job(command: str) -> JobSpec:
     return parse_job_text(f"approved: true\ncommand: {command}\n", "x")

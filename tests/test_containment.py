@@ -3,6 +3,7 @@
 The faults come from the watcher's documented test switch TRAINQ_WATCHER_FAULTS (README,
 "Switches"), which raises a real exception inside the named step for the named job.
 """
+
 from __future__ import annotations
 
 import json
@@ -76,7 +77,6 @@ def test_rm_rf_of_a_running_job_stops_its_processes_and_the_loop_goes_on(queue_d
     assert not any((queue_dir / s / "victim").exists() for s in ("pending", "running", "done", "failed"))
 
 
-
 def test_rm_rf_of_a_finished_job_is_forgotten_with_one_log_line(queue_dir, watcher, write_job, caplog):
     w = watcher()
     write_job("finished")
@@ -93,7 +93,6 @@ def test_rm_rf_of_a_finished_job_is_forgotten_with_one_log_line(queue_dir, watch
     assert len(lines) == 1 and "done/finished" in lines[0], lines
 
 
-
 def test_a_removed_job_resubmitted_under_its_id_is_not_ended_by_the_old_attempt(queue_dir, watcher, write_job):
     """The old supervisor stops its job but writes no exit record into the new folder of the same id."""
     w = watcher(max_concurrent=2)
@@ -108,7 +107,6 @@ def test_a_removed_job_resubmitted_under_its_id_is_not_ended_by_the_old_attempt(
     tick_until(w, lambda: (queue_dir / "done" / "same").is_dir() or (queue_dir / "failed" / "same").is_dir(), 30)
     run = load(queue_dir, "done/same/run.json")
     assert run["status"] == "done" and run["attempts"][-1]["exit_code"] == 0
-
 
 
 def test_an_error_outside_any_job_is_logged_once_and_jobs_still_run(queue_dir, watcher_process, write_job):
@@ -143,11 +141,20 @@ def test_an_exception_in_any_step_fails_only_that_job_and_the_watcher_lives(queu
     write_job("f-start")
     write_job("f-watch", command=[PY, str(FAKE / "sleeps.py")], stop_grace="1s")
     write_job("f-finish")
-    write_job("f-retry", command=[PY, "-c", "raise SystemExit(3)"], retries={"max": 2, "on": ["unknown"], "backoff": "1s"})
+    write_job(
+        "f-retry", command=[PY, "-c", "raise SystemExit(3)"], retries={"max": 2, "on": ["unknown"], "backoff": "1s"}
+    )
     write_job("ok", command=[PY, "-c", "print('fine')"], priority=-1)
     names = ["f-recover", "f-admit", "f-plan", "f-start", "f-watch", "f-finish", "f-retry"]
-    wait_until(lambda: all((queue_dir / "failed" / n / "run.json").exists() for n in names)
-               and (queue_dir / "done" / "ok").is_dir(), 60, 0.2, what="every job to end")
+    wait_until(
+        lambda: (
+            all((queue_dir / "failed" / n / "run.json").exists() for n in names)
+            and (queue_dir / "done" / "ok").is_dir()
+        ),
+        60,
+        0.2,
+        what="every job to end",
+    )
     assert wp.proc.poll() is None, "the watcher died"
     for name in names:
         run = load(queue_dir, f"failed/{name}/run.json")
@@ -174,9 +181,14 @@ def test_a_bad_fault_switch_stops_startup_with_one_line(queue_dir):
 
     from conftest import REPO
 
-    proc = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "watch", "--once"],
-                          env={**__import__("os").environ, "TRAINQ_WATCHER_FAULTS": "nosuchstep:x"},
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "watch", "--once"],
+        env={**__import__("os").environ, "TRAINQ_WATCHER_FAULTS": "nosuchstep:x"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "TRAINQ_WATCHER_FAULTS" in proc.stderr and "nosuchstep" in proc.stderr
 
@@ -187,21 +199,45 @@ def test_recovery_after_a_reboot_fails_the_job_as_killed_and_signals_no_stranger
     import os
     import subprocess
 
-    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True,
-                                env={k: v for k, v in os.environ.items() if not k.startswith("TRAINQ_")})
+    stranger = subprocess.Popen(
+        ["sleep", "300"],
+        start_new_session=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TRAINQ_")},
+    )
     try:
         job = queue_dir / "running" / "before-reboot"
         job.mkdir()
         (job / "job.yaml").write_text("approved: true\ncommand: [sleep, '1000']\n")
-        (job / "run.json").write_text(json.dumps({
-            "schema_version": 1, "id": "before-reboot", "name": "before-reboot", "status": "running", "priority": 0,
-            "order": 1, "submitted_at": "2026-01-01T00:00:00Z", "started_at": "2026-01-01T00:00:01Z",
-            "attempt": 1, "attempts": [{"n": 1, "pid": 4242, "started_at": "2026-01-01T00:00:01Z"}]}))
+        (job / "run.json").write_text(
+            json.dumps(
+                {
+                    "schema_version": 1,
+                    "id": "before-reboot",
+                    "name": "before-reboot",
+                    "status": "running",
+                    "priority": 0,
+                    "order": 1,
+                    "submitted_at": "2026-01-01T00:00:00Z",
+                    "started_at": "2026-01-01T00:00:01Z",
+                    "attempt": 1,
+                    "attempts": [{"n": 1, "pid": 4242, "started_at": "2026-01-01T00:00:01Z"}],
+                }
+            )
+        )
         born = psutil.Process(stranger.pid).create_time() - 1.0  # "the job" started just before the stranger
-        (job / "supervisor.json").write_text(json.dumps({
-            "attempt": 1, "supervisor_pid": 4242, "job_pid": stranger.pid, "pgid": stranger.pid,
-            "job_create_time": born, "boot_time": psutil.boot_time() - 86400,
-            "boot_id": "00000000-0000-0000-0000-000000000000"}))
+        (job / "supervisor.json").write_text(
+            json.dumps(
+                {
+                    "attempt": 1,
+                    "supervisor_pid": 4242,
+                    "job_pid": stranger.pid,
+                    "pgid": stranger.pid,
+                    "job_create_time": born,
+                    "boot_time": psutil.boot_time() - 86400,
+                    "boot_id": "00000000-0000-0000-0000-000000000000",
+                }
+            )
+        )
         watcher()
         run = load(queue_dir, "failed/before-reboot/run.json")
         assert run["status"] == "failed" and run["diagnosis"]["kind"] == "killed"

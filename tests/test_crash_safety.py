@@ -3,6 +3,7 @@
 Crashes come from the documented test switch TRAINQ_WATCHER_CRASH (watcher/daemon/crashpoints.py),
 which ends the watcher process with ``os._exit`` right after a named step, as a SIGKILL there would.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """The watcher's loop, driven tick by tick in-process: ordering, limits, flags, run.json, layout repair."""
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,22 @@ def validator(name: str) -> jsonschema.Draft202012Validator:
 def test_job_runs_with_contract_environment_and_output_log(queue_dir, watcher, write_job):
     w = watcher()
     script = "import os,sys; [print(k, os.environ.get(k)) for k in sys.argv[1:]]"
-    write_job("env", command=[PY, "-c", script, "TRAINQ_JOB_ID", "TRAINQ_JOB_DIR", "TRAINQ_STOP_FLAG",
-                             "TRAINQ_METRICS", "TRAINQ_ATTEMPT", "TRAINQ_RESUME_FROM", "PWD"],
-              env={"GREETING": "{job_id}-{attempt}"})
+    write_job(
+        "env",
+        command=[
+            PY,
+            "-c",
+            script,
+            "TRAINQ_JOB_ID",
+            "TRAINQ_JOB_DIR",
+            "TRAINQ_STOP_FLAG",
+            "TRAINQ_METRICS",
+            "TRAINQ_ATTEMPT",
+            "TRAINQ_RESUME_FROM",
+            "PWD",
+        ],
+        env={"GREETING": "{job_id}-{attempt}"},
+    )
     tick_until(w, lambda: (queue_dir / "done" / "env").exists())
     log = (queue_dir / "done" / "env" / "output.log").read_text()
     job_dir = str(queue_dir / "running" / "env")
@@ -51,8 +65,12 @@ def test_job_runs_with_contract_environment_and_output_log(queue_dir, watcher, w
 
 def test_placeholders_expand_in_command_env_and_cwd(queue_dir, watcher, write_job):
     w = watcher()
-    write_job("ph", command=[PY, "-c", "import os; print('CWD', os.getcwd()); print('V', os.environ['V'])", "{job_id}"],
-              env={"V": "{job_id}/{attempt}"}, cwd="{job_dir}")
+    write_job(
+        "ph",
+        command=[PY, "-c", "import os; print('CWD', os.getcwd()); print('V', os.environ['V'])", "{job_id}"],
+        env={"V": "{job_id}/{attempt}"},
+        cwd="{job_dir}",
+    )
     tick_until(w, lambda: (queue_dir / "done" / "ph").exists())
     log = (queue_dir / "done" / "ph" / "output.log").read_text()
     assert f"CWD {queue_dir / 'running' / 'ph'}" in log
@@ -201,8 +219,13 @@ def test_bad_watcher_yaml_stops_startup_with_a_clear_error(queue_dir):
     import subprocess
 
     (queue_dir / "watcher.yaml").write_text("max_concurrent: lots\nsettle: 1\n")
-    proc = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "watch", "--once"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "watch", "--once"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "watcher.yaml" in proc.stderr and "max_concurrent" in proc.stderr
     assert "settle" in proc.stderr

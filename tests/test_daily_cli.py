@@ -1,4 +1,5 @@
 """Daily use, round two (issue 24): submit -- CMD, logs --tail, id completion, history."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,13 +16,39 @@ from trainq.watcher.spec.jobspec import parse_job_text
 def _cli(root: Path, *args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([PY, "-m", "trainq.watcher", "--root", str(root), *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=60, env=dict(os.environ, **(env or {})))
+    return subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=60,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def test_submit_dash_dash_writes_a_valid_job_with_every_option(queue_dir):
-    out = _cli(queue_dir, "submit", "--name", "hello", "--priority", "3", "--after", "prep", "--gpus", "0",
-               "--ram", "512M", "--timeout", "2h", "--pool", "cpu", "--", PY, "-c", "print('hi --there')")
+    out = _cli(
+        queue_dir,
+        "submit",
+        "--name",
+        "hello",
+        "--priority",
+        "3",
+        "--after",
+        "prep",
+        "--gpus",
+        "0",
+        "--ram",
+        "512M",
+        "--timeout",
+        "2h",
+        "--pool",
+        "cpu",
+        "--",
+        PY,
+        "-c",
+        "print('hi --there')",
+    )
     assert out.returncode == 0, out.stderr
     assert "it becomes job hello" in out.stdout  # no watcher: it says which id the job will get
     spec = parse_job_text((queue_dir / "inbox" / "hello.yaml").read_text(), "hello.yaml")
@@ -53,13 +80,13 @@ def test_logs_tail_counts_lines_from_the_end(queue_dir, tmp_path):
 
     log = tmp_path / "output.log"
     log.write_bytes(b"a\nbb\nccc\n")
-    assert log.read_bytes()[tail_offset(log, 2):] == b"bb\nccc\n"
-    assert log.read_bytes()[tail_offset(log, 9):] == b"a\nbb\nccc\n"
+    assert log.read_bytes()[tail_offset(log, 2) :] == b"bb\nccc\n"
+    assert log.read_bytes()[tail_offset(log, 9) :] == b"a\nbb\nccc\n"
     assert tail_offset(log, 0) == log.stat().st_size
     log.write_bytes(b"a\nbb\nunfinished")
-    assert log.read_bytes()[tail_offset(log, 1):] == b"unfinished"
+    assert log.read_bytes()[tail_offset(log, 1) :] == b"unfinished"
     log.write_bytes(b"x" * 200_000 + b"\n" + b"y\n" * 3)
-    assert log.read_bytes()[tail_offset(log, 3, block=1000):] == b"y\n" * 3
+    assert log.read_bytes()[tail_offset(log, 3, block=1000) :] == b"y\n" * 3
 
 
 def test_every_command_that_takes_an_id_completes_ids():
@@ -93,7 +120,10 @@ def test_history_lists_every_finished_job_with_filters(queue_dir, watcher_proces
     bad = next(r for r in listed if r["id"] == "bad")
     assert bad["status"] == "failed" and bad["type"] == "command" and bad["exit_code"] == 3 and bad["attempts"] == 1
     failed = _cli(queue_dir, "history", "--state", "failed,rejected", "--csv").stdout.splitlines()
-    assert failed[0].startswith("id,name,state,status") and sorted(line.split(",")[0] for line in failed[1:]) == ["bad", "typo"]
+    assert failed[0].startswith("id,name,state,status") and sorted(line.split(",")[0] for line in failed[1:]) == [
+        "bad",
+        "typo",
+    ]
     assert [r["id"] for r in json.loads(_cli(queue_dir, "history", "--kind", "unknown", "--json").stdout)] == ["bad"]
     assert json.loads(_cli(queue_dir, "history", "--since", "2999-01-01", "--json").stdout) == []
     table = _cli(queue_dir, "history", "--since", "1h").stdout

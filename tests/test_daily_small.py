@@ -1,4 +1,5 @@
 """The smaller frictions of issue 24, each against real files and (where it matters) a real watcher."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,15 @@ from test_workflows import _entry, _job, _run, _status, _where
 
 
 def _cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "trainq.watcher", "--root", str(root), *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=60, env=dict(os.environ, **(env or {})), stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env=dict(os.environ, **(env or {})),
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_loss_column_keeps_the_magnitude_of_small_losses():
@@ -28,22 +36,28 @@ def test_validate_counts_a_sweeps_jobs_and_env_keys_sweep(tmp_path):
     sweep = tmp_path / "grid.yaml"
     sweep.write_text("approved: true\ncommand: [echo, '{lr}']\nsweep: {lr: [1, 2, 3], env.SEED: [1, 2]}\n")
     out = _cli(tmp_path, "validate", str(sweep))
-    assert out.returncode == 0 and out.stdout.strip() == f"{sweep}: ok, approved; a sweep: it becomes 6 jobs (lr, env.SEED)"
+    assert (
+        out.returncode == 0
+        and out.stdout.strip() == f"{sweep}: ok, approved; a sweep: it becomes 6 jobs (lr, env.SEED)"
+    )
     from trainq.watcher.spec.sweeps import expand
     from trainq.watcher.spec.yaml12 import load_yaml12
 
     assert [v.data["env"] for v in expand(load_yaml12(sweep.read_text()))][:2] == [{"SEED": 1}, {"SEED": 2}]
 
 
-@pytest.mark.skipif(any(__import__("importlib").util.find_spec(m) for m in ("tensorboard", "tensorboardX")),
-                    reason="tensorboard is installed here, so report_to: [tensorboard] is valid")
+@pytest.mark.skipif(
+    any(__import__("importlib").util.find_spec(m) for m in ("tensorboard", "tensorboardX")),
+    reason="tensorboard is installed here, so report_to: [tensorboard] is valid",
+)
 def test_report_to_tensorboard_without_the_package_is_refused_at_validation(tmp_path):
     job = tmp_path / "tb.yaml"
     job.write_text("approved: true\ntrain: {model: /m, data: /d.jsonl, max_steps: 2, report_to: [tensorboard]}\n")
     out = _cli(tmp_path, "validate", str(job))
     assert out.returncode == 2 and out.stdout.strip() == (
         f"{job}: train.report_to: tensorboard needs the tensorboard package beside trainq "
-        "(pip install 'trainq[tensorboard]'); install it, or remove tensorboard")
+        "(pip install 'trainq[tensorboard]'); install it, or remove tensorboard"
+    )
 
 
 #: prints Hugging Face Trainer log dicts with an eval_loss that depends on {lr}
@@ -54,8 +68,14 @@ def test_command_sweep_ranked_by_eval_loss_and_cli_frictions(queue_dir, watcher_
     (queue_dir / "watcher.yaml").write_text("max_concurrent: 2\n")
     watcher_process()
     _job(queue_dir, "grid", command=[PY, "-c", HF_LIKE % "{lr}"], sweep={"lr": ["0.5", "0.25"]}, resources={"gpus": 0})
-    _job(queue_dir, "long", command=[PY, "-c", "import time; time.sleep(60)"], stop_grace="45s", resources={"gpus": 0},
-         resume_args=["--resume", "{resume_from}"])
+    _job(
+        queue_dir,
+        "long",
+        command=[PY, "-c", "import time; time.sleep(60)"],
+        stop_grace="45s",
+        resources={"gpus": 0},
+        resume_args=["--resume", "{resume_from}"],
+    )
     wait_until(lambda: _where(queue_dir, "grid-2") == "done" and _where(queue_dir, "long") == "running", 30)
     wait_until(lambda: (_entry(queue_dir, "grid-2") or {}).get("best_eval_loss") is not None, 20)
     assert {_entry(queue_dir, f"grid-{i}")["best_eval_loss"] for i in (1, 2)} == {0.5, 0.25}
@@ -82,8 +102,13 @@ def test_shell_completion_of_ids_for_why_and_stop(queue_dir):
 
     def complete(line: str) -> list[str]:
         env = dict(os.environ, _ARGCOMPLETE="1", COMP_LINE=line, COMP_POINT=str(len(line)), _ARGCOMPLETE_IFS="\n")
-        done = subprocess.run(["sh", "-c", f"'{Path(PY).with_name('trainq')}' 8>&1 9>/dev/null"], env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["sh", "-c", f"'{Path(PY).with_name('trainq')}' 8>&1 9>/dev/null"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return done.stdout.split()
 
     for command in ("why", "stop", "retry", "logs", "fork"):

@@ -1,4 +1,5 @@
 """Failure diagnosis: real failing processes run through the supervisor, plus the table's unit cases."""
+
 from __future__ import annotations
 
 import os
@@ -58,8 +59,12 @@ def runner(tmp_path: Path) -> Iterator[Runner]:
 def test_real_memory_error_is_oom(runner: Runner) -> None:
     d = runner.run("oom.py")
     assert d.kind == "oom" and "MemoryError" in d.evidence
-    assert d.advice.index("batch_size") < d.advice.index("grad_accum") < d.advice.index("seq_len") \
-        < d.advice.index("LoRA rank"), "OOM advice follows the ladder"
+    assert (
+        d.advice.index("batch_size")
+        < d.advice.index("grad_accum")
+        < d.advice.index("seq_len")
+        < d.advice.index("LoRA rank")
+    ), "OOM advice follows the ladder"
 
 
 def test_real_sigkill_without_oom_evidence_is_killed(runner: Runner) -> None:
@@ -129,20 +134,23 @@ def _exit(code: int | None = 1, sig: int | None = None, **extra: object) -> dict
     return {"exit_code": code, "signal": sig, "stop_reason": None, "job_pid": 4242, **extra}
 
 
-@pytest.mark.parametrize("line, kind", [
-    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
-    ("RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory", "oom"),
-    ("OSError: [Errno 12] Cannot allocate memory", "oom"),
-    ("trainq: out of memory at batch_size 8", "oom"),
-    ("step 40: loss is nan", "nan"),
-    ("ValueError: non-finite loss at step 12", "nan"),
-    ("json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)", "data"),
-    ("UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0", "data"),
-    ("FileNotFoundError: [Errno 2] No such file or directory: '/data/train.jsonl'", "data"),
-    ("datasets.exceptions.DatasetGenerationError: An error occurred while generating the dataset", "data"),
-])
+@pytest.mark.parametrize(
+    "line, kind",
+    [
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
+        ("RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory", "oom"),
+        ("OSError: [Errno 12] Cannot allocate memory", "oom"),
+        ("trainq: out of memory at batch_size 8", "oom"),
+        ("step 40: loss is nan", "nan"),
+        ("ValueError: non-finite loss at step 12", "nan"),
+        ("json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)", "data"),
+        ("UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0", "data"),
+        ("FileNotFoundError: [Errno 2] No such file or directory: '/data/train.jsonl'", "data"),
+        ("datasets.exceptions.DatasetGenerationError: An error occurred while generating the dataset", "data"),
+    ],
+)
 def test_log_lines_decide_the_kind(line: str, kind: str) -> None:
-    d = diagnose(_exit(1), f"Traceback (most recent call last):\n  File \"x.py\", line 1\n{line}\n")
+    d = diagnose(_exit(1), f'Traceback (most recent call last):\n  File "x.py", line 1\n{line}\n')
     assert d.kind == kind and d.evidence == line
 
 
@@ -151,8 +159,9 @@ def test_a_file_not_found_for_code_is_not_data() -> None:
     assert d.kind == "unknown"
 
 
-@pytest.mark.parametrize("code, kind", [(EXIT_OOM, "oom"), (EXIT_NAN, "nan"), (EXIT_DATA, "data"),
-                                        (EXIT_PREEMPTED, "preempted")])
+@pytest.mark.parametrize(
+    "code, kind", [(EXIT_OOM, "oom"), (EXIT_NAN, "nan"), (EXIT_DATA, "data"), (EXIT_PREEMPTED, "preempted")]
+)
 def test_trainq_exit_codes_decide_the_kind(code: int, kind: str) -> None:
     d = diagnose(_exit(code), "")
     assert d.kind == kind and d.evidence == f"exit code {code}"
@@ -160,16 +169,17 @@ def test_trainq_exit_codes_decide_the_kind(code: int, kind: str) -> None:
 
 
 def test_stop_reasons() -> None:
-    assert diagnose(_exit(0, stop_reason="timeout", stop_requested_at="2025-01-01T00:00:00.000Z"), "").kind \
-        == "timeout"
+    assert diagnose(_exit(0, stop_reason="timeout", stop_requested_at="2025-01-01T00:00:00.000Z"), "").kind == "timeout"
     assert diagnose(_exit(None, 15, stop_reason="sigterm"), "").kind == "preempted"
     assert diagnose(_exit(None, 9, stop_reason="stop_flag"), "") is None
     assert diagnose(_exit(0), "all good\n") is None
 
 
 def test_sigkill_with_a_kernel_oom_line_for_the_pid_is_oom() -> None:
-    kernel = ("[100.1] python invoked oom-killer: gfp_mask=0x140cca(GFP_HIGHUSER_MOVABLE|__GFP_COMP), order=0\n"
-              "[100.2] Out of memory: Killed process 4242 (python) total-vm:9000000kB, anon-rss:8000000kB\n")
+    kernel = (
+        "[100.1] python invoked oom-killer: gfp_mask=0x140cca(GFP_HIGHUSER_MOVABLE|__GFP_COMP), order=0\n"
+        "[100.2] Out of memory: Killed process 4242 (python) total-vm:9000000kB, anon-rss:8000000kB\n"
+    )
     d = diagnose(_exit(None, 9), "step 3: loss 1.2\n", kernel_log=kernel)
     assert d.kind == "oom" and "Killed process 4242" in d.evidence
     other = kernel.replace("4242", "999")
@@ -179,19 +189,32 @@ def test_sigkill_with_a_kernel_oom_line_for_the_pid_is_oom() -> None:
 
 
 def test_the_trainers_event_wins() -> None:
-    metrics = [{"type": "step", "step": 3, "loss": 1.0},
-               {"type": "event", "kind": "oom", "advice": "Lower batch_size from 8 to 4 and set grad_accum 2.",
-                "message": "CUDA OOM at step 3 with batch_size 8"},
-               {"type": "event", "kind": "resumed"}]
+    metrics = [
+        {"type": "step", "step": 3, "loss": 1.0},
+        {
+            "type": "event",
+            "kind": "oom",
+            "advice": "Lower batch_size from 8 to 4 and set grad_accum 2.",
+            "message": "CUDA OOM at step 3 with batch_size 8",
+        },
+        {"type": "event", "kind": "resumed"},
+    ]
     d = diagnose(_exit(EXIT_FAILED), "RuntimeError: something else\n", metrics)
-    assert d == Diagnosis("oom", "Lower batch_size from 8 to 4 and set grad_accum 2.",
-                          "CUDA OOM at step 3 with batch_size 8")
+    assert d == Diagnosis(
+        "oom", "Lower batch_size from 8 to 4 and set grad_accum 2.", "CUDA OOM at step 3 with batch_size 8"
+    )
     assert diagnose(_exit(0), "", metrics) is None, "a clean success stays clean"
 
 
 def test_the_last_matching_line_wins_and_evidence_is_clipped() -> None:
-    log = "warning: loss is nan at step 2, rolled back\n" + "x" * 50 + "\n" \
-          + "torch.OutOfMemoryError: CUDA out of memory. " + "y" * 400 + "\n"
+    log = (
+        "warning: loss is nan at step 2, rolled back\n"
+        + "x" * 50
+        + "\n"
+        + "torch.OutOfMemoryError: CUDA out of memory. "
+        + "y" * 400
+        + "\n"
+    )
     d = diagnose(_exit(1), log)
     assert d.kind == "oom" and len(d.evidence) <= 300
 

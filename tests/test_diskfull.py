@@ -2,6 +2,7 @@
 
 Needs root (mount -t tmpfs); skipped with the reason otherwise.
 """
+
 from __future__ import annotations
 
 import errno
@@ -76,8 +77,13 @@ def test_full_disk_keeps_the_watcher_alive_records_the_true_outcome_and_resumes(
     waits = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
     later = job_file(root, "later", [PY, "-c", "pass"])
     stderr = open(tmp_path / "watcher.stderr", "wb")  # off the small disk
-    watcher = subprocess.Popen([PY, "-m", "trainq.watcher", "--root", str(root), "watch"], cwd=REPO,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
+    watcher = subprocess.Popen(
+        [PY, "-m", "trainq.watcher", "--root", str(root), "watch"],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+    )
     seen_full = threading.Event()
     stop_watching = threading.Event()
 
@@ -95,8 +101,12 @@ def test_full_disk_keeps_the_watcher_alive_records_the_true_outcome_and_resumes(
         reader.start()
         fill(small_disk / "filler")
         os.rename(later, root / "inbox" / "later.yaml")  # a rename needs no space; claiming it fails
-        wait_until(lambda: b"disk full" in (tmp_path / "watcher.stderr").read_bytes(), 30, 0.1,
-                   what="the watcher to notice the full disk")
+        wait_until(
+            lambda: b"disk full" in (tmp_path / "watcher.stderr").read_bytes(),
+            30,
+            0.1,
+            what="the watcher to notice the full disk",
+        )
         wait_until(seen_full.is_set, 15, 0.1, what="status.json to say disk full (the watcher gave up its reserve)")
         assert not (root / ".trainq-reserve").exists()
         fill(small_disk / "filler2")  # what the reserve gave back is gone too
@@ -118,8 +128,12 @@ def test_full_disk_keeps_the_watcher_alive_records_the_true_outcome_and_resumes(
         wait_until(lambda: (root / "done" / "later" / "run.json").exists(), 30, 0.1, what="later accepted and run")
         run = json.loads((root / "done" / "long" / "run.json").read_text())
         assert run["status"] == "done" and run["attempts"][-1]["exit_code"] == 0
-        wait_until(lambda: (read_status(root) or {}).get("watcher", {}).get("disk_full") is False, 10, 0.1,
-                   what="status.json to say the disk is fine again")
+        wait_until(
+            lambda: (read_status(root) or {}).get("watcher", {}).get("disk_full") is False,
+            10,
+            0.1,
+            what="status.json to say the disk is fine again",
+        )
         assert watcher.poll() is None
         assert (root / ".trainq-reserve").stat().st_blocks * 512 >= 256 * 1024, "the reserve is taken back"
         snap = read_status(root)
@@ -142,11 +156,20 @@ def test_a_watcher_started_on_a_full_disk_stays_up_and_resumes(small_disk, tmp_p
     fill(small_disk / "filler")
     os.rename(staged, root / "inbox" / "after.yaml")
     stderr = open(tmp_path / "watcher.stderr", "wb")
-    watcher = subprocess.Popen([PY, "-m", "trainq.watcher", "--root", str(root), "watch"], cwd=REPO,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
+    watcher = subprocess.Popen(
+        [PY, "-m", "trainq.watcher", "--root", str(root), "watch"],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+    )
     try:
-        wait_until(lambda: b"disk full" in (tmp_path / "watcher.stderr").read_bytes(), 30, 0.1,
-                   what="the watcher to notice the full disk")
+        wait_until(
+            lambda: b"disk full" in (tmp_path / "watcher.stderr").read_bytes(),
+            30,
+            0.1,
+            what="the watcher to notice the full disk",
+        )
         time.sleep(2)
         assert watcher.poll() is None, "the watcher died starting on a full disk"
         assert (root / "inbox" / "after.yaml").exists()

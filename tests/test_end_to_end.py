@@ -1,4 +1,5 @@
 """A real ``python -m trainq.watcher`` process, driven only through files, as users drive it."""
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,13 @@ def test_heartbeat_keeps_beating_when_idle(queue_dir, watcher_process):
 def test_second_watcher_process_refuses_naming_the_pid(queue_dir, watcher_process):
     wp = watcher_process()
     wait_until(lambda: read_status(queue_dir), 10)
-    proc = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "watch", "--once"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "watch", "--once"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert str(wp.proc.pid) in proc.stderr
 
@@ -113,8 +119,13 @@ def test_sigkilled_supervisor_fails_the_job_with_diagnosis(queue_dir, watcher_pr
     wait_until(lambda: (queue_dir / "failed" / "victim").exists(), 15)
     run = json.loads((queue_dir / "failed" / "victim" / "run.json").read_text())
     assert run["status"] == "failed" and run["diagnosis"]["kind"] == "killed"
-    wait_until(lambda: not psutil.pid_exists(record["job_pid"]) or
-               psutil.Process(record["job_pid"]).status() == psutil.STATUS_ZOMBIE, 10)
+    wait_until(
+        lambda: (
+            not psutil.pid_exists(record["job_pid"])
+            or psutil.Process(record["job_pid"]).status() == psutil.STATUS_ZOMBIE
+        ),
+        10,
+    )
 
 
 def test_chaos_watcher_sigkilled_30_times(queue_dir, watcher_process):
@@ -124,8 +135,11 @@ def test_chaos_watcher_sigkilled_30_times(queue_dir, watcher_process):
     rng = random.Random(7)
     for i in range(200):
         delay = rng.randint(0, 300) / 1000
-        drop(queue_dir, f"c{i:03d}.yaml",
-             f"approved: true\ncommand: [sh, -c, 'echo $TRAINQ_JOB_ID >> {shared}; sleep {delay}']\n")
+        drop(
+            queue_dir,
+            f"c{i:03d}.yaml",
+            f"approved: true\ncommand: [sh, -c, 'echo $TRAINQ_JOB_ID >> {shared}; sleep {delay}']\n",
+        )
     kills = 0
     wp = watcher_process()
     deadline = time.monotonic() + 240

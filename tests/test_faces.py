@@ -1,5 +1,6 @@
 """Issue #8 acceptance: status.html in a real headless Chromium and `trainq status --follow` in a real tmux,
 both watching a real train job (tiny model, CPU) under a real watcher process with a simulated GPU."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,16 @@ TMUX = shutil.which("tmux")
 TRAINQ = [str(Path(PY).with_name("trainq"))] if Path(PY).with_name("trainq").exists() else [PY, "-m", "trainq.watcher"]
 #: steps of the observed job: with 0.3 s of sleep per step it runs long enough to watch it move (~10-30 s)
 STEPS = 24
-SIM_GPU = [{"index": 0, "name": "Sim 6GB", "memory_total_mb": 6144, "memory_used_mb": 512,
-            "utilization_pct": 37, "processes": []}]
+SIM_GPU = [
+    {
+        "index": 0,
+        "name": "Sim 6GB",
+        "memory_total_mb": 6144,
+        "memory_used_mb": 512,
+        "utilization_pct": 37,
+        "processes": [],
+    }
+]
 #: a console.error the test sends itself, to prove the console listener is live
 PROBE = "trainq-console-probe"
 
@@ -82,8 +91,10 @@ def _dom_where(browser: Browser, pred, timeout_s: float, what: str) -> dict:
         return wait_until(check, timeout_s, 0.25, what)
     except pytest.fail.Exception:
         last = seen[-1] if seen else {}
-        pytest.fail(f"{what}: last DOM {json.dumps({k: v for k, v in last.items() if k != 'text'})}\n"
-                    f"{last.get('text', '')[:1500]}")
+        pytest.fail(
+            f"{what}: last DOM {json.dumps({k: v for k, v in last.items() if k != 'text'})}\n"
+            f"{last.get('text', '')[:1500]}"
+        )
 
 
 def test_status_html_in_chromium_follows_a_real_train_job(queue_dir, watcher_process, tiny, browser, tmp_path):
@@ -92,21 +103,39 @@ def test_status_html_in_chromium_follows_a_real_train_job(queue_dir, watcher_pro
     wait_until(lambda: _step(queue_dir, "lora") >= 1, 120, 0.1, "job past step 1")
     browser.call("Page.navigate", {"url": page.as_uri()}, session=True)
 
-    first = _dom_where(browser, lambda f: f["progress"] and any(n >= 2 for _, n in f["lines"]), 30,
-                       "a progress bar and a curve with points")
+    first = _dom_where(
+        browser,
+        lambda f: f["progress"] and any(n >= 2 for _, n in f["lines"]),
+        30,
+        "a progress bar and a curve with points",
+    )
     step0, total = first["progress"][0]
     assert total == STEPS and 0 < step0 < STEPS
     assert {cls for cls, _ in first["lines"]} >= {"loss"}
     text = first["text"]
-    for needle in ("Running", "lora", "ETA", "tokens/s", "GPU 0 · Sim 6GB", "simulated", "held by", "Pending",
-                   "Recently finished", "heartbeat"):
+    for needle in (
+        "Running",
+        "lora",
+        "ETA",
+        "tokens/s",
+        "GPU 0 · Sim 6GB",
+        "simulated",
+        "held by",
+        "Pending",
+        "Recently finished",
+        "heartbeat",
+    ):
         assert needle in text, needle
     assert re.search(r"held by\s+lora", text), text
     assert not first["stale"] and first["overflow"] <= 0
 
     # never navigated again: only the page's own refresh can move the bar
-    later = _dom_where(browser, lambda f: f["progress"] and f["progress"][0][0] > step0 and
-                       "eval_loss" in {cls for cls, _ in f["lines"]}, 60, "progress rose and an eval point drawn")
+    later = _dom_where(
+        browser,
+        lambda f: f["progress"] and f["progress"][0][0] > step0 and "eval_loss" in {cls for cls, _ in f["lines"]},
+        60,
+        "progress rose and an eval point drawn",
+    )
     assert later["progress"][0][0] > step0 and later["progress"][0][1] == STEPS
     browser.screenshot(tmp_path / "running.png")
     assert (tmp_path / "running.png").stat().st_size > 20_000
@@ -127,6 +156,7 @@ def test_status_html_in_chromium_follows_a_real_train_job(queue_dir, watcher_pro
 
 # -- the terminal twin in tmux ---------------------------------------------------------------------------------
 
+
 class Tmux:
     """One tmux server on its own socket, one window (80x40 unless told) running a command."""
 
@@ -137,16 +167,23 @@ class Tmux:
         # unreaped (a zombie, no pane_dead_status) or blanks the dead pane. The INT trap keeps the shell
         # waiting for the command after Ctrl-C; a trapped (not ignored) signal is reset to default in the
         # command, which handles it itself.
-        line = (f"trap true INT; {' '.join(map(_sh_quote, command))}; "
-                f"echo $? > {_sh_quote(str(self.status_file))}.tmp; mv {_sh_quote(str(self.status_file))}.tmp "
-                f"{_sh_quote(str(self.status_file))}")
+        line = (
+            f"trap true INT; {' '.join(map(_sh_quote, command))}; "
+            f"echo $? > {_sh_quote(str(self.status_file))}.tmp; mv {_sh_quote(str(self.status_file))}.tmp "
+            f"{_sh_quote(str(self.status_file))}"
+        )
         self.tmux("new-session", "-d", "-s", "faces", "-x", str(size[0]), "-y", str(size[1]), line, env=env)
         # keep the pane, and what it shows, after the shell exits
         self.tmux("set-option", "-t", "faces", "remain-on-exit", "on")
 
     def tmux(self, *args: str, env: dict[str, str] | None = None) -> str:
-        done = subprocess.run([TMUX, "-S", str(self.socket), "-f", "/dev/null", *args], capture_output=True,
-                              text=True, timeout=20, env=env)
+        done = subprocess.run(
+            [TMUX, "-S", str(self.socket), "-f", "/dev/null", *args],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env=env,
+        )
         assert done.returncode == 0, f"tmux {' '.join(args)}: {done.stderr}"
         return done.stdout
 
@@ -217,8 +254,18 @@ def test_trainq_status_follow_in_tmux_redraws_in_place(queue_dir, watcher_proces
     term = tmux_session([*TRAINQ, "--root", str(queue_dir), "status", "--follow"])
 
     first = _screen_where(term, lambda s: _screen_step(s) and "ETA" in s, 30, "a step and its ETA on screen")
-    for needle in ("running 1", "lora ", "tok/s", "ETA", "pending 0", "done 0", "ID ", "REASON",
-                   "GPU 0 Sim 6GB", "held by lora"):
+    for needle in (
+        "running 1",
+        "lora ",
+        "tok/s",
+        "ETA",
+        "pending 0",
+        "done 0",
+        "ID ",
+        "REASON",
+        "GPU 0 Sim 6GB",
+        "held by lora",
+    ):
         assert needle in first, f"{needle!r} not on screen:\n{first}"
     (tmp_path / "screen-running.txt").write_text(first)  # kept for a person to look at
     history = term.pane("history_size")
@@ -242,19 +289,20 @@ def test_trainq_status_follow_in_tmux_redraws_in_place(queue_dir, watcher_proces
 def _check_plain_status_shows_loss_png(queue_dir: Path) -> None:
     """`trainq status` (once, not following) and `--json` after the job finished."""
     env = dict(os.environ, COLUMNS="80", TERM="dumb")
-    shown = subprocess.run([*TRAINQ, "--root", str(queue_dir), "status"], capture_output=True, text=True,
-                           timeout=60, env=env)
+    shown = subprocess.run(
+        [*TRAINQ, "--root", str(queue_dir), "status"], capture_output=True, text=True, timeout=60, env=env
+    )
     assert shown.returncode == 0, shown.stderr
     assert "loss plot: done/lora/loss.png" in shown.stdout and " done" in shown.stdout, shown.stdout
     assert max(len(line) for line in shown.stdout.splitlines()) <= 80
-    as_json = subprocess.run([*TRAINQ, "--root", str(queue_dir), "status", "--json"], capture_output=True,
-                             text=True, timeout=60, env=env)
+    as_json = subprocess.run(
+        [*TRAINQ, "--root", str(queue_dir), "status", "--json"], capture_output=True, text=True, timeout=60, env=env
+    )
     assert as_json.returncode == 0 and json.loads(as_json.stdout)["counts"]["done"] == 1
 
 
-
-
 # -- small things the screenshots showed ---------------------------------------------------------------------
+
 
 def test_curve_legend_names_only_the_curves_drawn() -> None:
     assert "eval" not in render_curve({"loss": [(1, 2.0), (2, 1.5)]})
@@ -265,34 +313,86 @@ def test_curve_legend_names_only_the_curves_drawn() -> None:
 
 
 def test_gpu_card_without_readings_or_holder() -> None:
-    gpu = {"index": 0, "name": "Sim", "memory_total_mb": 6144, "memory_used_mb": 0, "utilization_pct": None,
-           "temperature_c": None, "held_by": None, "foreign": []}
+    gpu = {
+        "index": 0,
+        "name": "Sim",
+        "memory_total_mb": 6144,
+        "memory_used_mb": 0,
+        "utilization_pct": None,
+        "temperature_c": None,
+        "held_by": None,
+        "foreign": [],
+    }
     page = render_html({"resources": {"gpus": [gpu]}}, {})
     assert "°C" not in page and "nobody (free)" in page and "–%" not in page
 
 
 # -- what writing status.html costs ------------------------------------------------------------------------
 
+
 def test_writing_status_html_costs_under_2_percent_of_a_core_with_50_running_jobs(tmp_path: Path) -> None:
     store = CurveStore()
     for i in range(50):
-        store.feed(f"j{i}", ({"type": "step", "step": s, "loss": 3 / (1 + s / 1000) + i / 100}
-                             for s in range(1, 100_001, 7)))
-        store.feed(f"j{i}", ({"type": "eval", "step": s, "eval_loss": 3 / (1 + s / 1000)}
-                             for s in range(500, 100_001, 500)))
-    jobs = [{"id": f"j{i}", "state": "running", "status": "running", "name": f"job {i}", "priority": 0,
-             "attempt": 1, "pid": 1000 + i, "health": "healthy", "dir": f"running/j{i}", "gpus": [i % 8],
-             "started_at": "2026-01-01T00:00:00Z", "usage": {"rss_mb": 1234.5},
-             "progress": {"step": 50_000, "total_steps": 100_000, "epoch": 0.5, "loss": 1.23, "eval_loss": 1.3,
-                          "tokens_per_s": 910.5, "eta_s": 3600}} for i in range(50)]
-    gpus = [{"index": i, "name": "Sim 80GB", "memory_total_mb": 81920, "memory_used_mb": 40000,
-             "utilization_pct": 90, "temperature_c": 70, "held_by": f"j{i}", "foreign": [], "simulated": True}
-            for i in range(8)]
-    snapshot = {"schema_version": 1, "watcher": {"pid": 1, "host": "h", "version": "0.1.0", "state": "running",
-                                                 "started_at": "2026-01-01T00:00:00Z",
-                                                 "heartbeat_at": "2026-01-01T01:00:00Z"},
-                "counts": {"inbox": 0, "awaiting_approval": 0, "pending": 0, "running": 50, "done": 0, "failed": 0},
-                "jobs": jobs, "resources": {"ram": {"total_gb": 24, "available_gb": 12}, "disk": {}, "gpus": gpus}}
+        store.feed(
+            f"j{i}", ({"type": "step", "step": s, "loss": 3 / (1 + s / 1000) + i / 100} for s in range(1, 100_001, 7))
+        )
+        store.feed(
+            f"j{i}", ({"type": "eval", "step": s, "eval_loss": 3 / (1 + s / 1000)} for s in range(500, 100_001, 500))
+        )
+    jobs = [
+        {
+            "id": f"j{i}",
+            "state": "running",
+            "status": "running",
+            "name": f"job {i}",
+            "priority": 0,
+            "attempt": 1,
+            "pid": 1000 + i,
+            "health": "healthy",
+            "dir": f"running/j{i}",
+            "gpus": [i % 8],
+            "started_at": "2026-01-01T00:00:00Z",
+            "usage": {"rss_mb": 1234.5},
+            "progress": {
+                "step": 50_000,
+                "total_steps": 100_000,
+                "epoch": 0.5,
+                "loss": 1.23,
+                "eval_loss": 1.3,
+                "tokens_per_s": 910.5,
+                "eta_s": 3600,
+            },
+        }
+        for i in range(50)
+    ]
+    gpus = [
+        {
+            "index": i,
+            "name": "Sim 80GB",
+            "memory_total_mb": 81920,
+            "memory_used_mb": 40000,
+            "utilization_pct": 90,
+            "temperature_c": 70,
+            "held_by": f"j{i}",
+            "foreign": [],
+            "simulated": True,
+        }
+        for i in range(8)
+    ]
+    snapshot = {
+        "schema_version": 1,
+        "watcher": {
+            "pid": 1,
+            "host": "h",
+            "version": "0.1.0",
+            "state": "running",
+            "started_at": "2026-01-01T00:00:00Z",
+            "heartbeat_at": "2026-01-01T01:00:00Z",
+        },
+        "counts": {"inbox": 0, "awaiting_approval": 0, "pending": 0, "running": 50, "done": 0, "failed": 0},
+        "jobs": jobs,
+        "resources": {"ram": {"total_gb": 24, "available_gb": 12}, "disk": {}, "gpus": gpus},
+    }
     page = tmp_path / "status.html"
     cpu = []
     for _ in range(20):
@@ -306,6 +406,7 @@ def test_writing_status_html_costs_under_2_percent_of_a_core_with_50_running_job
 
 
 # -- 30 mixed jobs in tmux at 80x24 and 200x50 (issue 15) ---------------------------------------------------
+
 
 @pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
 def test_thirty_mixed_jobs_fit_the_terminal_in_tmux(tmp_path, tmux_session, size):
@@ -322,7 +423,15 @@ def test_thirty_mixed_jobs_fit_the_terminal_in_tmux(tmp_path, tmux_session, size
     assert len(lines) <= height and max(len(line) for line in lines) <= width, screen
     assert "inbox 1 · awaiting 1 · pending 8 · running 3 · done 11 · failed 7" in screen
     rows = [line for line in lines if line.startswith(("lora-run-", "lrs-", "draft", "f-", "done-"))]
-    for kind in ("oom", "unsatisfiable", "data", "nan", "unknown", "killed", "timeout"):  # every failure and its evidence
+    for kind in (
+        "oom",
+        "unsatisfiable",
+        "data",
+        "nan",
+        "unknown",
+        "killed",
+        "timeout",
+    ):  # every failure and its evidence
         row = next(line for line in rows if line.startswith(f"f-{kind}"[:12]))
         assert f"{kind}: " in row, row
     assert "oom: OutOfMemoryError: CUDA" in screen and "unknown: ValueError: bad lr" in screen
@@ -348,8 +457,13 @@ def _mixed_real_jobs(queue_dir: Path) -> None:
 
     for i in range(3):
         job(f"train-{i}", [PY, str(FAKE / "metrics_then_sleep.py")], stop_grace="1s")
-    for name, script in (("oom", "oom.py"), ("nan", "nan.py"), ("data", "bad_data.py"), ("killed", "kills_itself.py"),
-                         ("unknown", "exits_1.py")):
+    for name, script in (
+        ("oom", "oom.py"),
+        ("nan", "nan.py"),
+        ("data", "bad_data.py"),
+        ("killed", "kills_itself.py"),
+        ("unknown", "exits_1.py"),
+    ):
         job(f"fail-{name}", [PY, str(FAKE / script)], priority=10)
     job("fail-timeout", ["sleep", "30"], timeout="1s", stop_grace="1s", priority=10)
     job("fail-unsatisfiable", ["true"], resources={"ram_gb": 100000})
@@ -362,8 +476,9 @@ def _mixed_real_jobs(queue_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("size", [(80, 24), (200, 50)], ids=["80x24", "200x50"])
-def test_thirty_real_jobs_under_a_real_watcher_fit_the_terminal(queue_dir, watcher_process, tmux_session, tmp_path,
-                                                              size):
+def test_thirty_real_jobs_under_a_real_watcher_fit_the_terminal(
+    queue_dir, watcher_process, tmux_session, tmp_path, size
+):
     (queue_dir / "watcher.yaml").write_text("max_concurrent: 3\nsettle_s: 0.1\nrescan_s: 0.2\nstatus_s: 0.2\n")
     watcher_process()
     # the failures and done jobs first (priority), then the three long runners hold the three slots
@@ -372,8 +487,13 @@ def test_thirty_real_jobs_under_a_real_watcher_fit_the_terminal(queue_dir, watch
     def settled() -> bool:
         status = json.loads((queue_dir / "status.json").read_text()) if (queue_dir / "status.json").exists() else {}
         counts = status.get("counts") or {}
-        return counts.get("running") == 3 and counts.get("failed") == 8 and counts.get("done") == 11 and \
-            counts.get("pending") == 7 and counts.get("awaiting_approval") == 1
+        return (
+            counts.get("running") == 3
+            and counts.get("failed") == 8
+            and counts.get("done") == 11
+            and counts.get("pending") == 7
+            and counts.get("awaiting_approval") == 1
+        )
 
     wait_until(settled, 90, 0.2, "3 running, 7 pending, 1 awaiting, 8 failed, 11 done")
     width, height = size

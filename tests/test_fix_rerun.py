@@ -1,5 +1,6 @@
 """Fix and re-run (issue 24 item 1): `trainq edit` on a failed job runs it again under the same id, resuming;
 `retry` of a dependent whose dependency failed names that one; advice names only what applies."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,15 @@ from test_workflows import _job, _run, _where
 
 
 def _cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "trainq.watcher", "--root", str(root), *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=60, env=dict(os.environ, **(env or {})), stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env=dict(os.environ, **(env or {})),
+        stdin=subprocess.DEVNULL,
+    )
 
 
 #: a resumable script: saves step-N folders; crashes at step 3 unless --steps says fewer; prints where it resumed
@@ -36,14 +44,19 @@ def test_edit_a_failed_job_runs_it_again_under_the_same_id_from_its_checkpoint(q
     script = tmp_path / "steps.py"
     script.write_text(SCRIPT)
     watcher_process()
-    _job(queue_dir, "steps", command=[PY, str(script), "--crash-at", "3"], resume_args=["--resume", "{resume_from}"],
-         resources={"gpus": 0})
+    _job(
+        queue_dir,
+        "steps",
+        command=[PY, str(script), "--crash-at", "3"],
+        resume_args=["--resume", "{resume_from}"],
+        resources={"gpus": 0},
+    )
     wait_until(lambda: (_run(queue_dir, "steps", "failed") or {}).get("status") == "failed", 30)
     why = _cli(queue_dir, "why", "steps").stdout
     assert "to run it again (resuming from step-2): trainq retry steps; to change it first: trainq edit steps" in why
 
     editor = tmp_path / "fix.sh"
-    editor.write_text("#!/bin/sh\nsed -i 's/\"3\"/\"99\"/; s/, 3]/, 99]/' \"$1\"\n")
+    editor.write_text('#!/bin/sh\nsed -i \'s/"3"/"99"/; s/, 3]/, 99]/\' "$1"\n')
     editor.chmod(0o755)
     out = _cli(queue_dir, "edit", "steps", env={"EDITOR": str(editor)})
     assert out.returncode == 0, out.stderr
@@ -54,7 +67,8 @@ def test_edit_a_failed_job_runs_it_again_under_the_same_id_from_its_checkpoint(q
     log = (queue_dir / "done" / "steps" / "output.log").read_text()
     assert "resumed at 2" in log and "finished" in log
     assert (queue_dir / "done" / "steps" / "job.attempt-1.yaml").read_text() != (
-        queue_dir / "done" / "steps" / "job.yaml").read_text()
+        queue_dir / "done" / "steps" / "job.yaml"
+    ).read_text()
     assert not list((queue_dir / "inbox").iterdir())  # no second job: the same id ran again
 
 
@@ -64,7 +78,7 @@ def test_a_rejected_job_is_fixed_with_edit_and_runs_under_its_id(queue_dir, watc
     wait_until(lambda: (_run(queue_dir, "typo", "failed") or {}).get("status") == "rejected", 30)
     assert "trainq edit typo" in _cli(queue_dir, "retry", "typo").stderr
     editor = tmp_path / "fix.sh"
-    editor.write_text("#!/bin/sh\nsed -i 's/\"high\"/1/' \"$1\"\n")
+    editor.write_text('#!/bin/sh\nsed -i \'s/"high"/1/\' "$1"\n')
     editor.chmod(0o755)
     out = _cli(queue_dir, "edit", "typo", env={"EDITOR": str(editor)})
     assert out.returncode == 0 and "runs it under the same id" in out.stdout, out.stdout + out.stderr
@@ -79,7 +93,8 @@ def test_retry_of_a_dependent_names_the_failed_dependency_and_does_nothing(queue
     out = _cli(queue_dir, "retry", "train")
     assert out.returncode == 2 and out.stderr.strip() == (
         "trainq: job train runs after prep, which ended failed: retry that first (`trainq retry prep`), "
-        "then this one; nothing done")
+        "then this one; nothing done"
+    )
     assert not (queue_dir / "failed" / "train" / "retry.flag").exists()
     assert "first `trainq retry prep`" in _cli(queue_dir, "why", "train").stdout
     assert "first `trainq retry prep`" in _cli(queue_dir, "show", "train").stdout
@@ -112,5 +127,6 @@ def test_rerun_line_fits_the_job(tmp_path):
     assert "lower its resources" in rerun_line(tmp_path, "j", tmp_path, unsat, spec)
     never = {"status": "cancelled", "attempts": []}
     assert rerun_line(tmp_path, "j", tmp_path, never, spec) == (
-        "  to run it (it never started): trainq retry j; to change it first: trainq edit j")
+        "  to run it (it never started): trainq retry j; to change it first: trainq edit j"
+    )
     assert rerun_line(tmp_path, "j", tmp_path, {"status": "done"}, spec) is None

@@ -8,6 +8,7 @@ batch, the test shows: the same watcher pid holds the queue, every file that sho
 inbox left it within a bounded time, and validation in-process either accepted the file or
 raised InvalidJobSpec (never anything else). At the end a normal job still runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,15 +33,75 @@ BATCH = 100
 #: how long one batch may take to leave the inbox on a loaded 2-core machine
 BATCH_DRAIN_S = 90.0
 
-KEYS = ["approved", "name", "priority", "command", "train", "cwd", "env", "resources", "timeout", "stop_grace",
-        "stall_after", "retries", "resume_args", "slurm", "gpus", "ram_gb", "max", "on", "backoff", "x", "ãé", "",
-        "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint", "lr", "train.lr"]
+KEYS = [
+    "approved",
+    "name",
+    "priority",
+    "command",
+    "train",
+    "cwd",
+    "env",
+    "resources",
+    "timeout",
+    "stop_grace",
+    "stall_after",
+    "retries",
+    "resume_args",
+    "slurm",
+    "gpus",
+    "ram_gb",
+    "max",
+    "on",
+    "backoff",
+    "x",
+    "ãé",
+    "",
+    "after",
+    "after_policy",
+    "on_finish",
+    "sweep",
+    "fork_of",
+    "from_checkpoint",
+    "lr",
+    "train.lr",
+]
 HOSTILE_TOKENS = [
-    "9" * 400, "-" + "9" * 5000, "0x" + "f" * 3000, "1e999", "-.inf", ".nan", "99999999999999999999",
-    '"99999999999999999999s"', '"1' + " " * 20_000 + 'x"', '"\\0"', '"a\\0b"', '"\\e[2J"', '"\\x1b]0;pwn\\x07"',
-    '"\\u2028"', "!!binary aGVsbG8=", "!!python/object/apply:os.system [echo]", "!!set {a}", "2001-12-14",
-    "&a [1, 2]", "*a", "{<<: {a: 1}}", "[" * 40 + "]" * 40, "{" * 10 + "}" * 10, "~", "yes", "on", '""', "''",
-    "0", "-1", "1.5h", '"0"', "[oom, nan]", "[true]", "{gpus: 1, ram_gb: 1e308}", "|\n  multi\n  line",
+    "9" * 400,
+    "-" + "9" * 5000,
+    "0x" + "f" * 3000,
+    "1e999",
+    "-.inf",
+    ".nan",
+    "99999999999999999999",
+    '"99999999999999999999s"',
+    '"1' + " " * 20_000 + 'x"',
+    '"\\0"',
+    '"a\\0b"',
+    '"\\e[2J"',
+    '"\\x1b]0;pwn\\x07"',
+    '"\\u2028"',
+    "!!binary aGVsbG8=",
+    "!!python/object/apply:os.system [echo]",
+    "!!set {a}",
+    "2001-12-14",
+    "&a [1, 2]",
+    "*a",
+    "{<<: {a: 1}}",
+    "[" * 40 + "]" * 40,
+    "{" * 10 + "}" * 10,
+    "~",
+    "yes",
+    "on",
+    '""',
+    "''",
+    "0",
+    "-1",
+    "1.5h",
+    '"0"',
+    "[oom, nan]",
+    "[true]",
+    "{gpus: 1, ram_gb: 1e308}",
+    "|\n  multi\n  line",
     '"' + "x" * 5000 + '"',
 ]
 
@@ -53,8 +114,9 @@ def _quoted(text: str) -> str:
 scalar_token = st.one_of(
     st.sampled_from(HOSTILE_TOKENS),
     st.integers(min_value=-(10**30), max_value=10**30).map(str),
-    st.floats(allow_nan=True, allow_infinity=True).map(repr).map(lambda r: {"nan": ".nan", "inf": ".inf",
-                                                                            "-inf": "-.inf"}.get(r, r)),
+    st.floats(allow_nan=True, allow_infinity=True)
+    .map(repr)
+    .map(lambda r: {"nan": ".nan", "inf": ".inf", "-inf": "-.inf"}.get(r, r)),
     st.text(max_size=40).map(_quoted),
     st.from_regex(r"[0-9]{0,3}(\.[0-9]+)? {0,3}(ms|s|m|h|d|x)? {0,3}", fullmatch=True).map(_quoted),
 )
@@ -63,7 +125,8 @@ value_token = st.recursive(
     lambda inner: st.one_of(
         st.lists(inner, max_size=4).map(lambda items: "[" + ", ".join(items) + "]"),
         st.lists(st.tuples(st.sampled_from(KEYS), inner), max_size=4).map(
-            lambda pairs: "{" + ", ".join(f"{_quoted(k)}: {v}" for k, v in pairs) + "}"),
+            lambda pairs: "{" + ", ".join(f"{_quoted(k)}: {v}" for k, v in pairs) + "}"
+        ),
     ),
     max_leaves=8,
 )
@@ -86,11 +149,14 @@ def extreme_valid(draw) -> bytes:
     fields = {
         "approved": True,
         "command": ["true"],
-        "priority": draw(st.sampled_from([-10**9, 10**9, 0])),
+        "priority": draw(st.sampled_from([-(10**9), 10**9, 0])),
         "timeout": draw(st.sampled_from(["365d", 31536000, "0.001s", "1ms"])),
         "stop_grace": draw(st.sampled_from(["365d", 0, "0s"])),
-        "retries": {"max": draw(st.sampled_from([0, 100])), "backoff": draw(st.sampled_from(["1s", "365d"])),
-                    "on": ["unknown"]},
+        "retries": {
+            "max": draw(st.sampled_from([0, 100])),
+            "backoff": draw(st.sampled_from(["1s", "365d"])),
+            "on": ["unknown"],
+        },
         "resources": {"gpus": 0, "ram_gb": draw(st.sampled_from([0, 1e-300])), "disk_gb": 0},
         "env": {"A" * draw(st.integers(1, 300)): "x" * draw(st.integers(0, 3000))},
         "name": draw(st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=200)),
@@ -134,7 +200,8 @@ def inbox_names(root: Path) -> set[bytes]:
 
 def test_watcher_survives_thousands_of_generated_job_files(queue_dir: Path, watcher_process) -> None:
     (queue_dir / "watcher.yaml").write_text(
-        f"settle_s: 0.1\nrescan_s: 0.5\nstatus_s: 0.5\nmax_concurrent: 4\nallow_commands: [\"true\", {PY}]\n")
+        f'settle_s: 0.1\nrescan_s: 0.5\nstatus_s: 0.5\nmax_concurrent: 4\nallow_commands: ["true", {PY}]\n'
+    )
     config = load_watcher_config(queue_dir, {})
     wp = watcher_process(env={"TRAINQ_SIMULATE_GPUS": ""})
     wait_until(lambda: (queue_dir / "status.json").exists(), 30, what="the watcher's first status.json")
@@ -146,8 +213,12 @@ def test_watcher_survives_thousands_of_generated_job_files(queue_dir: Path, watc
 
     def drain() -> None:
         started = time.monotonic()
-        wait_until(lambda: inbox_names(queue_dir) <= staying or wp.proc.poll() is not None, BATCH_DRAIN_S,
-                   interval_s=0.1, what=f"the inbox to empty (left: {sorted(inbox_names(queue_dir) - staying)[:5]})")
+        wait_until(
+            lambda: inbox_names(queue_dir) <= staying or wp.proc.poll() is not None,
+            BATCH_DRAIN_S,
+            interval_s=0.1,
+            what=f"the inbox to empty (left: {sorted(inbox_names(queue_dir) - staying)[:5]})",
+        )
         assert wp.proc.poll() is None, f"the watcher died: {(queue_dir / 'watcher.stderr').read_text()[-3000:]}"
         assert (queue_dir / ".watcher.lock").read_text().strip() == str(pid)
         assert time.monotonic() - started < BATCH_DRAIN_S
@@ -155,8 +226,13 @@ def test_watcher_survives_thousands_of_generated_job_files(queue_dir: Path, watc
             os.unlink(os.fsencode(queue_dir / "inbox") + b"/" + name)
         staying.clear()
 
-    @settings(max_examples=FILES, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=FILES,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(data=job_bytes, suffix=name_suffix, yml=st.booleans())
     def throw(data: bytes, suffix: bytes, yml: bool) -> None:
         name = f"{len(thrown):05d}".encode() + suffix + (b".yml" if yml else b".yaml")
@@ -175,7 +251,7 @@ def test_watcher_survives_thousands_of_generated_job_files(queue_dir: Path, watc
     done, failed = (len(os.listdir(queue_dir / state)) for state in ("done", "failed"))
     assert done >= FILES // 50 and failed >= FILES // 4, (done, failed)  # both paths were exercised
     log = (queue_dir / "watcher.log").read_text(errors="replace")
-    assert "Traceback" not in log, log[log.index("Traceback") - 2000:][:6000]
+    assert "Traceback" not in log, log[log.index("Traceback") - 2000 :][:6000]
     assert not any("\x1b" in line or "\r" in line for line in log.splitlines()), "a name forged a log line"
 
     drop(queue_dir, "normal.yaml", f"approved: true\npriority: 1000000000\ncommand: [{PY}, -c, 'print(6 * 7)']\n")

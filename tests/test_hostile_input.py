@@ -1,5 +1,6 @@
 """Issue 12, item 2: job files that used to crash the loop, recovery or the supervisor are rejected
 with one clear line naming the field and the limit, and the watcher goes on."""
+
 from __future__ import annotations
 
 import json
@@ -31,16 +32,20 @@ def one(text: str) -> Problem:
 
 # -- the findings, each reproduced --
 
-@pytest.mark.parametrize("field, text", [
-    ("priority", "priority: " + "9" * 400 + "\n"),
-    ("priority", "priority: -" + "9" * 5000 + "\n"),  # past Python's 4300-digit int conversion limit
-    ("timeout", "timeout: " + "9" * 400 + "\n"),
-    ("timeout", "timeout: " + "9" * 5000 + "\n"),
-    ("resources.ram_gb", "resources: {ram_gb: " + "9" * 400 + "}\n"),
-    ("resources.ram_gb", "resources: {ram_gb: " + "9" * 5000 + "}\n"),
-    ("resources.gpus", "resources: {gpus: 0x" + "f" * 3000 + "}\n"),
-    ("retries.max", "retries: {max: " + "9" * 30 + "}\n"),
-])
+
+@pytest.mark.parametrize(
+    "field, text",
+    [
+        ("priority", "priority: " + "9" * 400 + "\n"),
+        ("priority", "priority: -" + "9" * 5000 + "\n"),  # past Python's 4300-digit int conversion limit
+        ("timeout", "timeout: " + "9" * 400 + "\n"),
+        ("timeout", "timeout: " + "9" * 5000 + "\n"),
+        ("resources.ram_gb", "resources: {ram_gb: " + "9" * 400 + "}\n"),
+        ("resources.ram_gb", "resources: {ram_gb: " + "9" * 5000 + "}\n"),
+        ("resources.gpus", "resources: {gpus: 0x" + "f" * 3000 + "}\n"),
+        ("retries.max", "retries: {max: " + "9" * 30 + "}\n"),
+    ],
+)
 def test_huge_integers_are_rejected_naming_field_and_limit(field: str, text: str) -> None:
     problem = one(CMD + text)
     assert problem.path == field
@@ -77,17 +82,20 @@ def test_duration_parser_is_linear_on_pathological_spaces() -> None:
     assert parse_duration_s("  1.5 h  ") == 5400.0 and parse_duration_s("90s") == 90.0
 
 
-@pytest.mark.parametrize("field, text", [
-    ("command[1]", 'command: [python, "a\\0b"]\n'),
-    ("command", 'command: "python a\\0b"\n'),
-    ("command", 'command: "python \\e[2J"\n'),
-    ("env.X", 'env: {X: "a\\0b"}\n'),
-    ("env", 'env: {"X\\0Y": "1"}\n'),
-    ("env", 'env: {"X\\x01": "1"}\n'),
-    ("cwd", 'cwd: "/tmp/\\0x"\n'),
-    ("resume_args[0]", 'resume_args: ["\\x1b]0;x"]\n'),
-    ("on_finish[1]", 'on_finish: [echo, "a\\0b"]\n'),
-])
+@pytest.mark.parametrize(
+    "field, text",
+    [
+        ("command[1]", 'command: [python, "a\\0b"]\n'),
+        ("command", 'command: "python a\\0b"\n'),
+        ("command", 'command: "python \\e[2J"\n'),
+        ("env.X", 'env: {X: "a\\0b"}\n'),
+        ("env", 'env: {"X\\0Y": "1"}\n'),
+        ("env", 'env: {"X\\x01": "1"}\n'),
+        ("cwd", 'cwd: "/tmp/\\0x"\n'),
+        ("resume_args[0]", 'resume_args: ["\\x1b]0;x"]\n'),
+        ("on_finish[1]", 'on_finish: [echo, "a\\0b"]\n'),
+    ],
+)
 def test_control_characters_are_rejected(field: str, text: str) -> None:
     base = "approved: true\n" if text.startswith("command") else CMD
     problems = problems_of(base + text)
@@ -96,7 +104,7 @@ def test_control_characters_are_rejected(field: str, text: str) -> None:
 
 
 def test_line_breaks_and_tabs_stay_allowed_in_argv_and_env_values() -> None:
-    spec = parse_job_text("approved: true\ncommand: \"python\\ttrain.py\\n  --lr 1\"\n", "x")
+    spec = parse_job_text('approved: true\ncommand: "python\\ttrain.py\\n  --lr 1"\n', "x")
     assert spec.command == ("python", "train.py", "--lr", "1")
     spec = parse_job_text('approved: true\ncommand: [python, -c, "import sys\\nprint(1)"]\nenv: {A: "x\\ty\\n"}\n', "x")
     assert spec.command[2] == "import sys\nprint(1)" and spec.env == {"A": "x\ty\n"}
@@ -141,8 +149,10 @@ def test_unknown_lines_are_never_echoed() -> None:
 HOSTILE = {  # file name -> (extra lines, the field the error names)
     "big-priority.yaml": ("priority: " + "9" * 5000 + "\n", "priority"),
     "big-ram.yaml": ("resources: {ram_gb: " + "9" * 400 + "}\n", "resources.ram_gb"),
-    "overflow-backoff.yaml": ('retries: {max: 2, on: [unknown], backoff: "99999999999999999999s"}\n',
-                              "retries.backoff"),
+    "overflow-backoff.yaml": (
+        'retries: {max: 2, on: [unknown], backoff: "99999999999999999999s"}\n',
+        "retries.backoff",
+    ),
     "slow-duration.yaml": ('timeout: "1' + " " * 100_000 + 'x"\n', "timeout"),
     "nul-command.yaml": (None, "command[1]"),  # command replaced below
     "nul-env.yaml": ('env: {A: "x\\0y"}\n', "env.A"),
@@ -162,8 +172,12 @@ def test_watcher_rejects_each_hostile_file_and_keeps_running(queue_dir, watcher)
     w = watcher()
     for name, (extra, _) in HOSTILE.items():
         drop(queue_dir, name, _hostile_text(name, extra))
-    tick_until(w, lambda: len(os.listdir(queue_dir / "failed")) == len(HOSTILE), timeout_s=60,
-               what="every hostile file rejected")
+    tick_until(
+        w,
+        lambda: len(os.listdir(queue_dir / "failed")) == len(HOSTILE),
+        timeout_s=60,
+        what="every hostile file rejected",
+    )
     assert os.listdir(queue_dir / "inbox") == [".staging"] or os.listdir(queue_dir / "inbox") == []
     for job in os.listdir(queue_dir / "failed"):
         run = json.loads((queue_dir / "failed" / job / "run.json").read_text())
@@ -190,14 +204,18 @@ def test_non_utf8_file_name_is_rejected_with_a_sanitised_id(queue_dir, watcher) 
 
 # -- watcher.yaml: the same rules where they apply --
 
-@pytest.mark.parametrize("text, field", [
-    ("max_concurrent: " + "9" * 5000 + "\n", "max_concurrent"),
-    ("keep_finished: 1000000000\n", "keep_finished"),
-    ('rescan_s: "99999999999999999999s"\n', "rescan_s"),
-    ('settle_s: "1' + " " * 100_000 + 'x"\n', "settle_s"),
-    ('allow_commands: ["ec\\0ho"]\n', "allow_commands[0]"),
-    ("max_concurrent: 1\nmax_concurrent: 2\n", ""),
-])
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("max_concurrent: " + "9" * 5000 + "\n", "max_concurrent"),
+        ("keep_finished: 1000000000\n", "keep_finished"),
+        ('rescan_s: "99999999999999999999s"\n', "rescan_s"),
+        ('settle_s: "1' + " " * 100_000 + 'x"\n', "settle_s"),
+        ('allow_commands: ["ec\\0ho"]\n', "allow_commands[0]"),
+        ("max_concurrent: 1\nmax_concurrent: 2\n", ""),
+    ],
+)
 def test_watcher_yaml_is_held_to_the_same_limits(tmp_path: Path, text: str, field: str) -> None:
     from trainq.watcher.spec.config import load_watcher_config
     from trainq.watcher.spec.errors import InvalidWatcherConfig
@@ -218,8 +236,11 @@ def test_yaml_errors_quote_nothing_of_the_file() -> None:
 
 
 def test_hostile_job_yaml_written_into_pending_is_failed_by_recovery(queue_dir, watcher) -> None:
-    for name, extra in (("overflow", 'retries: {max: 2, backoff: "99999999999999999999s"}\n'),
-                        ("nul", 'env: {A: "x\\0y"}\n'), ("huge", "priority: " + "9" * 5000 + "\n")):
+    for name, extra in (
+        ("overflow", 'retries: {max: 2, backoff: "99999999999999999999s"}\n'),
+        ("nul", 'env: {A: "x\\0y"}\n'),
+        ("huge", "priority: " + "9" * 5000 + "\n"),
+    ):
         (queue_dir / "pending" / name).mkdir()
         (queue_dir / "pending" / name / "job.yaml").write_text('approved: true\ncommand: ["true"]\n' + extra)
     w = watcher()  # recovery validates what it adopts
@@ -246,8 +267,7 @@ def test_errors_quote_no_value_of_a_file_others_cannot_read(tmp_path: Path) -> N
     from trainq.watcher.spec.jobspec import load_job_file
 
     path = tmp_path / "x.yaml"
-    path.write_text('approved: true\ncommand: [true]\npriority: "TOKEN-abc123"\ntimeout: "SECRET-9"\n'
-                    "executor: 1\n")
+    path.write_text('approved: true\ncommand: [true]\npriority: "TOKEN-abc123"\ntimeout: "SECRET-9"\nexecutor: 1\n')
     os.chown(path, 65534, 65534)
     path.chmod(0o600)
     with pytest.raises(InvalidJobSpec) as info:

@@ -1,4 +1,5 @@
 """status.html: escaping, self-containment, downsampled curves, render cost, and a real headless Chromium."""
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,13 @@ def _snapshot(heartbeat_age_s: float = 1.0) -> dict:
 
 def _curves(steps: int = 120) -> dict[str, dict]:
     store = CurveStore()
-    store.feed("llama-lora-a", ({"type": "step", "step": s, "loss": 3 * math.exp(-s / 60) + 1.5} for s in range(1, steps + 1)))
-    store.feed("llama-lora-a", ({"type": "eval", "step": s, "eval_loss": 3 * math.exp(-s / 60) + 1.6}
-                                for s in range(10, steps + 1, 10)))
+    store.feed(
+        "llama-lora-a", ({"type": "step", "step": s, "loss": 3 * math.exp(-s / 60) + 1.5} for s in range(1, steps + 1))
+    )
+    store.feed(
+        "llama-lora-a",
+        ({"type": "eval", "step": s, "eval_loss": 3 * math.exp(-s / 60) + 1.6} for s in range(10, steps + 1, 10)),
+    )
     return store.curves()
 
 
@@ -60,6 +65,7 @@ class _Dom(HTMLParser):
 
 
 # -- without a browser -----------------------------------------------------------------------------
+
 
 def test_user_text_is_escaped() -> None:
     page = render_html(_snapshot(), _curves())
@@ -126,7 +132,7 @@ def test_incremental_feed_equals_one_feed() -> None:
     once, pieces = CurveStore(), CurveStore()
     once.feed("j", records)
     for i in range(0, len(records), 37):
-        pieces.feed("j", records[i:i + 37])
+        pieces.feed("j", records[i : i + 37])
     assert once.curves() == pieces.curves()
 
 
@@ -174,9 +180,19 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not in
 def _chromium(tmp_path: Path, page: Path, *action: str) -> str:
     profile = tmp_path / "profile"
     profile.mkdir(exist_ok=True)
-    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-            *action, page.as_uri()]
+    argv = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        *action,
+        page.as_uri(),
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, text=True)
     try:
         out, _ = proc.communicate(timeout=60)
@@ -204,7 +220,9 @@ def test_chromium_renders_progress_curve_and_escaped_name(tmp_path: Path) -> Non
     dom = _Dom(dumped)
     assert dom.find("progress", value="120", max="400")
     polylines = [a for t, a in dom.elements if t == "polyline"]
-    assert {a["class"] for a in polylines} == {"loss", "eval_loss"} and all(len(a["points"].split()) > 10 for a in polylines)
+    assert {a["class"] for a in polylines} == {"loss", "eval_loss"} and all(
+        len(a["points"].split()) > 10 for a in polylines
+    )
     text = "".join(dom.text)
     assert "<script>document.title='pwned'</script>" in text
     stale = dom.find("div", id="stale")

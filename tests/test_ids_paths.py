@@ -1,4 +1,5 @@
 """Ids and names (one rule: an id wins, a name is an alias when one job carries it) and absolute fork paths."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,19 @@ def _job(root: Path, file_stem: str, **fields) -> Path:
     fields.setdefault("command", ["true"])
     return drop(root, f"{file_stem}.yaml", json.dumps(fields))
 
+
 from trainq.watcher.spec.jobspec import parse_job_text
 
 
 def _cli(root: str | Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "trainq.watcher", "--root", str(root), *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    return subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
 
 
 def test_a_name_is_an_alias_where_an_id_is_taken_and_refused_when_shared(queue_dir, watcher_process):
@@ -42,19 +50,21 @@ def test_a_name_is_an_alias_where_an_id_is_taken_and_refused_when_shared(queue_d
     assert _cli(queue_dir, "why", "dup").returncode == 2
     assert "no job with id 'nobody'" in _cli(queue_dir, "logs", "nobody").stderr
     wait_until(lambda: "named" in ((_entry(queue_dir, "later") or {}).get("waiting_for") or ""), 20)
-    assert ("after trainer-x: no job with id trainer-x; job a1 is named trainer-x (after: takes ids: write "
-            "after: [a1])") == _entry(queue_dir, "later")["waiting_for"]
+    assert (
+        "after trainer-x: no job with id trainer-x; job a1 is named trainer-x (after: takes ids: write after: [a1])"
+    ) == _entry(queue_dir, "later")["waiting_for"]
 
 
 def test_fork_prints_the_id_it_gets_and_says_when_it_is_not_the_first(queue_dir):
     (queue_dir / "done" / "a").mkdir()
-    (queue_dir / "done" / "a" / "job.yaml").write_text("approved: true\ncommand: [\"true\"]\n")
+    (queue_dir / "done" / "a" / "job.yaml").write_text('approved: true\ncommand: ["true"]\n')
     first = _cli(queue_dir, "fork", "a")
     assert first.returncode == 0 and first.stdout.startswith("job a-fork: fork of a submitted as inbox/a-fork.yaml")
     (queue_dir / "done" / "a-fork-2").mkdir()  # an id taken in a state folder is skipped too
     second = _cli(queue_dir, "fork", "a", "--set", "priority=2")
-    assert second.stdout.startswith("job a-fork-3: fork of a submitted as inbox/a-fork-3.yaml "
-                                    "(an earlier fork of a holds a-fork)"), second.stdout
+    assert second.stdout.startswith(
+        "job a-fork-3: fork of a submitted as inbox/a-fork-3.yaml (an earlier fork of a holds a-fork)"
+    ), second.stdout
     assert sorted(p.name for p in (queue_dir / "inbox").iterdir()) == ["a-fork-3.yaml", "a-fork.yaml"]
 
 
@@ -65,7 +75,9 @@ def test_fork_from_checkpoint_with_a_relative_root_writes_an_absolute_path(tmp_p
         (root / name).mkdir(parents=True)
     (job / "checkpoint-20").mkdir(parents=True)
     (job / "checkpoint-20" / "trainer_state.json").write_text("{}")
-    (job / "job.yaml").write_text("approved: true\ncommand: [python3, train.py]\nresume_args: [--resume, '{resume_from}']\n")
+    (job / "job.yaml").write_text(
+        "approved: true\ncommand: [python3, train.py]\nresume_args: [--resume, '{resume_from}']\n"
+    )
 
     out = _cli("queue", "fork", "train-a", "--from-checkpoint", cwd=tmp_path)  # the README's default ./queue
     assert out.returncode == 0, out.stderr

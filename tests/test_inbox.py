@@ -1,4 +1,5 @@
 """The inbox through a real watcher: what is taken, when, under which id, and what bad input does."""
+
 from __future__ import annotations
 
 import json
@@ -23,26 +24,44 @@ def run_json(root: Path, state: str, job_id: str) -> dict:
 
 
 def states(root: Path) -> dict[str, list[str]]:
-    return {s: sorted(p.name for p in (root / s).iterdir() if not p.name.startswith("."))
-            for s in ("inbox", "pending", "running", "done", "failed")}
+    return {
+        s: sorted(p.name for p in (root / s).iterdir() if not p.name.startswith("."))
+        for s in ("inbox", "pending", "running", "done", "failed")
+    }
 
 
-@pytest.mark.parametrize("name,taken", [
-    ("a.yaml", True), ("b.YML", True), ("c.Yaml", True), (".hidden.yaml", False), ("#x.yaml", False),
-    ("x.yaml~", False), (".x.yaml.swp", False), ("x.yaml.swx", False), ("x.yaml.tmp", False),
-    ("x.yaml.part", False), ("x.yaml.crdownload", False), ("4913", False), ("notes.txt", False),
-])
+@pytest.mark.parametrize(
+    "name,taken",
+    [
+        ("a.yaml", True),
+        ("b.YML", True),
+        ("c.Yaml", True),
+        (".hidden.yaml", False),
+        ("#x.yaml", False),
+        ("x.yaml~", False),
+        (".x.yaml.swp", False),
+        ("x.yaml.swx", False),
+        ("x.yaml.tmp", False),
+        ("x.yaml.part", False),
+        ("x.yaml.crdownload", False),
+        ("4913", False),
+        ("notes.txt", False),
+    ],
+)
 def test_candidate_names(name, taken):
     assert is_candidate_name(name) is taken
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("train llama.yaml", "train-llama"),
-    ("qué tal.yaml", "qu--tal"),
-    ("x" * 300 + ".yaml", "x" * 64),
-    ("it's \"quoted\".yml", "it-s--quoted-"),
-    ("日本語.yaml", "---"),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("train llama.yaml", "train-llama"),
+        ("qué tal.yaml", "qu--tal"),
+        ("x" * 300 + ".yaml", "x" * 64),
+        ('it\'s "quoted".yml', "it-s--quoted-"),
+        ("日本語.yaml", "---"),
+    ],
+)
 def test_ids_from_awkward_names(name, expected):
     assert id_from_name(name) == expected
 
@@ -71,8 +90,11 @@ BAD_FILES = {
     "latin1.yaml": ("approved: true\ncommand: [echo, 'caf\xe9']\n".encode("latin-1"), "UTF-8"),
     "syntax.yaml": (b"approved: true\ncommand: [true\nname: x\n", "line"),
     "two-docs.yaml": (b"approved: true\ncommand: ['true']\n---\nname: b\n", "one YAML document"),
-    "bomb.yaml": (b"a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
-                  b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n", "alias"),
+    "bomb.yaml": (
+        b"a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+        b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n",
+        "alias",
+    ),
     "list.yaml": (b"- approved: true\n- command: ['true']\n", "mapping"),
     "scalar.yaml": (b"just a string\n", "mapping"),
     "unknown.yaml": (b"approved: true\ncommand: ['true']\nresources: {gpu: 1}\n", "gpus"),
@@ -86,8 +108,13 @@ def test_bad_files_are_rejected_one_line_each_and_disturb_nothing(queue_dir, wat
     w = watcher()
     drop(queue_dir, "bystander.yaml", "approved: true\ncommand: [sleep, '30']\nstop_grace: 0.5\n")
     # run.json of a started job is written once it has run 50 ms (a trivial job gets one final write)
-    tick_until(w, lambda: "bystander" in states(queue_dir)["running"]
-               and run_json(queue_dir, "running", "bystander")["status"] == "running")
+    tick_until(
+        w,
+        lambda: (
+            "bystander" in states(queue_dir)["running"]
+            and run_json(queue_dir, "running", "bystander")["status"] == "running"
+        ),
+    )
     bystander_run = (queue_dir / "running" / "bystander" / "run.json").read_bytes()
     for name, (data, _) in BAD_FILES.items():
         (queue_dir / ".staging").mkdir(exist_ok=True)
@@ -214,12 +241,22 @@ def test_file_present_at_startup_still_open_for_writing_waits(queue_dir, watcher
 def test_file_saved_by_a_real_editor(queue_dir, watcher):
     w = watcher()
     path = queue_dir / "inbox" / "edited.yaml"
-    subprocess.run(["vim.tiny", "-u", "NONE", "-N", "-es", str(path)],
-                   input="a\napproved: false\ncommand: [echo, hi]\n.\nwq\n", text=True, timeout=20, check=False)
+    subprocess.run(
+        ["vim.tiny", "-u", "NONE", "-N", "-es", str(path)],
+        input="a\napproved: false\ncommand: [echo, hi]\n.\nwq\n",
+        text=True,
+        timeout=20,
+        check=False,
+    )
     tick_until(w, lambda: w.report.awaiting_entries, 10, "awaiting approval")
     assert states(queue_dir)["pending"] + states(queue_dir)["done"] == []
-    subprocess.run(["vim.tiny", "-u", "NONE", "-N", "-es", str(path)],
-                   input="%s/false/true/\nwq\n", text=True, timeout=20, check=False)
+    subprocess.run(
+        ["vim.tiny", "-u", "NONE", "-N", "-es", str(path)],
+        input="%s/false/true/\nwq\n",
+        text=True,
+        timeout=20,
+        check=False,
+    )
     tick_until(w, lambda: states(queue_dir)["done"] == ["edited"], 10)
     assert not [n for n in os.listdir(queue_dir / "inbox") if n.endswith((".swp", ".swx"))]
 

@@ -1,4 +1,5 @@
 """Job-file validation: real files (symlinks, FIFOs, directories, huge and binary files), real YAML, real schemas."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,18 @@ import pytest
 
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.jobspec import (
-    DEFAULT_RETRY_ON, JOB_SCHEMA, MAX_JOB_FILE_BYTES, SCHEMAS_DIR, JobSpec, Resources, Retries, expand_placeholders,
-    load_job_file, parse_job_text, schema_problems, schema_validator,
+    DEFAULT_RETRY_ON,
+    JOB_SCHEMA,
+    MAX_JOB_FILE_BYTES,
+    SCHEMAS_DIR,
+    JobSpec,
+    Resources,
+    Retries,
+    expand_placeholders,
+    load_job_file,
+    parse_job_text,
+    schema_problems,
+    schema_validator,
 )
 from trainq.watcher.spec.units import DURATION_PATTERN
 
@@ -43,10 +54,11 @@ def only_message(problems: list[Problem]) -> str:
 
 # -- whole-file problems --
 
+
 def test_empty_file(tmp_path: Path) -> None:
     path = tmp_path / "x.yaml"
     path.write_bytes(b"")
-    assert only_message(file_problems(path)) .startswith("the file is empty")
+    assert only_message(file_problems(path)).startswith("the file is empty")
     path.write_bytes(b"  \n\n")
     assert "empty" in only_message(file_problems(path))
 
@@ -93,7 +105,7 @@ def test_two_mib_file_is_refused(tmp_path: Path) -> None:
 def test_huge_sparse_file_is_refused_without_reading_it(tmp_path: Path) -> None:
     path = tmp_path / "x.yaml"
     with open(path, "wb") as f:
-        f.truncate(64 * 1024 ** 3)  # 64 GiB: reading it whole would take minutes and all the RAM
+        f.truncate(64 * 1024**3)  # 64 GiB: reading it whole would take minutes and all the RAM
     started = time.monotonic()
     assert "too large" in only_message(file_problems(path))
     assert time.monotonic() - started < 30  # a hang guard (reading 64 GiB takes minutes), not a speed goal
@@ -129,14 +141,16 @@ def test_alias_bomb_is_refused_promptly() -> None:
     assert time.monotonic() - started < 30  # a hang guard (the expanded bomb is 10^9 items), not a speed goal
 
 
-@pytest.mark.parametrize("text,got", [("- a\n- b\n", "a list"), ("just words\n", "a string"), ("42\n", "a number"),
-                                      ("true\n", "a boolean")])
+@pytest.mark.parametrize(
+    "text,got", [("- a\n- b\n", "a list"), ("just words\n", "a string"), ("42\n", "a number"), ("true\n", "a boolean")]
+)
 def test_top_level_must_be_a_mapping(text: str, got: str) -> None:
     message = only_message(problems_of(text))
     assert message == f"expected a mapping of job fields at the top level, got {got}"
 
 
 # -- things in the inbox that are not plain files --
+
 
 def test_symlink_to_a_file_outside_is_refused(tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere" / "real.yaml"
@@ -196,6 +210,7 @@ def test_missing_file_raises_file_not_found(tmp_path: Path) -> None:
 
 # -- schema problems --
 
+
 def test_unknown_keys_top_level_and_nested_with_suggestions() -> None:
     problems = problems_of("approved: true\n" + CMD + "priorty: 3\nresources: {gpu: 1}\nretries: {max: 1, backof: 5}\n")
     assert [p.to_dict() for p in problems] == [
@@ -219,8 +234,10 @@ def test_unknown_key_without_a_close_match_lists_the_allowed_ones() -> None:
 
 
 def test_wrong_types_are_all_reported_sorted_by_path() -> None:
-    text = ("approved: true\npriority: high\ncommand: [python, {a: 1}, 5]\nresources: {gpus: two, ram_gb: -1}\n"
-            "env: {A: [1]}\nretries: {max: -1, on: [oom, nann]}\nname: 7\n")
+    text = (
+        "approved: true\npriority: high\ncommand: [python, {a: 1}, 5]\nresources: {gpus: two, ram_gb: -1}\n"
+        "env: {A: [1]}\nretries: {max: -1, on: [oom, nann]}\nname: 7\n"
+    )
     assert [(p.path, p.message) for p in problems_of(text)] == [
         ("command[1]", "must be a string or a number (got a mapping)"),
         ("env.A", "must be a string, a number or a boolean (true/false) (got a list)"),
@@ -229,8 +246,11 @@ def test_wrong_types_are_all_reported_sorted_by_path() -> None:
         ("resources.gpus", 'must be an integer >= 0 (got "two")'),
         ("resources.ram_gb", "must be a number >= 0 (got -1)"),
         ("retries.max", "must be an integer >= 0 (got -1)"),
-        ("retries.on[1]", 'must be one of oom, nan, killed, data, timeout, stalled, preempted, unsatisfiable, '
-                          'schedule, unknown (got "nann") (did you mean \'nan\'?)'),
+        (
+            "retries.on[1]",
+            "must be one of oom, nan, killed, data, timeout, stalled, preempted, unsatisfiable, "
+            "schedule, unknown (got \"nann\") (did you mean 'nan'?)",
+        ),
     ]
 
 
@@ -249,7 +269,8 @@ def test_list_indices_sort_numerically() -> None:
 def test_both_command_and_train_is_an_error() -> None:
     problems = problems_of("approved: true\n" + CMD + "train: {model: /m, data: /d.jsonl, max_steps: 5}\n")
     assert [p.to_dict() for p in problems] == [
-        {"path": "", "message": "exactly one of 'command' or 'train' is required (found both)"}]
+        {"path": "", "message": "exactly one of 'command' or 'train' is required (found both)"}
+    ]
 
 
 def test_neither_command_nor_train_is_an_error() -> None:
@@ -272,8 +293,9 @@ def test_empty_and_blank_commands() -> None:
 
 
 def test_values_json_cannot_hold_are_refused() -> None:
-    problems = problems_of("approved: true\n" + CMD + "env: {A: !!binary aGVsbG8=}\nresources: {ram_gb: .nan}\n"
-                                                      "1: one\n")
+    problems = problems_of(
+        "approved: true\n" + CMD + "env: {A: !!binary aGVsbG8=}\nresources: {ram_gb: .nan}\n1: one\n"
+    )
     assert [(p.path, p.message) for p in problems] == [
         ("", "key 1 must be a string (put it in quotes)"),
         ("env.A", "binary data (!!binary) is not allowed here; write it as a string or number"),
@@ -298,22 +320,35 @@ def test_many_problems_sample_reports_every_one() -> None:
     lines = str(info.value).splitlines()
     assert all(line.startswith("inbox/many-problems.yaml: ") for line in lines)
     paths = [p.path for p in info.value.problems]
-    for expected in ("", "command[1]", "priorty", "resources.gpu", "resources.ram_gb", "retries.max",
-                     "retries.on[1]", "timeout", "train"):
+    for expected in (
+        "",
+        "command[1]",
+        "priorty",
+        "resources.gpu",
+        "resources.ram_gb",
+        "retries.max",
+        "retries.on[1]",
+        "timeout",
+        "train",
+    ):
         assert expected in paths, (expected, lines)
     assert paths == sorted(paths, key=lambda p: p.replace("[", ".["))
 
 
 # -- approval (YAML 1.2) --
 
-@pytest.mark.parametrize("value,hint", [
-    ('"true"', 'approved is the string "true"; write approved: true (a YAML boolean) to submit'),
-    ("yes", 'approved is the string "yes"; write approved: true (a YAML boolean) to submit'),
-    ("on", 'approved is the string "on"; write approved: true (a YAML boolean) to submit'),
-    ("1", "approved is 1, not a boolean; write approved: true (a YAML boolean) to submit"),
-    ("false", "approved is false; write approved: true (a YAML boolean) to submit"),
-    ("", "approved is empty (null); write approved: true (a YAML boolean) to submit"),
-])
+
+@pytest.mark.parametrize(
+    "value,hint",
+    [
+        ('"true"', 'approved is the string "true"; write approved: true (a YAML boolean) to submit'),
+        ("yes", 'approved is the string "yes"; write approved: true (a YAML boolean) to submit'),
+        ("on", 'approved is the string "on"; write approved: true (a YAML boolean) to submit'),
+        ("1", "approved is 1, not a boolean; write approved: true (a YAML boolean) to submit"),
+        ("false", "approved is false; write approved: true (a YAML boolean) to submit"),
+        ("", "approved is empty (null); write approved: true (a YAML boolean) to submit"),
+    ],
+)
 def test_approved_other_than_boolean_true_is_valid_but_waits(value: str, hint: str) -> None:
     spec = parse_job_text(f"approved: {value}\n" + CMD, "inbox/x.yaml")
     assert spec.approved is False
@@ -334,20 +369,45 @@ def test_on_as_a_key_stays_the_string_on() -> None:
 
 # -- durations --
 
-@pytest.mark.parametrize("written,seconds", [("90", 90.0), ("90s", 90.0), ("10m", 600.0), ("1.5h", 5400.0),
-                                             ("6h", 21600.0), ('"1500ms"', 1.5), ("2.5", 2.5), ('"120"', 120.0)])
+
+@pytest.mark.parametrize(
+    "written,seconds",
+    [
+        ("90", 90.0),
+        ("90s", 90.0),
+        ("10m", 600.0),
+        ("1.5h", 5400.0),
+        ("6h", 21600.0),
+        ('"1500ms"', 1.5),
+        ("2.5", 2.5),
+        ('"120"', 120.0),
+    ],
+)
 def test_durations(written: str, seconds: float) -> None:
-    spec = parse_job_text(f"approved: true\n{CMD}timeout: {written}\nstop_grace: {written}\nstall_after: {written}\n"
-                          f"retries: {{backoff: {written}}}\n", "x")
+    spec = parse_job_text(
+        f"approved: true\n{CMD}timeout: {written}\nstop_grace: {written}\nstall_after: {written}\n"
+        f"retries: {{backoff: {written}}}\n",
+        "x",
+    )
     assert (spec.timeout_s, spec.stop_grace_s, spec.stall_after_s, spec.retries.backoff_s) == (seconds,) * 4
 
 
-@pytest.mark.parametrize("written,got", [("ten", '"ten"'), ("-5", "-5"), ("true", "true"),
-                                         ("5 minutes", '"5 minutes"'), ("[1]", "a list"), ("1h30m", '"1h30m"')])
+@pytest.mark.parametrize(
+    "written,got",
+    [
+        ("ten", '"ten"'),
+        ("-5", "-5"),
+        ("true", "true"),
+        ("5 minutes", '"5 minutes"'),
+        ("[1]", "a list"),
+        ("1h30m", '"1h30m"'),
+    ],
+)
 def test_bad_durations(written: str, got: str) -> None:
     problems = problems_of(f"approved: true\n{CMD}timeout: {written}\n")
     assert [p.to_dict() for p in problems] == [
-        {"path": "timeout", "message": f"expected a duration like 90, 90s, 10m, 1.5h (got {got})"}]
+        {"path": "timeout", "message": f"expected a duration like 90, 90s, 10m, 1.5h (got {got})"}
+    ]
 
 
 def test_schema_duration_pattern_matches_the_parser() -> None:
@@ -357,6 +417,7 @@ def test_schema_duration_pattern_matches_the_parser() -> None:
 
 
 # -- commands, placeholders, launching --
+
 
 def test_command_string_is_split_like_a_shell_never_run_through_one() -> None:
     spec = parse_job_text("approved: true\ncommand: python train.py --name 'my run' --tag=\"a b\" $HOME; ls\n", "x")
@@ -406,14 +467,21 @@ def test_train_job_launch() -> None:
     values = {"job_dir": "/q/running/t", "job_id": "t", "attempt": "1", "resume_from": "/q/running/t/checkpoints/x"}
     assert spec.is_train and spec.has_resume and spec.command is None
     assert spec.train["max_steps"] == 40
-    assert spec.launch_argv(values, "/venv/bin/python", resume=False) == ["/venv/bin/python", "-m", "trainq.trainer",
-                                                                          "/q/running/t"]
-    assert spec.launch_argv(values, "/venv/bin/python", resume=True)[-2:] == ["--resume-from",
-                                                                             "/q/running/t/checkpoints/x"]
+    assert spec.launch_argv(values, "/venv/bin/python", resume=False) == [
+        "/venv/bin/python",
+        "-m",
+        "trainq.trainer",
+        "/q/running/t",
+    ]
+    assert spec.launch_argv(values, "/venv/bin/python", resume=True)[-2:] == [
+        "--resume-from",
+        "/q/running/t/checkpoints/x",
+    ]
     assert spec.launch_cwd(values) is None and spec.launch_env(values) == {}
 
 
 # -- defaults and round trip --
+
 
 def test_defaults() -> None:
     spec = parse_job_text("approved: true\n" + CMD, "x")
@@ -428,8 +496,12 @@ def test_defaults() -> None:
 def test_sample_command_job_parses_to_these_values() -> None:
     spec = load_job_file(SAMPLES / "command-job.yaml")
     assert (spec.name, spec.priority, spec.cwd) == ("sweep-lr-3", 5, "work")
-    assert spec.env == {"OMP_NUM_THREADS": "4", "WANDB_DISABLED": "true", "on": "kept as the string key 'on'",
-                        "RUN_TAG": "{job_id}-a{attempt}"}
+    assert spec.env == {
+        "OMP_NUM_THREADS": "4",
+        "WANDB_DISABLED": "true",
+        "on": "kept as the string key 'on'",
+        "RUN_TAG": "{job_id}-a{attempt}",
+    }
     assert spec.resources == Resources(gpus=1, gpu_memory_gb=5.0, ram_gb=5.0, disk_gb=2.0, allow_battery=False)
     assert (spec.timeout_s, spec.stop_grace_s, spec.stall_after_s) == (21600.0, 90.0, 600.0)
     assert spec.retries == Retries(max=2, on=("oom", "killed", "preempted"), backoff_s=90.0)
@@ -459,6 +531,7 @@ def test_from_dict_validates() -> None:
 
 # -- the schemas themselves --
 
+
 def schema_properties(node: object, where: str = "") -> list[tuple[str, dict]]:
     """Every (path, subschema) listed under a ``properties`` anywhere in a schema."""
     found: list[tuple[str, dict]] = []
@@ -479,19 +552,47 @@ def test_every_property_has_title_and_description(name: str) -> None:
     assert schema["$id"] == name and schema["$schema"].endswith("2020-12/schema")
     properties = schema_properties(schema)
     assert len(properties) > 10
-    missing = [path for path, sub in properties
-               if not (isinstance(sub, dict) and sub.get("title") and len(sub.get("description", "")) > 20)]
+    missing = [
+        path
+        for path, sub in properties
+        if not (isinstance(sub, dict) and sub.get("title") and len(sub.get("description", "")) > 20)
+    ]
     assert missing == []
 
 
 def test_job_schema_lists_every_jobspec_field() -> None:
     schema = json.loads((SCHEMAS_DIR / JOB_SCHEMA).read_text())
-    assert set(schema["properties"]) == {"approved", "name", "priority", "command", "train", "cwd", "env", "resources",
-                                         "timeout", "stop_grace", "stall_after", "retries", "resume_args", "slurm",
-                                         "after", "after_policy", "on_finish", "sweep", "fork_of", "from_checkpoint",
-                                         "deadline", "expected_duration", "deliver", "expected_lr",
-                                         "abort_on_lr_deviation", "pool",
-                                         "rerun_of", "checkpoint_exit_code", "snapshot"}  # run records (issue 29)
+    assert set(schema["properties"]) == {
+        "approved",
+        "name",
+        "priority",
+        "command",
+        "train",
+        "cwd",
+        "env",
+        "resources",
+        "timeout",
+        "stop_grace",
+        "stall_after",
+        "retries",
+        "resume_args",
+        "slurm",
+        "after",
+        "after_policy",
+        "on_finish",
+        "sweep",
+        "fork_of",
+        "from_checkpoint",
+        "deadline",
+        "expected_duration",
+        "deliver",
+        "expected_lr",
+        "abort_on_lr_deviation",
+        "pool",
+        "rerun_of",
+        "checkpoint_exit_code",
+        "snapshot",
+    }  # run records (issue 29)
 
 
 def test_missing_referenced_schema_is_a_problem_not_a_crash(tmp_path: Path) -> None:
@@ -507,8 +608,10 @@ def test_validator_is_built_once_per_process() -> None:
 
 
 def test_validation_stays_fast(tmp_path: Path) -> None:
-    text = ("approved: true\nname: job-{i}\npriority: 1\ncommand: [python, train.py, --lr, 1e-4]\n"
-            "resources: {{gpus: 1, ram_gb: 2}}\ntimeout: 6h\nretries: {{max: 2, on: [oom, killed], backoff: 30s}}\n")
+    text = (
+        "approved: true\nname: job-{i}\npriority: 1\ncommand: [python, train.py, --lr, 1e-4]\n"
+        "resources: {{gpus: 1, ram_gb: 2}}\ntimeout: 6h\nretries: {{max: 2, on: [oom, killed], backoff: 30s}}\n"
+    )
     paths = [tmp_path / f"j{i}.yaml" for i in range(300)]
     for i, path in enumerate(paths):
         path.write_text(text.format(i=i))

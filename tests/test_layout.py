@@ -3,6 +3,7 @@
 The graph is read from the source with ``ast`` (every ``import``, at module level, inside functions and
 under ``TYPE_CHECKING`` alike: a cycle hidden in a type hint is still a cycle a reader has to untangle).
 """
+
 from __future__ import annotations
 
 import ast
@@ -59,7 +60,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if colour.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if colour.get(nxt) is None and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -95,8 +96,10 @@ def test_imports_only_point_down_the_wings() -> None:
             theirs = _wing(dep)
             if own and theirs and WINGS.index(theirs) > WINGS.index(own):
                 upward.append(f"{module} -> {dep}")
-    assert not upward, "imports pointing up the wings (spec < supervisor < faces < slurm < daemon < cli):\n" + \
-        "\n".join(sorted(upward))
+    assert not upward, (
+        "imports pointing up the wings (spec < supervisor < faces < slurm < daemon < cli):\n"
+        + "\n".join(sorted(upward))
+    )
 
 
 def test_every_module_of_the_watcher_lives_in_a_wing() -> None:
@@ -106,8 +109,12 @@ def test_every_module_of_the_watcher_lives_in_a_wing() -> None:
 
 
 def test_no_folder_under_watcher_holds_more_than_twenty_modules() -> None:
-    crowded = {d.name: n for d in WATCHER.iterdir() if d.is_dir()
-               if (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES_PER_FOLDER}
+    crowded = {
+        d.name: n
+        for d in WATCHER.iterdir()
+        if d.is_dir()
+        if (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES_PER_FOLDER
+    }
     assert not crowded, crowded
 
 
@@ -121,8 +128,11 @@ def test_nothing_in_the_repository_points_outside_it() -> None:
     """A clone is complete: no tracked file sends its reader to the steering folder beside the repository."""
     needle = "../" + "shared"
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=False)
-    tracked = [REPO / n for n in listed.stdout.decode().split("\0") if n] if listed.returncode == 0 else \
-        [p for p in REPO.rglob("*") if not {".git", ".venv"} & set(p.parts)]
+    tracked = (
+        [REPO / n for n in listed.stdout.decode().split("\0") if n]
+        if listed.returncode == 0
+        else [p for p in REPO.rglob("*") if not {".git", ".venv"} & set(p.parts)]
+    )
     offenders = []
     for path in tracked:
         if not path.is_file() or path.suffix in (".png", ".whl", ".gz"):

@@ -6,6 +6,7 @@ status`, `trainq why`, `trainq pause` (the management commands' watcher check), 
 frames and status.html in a real Chromium. A live watcher must not be called dead, whichever way the
 clock is off, and a dead one (frozen with SIGSTOP: its pid still exists; or SIGKILLed) must be.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,18 @@ from rich.console import Console
 
 from conftest import PY, REPO, wait_until
 from trainq.watcher.faces.html import render_html
-from trainq.watcher.faces.liveness import (ALIVE, BY_CLOCK, BY_WATCHING, CONFIRM_S, DEAD, STALE_HEARTBEAT_S,
-                                           WATCHING, HeartbeatWatch, heartbeat_period, watch_for)
+from trainq.watcher.faces.liveness import (
+    ALIVE,
+    BY_CLOCK,
+    BY_WATCHING,
+    CONFIRM_S,
+    DEAD,
+    STALE_HEARTBEAT_S,
+    WATCHING,
+    HeartbeatWatch,
+    heartbeat_period,
+    watch_for,
+)
 from trainq.watcher.faces.view import Filters, _view, render_status
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
@@ -38,8 +49,9 @@ both_ways = pytest.mark.parametrize("offset_s", [-SKEW_S, SKEW_S], ids=["watcher
 def _faked_clock(offset_s: int) -> dict:
     """The environment that puts a process's clocks ``offset_s`` off this machine's: the library that
     `faketime` preloads (the wrapper itself would stand between the test and the watcher's pid)."""
-    preload = subprocess.run([FAKETIME, "-f", "+0", "sh", "-c", 'printf %s "$LD_PRELOAD"'], capture_output=True,
-                             text=True, check=True).stdout
+    preload = subprocess.run(
+        [FAKETIME, "-f", "+0", "sh", "-c", 'printf %s "$LD_PRELOAD"'], capture_output=True, text=True, check=True
+    ).stdout
     assert "faketime" in preload, preload
     # monotonic is faked too (by the same offset): with it left real, libfaketime breaks watchdog's sleeps
     return {"LD_PRELOAD": preload, "FAKETIME": f"{offset_s:+d}s"}
@@ -60,12 +72,21 @@ def _readers(root: Path) -> dict[str, str]:
     """`trainq status`, `trainq why held` and `trainq pause`, run at once (each may watch the heartbeat a while)."""
     env = dict(os.environ, COLUMNS="250")  # rich's width off a terminal: no line is cut
     argvs = {"status": ["status"], "why": ["why", "held"], "pause": ["pause"]}
-    procs = {name: subprocess.Popen([PY, "-m", "trainq.watcher", "--root", str(root), *argv], cwd=REPO, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, argv in argvs.items()}
+    procs = {
+        name: subprocess.Popen(
+            [PY, "-m", "trainq.watcher", "--root", str(root), *argv],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, argv in argvs.items()
+    }
     out = {name: proc.communicate(timeout=120)[0] for name, proc in procs.items()}
-    subprocess.run([PY, "-m", "trainq.watcher", "--root", str(root), "resume"], cwd=REPO, capture_output=True,
-                   check=True)
+    subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(root), "resume"], cwd=REPO, capture_output=True, check=True
+    )
     return out
 
 
@@ -82,7 +103,8 @@ def _says_dead(out: dict[str, str]) -> None:
 @needs_faketime
 @both_ways
 def test_a_watcher_with_another_clock_is_alive_while_it_beats_and_dead_once_frozen(
-        queue_dir, watcher_process, write_job, offset_s):
+    queue_dir, watcher_process, write_job, offset_s
+):
     wp = _start(queue_dir, watcher_process, write_job, offset_s)
     side = "ahead of" if offset_s < 0 else "behind"
 
@@ -108,7 +130,8 @@ def test_a_watcher_with_another_clock_is_alive_while_it_beats_and_dead_once_froz
 @needs_faketime
 @both_ways
 def test_status_left_by_a_killed_watcher_with_another_clock_says_not_responding(
-        queue_dir, watcher_process, write_job, offset_s):
+    queue_dir, watcher_process, write_job, offset_s
+):
     """Ahead, its last heartbeat is in this clock's future: compared, it looked fresh for ten minutes."""
     wp = _start(queue_dir, watcher_process, write_job, offset_s)
     wp.kill(signal.SIGKILL)
@@ -158,13 +181,21 @@ def _page_alive_then_frozen(browser, wp, url: str) -> None:
         return None
 
     browser.call("Page.navigate", {"url": url}, session=True)
-    wait_until(lambda: (f := facts()) and "ahead of the watcher's" in f["hb"] and not f["banner"], 30, 0.25,
-               "the page saw the heartbeat change and named the offset")
+    wait_until(
+        lambda: (f := facts()) and "ahead of the watcher's" in f["hb"] and not f["banner"],
+        30,
+        0.25,
+        "the page saw the heartbeat change and named the offset",
+    )
     assert not [f for f in seen if "watcher not responding" in (f["banner"] or "")], seen
     os.kill(wp.proc.pid, signal.SIGSTOP)
     try:
-        wait_until(lambda: (f := facts()) and "watcher not responding" in (f["banner"] or ""), 30, 0.25,
-                   "the frozen watcher's page says it is not responding")
+        wait_until(
+            lambda: (f := facts()) and "watcher not responding" in (f["banner"] or ""),
+            30,
+            0.25,
+            "the frozen watcher's page says it is not responding",
+        )
     finally:
         os.kill(wp.proc.pid, signal.SIGCONT)
     assert "timed by this browser" in seen[-1]["banner"], seen[-1]
@@ -192,6 +223,7 @@ def test_served_live_page_watches_the_heartbeat_change(queue_dir, watcher_proces
 
 
 # -- the rules, one reader's observations given by hand ------------------------------------------------------
+
 
 def _watcher(beat: float, host: str = "elsewhere", state: str = "running") -> dict:
     return {"host": host, "pid": 1, "state": state, "heartbeat_at": iso_utc(beat)}

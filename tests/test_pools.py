@@ -3,6 +3,7 @@
 Against a real watcher process: jobs that block until a release file exists show that each pool
 holds its own limit while the others fill theirs.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -13,8 +14,9 @@ from test_workflows import _entry, _job, _run, _status, _where
 
 
 def _cli(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "trainq.watcher", "--root", str(root), *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=60)
+    return subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(root), *args], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
 
 
 def _blocker(release: Path) -> list[str]:
@@ -27,7 +29,9 @@ def _running(root: Path) -> set[str]:
 
 def test_each_pool_holds_its_own_limit_under_a_real_watcher(queue_dir, watcher_process, tmp_path):
     release = tmp_path / "release"
-    (queue_dir / "watcher.yaml").write_text("max_concurrent: 1\npools: {gpu: {max_concurrent: 2}, cpu: {max_concurrent: 1}}\n")
+    (queue_dir / "watcher.yaml").write_text(
+        "max_concurrent: 1\npools: {gpu: {max_concurrent: 2}, cpu: {max_concurrent: 1}}\n"
+    )
     watcher_process()
     for name in ("g1", "g2", "g3"):
         _job(queue_dir, name, pool="gpu", command=_blocker(release), resources={"gpus": 0}, stop_grace="1s")
@@ -49,8 +53,14 @@ def test_each_pool_holds_its_own_limit_under_a_real_watcher(queue_dir, watcher_p
     why = _cli(queue_dir, "why", "g3").stdout
     assert "HOLD max_concurrent  pool gpu: max_concurrent 2 reached (running: g1, g2)" in why, why
     assert _running(queue_dir) == {"g1", "g2", "c1", "d1"}  # still: nothing past the limits started meanwhile
-    view = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status", "--wide"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "COLUMNS": "200"})
+    view = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status", "--wide"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "COLUMNS": "200"},
+    )
     assert "pool gpu: max_concurrent 2 reached" in " ".join(view.stdout.split()), view.stdout
 
     out = _cli(queue_dir, "pause", "--pool", "cpu")

@@ -1,4 +1,5 @@
 """MetricsTail and LogProgress: incremental reads, broken input, truncation, ETA after resume."""
+
 from __future__ import annotations
 
 import ast
@@ -52,8 +53,17 @@ def test_half_written_line_waits_for_its_end(tmp_path: Path) -> None:
     assert tail.poll() is False
     _append(path, b"\n")
     assert tail.poll() is True
-    assert tail.progress == {"step": 3, "total_steps": 10, "epoch": 0.3, "loss": 1.5, "eval_loss": None,
-                             "lr": None, "grad_norm": None, "tokens_per_s": 800.0, "eta_s": None}
+    assert tail.progress == {
+        "step": 3,
+        "total_steps": 10,
+        "epoch": 0.3,
+        "loss": 1.5,
+        "eval_loss": None,
+        "lr": None,
+        "grad_norm": None,
+        "tokens_per_s": 800.0,
+        "eta_s": None,
+    }
     assert tail.last_record_at == T0
     assert [r["step"] for r in tail.new_records] == [3]
     assert tail.poll() is False and tail.new_records == []
@@ -65,7 +75,7 @@ def test_byte_by_byte_appends_give_every_record_once(tmp_path: Path) -> None:
     tail = MetricsTail(path)
     seen = []
     for i in range(len(data)):
-        _append(path, data[i:i + 1])
+        _append(path, data[i : i + 1])
         tail.poll()
         seen += [r["step"] for r in tail.new_records]
     assert seen == list(range(1, 21))
@@ -73,8 +83,13 @@ def test_byte_by_byte_appends_give_every_record_once(tmp_path: Path) -> None:
 
 def test_malformed_lines_are_skipped(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    _append(path, b"not json\n[1, 2]\n\xff\xfe\n{\"type\": \"step\", \"step\": \n" + _line(type="step", step=5, loss=1.0)
-            + b'{"type": "step", "step": "six", "loss": "low"}\n' + _line(type="eval", step=5, eval_loss=1.2))
+    _append(
+        path,
+        b'not json\n[1, 2]\n\xff\xfe\n{"type": "step", "step": \n'
+        + _line(type="step", step=5, loss=1.0)
+        + b'{"type": "step", "step": "six", "loss": "low"}\n'
+        + _line(type="eval", step=5, eval_loss=1.2),
+    )
     tail = MetricsTail(path)
     assert tail.poll() is True
     assert len(tail.records_tail) == 3
@@ -83,8 +98,11 @@ def test_malformed_lines_are_skipped(tmp_path: Path) -> None:
 
 def test_lines_holding_two_objects_or_fragments_are_skipped(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    _append(path, b'{"type": "step", "step": 1}, {"type": "step", "step": 99}\n{"type": "step", "step": [1\n2]}\n'
-            + _line(type="step", step=2, loss=1.0))
+    _append(
+        path,
+        b'{"type": "step", "step": 1}, {"type": "step", "step": 99}\n{"type": "step", "step": [1\n2]}\n'
+        + _line(type="step", step=2, loss=1.0),
+    )
     tail = MetricsTail(path)
     assert tail.poll() is True
     assert [r["step"] for r in tail.new_records] == [2]
@@ -222,13 +240,24 @@ def test_follows_a_real_writer_process(tmp_path: Path) -> None:
 
 def test_log_progress_reads_trainer_dicts(tmp_path: Path) -> None:
     path = tmp_path / "output.log"
-    _append(path, b"loading model...\n  5%|\xe2\x96\x8c   | 5/100 [00:01<00:19,  4.9it/s]\r 10%|#  | 10/100 [00:02<00:18]\r")
+    _append(
+        path, b"loading model...\n  5%|\xe2\x96\x8c   | 5/100 [00:01<00:19,  4.9it/s]\r 10%|#  | 10/100 [00:02<00:18]\r"
+    )
     _append(path, b"{'loss': 2.1, 'grad_norm': 0.5, 'learning_rate': 0.0001, 'epoch': 0.1}\n")
     log = LogProgress(path)
     assert log.poll() is True
     # the newest bar (10/100, tqdm's own ETA 18 s until two polls give a rate) and the dict
-    assert log.progress == {"step": 10, "total_steps": 100, "epoch": 0.1, "loss": 2.1, "eval_loss": None,
-                            "lr": 0.0001, "grad_norm": 0.5, "tokens_per_s": None, "eta_s": 18}
+    assert log.progress == {
+        "step": 10,
+        "total_steps": 100,
+        "epoch": 0.1,
+        "loss": 2.1,
+        "eval_loss": None,
+        "lr": 0.0001,
+        "grad_norm": 0.5,
+        "tokens_per_s": None,
+        "eta_s": 18,
+    }
     _append(path, b"{'eval_loss': '1.95', 'eval_runtime': '0.5', 'epoch': '0.2'}\n{'loss': '1.8'")
     assert log.poll() is True and log.progress["eval_loss"] == 1.95 and log.progress["loss"] == 2.1
     _append(path, b", 'grad_norm': '0.4', 'learning_rate': '9e-05', 'epoch': '0.3'}\n")
@@ -339,7 +368,7 @@ def test_a_record_never_hides_a_field_it_does_not_carry(tmp_path: Path) -> None:
 
 def test_metrics_lines_that_are_not_json_are_counted(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    _append(path, b"step 3 loss 2.0\n" + _line(type="step", step=3) + b"[1, 2]\n{\"type\": \"st\n")
+    _append(path, b"step 3 loss 2.0\n" + _line(type="step", step=3) + b'[1, 2]\n{"type": "st\n')
     tail = MetricsTail(path)
     assert tail.poll() is True
     assert tail.bad_lines == 3 and tail.progress["step"] == 3

@@ -4,6 +4,7 @@ The watcher is started as the quick start starts it, ``.venv/bin/trainq watch`` 
 venv, on a PATH whose python has no torch (or no python at all): the job's bare ``python`` must still be
 the watcher's own (spec/interpreter.py), not the system one.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,14 @@ def test_quick_start_then_the_shipped_hf_example_ends_done(tmp_path):
     shutil.copytree(REPO / "queue" / "examples", tmp_path / "queue" / "examples")
     built = _trainq(tmp_path, "tiny", "queue/demo", env=env)  # the example's own first step
     assert built.returncode == 0, built.stderr
-    watcher = subprocess.Popen([str(Path(PY).parent / "trainq"), "watch", "-q"], cwd=tmp_path, env=env,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    watcher = subprocess.Popen(
+        [str(Path(PY).parent / "trainq"), "watch", "-q"],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         out = _trainq(tmp_path, "submit", "queue/examples/hf-trainer.yaml", env=env)
         # "job hf-trainer" once the watcher took it; a watcher still starting on a loaded machine is not there yet
@@ -47,7 +54,8 @@ def test_quick_start_then_the_shipped_hf_example_ends_done(tmp_path):
                 if (tmp_path / "queue" / state / "hf-trainer" / "run.json").exists():
                     folder["state"] = state
                     return json.loads((tmp_path / "queue" / state / "hf-trainer" / "run.json").read_text()).get(
-                        "status") not in (None, "running", "pending")
+                        "status"
+                    ) not in (None, "running", "pending")
             return False
 
         wait_until(ended, 300, interval_s=0.5, what="the HF example ends")

@@ -1,4 +1,5 @@
 """The README stays true: the job-file reference matches the schemas, and the commands it shows exist."""
+
 from __future__ import annotations
 
 import re

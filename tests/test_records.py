@@ -1,5 +1,6 @@
 """Issue 29: every run can be told apart and redone. Snapshots, events.jsonl, rerun, diff and checkpoint
 exits, with real git repositories, real jobs under an in-process watcher, and the real CLI."""
+
 from __future__ import annotations
 
 import json
@@ -22,16 +23,22 @@ def trainq(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env).stdout
 
 
 def make_repo(path: Path) -> Path:
     path.mkdir()
     git(path, "init", "-q")
-    (path / "train.py").write_text("import os\nMESSAGE = 'v1'\n"
-                                   "open(os.environ['TRAINQ_JOB_DIR'] + '/ran.txt', 'w').write(MESSAGE + '\\n')\n")
+    (path / "train.py").write_text(
+        "import os\nMESSAGE = 'v1'\nopen(os.environ['TRAINQ_JOB_DIR'] + '/ran.txt', 'w').write(MESSAGE + '\\n')\n"
+    )
     git(path, "add", ".")
     git(path, "commit", "-qm", "v1")
     return path
@@ -81,14 +88,20 @@ def test_a_dirty_tree_is_rerun_exactly_after_it_changed(queue_dir, watcher, tmp_
 
 
 def test_diff_of_two_sweep_members_shows_params_and_results(queue_dir, watcher):
-    script = ("import json, os\nlr = float(os.environ['LR'])\n"
-              "with open(os.environ['TRAINQ_METRICS'], 'a') as f:\n"
-              "    for step in (1, 2):\n"
-              "        f.write(json.dumps({'type': 'step', 'step': step, 'loss': lr * 10 / step}) + '\\n')\n")
+    script = (
+        "import json, os\nlr = float(os.environ['LR'])\n"
+        "with open(os.environ['TRAINQ_METRICS'], 'a') as f:\n"
+        "    for step in (1, 2):\n"
+        "        f.write(json.dumps({'type': 'step', 'step': step, 'loss': lr * 10 / step}) + '\\n')\n"
+    )
     (queue_dir.parent / "fit.py").write_text(script)
     w = watcher()
-    drop(queue_dir, "lrs.yaml", f"approved: true\ncommand: [{PY}, {queue_dir.parent / 'fit.py'}]\n"
-                                "env: {LR: '{lr}'}\nsweep: {lr: ['0.1', '0.2']}\n")
+    drop(
+        queue_dir,
+        "lrs.yaml",
+        f"approved: true\ncommand: [{PY}, {queue_dir.parent / 'fit.py'}]\n"
+        "env: {LR: '{lr}'}\nsweep: {lr: ['0.1', '0.2']}\n",
+    )
     tick_until(w, lambda: all((queue_dir / "done" / f"lrs-{i}").exists() for i in (1, 2)))
     out = trainq(queue_dir, "diff", "lrs-1", "lrs-2")
     assert out.returncode == 0, out.stderr
@@ -120,13 +133,27 @@ time.sleep(60)
 def test_events_tell_the_story_of_a_preempted_retried_resumed_job(queue_dir, watcher):
     (queue_dir.parent / "job.py").write_text(PREEMPTED_ONCE)
     w = watcher()
-    drop(queue_dir, "pre.yaml", f"approved: true\ncommand: [{PY}, {queue_dir.parent / 'job.py'}]\n"
-                                "resume_args: []\nretries: {max: 1, on: [preempted], backoff: 1s}\n")
+    drop(
+        queue_dir,
+        "pre.yaml",
+        f"approved: true\ncommand: [{PY}, {queue_dir.parent / 'job.py'}]\n"
+        "resume_args: []\nretries: {max: 1, on: [preempted], backoff: 1s}\n",
+    )
     tick_until(w, lambda: (queue_dir / "done" / "pre").exists(), 30)
     done = queue_dir / "done" / "pre"
     story = events.read(JobPaths(done))
-    assert [r["event"] for r in story] == ["submitted", "accepted", "started", "checkpoint", "preempted", "exited",
-                                           "retrying", "started", "exited", "finished"]
+    assert [r["event"] for r in story] == [
+        "submitted",
+        "accepted",
+        "started",
+        "checkpoint",
+        "preempted",
+        "exited",
+        "retrying",
+        "started",
+        "exited",
+        "finished",
+    ]
     by = {(r["event"], r.get("attempt")): r for r in story}
     assert by[("checkpoint", 1)]["step"] == 5
     assert by[("exited", 1)]["stop_reason"] == "sigterm"
@@ -136,7 +163,8 @@ def test_events_tell_the_story_of_a_preempted_retried_resumed_job(queue_dir, wat
     assert all(r["time"].endswith("Z") for r in story)
     shown = trainq(queue_dir, "events", "pre")
     assert shown.returncode == 0 and [line.split()[1] for line in shown.stdout.splitlines()] == [
-        r["event"] for r in story]
+        r["event"] for r in story
+    ]
 
 
 CHECKPOINT_EXITS = """
@@ -157,8 +185,11 @@ sys.exit(85)
 def test_a_script_exiting_85_three_times_then_0_is_done_in_4_attempts_without_retries(queue_dir, watcher):
     (queue_dir.parent / "slices.py").write_text(CHECKPOINT_EXITS)
     w = watcher()
-    drop(queue_dir, "sl.yaml", f"approved: true\ncommand: [{PY}, {queue_dir.parent / 'slices.py'}]\n"
-                               "checkpoint_exit_code: 85\n")  # retries.max stays 0: a failure would end it
+    drop(
+        queue_dir,
+        "sl.yaml",
+        f"approved: true\ncommand: [{PY}, {queue_dir.parent / 'slices.py'}]\ncheckpoint_exit_code: 85\n",
+    )  # retries.max stays 0: a failure would end it
     tick_until(w, lambda: (queue_dir / "done" / "sl").exists(), 30)
     done = queue_dir / "done" / "sl"
     run = json.loads((done / "run.json").read_text())
@@ -177,7 +208,7 @@ def test_snapshot_false_writes_none_and_inherited_secrets_are_never_written(queu
     gpus = tmp_path / "gpus.json"
     gpus.write_text(json.dumps([{"index": i, "name": f"Sim {i}", "memory_total_mb": 6144} for i in (0, 1)]))
     w = watcher(simulate_gpus=str(gpus))
-    drop(queue_dir, "off.yaml", "approved: true\ncommand: [\"true\"]\nsnapshot: false\nresources: {gpus: 0}\n")
+    drop(queue_dir, "off.yaml", 'approved: true\ncommand: ["true"]\nsnapshot: false\nresources: {gpus: 0}\n')
     drop(queue_dir, "on.yaml", f"approved: true\ncommand: [{PY}, -c, 'print(1)']\nresources: {{gpus: 1}}\n")
     tick_until(w, lambda: all((queue_dir / "done" / j).exists() for j in ("off", "on")))
     assert not (queue_dir / "done" / "off" / "snapshot").exists()

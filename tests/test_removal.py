@@ -1,4 +1,5 @@
 """A removed dependency counts as ended ``removed`` for its dependents, across restarts (issue 23 item 3)."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ def _read(path: Path) -> dict:
 
 
 def _cli(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "trainq.watcher", "--root", str(root), *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=60)
+    return subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(root), *args], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
 
 
 def _submit_chain(root: Path) -> None:
@@ -55,8 +57,13 @@ def test_rm_rf_while_no_watcher_runs_is_found_at_the_restart(queue_dir, watcher_
     (queue_dir / "pause.flag").touch()
     wp = watcher_process()
     _submit_chain(queue_dir)
-    wait_until(lambda: all(_read(queue_dir / "pending" / j / "run.json").get("after_seen") == ["dep"]
-                           for j in ("need", "anyway")), 20, what="the dependents saw dep")
+    wait_until(
+        lambda: all(
+            _read(queue_dir / "pending" / j / "run.json").get("after_seen") == ["dep"] for j in ("need", "anyway")
+        ),
+        20,
+        what="the dependents saw dep",
+    )
     wp.kill()
     shutil.rmtree(queue_dir / "pending" / "dep")
     watcher_process()

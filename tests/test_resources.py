@@ -1,4 +1,5 @@
 """Probes against the real machine (no NVIDIA driver here), simulated GPU and battery files, real processes."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,15 @@ from trainq.watcher.spec.contract import ENV_SIMULATE_GPUS
 from trainq.watcher.daemon.resources import ENV_SIMULATE_BATTERY, GpuInfo, ResourceProbe
 
 TWO_GPUS = [
-    {"index": 0, "name": "Sim 6GB", "memory_total_mb": 6144, "memory_used_mb": 0, "utilization_pct": 0,
-     "temperature_c": 41, "compute_capability": "8.6"},
+    {
+        "index": 0,
+        "name": "Sim 6GB",
+        "memory_total_mb": 6144,
+        "memory_used_mb": 0,
+        "utilization_pct": 0,
+        "temperature_c": 41,
+        "compute_capability": "8.6",
+    },
     {"index": 1, "name": "Sim 6GB", "memory_total_mb": 6144},
 ]
 
@@ -203,8 +211,10 @@ def test_new_children_are_found_at_the_next_rescan(tmp_path: Path, spawn: Callab
 def test_tree_usage_sums_gpu_memory_of_the_tree(tmp_path: Path, spawn: Callable) -> None:
     job = spawn()
     other = spawn()
-    gpus = [dict(TWO_GPUS[0], processes=[{"pid": job.pid, "used_mb": 700}, {"pid": other.pid, "used_mb": 300}]),
-            dict(TWO_GPUS[1], processes=[{"pid": job.pid, "used_mb": 50}])]
+    gpus = [
+        dict(TWO_GPUS[0], processes=[{"pid": job.pid, "used_mb": 700}, {"pid": other.pid, "used_mb": 300}]),
+        dict(TWO_GPUS[1], processes=[{"pid": job.pid, "used_mb": 50}]),
+    ]
     probe = probe_for(write_json(tmp_path / "gpus.json", gpus))
     assert probe.tree_usage([job.pid])["gpu_memory_mb"] == 750
     assert probe.tree_usage([job.pid, other.pid])["gpu_memory_mb"] == 1050
@@ -235,7 +245,8 @@ def test_real_nvml_reports_every_gpu_with_memory_and_our_own_processes() -> None
             assert 0 <= gpu.memory_used_mb <= gpu.memory_total_mb
             assert gpu.compute_capability and "." in gpu.compute_capability
         user = subprocess.Popen(
-            [sys.executable, "-c", "import torch, time; x = torch.ones(64 << 20, device='cuda'); time.sleep(30)"])
+            [sys.executable, "-c", "import torch, time; x = torch.ones(64 << 20, device='cuda'); time.sleep(30)"]
+        )
         try:
             seen = wait_until(lambda: any(p.pid == user.pid for g in probe.gpus()[0] for p in g.processes), 60)
             assert seen

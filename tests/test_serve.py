@@ -1,5 +1,6 @@
 """`trainq serve` as a real process on a loopback ephemeral port, read with a raw HTTP client (the browser
 tests are in test_serve_browser.py): refusals, token, ids, read-only, and the streams of real jobs."""
+
 from __future__ import annotations
 
 import json
@@ -51,9 +52,16 @@ def test_a_non_loopback_bind_without_a_token_is_refused_before_binding(queue_dir
         ("--host", "0.0.0.0", "--token-file", str(empty)): f"--token-file {empty}: the token must be at least",
         ("--host", "0.0.0.0", "--token-file", str(tmp_path / "missing")): "cannot read it",
     }
-    procs = {args: subprocess.Popen([sys.executable, "-m", "trainq.watcher", "--root", str(queue_dir), "serve", *args,
-                                     "--port", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for args in cases}
+    procs = {
+        args: subprocess.Popen(
+            [sys.executable, "-m", "trainq.watcher", "--root", str(queue_dir), "serve", *args, "--port", "0"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in cases
+    }
     for args, proc in procs.items():
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 2 and out == "", (args, out, err)
@@ -61,8 +69,10 @@ def test_a_non_loopback_bind_without_a_token_is_refused_before_binding(queue_dir
 
 
 def test_without_the_serve_extra_it_says_what_to_install(queue_dir: Path) -> None:
-    hide = ("import sys; sys.modules['uvicorn'] = None; from trainq.watcher.cli.main import main; "
-            f"sys.exit(main(['--root', {str(queue_dir)!r}, 'serve', '--port', '0']))")
+    hide = (
+        "import sys; sys.modules['uvicorn'] = None; from trainq.watcher.cli.main import main; "
+        f"sys.exit(main(['--root', {str(queue_dir)!r}, 'serve', '--port', '0']))"
+    )
     done = subprocess.run([sys.executable, "-c", hide], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == "trainq serve: needs the serve extra (uvicorn is missing): pip install 'trainq[serve]'\n"
@@ -73,9 +83,14 @@ def test_with_a_token_every_request_must_carry_it(queue_dir: Path, tmp_path: Pat
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     server = serve("--token-file", str(token_file))
-    for headers, path in (({}, "/status"), ({"Authorization": "Bearer wrong-token-000000"}, "/status"),
-                          ({"Authorization": f"Basic {TOKEN}"}, "/status"), ({}, "/events"), ({}, "/jobs/a/log"),
-                          ({}, "/status?token=nope")):
+    for headers, path in (
+        ({}, "/status"),
+        ({"Authorization": "Bearer wrong-token-000000"}, "/status"),
+        ({"Authorization": f"Basic {TOKEN}"}, "/status"),
+        ({}, "/events"),
+        ({}, "/jobs/a/log"),
+        ({}, "/status?token=nope"),
+    ):
         status, head, _ = server.get(path, headers)
         assert status == 401 and head.get("www-authenticate") == "Bearer", (headers, path, status)
     assert server.get("/status", {"Authorization": f"Bearer {TOKEN}"})[0] == 200
@@ -85,8 +100,9 @@ def test_with_a_token_every_request_must_carry_it(queue_dir: Path, tmp_path: Pat
     events.close()
 
 
-def test_ids_are_checked_against_the_folders_and_nothing_changes_the_queue(queue_dir: Path, tmp_path: Path,
-                                                                          serve) -> None:
+def test_ids_are_checked_against_the_folders_and_nothing_changes_the_queue(
+    queue_dir: Path, tmp_path: Path, serve
+) -> None:
     job = queue_dir / "done" / "a"
     job.mkdir()
     (job / "output.log").write_bytes(b"hello\n")
@@ -98,9 +114,18 @@ def test_ids_are_checked_against_the_folders_and_nothing_changes_the_queue(queue
     before = _tree(queue_dir)
     server = serve()
     assert server.get("/status")[0] == 503 and server.get("/")[0] == 503  # no watcher has written them yet
-    for path in ("/jobs/../log", "/jobs/%2e%2e/log", "/jobs/..%2F..%2Foutside/log", "/jobs/a%2F..%2F..%2Foutside/log",
-                 "/jobs/linked/log", "/jobs/nope/log", "/jobs/inbox/log", "/jobs/a/../../outside/output.log",
-                 "/jobs/a/output.log", "/jobs/" + "x" * 65 + "/log"):
+    for path in (
+        "/jobs/../log",
+        "/jobs/%2e%2e/log",
+        "/jobs/..%2F..%2Foutside/log",
+        "/jobs/a%2F..%2F..%2Foutside/log",
+        "/jobs/linked/log",
+        "/jobs/nope/log",
+        "/jobs/inbox/log",
+        "/jobs/a/../../outside/output.log",
+        "/jobs/a/output.log",
+        "/jobs/" + "x" * 65 + "/log",
+    ):
         status, _, body = server.get(path)
         assert status == 404 and b"secret" not in body, (path, status, body)
     for method in ("POST", "PUT", "DELETE", "PATCH"):
@@ -135,22 +160,40 @@ def test_an_idle_stream_keeps_alive_then_follows_the_folder_to_its_end(queue_dir
     assert (lambda e: (e.id, e.data))(stream.next()) == ("4", "new")
     os.rename(queue_dir / "running" / "p", queue_dir / "done" / "p")
     rest = stream.until(lambda e: e.kind == "end")
-    assert [e.kind for e in rest] == ["end"] and json.loads(rest[-1].data) == {"id": "p", "state": "done", "status": "done"}
+    assert [e.kind for e in rest] == ["end"] and json.loads(rest[-1].data) == {
+        "id": "p",
+        "state": "done",
+        "status": "done",
+    }
     assert stream.next() is None  # the server closed the stream
     assert server.get("/jobs/p/log", {"Last-Event-ID": "4"})[0] == 204
 
 
 def _expected_lines(first_attempt: int, second_attempt: int) -> list[str]:
-    return [f"line 1-{i} ünï" for i in range(1, first_attempt + 1)] + \
-           [f"line 2-{i} ünï" for i in range(1, second_attempt + 1)]
+    return [f"line 1-{i} ünï" for i in range(1, first_attempt + 1)] + [
+        f"line 2-{i} ünï" for i in range(1, second_attempt + 1)
+    ]
 
 
-def test_a_real_jobs_log_and_metrics_stream_live_and_resume_exactly_at_every_id(queue_dir: Path, watcher_process,
-                                                                              serve) -> None:
+def test_a_real_jobs_log_and_metrics_stream_live_and_resume_exactly_at_every_id(
+    queue_dir: Path, watcher_process, serve
+) -> None:
     watcher = watcher_process()
     server = serve()
-    drop(queue_dir, "chat.yaml", chatty_job("--lines", "24", "--fail-first-after", "4", "--gates", "12", "--metrics",
-                                            retries={"max": 1, "on": ["unknown"], "backoff": "1s"}))
+    drop(
+        queue_dir,
+        "chat.yaml",
+        chatty_job(
+            "--lines",
+            "24",
+            "--fail-first-after",
+            "4",
+            "--gates",
+            "12",
+            "--metrics",
+            retries={"max": 1, "on": ["unknown"], "backoff": "1s"},
+        ),
+    )
     wait_until(lambda: any((queue_dir / s / "chat").is_dir() for s in ("pending", "running")), 60, 0.02, "accepted")
     stream = server.stream("/jobs/chat/log")
     live = stream.until(lambda e: e.data == "line 2-12 ünï")
@@ -175,7 +218,7 @@ def test_a_real_jobs_log_and_metrics_stream_live_and_resume_exactly_at_every_id(
 
     for i, event in enumerate(events[:-1]):  # reconnect after every event: exactly the rest, then the end
         rest = server.stream("/jobs/chat/log", {"Last-Event-ID": event.id}).until(lambda e: e.kind == "end")
-        assert [(e.kind, e.id, e.data) for e in rest[:-1]] == [(e.kind, e.id, e.data) for e in events[i + 1:-1]]
+        assert [(e.kind, e.id, e.data) for e in rest[:-1]] == [(e.kind, e.id, e.data) for e in events[i + 1 : -1]]
     assert server.get("/jobs/chat/log", {"Last-Event-ID": str(len(log))})[0] == 204
 
     metrics = server.stream("/jobs/chat/metrics").until(lambda e: e.kind == "end")
@@ -196,16 +239,23 @@ def test_events_report_each_state_change_and_resume(queue_dir: Path, watcher_pro
     snapshot = events.next()
     assert snapshot.kind == "snapshot" and json.loads(snapshot.data)["jobs"] == {}
     drop(queue_dir, "e1.yaml", chatty_job("--lines", "1"))
-    changes = [e for e in events.until(lambda e: e.kind == "job" and json.loads(e.data)["change"] == "finished")
-               if e.kind == "job"]
+    changes = [
+        e
+        for e in events.until(lambda e: e.kind == "job" and json.loads(e.data)["change"] == "finished")
+        if e.kind == "job"
+    ]
     assert [(json.loads(e.data)["change"], json.loads(e.data)["state"]) for e in changes] == [
-        ("accepted", "pending"), ("started", "running"), ("finished", "done")]
+        ("accepted", "pending"),
+        ("started", "running"),
+        ("finished", "done"),
+    ]
     assert json.loads(changes[-1].data)["status"] == "done"
     heartbeat = events.until(lambda e: e.kind == "watcher")[-1]
     assert json.loads(heartbeat.data)["watcher"]["heartbeat_at"] and "counts" in json.loads(heartbeat.data)
 
-    missed = server.stream("/events", {"Last-Event-ID": changes[0].id}).until(lambda e: e.kind == "job" and
-                                                                              e.id == changes[-1].id)
+    missed = server.stream("/events", {"Last-Event-ID": changes[0].id}).until(
+        lambda e: e.kind == "job" and e.id == changes[-1].id
+    )
     assert [e.data for e in missed] == [e.data for e in changes[1:]]
     fresh = server.stream("/events", {"Last-Event-ID": "1-1"}).next()  # another server's id: start from a snapshot
     assert fresh.kind == "snapshot" and json.loads(fresh.data)["jobs"] == {"e1": {"state": "done", "status": "done"}}
@@ -228,8 +278,10 @@ def test_the_job_feed_reports_every_state_a_job_passed_through(queue_dir: Path) 
     def changes(arrivals) -> list[tuple[str, str | None, str | None]]:
         return [(d["change"], d["state"], d["status"]) for d in map(json.loads, feed.rescan(arrivals))]
 
-    assert changes([("pending", "x"), ("running", "x")]) == [("accepted", "pending", "pending"),
-                                                              ("started", "running", "running")]
+    assert changes([("pending", "x"), ("running", "x")]) == [
+        ("accepted", "pending", "pending"),
+        ("started", "running", "running"),
+    ]
     os.rename(queue_dir / "running" / "x", queue_dir / "failed" / "x")
     (queue_dir / "failed" / "x" / "run.json").write_text('{"status": "timeout"}')
     assert changes([("failed", "x")]) == [("finished", "failed", "timeout")]
@@ -237,8 +289,10 @@ def test_the_job_feed_reports_every_state_a_job_passed_through(queue_dir: Path) 
     assert [kind for kind, _, _ in first] == ["snapshot"]
     seen = feed.event_id(feed.seq)
     os.rename(queue_dir / "failed" / "x", queue_dir / "running" / "x")  # retried: through pending/, unseen
-    assert changes([("pending", "x"), ("running", "x")]) == [("requeued", "pending", "pending"),
-                                                              ("started", "running", "running")]
+    assert changes([("pending", "x"), ("running", "x")]) == [
+        ("requeued", "pending", "pending"),
+        ("started", "running", "running"),
+    ]
     os.rename(queue_dir / "running" / "x", queue_dir / "running" / ".x.removed")  # how `trainq rm` hides it first
     assert changes([("running", ".x.removed")]) == [("removed", None, None)]
     assert changes([]) == []
@@ -256,7 +310,9 @@ def test_the_job_feed_reports_every_state_a_job_passed_through(queue_dir: Path) 
 
 
 def test_the_watcher_and_the_command_line_never_import_the_web_stack() -> None:
-    code = ("import sys, trainq.watcher.daemon.daemon, trainq.watcher.cli.main; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'anyio')))")
+    code = (
+        "import sys, trainq.watcher.daemon.daemon, trainq.watcher.cli.main; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'anyio')))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

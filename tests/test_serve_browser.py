@@ -1,5 +1,6 @@
 """`trainq serve` in a real headless Chromium: EventSource on a running job (every line, in order, across a
 dropped connection and restarts of both the server and the watcher), the live status page, and the token."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,10 @@ def _open_page(browser: Browser, url: str) -> None:
 
 
 def _headers(event: dict) -> dict:
-    return {k.lower(): v for k, v in (event["params"].get("headers") or event["params"].get("request", {})
-                                      .get("headers") or {}).items()}
+    return {
+        k.lower(): v
+        for k, v in (event["params"].get("headers") or event["params"].get("request", {}).get("headers") or {}).items()
+    }
 
 
 #: an EventSource on the job's log that keeps every event it gets in window.got
@@ -55,18 +58,34 @@ es.onmessage=function(e){got.push(['message',e.lastEventId,e.data]);};
 return true;})()"""
 
 
-def test_eventsource_gets_every_line_in_order_across_a_drop_and_restarts(queue_dir: Path, watcher_process, serve,
-                                                                         browser: Browser) -> None:
+def test_eventsource_gets_every_line_in_order_across_a_drop_and_restarts(
+    queue_dir: Path, watcher_process, serve, browser: Browser
+) -> None:
     watcher = watcher_process()
     server = serve()
     port = server.port
     _open_page(browser, f"http://127.0.0.1:{port}/status")
-    drop(queue_dir, "chat.yaml", chatty_job("--lines", "30", "--fail-first-after", "4", "--gates", "12",
-                                            retries={"max": 1, "on": ["unknown"], "backoff": "1s"}))
+    drop(
+        queue_dir,
+        "chat.yaml",
+        chatty_job(
+            "--lines",
+            "30",
+            "--fail-first-after",
+            "4",
+            "--gates",
+            "12",
+            retries={"max": 1, "on": ["unknown"], "backoff": "1s"},
+        ),
+    )
     wait_until(lambda: any((queue_dir / s / "chat").is_dir() for s in ("pending", "running")), 60, 0.02, "accepted")
     assert browser.evaluate(LISTEN) is True
-    wait_until(lambda: "line 2-12 ünï" in (_js(browser, "got.map(function(g){return g[2];})") or []), 60, 0.05,
-               "attempt 2 at its gate, seen in the browser")
+    wait_until(
+        lambda: "line 2-12 ünï" in (_js(browser, "got.map(function(g){return g[2];})") or []),
+        60,
+        0.05,
+        "attempt 2 at its gate, seen in the browser",
+    )
     before_drop = _js(browser, "got")
 
     server.stop(signal.SIGKILL)  # the connection drops mid-run; the browser keeps reconnecting
@@ -78,7 +97,7 @@ def test_eventsource_gets_every_line_in_order_across_a_drop_and_restarts(queue_d
     wait_until(lambda: _js(browser, "es.readyState") == 2, 90, 0.1, "the stream ended and the reconnect got 204")
 
     got = _js(browser, "got")
-    assert got[:len(before_drop)] == before_drop and _js(browser, "opened") >= 2
+    assert got[: len(before_drop)] == before_drop and _js(browser, "opened") >= 2
     lines = [data for kind, _, data in got if kind == "message" and data.startswith("line ")]
     assert lines == [f"line 1-{i} ünï" for i in range(1, 5)] + [f"line 2-{i} ünï" for i in range(1, 31)]
     assert [data.split(",")[1] for kind, _, data in got if kind == "attempt"] == [" attempt 1", " attempt 2"]
@@ -88,12 +107,18 @@ def test_eventsource_gets_every_line_in_order_across_a_drop_and_restarts(queue_d
 
     # what went over the wire: a reconnect that carried the last id seen before the drop, and a final 204
     browser.drain()
-    sent = [e for e in browser.events if e.get("method") in ("Network.requestWillBeSent",
-                                                            "Network.requestWillBeSentExtraInfo")]
+    sent = [
+        e
+        for e in browser.events
+        if e.get("method") in ("Network.requestWillBeSent", "Network.requestWillBeSentExtraInfo")
+    ]
     resumed = {_headers(e).get("last-event-id") for e in sent}
     assert before_drop[-1][1] in resumed, resumed
-    statuses = [e["params"]["response"]["status"] for e in browser.events if e.get("method") == "Network.responseReceived"
-                and "/jobs/chat/log" in e["params"]["response"]["url"]]
+    statuses = [
+        e["params"]["response"]["status"]
+        for e in browser.events
+        if e.get("method") == "Network.responseReceived" and "/jobs/chat/log" in e["params"]["response"]["url"]
+    ]
     assert statuses[-1] == 204 and statuses.count(204) == 1, statuses
 
 
@@ -128,29 +153,43 @@ def _status_step(queue_dir: Path, job_id: str) -> int:
     return (entry.get("progress") or {}).get("step") or 0
 
 
-def test_the_served_status_page_follows_the_streams_instead_of_reloading(queue_dir: Path, watcher_process, serve,
-                                                                         browser: Browser) -> None:
+def test_the_served_status_page_follows_the_streams_instead_of_reloading(
+    queue_dir: Path, watcher_process, serve, browser: Browser
+) -> None:
     watcher_process()
     server = serve()
     drop(queue_dir, "live.yaml", chatty_job("--lines", "20", "--gates", "10,20", "--metrics"))
-    wait_until(lambda: _status_step(queue_dir, "live") == 10 and 'id="job-live"' in
-               (queue_dir / "status.html").read_text(), 90, 0.05, "the job at its first gate, in status.html")
+    wait_until(
+        lambda: _status_step(queue_dir, "live") == 10 and 'id="job-live"' in (queue_dir / "status.html").read_text(),
+        90,
+        0.05,
+        "the job at its first gate, in status.html",
+    )
     _open_page(browser, f"http://127.0.0.1:{server.port}/")
     browser.evaluate("window.marker = 'first load'")
-    first = _page_where(browser, lambda p: "line 1-10 ünï" in p["log"] and p["badge"] == "\u25cf live",
-                        "the log tail under the card, the stream up")
+    first = _page_where(
+        browser,
+        lambda p: "line 1-10 ünï" in p["log"] and p["badge"] == "\u25cf live",
+        "the log tail under the card, the stream up",
+    )
     assert not first["refresh"] and first["live"] and first["progress"] == [[10, 20]]
 
     (queue_dir / "running" / "live" / "go-10").touch()
-    moved = _page_where(browser, lambda p: p["progress"] == [[20, 20]] and "line 1-20 ünï" in p["log"],
-                        "progress and log moved by the streams")
+    moved = _page_where(
+        browser,
+        lambda p: p["progress"] == [[20, 20]] and "line 1-20 ünï" in p["log"],
+        "progress and log moved by the streams",
+    )
     assert moved["marker"] == "first load"  # the same page: no reload, no navigation
     assert moved["loss"] == ["0.5"] and moved["points"] >= first["points"] + 10
     assert "line 1-8 ünï" not in moved["log"]  # a tail: the last lines only
 
     (queue_dir / "running" / "live" / "go-20").touch()
-    done = _page_where(browser, lambda p: not p["card"] and "live" in p["text"].split("Recently finished")[-1],
-                       "the finished job moved to its table")
+    done = _page_where(
+        browser,
+        lambda p: not p["card"] and "live" in p["text"].split("Recently finished")[-1],
+        "the finished job moved to its table",
+    )
     assert done["marker"] == "first load" and not done["refresh"]
     assert browser.console_problems() == []
     urls = browser.requested_urls()

@@ -3,6 +3,7 @@
 Every test drives the real watcher (in-process ``tick`` or a real ``python -m trainq.watcher`` process) with
 ``executor: slurm``; jobs are real batch jobs run by slurmd under the real supervisor.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -37,8 +38,9 @@ EXIT_NOT_INSTALLED = 3
 
 
 def _sh(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SLURM_DIR / script), *args], capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["bash", str(SLURM_DIR / script), *args], capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+    )
 
 
 def use_cluster(env: dict[str, str] | None = None):
@@ -50,8 +52,14 @@ def use_cluster(env: dict[str, str] | None = None):
     """
     if os.geteuid() != 0:
         pytest.skip("the one-node Slurm of tests/slurm/start.sh needs root")
-    started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], capture_output=True, text=True, timeout=600,
-                             stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
+    started = subprocess.run(
+        ["bash", str(SLURM_DIR / "start.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, **(env or {})),
+    )
     if started.returncode == EXIT_NOT_INSTALLED:
         pytest.skip(started.stderr.strip().splitlines()[-1])
     assert started.returncode == 0, f"tests/slurm/start.sh failed:\n{started.stderr[-3000:]}"
@@ -103,8 +111,9 @@ def slurm_state(slurm_id: str) -> str:
     """Slurm's final state for the job (waits out COMPLETING)."""
 
     def ended() -> str:
-        out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%T", "-j", slurm_id], capture_output=True,
-                             text=True, timeout=60).stdout.strip()
+        out = subprocess.run(
+            ["squeue", "-h", "-t", "all", "-o", "%T", "-j", slurm_id], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
         return "" if out in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") else out
 
     return wait_until(ended, 30, 0.1, f"slurm job {slurm_id} to end")
@@ -133,7 +142,7 @@ def _counting(tmp_path: Path, monkeypatch, command: str) -> Path:
     calls.touch()
     wrapper = tmp_path / "bin" / command
     wrapper.parent.mkdir(exist_ok=True)
-    wrapper.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\nexec {shutil.which(command)} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {shutil.which(command)} "$@"\n')
     wrapper.chmod(0o755)
     if str(wrapper.parent) not in os.environ["PATH"].split(":"):
         monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
@@ -159,24 +168,60 @@ def test_time_limit_rounds_up_to_minutes_and_leaves_room_for_trainqs_own_timeout
 
 
 def test_batch_env_passes_only_the_jobs_own_variables_and_never_the_nodes():
-    env = {"CUDA_VISIBLE_DEVICES": "0", "SLURM_JOB_ID": "9", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "A": "b",
-           "SECRET_TOKEN": "x", "TMPDIR": "/watcher/tmp", "GPU_DEVICE_ORDINAL": "1", "TRAINQ_JOB_ID": "j",
-           "PATH": "/venv/bin:/usr/bin", "LC_ALL": "C.UTF-8", "HOME": "/home/w"}
+    env = {
+        "CUDA_VISIBLE_DEVICES": "0",
+        "SLURM_JOB_ID": "9",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "A": "b",
+        "SECRET_TOKEN": "x",
+        "TMPDIR": "/watcher/tmp",
+        "GPU_DEVICE_ORDINAL": "1",
+        "TRAINQ_JOB_ID": "j",
+        "PATH": "/venv/bin:/usr/bin",
+        "LC_ALL": "C.UTF-8",
+        "HOME": "/home/w",
+    }
     assert batch_env(env, node_env="login") == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TRAINQ_JOB_ID": "j"}
     # clean: the base a local job gets too (PATH with the watcher's Python first, the locale); HOME comes with sbatch
-    assert batch_env(env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TRAINQ_JOB_ID": "j", "PATH": "/venv/bin:/usr/bin",
-                              "LC_ALL": "C.UTF-8"}
+    assert batch_env(env) == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "TRAINQ_JOB_ID": "j",
+        "PATH": "/venv/bin:/usr/bin",
+        "LC_ALL": "C.UTF-8",
+    }
     # the job's own env (or env_passthrough) names what passes; Slurm's allocation still wins on the node
     assert batch_env(env, {"A", "TMPDIR", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID"}, "login") == {
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TRAINQ_JOB_ID": "j", "A": "b", "TMPDIR": "/watcher/tmp"}
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "TRAINQ_JOB_ID": "j",
+        "A": "b",
+        "TMPDIR": "/watcher/tmp",
+    }
 
 
 def test_sbatch_runs_with_the_base_only_when_its_environment_is_the_batch_jobs():
-    watcher_env = {"PATH": "/usr/bin", "HOME": "/home/w", "USER": "w", "LANG": "C.UTF-8", "LC_TIME": "C",
-                   "SLURM_CONF": "/etc/slurm/x.conf", "SBATCH_PARTITION": "gpu", "SLURM_JOB_ID": "77",
-                   "AWS_SECRET_ACCESS_KEY": "s", "TMPDIR": "/w/tmp", "CUDA_VISIBLE_DEVICES": "3", "PYTHONPATH": "/w"}
-    assert sbatch_env(watcher_env) == {"PATH": "/usr/bin", "HOME": "/home/w", "USER": "w", "LANG": "C.UTF-8",
-                                       "LC_TIME": "C", "SLURM_CONF": "/etc/slurm/x.conf", "SBATCH_PARTITION": "gpu"}
+    watcher_env = {
+        "PATH": "/usr/bin",
+        "HOME": "/home/w",
+        "USER": "w",
+        "LANG": "C.UTF-8",
+        "LC_TIME": "C",
+        "SLURM_CONF": "/etc/slurm/x.conf",
+        "SBATCH_PARTITION": "gpu",
+        "SLURM_JOB_ID": "77",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "TMPDIR": "/w/tmp",
+        "CUDA_VISIBLE_DEVICES": "3",
+        "PYTHONPATH": "/w",
+    }
+    assert sbatch_env(watcher_env) == {
+        "PATH": "/usr/bin",
+        "HOME": "/home/w",
+        "USER": "w",
+        "LANG": "C.UTF-8",
+        "LC_TIME": "C",
+        "SLURM_CONF": "/etc/slurm/x.conf",
+        "SBATCH_PARTITION": "gpu",
+    }
     assert sbatch_env(watcher_env, "login") == watcher_env  # --export=NONE: none of it reaches the node
     from trainq.watcher.spec.config import WatcherConfig
 
@@ -197,11 +242,18 @@ def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
     assert "not visible on Slurm node" in done.stderr and "shared" in done.stderr and str(paths.dir) in done.stderr
 
 
-@pytest.mark.parametrize("state, status, kind", [
-    ("NODE_FAIL", "failed", "preempted"), ("OUT_OF_MEMORY", "failed", "oom"), ("PREEMPTED", "failed", "preempted"),
-    ("CANCELLED", "cancelled", "killed"), ("TIMEOUT", "timeout", "timeout"), ("BOOT_FAIL", "failed", "preempted"),
-    ("GONE", "failed", "unknown"),
-])
+@pytest.mark.parametrize(
+    "state, status, kind",
+    [
+        ("NODE_FAIL", "failed", "preempted"),
+        ("OUT_OF_MEMORY", "failed", "oom"),
+        ("PREEMPTED", "failed", "preempted"),
+        ("CANCELLED", "cancelled", "killed"),
+        ("TIMEOUT", "timeout", "timeout"),
+        ("BOOT_FAIL", "failed", "preempted"),
+        ("GONE", "failed", "unknown"),
+    ],
+)
 def test_slurm_ending_a_job_itself_gets_an_exit_record_and_diagnosis(tmp_path, state, status, kind):
     """Each way Slurm ends a job without the supervisor's record: a node failure is preempted (retried), a scancel
     from outside trainq is cancelled (never retried by itself), a job Slurm forgot says so."""
@@ -226,8 +278,16 @@ def test_slurm_ending_a_job_itself_gets_an_exit_record_and_diagnosis(tmp_path, s
 
 def test_command_job_reaches_done_through_slurm(queue_dir, watcher):
     w = watcher(**SLURM)
-    drop(queue_dir, "hello.yaml", job_file(name="hello job", command=["sh", "-c", "echo hi from $TRAINQ_JOB_ID; pwd"],
-                                           resources={"ram_gb": 1}, timeout="5m"))
+    drop(
+        queue_dir,
+        "hello.yaml",
+        job_file(
+            name="hello job",
+            command=["sh", "-c", "echo hi from $TRAINQ_JOB_ID; pwd"],
+            resources={"ram_gb": 1},
+            timeout="5m",
+        ),
+    )
     done = tick_until(w, lambda: finished(queue_dir, "hello"), 30, "hello to finish")
     assert done.parent.name == "done"
     run = run_json(done)
@@ -255,8 +315,21 @@ def test_exit_codes_and_diagnoses_come_back_from_the_node(queue_dir, watcher):
 def test_two_gpu_jobs_get_different_devices_and_a_third_waits_for_slurm(queue_dir, watcher, tmp_path):
     # the watcher's own machine shows GPUs too: its choice must not reach the batch jobs, Slurm's must
     local_gpus = tmp_path / "gpus.json"
-    local_gpus.write_text(json.dumps([{"index": i, "name": "Sim", "memory_total_mb": 6144, "memory_used_mb": 0,
-                                       "utilization_pct": 0, "processes": []} for i in (0, 1)]))
+    local_gpus.write_text(
+        json.dumps(
+            [
+                {
+                    "index": i,
+                    "name": "Sim",
+                    "memory_total_mb": 6144,
+                    "memory_used_mb": 0,
+                    "utilization_pct": 0,
+                    "processes": [],
+                }
+                for i in (0, 1)
+            ]
+        )
+    )
     w = watcher(**SLURM, simulate_gpus=str(local_gpus))
     cmd = ["sh", "-c", "echo CVD=$CUDA_VISIBLE_DEVICES; while [ ! -e $TRAINQ_STOP_FLAG ]; do sleep 0.05; done"]
     for name in ("g1", "g2", "g3"):
@@ -294,11 +367,15 @@ def test_stop_flag_reaches_the_job_on_the_node(queue_dir, watcher):
 def test_scancel_fallback_when_the_supervisor_cannot_stop_the_job(queue_dir, watcher):
     w = watcher(**SLURM)
     w.executor.scancel_margin_s = 0.5  # the real margin is 10 s; only the wait shrinks here
-    drop(queue_dir, "stuck.yaml", job_file(command=[PY, str(FAKE / "ignores_sigterm_with_grandchildren.py")],
-                                           stop_grace="1s"))
+    drop(
+        queue_dir,
+        "stuck.yaml",
+        job_file(command=[PY, str(FAKE / "ignores_sigterm_with_grandchildren.py")], stop_grace="1s"),
+    )
     started = queue_dir / "running" / "stuck" / "supervisor.json"
-    tick_until(w, lambda: started.exists() and (queue_dir / "running" / "stuck" / "pids.txt").exists(), 30,
-               "stuck to start")
+    tick_until(
+        w, lambda: started.exists() and (queue_dir / "running" / "stuck" / "pids.txt").exists(), 30, "stuck to start"
+    )
     supervisor_pid = json.loads(started.read_text())["supervisor_pid"]
     os.kill(supervisor_pid, signal.SIGSTOP)  # a hung supervisor (or an unreachable node) cannot escalate
     (queue_dir / "running" / "stuck" / "stop.flag").touch()
@@ -321,8 +398,12 @@ def _alive(pid: int) -> bool:
 def test_stop_while_queued_in_slurm_cancels_at_once(queue_dir, watcher):
     w = watcher(**SLURM)
     drop(queue_dir, "later.yaml", job_file(command=["true"], slurm={"sbatch_args": ["--begin=now+1hour"]}))
-    tick_until(w, lambda: "later" in w.jobs and w.jobs["later"].run.get("waiting_for") == "Slurm: BeginTime", 15,
-               "later to wait in Slurm")
+    tick_until(
+        w,
+        lambda: "later" in w.jobs and w.jobs["later"].run.get("waiting_for") == "Slurm: BeginTime",
+        15,
+        "later to wait in Slurm",
+    )
     assert (queue_dir / "running" / "later").is_dir()
     (queue_dir / "running" / "later" / "stop.flag").touch()
     done = tick_until(w, lambda: finished(queue_dir, "later"), 15, "later to be cancelled")
@@ -341,13 +422,21 @@ def test_trainqs_own_timeout_fires_before_slurms_limit(queue_dir, watcher):
     assert slurm_state(run["slurm_job_id"]) == "FAILED"  # the supervisor ended it (143), not Slurm's TIMEOUT
 
 
-def test_slurm_refusing_the_job_rejects_it_with_slurms_words_and_never_retries(queue_dir, watcher, tmp_path,
-                                                                               monkeypatch):
+def test_slurm_refusing_the_job_rejects_it_with_slurms_words_and_never_retries(
+    queue_dir, watcher, tmp_path, monkeypatch
+):
     """A bad partition will not change: status rejected with sbatch's own words, one sbatch, no retry."""
     sbatch = _counting(tmp_path, monkeypatch, "sbatch")
     w = watcher(**SLURM)
-    drop(queue_dir, "nopart.yaml", job_file(command=["true"], slurm={"partition": "no-such-partition"},
-                                            retries={"max": 2, "on": ["unknown"], "backoff": "1s"}))
+    drop(
+        queue_dir,
+        "nopart.yaml",
+        job_file(
+            command=["true"],
+            slurm={"partition": "no-such-partition"},
+            retries={"max": 2, "on": ["unknown"], "backoff": "1s"},
+        ),
+    )
     done = tick_until(w, lambda: finished(queue_dir, "nopart"), 15, "nopart to be rejected")
     run = run_json(done)
     assert done.parent.name == "failed" and run["status"] == "rejected", run
@@ -372,10 +461,22 @@ def test_a_scancel_from_outside_is_cancelled_and_retry_flag_resumes_it(queue_dir
     """scancel by someone else: status cancelled, not retried although retries.on lists preempted; retry.flag
     (the way to ask) runs attempt 2, resumed from the checkpoint."""
     w = watcher(**SLURM)
-    cmd = ["sh", "-c", "echo attempt $TRAINQ_ATTEMPT args \"$*\"; [ -n \"$1\" ] && exit 0; "
-                       "mkdir -p checkpoints/ckpt_latest; exec " + f"{PY} {FAKE / 'preempted.py'}", "sh"]
-    drop(queue_dir, "pre.yaml", job_file(command=cmd, resume_args=["--resume", "{resume_from}"],
-                                         retries={"max": 1, "on": ["preempted"], "backoff": "1s"}))
+    cmd = [
+        "sh",
+        "-c",
+        'echo attempt $TRAINQ_ATTEMPT args "$*"; [ -n "$1" ] && exit 0; '
+        "mkdir -p checkpoints/ckpt_latest; exec " + f"{PY} {FAKE / 'preempted.py'}",
+        "sh",
+    ]
+    drop(
+        queue_dir,
+        "pre.yaml",
+        job_file(
+            command=cmd,
+            resume_args=["--resume", "{resume_from}"],
+            retries={"max": 1, "on": ["preempted"], "backoff": "1s"},
+        ),
+    )
     log = queue_dir / "running" / "pre" / "output.log"
     tick_until(w, lambda: log.exists() and "ready" in log.read_text(), 30, "pre to start")
     slurm_id = w.jobs["pre"].run["slurm_job_id"]
@@ -385,8 +486,12 @@ def test_a_scancel_from_outside_is_cancelled_and_retry_flag_resumes_it(queue_dir
     assert run["status"] == "cancelled" and len(run["attempts"]) == 1, run
     assert "cancelled from outside trainq" in run["diagnosis"]["evidence"]
     (cancelled / "retry.flag").touch()
-    done = tick_until(w, lambda: (queue_dir / "done" / "pre" / "run.json").exists() and queue_dir / "done" / "pre",
-                      30, "the retry to finish")
+    done = tick_until(
+        w,
+        lambda: (queue_dir / "done" / "pre" / "run.json").exists() and queue_dir / "done" / "pre",
+        30,
+        "the retry to finish",
+    )
     run = run_json(done)
     assert run["status"] == "done" and len(run["attempts"]) == 2
     assert run["attempts"][1]["slurm_job_id"] != slurm_id
@@ -402,9 +507,14 @@ def test_watcher_restart_readopts_the_slurm_job(queue_dir, watcher_process):
     slurm_id = run_json(queue_dir / "running" / "long")["slurm_job_id"]
     first.kill()
     second = watcher_process()
-    wait_until(lambda: (status_job(queue_dir, "long") or {}).get("status") == "running"
-               and json.loads((queue_dir / "status.json").read_text())["watcher"]["pid"] == second.proc.pid,
-               15, what="the new watcher to adopt long")
+    wait_until(
+        lambda: (
+            (status_job(queue_dir, "long") or {}).get("status") == "running"
+            and json.loads((queue_dir / "status.json").read_text())["watcher"]["pid"] == second.proc.pid
+        ),
+        15,
+        what="the new watcher to adopt long",
+    )
     (queue_dir / "running" / "long" / "stop.flag").touch()
     wait_until(lambda: finished(queue_dir, "long"), 20, what="long to stop under the new watcher")
     run = run_json(queue_dir / "failed" / "long")
@@ -418,8 +528,12 @@ def test_watcher_dying_right_after_sbatch_does_not_submit_the_job_twice(queue_di
     name = f"once-{os.getpid()}-{time.time_ns()}"
     drop(queue_dir, "once.yaml", job_file(name=name, command=["true"], slurm={"sbatch_args": ["--begin=now+1hour"]}))
     running = queue_dir / "running" / "once"
-    tick_until(w, lambda: "once" in w.jobs and w.jobs["once"].run.get("waiting_for") == "Slurm: BeginTime", 15,
-               "once to wait in Slurm")
+    tick_until(
+        w,
+        lambda: "once" in w.jobs and w.jobs["once"].run.get("waiting_for") == "Slurm: BeginTime",
+        15,
+        "once to wait in Slurm",
+    )
     w.close()
     run = run_json(running)  # as if the watcher died between sbatch and writing run.json
     run.update(attempt=0, attempts=[], slurm_job_id=None, status="pending")
@@ -430,23 +544,32 @@ def test_watcher_dying_right_after_sbatch_does_not_submit_the_job_twice(queue_di
     (running / "stop.flag").touch()
     done = tick_until(w2, lambda: finished(queue_dir, "once"), 20, "once to end")
     assert run_json(done)["status"] == "cancelled" and len(run_json(done)["attempts"]) == 1
-    submitted = subprocess.run(["squeue", "-h", "-t", "all", "-n", name, "-o", "%i|%T"], capture_output=True,
-                               text=True, timeout=60).stdout.split()
+    submitted = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-n", name, "-o", "%i|%T"], capture_output=True, text=True, timeout=60
+    ).stdout.split()
     assert len(submitted) == 1 and submitted[0].endswith("|CANCELLED")
 
 
 def test_slurm_down_jobs_wait_and_run_once_it_is_back(queue_dir, watcher_process):
     (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({**SLURM, "settle_s": 0.1}))
     watcher_process()
-    drop(queue_dir, "before.yaml", job_file(command=["sh", "-c", "while [ ! -e $TRAINQ_STOP_FLAG ]; do sleep 0.05;"
-                                                                 " done; echo finished"]))
+    drop(
+        queue_dir,
+        "before.yaml",
+        job_file(command=["sh", "-c", "while [ ! -e $TRAINQ_STOP_FLAG ]; do sleep 0.05; done; echo finished"]),
+    )
     wait_until(lambda: (queue_dir / "running" / "before" / "supervisor.json").exists(), 30, what="before to start")
     ctld = int(CTLD_PID.read_text())
     try:
         os.kill(ctld, signal.SIGTERM)
         drop(queue_dir, "during.yaml", job_file(command=["echo", "ran after all"]))
-        wait_until(lambda: ((status_job(queue_dir, "during") or {}).get("waiting_for") or "")
-                   .startswith("Slurm is not reachable: "), 40, what="during to wait for Slurm")
+        wait_until(
+            lambda: ((status_job(queue_dir, "during") or {}).get("waiting_for") or "").startswith(
+                "Slurm is not reachable: "
+            ),
+            40,
+            what="during to wait for Slurm",
+        )
         (queue_dir / "running" / "before" / "stop.flag").touch()  # a running job ends fine without the controller
         wait_until(lambda: finished(queue_dir, "before"), 20, what="before to finish while Slurm is down")
         assert (queue_dir / "pending" / "during").is_dir()
@@ -459,6 +582,7 @@ def test_slurm_down_jobs_wait_and_run_once_it_is_back(queue_dir, watcher_process
 
 def _restart_controller(old_pid: int) -> None:
     """Wait for the stopped slurmctld to be gone (SIGKILL after 60 s), then bring the cluster back."""
+
     def gone() -> bool:
         try:
             with open(f"/proc/{old_pid}/stat") as f:
@@ -480,15 +604,28 @@ def _restart_controller(old_pid: int) -> None:
 def tiny(tmp_path_factory) -> Path:
     """The tiny model and data, built by ``python -m trainq.trainer.tiny DIR``."""
     out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([PY, "-m", "trainq.trainer.tiny", str(out)], check=True, cwd=REPO, timeout=300,
-                   env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True)
+    subprocess.run(
+        [PY, "-m", "trainq.trainer.tiny", str(out)],
+        check=True,
+        cwd=REPO,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+    )
     return out
 
 
 def test_tiny_train_job_reaches_done_through_slurm(queue_dir, watcher, tiny):
     w = watcher(**SLURM)
-    train = {"model": str(tiny / "model"), "data": {"train": str(tiny / "train.jsonl")}, "method": "lora",
-             "max_steps": 6, "batch_size": 2, "seq_len": 32, "checkpoint": {"every_steps": 3, "keep": 1}}
+    train = {
+        "model": str(tiny / "model"),
+        "data": {"train": str(tiny / "train.jsonl")},
+        "method": "lora",
+        "max_steps": 6,
+        "batch_size": 2,
+        "seq_len": 32,
+        "checkpoint": {"every_steps": 3, "keep": 1},
+    }
     drop(queue_dir, "tiny.yaml", job_file(train=train, env={"OMP_NUM_THREADS": "1"}, resources={"ram_gb": 2}))
     done = tick_until(w, lambda: finished(queue_dir, "tiny"), 150, "the train job to finish")
     assert done.parent.name == "done", (done / "output.log").read_text()[-2000:]
@@ -524,8 +661,13 @@ def no_flock(tmp_path) -> Path:
     source, shim = tmp_path / "no_flock.c", tmp_path / "no_flock.so"
     source.write_text(NO_FLOCK_C)
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(shim), str(source)], check=True, timeout=120)
-    probe = subprocess.run([PY, "-c", "import fcntl, sys; fcntl.flock(sys.stdin.fileno(), fcntl.LOCK_EX)"],
-                           env=dict(os.environ, LD_PRELOAD=str(shim)), capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [PY, "-c", "import fcntl, sys; fcntl.flock(sys.stdin.fileno(), fcntl.LOCK_EX)"],
+        env=dict(os.environ, LD_PRELOAD=str(shim)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.returncode != 0 and "No locks available" in probe.stderr, probe.stderr  # the shim works
     return shim
 
@@ -537,8 +679,11 @@ def test_without_flock_the_job_runs_once_and_the_watcher_stays_up(queue_dir, wat
     w = watcher_process(env={"LD_PRELOAD": str(no_flock)})
     # the batch job's own environment gets the shim too, so the node-side supervisor cannot flock either
     sbatch = [f"--export=ALL,LD_PRELOAD={no_flock}"]
-    drop(queue_dir, "nolock.yaml", job_file(command=["sh", "-c", f"echo run >> {counter}; sleep 4; echo finished"],
-                                            slurm={"sbatch_args": sbatch}))
+    drop(
+        queue_dir,
+        "nolock.yaml",
+        job_file(command=["sh", "-c", f"echo run >> {counter}; sleep 4; echo finished"], slurm={"sbatch_args": sbatch}),
+    )
     done = wait_until(lambda: finished(queue_dir, "nolock"), 60, what="nolock to finish")
     run = run_json(done)
     assert done.parent.name == "done", (done / "output.log").read_text()
@@ -560,8 +705,9 @@ def _tagged(queue_dir: Path, job_id: str) -> list[tuple[str, str]]:
     """(Slurm id, state) of every Slurm job whose trainq tag names ``job_id`` of this queue."""
     from trainq.watcher.slurm.state import queue_key
 
-    out = subprocess.run(["squeue", "--me", "-h", "-t", "all", "-o", "%i|%T|%k"], capture_output=True, text=True,
-                         timeout=60).stdout
+    out = subprocess.run(
+        ["squeue", "--me", "-h", "-t", "all", "-o", "%i|%T|%k"], capture_output=True, text=True, timeout=60
+    ).stdout
     rows = [line.split("|", 2) for line in out.splitlines() if line.count("|") >= 2]
     return sorted((i, state) for i, state, tag in rows if tag.startswith(f"trainq:{queue_key(queue_dir)}:{job_id}:"))
 
@@ -574,8 +720,12 @@ def test_a_hung_controller_across_sbatch_gives_exactly_one_slurm_job(queue_dir, 
     os.kill(ctld, signal.SIGSTOP)
     try:
         drop(queue_dir, "hung.yaml", job_file(command=["sh", "-c", f"echo run >> {counter}"]))
-        tick_until(w, lambda: "hung" in w.jobs and "not confirmed" in (w.jobs["hung"].run.get("waiting_for") or ""),
-                   60, "sbatch to time out against the stopped controller")
+        tick_until(
+            w,
+            lambda: "hung" in w.jobs and "not confirmed" in (w.jobs["hung"].run.get("waiting_for") or ""),
+            60,
+            "sbatch to time out against the stopped controller",
+        )
         assert json.loads((queue_dir / "running" / "hung" / "slurm.json").read_text())["slurm_job_id"] is None
     finally:
         os.kill(ctld, signal.SIGCONT)
@@ -595,8 +745,13 @@ def test_a_duplicate_submission_runs_nothing(queue_dir, watcher, tmp_path):
     drop(queue_dir, "dup.yaml", job_file(command=["sh", "-c", f"echo run >> {tmp_path / 'runs.txt'}; sleep 3"]))
     folder = queue_dir / "running" / "dup"
     tick_until(w, lambda: (folder / "slurm-attempt-1.claim").exists(), 30, "dup to claim attempt 1")
-    again = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/dup-%j.out", str(folder / "slurm.sh")],
-                           capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    again = subprocess.run(
+        ["sbatch", "--parsable", f"--output={tmp_path}/dup-%j.out", str(folder / "slurm.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
     assert slurm_state(again) == "FAILED"  # exit 75 (EX_TEMPFAIL): it ran nothing
     assert "already runs as Slurm job" in (tmp_path / f"dup-{again}.out").read_text()
     done = tick_until(w, lambda: finished(queue_dir, "dup"), 30, "dup to finish")
@@ -606,26 +761,52 @@ def test_a_duplicate_submission_runs_nothing(queue_dir, watcher, tmp_path):
 # -- polling that scales ---------------------------------------------------------------------------
 
 
-def test_one_squeue_per_poll_with_a_retried_job_queued_and_many_jobs(queue_dir, watcher, tmp_path, monkeypatch,
-                                                                     request):
+def test_one_squeue_per_poll_with_a_retried_job_queued_and_many_jobs(
+    queue_dir, watcher, tmp_path, monkeypatch, request
+):
     """Counts real squeue runs through a wrapper on PATH while a retried attempt and 6 other jobs wait in Slurm."""
     calls = _counting(tmp_path, monkeypatch, "squeue")
     poll_s = 0.5
     w = watcher(executor="slurm", slurm={"poll_s": poll_s}, max_concurrent=10)
-    drop(queue_dir, "retried.yaml", job_file(command=["sh", "-c", "exit 3"],
-                                             retries={"max": 1, "on": ["unknown"], "backoff": "3s"}))
-    tick_until(w, lambda: "retried" in w.jobs and w.jobs["retried"].run["attempts"]
-               and w.jobs["retried"].run["attempts"][0].get("ended_at"), 30, "attempt 1 to fail")
+    drop(
+        queue_dir,
+        "retried.yaml",
+        job_file(command=["sh", "-c", "exit 3"], retries={"max": 1, "on": ["unknown"], "backoff": "3s"}),
+    )
+    tick_until(
+        w,
+        lambda: (
+            "retried" in w.jobs
+            and w.jobs["retried"].run["attempts"]
+            and w.jobs["retried"].run["attempts"][0].get("ended_at")
+        ),
+        30,
+        "attempt 1 to fail",
+    )
     # fill the node so attempt 2 waits in Slurm's queue, then hold 6 more jobs there
-    blocker = subprocess.run(["sbatch", "--parsable", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 300"],
-                             check=True, timeout=60, capture_output=True, text=True).stdout.strip()
+    blocker = subprocess.run(
+        ["sbatch", "--parsable", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 300"],
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     request.addfinalizer(lambda: subprocess.run(["scancel", blocker], capture_output=True, timeout=60))
     for i in range(6):
         drop(queue_dir, f"held{i}.yaml", job_file(command=["true"], slurm={"sbatch_args": ["--hold"]}))
-    tick_until(w, lambda: (w.jobs["retried"].run.get("attempt") == 2
-                           and w.jobs["retried"].run.get("waiting_for") in ("Slurm: Resources", "Slurm: Priority")
-                           and all((w.jobs.get(f"held{i}") and w.jobs[f"held{i}"].run.get("waiting_for") or "")
-                                   .startswith("Slurm: ") for i in range(6))), 30, "everything to wait in Slurm")
+    tick_until(
+        w,
+        lambda: (
+            w.jobs["retried"].run.get("attempt") == 2
+            and w.jobs["retried"].run.get("waiting_for") in ("Slurm: Resources", "Slurm: Priority")
+            and all(
+                (w.jobs.get(f"held{i}") and w.jobs[f"held{i}"].run.get("waiting_for") or "").startswith("Slurm: ")
+                for i in range(6)
+            )
+        ),
+        30,
+        "everything to wait in Slurm",
+    )
     assert (queue_dir / "running" / "retried" / "exit.json").exists()  # attempt 1's record is still there
     calls.write_text("")
     start = time.monotonic()
@@ -644,8 +825,11 @@ def test_one_squeue_per_poll_with_a_retried_job_queued_and_many_jobs(queue_dir, 
 def test_slurms_time_limit_warning_checkpoints_and_ends_as_timeout(queue_dir, watcher):
     """--time=1 (Slurm's least): --signal=B:USR1 reaches the supervisor first, the job checkpoints, status timeout."""
     w = watcher(**SLURM)
-    drop(queue_dir, "limit.yaml", job_file(command=[PY, str(FAKE / "cooperative.py")], stop_grace="30s",
-                                           slurm={"sbatch_args": ["--time=1"]}))
+    drop(
+        queue_dir,
+        "limit.yaml",
+        job_file(command=[PY, str(FAKE / "cooperative.py")], stop_grace="30s", slurm={"sbatch_args": ["--time=1"]}),
+    )
     done = tick_until(w, lambda: finished(queue_dir, "limit"), 150, "Slurm's time limit warning to stop limit")
     run = run_json(done)
     sbatch = json.loads((done / "slurm.json").read_text())["sbatch"]
@@ -664,20 +848,29 @@ def test_slurms_time_limit_warning_checkpoints_and_ends_as_timeout(queue_dir, wa
 def test_a_two_task_job_runs_under_srun_with_its_rank_variables(queue_dir, watcher):
     w = watcher(**SLURM)
     show = "echo rank=$RANK/$WORLD_SIZE local=$LOCAL_RANK node=$NODE_RANK/$NNODES master=$MASTER_ADDR:$MASTER_PORT"
-    drop(queue_dir, "ranks.yaml", job_file(command=["sh", "-c", show], resources={"nodes": 1, "tasks_per_node": 2},
-                                           env={"FROM_JOB": "yes"}))
+    drop(
+        queue_dir,
+        "ranks.yaml",
+        job_file(command=["sh", "-c", show], resources={"nodes": 1, "tasks_per_node": 2}, env={"FROM_JOB": "yes"}),
+    )
     done = tick_until(w, lambda: finished(queue_dir, "ranks"), 60, "ranks to finish")
     assert done.parent.name == "done", (done / "output.log").read_text()
     lines = sorted(line for line in (done / "output.log").read_text().splitlines() if line.startswith("rank="))
     slurm_id = run_json(done)["slurm_job_id"]
     port = 20000 + int(slurm_id) % 20000
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
-    assert lines == [f"rank=0/2 local=0 node=0/1 master={host}:{port}",
-                     f"rank=1/2 local=1 node=0/1 master={host}:{port}"]
+    assert lines == [
+        f"rank=0/2 local=0 node=0/1 master={host}:{port}",
+        f"rank=1/2 local=1 node=0/1 master={host}:{port}",
+    ]
     sbatch = json.loads((done / "slurm.json").read_text())["sbatch"]
     assert "--nodes=1" in sbatch and "--ntasks-per-node=2" in sbatch
-    assert json.loads((done / "launch.json").read_text())["argv"][:4] == ["srun", "--export=ALL", "--ntasks=2",
-                                                                          "--kill-on-bad-exit=1"]
+    assert json.loads((done / "launch.json").read_text())["argv"][:4] == [
+        "srun",
+        "--export=ALL",
+        "--ntasks=2",
+        "--kill-on-bad-exit=1",
+    ]
 
 
 # -- environment hygiene --------------------------------------------------------------------------------
@@ -688,8 +881,10 @@ def test_the_node_keeps_slurms_variables_and_gets_only_the_jobs_env(queue_dir, w
     monkeypatch.setenv("GPU_DEVICE_ORDINAL", "7")
     monkeypatch.setenv("TMPDIR", "/watcher-only-tmp")
     w = watcher(**SLURM)
-    show = ("echo secret=${WATCHER_SECRET:-none} ordinal=${GPU_DEVICE_ORDINAL:-unset} tmp=$TMPDIR mine=$MINE "
-            "id=$SLURM_JOB_ID")
+    show = (
+        "echo secret=${WATCHER_SECRET:-none} ordinal=${GPU_DEVICE_ORDINAL:-unset} tmp=$TMPDIR mine=$MINE "
+        "id=$SLURM_JOB_ID"
+    )
     drop(queue_dir, "envy.yaml", job_file(command=["sh", "-c", show], env={"MINE": "from-job"}))
     done = tick_until(w, lambda: finished(queue_dir, "envy"), 30, "envy to finish")
     line = next(x for x in (done / "output.log").read_text().splitlines() if x.startswith("secret="))
@@ -700,13 +895,16 @@ def test_the_node_keeps_slurms_variables_and_gets_only_the_jobs_env(queue_dir, w
     assert "--export=ALL" in json.loads((done / "slurm.json").read_text())["sbatch"]
 
 
-def test_node_env_clean_starts_from_the_watchers_base_and_login_from_the_nodes_login_shell(queue_dir, watcher,
-                                                                                            monkeypatch):
+def test_node_env_clean_starts_from_the_watchers_base_and_login_from_the_nodes_login_shell(
+    queue_dir, watcher, monkeypatch
+):
     """clean (the default): PATH (the watcher's Python first, as for a local job) and the locale come from the
     watcher, and Slurm loads no login environment; login: Slurm loads it (``--export=NONE``, SLURM_GET_USER_ENV)."""
     monkeypatch.setenv("LC_TIME", "C.UTF-8")
     monkeypatch.setenv("WATCHER_SECRET", "do-not-leak")
-    show = "echo env: get_user_env=${SLURM_GET_USER_ENV:-0} lc=${LC_TIME:-unset} secret=${WATCHER_SECRET:-none} path=$PATH"
+    show = (
+        "echo env: get_user_env=${SLURM_GET_USER_ENV:-0} lc=${LC_TIME:-unset} secret=${WATCHER_SECRET:-none} path=$PATH"
+    )
     lines = {}
     for mode in ("clean", "login"):
         w = watcher(executor="slurm", slurm={"poll_s": 0.2, "node_env": mode}, max_concurrent=4)
@@ -738,8 +936,9 @@ def test_a_sigkill_the_supervisor_saw_is_an_oom_when_slurms_record_says_out_of_m
     plain = judge_exit({"status": "running"}, _with_slurm_view(record, "78", SlurmJob("FAILED"), paths), paths)
     assert plain.diagnosis.kind == "killed"  # no OOM evidence from Slurm, and this host's kernel log is not asked
     # without cgroups Slurm's OverMemoryKill ends the job FAILED; only its output file says it was the memory
-    (paths.dir / "slurm-79.out").write_text("slurmstepd-n1: error: StepId=79.batch exceeded memory limit "
-                                            "(644571136 > 104857600), being killed\n")
+    (paths.dir / "slurm-79.out").write_text(
+        "slurmstepd-n1: error: StepId=79.batch exceeded memory limit (644571136 > 104857600), being killed\n"
+    )
     killed = judge_exit({"status": "running"}, _with_slurm_view(record, "79", SlurmJob("FAILED"), paths), paths)
     assert killed.diagnosis.kind == "oom" and "exceeded memory limit" in killed.diagnosis.evidence
 
@@ -763,8 +962,9 @@ def test_a_node_supervisor_killed_outright_ends_the_job_once_its_heartbeat_stops
     w.executor.heartbeat_stale_s = 3.0  # the real staleness is 3 heartbeats (30 s); only the wait shrinks here
     drop(queue_dir, "victim.yaml", job_file(command=["sh", "-c", "echo up; sleep 600"]))
     folder = queue_dir / "running" / "victim"
-    tick_until(w, lambda: (folder / "supervisor.json").exists() and (folder / "heartbeat.json").exists(), 30,
-               "victim to start")
+    tick_until(
+        w, lambda: (folder / "supervisor.json").exists() and (folder / "heartbeat.json").exists(), 30, "victim to start"
+    )
     beat = json.loads((folder / "heartbeat.json").read_text())
     assert beat["attempt"] == 1 and beat["slurm_job_id"] == w.jobs["victim"].run["slurm_job_id"]
     started = json.loads((folder / "supervisor.json").read_text())
@@ -781,17 +981,24 @@ def test_slurms_requeue_is_the_retry_when_the_job_opts_in(queue_dir, watcher, tm
     """slurm: {requeue: true}: Slurm requeues the running job; it runs again as the same attempt, never twice at once."""
     w = watcher(**SLURM)
     runs = tmp_path / "runs.txt"
-    cmd = f"echo run ${{SLURM_RESTART_COUNT:-0}} >> {runs}; [ \"${{SLURM_RESTART_COUNT:-0}}\" -ge 1 ] && exit 0; sleep 600"
+    cmd = (
+        f'echo run ${{SLURM_RESTART_COUNT:-0}} >> {runs}; [ "${{SLURM_RESTART_COUNT:-0}}" -ge 1 ] && exit 0; sleep 600'
+    )
     drop(queue_dir, "again.yaml", job_file(command=["sh", "-c", cmd], slurm={"requeue": True}))
     tick_until(w, lambda: runs.exists() and runs.read_text() == "run 0\n", 30, "the first run to start")
     slurm_id = w.jobs["again"].run["slurm_job_id"]
     assert "--requeue" in json.loads((queue_dir / "running" / "again" / "slurm.json").read_text())["sbatch"]
     subprocess.run(["scontrol", "requeue", slurm_id], check=True, timeout=60, capture_output=True)
-    tick_until(w, lambda: (w.jobs["again"].run.get("waiting_for") or "") == "Slurm: BeginTime", 30,
-               "Slurm to hold the requeued job")
+    tick_until(
+        w,
+        lambda: (w.jobs["again"].run.get("waiting_for") or "") == "Slurm: BeginTime",
+        30,
+        "Slurm to hold the requeued job",
+    )
     assert w.jobs["again"].state.value == "running" and w.jobs["again"].attempt == 1  # no retry of trainq's own
-    subprocess.run(["scontrol", "update", f"jobid={slurm_id}", "StartTime=now"], check=True, timeout=60,
-                   capture_output=True)  # Slurm would wait 2 minutes before running it again
+    subprocess.run(
+        ["scontrol", "update", f"jobid={slurm_id}", "StartTime=now"], check=True, timeout=60, capture_output=True
+    )  # Slurm would wait 2 minutes before running it again
     done = tick_until(w, lambda: finished(queue_dir, "again"), 60, "the requeued run to finish")
     run = run_json(done)
     assert done.parent.name == "done" and len(run["attempts"]) == 1 and run["slurm_job_id"] == slurm_id
@@ -801,17 +1008,21 @@ def test_slurms_requeue_is_the_retry_when_the_job_opts_in(queue_dir, watcher, tm
 def test_a_job_waiting_in_slurms_queue_is_never_stalled(queue_dir, watcher):
     """stall_after counts from the start on a node, not from the submission: a held job waits without a stall."""
     w = watcher(**SLURM)
-    drop(queue_dir, "patient.yaml", job_file(command=["true"], stall_after="2s",
-                                             slurm={"sbatch_args": ["--hold"]}))
-    tick_until(w, lambda: "patient" in w.jobs and w.jobs["patient"].run.get("waiting_for") == "Slurm: JobHeldUser",
-               15, "patient to be held in Slurm")
+    drop(queue_dir, "patient.yaml", job_file(command=["true"], stall_after="2s", slurm={"sbatch_args": ["--hold"]}))
+    tick_until(
+        w,
+        lambda: "patient" in w.jobs and w.jobs["patient"].run.get("waiting_for") == "Slurm: JobHeldUser",
+        15,
+        "patient to be held in Slurm",
+    )
     deadline = time.monotonic() + 4
     while time.monotonic() < deadline:
         w.tick(time.time())
         time.sleep(0.05)
     assert w.jobs["patient"].health == "healthy" and not (queue_dir / "running" / "patient" / "stop.flag").exists()
-    subprocess.run(["scontrol", "release", w.jobs["patient"].run["slurm_job_id"]], check=True, timeout=60,
-                   capture_output=True)
+    subprocess.run(
+        ["scontrol", "release", w.jobs["patient"].run["slurm_job_id"]], check=True, timeout=60, capture_output=True
+    )
     done = tick_until(w, lambda: finished(queue_dir, "patient"), 30, "patient to run once released")
     assert done.parent.name == "done"
 
@@ -828,7 +1039,11 @@ def test_array_spec_ids_and_tags_of_job_arrays():
     assert sorted(["12_10", "12_9", "11", "13"], key=id_order) == ["11", "12_9", "12_10", "13"]
     tag = make_array_tag("k", "grid", "t0")
     assert duplicate_key("12_3", tag, "k") == f"{tag}#3" != duplicate_key("12_4", tag, "k")
-    assert duplicate_key("12", make_tag("k", "j", 2, "t1"), "k") == "j:2" == duplicate_key("13", make_tag("k", "j", 2, "t2"), "k")
+    assert (
+        duplicate_key("12", make_tag("k", "j", 2, "t1"), "k")
+        == "j:2"
+        == duplicate_key("13", make_tag("k", "j", 2, "t2"), "k")
+    )
     assert duplicate_key("12_3", tag, "other queue") is None
     assert own_slurm_id({"SLURM_JOB_ID": "125", "SLURM_ARRAY_JOB_ID": "123", "SLURM_ARRAY_TASK_ID": "4"}) == "123_4"
     assert own_slurm_id({"SLURM_JOB_ID": "125"}) == "125"
@@ -839,8 +1054,9 @@ def test_array_script_runs_the_task_of_its_index_and_refuses_a_folder_it_cannot_
 
     script = tmp_path / "slurm.sh"
     script.write_text(array_script(tmp_path / "running", "grid", 2, ["sbatch", "x"], sys.executable, str(REPO)))
-    done = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=30,
-                          env=dict(os.environ, SLURM_ARRAY_TASK_ID="7"))
+    done = subprocess.run(
+        ["sh", str(script)], capture_output=True, text=True, timeout=30, env=dict(os.environ, SLURM_ARRAY_TASK_ID="7")
+    )
     assert done.returncode == EXIT_NOT_SHARED and f"{tmp_path}/running/grid-7 is not visible" in done.stderr
 
 
@@ -850,10 +1066,20 @@ def test_a_sweep_is_one_sbatch_array_and_a_retried_job_goes_alone(queue_dir, wat
     sbatch = _counting(tmp_path, monkeypatch, "sbatch")
     w = watcher(executor="slurm", slurm={"poll_s": 0.2}, max_concurrent=8)
     marker = tmp_path / "failed-once"
-    drop(queue_dir, "grid.yaml", job_file(
-        command=["sh", "-c", f"echo x={{x}} task=$SLURM_ARRAY_TASK_ID; [ {{x}} != 2 ] || [ -e {marker} ] "
-                             f"|| {{ touch {marker}; exit 3; }}"],
-        sweep={"x": [1, 2, 3, 4]}, retries={"max": 1, "on": ["unknown"], "backoff": "1s"}))
+    drop(
+        queue_dir,
+        "grid.yaml",
+        job_file(
+            command=[
+                "sh",
+                "-c",
+                f"echo x={{x}} task=$SLURM_ARRAY_TASK_ID; [ {{x}} != 2 ] || [ -e {marker} ] "
+                f"|| {{ touch {marker}; exit 3; }}",
+            ],
+            sweep={"x": [1, 2, 3, 4]},
+            retries={"max": 1, "on": ["unknown"], "backoff": "1s"},
+        ),
+    )
     tick_until(w, lambda: all(finished(queue_dir, f"grid-{i}") for i in range(1, 5)), 90, "the sweep to finish")
     calls = sbatch.read_text().splitlines()
     assert len(calls) == 2 and "--array=1-4" in calls[0] and "--array" not in calls[1], calls
@@ -879,17 +1105,32 @@ def test_stopping_a_sweep_queued_in_slurm_is_one_scancel(queue_dir, watcher, tmp
     """Six jobs of a sweep wait in Slurm as one array; stop.flag in each: one scancel for all, all cancelled."""
     scancel = _counting(tmp_path, monkeypatch, "scancel")
     w = watcher(executor="slurm", slurm={"poll_s": 0.2}, max_concurrent=8)
-    drop(queue_dir, "later.yaml", job_file(command=["echo", "{x}"], sweep={"x": list(range(6))},
-                                           slurm={"sbatch_args": ["--begin=now+1hour"]}))
+    drop(
+        queue_dir,
+        "later.yaml",
+        job_file(command=["echo", "{x}"], sweep={"x": list(range(6))}, slurm={"sbatch_args": ["--begin=now+1hour"]}),
+    )
     ids = [f"later-{i}" for i in range(1, 7)]
-    tick_until(w, lambda: all(i in w.jobs and w.jobs[i].run.get("waiting_for") == "Slurm: BeginTime" for i in ids),
-               20, "the sweep to wait in Slurm")
+    tick_until(
+        w,
+        lambda: all(i in w.jobs and w.jobs[i].run.get("waiting_for") == "Slurm: BeginTime" for i in ids),
+        20,
+        "the sweep to wait in Slurm",
+    )
     # status.json, `trainq status` and `trainq why` say why a launched job has not started: Slurm's reason
-    tick_until(w, lambda: (status_job(queue_dir, "later-3") or {}).get("waiting_for") == "Slurm: BeginTime", 10,
-               "status.json to show Slurm's reason")
+    tick_until(
+        w,
+        lambda: (status_job(queue_dir, "later-3") or {}).get("waiting_for") == "Slurm: BeginTime",
+        10,
+        "status.json to show Slurm's reason",
+    )
     for command in ("status", "why"):
-        shown = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), command]
-                               + (["later-3"] if command == "why" else []), capture_output=True, text=True, timeout=60)
+        shown = subprocess.run(
+            [PY, "-m", "trainq.watcher", "--root", str(queue_dir), command] + (["later-3"] if command == "why" else []),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert "Slurm: BeginTime" in shown.stdout, shown.stdout
     for job_id in ids:
         (queue_dir / "running" / job_id / "stop.flag").touch()
@@ -907,10 +1148,20 @@ def test_a_hung_controller_across_an_array_sbatch_gives_exactly_one_array(queue_
     ctld = int(CTLD_PID.read_text())
     os.kill(ctld, signal.SIGSTOP)
     try:
-        drop(queue_dir, "hung.yaml", job_file(command=["sh", "-c", f"echo run {{x}} >> {counter}"],
-                                              sweep={"x": [1, 2, 3]}))
-        tick_until(w, lambda: all(f"hung-{i}" in w.jobs and "not confirmed" in (w.jobs[f"hung-{i}"].run.get(
-            "waiting_for") or "") for i in (1, 2, 3)), 60, "sbatch to time out against the stopped controller")
+        drop(
+            queue_dir,
+            "hung.yaml",
+            job_file(command=["sh", "-c", f"echo run {{x}} >> {counter}"], sweep={"x": [1, 2, 3]}),
+        )
+        tick_until(
+            w,
+            lambda: all(
+                f"hung-{i}" in w.jobs and "not confirmed" in (w.jobs[f"hung-{i}"].run.get("waiting_for") or "")
+                for i in (1, 2, 3)
+            ),
+            60,
+            "sbatch to time out against the stopped controller",
+        )
     finally:
         os.kill(ctld, signal.SIGCONT)
     tick_until(w, lambda: all(finished(queue_dir, f"hung-{i}") for i in (1, 2, 3)), 120, "the sweep to run")
@@ -924,16 +1175,19 @@ def test_a_hung_controller_across_an_array_sbatch_gives_exactly_one_array(queue_
         assert run["attempts"][0]["slurm_job_id"] in {i for i, _ in tasks}
 
 
-def test_an_array_that_never_reached_slurm_is_submitted_again_once_for_all_its_jobs(queue_dir, watcher, tmp_path,
-                                                                                   monkeypatch):
+def test_an_array_that_never_reached_slurm_is_submitted_again_once_for_all_its_jobs(
+    queue_dir, watcher, tmp_path, monkeypatch
+):
     """The first sbatch answers "Socket timed out" and creates nothing (an sbatch wrapper on PATH): after the tag
     lookup finds nothing, the array is submitted again ONE time, not once per job, and each job runs once."""
     calls, lost = tmp_path / "sbatch-calls", tmp_path / "lost-once"
     wrapper = tmp_path / "bin" / "sbatch"
     wrapper.parent.mkdir()
-    wrapper.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\nif [ ! -e {lost} ]; then touch {lost}; echo 'sbatch: "
-                       "error: Batch job submission failed: Socket timed out on send/recv operation' >&2; exit 1; fi\n"
-                       f"exec {shutil.which('sbatch')} \"$@\"\n")
+    wrapper.write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\nif [ ! -e {lost} ]; then touch {lost}; echo \'sbatch: '
+        "error: Batch job submission failed: Socket timed out on send/recv operation' >&2; exit 1; fi\n"
+        f'exec {shutil.which("sbatch")} "$@"\n'
+    )
     wrapper.chmod(0o755)
     monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
     counter = tmp_path / "runs.txt"
@@ -952,19 +1206,34 @@ def test_a_watcher_killed_while_a_sweeps_array_waits_readopts_every_task(queue_d
     <array>_<i>, submits nothing again, and `trainq stop SWEEP` cancels all three."""
     (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({**SLURM, "settle_s": 0.1}))
     first = watcher_process()
-    drop(queue_dir, "held.yaml", job_file(command=["echo", "{x}"], sweep={"x": [1, 2, 3]},
-                                          slurm={"sbatch_args": ["--begin=now+1hour"]}))
+    drop(
+        queue_dir,
+        "held.yaml",
+        job_file(command=["echo", "{x}"], sweep={"x": [1, 2, 3]}, slurm={"sbatch_args": ["--begin=now+1hour"]}),
+    )
     ids = [f"held-{i}" for i in (1, 2, 3)]
-    wait_until(lambda: all((status_job(queue_dir, i) or {}).get("waiting_for") == "Slurm: BeginTime" for i in ids),
-               30, what="the sweep's array to wait in Slurm")
+    wait_until(
+        lambda: all((status_job(queue_dir, i) or {}).get("waiting_for") == "Slurm: BeginTime" for i in ids),
+        30,
+        what="the sweep's array to wait in Slurm",
+    )
     tasks = [json.loads((queue_dir / "running" / i / "slurm.json").read_text())["slurm_job_id"] for i in ids]
     first.kill()
     second = watcher_process()
-    wait_until(lambda: json.loads((queue_dir / "status.json").read_text())["watcher"]["pid"] == second.proc.pid
-               and all((status_job(queue_dir, i) or {}).get("waiting_for") == "Slurm: BeginTime" for i in ids),
-               20, what="the new watcher to adopt the three tasks")
-    stopped = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "stop", "held"],
-                             capture_output=True, text=True, timeout=60)
+    wait_until(
+        lambda: (
+            json.loads((queue_dir / "status.json").read_text())["watcher"]["pid"] == second.proc.pid
+            and all((status_job(queue_dir, i) or {}).get("waiting_for") == "Slurm: BeginTime" for i in ids)
+        ),
+        20,
+        what="the new watcher to adopt the three tasks",
+    )
+    stopped = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "stop", "held"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "sweep held: stop requested for 3 job(s)" in stopped.stdout, stopped.stderr
     wait_until(lambda: all(finished(queue_dir, i) for i in ids), 30, what="the sweep to be cancelled")
     for job_id, task in zip(ids, tasks):

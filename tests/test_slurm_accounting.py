@@ -6,6 +6,7 @@ within minutes. The watcher detects accounting at its first poll (``scontrol sho
 about the jobs squeue no longer lists. Here a watcher is down while its job ends and is purged; the next one must
 say how it really ended (Slurm's words), not "Slurm no longer knows job N".
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,13 @@ import pytest
 
 from conftest import drop, tick_until, wait_until
 from test_slurm import (  # noqa: F401  (the autouse clean-up fixture is used by name)
-    SLURM, _counting, finished, job_file, no_leftover_slurm_jobs, run_json, use_cluster,
+    SLURM,
+    _counting,
+    finished,
+    job_file,
+    no_leftover_slurm_jobs,
+    run_json,
+    use_cluster,
 )
 
 pytestmark = pytest.mark.slurm
@@ -31,8 +38,9 @@ def accounting_cluster():
 
 def _purged(slurm_id: str) -> bool:
     """slurmctld no longer knows the job (squeue: "Invalid job id specified", or nothing)."""
-    done = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%T", "-j", slurm_id], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-o", "%T", "-j", slurm_id], capture_output=True, text=True, timeout=60
+    )
     return not done.stdout.strip()
 
 
@@ -42,8 +50,7 @@ def _started(w, queue_dir, name: str) -> str:
     return w.jobs[name].run["slurm_job_id"]
 
 
-def test_a_job_cancelled_and_purged_while_no_watcher_looked_is_told_by_sacct(queue_dir, watcher, tmp_path,
-                                                                             monkeypatch):
+def test_a_job_cancelled_and_purged_while_no_watcher_looked_is_told_by_sacct(queue_dir, watcher, tmp_path, monkeypatch):
     sacct_calls = _counting(tmp_path, monkeypatch, "sacct")
     w = watcher(**SLURM)
     drop(queue_dir, "gone.yaml", job_file(command=["sh", "-c", "echo up; sleep 300"]))
@@ -61,8 +68,7 @@ def test_a_job_cancelled_and_purged_while_no_watcher_looked_is_told_by_sacct(que
     assert any(f"-j {slurm_id}" in line for line in sacct_calls.read_text().splitlines())
 
 
-def test_a_job_whose_node_side_died_without_a_record_gets_its_end_from_sacct(queue_dir, watcher, tmp_path,
-                                                                           monkeypatch):
+def test_a_job_whose_node_side_died_without_a_record_gets_its_end_from_sacct(queue_dir, watcher, tmp_path, monkeypatch):
     """The node side and the job SIGKILLed (an OOM killer on the node, say): no exit record, the batch job ends
     FAILED; slurmctld forgets it before a watcher looks. The conclusion comes from sacct's record."""
     _counting(tmp_path, monkeypatch, "sacct")

@@ -1,4 +1,5 @@
 """A 2-rank train job as a Slurm batch job (the in-repo one-node cluster of tests/test_slurm.py)."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,15 @@ pytest.importorskip("torch", reason="the training stack (pip install -e '.[train
 
 def test_train_job_with_two_processes_trains_to_done_under_slurm(queue_dir, watcher, tmp_path):
     tiny = build_tiny(tmp_path / "tiny")
-    train = {**BASE_TRAIN, "model": str(tiny / "model"), "data": str(tiny / "train.jsonl"), "max_steps": 8,
-             "eval_every": None, "checkpoint": {"every_steps": 4, "keep": 1}, "processes": 2}
+    train = {
+        **BASE_TRAIN,
+        "model": str(tiny / "model"),
+        "data": str(tiny / "train.jsonl"),
+        "max_steps": 8,
+        "eval_every": None,
+        "checkpoint": {"every_steps": 4, "keep": 1},
+        "processes": 2,
+    }
     train = {k: v for k, v in train.items() if v is not None}
     w = watcher(**SLURM)
     drop(queue_dir, "ddp.yaml", job_file(train=train, resources={"nodes": 1, "tasks_per_node": 1}))

@@ -6,6 +6,7 @@ Jobs are real batch jobs run by slurmd under trainq's real node side. Two Slurm 
 cannot give (a QOS submit limit needs slurmdbd; a slow controller) come from an sbatch wrapper on PATH that
 prints Slurm's own words, then runs the real sbatch.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,16 @@ import pytest
 
 from conftest import drop, tick_until
 from test_slurm import (  # noqa: F401  (the cluster fixtures are used by name)
-    SLURM, _counting, _live_slurm_ids, finished, job_file, no_leftover_slurm_jobs, run_json, slurm_cluster,
-    slurm_state, status_job,
+    SLURM,
+    _counting,
+    _live_slurm_ids,
+    finished,
+    job_file,
+    no_leftover_slurm_jobs,
+    run_json,
+    slurm_cluster,
+    slurm_state,
+    status_job,
 )
 from trainq.watcher.slurm.batch import effective_time_min, signal_lead_s
 from trainq.watcher.slurm.state import decode_status, parse_sacct, parse_squeue
@@ -28,15 +37,17 @@ from trainq.watcher.slurm.state import decode_status, parse_sacct, parse_squeue
 pytestmark = pytest.mark.slurm
 
 #: Slurm's own words when a QOS limit on submitted jobs refuses sbatch (slurmdbd with AccountingStorageEnforce)
-QOS_LIMIT = ("sbatch: error: QOSMaxSubmitJobPerUserLimit\nsbatch: error: Batch job submission failed: Job violates "
-             "accounting/QOS policy (job submit limit, user's size and/or time limits)\n")
+QOS_LIMIT = (
+    "sbatch: error: QOSMaxSubmitJobPerUserLimit\nsbatch: error: Batch job submission failed: Job violates "
+    "accounting/QOS policy (job submit limit, user's size and/or time limits)\n"
+)
 
 
 def _wrapped_sbatch(tmp_path: Path, monkeypatch, body: str) -> Path:
     """An sbatch first on PATH that runs ``body`` (sh) and then the real sbatch; returns its folder."""
     wrapper = tmp_path / "bin" / "sbatch"
     wrapper.parent.mkdir(exist_ok=True)
-    wrapper.write_text(f"#!/bin/sh\n{body}\nexec {shutil.which('sbatch')} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\n{body}\nexec {shutil.which("sbatch")} "$@"\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
     return wrapper.parent
@@ -46,8 +57,10 @@ def _wrapped_sbatch(tmp_path: Path, monkeypatch, body: str) -> Path:
 
 
 def test_squeue_and_sacct_answers_are_read_with_their_exit_status():
-    out = ("4|FAILED|NonZeroExitCode|vm|768|(null)|\n5_2|PENDING|JobHeldUser|n/a|0|trainq:k:grid:array:t|x|\n"
-           "6|CANCELLED|None|vm|15|trainq:k:j:1:t|\n")
+    out = (
+        "4|FAILED|NonZeroExitCode|vm|768|(null)|\n5_2|PENDING|JobHeldUser|n/a|0|trainq:k:grid:array:t|x|\n"
+        "6|CANCELLED|None|vm|15|trainq:k:j:1:t|\n"
+    )
     jobs = parse_squeue(out)
     assert (jobs["4"].state, jobs["4"].exit_code, jobs["4"].exit_signal, jobs["4"].node) == ("FAILED", 3, None, "vm")
     assert jobs["5_2"].comment == "trainq:k:grid:array:t|x" and jobs["5_2"].node == ""  # a "|" in a tag stays
@@ -73,9 +86,14 @@ def test_the_time_limit_warning_takes_at_most_half_of_a_short_limit():
 
 def test_a_running_job_cancelled_from_outside_ends_cancelled_and_is_not_retried(queue_dir, watcher):
     w = watcher(**SLURM)
-    drop(queue_dir, "victim.yaml", job_file(command=["sh", "-c", "echo up; sleep 300"],
-                                            retries={"max": 2, "on": ["preempted", "killed", "unknown"],
-                                                     "backoff": "1s"}))
+    drop(
+        queue_dir,
+        "victim.yaml",
+        job_file(
+            command=["sh", "-c", "echo up; sleep 300"],
+            retries={"max": 2, "on": ["preempted", "killed", "unknown"], "backoff": "1s"},
+        ),
+    )
     log = queue_dir / "running" / "victim" / "output.log"
     tick_until(w, lambda: log.exists() and "up" in log.read_text(), 30, "victim to start")
     slurm_id = w.jobs["victim"].run["slurm_job_id"]
@@ -92,11 +110,18 @@ def test_a_queued_array_task_cancelled_from_outside_is_cancelled_and_the_array_i
     """Slurm keeps no record of an array task cancelled before it started: trainq says cancelled, not "the queue
     root must be on a shared filesystem". slurm.array_limit: 2 becomes --array=1-3%2."""
     w = watcher(executor="slurm", slurm={"poll_s": 0.2, "array_limit": 2}, max_concurrent=8)
-    drop(queue_dir, "held.yaml", job_file(command=["echo", "{x}"], sweep={"x": [1, 2, 3]},
-                                          slurm={"sbatch_args": ["--hold"]}))
+    drop(
+        queue_dir,
+        "held.yaml",
+        job_file(command=["echo", "{x}"], sweep={"x": [1, 2, 3]}, slurm={"sbatch_args": ["--hold"]}),
+    )
     ids = [f"held-{i}" for i in (1, 2, 3)]
-    tick_until(w, lambda: all(i in w.jobs and w.jobs[i].run.get("waiting_for") == "Slurm: JobHeldUser" for i in ids),
-               30, "the array to wait in Slurm")
+    tick_until(
+        w,
+        lambda: all(i in w.jobs and w.jobs[i].run.get("waiting_for") == "Slurm: JobHeldUser" for i in ids),
+        30,
+        "the array to wait in Slurm",
+    )
     sbatch = json.loads((queue_dir / "running" / "held-2" / "slurm.json").read_text())["sbatch"]
     assert "--array=1-3%2" in sbatch
     task = w.jobs["held-2"].run["slurm_job_id"]
@@ -114,8 +139,12 @@ def test_a_job_slurm_no_longer_knows_says_so_and_what_was_last_known(queue_dir, 
     watcher that was down for an hour would find a purged one."""
     w = watcher(**SLURM)
     drop(queue_dir, "lost.yaml", job_file(command=["true"], slurm={"sbatch_args": ["--hold"]}))
-    tick_until(w, lambda: "lost" in w.jobs and w.jobs["lost"].run.get("waiting_for") == "Slurm: JobHeldUser", 30,
-               "lost to wait in Slurm")
+    tick_until(
+        w,
+        lambda: "lost" in w.jobs and w.jobs["lost"].run.get("waiting_for") == "Slurm: JobHeldUser",
+        30,
+        "lost to wait in Slurm",
+    )
     real = w.jobs["lost"].run["slurm_job_id"]
     w.close()
     subprocess.run(["scancel", real], check=True, timeout=60)
@@ -135,8 +164,15 @@ def test_a_job_slurm_no_longer_knows_says_so_and_what_was_last_known(queue_dir, 
 def test_one_rank_failing_gives_its_own_exit_code_not_sruns(queue_dir, watcher):
     w = watcher(**SLURM)
     cmd = ["sh", "-c", "if [ $RANK = 1 ]; then echo rank 1 fails; exit 7; fi; sleep 120"]
-    drop(queue_dir, "ranks.yaml", job_file(command=cmd, resources={"nodes": 1, "tasks_per_node": 2},
-                                           retries={"max": 1, "on": ["preempted"], "backoff": "1s"}))
+    drop(
+        queue_dir,
+        "ranks.yaml",
+        job_file(
+            command=cmd,
+            resources={"nodes": 1, "tasks_per_node": 2},
+            retries={"max": 1, "on": ["preempted"], "backoff": "1s"},
+        ),
+    )
     done = tick_until(w, lambda: finished(queue_dir, "ranks"), 60, "ranks to fail")
     run = run_json(done)
     attempt = run["attempts"][-1]
@@ -154,12 +190,20 @@ def test_a_submit_limit_makes_the_job_wait_then_submits_it_again(queue_dir, watc
     w = watcher(**SLURM)
     w.executor.limit_retry_s = 1.0  # the real wait is 30 s; only the wait shrinks here
     drop(queue_dir, "limited.yaml", job_file(command=["echo", "in at last"]))
-    tick_until(w, lambda: "limited" in w.jobs and "QOSMaxSubmitJobPerUserLimit" in (
-        w.jobs["limited"].run.get("waiting_for") or ""), 30, "the limit to hold the job")
+    tick_until(
+        w,
+        lambda: (
+            "limited" in w.jobs and "QOSMaxSubmitJobPerUserLimit" in (w.jobs["limited"].run.get("waiting_for") or "")
+        ),
+        30,
+        "the limit to hold the job",
+    )
     assert (queue_dir / "pending" / "limited").is_dir() and w.jobs["limited"].run["attempt"] == 0
     done = tick_until(w, lambda: finished(queue_dir, "limited"), 40, "limited to run")
     run = run_json(done)
-    assert done.parent.name == "done" and len(run["attempts"]) == 1 and "in at last" in (done / "output.log").read_text()
+    assert (
+        done.parent.name == "done" and len(run["attempts"]) == 1 and "in at last" in (done / "output.log").read_text()
+    )
 
 
 # -- the loop never waits on sbatch, and asks Slurm little --------------------------------------------
@@ -172,31 +216,54 @@ def test_the_loop_goes_on_while_sbatch_hangs(queue_dir, watcher, tmp_path, monke
     _wrapped_sbatch(tmp_path, monkeypatch, f"while [ ! -e {go} ]; do sleep 0.05; done")
     w = watcher(**SLURM)
     drop(queue_dir, "early.yaml", job_file(command=["sleep", "300"], slurm={"sbatch_args": ["--hold"]}))
-    tick_until(w, lambda: (status_job(queue_dir, "early") or {}).get("waiting_for") == "Slurm: being submitted (sbatch)",
-               30, "early to be in sbatch")
+    tick_until(
+        w,
+        lambda: (status_job(queue_dir, "early") or {}).get("waiting_for") == "Slurm: being submitted (sbatch)",
+        30,
+        "early to be in sbatch",
+    )
     before = json.loads((queue_dir / "status.json").read_text())["watcher"]["heartbeat_at"]
     (queue_dir / "running" / "early" / "stop.flag").touch()
     drop(queue_dir, "late.yaml", job_file(command=["true"]))
-    tick_until(w, lambda: "late" in w.jobs and json.loads((queue_dir / "status.json").read_text())["watcher"][
-        "heartbeat_at"] != before, 30, "the loop to go on while sbatch hangs")
+    tick_until(
+        w,
+        lambda: (
+            "late" in w.jobs
+            and json.loads((queue_dir / "status.json").read_text())["watcher"]["heartbeat_at"] != before
+        ),
+        30,
+        "the loop to go on while sbatch hangs",
+    )
     go.touch()
     tick_until(w, lambda: finished(queue_dir, "early") and finished(queue_dir, "late"), 40, "both to end")
     assert run_json(finished(queue_dir, "early"))["status"] == "cancelled"
     assert finished(queue_dir, "late").parent.name == "done"
 
 
-def test_polls_ask_only_about_the_queues_jobs_and_space_out_while_nothing_changes(queue_dir, watcher, tmp_path,
-                                                                                  monkeypatch):
+def test_polls_ask_only_about_the_queues_jobs_and_space_out_while_nothing_changes(
+    queue_dir, watcher, tmp_path, monkeypatch
+):
     calls = _counting(tmp_path, monkeypatch, "squeue")
     w = watcher(executor="slurm", slurm={"poll_s": 0.2, "poll_max_s": 1.6}, max_concurrent=8)
     for i in range(3):
         drop(queue_dir, f"h{i}.yaml", job_file(command=["true"], slurm={"sbatch_args": ["--hold"]}))
-    tick_until(w, lambda: all((w.jobs.get(f"h{i}") and w.jobs[f"h{i}"].run.get("waiting_for") or "")
-                              == "Slurm: JobHeldUser" for i in range(3)), 30, "three to wait in Slurm")
+    tick_until(
+        w,
+        lambda: all(
+            (w.jobs.get(f"h{i}") and w.jobs[f"h{i}"].run.get("waiting_for") or "") == "Slurm: JobHeldUser"
+            for i in range(3)
+        ),
+        30,
+        "three to wait in Slurm",
+    )
     ids = sorted(w.jobs[f"h{i}"].run["slurm_job_id"] for i in range(3))
     calls.write_text("")
-    tick_until(w, lambda: w.executor._interval_s == 1.6 and len(calls.read_text().splitlines()) >= 4, 30,
-               "the polls to space out")
+    tick_until(
+        w,
+        lambda: w.executor._interval_s == 1.6 and len(calls.read_text().splitlines()) >= 4,
+        30,
+        "the polls to space out",
+    )
     asked = calls.read_text().splitlines()
     assert all("--me" not in line and f"-j {','.join(sorted(ids, key=int))}" in line for line in asked), asked
     drop(queue_dir, "more.yaml", job_file(command=["true"]))  # an event: a submission
@@ -214,16 +281,22 @@ def test_a_silent_node_is_stalled_then_cancelled_and_retried_as_preempted(queue_
     cmd = ["sh", "-c", "echo attempt $TRAINQ_ATTEMPT; [ $TRAINQ_ATTEMPT = 2 ] && exit 0; sleep 300"]
     drop(queue_dir, "hung.yaml", job_file(command=cmd, retries={"max": 1, "on": ["preempted"], "backoff": "1s"}))
     folder = queue_dir / "running" / "hung"
-    tick_until(w, lambda: (folder / "supervisor.json").exists() and (folder / "heartbeat.json").exists(), 30,
-               "hung to start")
+    tick_until(
+        w, lambda: (folder / "supervisor.json").exists() and (folder / "heartbeat.json").exists(), 30, "hung to start"
+    )
     node_side = json.loads((folder / "supervisor.json").read_text())["supervisor_pid"]
     os.kill(node_side, signal.SIGSTOP)
     try:
-        tick_until(w, lambda: (status_job(queue_dir, "hung") or {}).get("health") == "stalled", 30,
-                   "hung to show stalled")
+        tick_until(
+            w, lambda: (status_job(queue_dir, "hung") or {}).get("health") == "stalled", 30, "hung to show stalled"
+        )
         assert "no heartbeat" in (w.jobs["hung"].run.get("health_reason") or "")
-        tick_until(w, lambda: w.jobs.get("hung") is not None and w.jobs["hung"].attempt == 2 or finished(
-            queue_dir, "hung"), 60, "trainq to give up on the node")
+        tick_until(
+            w,
+            lambda: w.jobs.get("hung") is not None and w.jobs["hung"].attempt == 2 or finished(queue_dir, "hung"),
+            60,
+            "trainq to give up on the node",
+        )
     finally:
         try:
             os.kill(node_side, signal.SIGCONT)
@@ -248,12 +321,18 @@ def test_the_node_side_outlives_an_unwritable_folder_and_the_job_ends_once_it_is
         pytest.skip("this filesystem has no immutable flag")
     subprocess.run(["chattr", "-i", str(probe)], check=True)
     w = watcher(**SLURM)
-    drop(queue_dir, "frozen.yaml", job_file(command=["sh", "-c", "echo finishing; chattr +i \"$TRAINQ_JOB_DIR\""]))
+    drop(queue_dir, "frozen.yaml", job_file(command=["sh", "-c", 'echo finishing; chattr +i "$TRAINQ_JOB_DIR"']))
     folder = queue_dir / "running" / "frozen"
     try:
-        tick_until(w, lambda: "cannot write the exit record" in ((folder / "output.log").read_text()
-                                                                 if (folder / "output.log").exists() else ""),
-                   30, "the supervisor to find its folder unwritable")
+        tick_until(
+            w,
+            lambda: (
+                "cannot write the exit record"
+                in ((folder / "output.log").read_text() if (folder / "output.log").exists() else "")
+            ),
+            30,
+            "the supervisor to find its folder unwritable",
+        )
         slurm_id = w.jobs["frozen"].run["slurm_job_id"]
         assert slurm_id in _live_slurm_ids() and "frozen" in w.jobs  # alive and waiting, not crashed
     finally:

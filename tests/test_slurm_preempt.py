@@ -6,6 +6,7 @@ SIGTERM, then SIGKILL after ``KillWait``), and an admin marks its node DOWN (``s
 Slurm records as NODE_FAIL. Both must end the attempt ``preempted`` with Slurm's words and be retried from the
 job's own checkpoint when ``retries`` allows it.
 """
+
 from __future__ import annotations
 
 import socket
@@ -15,31 +16,46 @@ import pytest
 
 from conftest import drop, tick_until, wait_until
 from test_slurm import (  # noqa: F401  (the cluster fixtures are used by name)
-    SLURM, finished, job_file, no_leftover_slurm_jobs, run_json, slurm_cluster, slurm_state,
+    SLURM,
+    finished,
+    job_file,
+    no_leftover_slurm_jobs,
+    run_json,
+    slurm_cluster,
+    slurm_state,
 )
 
 pytestmark = pytest.mark.slurm
 
 #: a command job that counts in its own checkpoint file and resumes from it: attempt 1 counts until Slurm takes it
 #: away (at most 150 s), attempt 2 goes on from where 1 stopped and ends 20 counts later
-COUNTER = ("n=$(cat count 2>/dev/null || echo 0); echo attempt $TRAINQ_ATTEMPT from $n; "
-           "if [ $TRAINQ_ATTEMPT = 1 ]; then end=3000; else end=$((n + 20)); fi; "
-           "trap 'echo stopping at $n; exit 143' TERM; "
-           "while [ $n -lt $end ]; do n=$((n+1)); echo $n > count.tmp && mv count.tmp count; sleep 0.05; done; "
-           "echo finished at $n")
+COUNTER = (
+    "n=$(cat count 2>/dev/null || echo 0); echo attempt $TRAINQ_ATTEMPT from $n; "
+    "if [ $TRAINQ_ATTEMPT = 1 ]; then end=3000; else end=$((n + 20)); fi; "
+    "trap 'echo stopping at $n; exit 143' TERM; "
+    "while [ $n -lt $end ]; do n=$((n+1)); echo $n > count.tmp && mv count.tmp count; sleep 0.05; done; "
+    "echo finished at $n"
+)
 
 
 def _counter_job(name: str, queue_dir) -> None:
     """The counter with the whole node (``--exclusive``), so anything else that must run has to take it away."""
-    drop(queue_dir, f"{name}.yaml", job_file(
-        command=["sh", "-c", COUNTER], retries={"max": 1, "on": ["preempted"], "backoff": "1s"},
-        slurm={"sbatch_args": ["--exclusive"]}))
+    drop(
+        queue_dir,
+        f"{name}.yaml",
+        job_file(
+            command=["sh", "-c", COUNTER],
+            retries={"max": 1, "on": ["preempted"], "backoff": "1s"},
+            slurm={"sbatch_args": ["--exclusive"]},
+        ),
+    )
 
 
 def _state_now(slurm_id: str) -> str:
     """What squeue shows for the job now (no waiting: the watcher must go on ticking)."""
-    return subprocess.run(["squeue", "-h", "-t", "all", "-o", "%T", "-j", slurm_id], capture_output=True, text=True,
-                          timeout=60).stdout.strip()
+    return subprocess.run(
+        ["squeue", "-h", "-t", "all", "-o", "%T", "-j", slurm_id], capture_output=True, text=True, timeout=60
+    ).stdout.strip()
 
 
 def _back_in_service(host: str) -> None:
@@ -48,8 +64,9 @@ def _back_in_service(host: str) -> None:
     subprocess.run(["scontrol", "update", f"NodeName={host}", "State=RESUME"], capture_output=True, timeout=60)
 
     def usable() -> bool:
-        state = subprocess.run(["sinfo", "-h", "-n", host, "-o", "%T"], capture_output=True, text=True,
-                               timeout=60).stdout.strip()
+        state = subprocess.run(
+            ["sinfo", "-h", "-n", host, "-o", "%T"], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
         if state.startswith(("down", "drain", "fail")):
             subprocess.run(["scontrol", "update", f"NodeName={host}", "State=RESUME"], capture_output=True, timeout=60)
             return False
@@ -74,12 +91,21 @@ def test_a_job_preempted_by_a_higher_priority_partition_is_retried_from_where_it
     _counter_job("low", queue_dir)
     tick_until(w, lambda: _counted(queue_dir, "low") > 20, 60, "low to count")
     first_id = w.jobs["low"].run["slurm_job_id"]
-    urgent = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--exclusive", "--output=/dev/null",
-                             "--wrap", "sleep 3"], capture_output=True, text=True, check=True, timeout=60)
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "--partition=urgent", "--exclusive", "--output=/dev/null", "--wrap", "sleep 3"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     urgent_id = urgent.stdout.strip().split(";")[0]
     try:
-        tick_until(w, lambda: w.jobs.get("low") is not None and w.jobs["low"].attempt == 2 or finished(queue_dir, "low"),
-                   90, "Slurm to preempt low and trainq to retry it")
+        tick_until(
+            w,
+            lambda: w.jobs.get("low") is not None and w.jobs["low"].attempt == 2 or finished(queue_dir, "low"),
+            90,
+            "Slurm to preempt low and trainq to retry it",
+        )
         stopped_at = _counted(queue_dir, "low")
         done = tick_until(w, lambda: finished(queue_dir, "low"), 120, "attempt 2 to finish")
     finally:

@@ -1,4 +1,5 @@
 """The spawner helper: supervisors forked from a small process, with a fallback when it is gone."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,15 @@ from trainq.watcher.supervisor import LaunchSpec
 def spec_for(tmp_path: Path, name: str, argv: tuple[str, ...]) -> LaunchSpec:
     job_dir = tmp_path / name
     job_dir.mkdir()
-    return LaunchSpec(job_dir=str(job_dir), argv=argv, env=dict(os.environ), cwd=str(job_dir), attempt=1,
-                      stop_grace_s=0.5, kill_after_s=0.5)
+    return LaunchSpec(
+        job_dir=str(job_dir),
+        argv=argv,
+        env=dict(os.environ),
+        cwd=str(job_dir),
+        attempt=1,
+        stop_grace_s=0.5,
+        kill_after_s=0.5,
+    )
 
 
 def test_launches_go_through_the_helper_and_exits_are_announced(tmp_path):
@@ -31,8 +39,11 @@ def test_launches_go_through_the_helper_and_exits_are_announced(tmp_path):
         assert psutil.Process(pid).ppid() == helper
         paths = JobPaths(Path(spec.job_dir))
         # the supervisor announces its exit record on a pipe the loop selects on
-        wait_until(lambda: select.select(sup.wake_fds(), [], [], 0.5)[0] and sup.reap() is not None
-                   and sup.read_exit(paths), 10, what="the exit notice")
+        wait_until(
+            lambda: select.select(sup.wake_fds(), [], [], 0.5)[0] and sup.reap() is not None and sup.read_exit(paths),
+            10,
+            what="the exit notice",
+        )
         assert "through-the-helper" in paths.log.read_text()
         assert not sup.is_alive(paths), "the lock is released once the exit record is there"
     finally:
@@ -68,8 +79,11 @@ def test_a_pooled_supervisor_runs_one_attempt_after_another(tmp_path):
         assert psutil.Process(pid).is_running(), "it waits for a third"
     finally:
         sup.close()
-    wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10,
-               what="the pooled supervisor to leave with its helper")
+    wait_until(
+        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+        10,
+        what="the pooled supervisor to leave with its helper",
+    )
 
 
 def test_a_supervisor_told_to_stop_leaves_after_its_attempt(tmp_path):
@@ -82,8 +96,11 @@ def test_a_supervisor_told_to_stop_leaves_after_its_attempt(tmp_path):
         os.kill(pid, signal.SIGTERM)
         record = wait_until(lambda: sup.read_exit(paths), 10)
         assert record["stop_reason"] == "sigterm"
-        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10,
-                   what="the stopped supervisor to leave instead of waiting for another attempt")
+        wait_until(
+            lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+            10,
+            what="the stopped supervisor to leave instead of waiting for another attempt",
+        )
     finally:
         sup.close()
 

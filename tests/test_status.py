@@ -1,4 +1,5 @@
 """status.json: schema, old samples, atomic writes under a concurrent reader, cadence, bounds."""
+
 from __future__ import annotations
 
 import json
@@ -39,18 +40,49 @@ def status_validator() -> jsonschema.Draft202012Validator:
 
 
 def _snapshot(jobs: list[dict] | None = None, heartbeat: float = T0, step: int = 10) -> StatusSnapshot:
-    jobs = jobs if jobs is not None else [
-        job_entry("a", "running", "running/a", name="a", attempt=1, pid=123, health="healthy",
-                  submitted_at=iso_utc(T0 - 60), started_at=iso_utc(T0 - 30),
-                  progress={"step": step, "total_steps": 100, "epoch": 0.1, "loss": 2.1, "eval_loss": None,
-                            "tokens_per_s": 900.0, "eta_s": 42}, gpus=[0]),
-        job_entry("b", "pending", "pending/b", waiting_for="2.1 GB RAM free, job needs 5 GB"),
-    ]
+    jobs = (
+        jobs
+        if jobs is not None
+        else [
+            job_entry(
+                "a",
+                "running",
+                "running/a",
+                name="a",
+                attempt=1,
+                pid=123,
+                health="healthy",
+                submitted_at=iso_utc(T0 - 60),
+                started_at=iso_utc(T0 - 30),
+                progress={
+                    "step": step,
+                    "total_steps": 100,
+                    "epoch": 0.1,
+                    "loss": 2.1,
+                    "eval_loss": None,
+                    "tokens_per_s": 900.0,
+                    "eta_s": 42,
+                },
+                gpus=[0],
+            ),
+            job_entry("b", "pending", "pending/b", waiting_for="2.1 GB RAM free, job needs 5 GB"),
+        ]
+    )
     counts = {"inbox": 0, "awaiting_approval": 0, "pending": 1, "running": 1, "done": 0, "failed": 0}
-    watcher = {"pid": 1, "host": "h", "version": "0.1.0", "state": "running",
-               "started_at": iso_utc(T0 - 100), "heartbeat_at": iso_utc(heartbeat)}
-    resources = {"ram": {"total_gb": 24.0, "available_gb": 20.0}, "disk": {"/q": {"total_gb": 100.0, "free_gb": 50.0}},
-                 "gpus": [], "battery": None}
+    watcher = {
+        "pid": 1,
+        "host": "h",
+        "version": "0.1.0",
+        "state": "running",
+        "started_at": iso_utc(T0 - 100),
+        "heartbeat_at": iso_utc(heartbeat),
+    }
+    resources = {
+        "ram": {"total_gb": 24.0, "available_gb": 20.0},
+        "disk": {"/q": {"total_gb": 100.0, "free_gb": 50.0}},
+        "gpus": [],
+        "battery": None,
+    }
     return StatusSnapshot(watcher, counts, tuple(jobs), resources)
 
 
@@ -89,13 +121,16 @@ def test_old_run_sample_validates() -> None:
     assert data["attempts"][1]["resumed_from"] == data["resume_from"]
 
 
-@pytest.mark.parametrize("breakage", [
-    {"status": "finished"},
-    {"attempt": -1},
-    {"id": "has space"},
-    {"executor": "k8s"},
-    {"submitted_at": "yesterday"},
-])
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        {"status": "finished"},
+        {"attempt": -1},
+        {"id": "has space"},
+        {"executor": "k8s"},
+        {"submitted_at": "yesterday"},
+    ],
+)
 def test_run_schema_rejects_wrong_values(breakage: dict) -> None:
     data = {**json.loads((DATA / "run_v1.json").read_text()), **breakage}
     assert list(_validator("run.schema.json").iter_errors(data))
@@ -209,8 +244,11 @@ def test_concurrent_reader_never_sees_partial_or_invalid_file(tmp_path: Path) ->
     writer = StatusWriter(path, None, status_s=0.0)
     writer.force_write(_snapshot(), T0)
     count = tmp_path / "reads"
-    reader = subprocess.Popen([sys.executable, "-c", _READER, str(path), str(stop), str(SCHEMAS / "status.schema.json"),
-                               str(count)], stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _READER, str(path), str(stop), str(SCHEMAS / "status.schema.json"), str(count)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert reader.stdout.readline().strip() == "ready"
         many = [job_entry(f"p{i}", "pending", f"pending/p{i}", waiting_for="x" * (i % 97)) for i in range(60)]
@@ -232,12 +270,29 @@ def test_concurrent_reader_never_sees_partial_or_invalid_file(tmp_path: Path) ->
 
 def _many_jobs() -> list[dict]:
     jobs = [job_entry(f"r{i}", "running", f"running/r{i}", progress=None) for i in range(3)]
-    jobs += [job_entry(f"p{i:05d}", "pending", f"pending/p{i:05d}", priority=i % 7, name=f"pending job {i}",
-                       submitted_at=iso_utc(T0 + i), waiting_for="waiting for a free GPU (0 of 1 free)")
-             for i in range(10_000)]
+    jobs += [
+        job_entry(
+            f"p{i:05d}",
+            "pending",
+            f"pending/p{i:05d}",
+            priority=i % 7,
+            name=f"pending job {i}",
+            submitted_at=iso_utc(T0 + i),
+            waiting_for="waiting for a free GPU (0 of 1 free)",
+        )
+        for i in range(10_000)
+    ]
     jobs += [job_entry(f"w{i}", "awaiting_approval", f"inbox/w{i:04d}.yaml") for i in range(500)]
-    jobs += [job_entry(f"d{i}", "done" if i % 2 else "failed", f"done/d{i}", status="done" if i % 2 else "failed",
-                       finished_at=iso_utc(T0 + i)) for i in range(5_000)]
+    jobs += [
+        job_entry(
+            f"d{i}",
+            "done" if i % 2 else "failed",
+            f"done/d{i}",
+            status="done" if i % 2 else "failed",
+            finished_at=iso_utc(T0 + i),
+        )
+        for i in range(5_000)
+    ]
     return jobs
 
 

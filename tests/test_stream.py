@@ -1,4 +1,5 @@
 """faces/stream.py: the lines and records `trainq serve` sends, at exact byte offsets (no server here)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,18 @@ from hypothesis import strategies as st
 
 from trainq.watcher.daemon.starting import _banner
 from trainq.watcher.faces.stream import (
-    ATTEMPT, LINE, MAX_LINE_BYTES, PROGRESS, clean, find_job, read_from, resume_offset, split_log, split_records,
-    sse, tail_offset,
+    ATTEMPT,
+    LINE,
+    MAX_LINE_BYTES,
+    PROGRESS,
+    clean,
+    find_job,
+    read_from,
+    resume_offset,
+    split_log,
+    split_records,
+    sse,
+    tail_offset,
 )
 
 
@@ -29,14 +40,21 @@ def test_a_partial_line_is_held_until_it_ends() -> None:
 
 
 def test_ansi_escapes_and_control_bytes_are_stripped() -> None:
-    raw = b"\x1b[1;31mred\x1b[0m \x1b]0;title\x07tab\there\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\ \x07bell\x00 \xc3\xbc"
+    raw = (
+        b"\x1b[1;31mred\x1b[0m \x1b]0;title\x07tab\there\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\ \x07bell\x00 \xc3\xbc"
+    )
     assert clean(raw) == "red tab\therelink bell ü"
     assert clean(b"bad \xff byte") == "bad \ufffd byte"
 
 
 def test_crlf_is_one_end_and_a_lone_cr_is_a_progress_redraw() -> None:
-    assert _texts(b"a\r\nb\n10%\r50%\rdone\r\n") == [(LINE, "a"), (LINE, "b"), (PROGRESS, "10%"), (PROGRESS, "50%"),
-                                                       (LINE, "done")]
+    assert _texts(b"a\r\nb\n10%\r50%\rdone\r\n") == [
+        (LINE, "a"),
+        (LINE, "b"),
+        (PROGRESS, "10%"),
+        (PROGRESS, "50%"),
+        (LINE, "done"),
+    ]
     # a CR at the very end may be the first half of CRLF: held until the next byte says which
     pieces, used = split_log(b"x\r", 0)
     assert pieces == [] and used == 0
@@ -75,7 +93,7 @@ def test_any_write_boundaries_give_the_same_pieces_and_every_id_resumes_exactly(
         offset += used
     assert sent == whole and offset == len(data)
     for i, piece in enumerate(whole):
-        assert split_log(data[piece.end:], piece.end, final=True)[0] == whole[i + 1:]
+        assert split_log(data[piece.end :], piece.end, final=True)[0] == whole[i + 1 :]
 
 
 def test_metrics_records_skip_bad_lines_and_carry_non_finite_numbers_as_strings() -> None:

@@ -1,4 +1,5 @@
 """Supervision through the watcher: stop, kill-tree, timeout, stall, retries with resume, attempt separators."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import psutil
 
 from conftest import FAKE, PY, job_processes, tick_until
 
-RESUMABLE = r'''
+RESUMABLE = r"""
 import json, os, sys
 job = os.environ["TRAINQ_JOB_DIR"]
 attempt = int(os.environ["TRAINQ_ATTEMPT"])
@@ -21,7 +22,7 @@ if attempt == 1:
         f.write(json.dumps({"type": "checkpoint", "step": 3, "path": ckpt}) + "\n")
     print("RuntimeError: simulated crash after a checkpoint", flush=True)
     sys.exit(1)
-'''
+"""
 
 
 def run_of(root: Path, state: str, job_id: str) -> dict:
@@ -51,8 +52,15 @@ def test_cooperative_stop_needs_no_signal(queue_dir, watcher, write_job):
     write_job("coop", command=[PY, str(FAKE / "cooperative.py")], stop_grace="60s")
     tick_until(w, lambda: "ready" in _read(queue_dir / "running" / "coop" / "output.log"), 20)
     (queue_dir / "running" / "coop" / "stop.flag").touch()
-    tick_until(w, lambda: run_of(queue_dir, "running", "coop")["status"] == "stopping"
-               if (queue_dir / "running" / "coop").exists() else True, 5)
+    tick_until(
+        w,
+        lambda: (
+            run_of(queue_dir, "running", "coop")["status"] == "stopping"
+            if (queue_dir / "running" / "coop").exists()
+            else True
+        ),
+        5,
+    )
     tick_until(w, lambda: (queue_dir / "failed" / "coop").exists(), 10)
     run = run_of(queue_dir, "failed", "coop")
     assert run["status"] == "cancelled"
@@ -73,10 +81,19 @@ def test_timeout_is_a_stop_recorded_as_timeout(queue_dir, watcher, write_job):
 
 def test_retry_resumes_from_the_checkpoint_with_resume_args(queue_dir, watcher, write_job):
     w = watcher()
-    write_job("resumable", command=[PY, "-c", RESUMABLE], resume_args=["--resume", "{resume_from}"],
-              retries={"max": 1, "on": ["unknown"], "backoff": "1s"})
-    tick_until(w, lambda: (queue_dir / "pending" / "resumable").exists()
-               and run_of(queue_dir, "pending", "resumable")["attempt"] == 1, 20)
+    write_job(
+        "resumable",
+        command=[PY, "-c", RESUMABLE],
+        resume_args=["--resume", "{resume_from}"],
+        retries={"max": 1, "on": ["unknown"], "backoff": "1s"},
+    )
+    tick_until(
+        w,
+        lambda: (
+            (queue_dir / "pending" / "resumable").exists() and run_of(queue_dir, "pending", "resumable")["attempt"] == 1
+        ),
+        20,
+    )
     waiting = run_of(queue_dir, "pending", "resumable")
     assert "retry 2 of 2" in waiting["waiting_for"]
     tick_until(w, lambda: (queue_dir / "done" / "resumable").exists(), 20)
@@ -119,8 +136,13 @@ def test_stall_shows_in_status_and_retries_when_asked(queue_dir, watcher, write_
     (queue_dir / "running" / "quiet" / "stop.flag").touch()
     tick_until(w, lambda: (queue_dir / "failed" / "quiet").exists(), 15)
 
-    write_job("stuck", command=["sh", "-c", "echo $TRAINQ_ATTEMPT; sleep 60"], stall_after="0.5s", stop_grace="0.5s",
-              retries={"max": 1, "on": ["stalled"], "backoff": "1s"})
+    write_job(
+        "stuck",
+        command=["sh", "-c", "echo $TRAINQ_ATTEMPT; sleep 60"],
+        stall_after="0.5s",
+        stop_grace="0.5s",
+        retries={"max": 1, "on": ["stalled"], "backoff": "1s"},
+    )
     tick_until(w, lambda: (queue_dir / "failed" / "stuck").exists(), 30)
     run = run_of(queue_dir, "failed", "stuck")
     assert run["attempt"] == 2

@@ -1,4 +1,5 @@
 """The job supervisor, with real processes: launch, records, lock, stop escalation, orphans, crashes."""
+
 from __future__ import annotations
 
 import fcntl
@@ -70,8 +71,9 @@ class Jobs:
         return paths
 
     def spec(self, paths: JobPaths, argv: tuple[str, ...], **overrides: object) -> LaunchSpec:
-        fields = dict(job_dir=str(paths.dir), argv=argv, env={}, cwd=str(paths.dir), attempt=1,
-                      stop_grace_s=0.5, kill_after_s=1.0)
+        fields = dict(
+            job_dir=str(paths.dir), argv=argv, env={}, cwd=str(paths.dir), attempt=1, stop_grace_s=0.5, kill_after_s=1.0
+        )
         fields.update(overrides)
         return LaunchSpec(**fields)
 
@@ -111,8 +113,9 @@ def jobs(tmp_path: Path) -> Iterator[Jobs]:
 
 
 def test_launch_writes_start_and_exit_records_and_the_log(jobs: Jobs) -> None:
-    paths, pid = jobs.launch(py("succeeds.py"), name="hello", env={"GREETING": "hi there"},
-                              banner="=== trainq: hello attempt 1 ===\nextra")
+    paths, pid = jobs.launch(
+        py("succeeds.py"), name="hello", env={"GREETING": "hi there"}, banner="=== trainq: hello attempt 1 ===\nextra"
+    )
     record = jobs.wait_exit(paths)
     started = jobs.sup.read_started(paths)
     assert started is not None
@@ -200,7 +203,9 @@ def test_timeout_creates_the_stop_flag_and_records_timeout(jobs: Jobs) -> None:
 
 def test_trainq_notes_start_on_their_own_line_after_a_progress_bar(jobs: Jobs) -> None:
     """tqdm ends its output with \\r, not a newline: the timeout and SIGTERM notes still start a line."""
-    bar = "import sys, time; sys.stdout.write(' 30%|###   | 36/120 [00:18<00:43]\\r'); sys.stdout.flush(); time.sleep(60)"
+    bar = (
+        "import sys, time; sys.stdout.write(' 30%|###   | 36/120 [00:18<00:43]\\r'); sys.stdout.flush(); time.sleep(60)"
+    )
     paths, _ = jobs.launch((sys.executable, "-c", bar), timeout_s=0.3, stop_grace_s=0.2, kill_after_s=0.5)
     jobs.wait_exit(paths)
     log = paths.log.read_bytes().decode()  # bytes: read_text() would turn the \r into a newline
@@ -209,8 +214,9 @@ def test_trainq_notes_start_on_their_own_line_after_a_progress_bar(jobs: Jobs) -
 
 
 def test_timeout_escalates_to_kill_when_the_job_ignores_the_flag(jobs: Jobs) -> None:
-    paths, _ = jobs.launch(py("ignores_sigterm_with_grandchildren.py"), timeout_s=0.2, stop_grace_s=0.2,
-                           kill_after_s=0.5)
+    paths, _ = jobs.launch(
+        py("ignores_sigterm_with_grandchildren.py"), timeout_s=0.2, stop_grace_s=0.2, kill_after_s=0.5
+    )
     record = jobs.wait_exit(paths)
     assert record["stop_reason"] == "timeout" and record["signals_sent"] == ["SIGTERM", "SIGKILL"]
     assert job_processes(paths.dir) == []
@@ -221,8 +227,14 @@ def test_job_keeps_running_when_the_watcher_side_process_is_sigkilled(jobs: Jobs
     spec_file = paths.dir.parent / "spec.json"
     spec_file.write_text(json.dumps(jobs.spec(paths, py("sleeps.py")).to_dict()))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    launcher = subprocess.Popen([sys.executable, str(FAKE / "launcher.py"), str(spec_file)], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, str(FAKE / "launcher.py"), str(spec_file)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         supervisor_pid = int(launcher.stdout.readline())
         jobs.wait_ready(paths)
@@ -289,8 +301,14 @@ def test_standalone_entry_point_runs_in_the_foreground(jobs: Jobs) -> None:
     spec_file = paths.dir.parent / "spec.json"
     spec_file.write_text(json.dumps({"job_dir": "ignored", "argv": list(py("exits_1.py")), "banner": "== hand"}))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "trainq.watcher.supervisor", str(paths.dir), "--spec", str(spec_file)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainq.watcher.supervisor", str(paths.dir), "--spec", str(spec_file)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 1, done.stderr
     record = jobs.sup.read_exit(paths)
     assert record["exit_code"] == 1 and record["attempt"] == 1
@@ -304,8 +322,9 @@ def test_standalone_supervisor_forwards_its_sigterm_to_the_job(jobs: Jobs) -> No
     spec_file = paths.dir.parent / "spec.json"
     spec_file.write_text(json.dumps({"job_dir": str(paths.dir), "argv": list(py("sleeps.py"))}))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "trainq.watcher.supervisor", str(paths.dir), "--spec", str(spec_file)],
-                            cwd=REPO, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainq.watcher.supervisor", str(paths.dir), "--spec", str(spec_file)], cwd=REPO, env=env
+    )
     try:
         jobs.wait_ready(paths)
         proc.send_signal(signal.SIGTERM)
@@ -321,14 +340,20 @@ def test_standalone_supervisor_forwards_its_sigterm_to_the_job(jobs: Jobs) -> No
 def test_standalone_rejects_a_bad_spec(tmp_path: Path) -> None:
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps({"argv": []}))
-    done = subprocess.run([sys.executable, "-m", "trainq.watcher.supervisor", str(tmp_path), "--spec", str(spec_file)],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainq.watcher.supervisor", str(tmp_path), "--spec", str(spec_file)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "argv" in done.stderr and str(spec_file) in done.stderr
 
 
 def test_launch_spec_round_trips_through_json() -> None:
-    spec = LaunchSpec(job_dir="/q/running/a", argv=("python", "t.py"), env={"A": "1"}, cwd="/q", attempt=2,
-                      timeout_s=60.0, banner="b")
+    spec = LaunchSpec(
+        job_dir="/q/running/a", argv=("python", "t.py"), env={"A": "1"}, cwd="/q", attempt=2, timeout_s=60.0, banner="b"
+    )
     assert LaunchSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     with pytest.raises(ValueError, match="unknown launch spec keys: bogus"):
         LaunchSpec.from_dict({**spec.to_dict(), "bogus": 1})
@@ -361,8 +386,9 @@ def test_job_gets_default_signals_and_no_inherited_fds(jobs: Jobs) -> None:
     assert "fds: 0 1 2 3\n" in log_text(fd_paths), "the job holds only stdio (3 is its own listdir)"
     assert supervisor_fds.pop("0") == "/dev/null"
     assert supervisor_fds.pop("1") == supervisor_fds.pop("2") == str(fd_paths.log)
-    assert sorted(supervisor_fds.values()) == sorted([str(fd_paths.lock), "anon_inode:[pidfd]"]), \
+    assert sorted(supervisor_fds.values()) == sorted([str(fd_paths.lock), "anon_inode:[pidfd]"]), (
         "the supervisor holds stdio, the lock and its pidfd only"
+    )
 
 
 def test_fork_is_safe_while_another_thread_logs(jobs: Jobs, tmp_path: Path) -> None:
@@ -456,8 +482,11 @@ def fake_start_record(paths: JobPaths, **fields: object) -> None:
 def test_kill_leftovers_signals_nothing_for_a_start_record_from_another_boot(tmp_path, stranger, boot) -> None:
     """Was: the recorded pgid matched a stranger's group created after the 'job', and it was SIGKILLed."""
     paths = JobPaths(tmp_path / "running" / "old")
-    other_boot = {"boot_id": "00000000-0000-0000-0000-000000000000"} if boot == "boot_id" else \
-        {"boot_time": psutil.boot_time() - 86400}
+    other_boot = (
+        {"boot_id": "00000000-0000-0000-0000-000000000000"}
+        if boot == "boot_id"
+        else {"boot_time": psutil.boot_time() - 86400}
+    )
     fake_start_record(paths, pgid=stranger.pid, job_create_time=stranger.create_time() - 1.0, **other_boot)
     assert Supervisor().kill_leftovers(paths) == 0
     assert stranger.is_running() and stranger.status() != psutil.STATUS_ZOMBIE
@@ -468,8 +497,13 @@ def test_kill_leftovers_leaves_a_reused_process_group_alone(tmp_path, stranger) 
     from trainq.watcher.supervisor import boot_id
 
     paths = JobPaths(tmp_path / "running" / "reused")
-    fake_start_record(paths, pgid=stranger.pid, job_create_time=stranger.create_time() - 5.0,
-                      boot_id=boot_id(), boot_time=psutil.boot_time())
+    fake_start_record(
+        paths,
+        pgid=stranger.pid,
+        job_create_time=stranger.create_time() - 5.0,
+        boot_id=boot_id(),
+        boot_time=psutil.boot_time(),
+    )
     assert Supervisor().kill_leftovers(paths) == 0
     assert stranger.is_running() and stranger.status() != psutil.STATUS_ZOMBIE
 

@@ -1,4 +1,5 @@
 """Sweeps stay linear and bounded (issue 23 item 4), at sizes small enough for a test: output bounds, never time."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,11 @@ def test_a_sweep_that_would_write_too_much_is_rejected_before_anything_is_writte
 
 def test_status_json_and_html_stay_small_whatever_the_params_hold(queue_dir, watcher):
     keys = [f"p{i:03d}" for i in range(200)]
-    job = {"approved": True, "command": ["true", *(f"{{{k}}}" for k in keys)],
-           "sweep": {**{k: ["v" * 3000] for k in keys}, "n": [1, 2, 3]}}
+    job = {
+        "approved": True,
+        "command": ["true", *(f"{{{k}}}" for k in keys)],
+        "sweep": {**{k: ["v" * 3000] for k in keys}, "n": [1, 2, 3]},
+    }
     job["command"].append("{n}")
     (queue_dir / "pause.flag").touch()  # the jobs stay pending: each is listed with its params
     w = watcher()
@@ -59,6 +63,11 @@ def test_status_json_and_html_stay_small_whatever_the_params_hold(queue_dir, wat
     assert entries[0]["params"]["p000"].endswith("…[+2700 chars]")
     assert (queue_dir / "status.json").stat().st_size < 64_000  # unbounded: 3 x 600 KB of params
     assert (queue_dir / "status.html").stat().st_size < 256_000
-    out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status"], capture_output=True,
-                         text=True, cwd=REPO, timeout=60)
+    out = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert out.returncode == 0 and "wide-1" in out.stdout, out.stdout + out.stderr

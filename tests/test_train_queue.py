@@ -1,4 +1,5 @@
 """Train jobs end to end: the real trainer (tiny model, CPU) under the real watcher process."""
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,12 @@ def train_job(tiny: Path, faults: str | None = None, **overrides) -> str:
     train = {
         "model": str(tiny / "model"),
         "data": {"train": str(tiny / "train.jsonl"), "eval": str(tiny / "eval.jsonl")},
-        "method": "lora", "max_steps": 24, "batch_size": 4, "seq_len": 32, "eval_every": 8, "seed": 3,
+        "method": "lora",
+        "max_steps": 24,
+        "batch_size": 4,
+        "seq_len": 32,
+        "eval_every": 8,
+        "seed": 3,
         "checkpoint": {"every_steps": 4, "keep": 2},
     }
     train.update(overrides.pop("train", {}))
@@ -69,7 +75,7 @@ def test_lora_job_reaches_done_with_artifacts_and_rising_progress(queue_dir, wat
 
     def progressed():
         entry = job_entry(queue_dir, "lora")
-        step = ((entry.get("progress") or {}).get("step"))
+        step = (entry.get("progress") or {}).get("step")
         if step is not None and (not seen_steps or step != seen_steps[-1]):
             seen_steps.append(step)
         return (queue_dir / "done" / "lora").exists() or (queue_dir / "failed" / "lora").exists()
@@ -92,8 +98,12 @@ def test_stop_then_retry_resumes_and_matches_an_uninterrupted_run(queue_dir, wat
     drop(queue_dir, "whole.yaml", train_job(tiny))
     drop(queue_dir, "halves.yaml", train_job(tiny, faults="sleep_per_step=0.25"))
     wait_until(lambda: (queue_dir / "done" / "whole").exists(), 240, 0.2, "uninterrupted run done")
-    wait_until(lambda: ((job_entry(queue_dir, "halves").get("progress") or {}).get("step") or 0) >= 6,
-               120, 0.1, "halves at step 6")
+    wait_until(
+        lambda: ((job_entry(queue_dir, "halves").get("progress") or {}).get("step") or 0) >= 6,
+        120,
+        0.1,
+        "halves at step 6",
+    )
     (queue_dir / "running" / "halves" / "stop.flag").touch()
     stopped = queue_dir / "failed" / "halves"
     wait_until(stopped.exists, 120, 0.1, "stopped job in failed/")
@@ -129,8 +139,12 @@ def test_sigkill_trainer_retries_from_last_checkpoint(queue_dir, watcher_process
     wait_until(ckpt.exists, 180, 0.1, "first checkpoint")
     started = json.loads((queue_dir / "running" / "crash" / "supervisor.json").read_text())
     os.kill(started["job_pid"], signal.SIGKILL)
-    wait_until(lambda: (queue_dir / "done" / "crash").exists() or (queue_dir / "failed" / "crash").exists(),
-               240, 0.2, "crash job finished")
+    wait_until(
+        lambda: (queue_dir / "done" / "crash").exists() or (queue_dir / "failed" / "crash").exists(),
+        240,
+        0.2,
+        "crash job finished",
+    )
     done = queue_dir / "done" / "crash"
     assert done.exists(), (queue_dir / "failed" / "crash" / "output.log").read_text()[-3000:]
     run = run_json(done)

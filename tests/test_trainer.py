@@ -1,4 +1,5 @@
 """The real trainer as real processes (`python -m trainq.trainer JOB_DIR`) on the tiny model: runs, stops, kills, resumes."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer_util import (adapter_tensors, build_tiny, events, max_abs_diff, output, records, run_trainer,
-                                start_trainer, summary, trainer_env, wait_until, write_job)
+from tests.trainer_util import (
+    adapter_tensors,
+    build_tiny,
+    events,
+    max_abs_diff,
+    output,
+    records,
+    run_trainer,
+    start_trainer,
+    summary,
+    trainer_env,
+    wait_until,
+    write_job,
+)
 from trainq.watcher.spec.contract import EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_USAGE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -122,8 +135,16 @@ def test_kill_during_save_never_becomes_latest(tiny, tmp_path):
 def test_time_cadence_and_preset_from_simulated_gpu(tiny, tmp_path):
     sim = tmp_path / "gpus.json"
     sim.write_text(json.dumps([{"index": 0, "name": "Sim 6GB", "memory_total_mb": 6144, "memory_used_mb": 0}]))
-    job = write_job(tmp_path / "job", tiny, max_steps=10, batch_size=2, grad_accum=2, preset="auto", eval_every=None,
-                    checkpoint={"every_minutes": 0.002, "keep": 2})
+    job = write_job(
+        tmp_path / "job",
+        tiny,
+        max_steps=10,
+        batch_size=2,
+        grad_accum=2,
+        preset="auto",
+        eval_every=None,
+        checkpoint={"every_minutes": 0.002, "keep": 2},
+    )
     code = run_trainer(job, TRAINQ_TRAINER_FAULTS="sleep_per_step=0.2", TRAINQ_SIMULATE_GPUS=str(sim))
     assert code == EXIT_OK, output(job)
     saved = [r["step"] for r in records(job, "checkpoint")]
@@ -172,6 +193,14 @@ def test_oom_gives_advice_and_next_attempt_takes_a_rung(tiny, tmp_path):
 
 
 def test_help_says_how_to_run_by_hand():
-    result = subprocess.run([os.sys.executable, "-m", "trainq.trainer", "--help"], capture_output=True, text=True,
-                            env=trainer_env(), cwd=Path(__file__).resolve().parent.parent, timeout=60)
-    assert result.returncode == 0 and "python -m trainq.trainer JOB_DIR" in result.stdout and "stop.flag" in result.stdout
+    result = subprocess.run(
+        [os.sys.executable, "-m", "trainq.trainer", "--help"],
+        capture_output=True,
+        text=True,
+        env=trainer_env(),
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=60,
+    )
+    assert (
+        result.returncode == 0 and "python -m trainq.trainer JOB_DIR" in result.stdout and "stop.flag" in result.stdout
+    )

@@ -1,5 +1,6 @@
 """Loss on the right tokens: chat templates with and without {% generation %}, the plain fallback, unmaskable
 templates, alpaca/ShareGPT rows, and a real full fine-tune that can (assistant) or cannot (all) reach ~0 loss."""
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,13 @@ TEMPLATE = (
 UNTAGGED = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 #: a header that counts the turns: a prefix does not render as a prefix, so nothing can be masked
 UNMASKABLE = "{{ messages | length }} turns\n" + UNTAGGED
-CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the dog"},
-                {"role": "assistant", "content": "is brown."}, {"role": "user", "content": "and the cat"},
-                {"role": "assistant", "content": "is grey."}]
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "the dog"},
+    {"role": "assistant", "content": "is brown."},
+    {"role": "user", "content": "and the cat"},
+    {"role": "assistant", "content": "is grey."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +81,9 @@ def test_generation_tags_and_prefix_fallback_mask_the_same_tokens(tiny):
 
 def test_a_template_that_cannot_be_masked_is_a_data_error_naming_the_row(tiny):
     tokenizer = tokenizer_with(UNMASKABLE, tiny)
-    with pytest.raises(DataError, match=r"data\.jsonl: line 7: train\.train_on: .*prefix by prefix.*train_on: all") as info:
+    with pytest.raises(
+        DataError, match=r"data\.jsonl: line 7: train\.train_on: .*prefix by prefix.*train_on: all"
+    ) as info:
         encode(row({"messages": CONVERSATION}), tokenizer, 256)
     assert info.value.exit_code == EXIT_DATA
     assert encode(row({"messages": CONVERSATION}), tokenizer, 256, train_on="all")["labels"][0] != IGNORE_INDEX
@@ -84,13 +91,19 @@ def test_a_template_that_cannot_be_masked_is_a_data_error_naming_the_row(tiny):
 
 def test_alpaca_and_sharegpt_rows_are_conversations(tiny, tmp_path):
     path = tmp_path / "mixed.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [
-        {"instruction": "name a colour", "input": "", "output": "red."},
-        {"instruction": "repeat", "input": "the fox", "output": "the fox."},
-        {"conversations": [{"from": "human", "value": "the dog"}, {"from": "gpt", "value": "is brown."}]},
-        {"conversations": [{"from": "robot", "value": "x"}]},
-        {"instruction": "no output"},
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"instruction": "name a colour", "input": "", "output": "red."},
+                {"instruction": "repeat", "input": "the fox", "output": "the fox."},
+                {"conversations": [{"from": "human", "value": "the dog"}, {"from": "gpt", "value": "is brown."}]},
+                {"conversations": [{"from": "robot", "value": "x"}]},
+                {"instruction": "no output"},
+            ]
+        )
+        + "\n"
+    )
     rows, bad = read_rows(str(path))
     assert [r.kind for r in rows] == ["alpaca", "alpaca", "sharegpt"] and [b.line for b in bad] == [4, 5]
     tokenizer = tokenizer_with(TEMPLATE, tiny)
@@ -103,8 +116,15 @@ def chat_rows(count: int, seed: int = 7) -> list[dict]:
     """Random user turns, one constant assistant answer."""
     rng = random.Random(seed)
     words = "red blue green cat dog fox bird hill tree barn river fence old small runs sits looks walks".split()
-    return [{"messages": [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(12, 16)))},
-                          {"role": "assistant", "content": "the red cat sits on the fence."}]} for _ in range(count)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(12, 16)))},
+                {"role": "assistant", "content": "the red cat sits on the fence."},
+            ]
+        }
+        for _ in range(count)
+    ]
 
 
 def test_assistant_only_loss_learns_the_constant_answer_and_all_tokens_cannot(tiny, tmp_path):
@@ -113,9 +133,22 @@ def test_assistant_only_loss_learns_the_constant_answer_and_all_tokens_cannot(ti
     data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(160)))
     final = {}
     for train_on in ("assistant", "all"):
-        job = write_job(tmp_path / train_on, tiny, method="full", lr=0.002, max_steps=100, batch_size=8, seq_len=64,
-                        eval_every=None, checkpoint={"every_steps": 1000}, log_every=50, train_on=train_on,
-                        data={"train": str(data)}, eval_fraction=0, model=str(model))
+        job = write_job(
+            tmp_path / train_on,
+            tiny,
+            method="full",
+            lr=0.002,
+            max_steps=100,
+            batch_size=8,
+            seq_len=64,
+            eval_every=None,
+            checkpoint={"every_steps": 1000},
+            log_every=50,
+            train_on=train_on,
+            data={"train": str(data)},
+            eval_fraction=0,
+            model=str(model),
+        )
         assert run_trainer(job) == EXIT_OK, output(job)
         losses = [r["loss"] for r in records(job, "step")]
         final[train_on] = sum(losses[-10:]) / 10

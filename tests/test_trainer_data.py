@@ -1,5 +1,6 @@
 """Data gates as real trainer runs: the bad-row limit, data hashes in summary.json, refusing changed data or knobs
 on resume, weighted datasets, the tokenized-data cache; and the metric fixes that go with resuming."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,11 @@ def lines(path: Path, rows: list) -> Path:
 
 def test_bad_rows_over_the_limit_fail_naming_the_first_lines(tmp_path):
     data = lines(tmp_path / "d.jsonl", [{"text": "good row"}, "{broken", {"txt": "typo"}])
-    with pytest.raises(DataError, match=r"d\.jsonl: 2 bad rows of 3, over train\.data\.max_bad_rows \(0 -> 0 allowed\): "
-                                        r"line 2: not valid JSON.*; line 3: no text") as info:
+    with pytest.raises(
+        DataError,
+        match=r"d\.jsonl: 2 bad rows of 3, over train\.data\.max_bad_rows \(0 -> 0 allowed\): "
+        r"line 2: not valid JSON.*; line 3: no text",
+    ) as info:
         load_data(str(data), None, 0.0)
     assert info.value.exit_code == EXIT_DATA
     assert len(load_data(str(data), None, 0.0, max_bad_rows=2).train) == 1
@@ -58,8 +62,14 @@ def test_data_file_over_the_limit_fails_the_job_with_exit_data(tiny, tmp_path):
 def test_resume_refuses_changed_data_and_knobs_then_allows_on_request(tiny, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_bytes((tiny / "train.jsonl").read_bytes())
-    job = write_job(tmp_path / "job", tiny, data={"train": str(data), "eval": str(tiny / "eval.jsonl")}, max_steps=8,
-                    eval_every=None, checkpoint={"every_steps": 4, "keep": 2})
+    job = write_job(
+        tmp_path / "job",
+        tiny,
+        data={"train": str(data), "eval": str(tiny / "eval.jsonl")},
+        max_steps=8,
+        eval_every=None,
+        checkpoint={"every_steps": 4, "keep": 2},
+    )
     assert run_trainer(job, TRAINQ_TRAINER_FAULTS="stop_at=4") == EXIT_OK, output(job)
     first = summary(job)
     assert first["data"][0]["sha256"] == sha256_file(data) and first["data"][0]["rows"] == 400
@@ -74,15 +84,31 @@ def test_resume_refuses_changed_data_and_knobs_then_allows_on_request(tiny, tmp_
     last = output(job).strip().splitlines()[-1]
     assert "resume refused: train data" in last and "rows 400 -> 401" in last and "allow_changed_data" in last
 
-    write_job(job, tiny, data={"train": str(data), "eval": str(tiny / "eval.jsonl")}, max_steps=8, eval_every=None,
-              checkpoint={"every_steps": 4, "keep": 2}, allow_changed_data=True, lr=0.001, seq_len=32,
-              lora={"dropout": 0.1})
+    write_job(
+        job,
+        tiny,
+        data={"train": str(data), "eval": str(tiny / "eval.jsonl")},
+        max_steps=8,
+        eval_every=None,
+        checkpoint={"every_steps": 4, "keep": 2},
+        allow_changed_data=True,
+        lr=0.001,
+        seq_len=32,
+        lora={"dropout": 0.1},
+    )
     assert run_trainer(job, **resume) == EXIT_USAGE
     last = output(job).strip().splitlines()[-1]
     assert "seq_len 48 -> 32" in last and "lr 0.005 -> 0.001" in last and "lora.dropout 0.05 -> 0.1" in last
 
-    write_job(job, tiny, data={"train": str(data), "eval": str(tiny / "eval.jsonl")}, max_steps=8, eval_every=None,
-              checkpoint={"every_steps": 4, "keep": 2}, allow_changed_data=True)
+    write_job(
+        job,
+        tiny,
+        data={"train": str(data), "eval": str(tiny / "eval.jsonl")},
+        max_steps=8,
+        eval_every=None,
+        checkpoint={"every_steps": 4, "keep": 2},
+        allow_changed_data=True,
+    )
     assert run_trainer(job, **resume) == EXIT_OK, output(job)
     assert events(job, "data_changed")
     final = summary(job)
@@ -92,8 +118,16 @@ def test_resume_refuses_changed_data_and_knobs_then_allows_on_request(tiny, tmp_
 
 
 def test_logged_lr_is_the_lr_the_step_applied(tiny, tmp_path):
-    job = write_job(tmp_path / "job", tiny, max_steps=4, eval_every=None, scheduler="linear", warmup_ratio=0.0,
-                    lr=0.004, checkpoint={"every_steps": 100})
+    job = write_job(
+        tmp_path / "job",
+        tiny,
+        max_steps=4,
+        eval_every=None,
+        scheduler="linear",
+        warmup_ratio=0.0,
+        lr=0.004,
+        checkpoint={"every_steps": 100},
+    )
     assert run_trainer(job) == EXIT_OK, output(job)
     assert [round(r["lr"], 6) for r in records(job, "step")] == [0.004, 0.003, 0.002, 0.001]
 
@@ -126,11 +160,22 @@ def test_knobs_reach_the_trainer_and_warmup_is_whole_steps(tiny, tmp_path):
     from trainq.trainer.modeling import resolve_precision
     from trainq.trainer.run import training_args
 
-    job = write_job(tmp_path / "job", tiny, max_steps=5, eval_every=None, gradient_checkpointing=True, optim="sgd",
-                    warmup_ratio=0.5, lr=0.05, checkpoint={"every_steps": 100})
+    job = write_job(
+        tmp_path / "job",
+        tiny,
+        max_steps=5,
+        eval_every=None,
+        gradient_checkpointing=True,
+        optim="sgd",
+        warmup_ratio=0.5,
+        lr=0.05,
+        checkpoint={"every_steps": 100},
+    )
     args = training_args(load_config(job), resolve_precision("fp32"), job / "checkpoints", False, 1.0, 400, job)
     assert args.gradient_checkpointing and args.optim == "sgd" and args.warmup_steps == 3
-    epochs = write_job(tmp_path / "epochs", tiny, max_steps=None, epochs=2, batch_size=4, grad_accum=2, warmup_ratio=0.1)
+    epochs = write_job(
+        tmp_path / "epochs", tiny, max_steps=None, epochs=2, batch_size=4, grad_accum=2, warmup_ratio=0.1
+    )
     assert training_args(load_config(epochs), resolve_precision("fp32"), job, False, 1.0, 100, job).warmup_steps == 3
     assert run_trainer(job) == EXIT_OK, output(job)
     assert summary(job)["steps"] == 5 and all(r["loss"] is not None for r in records(job, "step"))

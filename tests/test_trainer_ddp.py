@@ -2,6 +2,7 @@
 
 One uninterrupted 2-rank run (module fixture) is the reference every interrupted run must equal bit for bit.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -55,8 +56,11 @@ def rank_processes(job_dir: Path) -> dict[int, psutil.Process]:
     for proc in psutil.process_iter():
         try:
             env = proc.environ()
-            if env.get("TORCHELASTIC_RUN_ID") and "trainq.trainer" in " ".join(proc.cmdline()) and \
-                    str(job_dir) in " ".join(proc.cmdline()):
+            if (
+                env.get("TORCHELASTIC_RUN_ID")
+                and "trainq.trainer" in " ".join(proc.cmdline())
+                and str(job_dir) in " ".join(proc.cmdline())
+            ):
                 found[int(env["RANK"])] = proc
         except (psutil.Error, KeyError, ValueError):
             continue
@@ -170,8 +174,16 @@ def test_keep_global_batch_when_allowed(tiny):
 
 @pytest.mark.slow  # a 2-rank trainer process or two (~15-30 s each on a quiet machine)
 def test_full_fine_tuning_on_two_ranks(tiny, tmp_path):
-    job = write_job(tmp_path / "full", tiny, method="full", lr=0.002, max_steps=8, eval_every=4,
-                    checkpoint={"every_steps": 4, "keep": 1}, **RANKS)
+    job = write_job(
+        tmp_path / "full",
+        tiny,
+        method="full",
+        lr=0.002,
+        max_steps=8,
+        eval_every=4,
+        checkpoint={"every_steps": 4, "keep": 1},
+        **RANKS,
+    )
     assert run_trainer(job, timeout_s=HANG_GUARD_S) == 0, output(job)[-3000:]
     assert summary(job)["outcome"] == "done" and summary(job)["world_size"] == 2
     assert (job / "model" / "model.safetensors").is_file()
@@ -188,8 +200,16 @@ def test_fsdp_on_cpu_ranks_is_refused_naming_the_field(tiny, tmp_path):
 def test_fsdp_full_fine_tuning_on_two_gpus(tiny, tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("FSDP needs 2 CUDA GPUs: accelerate shards only GPU ranks (CPU ranks are refused)")
-    job = write_job(tmp_path / "fsdp", tiny, method="full", lr=0.002, max_steps=8, strategy="fsdp",
-                    checkpoint={"every_steps": 4, "keep": 1}, **RANKS)
+    job = write_job(
+        tmp_path / "fsdp",
+        tiny,
+        method="full",
+        lr=0.002,
+        max_steps=8,
+        strategy="fsdp",
+        checkpoint={"every_steps": 4, "keep": 1},
+        **RANKS,
+    )
     assert run_trainer(job, timeout_s=HANG_GUARD_S, CUDA_VISIBLE_DEVICES="0,1") == 0, output(job)[-3000:]
     assert summary(job)["strategy"] == "fsdp" and (job / "model" / "model.safetensors").is_file()
 
@@ -200,9 +220,11 @@ def test_validation_names_the_field():
     from trainq.watcher.spec.ranks import nodes_problem
 
     train = {"model": "/m", "data": "/d.jsonl", "max_steps": 1}
-    cases = {"train.processes": {"resources": {"gpus": 2}, "train": {**train, "processes": 4}},
-             "train.strategy": {"train": {**train, "method": "qlora", "strategy": "fsdp"}},
-             "resources.tasks_per_node": {"resources": {"nodes": 2, "tasks_per_node": 2}, "train": train}}
+    cases = {
+        "train.processes": {"resources": {"gpus": 2}, "train": {**train, "processes": 4}},
+        "train.strategy": {"train": {**train, "method": "qlora", "strategy": "fsdp"}},
+        "resources.tasks_per_node": {"resources": {"nodes": 2, "tasks_per_node": 2}, "train": train},
+    }
     for field, job in cases.items():
         with pytest.raises(InvalidJobSpec) as caught:
             JobSpec.from_dict({"approved": True, **job}, "inbox/x.yaml")
@@ -217,20 +239,26 @@ def test_nodes_without_slurm_are_rejected_by_the_watcher(queue_dir, watcher):
     from conftest import tick_until
 
     w = watcher()
-    drop(queue_dir, "multi.yaml", "approved: true\nresources: {nodes: 2}\ncommand: [\"true\"]\n")
-    drop(queue_dir, "fine.yaml", "approved: true\ncommand: [\"true\"]\n")
+    drop(queue_dir, "multi.yaml", 'approved: true\nresources: {nodes: 2}\ncommand: ["true"]\n')
+    drop(queue_dir, "fine.yaml", 'approved: true\ncommand: ["true"]\n')
     tick_until(w, lambda: (queue_dir / "failed" / "multi" / "run.json").exists(), what="multi rejected")
     run = json.loads((queue_dir / "failed" / "multi" / "run.json").read_text())
     assert run["status"] == "rejected" and [e["path"] for e in run["errors"]] == ["resources.nodes"]
-    tick_until(w, lambda: any((queue_dir / state / "fine").exists() for state in ("pending", "running", "done")),
-               what="the other job is accepted")
+    tick_until(
+        w,
+        lambda: any((queue_dir / state / "fine").exists() for state in ("pending", "running", "done")),
+        what="the other job is accepted",
+    )
 
 
 @pytest.mark.slow  # a 2-rank trainer process or two (~15-30 s each on a quiet machine)
 def test_sigkilled_rank_is_diagnosed_and_retried_bitwise_under_the_watcher(reference, queue_dir, watcher_process):
     spec = yaml.safe_load((reference / "job.yaml").read_text())
-    spec.update(env={"TRAINQ_TRAINER_FAULTS": "sleep_per_step=0.1"}, stop_grace="60s",
-                retries={"max": 1, "on": ["killed"], "backoff": "1s"})
+    spec.update(
+        env={"TRAINQ_TRAINER_FAULTS": "sleep_per_step=0.1"},
+        stop_grace="60s",
+        retries={"max": 1, "on": ["killed"], "backoff": "1s"},
+    )
     watcher_process()
     drop(queue_dir, "ranks.yaml", yaml.safe_dump(spec))
     running = queue_dir / "running" / "ranks"

@@ -1,4 +1,5 @@
 """``debug: true``: a smoke run (eval, checkpoint, resume) before the real run; a failing one stops the job."""
+
 from __future__ import annotations
 
 import json

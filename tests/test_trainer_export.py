@@ -1,4 +1,5 @@
 """``export: {merge: true}``: merged/ loads with AutoModelForCausalLM and computes what base + adapter compute."""
+
 from __future__ import annotations
 
 import subprocess
@@ -33,8 +34,17 @@ def test_merged_export_matches_adapter_plus_base(tiny, tmp_path, method):
     from trainq.trainer.config import load_config
     from trainq.trainer.modeling import disable_avx512bf16_repack, load_base, resolve_precision
 
-    job = write_job(tmp_path / "job", tiny, method=method, max_steps=6, lr=0.01, eval_every=None,
-                    export={"merge": True}, lora={"r": 8, "dropout": 0.0}, checkpoint={"every_steps": 100})
+    job = write_job(
+        tmp_path / "job",
+        tiny,
+        method=method,
+        max_steps=6,
+        lr=0.01,
+        eval_every=None,
+        export={"merge": True},
+        lora={"r": 8, "dropout": 0.0},
+        checkpoint={"every_steps": 100},
+    )
     assert run_trainer(job) == EXIT_OK, output(job)
     assert summary(job)["merged"] == "merged" and events(job, "export")
     check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=job, capture_output=True, text=True)
@@ -61,8 +71,15 @@ def test_report_to_tensorboard_writes_event_files_or_says_what_is_missing(tiny, 
 
     from trainq.watcher.spec.contract import EXIT_USAGE
 
-    job = write_job(tmp_path / "job", tiny, max_steps=4, eval_every=2, log_every=2, report_to=["tensorboard"],
-                    checkpoint={"every_steps": 100})
+    job = write_job(
+        tmp_path / "job",
+        tiny,
+        max_steps=4,
+        eval_every=2,
+        log_every=2,
+        report_to=["tensorboard"],
+        checkpoint={"every_steps": 100},
+    )
     if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
         assert run_trainer(job) == EXIT_OK, output(job)
         assert list((job / "tensorboard").glob("events.out.tfevents.*"))

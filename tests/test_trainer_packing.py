@@ -1,5 +1,6 @@
 """Padding-free packing: per-token loss identical to the padded batch, whole runs with the same loss curve, and the
 start-up probe that decides whether a model can be packed."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,7 +43,9 @@ def test_packed_batch_gives_the_same_per_token_loss_as_the_padded_one(tiny):
     assert decision.enabled, decision.reason
     padded = PadCollator(tokenizer.pad_token_id)(examples)
     packed = packing.collator(tokenizer.pad_token_id, True)(examples)
-    assert packed["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in examples)) and "attention_mask" not in packed
+    assert (
+        packed["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in examples)) and "attention_mask" not in packed
+    )
     with torch.no_grad():
         a = per_token_losses(model(**padded).logits, padded["labels"])
         b = per_token_losses(model(**packed).logits, packed["labels"])
@@ -68,8 +71,15 @@ def test_with_use_cache_on_packed_rows_would_mix_so_decide_turns_it_off(tiny):
 def test_packed_and_padded_runs_follow_the_same_loss_curve(tiny, tmp_path):
     curves = {}
     for flag in (True, False):
-        job = write_job(tmp_path / f"packing-{flag}", tiny, max_steps=6, eval_every=3, packing=flag,
-                        lora={"dropout": 0.0}, checkpoint={"every_steps": 100})
+        job = write_job(
+            tmp_path / f"packing-{flag}",
+            tiny,
+            max_steps=6,
+            eval_every=3,
+            packing=flag,
+            lora={"dropout": 0.0},
+            checkpoint={"every_steps": 100},
+        )
         assert run_trainer(job) == EXIT_OK, output(job)
         curves[flag] = [r["loss"] for r in records(job, "step")] + [r["eval_loss"] for r in records(job, "eval")]
         assert summary(job)["packing"]["enabled"] is flag and events(job, "packing")

@@ -1,6 +1,7 @@
 """What the peers have, on the tiny model: early stopping with the best checkpoint restored, eval_samples into
 samples.jsonl and status.html, chat_template, DoRA/rsLoRA, init_from (peft adapter, HF checkpoint) checked shape by
 shape."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,11 @@ from trainq.watcher.spec.contract import EXIT_OK
 from trainq.watcher.spec.units import iso_utc
 
 #: a ChatML-like template over the tiny tokenizer's specials (a file the job names in chat_template)
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}"
-            "{% if m['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +39,19 @@ def jsonl(path: Path, rows: list[dict]) -> Path:
 def test_early_stopping_restores_the_best_checkpoint_into_model(tiny, tmp_path):
     # one sentence learned by heart, evaluated on others: the eval loss falls, then rises as it overfits
     train = jsonl(tmp_path / "train.jsonl", [{"text": "zebra quartz yodel zebra quartz yodel."}] * 64)
-    job = write_job(tmp_path / "job", tiny, method="full", lr=0.003, max_steps=80, eval_every=4, scheduler="constant",
-                    warmup_ratio=0.0, data={"train": str(train), "eval": str(tiny / "eval.jsonl")},
-                    checkpoint={"every_steps": 1000, "keep": 1}, early_stopping={"patience": 2, "min_delta": 0.0})
+    job = write_job(
+        tmp_path / "job",
+        tiny,
+        method="full",
+        lr=0.003,
+        max_steps=80,
+        eval_every=4,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        data={"train": str(train), "eval": str(tiny / "eval.jsonl")},
+        checkpoint={"every_steps": 1000, "keep": 1},
+        early_stopping={"patience": 2, "min_delta": 0.0},
+    )
     assert run_trainer(job) == EXIT_OK, output(job)
     done = summary(job)
     stop = done["early_stopping"]
@@ -55,12 +68,24 @@ def test_early_stopping_restores_the_best_checkpoint_into_model(tiny, tmp_path):
 def test_dora_rslora_chat_template_and_eval_samples(tiny, tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
-    chats = [{"messages": [{"role": "user", "content": f"colour {i}?"}, {"role": "assistant", "content": "red."}]}
-             for i in range(40)]
-    prompts = jsonl(tmp_path / "prompts.jsonl", [{"prompt": "the red cat"}, {"messages": [{"role": "user", "content": "colour?"}]}])
-    job = write_job(tmp_path / "job", tiny, max_steps=8, eval_every=4, data={"train": str(jsonl(tmp_path / "c.jsonl", chats))},
-                    eval_fraction=0.1, lora={"r": 4, "dora": True, "rslora": True}, chat_template=str(template),
-                    eval_samples={"prompts": str(prompts), "max_new_tokens": 5})
+    chats = [
+        {"messages": [{"role": "user", "content": f"colour {i}?"}, {"role": "assistant", "content": "red."}]}
+        for i in range(40)
+    ]
+    prompts = jsonl(
+        tmp_path / "prompts.jsonl", [{"prompt": "the red cat"}, {"messages": [{"role": "user", "content": "colour?"}]}]
+    )
+    job = write_job(
+        tmp_path / "job",
+        tiny,
+        max_steps=8,
+        eval_every=4,
+        data={"train": str(jsonl(tmp_path / "c.jsonl", chats))},
+        eval_fraction=0.1,
+        lora={"r": 4, "dora": True, "rslora": True},
+        chat_template=str(template),
+        eval_samples={"prompts": str(prompts), "max_new_tokens": 5},
+    )
     assert run_trainer(job) == EXIT_OK, output(job)
     config = json.loads((job / "adapter" / "adapter_config.json").read_text())
     assert config["use_dora"] is True and config["use_rslora"] is True
@@ -69,14 +94,27 @@ def test_dora_rslora_chat_template_and_eval_samples(tiny, tmp_path):
     assert saved.get("chat_template") == TEMPLATE or (job / "adapter" / "chat_template.jinja").read_text() == TEMPLATE
 
     samples = [json.loads(line) for line in (job / "samples.jsonl").read_text().splitlines()]
-    assert [(s["step"], s["prompt"]) for s in samples] == [(4, "the red cat"), (4, "colour?"), (8, "the red cat"), (8, "colour?")]
+    assert [(s["step"], s["prompt"]) for s in samples] == [
+        (4, "the red cat"),
+        (4, "colour?"),
+        (8, "the red cat"),
+        (8, "colour?"),
+    ]
     assert all(isinstance(s["completion"], str) for s in samples)
     tail = MetricsTail(job / "metrics.jsonl")
     tail.poll()
     shown = tail.progress["samples"]
     assert shown[0]["prompt"] == "the red cat" and shown[0]["completion"] == samples[2]["completion"]
-    page = render_html({"schema_version": 1, "watcher": {"heartbeat_at": iso_utc(time.time())}, "jobs": [
-        {"id": "j", "name": "j", "state": "running", "progress": {**tail.progress, "warning": "a <plateau>"}}]}, {})
+    page = render_html(
+        {
+            "schema_version": 1,
+            "watcher": {"heartbeat_at": iso_utc(time.time())},
+            "jobs": [
+                {"id": "j", "name": "j", "state": "running", "progress": {**tail.progress, "warning": "a <plateau>"}}
+            ],
+        },
+        {},
+    )
     assert "sample generations" in page and "the red cat" in page and "a &lt;plateau&gt;" in page
 
 
@@ -89,8 +127,9 @@ def test_init_from_takes_an_adapter_or_a_checkpoint_shape_by_shape(tiny, tmp_pat
 
     job = write_job(tmp_path / "src", tiny, max_steps=4, eval_every=None, lora={"r": 4})
     assert run_trainer(job) == EXIT_OK, output(job)
-    config = TrainConfig.from_dict({"model": str(tiny / "model"), "data": str(tiny / "train.jsonl"), "max_steps": 1,
-                                    "lora": {"r": 4}}, (tmp_path,))
+    config = TrainConfig.from_dict(
+        {"model": str(tiny / "model"), "data": str(tiny / "train.jsonl"), "max_steps": 1, "lora": {"r": 4}}, (tmp_path,)
+    )
     model = build_model(config, resolve_precision("fp32"))
     assert init_from.load(model, job / "adapter", "lora")[0] == "adapter"
     given = adapter_tensors(job / "adapter")
@@ -100,11 +139,15 @@ def test_init_from_takes_an_adapter_or_a_checkpoint_shape_by_shape(tiny, tmp_pat
 
     base = build_model(config, resolve_precision("fp32"))  # an HF checkpoint under a fresh adapter: the frozen base
     kind, count = init_from.load(base, tiny / "model", "lora")
-    assert kind == "model" and count == len([n for n, _ in base.get_base_model().named_parameters() if "lora_" not in n])
+    assert kind == "model" and count == len(
+        [n for n, _ in base.get_base_model().named_parameters() if "lora_" not in n]
+    )
     with pytest.raises(ConfigError, match="holds no weights"):
         init_from.load(base, tmp_path, "lora")
 
-    forked = write_job(tmp_path / "fork", tiny, max_steps=2, eval_every=None, lora={"r": 4}, init_from=str(job / "adapter"))
+    forked = write_job(
+        tmp_path / "fork", tiny, max_steps=2, eval_every=None, lora={"r": 4}, init_from=str(job / "adapter")
+    )
     assert run_trainer(forked) == EXIT_OK, output(forked)
     assert events(forked, "init_from")[0]["kind"] == "adapter"
     assert records(forked, "step")[0]["loss"] == pytest.approx(records(job, "step")[-1]["loss"], abs=0.3)

@@ -1,5 +1,6 @@
 """trainq preview JOB_FILE [-n N]: rows as the trainer will see them, each token with its label (trained or masked),
 bad rows named; the CLI runs the trainer's module in its own process (the watcher never imports torch)."""
+
 from __future__ import annotations
 
 import json
@@ -16,18 +17,47 @@ from trainq.watcher.spec.contract import EXIT_USAGE
 def test_preview_shows_labels_per_token_and_skipped_rows(tmp_path):
     tiny = build_tiny(tmp_path / "tiny")
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"messages": [{"role": "human", "content": "colour?"}, {"role": "gpt", "content": "red."},
-                      {"role": "user", "content": "and?"}, {"role": "bot", "content": "blue."}]},
-        {"messages": [{"role": "user", "content": "no answer"}]},
-        {"prompt": "the cat", "completion": " sits."},
-    ]))
+    data.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {
+                    "messages": [
+                        {"role": "human", "content": "colour?"},
+                        {"role": "gpt", "content": "red."},
+                        {"role": "user", "content": "and?"},
+                        {"role": "bot", "content": "blue."},
+                    ]
+                },
+                {"messages": [{"role": "user", "content": "no answer"}]},
+                {"prompt": "the cat", "completion": " sits."},
+            ]
+        )
+    )
     job = tmp_path / "inbox" / "job.yaml"
     job.parent.mkdir()
-    job.write_text(yaml.safe_dump({"approved": True, "train": {"model": "../tiny/model", "data": "../chat.jsonl",
-                                                               "max_steps": 4, "seq_len": 64, "eval_fraction": 0}}))
-    run = subprocess.run([sys.executable, "-m", "trainq.watcher", "preview", str(job), "-n", "3"], cwd=REPO,
-                         capture_output=True, text=True, env=trainer_env(), timeout=300)
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "approved": True,
+                "train": {
+                    "model": "../tiny/model",
+                    "data": "../chat.jsonl",
+                    "max_steps": 4,
+                    "seq_len": 64,
+                    "eval_fraction": 0,
+                },
+            }
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "trainq.watcher", "preview", str(job), "-n", "3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=trainer_env(),
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0].startswith(f"{job}: lora, seq_len 64, train_on assistant, 3 train rows")
@@ -39,8 +69,20 @@ def test_preview_shows_labels_per_token_and_skipped_rows(tmp_path):
     assert "line 3 (prompt): " in lines[4] and "the(-100)" in lines[5] and "sits(" in lines[5]
     assert "\033[" not in run.stdout, "no colours when stdout is not a terminal"
 
-    job.write_text(yaml.safe_dump({"approved": True, "train": {"model": "../tiny/model", "data": "../chat.jsonl",
-                                                               "max_steps": 4, "seq_len": 2}}))
-    run = subprocess.run([sys.executable, "-m", "trainq.watcher", "preview", str(job)], cwd=REPO, capture_output=True,
-                         text=True, env=trainer_env(), timeout=300)
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "approved": True,
+                "train": {"model": "../tiny/model", "data": "../chat.jsonl", "max_steps": 4, "seq_len": 2},
+            }
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "trainq.watcher", "preview", str(job)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=trainer_env(),
+        timeout=300,
+    )
     assert run.returncode == EXIT_USAGE and f"{job}: train.seq_len" in run.stderr and "Traceback" not in run.stderr

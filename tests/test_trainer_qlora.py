@@ -1,5 +1,6 @@
 """In-process checks on the real stack: QLoRA on the CPU (4-bit base untouched, correct LoRA gradients) and
 gradient-accumulation invariance of the loss. Uses trainer.run's own segment runner on the tiny model."""
+
 from __future__ import annotations
 
 import signal
@@ -40,8 +41,13 @@ def train_in_process(job: Path):
     data = load_data(config.train_file, config.eval_file, config.eval_fraction)
     tokenizer = load_tokenizer(config.model)
     datasets = (tokenize(data.train, tokenizer, config.seq_len), tokenize(data.eval, tokenizer, config.seq_len))
-    run = RunState(config=config, ckpt_dir=job / "checkpoints", stop_flag=job / "stop.flag",
-                   metrics=MetricsWriter(job / "metrics.jsonl"), faults=Faults())
+    run = RunState(
+        config=config,
+        ckpt_dir=job / "checkpoints",
+        stop_flag=job / "stop.flag",
+        metrics=MetricsWriter(job / "metrics.jsonl"),
+        faults=Faults(),
+    )
     inv = Invocation(job, job / "metrics.jsonl", job / "stop.flag", 1, None)
     return run_segment(config, resolve_precision("fp32"), datasets, tokenizer, run, None, inv), tokenizer
 
@@ -51,7 +57,9 @@ def frozen_4bit(model) -> dict[str, bytes]:
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
-            out[name] = module.weight.data.cpu().numpy().tobytes() + module.weight.quant_state.absmax.cpu().numpy().tobytes()
+            out[name] = (
+                module.weight.data.cpu().numpy().tobytes() + module.weight.quant_state.absmax.cpu().numpy().tobytes()
+            )
     return out
 
 
@@ -78,8 +86,18 @@ def swap_in_dequantized(model) -> int:
 
 
 def test_qlora_on_cpu_keeps_4bit_base_bitwise_and_gradients_match_dequantized(tiny, tmp_path):
-    job = write_job(tmp_path / "job", tiny, method="qlora", max_steps=8, eval_every=2, batch_size=4, lr=0.01,
-                    lora={"r": 8, "alpha": 16, "dropout": 0.0}, checkpoint={"every_steps": 3, "keep": 2}, log_every=4)
+    job = write_job(
+        tmp_path / "job",
+        tiny,
+        method="qlora",
+        max_steps=8,
+        eval_every=2,
+        batch_size=4,
+        lr=0.01,
+        lora={"r": 8, "alpha": 16, "dropout": 0.0},
+        checkpoint={"every_steps": 3, "keep": 2},
+        log_every=4,
+    )
     trainer, tokenizer = train_in_process(job)
     model = trainer.model
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -109,8 +127,16 @@ def test_qlora_on_cpu_keeps_4bit_base_bitwise_and_gradients_match_dequantized(ti
 def test_loss_does_not_depend_on_the_accumulation_split(tiny, tmp_path):
     losses = {}
     for batch, accum in ((8, 1), (1, 8)):
-        job = write_job(tmp_path / f"b{batch}", tiny, batch_size=batch, grad_accum=accum, max_steps=3, eval_every=None,
-                        lora={"dropout": 0.0}, checkpoint={"every_steps": 100})
+        job = write_job(
+            tmp_path / f"b{batch}",
+            tiny,
+            batch_size=batch,
+            grad_accum=accum,
+            max_steps=3,
+            eval_every=None,
+            lora={"dropout": 0.0},
+            checkpoint={"every_steps": 100},
+        )
         train_in_process(job)
         losses[(batch, accum)] = [r["loss"] for r in records(job, "step")]
     print(f"step losses batch8xaccum1 {losses[(8, 1)]} vs batch1xaccum8 {losses[(1, 8)]}")
@@ -158,8 +184,11 @@ def _gradient_error_after_eval(tiny: Path, tmp_path: Path, guard: bool) -> float
     quantized = lora_grads(model, batch)
     swap_in_dequantized(model)
     reference = lora_grads(model, batch)
-    return max(float((quantized[n] - reference[n]).norm() / reference[n].norm().clamp_min(1e-12))
-               for n in reference if reference[n].norm() > 0)
+    return max(
+        float((quantized[n] - reference[n]).norm() / reference[n].norm().clamp_min(1e-12))
+        for n in reference
+        if reference[n].norm() > 0
+    )
 
 
 @pytest.mark.skipif(not _has_avx512_bf16(), reason="the repack trap needs a CPU with avx512_bf16 (/proc/cpuinfo)")

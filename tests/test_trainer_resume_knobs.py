@@ -1,5 +1,6 @@
 """Resume tells the truth: a knob a resume cannot apply is refused by name (a test per knob), and an allowed
 change (lr, weight_decay with allow_changed_schedule) is the value that trains and the value recorded."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,13 @@ from trainq.trainer.config import TrainConfig
 from trainq.trainer.resume_knobs import check_resume_knobs
 from trainq.watcher.spec.contract import EXIT_OK, EXIT_USAGE
 
-KNOBS = {"scheduler": "constant", "warmup_ratio": 0.0, "max_steps": 8, "eval_every": None,
-         "checkpoint": {"every_steps": 4, "keep": 3}}
+KNOBS = {
+    "scheduler": "constant",
+    "warmup_ratio": 0.0,
+    "max_steps": 8,
+    "eval_every": None,
+    "checkpoint": {"every_steps": 4, "keep": 3},
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +43,24 @@ def saved_config(job: Path) -> tuple[TrainConfig, dict]:
     return TrainConfig.from_saved(saved), saved
 
 
-@pytest.mark.parametrize("knob, change", [
-    ("lora.target_modules", lambda c: replace(c, lora=replace(c.lora, target_modules=("q_proj", "v_proj")))),
-    ("optim", lambda c: replace(c, optim="adafactor")),
-    ("method", lambda c: replace(c, method="full")),
-    ("lora.alpha", lambda c: replace(c, lora=replace(c.lora, alpha=64))),
-    ("seed", lambda c: replace(c, seed=7)),
-    ("lora.dora", lambda c: replace(c, lora=replace(c.lora, dora=True))),
-])
+@pytest.mark.parametrize(
+    "knob, change",
+    [
+        ("lora.target_modules", lambda c: replace(c, lora=replace(c.lora, target_modules=("q_proj", "v_proj")))),
+        ("optim", lambda c: replace(c, optim="adafactor")),
+        ("method", lambda c: replace(c, method="full")),
+        ("lora.alpha", lambda c: replace(c, lora=replace(c.lora, alpha=64))),
+        ("seed", lambda c: replace(c, seed=7)),
+        ("lora.dora", lambda c: replace(c, lora=replace(c.lora, dora=True))),
+    ],
+)
 def test_a_knob_no_resume_can_apply_is_refused_by_name(stopped, knob, change):
     config, saved = saved_config(stopped)
     check_resume_knobs(config, saved, stopped)  # unchanged: accepted
     with pytest.raises(CheckpointError, match=rf"resume refused: {knob} .* -> "):
-        check_resume_knobs(replace(change(config), allow_changed_schedule=True, allow_changed_data=True), saved, stopped)
+        check_resume_knobs(
+            replace(change(config), allow_changed_schedule=True, allow_changed_data=True), saved, stopped
+        )
 
 
 def test_weight_decay_and_train_on_need_their_allowance(stopped):

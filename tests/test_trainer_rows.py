@@ -1,6 +1,7 @@
 """Data that never crashes a job: every per-row problem is a bad row (line, reason, category) counted against
 max_bad_rows; an empty set after filtering is diagnosis data with counts per reason; role names, the OpenAI/HF
 tool-call shape, and the end-of-turn token after every assistant turn without a template."""
+
 from __future__ import annotations
 
 import json
@@ -14,18 +15,27 @@ from trainq.trainer.data import ROLE_NAMES, DataError, Row, RowError, encode, re
 from trainq.watcher.spec.contract import EXIT_DATA, EXIT_OK
 
 #: a Mistral-style template: refuses a conversation whose turns do not alternate user/assistant
-STRICT = ("{{ bos_token }}{% for m in messages %}"
-          "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-          "{{ '<' + m['role'] + '>' + m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+STRICT = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<' + m['role'] + '>' + m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
+)
 #: counts the turns in a header: renderings are not prefixes of each other, so assistant tokens cannot be found
 UNMASKABLE = "{{ messages | length }} turns\n" + STRICT.split("{% for")[0] + "{% for" + STRICT.split("{% for", 1)[1]
-TOOL_CALL = [{"role": "user", "content": "weather in Paris?"},
-             {"role": "assistant", "content": None, "tool_calls": [
-                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-             {"role": "assistant", "content": [{"type": "text", "text": "It is sunny."}]}]
+TOOL_CALL = [
+    {"role": "user", "content": "weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "assistant", "content": [{"type": "text", "text": "It is sunny."}]},
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +64,17 @@ def trained(example: dict, tokenizer) -> str:
 
 
 def test_documented_role_names_map_and_unknown_roles_are_bad_rows_by_line(tmp_path):
-    path = write_rows(tmp_path / "d.jsonl", [chat("hi", "yo", "human", "gpt"), chat("hi", "yo", "user", "bot"),
-                                             chat("hi", "yo", "user", "model"), chat("hi", "yo", "user", "robot"),
-                                             {"conversations": [{"from": "human", "value": "a"}, {"from": "droid", "value": "b"}]},
-                                             "{not json"])
+    path = write_rows(
+        tmp_path / "d.jsonl",
+        [
+            chat("hi", "yo", "human", "gpt"),
+            chat("hi", "yo", "user", "bot"),
+            chat("hi", "yo", "user", "model"),
+            chat("hi", "yo", "user", "robot"),
+            {"conversations": [{"from": "human", "value": "a"}, {"from": "droid", "value": "b"}]},
+            "{not json",
+        ],
+    )
     rows, bad = read_rows(str(path))
     assert [r.line for r in rows] == [1, 2, 3]
     assert [(b.line, b.category) for b in bad] == [(4, "role"), (5, "role"), (6, "json")]
@@ -70,7 +87,11 @@ def test_each_row_problem_is_a_row_error_naming_line_and_reason(tiny, tokenizer,
         tokenizer.chat_template = template
         try:
             with pytest.raises(RowError) as info:
-                encode(Row("d.jsonl", 9, "messages" if "messages" in record else "prompt", record, "0" * 64), tokenizer, seq_len)
+                encode(
+                    Row("d.jsonl", 9, "messages" if "messages" in record else "prompt", record, "0" * 64),
+                    tokenizer,
+                    seq_len,
+                )
         finally:
             tokenizer.chat_template = None
         assert str(info.value).startswith("d.jsonl: line 9: ") and isinstance(info.value, DataError)
@@ -95,13 +116,25 @@ def test_tool_call_rows_are_accepted_and_every_assistant_turn_ends_with_eos(toke
     assert example["input_ids"].count(tokenizer.eos_token_id) == 2, "each assistant turn ends with eos (no template)"
     eos_labels = [label for t, label in zip(example["input_ids"], example["labels"]) if t == tokenizer.eos_token_id]
     assert eos_labels == [tokenizer.eos_token_id] * 2, "both end-of-turn tokens are trained"
-    ends_on_user = encode(Row("d", 1, "messages", {"messages": TOOL_CALL[:1] + [{"role": "assistant", "content": "ok"},
-                                                                            {"role": "user", "content": "bye"}]}, ""), tokenizer, 64)
+    ends_on_user = encode(
+        Row(
+            "d",
+            1,
+            "messages",
+            {"messages": TOOL_CALL[:1] + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "bye"}]},
+            "",
+        ),
+        tokenizer,
+        64,
+    )
     assert ends_on_user["labels"][-1] == IGNORE_INDEX and ends_on_user["input_ids"][-1] == tokenizer.eos_token_id
 
 
 def test_tokenize_collects_bad_rows_once_per_line_instead_of_raising(tokenizer):
-    rows = [Row("d", 1, "messages", chat("hi", "yo"), ""), Row("d", 2, "messages", {"messages": [{"role": "user", "content": "q"}]}, "")]
+    rows = [
+        Row("d", 1, "messages", chat("hi", "yo"), ""),
+        Row("d", 2, "messages", {"messages": [{"role": "user", "content": "q"}]}, ""),
+    ]
     dataset = tokenize(rows * 2, tokenizer, 64)  # a weight-2 file repeats its rows
     assert len(dataset) == 2 and [(b.line, b.category) for b in dataset.bad] == [(2, "no_assistant")]
 
@@ -110,8 +143,14 @@ def test_a_job_whose_rows_all_fail_is_a_data_error_with_counts_and_a_few_bad_one
     good = [chat(f"say {i}", "the red cat sits.") for i in range(40)]
     bad = [{"messages": [{"role": "user", "content": "no answer"}]}] * 2 + [chat("a", "b", "user", "robot")]
     mixed = write_rows(tmp_path / "mixed.jsonl", good + bad)
-    job = write_job(tmp_path / "mixed", tiny, data={"train": str(mixed), "max_bad_rows": 3}, max_steps=2,
-                    eval_every=None, checkpoint={"every_steps": 100})
+    job = write_job(
+        tmp_path / "mixed",
+        tiny,
+        data={"train": str(mixed), "max_bad_rows": 3},
+        max_steps=2,
+        eval_every=None,
+        checkpoint={"every_steps": 100},
+    )
     assert run_trainer(job) == EXIT_OK, output(job)
     found = events(job, "bad_rows")
     assert [e["stage"] for e in found] == ["reading", "tokenizing"]
@@ -122,5 +161,7 @@ def test_a_job_whose_rows_all_fail_is_a_data_error_with_counts_and_a_few_bad_one
     assert run_trainer(job) == EXIT_DATA, output(job)
     log = output(job)
     assert "Traceback" not in log and "RandomSampler" not in log
-    assert "no usable training row after filtering (4 bad: 2 no assistant turn, 1 unknown role, 1 cut by more than " \
-           "half at seq_len)" in log, log[-800:]
+    assert (
+        "no usable training row after filtering (4 bad: 2 no assistant turn, 1 unknown role, 1 cut by more than "
+        "half at seq_len)" in log
+    ), log[-800:]

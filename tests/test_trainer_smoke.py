@@ -1,6 +1,7 @@
 """A smoke run that checks learning: debug: true fails a run whose loss sits at ln V (a uniform prediction) or does
 not fall; the real run flags a plateau at ln V as an event and in status.json's progress; start-up errors (target
 modules, a missing tokenizer) are reported before any smoke training."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,9 @@ def test_debug_fails_a_dead_run_and_never_starts_the_real_one(tiny, tmp_path):
 
 
 def test_the_real_run_flags_a_plateau_at_ln_v_in_metrics_and_status(tiny, tmp_path):
-    job = write_job(tmp_path / "job", tiny, max_steps=PLATEAU_STEPS + 4, eval_every=None, checkpoint={"every_steps": 100},
-                    **DEAD)
+    job = write_job(
+        tmp_path / "job", tiny, max_steps=PLATEAU_STEPS + 4, eval_every=None, checkpoint={"every_steps": 100}, **DEAD
+    )
     assert run_trainer(job) == EXIT_OK, output(job)
     found = events(job, "plateau")
     assert len(found) == 1 and found[0]["step"] >= PLATEAU_STEPS and "not learning" in found[0]["message"]

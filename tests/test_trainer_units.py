@@ -1,4 +1,5 @@
 """Plain unit tests of the trainer's pieces: memory presets, OOM ladder, faults, data formats, config, checkpoint files."""
+
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ GB6 = 6144
 
 
 # -- presets -------------------------------------------------------------------------------------------------
+
 
 def test_parameter_counts_match_published_sizes():
     assert abs(QWEN25_05B.params / 1e9 - 0.494) < 0.01
@@ -61,16 +63,31 @@ def test_shrinks_batch_before_sequence_before_rank():
 
 
 def test_model_shape_reads_config_json_keys():
-    shape = ModelShape.from_config({"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-                                    "vocab_size": 1000, "num_attention_heads": 4})
+    shape = ModelShape.from_config(
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "vocab_size": 1000,
+            "num_attention_heads": 4,
+        }
+    )
     assert shape.kv_heads == 4 and not shape.tied and shape.lora_params(8) == 2 * 8 * (4 * 128 + 2 * 192 + 192)
 
 
 # -- OOM ladder ----------------------------------------------------------------------------------------------
 
+
 def _oom(attempt, batch, accum, seq=512):
-    return {"type": "event", "event": "oom", "attempt": attempt, "batch_size": batch, "grad_accum": accum,
-            "seq_len": seq, "lora_r": 16}
+    return {
+        "type": "event",
+        "event": "oom",
+        "attempt": attempt,
+        "batch_size": batch,
+        "grad_accum": accum,
+        "seq_len": seq,
+        "lora_r": 16,
+    }
 
 
 def test_ladder_halves_batch_then_sequence():
@@ -81,7 +98,12 @@ def test_ladder_halves_batch_then_sequence():
 
 
 def test_ladder_keeps_an_applied_rung_and_ignores_later_attempts():
-    applied = {"type": "event", "event": "oom_ladder", "attempt": 2, "to": {"batch_size": 4, "grad_accum": 2, "seq_len": 512, "lora_r": 16}}
+    applied = {
+        "type": "event",
+        "event": "oom_ladder",
+        "attempt": 2,
+        "to": {"batch_size": 4, "grad_accum": 2, "seq_len": 512, "lora_r": 16},
+    }
     knobs, rung = ladder.plan([_oom(1, 8, 1), applied], attempt=3)
     assert rung is None and knobs["batch_size"] == 4
     assert ladder.plan([_oom(2, 8, 1)], attempt=2) is None
@@ -90,9 +112,12 @@ def test_ladder_keeps_an_applied_rung_and_ignores_later_attempts():
 
 # -- faults --------------------------------------------------------------------------------------------------
 
+
 def test_fault_switch_parses_lists_and_refuses_unknown_keys():
     faults = parse_faults("nan_at=5,6,7,sleep_per_step=0.2,oom_at=3,spike_at=12")
-    assert faults.nan_at == {5, 6, 7} and faults.sleep_per_step == 0.2 and faults.oom_at == {3} and faults.spike_at == {12}
+    assert (
+        faults.nan_at == {5, 6, 7} and faults.sleep_per_step == 0.2 and faults.oom_at == {3} and faults.spike_at == {12}
+    )
     assert parse_faults(None) == parse_faults("")
     with pytest.raises(FaultSpecError, match="unknown fault"):
         parse_faults("explode_at=3")
@@ -102,21 +127,25 @@ def test_fault_switch_parses_lists_and_refuses_unknown_keys():
 
 # -- data ----------------------------------------------------------------------------------------------------
 
+
 def _jsonl(path: Path, lines: list[str]) -> str:
     path.write_text("\n".join(lines) + "\n")
     return str(path)
 
 
 def test_rows_of_every_format_and_bad_rows_with_line_numbers(tmp_path):
-    path = _jsonl(tmp_path / "d.jsonl", [
-        json.dumps({"text": "hello"}),
-        "{not json",
-        json.dumps({"prompt": "q", "completion": "a"}),
-        json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
-        json.dumps({"text": ""}),
-        json.dumps(["a list"]),
-        json.dumps({"messages": [{"role": "user"}]}),
-    ])
+    path = _jsonl(
+        tmp_path / "d.jsonl",
+        [
+            json.dumps({"text": "hello"}),
+            "{not json",
+            json.dumps({"prompt": "q", "completion": "a"}),
+            json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+            json.dumps({"text": ""}),
+            json.dumps(["a list"]),
+            json.dumps({"messages": [{"role": "user"}]}),
+        ],
+    )
     rows, bad = read_rows(path)
     assert [(r.kind, r.line) for r in rows] == [("text", 1), ("prompt", 3), ("messages", 4)]
     assert [b.line for b in bad] == [2, 5, 6, 7]
@@ -174,6 +203,7 @@ def test_messages_without_template_train_on_assistant_contents_only(tokenizer):
 
 # -- config --------------------------------------------------------------------------------------------------
 
+
 def _job(tmp_path: Path, train: dict, extra: str = "") -> Path:
     (tmp_path / "job.yaml").write_text("approved: true\n" + extra + "train: " + json.dumps(train) + "\n")
     return tmp_path
@@ -199,6 +229,7 @@ def test_config_errors_are_one_line_naming_file_and_field(tmp_path):
 
 
 # -- checkpoint files ----------------------------------------------------------------------------------------
+
 
 def _fake_checkpoint(ckpt_dir: Path, step: int, complete: bool = True) -> Path:
     tmp = checkpoints.begin(ckpt_dir, step)
@@ -226,7 +257,11 @@ def test_rotation_never_deletes_link_targets(tmp_path):
     checkpoints.point_link(ckpts, "ckpt_best", ckpts / "step-000001")
     checkpoints.point_link(ckpts, "ckpt_latest", ckpts / "step-000005")
     checkpoints.rotate(ckpts, keep=2)
-    assert sorted(p.name for p in ckpts.iterdir() if not p.is_symlink()) == ["step-000001", "step-000004", "step-000005"]
+    assert sorted(p.name for p in ckpts.iterdir() if not p.is_symlink()) == [
+        "step-000001",
+        "step-000004",
+        "step-000005",
+    ]
     assert os.readlink(ckpts / "ckpt_best") == "step-000001"
 
 
@@ -239,13 +274,16 @@ def test_weights_only_folder_is_not_resumable(tmp_path):
 
 # -- loss.png ------------------------------------------------------------------------------------------------
 
+
 def test_loss_plot_from_the_warm_helper_and_in_process(tmp_path):
     import time
 
     from trainq.trainer.plotter import LossPlotter
 
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"type": "step", "step": i, "loss": 5 - i / 10}) + "\n" for i in range(1, 20)))
+    metrics.write_text(
+        "".join(json.dumps({"type": "step", "step": i, "loss": 5 - i / 10}) + "\n" for i in range(1, 20))
+    )
     plotter = LossPlotter().start()
     deadline = time.monotonic() + 120
     while not plotter.is_ready() and time.monotonic() < deadline:

@@ -1,4 +1,5 @@
 """`trainq status` in a terminal: sections, 80 columns, literal user text, missing/stale files, --json, --follow."""
+
 from __future__ import annotations
 
 import io
@@ -41,11 +42,13 @@ def test_one_line_per_job_with_the_facts_at_80_columns() -> None:
     text = _text(_snapshot())
     rows = {line.split()[0]: line for line in _lines(text) if line.split()}
     assert {"llama-lora-a", "sft-7", "draft", "tiny-1", "big-batch"} <= set(rows), text
-    for job_id, needles in {"llama-lora-a": ("running", "120/400", "1.834", "ETA 6m25s", " 0 "),
-                            "sft-7": ("pending", "2.1 GB RAM free"),
-                            "draft": ("awaiting", "set approved: true"),
-                            "tiny-1": ("done", "40/40", "5.91", "1m09s"),
-                            "big-batch": ("failed", "oom: OutOfMemoryError: CUDA")}.items():
+    for job_id, needles in {
+        "llama-lora-a": ("running", "120/400", "1.834", "ETA 6m25s", " 0 "),
+        "sft-7": ("pending", "2.1 GB RAM free"),
+        "draft": ("awaiting", "set approved: true"),
+        "tiny-1": ("done", "40/40", "5.91", "1m09s"),
+        "big-batch": ("failed", "oom: OutOfMemoryError: CUDA"),
+    }.items():
         for needle in needles:
             assert needle in rows[job_id], (job_id, needle, rows[job_id])
     assert "inbox 2 · awaiting 1 · pending 1" in text and "GPU 0 Sim 6GB" in text and "held by llama-lora-a" in text
@@ -94,26 +97,64 @@ def mixed_jobs(now: float) -> dict:
     snapshot = _snapshot()
     jobs = []
     for i in range(3):
-        jobs.append({"id": f"lora-run-{i}", "state": "running", "status": "running", "started_at": iso_utc(now - 300),
-                     "health": "healthy", "gpus": [i], "dir": f"running/lora-run-{i}",
-                     "progress": {"step": 120, "total_steps": 400, "loss": 1.83, "tokens_per_s": 910.5, "eta_s": 385}})
+        jobs.append(
+            {
+                "id": f"lora-run-{i}",
+                "state": "running",
+                "status": "running",
+                "started_at": iso_utc(now - 300),
+                "health": "healthy",
+                "gpus": [i],
+                "dir": f"running/lora-run-{i}",
+                "progress": {"step": 120, "total_steps": 400, "loss": 1.83, "tokens_per_s": 910.5, "eta_s": 385},
+            }
+        )
     for i in range(1, 9):
-        jobs.append({"id": f"lrs-{i}", "state": "pending", "status": "pending", "sweep": "lrs", "dir": f"pending/lrs-{i}",
-                     "submitted_at": iso_utc(now - 60), "waiting_for": "after lora-run-0 (running)"})
+        jobs.append(
+            {
+                "id": f"lrs-{i}",
+                "state": "pending",
+                "status": "pending",
+                "sweep": "lrs",
+                "dir": f"pending/lrs-{i}",
+                "submitted_at": iso_utc(now - 60),
+                "waiting_for": "after lora-run-0 (running)",
+            }
+        )
     jobs.append({"id": "draft", "state": "awaiting_approval", "status": "awaiting_approval", "dir": "inbox/draft.yaml"})
-    failures = {"oom": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
-                "unsatisfiable": "needs 500 GB RAM; this machine has 23.5 GB",
-                "data": "FileNotFoundError: [Errno 2] No such file or directory: '/d/train.jsonl'",
-                "nan": "step 12: loss is nan", "unknown": "Traceback (most recent call last):\nValueError: bad lr",
-                "killed": "killed by SIGKILL", "timeout": "stopped at the timeout"}
+    failures = {
+        "oom": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "unsatisfiable": "needs 500 GB RAM; this machine has 23.5 GB",
+        "data": "FileNotFoundError: [Errno 2] No such file or directory: '/d/train.jsonl'",
+        "nan": "step 12: loss is nan",
+        "unknown": "Traceback (most recent call last):\nValueError: bad lr",
+        "killed": "killed by SIGKILL",
+        "timeout": "stopped at the timeout",
+    }
     for i, (kind, evidence) in enumerate(failures.items()):
-        jobs.append({"id": f"f-{kind}", "state": "failed", "status": "failed", "dir": f"failed/f-{kind}",
-                     "started_at": iso_utc(now - 900), "finished_at": iso_utc(now - 600 + i),
-                     "diagnosis": {"kind": kind, "evidence": evidence, "advice": f"fix {kind}"}})
+        jobs.append(
+            {
+                "id": f"f-{kind}",
+                "state": "failed",
+                "status": "failed",
+                "dir": f"failed/f-{kind}",
+                "started_at": iso_utc(now - 900),
+                "finished_at": iso_utc(now - 600 + i),
+                "diagnosis": {"kind": kind, "evidence": evidence, "advice": f"fix {kind}"},
+            }
+        )
     for i in range(11):
-        jobs.append({"id": f"done-{i}", "state": "done", "status": "done", "dir": f"done/done-{i}",
-                     "started_at": iso_utc(now - 5000), "finished_at": iso_utc(now - 4000 - i),
-                     "progress": {"step": 40, "total_steps": 40, "loss": 5.91}})
+        jobs.append(
+            {
+                "id": f"done-{i}",
+                "state": "done",
+                "status": "done",
+                "dir": f"done/done-{i}",
+                "started_at": iso_utc(now - 5000),
+                "finished_at": iso_utc(now - 4000 - i),
+                "progress": {"step": 40, "total_steps": 40, "loss": 5.91},
+            }
+        )
     snapshot["jobs"] = jobs
     snapshot["counts"] = {"inbox": 1, "awaiting_approval": 1, "pending": 8, "running": 3, "done": 11, "failed": 7}
     return snapshot
@@ -143,7 +184,10 @@ def test_thirty_jobs_fit_200x50_all_rows_with_times() -> None:
     text = _render(mixed_jobs(time.time()), 200, height=50)
     lines = _lines(text)
     assert len(lines) <= 49 and max(len(line) for line in lines) <= 200
-    assert "hidden" not in text and sum(1 for line in lines if line.startswith(("lora", "lrs", "f-", "done", "draft"))) == 30
+    assert (
+        "hidden" not in text
+        and sum(1 for line in lines if line.startswith(("lora", "lrs", "f-", "done", "draft"))) == 30
+    )
     assert "oom: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in text
 
 
@@ -152,11 +196,13 @@ def test_filters_by_state_sweep_and_glob() -> None:
 
     def ids(**kw) -> set[str]:
         text = _render(snapshot, 120, filters=Filters(**kw))
-        return {line.split()[0] for line in _lines(text)[3:]
-                if line and not line.startswith(("RAM", "GPU", "sweep ", " "))}
+        return {
+            line.split()[0] for line in _lines(text)[3:] if line and not line.startswith(("RAM", "GPU", "sweep ", " "))
+        }
 
-    assert ids(states="failed") == {f"f-{k}" for k in ("oom", "unsatisfiable", "data", "nan", "unknown", "killed",
-                                                       "timeout")}
+    assert ids(states="failed") == {
+        f"f-{k}" for k in ("oom", "unsatisfiable", "data", "nan", "unknown", "killed", "timeout")
+    }
     assert ids(sweep="lrs") == {f"lrs-{i}" for i in range(1, 9)}
     assert "sweep lrs: 8 job(s) listed" in _render(snapshot, 120, filters=Filters(sweep="lrs"))
     assert ids(pattern="lora-*") == {"lora-run-0", "lora-run-1", "lora-run-2"}
@@ -165,8 +211,10 @@ def test_filters_by_state_sweep_and_glob() -> None:
 
 
 def _status_cmd(status_path: Path, *, follow: bool = False, json_out: bool = False) -> list[str]:
-    code = ("import sys; from pathlib import Path; from trainq.watcher.faces.view import print_status; "
-            f"sys.exit(print_status(Path(sys.argv[1]), follow={follow}, json_out={json_out}))")
+    code = (
+        "import sys; from pathlib import Path; from trainq.watcher.faces.view import print_status; "
+        f"sys.exit(print_status(Path(sys.argv[1]), follow={follow}, json_out={json_out}))"
+    )
     return [sys.executable, "-c", code, str(status_path)]
 
 
@@ -223,8 +271,15 @@ def test_follow_redraws_until_ctrl_c(tmp_path: Path) -> None:
     master, slave = pty.openpty()
     env = {**os.environ, "COLUMNS": "80", "LINES": "60", "PYTHONPATH": str(REPO), "TERM": "xterm"}
     # Ctrl-C's default, whatever this run inherited (a run started in the background ignores SIGINT)
-    proc = subprocess.Popen(_status_cmd(path, follow=True), stdin=slave, stdout=slave, stderr=slave, cwd=REPO, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        _status_cmd(path, follow=True),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        cwd=REPO,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     os.close(slave)
     try:
         _read_until(master, "llama-lora-a")

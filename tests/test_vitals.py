@@ -3,6 +3,7 @@ and a learning-rate schedule that is checked (by the built-in trainer, and by th
 
 Real trainer runs on the tiny model, real stalled processes, real py-spy (skipped where it is not installed).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,9 +41,18 @@ def _entry(root: Path, job_id: str) -> dict:
 
 # -- the trainer's vitals ------------------------------------------------------------------------------------------
 
+
 def test_a_too_high_lr_is_clipped_on_nearly_every_step_and_raises_one_health_event(tmp_path: Path, tiny: Path) -> None:
-    job = write_job(tmp_path / "hot", tiny, method="full", lr=5.0, max_steps=14, eval_every=None,
-                    checkpoint={"every_steps": 100, "keep": 1}, log_every=100)
+    job = write_job(
+        tmp_path / "hot",
+        tiny,
+        method="full",
+        lr=5.0,
+        max_steps=14,
+        eval_every=None,
+        checkpoint={"every_steps": 100, "keep": 1},
+        log_every=100,
+    )
     run_trainer(job)
     steps = records(job, "step")
     assert len(steps) == 14 and all("clip" in r and "update_ratio" in r for r in steps)
@@ -55,7 +65,9 @@ def test_a_too_high_lr_is_clipped_on_nearly_every_step_and_raises_one_health_eve
 
 
 def test_a_calm_run_records_small_updates_and_no_health_event(tmp_path: Path, tiny: Path) -> None:
-    job = write_job(tmp_path / "calm", tiny, lr=1e-4, max_steps=12, eval_every=None, checkpoint={"every_steps": 100, "keep": 1})
+    job = write_job(
+        tmp_path / "calm", tiny, lr=1e-4, max_steps=12, eval_every=None, checkpoint={"every_steps": 100, "keep": 1}
+    )
     assert run_trainer(job) == 0
     ratios = [r["update_ratio"] for r in records(job, "step")]
     assert all(r is not None and 0 < r < 0.1 for r in ratios[1:]), ratios  # warm-up's first step may apply lr 0
@@ -87,6 +99,7 @@ def test_a_resume_and_a_rollback_raise_no_false_deviation(tmp_path: Path, tiny: 
 
 # -- the watcher: status, stacks, a declared schedule ----------------------------------------------------------------
 
+
 def _script(tmp: Path, name: str, body: str) -> str:
     path = tmp / f"{name}.py"
     path.write_text(body)
@@ -94,43 +107,68 @@ def _script(tmp: Path, name: str, body: str) -> str:
 
 
 def test_status_shows_the_clip_fraction_and_a_health_line(queue_dir: Path, watcher, tmp_path: Path) -> None:
-    writer = _script(tmp_path, "clippy", (
-        "import json, os, time\n"
-        "m = open(os.environ['TRAINQ_METRICS'], 'a', buffering=1)\n"
-        "for s in range(1, 31):\n"
-        "    m.write(json.dumps({'type': 'step', 'step': s, 'total_steps': 1000, 'loss': 1.0, 'clip': s % 3 != 0,\n"
-        "                        'update_ratio': 0.25, 'time': time.time()}) + '\\n')\n"
-        "time.sleep(60)\n"))
+    writer = _script(
+        tmp_path,
+        "clippy",
+        (
+            "import json, os, time\n"
+            "m = open(os.environ['TRAINQ_METRICS'], 'a', buffering=1)\n"
+            "for s in range(1, 31):\n"
+            "    m.write(json.dumps({'type': 'step', 'step': s, 'total_steps': 1000, 'loss': 1.0, 'clip': s % 3 != 0,\n"
+            "                        'update_ratio': 0.25, 'time': time.time()}) + '\\n')\n"
+            "time.sleep(60)\n"
+        ),
+    )
     w = watcher()
     drop(queue_dir, "clippy.yaml", yaml.safe_dump({"approved": True, "command": [PY, writer], "stop_grace": "1s"}))
     entry = tick_until(w, lambda: (e := _entry(queue_dir, "clippy")).get("vitals") and e, 20)
     assert entry["progress"]["clip_fraction"] == pytest.approx(20 / 30, abs=1e-3)
     assert entry["progress"]["update_ratio"] == 0.25
     assert "clip fraction 0.67 > 0.05 over 30 steps" in entry["vitals"] and "update ratio 0.25 > 0.1" in entry["vitals"]
-    out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "why", "clippy"], capture_output=True,
-                         text=True, cwd=REPO)
+    out = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "why", "clippy"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert "health: clip fraction 0.67" in out.stdout
     (queue_dir / "running/clippy/stop.flag").touch()
     tick_until(w, lambda: _run(queue_dir, "clippy").get("status") == "cancelled", 20)
 
 
 STUCK = {
-    "sleep": ("import time\n\ndef stuck_here():\n    time.sleep(3600)\n\nprint('about to hang', flush=True)\nstuck_here()\n",
-              "stuck_here"),
-    "lock": ("import threading\n\nlock = threading.Lock()\nlock.acquire()\n\ndef wait_for_lock():\n    lock.acquire()\n\n"
-             "print('about to hang', flush=True)\nwait_for_lock()\n", "wait_for_lock"),
+    "sleep": (
+        "import time\n\ndef stuck_here():\n    time.sleep(3600)\n\nprint('about to hang', flush=True)\nstuck_here()\n",
+        "stuck_here",
+    ),
+    "lock": (
+        "import threading\n\nlock = threading.Lock()\nlock.acquire()\n\ndef wait_for_lock():\n    lock.acquire()\n\n"
+        "print('about to hang', flush=True)\nwait_for_lock()\n",
+        "wait_for_lock",
+    ),
 }
 
 
 @needs_py_spy
 @pytest.mark.parametrize("how", sorted(STUCK))
-def test_a_stalled_job_gets_its_stacks_recorded_and_a_diagnosis_naming_the_function(queue_dir: Path, watcher,
-                                                                                      tmp_path: Path, how: str) -> None:
+def test_a_stalled_job_gets_its_stacks_recorded_and_a_diagnosis_naming_the_function(
+    queue_dir: Path, watcher, tmp_path: Path, how: str
+) -> None:
     body, function = STUCK[how]
     w = watcher()
-    drop(queue_dir, "hang.yaml", yaml.safe_dump({
-        "approved": True, "command": [PY, _script(tmp_path, "hang", body)], "stall_after": "2s", "stop_grace": "4s",
-        "retries": {"max": 0, "on": ["stalled"]}}))
+    drop(
+        queue_dir,
+        "hang.yaml",
+        yaml.safe_dump(
+            {
+                "approved": True,
+                "command": [PY, _script(tmp_path, "hang", body)],
+                "stall_after": "2s",
+                "stop_grace": "4s",
+                "retries": {"max": 0, "on": ["stalled"]},
+            }
+        ),
+    )
     run = tick_until(w, lambda: (r := _run(queue_dir, "hang")).get("status") == "failed" and r, 60)
     assert run["diagnosis"]["kind"] == "stalled"
     assert function in run["diagnosis"]["evidence"], run["diagnosis"]
@@ -139,8 +177,10 @@ def test_a_stalled_job_gets_its_stacks_recorded_and_a_diagnosis_naming_the_funct
 
 
 def test_innermost_frames_come_from_the_main_thread() -> None:
-    dump = ('Process 1: python x.py\nPython v3.11.7\n\nThread 7 (idle): "worker"\n    poll (a.py:1)\n'
-            'Thread 1 (idle): "MainThread"\n    stuck_here (x.py:3)\n    <module> (x.py:6)\n')
+    dump = (
+        'Process 1: python x.py\nPython v3.11.7\n\nThread 7 (idle): "worker"\n    poll (a.py:1)\n'
+        'Thread 1 (idle): "MainThread"\n    stuck_here (x.py:3)\n    <module> (x.py:6)\n'
+    )
     assert innermost(dump) == ["stuck_here (x.py:3)", "<module> (x.py:6)"]
     unnamed = "Process 9: python hang.py\n\nThread 9 (idle)\n    stuck_here (hang.py:4)\n    <module> (hang.py:7)\n"
     assert innermost(unnamed) == ["stuck_here (hang.py:4)", "<module> (hang.py:7)"]  # a lone thread has no name
@@ -160,25 +200,42 @@ def test_the_declared_schedule_matches_the_hugging_face_ones() -> None:
 
 
 def test_a_command_job_off_its_declared_schedule_is_flagged_and_with_abort_fails_as_schedule(
-        queue_dir: Path, watcher, tmp_path: Path) -> None:
-    writer = _script(tmp_path, "sched", (
-        "import json, math, os, sys, time\n"
-        "bug = int(sys.argv[1])\n"
-        "m = open(os.environ['TRAINQ_METRICS'], 'a', buffering=1)\n"
-        "for s in range(1, 400):\n"
-        "    lr = 2e-4 * s / 10 if s < 10 else 2e-4 * 0.5 * (1 + math.cos(math.pi * (s - 10) / 990))\n"
-        "    lr = lr * 3 if s >= bug else lr\n"
-        "    m.write(json.dumps({'type': 'step', 'step': s, 'lr': lr, 'loss': 1.0}) + '\\n')\n"
-        "    time.sleep(0.02)\n"
-        "    if os.path.exists(os.environ['TRAINQ_STOP_FLAG']): sys.exit(0)\n"))
+    queue_dir: Path, watcher, tmp_path: Path
+) -> None:
+    writer = _script(
+        tmp_path,
+        "sched",
+        (
+            "import json, math, os, sys, time\n"
+            "bug = int(sys.argv[1])\n"
+            "m = open(os.environ['TRAINQ_METRICS'], 'a', buffering=1)\n"
+            "for s in range(1, 400):\n"
+            "    lr = 2e-4 * s / 10 if s < 10 else 2e-4 * 0.5 * (1 + math.cos(math.pi * (s - 10) / 990))\n"
+            "    lr = lr * 3 if s >= bug else lr\n"
+            "    m.write(json.dumps({'type': 'step', 'step': s, 'lr': lr, 'loss': 1.0}) + '\\n')\n"
+            "    time.sleep(0.02)\n"
+            "    if os.path.exists(os.environ['TRAINQ_STOP_FLAG']): sys.exit(0)\n"
+        ),
+    )
     plan = {"schedule": "cosine", "peak": 2e-4, "warmup_steps": 10, "total_steps": 1000}
     w = watcher()
-    drop(queue_dir, "good.yaml", yaml.safe_dump({"approved": True, "command": [PY, writer, "100000"], "expected_lr": plan}))
-    drop(queue_dir, "bad.yaml", yaml.safe_dump({"approved": True, "command": [PY, writer, "7"], "expected_lr": plan,
-                                                "abort_on_lr_deviation": True}))
+    drop(
+        queue_dir,
+        "good.yaml",
+        yaml.safe_dump({"approved": True, "command": [PY, writer, "100000"], "expected_lr": plan}),
+    )
+    drop(
+        queue_dir,
+        "bad.yaml",
+        yaml.safe_dump(
+            {"approved": True, "command": [PY, writer, "7"], "expected_lr": plan, "abort_on_lr_deviation": True}
+        ),
+    )
     bad = tick_until(w, lambda: (r := _run(queue_dir, "bad")).get("status") == "failed" and r, 60)
     assert bad["diagnosis"]["kind"] == "schedule" and bad["diagnosis"]["evidence"].startswith("step 7: lr")
-    flagged = [json.loads(x) for x in (queue_dir / "failed/bad/metrics.jsonl").read_text().splitlines() if '"schedule"' in x]
+    flagged = [
+        json.loads(x) for x in (queue_dir / "failed/bad/metrics.jsonl").read_text().splitlines() if '"schedule"' in x
+    ]
     assert len(flagged) == 1 and flagged[0]["step"] == 7
     good = tick_until(w, lambda: (r := _run(queue_dir, "good")).get("status") == "done" and r, 60)
     assert "lr_deviation" not in good

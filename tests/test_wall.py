@@ -4,6 +4,7 @@ Windows here are seconds long; the jobs are real programs (tests/fake_trainers/s
 built-in trainer on the tiny model), the watchers real (in-process ones ticked by the test, or real
 processes), rsync the real one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,11 +52,15 @@ def _entry(root: Path, job_id: str) -> dict:
 def _window(seconds_to_final: float, freeze_early_s: float = 0.0, final_before_s: float = 60.0) -> dict:
     """A window whose final-checkpoint mark is ``seconds_to_final`` from now (freeze that much earlier still)."""
     ends = time.time() + seconds_to_final + final_before_s
-    return {"ends_at": iso_utc(ends), "final_checkpoint_before": f"{final_before_s}s",
-            "freeze_before": f"{final_before_s + freeze_early_s}s"}
+    return {
+        "ends_at": iso_utc(ends),
+        "final_checkpoint_before": f"{final_before_s}s",
+        "freeze_before": f"{final_before_s + freeze_early_s}s",
+    }
 
 
 # -- the arithmetic ----------------------------------------------------------------------------------------------
+
 
 def test_cost_arithmetic_per_hour_and_per_gpu_hour() -> None:
     box = Cost(rate=2.49, currency="USD")
@@ -77,7 +82,9 @@ def test_the_forecast_says_the_rate_and_how_far_past_the_wall() -> None:
     now = 1796198400.0
     forecast = Forecast.from_progress({"step": 200, "total_steps": 2000, "eta_s": 4 * 3600}, now)
     assert forecast.steps_per_h == 450 and forecast.fits(now + 3 * 3600) is False
-    assert forecast.words(now + 3 * 3600, "wall") == "at 450 steps/h, 1,800 steps left: ends 12:00 UTC, 1 h after the wall"
+    assert (
+        forecast.words(now + 3 * 3600, "wall") == "at 450 steps/h, 1,800 steps left: ends 12:00 UTC, 1 h after the wall"
+    )
 
 
 def test_the_window_and_cost_settings_are_checked_naming_the_field() -> None:
@@ -85,9 +92,12 @@ def test_the_window_and_cost_settings_are_checked_naming_the_field() -> None:
         WatcherConfig.from_dict({"cost": {"per_hour": 2.49, "currency": "dollars"}})
     with pytest.raises(InvalidWatcherConfig, match=r"window.ends_at: expected an ISO-8601 time"):
         WatcherConfig.from_dict({"window": {"ends_at": "at eight"}})
-    with pytest.raises(InvalidWatcherConfig, match=r"window.final_checkpoint_before: must not be longer than freeze_before"):
-        WatcherConfig.from_dict({"window": {"ends_at": "2026-12-02T08:00:00Z", "freeze_before": "10m",
-                                            "final_checkpoint_before": "20m"}})
+    with pytest.raises(
+        InvalidWatcherConfig, match=r"window.final_checkpoint_before: must not be longer than freeze_before"
+    ):
+        WatcherConfig.from_dict(
+            {"window": {"ends_at": "2026-12-02T08:00:00Z", "freeze_before": "10m", "final_checkpoint_before": "20m"}}
+        )
     with pytest.raises(InvalidWatcherConfig, match=r"cost: give exactly one of per_hour or per_gpu_hour"):
         WatcherConfig.from_dict({"cost": {"per_hour": 1, "per_gpu_hour": 2, "currency": "USD"}})
     window = WatcherConfig.from_dict({"window": {"ends_at": "2026-12-02T08:00:00Z"}}).window
@@ -99,29 +109,44 @@ def test_a_past_deadline_and_an_unwritable_target_are_rejected_naming_the_field(
     _job(queue_dir, "late", command=["true"], deadline="2020-01-01T00:00:00Z")
     _job(queue_dir, "nowhere", command=["true"], deliver={"to": "/proc/self/no-such-place"})
     _job(queue_dir, "fine", command=["true"], deadline="2h", deliver={"to": str(queue_dir.parent / "results")})
-    tick_until(w, lambda: _run(queue_dir, "late").get("status") == "rejected"
-               and _run(queue_dir, "nowhere").get("status") == "rejected" and _run(queue_dir, "fine").get("status") == "done")
+    tick_until(
+        w,
+        lambda: (
+            _run(queue_dir, "late").get("status") == "rejected"
+            and _run(queue_dir, "nowhere").get("status") == "rejected"
+            and _run(queue_dir, "fine").get("status") == "done"
+        ),
+    )
     late = _run(queue_dir, "late")["errors"]
     assert [e["path"] for e in late] == ["deadline"] and "is in the past" in late[0]["message"]
     assert [e["path"] for e in _run(queue_dir, "nowhere")["errors"]] == ["deliver.to"]
-    out = subprocess.run([PY, "-m", "trainq.watcher", "validate", str(queue_dir / "failed" / "late" / "job.yaml")],
-                         capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [PY, "-m", "trainq.watcher", "validate", str(queue_dir / "failed" / "late" / "job.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert out.returncode == 2 and "deadline:" in out.stdout and "in the past" in out.stdout
 
 
 # -- forecasts, the freeze, the final mark -----------------------------------------------------------------------
 
+
 def test_a_job_that_will_not_fit_is_flagged_early(queue_dir: Path, watcher, caplog) -> None:
     caplog.set_level("INFO", logger="trainq.watcher")
     w = watcher(window=_window(seconds_to_final=120))
     _job(queue_dir, "long", command=[PY, SLOW, "4000", "0.05", "1000"])
-    entry = tick_until(w, lambda: (e := _entry(queue_dir, "long")).get("fits") is False and e, 30,
-                       what="the forecast to say it misses")
+    entry = tick_until(
+        w, lambda: (e := _entry(queue_dir, "long")).get("fits") is False and e, 30, what="the forecast to say it misses"
+    )
     assert entry["predicted_end"] > _status(queue_dir)["window"]["final_checkpoint_at"]
     assert "steps/h" in entry["forecast"] and "after the final checkpoint" in entry["forecast"]
     assert _status(queue_dir)["window"]["misses"] == ["long"]
-    events = [json.loads(line) for line in (queue_dir / "running/long/metrics.jsonl").read_text().splitlines()
-              if '"deadline"' in line]
+    events = [
+        json.loads(line)
+        for line in (queue_dir / "running/long/metrics.jsonl").read_text().splitlines()
+        if '"deadline"' in line
+    ]
     assert len(events) == 1 and events[0]["type"] == "event" and "predicted to miss" in events[0]["message"]
     assert "job long: predicted to miss the final checkpoint" in caplog.text
     (queue_dir / "running/long/stop.flag").touch()
@@ -135,43 +160,71 @@ def test_inside_the_freeze_only_a_job_that_fits_starts(queue_dir: Path, watcher)
     _job(queue_dir, "big", command=["true"], expected_duration="1h")
     _job(queue_dir, "unknown", command=["true"])
     _job(queue_dir, "small", command=["true"], expected_duration="2s")
-    tick_until(w, lambda: _run(queue_dir, "small").get("status") == "done"
-               and "freeze" in (_entry(queue_dir, "unknown").get("waiting_for") or ""), 20)
+    tick_until(
+        w,
+        lambda: (
+            _run(queue_dir, "small").get("status") == "done"
+            and "freeze" in (_entry(queue_dir, "unknown").get("waiting_for") or "")
+        ),
+        20,
+    )
     big, unknown = _entry(queue_dir, "big"), _entry(queue_dir, "unknown")
     assert big["status"] == "pending" and big["waiting_for"].startswith("window freeze since")
     assert "expected_duration 1 h" in big["waiting_for"] and "left before the final checkpoint" in big["waiting_for"]
     assert "no estimate of how long it runs (set expected_duration)" in unknown["waiting_for"]
-    out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "why", "big"], capture_output=True,
-                         text=True, cwd=REPO)
+    out = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "why", "big"], capture_output=True, text=True, cwd=REPO
+    )
     assert "HOLD window" in out.stdout and "expected_duration 1 h" in out.stdout
 
 
-def test_a_restarted_watcher_keeps_the_ladder_and_stops_a_job_at_the_final_mark(queue_dir: Path, watcher_process) -> None:
-    (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({
-        "settle_s": 0.1, "rescan_s": 0.2, "status_s": 0.1, "window": _window(seconds_to_final=8, freeze_early_s=30),
-        "cost": {"per_hour": 3.6, "currency": "USD"}}))
+def test_a_restarted_watcher_keeps_the_ladder_and_stops_a_job_at_the_final_mark(
+    queue_dir: Path, watcher_process
+) -> None:
+    (queue_dir / "watcher.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "settle_s": 0.1,
+                "rescan_s": 0.2,
+                "status_s": 0.1,
+                "window": _window(seconds_to_final=8, freeze_early_s=30),
+                "cost": {"per_hour": 3.6, "currency": "USD"},
+            }
+        )
+    )
     first = watcher_process()
     _job(queue_dir, "steps", command=[PY, SLOW, "100000", "0.05", "20"], resume_args=[], expected_duration="1s")
     _job(queue_dir, "wide", command=["true"], expected_duration="6h")
-    wait_until(lambda: _entry(queue_dir, "steps").get("state") == "running"
-               and "window freeze" in (_entry(queue_dir, "wide").get("waiting_for") or ""), 20)
+    wait_until(
+        lambda: (
+            _entry(queue_dir, "steps").get("state") == "running"
+            and "window freeze" in (_entry(queue_dir, "wide").get("waiting_for") or "")
+        ),
+        20,
+    )
     first.kill(signal.SIGKILL)
     watcher_process()  # the same watcher.yaml: the ladder goes on from the clock, not from memory
-    run = wait_until(lambda: (r := _run(queue_dir, "steps")).get("status") == "cancelled" and r, 40,
-                     what="the job stopped at the final-checkpoint mark")
+    run = wait_until(
+        lambda: (r := _run(queue_dir, "steps")).get("status") == "cancelled" and r,
+        40,
+        what="the job stopped at the final-checkpoint mark",
+    )
     assert run["reason"] == "deadline" and run["attempts"][-1]["cost"]["currency"] == "USD"
     assert run["cost"]["amount"] > 0
     checkpoints = sorted((queue_dir / "failed/steps/checkpoints").iterdir())
     assert checkpoints, "the stop left no checkpoint"
     assert "stop.flag seen: checkpoint" in (queue_dir / "failed/steps/output.log").read_text()
-    wide = wait_until(lambda: (e := _entry(queue_dir, "wide")) and "past the final" in (e.get("waiting_for") or "") and e, 10)
+    wide = wait_until(
+        lambda: (e := _entry(queue_dir, "wide")) and "past the final" in (e.get("waiting_for") or "") and e, 10
+    )
     assert wide["status"] == "pending" and "past the final-checkpoint mark" in wide["waiting_for"]
     # the ledger holds the concluded attempt (status.json is rewritten within status_s of the conclusion)
     wait_until(lambda: _status(queue_dir)["cost"]["total"] >= round(run["cost"]["amount"], 4) - 1e-4, 10)
 
 
-def test_a_command_job_stopped_at_its_own_deadline_resumes_from_its_checkpoint(queue_dir: Path, watcher,
-                                                                                 watcher_config) -> None:
+def test_a_command_job_stopped_at_its_own_deadline_resumes_from_its_checkpoint(
+    queue_dir: Path, watcher, watcher_config
+) -> None:
     w = watcher()
     _job(queue_dir, "dl", command=[PY, SLOW, "100000", "0.05", "10"], resume_args=[], deadline="3s")
     run = tick_until(w, lambda: (r := _run(queue_dir, "dl")).get("status") == "cancelled" and r, 30)
@@ -180,8 +233,11 @@ def test_a_command_job_stopped_at_its_own_deadline_resumes_from_its_checkpoint(q
     spec["deadline"] = "1h"  # still counted from the first start; a failed job's job.yaml is read at its retry
     (queue_dir / "failed/dl/job.yaml").write_text(yaml.safe_dump(spec))
     (queue_dir / "failed/dl/retry.flag").touch()
-    run = tick_until(w, lambda: (r := _run(queue_dir, "dl")).get("status") in ("running", "cancelled")
-                     and r["attempt"] == 2 and r, 30)
+    run = tick_until(
+        w,
+        lambda: (r := _run(queue_dir, "dl")).get("status") in ("running", "cancelled") and r["attempt"] == 2 and r,
+        30,
+    )
     assert run["attempts"][-1]["resumed_from"] and "reason" not in run
     tick_until(w, lambda: "resumed from" in (queue_dir / "running/dl/output.log").read_text(), 20)
     (queue_dir / "running/dl/stop.flag").touch()
@@ -189,6 +245,7 @@ def test_a_command_job_stopped_at_its_own_deadline_resumes_from_its_checkpoint(q
 
 
 # -- delivery ------------------------------------------------------------------------------------------------------
+
 
 def _results_script(tmp: Path) -> str:
     """A job that leaves a summary.json with its SHA256SUMS and one checkpoint record, then exits 0."""
@@ -202,7 +259,8 @@ def _results_script(tmp: Path) -> str:
         "ck = os.path.join(d, 'checkpoints', 'step-3'); os.makedirs(ck)\n"
         "open(os.path.join(ck, 'weights.bin'), 'wb').write(os.urandom(4096))\n"
         "open(os.environ['TRAINQ_METRICS'], 'a').write(json.dumps({'type': 'checkpoint', 'step': 3, 'path': ck}) + '\\n')\n"
-        "print('results written')\n")
+        "print('results written')\n"
+    )
     return str(script)
 
 
@@ -211,18 +269,25 @@ def _sha(path: Path) -> str:
 
 
 @needs_rsync
-def test_delivery_is_verified_and_a_corrupted_copy_is_detected_and_sent_again(queue_dir: Path, watcher, tmp_path: Path,
-                                                                                monkeypatch) -> None:
+def test_delivery_is_verified_and_a_corrupted_copy_is_detected_and_sent_again(
+    queue_dir: Path, watcher, tmp_path: Path, monkeypatch
+) -> None:
     monkeypatch.setenv("TRAINQ_DELIVERY_FAULTS", "corrupt_once,backoff=0.2")
     w = watcher()
     target = tmp_path / "results"
-    _job(queue_dir, "ship", command=[PY, _results_script(tmp_path)],
-         deliver={"to": str(target), "what": ["summary", "ckpt_latest", "logs"]})
+    _job(
+        queue_dir,
+        "ship",
+        command=[PY, _results_script(tmp_path)],
+        deliver={"to": str(target), "what": ["summary", "ckpt_latest", "logs"]},
+    )
     run = tick_until(w, lambda: (r := _run(queue_dir, "ship")).get("delivered") and r, 30, what="run.json delivered")
     delivered = run["delivered"]
     assert delivered["verified"] is True and delivered["tries"] == 2, delivered  # the first copy was corrupted
     assert delivered["to"] == f"{target}/ship"
-    assert {"summary.json", "SHA256SUMS", "output.log", "metrics.jsonl", "ckpt_latest/weights.bin"} <= set(delivered["files"])
+    assert {"summary.json", "SHA256SUMS", "output.log", "metrics.jsonl", "ckpt_latest/weights.bin"} <= set(
+        delivered["files"]
+    )
     copy, job = target / "ship", queue_dir / "done" / "ship"
     assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=copy, capture_output=True).returncode == 0
     assert _sha(copy / "ckpt_latest" / "weights.bin") == _sha(job / "checkpoints" / "step-3" / "weights.bin")
@@ -238,23 +303,37 @@ def test_delivery_over_rsync_to_a_daemon_path(queue_dir: Path, watcher, tmp_path
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     conf = tmp_path / "rsyncd.conf"
-    conf.write_text(f"use chroot = no\n[results]\npath = {store}\nread only = no\nuid = {os.getuid()}\ngid = {os.getgid()}\n")
-    daemon = subprocess.Popen(["rsync", "--daemon", "--no-detach", f"--port={port}", "--address=127.0.0.1",
-                               f"--config={conf}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    conf.write_text(
+        f"use chroot = no\n[results]\npath = {store}\nread only = no\nuid = {os.getuid()}\ngid = {os.getgid()}\n"
+    )
+    daemon = subprocess.Popen(
+        ["rsync", "--daemon", "--no-detach", f"--port={port}", "--address=127.0.0.1", f"--config={conf}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        wait_until(lambda: subprocess.run(["rsync", f"rsync://127.0.0.1:{port}/"], capture_output=True).returncode == 0, 10)
+        wait_until(
+            lambda: subprocess.run(["rsync", f"rsync://127.0.0.1:{port}/"], capture_output=True).returncode == 0, 10
+        )
         w = watcher()
-        _job(queue_dir, "remote", command=[PY, _results_script(tmp_path)],
-             deliver={"to": f"rsync://127.0.0.1:{port}/results", "what": ["summary"]})
+        _job(
+            queue_dir,
+            "remote",
+            command=[PY, _results_script(tmp_path)],
+            deliver={"to": f"rsync://127.0.0.1:{port}/results", "what": ["summary"]},
+        )
         run = tick_until(w, lambda: (r := _run(queue_dir, "remote")).get("delivered") and r, 30)
         assert run["delivered"]["verified"] is True, run["delivered"]
-        assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=store / "remote", capture_output=True).returncode == 0
+        assert (
+            subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=store / "remote", capture_output=True).returncode == 0
+        )
     finally:
         daemon.terminate()
         daemon.wait(10)
 
 
 # -- the built-in trainer at the final mark ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
@@ -263,15 +342,28 @@ def tiny(tmp_path_factory) -> Path:
     return out
 
 
-def test_a_train_job_is_stopped_at_the_final_mark_with_a_checkpoint_and_resumes(queue_dir: Path, watcher_config,
-                                                                                 tiny: Path, tmp_path: Path) -> None:
+def test_a_train_job_is_stopped_at_the_final_mark_with_a_checkpoint_and_resumes(
+    queue_dir: Path, watcher_config, tiny: Path, tmp_path: Path
+) -> None:
     from trainq.watcher.daemon.daemon import Watcher
 
-    train = {"model": str(tiny / "model"), "data": {"train": str(tiny / "train.jsonl"), "eval": str(tiny / "eval.jsonl")},
-             "method": "lora", "max_steps": 12, "batch_size": 2, "seq_len": 32, "eval_every": 1000,
-             "checkpoint": {"every_steps": 1000, "keep": 2}}
-    _job(queue_dir, "tr", train=train, env={"TRAINQ_TRAINER_FAULTS": "sleep_per_step=0.25", "OMP_NUM_THREADS": "1"},
-         deliver={"to": str(tmp_path / "out"), "what": ["ckpt_latest", "summary"]})
+    train = {
+        "model": str(tiny / "model"),
+        "data": {"train": str(tiny / "train.jsonl"), "eval": str(tiny / "eval.jsonl")},
+        "method": "lora",
+        "max_steps": 12,
+        "batch_size": 2,
+        "seq_len": 32,
+        "eval_every": 1000,
+        "checkpoint": {"every_steps": 1000, "keep": 2},
+    }
+    _job(
+        queue_dir,
+        "tr",
+        train=train,
+        env={"TRAINQ_TRAINER_FAULTS": "sleep_per_step=0.25", "OMP_NUM_THREADS": "1"},
+        deliver={"to": str(tmp_path / "out"), "what": ["ckpt_latest", "summary"]},
+    )
     cost = {"per_gpu_hour": 2.0, "currency": "USD"}
     first = Watcher(queue_dir, watcher_config(cost=cost), env=dict(os.environ))
     first.start(install_signals=False)
@@ -298,5 +390,7 @@ def test_a_train_job_is_stopped_at_the_final_mark_with_a_checkpoint_and_resumes(
         run = tick_until(third, lambda: (r := _run(queue_dir, "tr")).get("status") == "done" and r, 180)
     finally:
         third.close()
-    assert run["attempts"][-1]["resumed_from"] and json.loads(
-        (queue_dir / "done/tr/summary.json").read_text())["resumed_from"]
+    assert (
+        run["attempts"][-1]["resumed_from"]
+        and json.loads((queue_dir / "done/tr/summary.json").read_text())["resumed_from"]
+    )

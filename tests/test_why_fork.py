@@ -1,4 +1,5 @@
 """`trainq why` and `trainq fork` against a real watcher process and real job folders."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,14 @@ from trainq.watcher.cli.why import explain
 def _cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([PY, "-m", "trainq.watcher", "--root", str(root), *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=60, env=dict(os.environ, **(env or {})))
+    return subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def _holds(out: str) -> dict[str, str]:
@@ -45,11 +52,21 @@ def test_why_names_every_gate_that_holds_a_job(queue_dir, watcher_process, tmp_p
     assert out.returncode == 2 and "no job with id 'nothing-here'" in out.stderr
 
     watcher_process(env=env)
-    _job(queue_dir, "flaky", command=[PY, "-c", "raise SystemExit(1)"], resources={"gpus": 0, "allow_battery": True},
-         retries={"max": 1, "on": ["unknown"], "backoff": "1h"})
+    _job(
+        queue_dir,
+        "flaky",
+        command=[PY, "-c", "raise SystemExit(1)"],
+        resources={"gpus": 0, "allow_battery": True},
+        retries={"max": 1, "on": ["unknown"], "backoff": "1h"},
+    )
     wait_until(lambda: (_run(queue_dir, "flaky") or {}).get("not_before"), 20, what="flaky waits for its retry")
-    _job(queue_dir, "hog", command=[PY, "-c", "import time; time.sleep(40)"],
-         resources={"gpus": 1, "allow_battery": True}, stop_grace="1s")
+    _job(
+        queue_dir,
+        "hog",
+        command=[PY, "-c", "import time; time.sleep(40)"],
+        resources={"gpus": 1, "allow_battery": True},
+        stop_grace="1s",
+    )
     wait_until(lambda: _where(queue_dir, "hog") == "running", 20, what="hog runs")
     _job(queue_dir, "held", after=["flaky", "later"], resources={"gpus": 1, "disk_gb": 3})
     wait_until(lambda: (_entry(queue_dir, "held") or {}).get("waiting_for"), 20)
@@ -65,7 +82,7 @@ def test_why_names_every_gate_that_holds_a_job(queue_dir, watcher_process, tmp_p
     assert "retry 2 of 2 may start in" in _holds(flaky)["backoff"], flaky
 
     (queue_dir / "pause.flag").touch()
-    wait_until(lambda: (json.loads((queue_dir / "status.json").read_text())["watcher"]["state"] == "paused"), 10)
+    wait_until(lambda: json.loads((queue_dir / "status.json").read_text())["watcher"]["state"] == "paused", 10)
     assert "pause.flag is present" in _holds(_cli(queue_dir, "why", "held", env=env).stdout)["pause"]
     (queue_dir / "stop.flag").touch()
     wait_until(lambda: json.loads((queue_dir / "status.json").read_text())["watcher"]["state"] == "stopped", 10)
@@ -81,8 +98,12 @@ def test_why_reports_ram_with_numbers(queue_dir):
     (queue_dir / "pending" / "big").mkdir()
     (queue_dir / "pending" / "big" / "job.yaml").write_text("approved: true\ncommand: [echo]\nresources: {ram_gb: 6}\n")
     (queue_dir / "pending" / "big" / "run.json").write_text(json.dumps({"id": "big", "status": "pending"}))
-    machine = MachineState(ram_total_gb=16, ram_available_gb=2.5, disks={str(queue_dir.resolve()): (100.0, 50.0)},
-                           gpus=(GpuInfo(0, "Sim", 6144, 0),))
+    machine = MachineState(
+        ram_total_gb=16,
+        ram_available_gb=2.5,
+        disks={str(queue_dir.resolve()): (100.0, 50.0)},
+        gpus=(GpuInfo(0, "Sim", 6144, 0),),
+    )
     lines = explain(queue_dir, "big", machine=machine)
     assert any("HOLD RAM" in line and "2.5 GB RAM free, job needs 6 GB" in line for line in lines), lines
     assert any("ok   disk" in line and "50.0 GB free" in line for line in lines), lines
@@ -90,7 +111,11 @@ def test_why_reports_ram_with_numbers(queue_dir):
 
 def test_why_explains_a_failure_with_evidence_and_advice(queue_dir, watcher_process):
     watcher_process()
-    _job(queue_dir, "dep", command=[PY, "-c", "import sys; print('CUDA out of memory. Tried to allocate 2 GiB'); sys.exit(1)"])
+    _job(
+        queue_dir,
+        "dep",
+        command=[PY, "-c", "import sys; print('CUDA out of memory. Tried to allocate 2 GiB'); sys.exit(1)"],
+    )
     _job(queue_dir, "after-it", after=["dep"])
     wait_until(lambda: _where(queue_dir, "after-it") == "failed", 30)
     out = _cli(queue_dir, "why", "dep").stdout
@@ -123,12 +148,27 @@ def test_fork_writes_a_valid_job_with_lineage(queue_dir, watcher_process):
 
 def test_fork_from_checkpoint_gives_a_command_job_its_parent_checkpoint(queue_dir, watcher_process):
     watcher_process()
-    _job(queue_dir, "ck", command=[PY, "-c", "import os; os.makedirs('checkpoints/ckpt_latest'); "
-                                             "open('checkpoints/ckpt_latest/w','w').write('7')"])
+    _job(
+        queue_dir,
+        "ck",
+        command=[
+            PY,
+            "-c",
+            "import os; os.makedirs('checkpoints/ckpt_latest'); open('checkpoints/ckpt_latest/w','w').write('7')",
+        ],
+    )
     wait_until(lambda: _where(queue_dir, "ck") == "done", 20)
-    assert _cli(queue_dir, "fork", "ck", "--from-checkpoint", "--set",
-                "command=[" + PY + ", -c, \"import os; print(open(os.environ['TRAINQ_RESUME_FROM'] + '/w').read())\"]"
-                ).returncode == 0
+    assert (
+        _cli(
+            queue_dir,
+            "fork",
+            "ck",
+            "--from-checkpoint",
+            "--set",
+            "command=[" + PY + ", -c, \"import os; print(open(os.environ['TRAINQ_RESUME_FROM'] + '/w').read())\"]",
+        ).returncode
+        == 0
+    )
     wait_until(lambda: _where(queue_dir, "ck-fork") == "done", 20)
     assert "7" in (queue_dir / "done" / "ck-fork" / "output.log").read_text()
     assert _run(queue_dir, "ck-fork")["attempts"][0]["resumed_from"].endswith("done/ck/checkpoints/ckpt_latest")

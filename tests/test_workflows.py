@@ -1,4 +1,5 @@
 """Workflows with a real watcher process (CONTRACT section 9): dependencies, sweeps, finish hooks."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from trainq.watcher.spec.fsutil import read_json
 
 
 def _run(root: Path, job_id: str, state: str | None = None) -> dict | None:
-    for s in ([state] if state else ["pending", "running", "done", "failed"]):
+    for s in [state] if state else ["pending", "running", "done", "failed"]:
         path = root / s / job_id / "run.json"
         try:
             return json.loads(path.read_text())
@@ -52,8 +53,12 @@ def _entry(root: Path, job_id: str) -> dict | None:
 def test_chain_runs_in_order_and_reads_the_first_folder(queue_dir, watcher_process):
     """a -> b -> c: each starts after the one before ended; c reads a's folder through {after:a}."""
     watcher_process()
-    _job(queue_dir, "c", after=["b", "a"], command=[PY, "-c", "import sys; print(open(sys.argv[1]).read())",
-                                                    "{after:a}/made.txt"])
+    _job(
+        queue_dir,
+        "c",
+        after=["b", "a"],
+        command=[PY, "-c", "import sys; print(open(sys.argv[1]).read())", "{after:a}/made.txt"],
+    )
     _job(queue_dir, "b", after="a", command=[PY, "-c", "import time; time.sleep(0.2)"])
     wait_until(lambda: (_entry(queue_dir, "c") or {}).get("waiting_for"), 15, what="c waits")
     waiting = _entry(queue_dir, "c")["waiting_for"]
@@ -122,10 +127,18 @@ def test_dependencies_survive_a_watcher_restart(queue_dir, watcher_process):
 def test_sweep_of_command_jobs(queue_dir, watcher_process):
     """A 2x2 sweep: four concrete jobs, run.json sweep info, after: [sweep] waits for all four."""
     watcher_process()
-    _job(queue_dir, "report", after=["grid"], command=[PY, "-c", "import sys; print(open(sys.argv[1]).read())",
-                                                        "{after:grid-3}/output.log"])
-    _job(queue_dir, "grid", command=[PY, "-c", "import sys,time; time.sleep(0.1); print(sys.argv[1:])", "{lr}"],
-         sweep={"lr": ["1e-4", "2e-4"], "resources.ram_gb": [0, 0.001]})
+    _job(
+        queue_dir,
+        "report",
+        after=["grid"],
+        command=[PY, "-c", "import sys; print(open(sys.argv[1]).read())", "{after:grid-3}/output.log"],
+    )
+    _job(
+        queue_dir,
+        "grid",
+        command=[PY, "-c", "import sys,time; time.sleep(0.1); print(sys.argv[1:])", "{lr}"],
+        sweep={"lr": ["1e-4", "2e-4"], "resources.ram_gb": [0, 0.001]},
+    )
     wait_until(lambda: all(_where(queue_dir, f"grid-{i}") == "done" for i in range(1, 5)), 40, what="sweep runs")
     assert _where(queue_dir, "grid") is None and _where(queue_dir, "grid-5") is None
     run = _run(queue_dir, "grid-3")
@@ -135,12 +148,29 @@ def test_sweep_of_command_jobs(queue_dir, watcher_process):
     assert "['2e-4']" in (queue_dir / "done" / "grid-3" / "output.log").read_text()
     wait_until(lambda: _where(queue_dir, "report") == "done", 20, what="after the whole sweep")
     assert "['2e-4']" in (queue_dir / "done" / "report" / "output.log").read_text()
-    assert _run(queue_dir, "report")["started_at"] >= max(_run(queue_dir, f"grid-{i}")["finished_at"] for i in range(1, 5))
-    entries = wait_until(lambda: (found := [e for e in _status(queue_dir).get("jobs", []) if e.get("sweep") == "grid"
-                                            and e["state"] == "done"]) and len(found) == 4 and found, 10)
+    assert _run(queue_dir, "report")["started_at"] >= max(
+        _run(queue_dir, f"grid-{i}")["finished_at"] for i in range(1, 5)
+    )
+    entries = wait_until(
+        lambda: (
+            (
+                found := [
+                    e for e in _status(queue_dir).get("jobs", []) if e.get("sweep") == "grid" and e["state"] == "done"
+                ]
+            )
+            and len(found) == 4
+            and found
+        ),
+        10,
+    )
     assert len(entries) == 4 and entries[0]["params"]
-    out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status"], capture_output=True,
-                         text=True, cwd=REPO, timeout=60)
+    out = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert "sweep grid: 4 job(s) listed, 4 ended" in out.stdout, out.stdout
     assert "lr=2e-4, resources.ram_gb=0.001" in out.stdout
 
@@ -154,16 +184,22 @@ def test_bad_sweeps_are_rejected_naming_the_key(queue_dir, watcher_process):
     assert _run(queue_dir, "nofield")["errors"][0]["path"] == "sweep.train.lr"
 
 
-HOOK = ("import os,sys,time; time.sleep(float(sys.argv[2])); "
-        "open(os.path.join(os.environ['TRAINQ_JOB_DIR'], 'hook-runs.txt'), 'a').write("
-        "sys.argv[1] + ' ' + os.environ['TRAINQ_STATUS'] + ' ' + os.environ['TRAINQ_DIAGNOSIS'] + chr(10))")
+HOOK = (
+    "import os,sys,time; time.sleep(float(sys.argv[2])); "
+    "open(os.path.join(os.environ['TRAINQ_JOB_DIR'], 'hook-runs.txt'), 'a').write("
+    "sys.argv[1] + ' ' + os.environ['TRAINQ_STATUS'] + ' ' + os.environ['TRAINQ_DIAGNOSIS'] + chr(10))"
+)
 
 
 def test_on_finish_runs_once_across_a_watcher_sigkill_before_the_hook(queue_dir, watcher_process):
     """The job ends while no watcher runs (killed between the job's end and its hook): the next one runs it once."""
     wp = watcher_process()
-    _job(queue_dir, "h", command=[PY, "-c", "import time; time.sleep(1.5); raise SystemExit(4)"],
-         on_finish=[PY, "-c", HOOK, "{job_id}:{status}", "0"])
+    _job(
+        queue_dir,
+        "h",
+        command=[PY, "-c", "import time; time.sleep(1.5); raise SystemExit(4)"],
+        on_finish=[PY, "-c", HOOK, "{job_id}:{status}", "0"],
+    )
     wait_until(lambda: _where(queue_dir, "h") == "running", 15)
     wp.kill()
     wait_until(lambda: (queue_dir / "running" / "h" / "exit.json").exists(), 20, what="job ends without a watcher")
@@ -204,12 +240,21 @@ def test_sweep_of_tiny_train_jobs_is_compared_in_status(queue_dir, watcher_proce
     tiny = tmp_path / "tiny"
     subprocess.run([PY, "-m", "trainq.trainer.tiny", str(tiny)], check=True, cwd=REPO, capture_output=True, timeout=300)
     watcher_process()
-    train = {"model": str(tiny / "model"), "data": {"train": str(tiny / "train.jsonl"), "eval": str(tiny / "eval.jsonl")},
-             "method": "lora", "max_steps": 16, "batch_size": 4, "seq_len": 32, "eval_every": 8, "seed": 3,
-             "checkpoint": {"every_steps": 8, "keep": 1}}
+    train = {
+        "model": str(tiny / "model"),
+        "data": {"train": str(tiny / "train.jsonl"), "eval": str(tiny / "eval.jsonl")},
+        "method": "lora",
+        "max_steps": 16,
+        "batch_size": 4,
+        "seq_len": 32,
+        "eval_every": 8,
+        "seed": 3,
+        "checkpoint": {"every_steps": 8, "keep": 1},
+    }
     _job(queue_dir, "lrs", train=train, sweep={"train.lr": [0.00001, 0.01]})
     wait_until(lambda: all(_where(queue_dir, f"lrs-{i}") in ("done", "failed") for i in (1, 2)), 240, what="sweep")
     assert [_where(queue_dir, f"lrs-{i}") for i in (1, 2)] == ["done", "done"]
+
     def listed() -> dict:
         found = {e["id"]: e for e in _status(queue_dir).get("jobs", []) if e.get("sweep") == "lrs"}
         return found if all(e["state"] == "done" for e in found.values()) and len(found) == 2 else {}
@@ -218,8 +263,13 @@ def test_sweep_of_tiny_train_jobs_is_compared_in_status(queue_dir, watcher_proce
     assert entries["lrs-2"]["params"] == {"train.lr": 0.01}
     losses = {i: entries[i]["best_eval_loss"] for i in entries}
     assert all(isinstance(v, float) for v in losses.values()) and losses["lrs-2"] < losses["lrs-1"], losses
-    out = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status"], capture_output=True,
-                         text=True, cwd=REPO, timeout=60).stdout
+    out = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "status"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    ).stdout
     rows = [line for line in out.splitlines() if line.strip().startswith("lrs-") and "best eval loss" in line]
     assert "best eval loss first" in out and rows[0].split()[0] == "lrs-2", out
     assert f"{losses['lrs-2']:.4f}" in rows[0] and "train.lr=0.01" in rows[0]
@@ -227,15 +277,35 @@ def test_sweep_of_tiny_train_jobs_is_compared_in_status(queue_dir, watcher_proce
     assert "Sweep lrs" in html and html.index(f"{losses['lrs-2']:.4f}") < html.index(f"{losses['lrs-1']:.4f}")
 
     # fork the better one from its checkpoint: its weights, a fresh optimizer and schedule
-    fork = subprocess.run([PY, "-m", "trainq.watcher", "--root", str(queue_dir), "fork", "lrs-2", "--from-checkpoint",
-                           "--set", "train.max_steps=4", "--set", "train.eval_every=2"],
-                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    fork = subprocess.run(
+        [
+            PY,
+            "-m",
+            "trainq.watcher",
+            "--root",
+            str(queue_dir),
+            "fork",
+            "lrs-2",
+            "--from-checkpoint",
+            "--set",
+            "train.max_steps=4",
+            "--set",
+            "train.eval_every=2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert fork.returncode == 0, fork.stderr
     wait_until(lambda: _where(queue_dir, "lrs-2-fork") in ("done", "failed"), 120, what="the fork")
     assert _where(queue_dir, "lrs-2-fork") == "done", (queue_dir / "failed" / "lrs-2-fork" / "output.log").read_text()
     assert "initial weights from" in (queue_dir / "done" / "lrs-2-fork" / "output.log").read_text()
-    first = lambda job: next(json.loads(line)["loss"] for line in (queue_dir / "done" / job / "metrics.jsonl")
-                             .read_text().splitlines() if '"type": "step"' in line or '"type":"step"' in line)
+    first = lambda job: next(
+        json.loads(line)["loss"]
+        for line in (queue_dir / "done" / job / "metrics.jsonl").read_text().splitlines()
+        if '"type": "step"' in line or '"type":"step"' in line
+    )
     assert first("lrs-2-fork") < first("lrs-2") - 0.1, (first("lrs-2-fork"), first("lrs-2"))
     assert _run(queue_dir, "lrs-2-fork")["lineage"]["fork_of"] == "lrs-2"
 
@@ -255,12 +325,23 @@ def test_a_sweep_interrupted_by_a_crash_is_finished_at_start_up(queue_dir, watch
     """The watcher died after claiming a sweep file and writing one of its jobs: the next one writes the rest."""
     staging = queue_dir / "pending" / ".sweep-part"
     staging.mkdir()
-    (staging / "job.yaml").write_text(json.dumps({"approved": True, "command": ["echo", "{n}"], "sweep": {"n": [1, 2, 3]}}))
+    (staging / "job.yaml").write_text(
+        json.dumps({"approved": True, "command": ["echo", "{n}"], "sweep": {"n": [1, 2, 3]}})
+    )
     (queue_dir / "pending" / "part-1").mkdir()
     (queue_dir / "pending" / "part-1" / "job.yaml").write_text(json.dumps({"approved": True, "command": ["echo", "1"]}))
-    (queue_dir / "pending" / "part-1" / "run.json").write_text(json.dumps(
-        {"schema_version": 1, "id": "part-1", "status": "pending", "attempt": 0, "attempts": [],
-         "sweep": {"id": "part", "index": 1, "params": {"n": 1}, "of": 3}}))
+    (queue_dir / "pending" / "part-1" / "run.json").write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "id": "part-1",
+                "status": "pending",
+                "attempt": 0,
+                "attempts": [],
+                "sweep": {"id": "part", "index": 1, "params": {"n": 1}, "of": 3},
+            }
+        )
+    )
     watcher_process()
     wait_until(lambda: all(_where(queue_dir, f"part-{i}") == "done" for i in (1, 2, 3)), 30, what="the whole sweep")
     assert not staging.exists() and _where(queue_dir, "part-4") is None
@@ -282,10 +363,21 @@ def test_on_finish_of_a_job_finished_just_before_a_crash_runs_once_at_start_up(q
     """The state a SIGKILL leaves right after the final move: done/ID with no hook.json. The next watcher runs it once."""
     job = queue_dir / "done" / "quick"
     job.mkdir()
-    (job / "job.yaml").write_text(json.dumps({"approved": True, "command": ["true"],
-                                              "on_finish": [PY, "-c", HOOK, "{job_id}:{status}", "0"]}))
-    (job / "run.json").write_text(json.dumps({"schema_version": 1, "id": "quick", "status": "done", "attempt": 1,
-                                              "attempts": [], "finished_at": "2026-01-01T00:00:00Z"}))
+    (job / "job.yaml").write_text(
+        json.dumps({"approved": True, "command": ["true"], "on_finish": [PY, "-c", HOOK, "{job_id}:{status}", "0"]})
+    )
+    (job / "run.json").write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "id": "quick",
+                "status": "done",
+                "attempt": 1,
+                "attempts": [],
+                "finished_at": "2026-01-01T00:00:00Z",
+            }
+        )
+    )
     wp = watcher_process()
     wait_until(lambda: (read_json(job / "hook.json") or {}).get("state") == "ended", 20, what="the hook")
     wp.stop()

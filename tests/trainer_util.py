@@ -1,4 +1,5 @@
 """Helpers for the trainer tests: a tiny model, job folders, real `python -m trainq.trainer` processes, polling."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,14 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 #: a short run that still shows learning, evals and several checkpoints
 BASE_TRAIN = {
-    "method": "lora", "max_steps": 24, "batch_size": 4, "seq_len": 48, "lr": 0.005, "eval_every": 8,
-    "log_every": 8, "checkpoint": {"every_steps": 8, "keep": 2},
+    "method": "lora",
+    "max_steps": 24,
+    "batch_size": 4,
+    "seq_len": 48,
+    "lr": 0.005,
+    "eval_every": 8,
+    "log_every": 8,
+    "checkpoint": {"every_steps": 8, "keep": 2},
 }
 
 
@@ -30,7 +37,10 @@ def build_tiny(out_dir: Path) -> Path:
 def write_job(job_dir: Path, tiny: Path, **train: object) -> Path:
     """A job folder whose job.yaml trains the tiny model; keyword args override BASE_TRAIN (None removes a key)."""
     job_dir.mkdir(parents=True, exist_ok=True)
-    block = {"model": str(tiny / "model"), "data": {"train": str(tiny / "train.jsonl"), "eval": str(tiny / "eval.jsonl")}}
+    block = {
+        "model": str(tiny / "model"),
+        "data": {"train": str(tiny / "train.jsonl"), "eval": str(tiny / "eval.jsonl")},
+    }
     block.update(BASE_TRAIN)
     for key, value in train.items():
         if value is None:
@@ -53,8 +63,13 @@ def start_trainer(job_dir: Path, *args: str, **env: str) -> subprocess.Popen:
     """Start `python -m trainq.trainer JOB_DIR` with output into JOB_DIR/output.log."""
     log = open(job_dir / "output.log", "ab")
     try:
-        return subprocess.Popen([sys.executable, "-m", "trainq.trainer", str(job_dir), *args], cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT, env=trainer_env(**env))
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainq.trainer", str(job_dir), *args],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=trainer_env(**env),
+        )
     finally:
         log.close()
 

@@ -1,4 +1,5 @@
 """trainq's built-in trainer (see __main__.py for how to run it)."""
+
 import logging as _logging
 
 

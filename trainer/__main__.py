@@ -14,6 +14,7 @@ TRAINQ_RESUME_FROM, TRAINQ_SIMULATE_GPUS (for preset: auto), TRAINQ_TRAINER_FAUL
 Exit codes: 0 done or stopped, 2 bad config/checkpoint, 65 bad data, 66 diverged (NaN), 67 out of memory,
 143 preempted by SIGTERM (after checkpointing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,19 +28,31 @@ from trainq.watcher.spec.contract import EXIT_FAILED
 
 #: offline, quiet: models load only from local folders, and nothing phones home
 _ENV_DEFAULTS = {
-    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
-    "TRANSFORMERS_VERBOSITY": "error", "BITSANDBYTES_NOWELCOME": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "BITSANDBYTES_NOWELCOME": "1",
 }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line: JOB_DIR and an optional checkpoint to resume from."""
-    parser = argparse.ArgumentParser(prog=os.environ.get("TRAINQ_PROG") or "python -m trainq.trainer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=os.environ.get("TRAINQ_PROG") or "python -m trainq.trainer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("job_dir", type=Path, help="folder holding job.yaml (outputs are written here)")
-    parser.add_argument("--resume-from", metavar="DIR", default=None,
-                        help="checkpoint folder (step-N) or checkpoints/ckpt_latest; also env TRAINQ_RESUME_FROM")
+    parser.add_argument(
+        "--resume-from",
+        metavar="DIR",
+        default=None,
+        help="checkpoint folder (step-N) or checkpoints/ckpt_latest; also env TRAINQ_RESUME_FROM",
+    )
     return parser.parse_args(argv)
 
 
@@ -89,4 +102,3 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)  # interpreter shutdown with torch loaded costs ~1.3 s
-

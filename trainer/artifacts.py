@@ -1,4 +1,5 @@
 """What a finished run leaves in the job folder: adapter/ (or model/), summary.json, loss.png, env.json, SHA256SUMS."""
+
 from __future__ import annotations
 
 import os
@@ -41,12 +42,21 @@ def environment(config: dict, precision: dict, preset: dict | None) -> dict:
 
     cuda = torch.cuda.is_available()
     return {
-        "python": sys.version.split()[0], "platform": platform.platform(),
-        "torch": torch.__version__, "transformers": _version("transformers"), "peft": _version("peft"),
-        "bitsandbytes": _version("bitsandbytes"), "accelerate": _version("accelerate"),
-        "cuda": torch.version.cuda if cuda else None, "cuda_available": cuda,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "peft": _version("peft"),
+        "bitsandbytes": _version("bitsandbytes"),
+        "accelerate": _version("accelerate"),
+        "cuda": torch.version.cuda if cuda else None,
+        "cuda_available": cuda,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
-        "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "precision": precision, "preset": preset, "config": config,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "precision": precision,
+        "preset": preset,
+        "config": config,
     }
 
 
@@ -74,7 +84,9 @@ def plot_loss(metrics_path: Path, out: Path, title: str) -> None:
 
     records = read_records(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if r.get("type") == RECORD_STEP and r.get("loss") is not None]
-    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("type") == RECORD_EVAL and r.get("eval_loss") is not None]
+    evals = [
+        (r["step"], r["eval_loss"]) for r in records if r.get("type") == RECORD_EVAL and r.get("eval_loss") is not None
+    ]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
         ax.plot(*zip(*train), label="train loss", linewidth=1)

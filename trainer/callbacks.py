@@ -3,6 +3,7 @@
 ``TrainqTrainer`` overrides only what a callback cannot reach (the raw per-step loss, fault injection,
 checkpoint writing); ``TrainqCallback`` does the rest at the Trainer's step boundaries.
 """
+
 from __future__ import annotations
 
 import logging
@@ -83,7 +84,9 @@ class RunState:
     started_mono: float = field(default_factory=time.monotonic)  # for train.max_minutes_per_attempt
     world: World = field(default_factory=World)  # this rank among the job's ranks (distributed.py)
     early_stop: dict = field(default_factory=dict)  # early_stop.EarlyStopping's count and outcome (checkpointed)
-    plateau: PlateauWatch = field(default_factory=lambda: PlateauWatch(None))  # set with ln V once the tokenizer is known
+    plateau: PlateauWatch = field(
+        default_factory=lambda: PlateauWatch(None)
+    )  # set with ln V once the tokenizer is known
 
     def on_sigterm(self, signum: int, frame: object) -> None:
         """Signal handler: only sets a flag; the next step boundary acts on it."""
@@ -112,7 +115,9 @@ class TrainqTrainer(Trainer):
         self._maybe_fake_oom(_rows_in(inputs))
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_loss = self.step_loss + loss.detach().float().cpu()
-        self.step_tokens += int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
+        self.step_tokens += (
+            int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
+        )
         return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -124,8 +129,12 @@ class TrainqTrainer(Trainer):
         step = self.state.global_step + 1
         if self._fault_nan(step):
             loss = loss * float("nan")
-        if (step in self.run.faults.nan_grad_at and step not in self.run.nan_consumed and loss.requires_grad
-                and self.run.faults.nan_rank in (None, self.run.world.rank)):
+        if (
+            step in self.run.faults.nan_grad_at
+            and step not in self.run.nan_consumed
+            and loss.requires_grad
+            and self.run.faults.nan_rank in (None, self.run.world.rank)
+        ):
             loss.register_hook(lambda grad: grad * float("nan"))  # gradients NaN, the loss value untouched
         if step in self.run.faults.spike_at:
             loss = loss + SPIKE_FAULT_LOSS / max(self.current_gradient_accumulation_steps, 1)
@@ -170,12 +179,21 @@ class TrainqTrainer(Trainer):
 def _trainq_state(trainer: TrainqTrainer, run: RunState) -> dict:
     state = trainer.state
     return {
-        "resumable": True, "step": state.global_step, "epoch": state.epoch, "world_size": run.world.world_size,
+        "resumable": True,
+        "step": state.global_step,
+        "epoch": state.epoch,
+        "world_size": run.world.world_size,
         "samples_seen": state.global_step * run.config.effective_batch * run.world.world_size,
-        "best_eval_loss": run.best_eval_loss, "best_step": run.best_step, "lr_scale": run.lr_scale,
-        "rollbacks": run.rollbacks, "trainable_fingerprint": fingerprint(trainable_state(trainer.model)),
-        "tokens_seen": run.tokens_before + run.tokens_seen, "data_files": [f.to_dict() for f in run.data_files],
-        "config": run.config.to_dict(), "time": time.time(), "early_stop": dict(run.early_stop),
+        "best_eval_loss": run.best_eval_loss,
+        "best_step": run.best_step,
+        "lr_scale": run.lr_scale,
+        "rollbacks": run.rollbacks,
+        "trainable_fingerprint": fingerprint(trainable_state(trainer.model)),
+        "tokens_seen": run.tokens_before + run.tokens_seen,
+        "data_files": [f.to_dict() for f in run.data_files],
+        "config": run.config.to_dict(),
+        "time": time.time(),
+        "early_stop": dict(run.early_stop),
     }
 
 
@@ -187,7 +205,11 @@ def save_checkpoint(trainer: TrainqTrainer, run: RunState) -> Path:
     manifest and rename the folder, so a rank that dies mid-save never leaves a checkpoint that looks complete."""
     step = trainer.state.global_step
     world = run.world
-    tmp = checkpoints.begin(run.ckpt_dir, step) if world.is_main else run.ckpt_dir / f"{checkpoints.step_dir_name(step)}.tmp"
+    tmp = (
+        checkpoints.begin(run.ckpt_dir, step)
+        if world.is_main
+        else run.ckpt_dir / f"{checkpoints.step_dir_name(step)}.tmp"
+    )
     barrier(world)
     trainer.store_flos()
     trainer.save_model(str(tmp), _internal_call=True)
@@ -278,7 +300,9 @@ class TrainqCallback(TrainerCallback):
         grad_norm = self.trainer.last_grad_norm
         self.step_nonfinite_grad = grad_norm is not None and not math.isfinite(grad_norm)
         if self.run.world.is_distributed:  # the gradients are averaged over the ranks: the same verdict on each
-            self.step_nonfinite = self.step_nonfinite_grad if grad_norm is not None else _grads_nonfinite(self.trainer.model)
+            self.step_nonfinite = (
+                self.step_nonfinite_grad if grad_norm is not None else _grads_nonfinite(self.trainer.model)
+            )
         else:
             self.step_nonfinite = self.step_nonfinite_grad or not math.isfinite(float(self.trainer.step_loss))
         if self.step_nonfinite:
@@ -291,8 +315,14 @@ class TrainqCallback(TrainerCallback):
         elapsed = time.perf_counter() - self.step_started
         loss, tokens = self.trainer.pop_step()
         self._apply_step_faults(state)
-        vote = self.vote(loss, tokens, os.path.exists(self.run.stop_flag), self.run.sigterm_received,
-                         self._time_due(), state.global_step < state.max_steps and self._slice_used_up())
+        vote = self.vote(
+            loss,
+            tokens,
+            os.path.exists(self.run.stop_flag),
+            self.run.sigterm_received,
+            self._time_due(),
+            state.global_step < state.max_steps and self._slice_used_up(),
+        )
         loss, tokens = vote.loss, vote.tokens
         self.run.tokens_seen += tokens
         bad = self.step_nonfinite or not math.isfinite(loss)
@@ -313,17 +343,29 @@ class TrainqCallback(TrainerCallback):
     def _record_step(self, state, loss: float, tokens: int, elapsed: float, bad: bool) -> None:
         lr = self.step_lr
         self.run.metrics.write(
-            RECORD_STEP, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch, loss=loss, lr=lr,
+            RECORD_STEP,
+            step=state.global_step,
+            total_steps=state.max_steps,
+            epoch=state.epoch,
+            loss=loss,
+            lr=lr,
             world_size=self.run.world.world_size,
-            grad_norm=self.trainer.last_grad_norm, tokens_per_s=tokens / elapsed if elapsed > 0 else None,
-            time=time.time(), peak_mem_mb=round(peak_mem_mb(), 1), **({"nonfinite": True} if bad else {}),
-            **self.run.step_vitals, **self.trainer.step_extras(),
+            grad_norm=self.trainer.last_grad_norm,
+            tokens_per_s=tokens / elapsed if elapsed > 0 else None,
+            time=time.time(),
+            peak_mem_mb=round(peak_mem_mb(), 1),
+            **({"nonfinite": True} if bad else {}),
+            **self.run.step_vitals,
+            **self.trainer.step_extras(),
         )
         every = self.run.config.log_every
         if not self.run.world.is_main:
             return  # rank 0 speaks for the world (the loss and tokens it prints are the world's)
         if state.global_step % every == 0 or state.global_step in (1, state.max_steps) or bad:
-            print(f"step {state.global_step}/{state.max_steps}: loss {loss:.4f}, lr {lr or 0:.1e}, {elapsed * 1000:.0f}ms", flush=True)
+            print(
+                f"step {state.global_step}/{state.max_steps}: loss {loss:.4f}, lr {lr or 0:.1e}, {elapsed * 1000:.0f}ms",
+                flush=True,
+            )
 
     def _guard_nonfinite(self, state, control, loss: float, bad: bool) -> bool:
         """Count non-finite steps (loss or gradients); the third in a row asks run.py to roll back.
@@ -336,11 +378,20 @@ class TrainqCallback(TrainerCallback):
         self.run.nan_consumed.add(step)
         self.run.nonfinite_streak += 1
         if math.isfinite(loss):
-            self.run.metrics.event("nonfinite_grad", f"step {step}: non-finite gradients with a finite loss ({loss:.4f}); "
-                                   "the step was not applied", step=step, streak=self.run.nonfinite_streak, loss=loss)
+            self.run.metrics.event(
+                "nonfinite_grad",
+                f"step {step}: non-finite gradients with a finite loss ({loss:.4f}); the step was not applied",
+                step=step,
+                streak=self.run.nonfinite_streak,
+                loss=loss,
+            )
         else:
-            self.run.metrics.event("nonfinite_loss", f"step {step}: non-finite loss; the step was not applied",
-                                   step=step, streak=self.run.nonfinite_streak)
+            self.run.metrics.event(
+                "nonfinite_loss",
+                f"step {step}: non-finite loss; the step was not applied",
+                step=step,
+                streak=self.run.nonfinite_streak,
+            )
         if self.run.nonfinite_streak >= NONFINITE_STREAK:
             self.run.stop_reason = "rollback"
             control.should_training_stop = True
@@ -352,17 +403,27 @@ class TrainqCallback(TrainerCallback):
             mean, sigma = statistics.fmean(history), statistics.pstdev(history)
             threshold = mean + SPIKE_SIGMAS * sigma
             if loss > threshold:
-                self.run.metrics.event("loss_spike", f"step {state.global_step}: loss {loss:.4f} above mean + 5 sigma ({threshold:.4f})",
-                                       step=state.global_step, loss=loss, mean=mean, sigma=sigma)
-                print(f"step {state.global_step}: loss spike {loss:.4f} (mean {mean:.4f}, sigma {sigma:.4f})", flush=True)
+                self.run.metrics.event(
+                    "loss_spike",
+                    f"step {state.global_step}: loss {loss:.4f} above mean + 5 sigma ({threshold:.4f})",
+                    step=state.global_step,
+                    loss=loss,
+                    mean=mean,
+                    sigma=sigma,
+                )
+                print(
+                    f"step {state.global_step}: loss spike {loss:.4f} (mean {mean:.4f}, sigma {sigma:.4f})", flush=True
+                )
         history.append(loss)
 
     def _check_plateau(self, state, loss: float) -> None:
         if not self.run.plateau.update(loss):
             return
         level = self.run.plateau.level
-        message = (f"step {state.global_step}: loss {loss:.4f} has sat at ln V = {level:.4f} (a uniform prediction) for "
-                   f"{PLATEAU_STEPS} steps: the run is not learning; lower lr or set max_grad_norm")
+        message = (
+            f"step {state.global_step}: loss {loss:.4f} has sat at ln V = {level:.4f} (a uniform prediction) for "
+            f"{PLATEAU_STEPS} steps: the run is not learning; lower lr or set max_grad_norm"
+        )
         self.run.metrics.event("plateau", message, step=state.global_step, loss=loss, uniform_loss=level)
         print(f"trainq: warning: {message}", flush=True)
 
@@ -418,8 +479,15 @@ class TrainqCallback(TrainerCallback):
             return
         self.run.last_eval_loss = eval_loss
         extras = {k.removeprefix("eval_"): v for k, v in (metrics or {}).items() if "/" in k}  # dpo: eval rewards
-        self.run.metrics.write(RECORD_EVAL, step=state.global_step, total_steps=state.max_steps, epoch=state.epoch,
-                               eval_loss=eval_loss, time=time.time(), **extras)
+        self.run.metrics.write(
+            RECORD_EVAL,
+            step=state.global_step,
+            total_steps=state.max_steps,
+            epoch=state.epoch,
+            eval_loss=eval_loss,
+            time=time.time(),
+            **extras,
+        )
         if self.run.world.is_main:
             print(f"step {state.global_step}/{state.max_steps}: eval_loss {eval_loss:.4f}", flush=True)
         if _finite(eval_loss) and (self.run.best_eval_loss is None or eval_loss < self.run.best_eval_loss):

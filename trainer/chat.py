@@ -15,6 +15,7 @@ Three ways to find the assistant tokens, tried in this order:
 The template's text is tokenized as it is: trainq adds no BOS/EOS of its own to templated rows (a template that
 writes ``{{ bos_token }}`` would otherwise get it twice).
 """
+
 from __future__ import annotations
 
 import json
@@ -112,7 +113,9 @@ def _mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, in
 
 def _tokenize_spans(text: str, spans: list[tuple[int, int]], tokenizer) -> tuple[list[int], list[bool]]:
     if not getattr(tokenizer, "is_fast", False):
-        raise UnmaskableTemplate("masking assistant turns needs a fast tokenizer (character offsets); set train_on: all")
+        raise UnmaskableTemplate(
+            "masking assistant turns needs a fast tokenizer (character offsets); set train_on: all"
+        )
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return encoded["input_ids"], _mask_from_offsets(encoded["offset_mapping"], spans)
 
@@ -126,7 +129,9 @@ def encode_messages(messages: list[dict], tokenizer, train_on: str) -> tuple[lis
         ids = tokenizer(_render(tokenizer, messages), add_special_tokens=False)["input_ids"]
         mask = [True] * len(ids)
     elif method == "generation":
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
     else:
         ids, mask = _tokenize_spans(*prefix_spans(messages, tokenizer), tokenizer)

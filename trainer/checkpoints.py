@@ -3,6 +3,7 @@
 A checkpoint is complete when ``manifest.json`` (every other file's size and sha256, written last) matches
 the folder. ``ckpt_latest`` and ``ckpt_best`` are relative symlinks to ``step-N`` folders, replaced atomically.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -84,8 +85,12 @@ def verify(folder: Path) -> dict:
         raise CheckpointError(f"{folder}: no such checkpoint folder")
     if not manifest_path.is_file():
         if step_of(folder) is not None or folder.name.endswith(".tmp") or (folder / STATE_FILE).is_file():
-            raise CheckpointError(f"{folder}: incomplete checkpoint (no {MANIFEST}: the save was interrupted); resume from an older step-N or ckpt_latest")
-        raise CheckpointError(f"{folder}: not a resumable checkpoint (weights only, no {MANIFEST}); give a checkpoints/step-N folder")
+            raise CheckpointError(
+                f"{folder}: incomplete checkpoint (no {MANIFEST}: the save was interrupted); resume from an older step-N or ckpt_latest"
+            )
+        raise CheckpointError(
+            f"{folder}: not a resumable checkpoint (weights only, no {MANIFEST}); give a checkpoints/step-N folder"
+        )
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     for name, info in manifest["files"].items():
         _verify_file(folder, name, info)
@@ -95,7 +100,9 @@ def verify(folder: Path) -> dict:
 def _verify_file(folder: Path, name: str, info: dict) -> None:
     path = folder / name
     if not path.is_file() or path.stat().st_size != info["size"]:
-        raise CheckpointError(f"{folder}: {name} is missing or has the wrong size; the checkpoint is damaged, resume from an older one")
+        raise CheckpointError(
+            f"{folder}: {name} is missing or has the wrong size; the checkpoint is damaged, resume from an older one"
+        )
     if info["size"] <= HASH_LIMIT_BYTES and sha256_file(path) != info["sha256"]:
         raise CheckpointError(f"{folder}: {name} does not match its sha256 in {MANIFEST}; the checkpoint is damaged")
 
@@ -237,13 +244,17 @@ def load_initial_weights(model, folder: Path, full: bool) -> int:
         wanted = {k: v for k, v in state.items() if k in targets}
     missing = sorted(set(targets) - set(wanted)) if not full else []
     if not wanted or missing:
-        raise CheckpointError(f"{folder}: its weights do not fit this model ({len(wanted)} of {len(targets)} tensors "
-                              f"match{'; missing ' + ', '.join(missing[:3]) if missing else ''}); fork with the "
-                              "same model and lora settings")
+        raise CheckpointError(
+            f"{folder}: its weights do not fit this model ({len(wanted)} of {len(targets)} tensors "
+            f"match{'; missing ' + ', '.join(missing[:3]) if missing else ''}); fork with the "
+            "same model and lora settings"
+        )
     for key, tensor in wanted.items():
         if tuple(tensor.shape) != tuple(targets[key].shape):
-            raise CheckpointError(f"{folder}: {key} has shape {tuple(tensor.shape)}, this model's is "
-                                  f"{tuple(targets[key].shape)}; fork with the same lora.r and model")
+            raise CheckpointError(
+                f"{folder}: {key} has shape {tuple(tensor.shape)}, this model's is "
+                f"{tuple(targets[key].shape)}; fork with the same lora.r and model"
+            )
     if full:
         model.load_state_dict(wanted, strict=False)
     else:

@@ -1,4 +1,5 @@
 """The ``train:`` block of a job file, validated against ``schemas/train.schema.json`` into a frozen ``TrainConfig``."""
+
 from __future__ import annotations
 
 import json
@@ -105,8 +106,11 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, block: dict, base_dirs: tuple[Path, ...]) -> TrainConfig:
         """Build from an already schema-valid ``train:`` block; relative paths resolve against ``base_dirs``."""
-        values = {k: v for k, v in block.items()
-                  if k not in ("data", "lora", "checkpoint", "export", "report_to", "early_stopping", "eval_samples", "dpo")}
+        values = {
+            k: v
+            for k, v in block.items()
+            if k not in ("data", "lora", "checkpoint", "export", "report_to", "early_stopping", "eval_samples", "dpo")
+        }
         values["model"] = _resolve(block["model"], base_dirs)
         values.update(_round_three(block, base_dirs))
         data = block["data"]
@@ -115,8 +119,11 @@ class TrainConfig:
         else:
             train = data["train"] if isinstance(data["train"], list) else [data["train"]]
             values["train_sources"] = tuple(
-                (_resolve(t, base_dirs), 1.0) if isinstance(t, str) else (_resolve(t["path"], base_dirs), float(t.get("weight", 1)))
-                for t in train)
+                (_resolve(t, base_dirs), 1.0)
+                if isinstance(t, str)
+                else (_resolve(t["path"], base_dirs), float(t.get("weight", 1)))
+                for t in train
+            )
             values["eval_file"] = _resolve(data["eval"], base_dirs) if "eval" in data else None
             if "max_bad_rows" in data:
                 values["max_bad_rows"] = data["max_bad_rows"]
@@ -215,7 +222,9 @@ def read_job(job_dir: Path) -> tuple[dict, dict]:
     try:
         text = spec.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{spec}: no job.yaml in this folder; python -m trainq.trainer JOB_DIR needs JOB_DIR/job.yaml") from None
+        raise ConfigError(
+            f"{spec}: no job.yaml in this folder; python -m trainq.trainer JOB_DIR needs JOB_DIR/job.yaml"
+        ) from None
     except UnicodeDecodeError:
         raise ConfigError(f"{spec}: not UTF-8 text") from None
     try:
@@ -250,9 +259,13 @@ def load_config(job_dir: Path) -> TrainConfig:
 
 def _check_paths(config: TrainConfig, spec: str) -> None:
     if not Path(config.model).is_dir():
-        raise ConfigError(f"{spec}: train.model: {config.model} is not a folder; give a local model folder (config, weights, tokenizer)")
+        raise ConfigError(
+            f"{spec}: train.model: {config.model} is not a folder; give a local model folder (config, weights, tokenizer)"
+        )
     if not (Path(config.model) / "config.json").is_file():
-        raise ConfigError(f"{spec}: train.model: {config.model} has no config.json; give a folder saved by save_pretrained")
+        raise ConfigError(
+            f"{spec}: train.model: {config.model} has no config.json; give a folder saved by save_pretrained"
+        )
     for index, (path, _weight) in enumerate(config.train_sources):
         field_name = "train.data" if config.eval_file is None and len(config.train_sources) == 1 else "train.data.train"
         if len(config.train_sources) > 1:
@@ -261,11 +274,16 @@ def _check_paths(config: TrainConfig, spec: str) -> None:
             raise ConfigError(f"{spec}: {field_name}: {path} does not exist")
     if config.eval_file is not None and not Path(config.eval_file).is_file():
         raise ConfigError(f"{spec}: train.data.eval: {config.eval_file} does not exist")
-    for field_name, path in (("train.chat_template", config.chat_template), ("train.eval_samples.prompts", config.eval_samples_prompts)):
+    for field_name, path in (
+        ("train.chat_template", config.chat_template),
+        ("train.eval_samples.prompts", config.eval_samples_prompts),
+    ):
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"{spec}: {field_name}: {path} does not exist")
     if config.init_from is not None and not Path(config.init_from).is_dir():
-        raise ConfigError(f"{spec}: train.init_from: {config.init_from} is not a folder; give a peft adapter folder or an "
-                          "HF checkpoint folder")
+        raise ConfigError(
+            f"{spec}: train.init_from: {config.init_from} is not a folder; give a peft adapter folder or an "
+            "HF checkpoint folder"
+        )
     if config.early_stopping_patience is not None and config.eval_every is None:
         raise ConfigError(f"{spec}: train.early_stopping: needs eval_every (early stopping watches the eval loss)")

@@ -5,6 +5,7 @@ Row formats: ``{"text"}``; ``{"prompt", "completion"}`` (loss on the completion 
 "value"}, ...]}`` (chat rows: the tokenizer's chat template when it has one, else ``role: content`` lines; loss on the
 assistant turns unless ``train_on: all``, see chat.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,14 +20,33 @@ logger = logging.getLogger(__name__)
 
 #: role names accepted in ``messages`` (``role``) and ShareGPT ``conversations`` (``from``), and the chat role each
 #: one means; any other name makes the row a bad row (documented in docs/trainer.md)
-ROLE_NAMES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "model": "assistant",
-              "bot": "assistant", "chatgpt": "assistant", "function_call": "assistant", "system": "system",
-              "tool": "tool", "function": "tool", "ipython": "tool", "observation": "tool"}
+ROLE_NAMES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "chatgpt": "assistant",
+    "function_call": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "ipython": "tool",
+    "observation": "tool",
+}
 SHAREGPT_ROLES = ROLE_NAMES
 #: each bad-row category in words (the counts of an empty data set name them)
-CATEGORY_WORDS = {"json": "not JSON", "format": "no usable format", "role": "unknown role",
-                  "no_assistant": "no assistant turn", "template": "chat template error", "unmaskable": "unmaskable",
-                  "truncated": "cut by more than half at seq_len", "no_trained_tokens": "no trained token within seq_len"}
+CATEGORY_WORDS = {
+    "json": "not JSON",
+    "format": "no usable format",
+    "role": "unknown role",
+    "no_assistant": "no assistant turn",
+    "template": "chat template error",
+    "unmaskable": "unmaskable",
+    "truncated": "cut by more than half at seq_len",
+    "no_trained_tokens": "no trained token within seq_len",
+}
 #: bad rows listed by line in the event record (the count is always exact)
 MAX_REPORTED_BAD_ROWS = 20
 
@@ -94,8 +114,12 @@ def _check_message(i: int, msg: object) -> None:
     if _text_of(msg.get("content")) is not None:
         return
     calls = msg.get("tool_calls")
-    if msg.get("content") is None and isinstance(calls, list) and calls and all(
-            isinstance(c, dict) and isinstance(c.get("function", c).get("name"), str) for c in calls):
+    if (
+        msg.get("content") is None
+        and isinstance(calls, list)
+        and calls
+        and all(isinstance(c, dict) and isinstance(c.get("function", c).get("name"), str) for c in calls)
+    ):
         return  # the OpenAI/HF tool-call shape: content null, tool_calls [{type, function: {name, arguments}}]
     raise _Unusable(f"messages[{i}] must be an object with string role and content (or content null with tool_calls)")
 
@@ -108,8 +132,13 @@ def _check_messages(messages: object) -> None:
 
 
 def _check_conversations(turns: object) -> None:
-    if not isinstance(turns, list) or not turns or not all(
-            isinstance(t, dict) and isinstance(t.get("from"), str) and isinstance(t.get("value"), str) for t in turns):
+    if (
+        not isinstance(turns, list)
+        or not turns
+        or not all(
+            isinstance(t, dict) and isinstance(t.get("from"), str) and isinstance(t.get("value"), str) for t in turns
+        )
+    ):
         raise _Unusable("conversations must be a non-empty list of {from, value} strings")
     unknown = next((t["from"] for t in turns if t["from"] not in ROLE_NAMES), None)
     if unknown is not None:
@@ -125,7 +154,11 @@ def _kind_of(record: object) -> str:
             return "text"
         raise _Unusable("text must be a non-empty string")
     if "prompt" in record and "chosen" in record and "rejected" in record:
-        if all(isinstance(record[k], str) for k in ("prompt", "chosen", "rejected")) and record["chosen"] and record["rejected"]:
+        if (
+            all(isinstance(record[k], str) for k in ("prompt", "chosen", "rejected"))
+            and record["chosen"]
+            and record["rejected"]
+        ):
             return "preference"
         raise _Unusable("prompt, chosen and rejected must be strings (chosen and rejected non-empty)")
     if "prompt" in record or "completion" in record:
@@ -136,14 +169,19 @@ def _kind_of(record: object) -> str:
         _check_messages(record["messages"])
         return "messages"
     if "instruction" in record or "output" in record:
-        if all(isinstance(record.get(k), str) for k in ("instruction", "output")) and record["output"] \
-                and isinstance(record.get("input", ""), str):
+        if (
+            all(isinstance(record.get(k), str) for k in ("instruction", "output"))
+            and record["output"]
+            and isinstance(record.get("input", ""), str)
+        ):
             return "alpaca"
         raise _Unusable("alpaca rows need string instruction and non-empty output (input optional)")
     if "conversations" in record:
         _check_conversations(record["conversations"])
         return "sharegpt"
-    raise _Unusable("no text, prompt+completion, messages, instruction+output, conversations or prompt+chosen+rejected field")
+    raise _Unusable(
+        "no text, prompt+completion, messages, instruction+output, conversations or prompt+chosen+rejected field"
+    )
 
 
 def classify(record: object) -> tuple[str | None, str | None]:
@@ -200,8 +238,10 @@ def require_rows(path: str, rows: list[Row], bad: list[BadRow]) -> None:
     if rows:
         return
     if bad:
-        raise DataError(f"{bad[0]}; no usable row in {path} ({len(bad)} bad rows: {counts_text(bad)}; rows need text, "
-                        "prompt+completion, messages, instruction+output, conversations or prompt+chosen+rejected)")
+        raise DataError(
+            f"{bad[0]}; no usable row in {path} ({len(bad)} bad rows: {counts_text(bad)}; rows need text, "
+            "prompt+completion, messages, instruction+output, conversations or prompt+chosen+rejected)"
+        )
     raise DataError(f"{path}: line 1: no usable row (the file is empty)")
 
 
@@ -259,14 +299,18 @@ def _encode_chat(row: Row, tokenizer, train_on: str) -> tuple[list[int], list[in
     messages = as_messages(row)
     if train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
         roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
-        raise RowError(row, f"no assistant turn (roles: {roles}); train_on: assistant has nothing to train", "no_assistant")
+        raise RowError(
+            row, f"no assistant turn (roles: {roles}); train_on: assistant has nothing to train", "no_assistant"
+        )
     try:
         return encode_messages(messages, tokenizer, train_on)
     except UnmaskableTemplate as exc:
         raise RowError(row, f"train.train_on: {exc}", "unmaskable") from None
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (raise_exception, a None it concatenates)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise RowError(row, f"the chat template failed on this row: {type(exc).__name__}: {first}", "template") from None
+        raise RowError(
+            row, f"the chat template failed on this row: {type(exc).__name__}: {first}", "template"
+        ) from None
 
 
 def encode(row: Row, tokenizer, seq_len: int, train_on: str = "assistant") -> dict[str, list[int]]:
@@ -278,7 +322,9 @@ def encode(row: Row, tokenizer, seq_len: int, train_on: str = "assistant") -> di
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     rec = row.record
     if row.kind == "preference":
-        raise RowError(row, "a prompt/chosen/rejected row is preference data: it trains only with method: dpo", "format")
+        raise RowError(
+            row, "a prompt/chosen/rejected row is preference data: it trains only with method: dpo", "format"
+        )
     if row.kind == "prompt":
         prompt = bos + tokenizer(rec["prompt"], add_special_tokens=False)["input_ids"]
         completion = tokenizer(rec["completion"], add_special_tokens=False)["input_ids"] + eos
@@ -289,8 +335,11 @@ def encode(row: Row, tokenizer, seq_len: int, train_on: str = "assistant") -> di
     else:
         ids, labels = _encode_chat(row, tokenizer, train_on)
     if len(ids) > 2 * seq_len:
-        raise RowError(row, f"{len(ids)} tokens: more than half would be cut at seq_len {seq_len}; raise seq_len or "
-                       "split the row", "truncated")
+        raise RowError(
+            row,
+            f"{len(ids)} tokens: more than half would be cut at seq_len {seq_len}; raise seq_len or split the row",
+            "truncated",
+        )
     example = {"input_ids": ids[:seq_len], "labels": labels[:seq_len]}
     if all(label == IGNORE_INDEX for label in example["labels"][1:]):
         raise RowError(row, f"no trained token within seq_len {seq_len} (the prompt fills it)", "no_trained_tokens")

@@ -9,6 +9,7 @@ peak memory, whether the resumed run matches the first one) goes to ``debug/verd
 and the log. On failure the real run never starts: this process exits with the smoke run's exit code and its
 last line, so the watcher's diagnosis names what broke (data, oom, nan, ...).
 """
+
 from __future__ import annotations
 
 import json
@@ -53,33 +54,54 @@ def smoke_block(block: dict, config: TrainConfig, steps: int) -> dict:
     data = {"train": [{"path": p, "weight": w} for p, w in config.train_sources], "max_bad_rows": config.max_bad_rows}
     if config.eval_file:
         data["eval"] = config.eval_file
-    out.update(data=data, max_steps=steps, eval_every=steps // 2, log_every=max(steps // 4, 1),
-               checkpoint={"every_steps": steps // 2, "keep": 2}, seq_len=config.seq_len, batch_size=config.batch_size,
-               grad_accum=config.grad_accum)
+    out.update(
+        data=data,
+        max_steps=steps,
+        eval_every=steps // 2,
+        log_every=max(steps // 4, 1),
+        checkpoint={"every_steps": steps // 2, "keep": 2},
+        seq_len=config.seq_len,
+        batch_size=config.batch_size,
+        grad_accum=config.grad_accum,
+    )
     return out
 
 
 def _run(job: Path, env: dict[str, str], stop_flag: Path) -> tuple[int, str]:
     """One trainer process on the smoke folder; (exit code, its last output line)."""
     with open(job / "output.log", "ab") as log:
-        code = subprocess.call([sys.executable, "-m", "trainq.trainer", str(job)], stdout=log, stderr=subprocess.STDOUT,
-                               env={**env, ENV_STOP_FLAG: str(stop_flag)})
+        code = subprocess.call(
+            [sys.executable, "-m", "trainq.trainer", str(job)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**env, ENV_STOP_FLAG: str(stop_flag)},
+        )
     lines = (job / "output.log").read_text(errors="replace").strip().splitlines()
     return code, lines[-1] if lines else ""
 
 
-def run_debug(config: TrainConfig, job_dir: Path, stop_flag: Path, real_steps: int, metrics: MetricsWriter,
-              uniform: float | None = None) -> int | None:
+def run_debug(
+    config: TrainConfig,
+    job_dir: Path,
+    stop_flag: Path,
+    real_steps: int,
+    metrics: MetricsWriter,
+    uniform: float | None = None,
+) -> int | None:
     """Run the smoke test; None when it passed (go on with the real run), else the exit code to end with."""
     steps = smoke_steps(config, real_steps)
     folder = job_dir / DEBUG_DIR
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
     _job, block = read_job(job_dir)
-    (folder / "job.yaml").write_text(yaml.safe_dump({"approved": True, "train": smoke_block(block, config, steps)},
-                                                    sort_keys=False))
+    (folder / "job.yaml").write_text(
+        yaml.safe_dump({"approved": True, "train": smoke_block(block, config, steps)}, sort_keys=False)
+    )
     env = {k: v for k, v in os.environ.items() if k not in (ENV_RESUME_FROM, ENV_METRICS, ENV_ATTEMPT)}
-    print(f"trainq: debug run: {steps} steps in {folder} (eval and checkpoint at step {steps // 2}, then a resume)", flush=True)
+    print(
+        f"trainq: debug run: {steps} steps in {folder} (eval and checkpoint at step {steps // 2}, then a resume)",
+        flush=True,
+    )
     code, last = _run(folder, env, stop_flag)
     first = _step_losses(folder)
     resumed = None
@@ -111,8 +133,9 @@ def _step_losses(folder: Path) -> dict[int, float | None]:
     return {r["step"]: r.get("loss") for r in read_records(folder / "metrics.jsonl") if r.get("type") == "step"}
 
 
-def _verdict(folder: Path, code: int, last: str, steps: int, first: dict, resumed: dict | None,
-             uniform: float | None = None) -> dict:
+def _verdict(
+    folder: Path, code: int, last: str, steps: int, first: dict, resumed: dict | None, uniform: float | None = None
+) -> dict:
     summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").is_file() else {}
     records = read_records(folder / "metrics.jsonl") + read_records(folder / "metrics-first.jsonl")
     peak = max((r.get("peak_mem_mb") or 0 for r in records), default=0)
@@ -120,19 +143,44 @@ def _verdict(folder: Path, code: int, last: str, steps: int, first: dict, resume
     finite = bool(losses) and all(v is not None and math.isfinite(v) for v in losses)
     evals = [r["eval_loss"] for r in records if r.get("type") == "eval"]
     overlap = sorted(set(first) & set(resumed or {}))
-    resume_diff = max((abs(first[s] - resumed[s]) for s in overlap if first[s] is not None and resumed[s] is not None),
-                      default=None) if resumed else None
+    resume_diff = (
+        max(
+            (abs(first[s] - resumed[s]) for s in overlap if first[s] is not None and resumed[s] is not None),
+            default=None,
+        )
+        if resumed
+        else None
+    )
     by_step = {**first, **(resumed or {})}
     not_learning = learning_verdict([by_step[k] for k in sorted(by_step)], uniform) if finite else None
-    passed = code == EXIT_OK and resumed is not None and finite and summary.get("outcome") == "done" and not not_learning
-    what = "passed" if passed else (f"FAILED: {not_learning}" if code == EXIT_OK and not_learning else f"FAILED (exit {code}: {last})")
+    passed = (
+        code == EXIT_OK and resumed is not None and finite and summary.get("outcome") == "done" and not not_learning
+    )
+    what = (
+        "passed"
+        if passed
+        else (f"FAILED: {not_learning}" if code == EXIT_OK and not_learning else f"FAILED (exit {code}: {last})")
+    )
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-    message = (f"debug run {what}: {steps} steps, loss {fmt(losses[0] if losses else None)} -> "
-               f"{fmt(losses[-1] if losses else None)}, eval loss {fmt(evals[-1] if evals else None)}, peak memory {peak:.0f} MiB, "
-               f"resumed from step {steps // 2}: {'yes' if resumed is not None else 'no'}"
-               + (f" (max step-loss difference vs the first run {resume_diff:.2g})" if resume_diff is not None else ""))
-    return {"passed": passed, "exit_code": code, "steps": steps, "first_loss": losses[0] if losses else None,
-            "final_loss": losses[-1] if losses else None, "eval_loss": evals[-1] if evals else None,
-            "peak_mem_mb": peak, "resumed": resumed is not None, "resume_loss_diff": resume_diff, "last_line": last,
-            "not_learning": not_learning, "uniform_loss": uniform, "learn_margin": LEARN_MARGIN,
-            "message": message}
+    message = (
+        f"debug run {what}: {steps} steps, loss {fmt(losses[0] if losses else None)} -> "
+        f"{fmt(losses[-1] if losses else None)}, eval loss {fmt(evals[-1] if evals else None)}, peak memory {peak:.0f} MiB, "
+        f"resumed from step {steps // 2}: {'yes' if resumed is not None else 'no'}"
+        + (f" (max step-loss difference vs the first run {resume_diff:.2g})" if resume_diff is not None else "")
+    )
+    return {
+        "passed": passed,
+        "exit_code": code,
+        "steps": steps,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "eval_loss": evals[-1] if evals else None,
+        "peak_mem_mb": peak,
+        "resumed": resumed is not None,
+        "resume_loss_diff": resume_diff,
+        "last_line": last,
+        "not_learning": not_learning,
+        "uniform_loss": uniform,
+        "learn_margin": LEARN_MARGIN,
+        "message": message,
+    }

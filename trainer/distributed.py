@@ -5,6 +5,7 @@ calls it in-process), ``torch.distributed`` with gloo (CPU) or nccl (GPU) carrie
 transformers' Trainer wraps the model in DDP or FSDP. This module only decides the numbers, holds one
 rank's view of the world and does trainq's one small collective per optimizer step (``StepVote``).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -45,8 +46,12 @@ class World:
         if not os.environ.get(ENV_TORCHRUN_RUN_ID):
             return cls()
         env = os.environ
-        return cls(rank=int(env["RANK"]), local_rank=int(env["LOCAL_RANK"]), world_size=int(env["WORLD_SIZE"]),
-                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+        return cls(
+            rank=int(env["RANK"]),
+            local_rank=int(env["LOCAL_RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+        )
 
 
 def collective_timeout_s() -> float:
@@ -81,9 +86,11 @@ def processes_per_node(config: TrainConfig, gpus: int, spec: str) -> int:
     if config.processes is None:
         return max(gpus, 1)
     if gpus and config.processes > gpus:
-        raise ConfigError(f"{spec}: train.processes: {config.processes} ranks but this job was given {gpus} GPU"
-                          f"{'s' if gpus != 1 else ''} (CUDA_VISIBLE_DEVICES); ask for resources.gpus: "
-                          f"{config.processes} or lower train.processes")
+        raise ConfigError(
+            f"{spec}: train.processes: {config.processes} ranks but this job was given {gpus} GPU"
+            f"{'s' if gpus != 1 else ''} (CUDA_VISIBLE_DEVICES); ask for resources.gpus: "
+            f"{config.processes} or lower train.processes"
+        )
     return config.processes
 
 
@@ -93,11 +100,15 @@ def check_strategy(config: TrainConfig, spec: str, gpus: int) -> None:
     if config.strategy != "fsdp":
         return
     if config.method == "qlora":
-        raise ConfigError(f"{spec}: train.strategy: fsdp does not support method: qlora (4-bit weights are not "
-                          "sharded); use strategy: ddp with qlora, or method: full with fsdp")
+        raise ConfigError(
+            f"{spec}: train.strategy: fsdp does not support method: qlora (4-bit weights are not "
+            "sharded); use strategy: ddp with qlora, or method: full with fsdp"
+        )
     if not gpus:
-        raise ConfigError(f"{spec}: train.strategy: fsdp needs GPU ranks (accelerate shards only CUDA ranks; CPU "
-                          "ranks would silently train unsharded); use strategy: ddp on the CPU")
+        raise ConfigError(
+            f"{spec}: train.strategy: fsdp needs GPU ranks (accelerate shards only CUDA ranks; CPU "
+            "ranks would silently train unsharded); use strategy: ddp on the CPU"
+        )
 
 
 def training_kwargs(config: TrainConfig, world: World, cpu: bool) -> dict:
@@ -175,12 +186,16 @@ class StepVote:
         import torch.distributed as dist
 
         device = torch.device("cuda", self.world.local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-        sums = torch.tensor([loss, float(tokens), float(stop), float(preempt), float(due), float(sliced)],
-                            dtype=torch.float64, device=device)
+        sums = torch.tensor(
+            [loss, float(tokens), float(stop), float(preempt), float(due), float(sliced)],
+            dtype=torch.float64,
+            device=device,
+        )
         dist.all_reduce(sums)
         total = sums.tolist()
-        return Vote(total[0] / self.world.world_size, int(total[1]), total[2] > 0, total[3] > 0, total[4] > 0,
-                    total[5] > 0)
+        return Vote(
+            total[0] / self.world.world_size, int(total[1]), total[2] > 0, total[3] > 0, total[4] > 0, total[5] > 0
+        )
 
 
 class WorldSizeChanged(Exception):
@@ -200,17 +215,21 @@ def keep_global_batch(config: TrainConfig, saved: dict, world_size: int, folder:
     if old == world_size:
         return config
     if not config.allow_changed_schedule:
-        raise WorldSizeChanged(f"{folder}: resume refused: the checkpoint was trained with world size {old} and this "
-                               f"attempt has world size {world_size} (train.processes x nodes); run it with {old} "
-                               "ranks, or set train.allow_changed_schedule: true to keep the global batch and go on")
+        raise WorldSizeChanged(
+            f"{folder}: resume refused: the checkpoint was trained with world size {old} and this "
+            f"attempt has world size {world_size} (train.processes x nodes); run it with {old} "
+            "ranks, or set train.allow_changed_schedule: true to keep the global batch and go on"
+        )
     batch, accum = config.batch_size, config.grad_accum
     if (accum * old) % world_size == 0:
         return config.with_changes(grad_accum=accum * old // world_size)
     if (batch * old) % world_size == 0:
         return config.with_changes(batch_size=batch * old // world_size)
-    raise WorldSizeChanged(f"{folder}: resume refused: the global batch {batch * accum * old} (batch_size {batch} x "
-                           f"grad_accum {accum} x world size {old}) cannot be split over world size {world_size}; "
-                           "choose processes that divide it")
+    raise WorldSizeChanged(
+        f"{folder}: resume refused: the global batch {batch * accum * old} (batch_size {batch} x "
+        f"grad_accum {accum} x world size {old}) cannot be split over world size {world_size}; "
+        "choose processes that divide it"
+    )
 
 
 def save_full_weights(trainer, tokenizer, out_dir, world: World) -> None:

@@ -7,6 +7,7 @@ Rows are ``{"prompt", "chosen", "rejected"}`` strings. The reference model is th
 else the fresh one, which computes exactly the base model), held frozen by TRL as a second adapter named ``ref``.
 A row whose prompt plus longer answer exceeds twice ``seq_len`` is a bad row, as in SFT.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,8 +21,14 @@ from trainq.trainer.data import BadRow, Row
 from trainq.trainer.sources import LoadedData
 
 #: TRL's per-step metrics copied into each step record (averaged over the step's micro-batches)
-STEP_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-                "logps/rejected")
+STEP_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 @dataclass
@@ -62,7 +69,10 @@ def _problem(row: Row, tokenizer, seq_len: int) -> tuple[str | None, str]:
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     longest = count(row.record["prompt"]) + max(count(row.record["chosen"]), count(row.record["rejected"])) + 1
     if longest > 2 * seq_len:
-        return f"{longest} tokens: more than half would be cut at seq_len {seq_len}; raise seq_len or shorten", "truncated"
+        return (
+            f"{longest} tokens: more than half would be cut at seq_len {seq_len}; raise seq_len or shorten",
+            "truncated",
+        )
     return None, ""
 
 
@@ -74,8 +84,12 @@ def datasets_for(data: LoadedData, tokenizer, seq_len: int) -> tuple[PreferenceR
 
 def dpo_arguments(config: TrainConfig) -> dict:
     """What run.training_args adds for DPO: TRL's DPOConfig with beta and max_length (= seq_len)."""
-    return {"args_class": DPOConfig, "beta": config.dpo_beta, "max_length": config.seq_len,
-            "precompute_ref_log_probs": False}
+    return {
+        "args_class": DPOConfig,
+        "beta": config.dpo_beta,
+        "max_length": config.seq_len,
+        "precompute_ref_log_probs": False,
+    }
 
 
 class TrainqDPOTrainer(TrainqTrainer, DPOTrainer):
@@ -92,6 +106,12 @@ class TrainqDPOTrainer(TrainqTrainer, DPOTrainer):
 def build_dpo_trainer(model, args, datasets, tokenizer, callback, run) -> TrainqDPOTrainer:
     """The DPO trainer over ``datasets`` (PreferenceRows; eval may be None)."""
     train, evals = datasets
-    return TrainqDPOTrainer(model=model, args=args, train_dataset=train.to_dataset(),
-                            eval_dataset=evals.to_dataset() if evals is not None else None,
-                            processing_class=tokenizer, callbacks=[callback], run=run)
+    return TrainqDPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=train.to_dataset(),
+        eval_dataset=evals.to_dataset() if evals is not None else None,
+        processing_class=tokenizer,
+        callbacks=[callback],
+        run=run,
+    )

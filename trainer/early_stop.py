@@ -5,6 +5,7 @@ for ``patience`` evals in a row, then put the best checkpoint's weights (``ckpt_
 The count of evals without improvement is kept in every checkpoint (``trainq_state.json``), so a resumed run
 stops where an uninterrupted one would.
 """
+
 from __future__ import annotations
 
 from transformers import TrainerCallback
@@ -35,10 +36,18 @@ class EarlyStopping(TrainerCallback):
             return
         info["stopped_at"] = state.global_step
         control.should_training_stop = True
-        self.run.metrics.event("early_stop", f"step {state.global_step}: eval loss {eval_loss:.4f} has not improved on "
-                               f"{best:.4f} by more than {self.min_delta:g} for {self.patience} evals; stopping",
-                               step=state.global_step, eval_loss=eval_loss, best=best, patience=self.patience)
-        print(f"trainq: early stop at step {state.global_step}: no eval improvement for {self.patience} evals", flush=True)
+        self.run.metrics.event(
+            "early_stop",
+            f"step {state.global_step}: eval loss {eval_loss:.4f} has not improved on "
+            f"{best:.4f} by more than {self.min_delta:g} for {self.patience} evals; stopping",
+            step=state.global_step,
+            eval_loss=eval_loss,
+            best=best,
+            patience=self.patience,
+        )
+        print(
+            f"trainq: early stop at step {state.global_step}: no eval improvement for {self.patience} evals", flush=True
+        )
 
 
 def restore_best(model, run, full: bool) -> str | None:
@@ -50,6 +59,10 @@ def restore_best(model, run, full: bool) -> str | None:
         return None
     checkpoints.load_initial_weights(model, best, full=full)
     run.early_stop["restored"] = best.name
-    run.metrics.event("early_stop_restored", f"restored the best checkpoint {best.name} (eval loss "
-                      f"{run.best_eval_loss}) into the final weights", checkpoint=best.name, step=run.best_step)
+    run.metrics.event(
+        "early_stop_restored",
+        f"restored the best checkpoint {best.name} (eval loss {run.best_eval_loss}) into the final weights",
+        checkpoint=best.name,
+        step=run.best_step,
+    )
     return best.name

@@ -6,6 +6,7 @@ Greedy decoding draws no random numbers, so sampling at evals leaves exact resum
 ``{"prompt": TEXT}`` (encoded as training encodes a prompt: bos + text) or ``{"messages": [...]}`` (the chat
 template with its generation prompt, else ``role: content`` lines ending in ``assistant: ``).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,9 @@ def read_prompts(path: str) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise ConfigError(f"train.eval_samples.prompts: {path}: line {number}: not valid JSON") from None
-        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or isinstance(row.get("messages"), list)):
+        if not isinstance(row, dict) or not (
+            isinstance(row.get("prompt"), str) or isinstance(row.get("messages"), list)
+        ):
             raise ConfigError(f"train.eval_samples.prompts: {path}: line {number}: needs prompt (a string) or messages")
         prompts.append(row)
     if not prompts:
@@ -72,14 +75,27 @@ class EvalSamples(TrainerCallback):
     def on_evaluate(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
-        samples = [{"step": state.global_step, "prompt": _label(row), "completion": self._generate(model, row),
-                    "time": time.time()} for row in self.prompts]
+        samples = [
+            {
+                "step": state.global_step,
+                "prompt": _label(row),
+                "completion": self._generate(model, row),
+                "time": time.time(),
+            }
+            for row in self.prompts
+        ]
         with open(self.path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
-        shown = [{"prompt": s["prompt"][:MAX_SHOWN_CHARS], "completion": s["completion"][:MAX_SHOWN_CHARS]}
-                 for s in samples[:MAX_SHOWN]]
-        self.run.metrics.event("eval_samples", f"step {state.global_step}: {len(samples)} sample generations in "
-                               f"{SAMPLES_FILE}", step=state.global_step, samples=shown)
+        shown = [
+            {"prompt": s["prompt"][:MAX_SHOWN_CHARS], "completion": s["completion"][:MAX_SHOWN_CHARS]}
+            for s in samples[:MAX_SHOWN]
+        ]
+        self.run.metrics.event(
+            "eval_samples",
+            f"step {state.global_step}: {len(samples)} sample generations in {SAMPLES_FILE}",
+            step=state.global_step,
+            samples=shown,
+        )
 
     @torch.no_grad()
     def _generate(self, model, row: dict) -> str:
@@ -87,8 +103,13 @@ class EvalSamples(TrainerCallback):
         model.eval()
         ids = torch.tensor([prompt_ids(row, self.tokenizer)], device=next(model.parameters()).device)
         try:
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=self.max_new_tokens,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
         finally:
             model.train(was_training)
-        return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        return self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -5,6 +5,7 @@ the de-quantized NF4 weights the adapter was trained against, so the merged mode
 QLoRA model computed. The adapter is loaded from the saved ``adapter/`` folder (what users get), merged with
 peft's ``merge_and_unload`` and saved with the tokenizer; ``AutoModelForCausalLM.from_pretrained`` loads it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,7 +53,12 @@ def export_merged(trained, config: TrainConfig, tokenizer, out_dir: Path, metric
     tokenizer.save_pretrained(str(out_dir))
     make_readable(out_dir)
     note = f" ({replaced} de-quantized NF4 layers)" if replaced else ""
-    metrics.event("export", f"merged model written to {out_dir.name}/ in {str(dtype).removeprefix('torch.')}{note}",
-                  path=out_dir.name, dtype=str(dtype).removeprefix("torch."), dequantized_layers=replaced)
+    metrics.event(
+        "export",
+        f"merged model written to {out_dir.name}/ in {str(dtype).removeprefix('torch.')}{note}",
+        path=out_dir.name,
+        dtype=str(dtype).removeprefix("torch."),
+        dequantized_layers=replaced,
+    )
     print(f"trainq: merged model (adapter folded into the base{note}) written to {out_dir}", flush=True)
     return out_dir

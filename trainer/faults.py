@@ -15,6 +15,7 @@ Comma-separated ``key=value`` items; steps are 1-based optimizer steps, ``;`` or
   lr_bug_at=5         multiply the optimizer's lr by 10 just before step 5 (a schedule bug for the lr check)
 Nothing else in the trainer is simulated.
 """
+
 from __future__ import annotations
 
 import re
@@ -86,7 +87,9 @@ def parse_faults(text: str | None) -> Faults:
             elif key in _FLOAT_KEYS:
                 values[key] = float(value)
             else:
-                raise FaultSpecError(f"{ENV_TRAINER_FAULTS}: unknown fault {key!r} (see python -m trainq.trainer --help)")
+                raise FaultSpecError(
+                    f"{ENV_TRAINER_FAULTS}: unknown fault {key!r} (see python -m trainq.trainer --help)"
+                )
         except ValueError as exc:
             if isinstance(exc, FaultSpecError):
                 raise

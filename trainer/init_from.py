@@ -13,6 +13,7 @@ Every tensor must land on a parameter of the same name and shape, and every adap
 given; otherwise a ConfigError names the first mismatches, so a run never trains on from a silently fresh adapter
 (transformers#24252, axolotl#1134).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,12 +28,16 @@ def kind_of(folder: Path) -> str:
     """``trainq`` | ``adapter`` | ``model``; ConfigError when the folder is none of them."""
     if (folder / "manifest.json").is_file() or (folder / "trainq_state.json").is_file():
         return "trainq"
-    if (folder / "adapter_config.json").is_file() and _files(folder, ("adapter_model.safetensors", "adapter_model.bin")):
+    if (folder / "adapter_config.json").is_file() and _files(
+        folder, ("adapter_model.safetensors", "adapter_model.bin")
+    ):
         return "adapter"
     if _weight_files(folder):
         return "model"
-    raise ConfigError(f"train.init_from: {folder} holds no weights: give a peft adapter folder (adapter_config.json + "
-                      "adapter_model.safetensors), an HF checkpoint (model.safetensors) or a trainq checkpoints/step-N")
+    raise ConfigError(
+        f"train.init_from: {folder} holds no weights: give a peft adapter folder (adapter_config.json + "
+        "adapter_model.safetensors), an HF checkpoint (model.safetensors) or a trainq checkpoints/step-N"
+    )
 
 
 def _files(folder: Path, names: tuple[str, ...]) -> list[Path]:
@@ -51,8 +56,11 @@ def read_tensors(paths: list[Path]) -> dict:
 
     state: dict = {}
     for path in paths:
-        state.update(load_file(str(path)) if path.suffix == ".safetensors" else torch.load(path, map_location="cpu",
-                                                                                           weights_only=True))
+        state.update(
+            load_file(str(path))
+            if path.suffix == ".safetensors"
+            else torch.load(path, map_location="cpu", weights_only=True)
+        )
     return state
 
 
@@ -60,15 +68,24 @@ def _check_shapes(folder: Path, given: dict, targets: dict, what: str) -> None:
     unknown = sorted(set(given) - set(targets))
     missing = sorted(set(targets) - set(given))
     if unknown or missing:
-        detail = "; ".join(part for part in (
-            f"{len(unknown)} not in this model (first {unknown[0]})" if unknown else "",
-            f"{len(missing)} of this model's {what} not given (first {missing[0]})" if missing else "") if part)
-        raise ConfigError(f"train.init_from: {folder}: its tensors do not fit this model: {detail}; use the same model "
-                          "and lora settings it was trained with")
+        detail = "; ".join(
+            part
+            for part in (
+                f"{len(unknown)} not in this model (first {unknown[0]})" if unknown else "",
+                f"{len(missing)} of this model's {what} not given (first {missing[0]})" if missing else "",
+            )
+            if part
+        )
+        raise ConfigError(
+            f"train.init_from: {folder}: its tensors do not fit this model: {detail}; use the same model "
+            "and lora settings it was trained with"
+        )
     for name, tensor in given.items():
         if tuple(tensor.shape) != tuple(targets[name].shape):
-            raise ConfigError(f"train.init_from: {folder}: {name} has shape {tuple(tensor.shape)}, this model's is "
-                              f"{tuple(targets[name].shape)}; use the same model and lora.r")
+            raise ConfigError(
+                f"train.init_from: {folder}: {name} has shape {tuple(tensor.shape)}, this model's is "
+                f"{tuple(targets[name].shape)}; use the same model and lora.r"
+            )
 
 
 def load_adapter(model, folder: Path) -> int:

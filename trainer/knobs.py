@@ -1,5 +1,6 @@
 """The opt-in knobs of round three that hook into a run: ``init_from`` (starting weights) and the callbacks of
 ``early_stopping`` and ``eval_samples``."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,6 +38,14 @@ def initial_weights(model, config: TrainConfig, run: RunState, inv: Invocation, 
     except ConfigError as exc:
         raise ConfigError(f"{inv.job_dir / 'job.yaml'}: {exc}") from None
     if announce:
-        run.metrics.event("init_from", f"initial weights from {source} ({kind}, {loaded} tensors); fresh optimizer "
-                          "and schedule", path=str(source), kind=kind, tensors=loaded)
-        print(f"trainq: initial weights from {source} ({kind}, {loaded} tensors); fresh optimizer and schedule", flush=True)
+        run.metrics.event(
+            "init_from",
+            f"initial weights from {source} ({kind}, {loaded} tensors); fresh optimizer and schedule",
+            path=str(source),
+            kind=kind,
+            tensors=loaded,
+        )
+        print(
+            f"trainq: initial weights from {source} ({kind}, {loaded} tensors); fresh optimizer and schedule",
+            flush=True,
+        )

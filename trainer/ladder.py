@@ -4,6 +4,7 @@ With ``oom_ladder: auto`` an attempt after an OOM attempt applies the next rung 
 micro-batch and double accumulation (same effective batch); at batch 1, halve the sequence length.
 Changing the LoRA rank would make the checkpoint unusable, so that rung is advice only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,15 +30,22 @@ class Rung:
 
 def knobs_of(config: TrainConfig) -> dict:
     """The fields an OOM event records (what was in effect when memory ran out)."""
-    return {"batch_size": config.batch_size, "grad_accum": config.grad_accum, "seq_len": config.seq_len, "lora_r": config.lora.r}
+    return {
+        "batch_size": config.batch_size,
+        "grad_accum": config.grad_accum,
+        "seq_len": config.seq_len,
+        "lora_r": config.lora.r,
+    }
 
 
 def advice(config: TrainConfig) -> str:
     """The ladder in words, starting from the current knobs."""
     steps = []
     if config.batch_size > 1:
-        steps.append(f"batch_size {config.batch_size} -> {config.batch_size // 2} with grad_accum "
-                     f"{config.grad_accum} -> {config.grad_accum * 2} (same effective batch)")
+        steps.append(
+            f"batch_size {config.batch_size} -> {config.batch_size // 2} with grad_accum "
+            f"{config.grad_accum} -> {config.grad_accum * 2} (same effective batch)"
+        )
     steps.append(f"seq_len {config.seq_len} -> {max(config.seq_len // 2, MIN_SEQ_LEN)}")
     if config.method != "full":
         steps.append(f"lora.r {config.lora.r} -> {max(config.lora.r // 2, 1)}")
@@ -58,7 +66,11 @@ def next_rung(batch_size: int, grad_accum: int, seq_len: int) -> Rung | None:
 def _latest(records: list[dict], name: str, attempt: int) -> tuple[int, dict] | None:
     for index in range(len(records) - 1, -1, -1):
         record = records[index]
-        if record.get("type") == RECORD_EVENT and record.get("event") == name and int(record.get("attempt", 0)) < attempt:
+        if (
+            record.get("type") == RECORD_EVENT
+            and record.get("event") == name
+            and int(record.get("attempt", 0)) < attempt
+        ):
             return index, record
     return None
 

@@ -7,6 +7,7 @@ trainq.trainer JOB_DIR`` with every line of their output prefixed ``[rank N]`` i
 every 0.1 s and stops the rest when one dies. What this module adds is the report: the failed rank, its
 exit code or signal and its last line, as one log line and one metrics event the watcher's diagnosis reads.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,17 @@ from pathlib import Path
 
 from trainq.trainer.config import load_config
 from trainq.trainer.distributed import World, check_strategy, processes_per_node, visible_gpus
-from trainq.watcher.spec.contract import (ENV_METRICS, EXIT_DATA, EXIT_FAILED, EXIT_NAN, EXIT_OK, EXIT_OOM,
-                                          EXIT_PREEMPTED, EXIT_USAGE, JobPaths)
+from trainq.watcher.spec.contract import (
+    ENV_METRICS,
+    EXIT_DATA,
+    EXIT_FAILED,
+    EXIT_NAN,
+    EXIT_OK,
+    EXIT_OOM,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    JobPaths,
+)
 
 #: torchrun's prefix for every line a rank prints (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE; ${rank} is the global rank)
 RANK_PREFIX_TEMPLATE = "[rank ${rank}] "
@@ -30,7 +40,13 @@ MONITOR_INTERVAL_S = 0.1
 #: seconds torchrun waits after SIGTERM before it SIGKILLs a rank (torch's own default; TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
 SHUTDOWN_TIMEOUT_S = 30
 #: exit codes the trainer chooses itself: the rank has already said why (a metrics event and a last line)
-_TRAINER_CODES = {EXIT_OOM: "oom", EXIT_NAN: "nan", EXIT_DATA: "data", EXIT_USAGE: "unknown", EXIT_PREEMPTED: "preempted"}
+_TRAINER_CODES = {
+    EXIT_OOM: "oom",
+    EXIT_NAN: "nan",
+    EXIT_DATA: "data",
+    EXIT_USAGE: "unknown",
+    EXIT_PREEMPTED: "preempted",
+}
 
 
 @dataclass(frozen=True)
@@ -62,8 +78,13 @@ def plan(job_dir: Path) -> Plan | None:
         return None
     if nodes == 1:
         return Plan(processes)
-    return Plan(processes, nodes, int(os.environ.get("NODE_RANK") or os.environ.get("SLURM_NODEID") or 0),
-                os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+    return Plan(
+        processes,
+        nodes,
+        int(os.environ.get("NODE_RANK") or os.environ.get("SLURM_NODEID") or 0),
+        os.environ.get("MASTER_ADDR"),
+        os.environ.get("MASTER_PORT"),
+    )
 
 
 def torchrun_argv(plan: Plan, log_dir: Path, trainer_argv: list[str]) -> list[str]:
@@ -71,11 +92,34 @@ def torchrun_argv(plan: Plan, log_dir: Path, trainer_argv: list[str]) -> list[st
     if plan.nodes == 1:
         where = ["--standalone", "--nnodes", "1"]
     else:
-        where = ["--nnodes", str(plan.nodes), "--node-rank", str(plan.node_rank), "--rdzv-backend", "static",
-                 "--master-addr", plan.master_addr or "127.0.0.1", "--master-port", plan.master_port or "29500"]
-    return [*where, "--nproc-per-node", str(plan.processes), "--max-restarts", "0",
-            "--monitor-interval", str(MONITOR_INTERVAL_S), "--tee", "3", "--log-dir", str(log_dir),
-            "--module", "trainq.trainer", *trainer_argv]
+        where = [
+            "--nnodes",
+            str(plan.nodes),
+            "--node-rank",
+            str(plan.node_rank),
+            "--rdzv-backend",
+            "static",
+            "--master-addr",
+            plan.master_addr or "127.0.0.1",
+            "--master-port",
+            plan.master_port or "29500",
+        ]
+    return [
+        *where,
+        "--nproc-per-node",
+        str(plan.processes),
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        str(MONITOR_INTERVAL_S),
+        "--tee",
+        "3",
+        "--log-dir",
+        str(log_dir),
+        "--module",
+        "trainq.trainer",
+        *trainer_argv,
+    ]
 
 
 def _threads_per_rank(processes: int) -> str:
@@ -93,8 +137,11 @@ def launch(plan: Plan, job_dir: Path, trainer_argv: list[str]) -> int:
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)  # torchrun copies the ranks' lines into output.log as they come
-    print(f"trainq: starting {plan.processes} ranks on node {plan.node_rank} of {plan.nodes} under torchrun "
-          f"(world size {plan.world_size}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})", flush=True)
+    print(
+        f"trainq: starting {plan.processes} ranks on node {plan.node_rank} of {plan.nodes} under torchrun "
+        f"(world size {plan.world_size}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})",
+        flush=True,
+    )
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -142,6 +189,7 @@ def _honour_shutdown_timeout() -> None:
 def _root_cause(failures: dict) -> tuple[int, object]:
     """The failure that explains the others: a rank killed by a signal, then one with a trainer exit code,
     then the earliest; a rank that merely lost its peer (exit 1) is a consequence."""
+
     def weight(item: tuple[int, object]) -> tuple:
         rank, failure = item
         code = failure.exitcode
@@ -172,8 +220,9 @@ def describe(rank: int, failure: object, line: str | None, timed_out: str | None
         kind = "killed" if -code == signal.SIGKILL else "unknown"
         return kind, f"rank {rank} (pid {failure.pid}) was killed by {name}{said}"
     if line and _is_timeout(line):
-        return "stalled", (f"rank {rank} gave up waiting for the other ranks in a collective (a rank stopped "
-                           f"answering){said}")
+        return "stalled", (
+            f"rank {rank} gave up waiting for the other ranks in a collective (a rank stopped answering){said}"
+        )
     return _TRAINER_CODES.get(code, "unknown"), f"rank {rank} exited with code {code}{said}"
 
 
@@ -195,8 +244,16 @@ def report_failure(failures: dict, log_dir: Path, job_dir: Path) -> int:
         from trainq.trainer.metrics import MetricsWriter
 
         metrics = MetricsWriter(Path(os.environ.get(ENV_METRICS) or JobPaths(job_dir).metrics))
-        metrics.event("rank_failed", evidence, kind=kind, evidence=evidence, rank=rank, exit_code=code,
-                      signal=failure.signal_name() if code < 0 else None, other_failed_ranks=others)
+        metrics.event(
+            "rank_failed",
+            evidence,
+            kind=kind,
+            evidence=evidence,
+            rank=rank,
+            exit_code=code,
+            signal=failure.signal_name() if code < 0 else None,
+            other_failed_ranks=others,
+        )
         metrics.close()
     print(f"trainq: {evidence}; torchrun stopped the other ranks", file=sys.stderr, flush=True)
     if code < 0:

@@ -1,4 +1,5 @@
 """metrics.jsonl: one JSON object per line, appended and flushed as things happen (CONTRACT section 5)."""
+
 from __future__ import annotations
 
 import json

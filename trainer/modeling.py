@@ -1,4 +1,5 @@
 """Base model plus LoRA / QLoRA / full fine-tuning, loaded only from local folders."""
+
 from __future__ import annotations
 
 import hashlib
@@ -40,7 +41,14 @@ def resolve_precision(requested: str) -> Precision:
 
 
 #: files of which at least one means "a tokenizer was saved here"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+    "vocab.txt",
+)
 
 
 def check_tokenizer_files(model_dir: str) -> None:
@@ -48,8 +56,10 @@ def check_tokenizer_files(model_dir: str) -> None:
     from pathlib import Path
 
     if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(f"train.model: {model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save it "
-                          "beside the weights with tokenizer.save_pretrained(FOLDER)")
+        raise ConfigError(
+            f"train.model: {model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save it "
+            "beside the weights with tokenizer.save_pretrained(FOLDER)"
+        )
 
 
 def load_tokenizer(model_dir: str, chat_template: str | None = None):
@@ -72,7 +82,9 @@ def _quantization_config(precision: Precision):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=precision.dtype,
     )
 
@@ -128,9 +140,14 @@ def attach_lora(model, config: TrainConfig):
     if config.method == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=uses_gradient_checkpointing(config))
     lora = LoraConfig(
-        r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
-        target_modules=_lora_targets(config), bias="none", task_type="CAUSAL_LM",
-        use_dora=config.lora.dora, use_rslora=config.lora.rslora,
+        r=config.lora.r,
+        lora_alpha=config.lora.alpha,
+        lora_dropout=config.lora.dropout,
+        target_modules=_lora_targets(config),
+        bias="none",
+        task_type="CAUSAL_LM",
+        use_dora=config.lora.dora,
+        use_rslora=config.lora.rslora,
     )
     return get_peft_model(model, lora)
 

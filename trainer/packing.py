@@ -17,6 +17,7 @@ attention function registered with transformers that runs causal sdpa row by row
 (cost: sum of lengths^2, what flash-attention's varlen path does on a GPU) and is plain sdpa otherwise (padded
 batches, sliding-window masks). The start-up probe checks the switched model like any other.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,17 +74,31 @@ def _row_bounds(position_ids: torch.Tensor) -> list[int]:
     return [0, *starts.tolist(), positions.shape[0]]
 
 
-def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def packed_sdpa_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
     """sdpa per packed row when the batch is one packed row without a mask; plain sdpa otherwise."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     position_ids = kwargs.get("position_ids")
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     bounds = _row_bounds(position_ids.reshape(1, -1))
-    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, dropout=dropout,
-                                   scaling=scaling, is_causal=True)[0] for a, b in zip(bounds, bounds[1:])]
+    outs = [
+        sdpa_attention_forward(
+            module,
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+        )[0]
+        for a, b in zip(bounds, bounds[1:])
+    ]
     return torch.cat(outs, dim=1), None
 
 
@@ -131,8 +146,10 @@ def decide(requested: bool | None, model, spec: str) -> PackingDecision:
     if ok:
         why = "as configured" if requested else "default"
         return PackingDecision(True, f"{why}: {attn} attention keeps packed rows apart (probe difference {diff:.1e})")
-    reason = (f"{type(model).__name__} with {attn} attention mixes packed rows (probe difference {diff:.2g}): "
-              "its attention does not honour position_ids")
+    reason = (
+        f"{type(model).__name__} with {attn} attention mixes packed rows (probe difference {diff:.2g}): "
+        "its attention does not honour position_ids"
+    )
     if requested:
         raise ConfigError(f"{spec}: train.packing: true, but {reason}; set packing: false")
     return PackingDecision(False, f"off: {reason}")

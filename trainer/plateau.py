@@ -5,6 +5,7 @@ Used twice: ``debug: true`` fails the smoke run on either (debugrun.py), and the
 event (once; the watcher shows it as ``progress.warning`` in status.json) when its last PLATEAU_STEPS losses all
 sit at ln V.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,14 +42,18 @@ def learning_verdict(losses: list[float], level: float | None) -> str | None:
     quarter = max(len(losses) // 4, 1)
     first, last = statistics.fmean(losses[:quarter]), statistics.fmean(losses[-quarter:])
     fell = last <= first * (1 - LEARN_MARGIN)
-    half = losses[len(losses) // 2:]
+    half = losses[len(losses) // 2 :]
     flat_at_level = level is not None and at_uniform(half, level) and max(half) - min(half) <= FLATNESS * level
     if level is not None and ((not fell and at_uniform(losses[-1:], level)) or flat_at_level):
-        return (f"the loss sits at {losses[-1]:.4f}, ln V = {level:.4f} for the {round(math.exp(level))}-token "
-                "vocabulary: a uniform prediction (a dead run: lr too high, no clipping?)")
+        return (
+            f"the loss sits at {losses[-1]:.4f}, ln V = {level:.4f} for the {round(math.exp(level))}-token "
+            "vocabulary: a uniform prediction (a dead run: lr too high, no clipping?)"
+        )
     if not fell:
-        return (f"the loss did not fall: {first:.4f} over the first {quarter} steps, {last:.4f} over the last "
-                f"{quarter} (needs at least {LEARN_MARGIN:.0%} lower)")
+        return (
+            f"the loss did not fall: {first:.4f} over the first {quarter} steps, {last:.4f} over the last "
+            f"{quarter} (needs at least {LEARN_MARGIN:.0%} lower)"
+        )
     return None
 
 

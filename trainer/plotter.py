@@ -7,6 +7,7 @@ picture (tens of ms). The helper runs at nice 10, so on
 a busy machine it takes mostly idle CPU; if it has not finished importing by the end of training (it says
 ``ready`` on stdout when it has), cannot be started or fails, it is ended and the plot is drawn in-process.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,12 @@ class LossPlotter:
 
     def start(self) -> LossPlotter:
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "trainq.trainer.plotter"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trainq.trainer.plotter"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
         except OSError:
             self.proc = None
         return self
@@ -69,7 +74,9 @@ class LossPlotter:
     def _send(self, metrics_path: Path, out: Path, title: str) -> bool:
         assert self.proc is not None and self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps({"metrics": str(metrics_path), "out": str(out), "title": title}).encode() + b"\n")
+            self.proc.stdin.write(
+                json.dumps({"metrics": str(metrics_path), "out": str(out), "title": title}).encode() + b"\n"
+            )
             self.proc.stdin.close()
             return True
         except (OSError, ValueError):  # the helper died (a SIGTERM to the process group); ValueError: already closed

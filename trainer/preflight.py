@@ -5,6 +5,7 @@ reports as fast as it would without debug; ``trainq preview`` runs them too.
 The model is instantiated on PyTorch's ``meta`` device (shapes, no memory, no weights read), which is enough to
 know its module names.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,8 +44,10 @@ def meta_model(model_dir: str):
 def check_weights(model_dir: str) -> None:
     """ConfigError when the folder has no weight file."""
     if not any(any(Path(model_dir).glob(g)) for g in WEIGHT_GLOBS):
-        raise ConfigError(f"train.model: {model_dir} has no weights (*.safetensors or pytorch_model*.bin); save the "
-                          "model with save_pretrained(FOLDER)")
+        raise ConfigError(
+            f"train.model: {model_dir} has no weights (*.safetensors or pytorch_model*.bin); save the "
+            "model with save_pretrained(FOLDER)"
+        )
 
 
 def check_targets(model, config: TrainConfig) -> None:
@@ -57,8 +60,10 @@ def check_targets(model, config: TrainConfig) -> None:
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ == "Linear"})
-        raise ConfigError(f"train.lora.target_modules: {', '.join(missing)} matches no module of {config.model} "
-                          f"(its linear layers: {', '.join(leaves)})")
+        raise ConfigError(
+            f"train.lora.target_modules: {', '.join(missing)} matches no module of {config.model} "
+            f"(its linear layers: {', '.join(leaves)})"
+        )
 
 
 def check_startup(config: TrainConfig, spec: Path) -> None:

@@ -5,6 +5,7 @@ All figures in MiB. The estimate is deliberately plain arithmetic (no torch): we
 allocator-fragmentation factor, plus the CUDA context. Free memory comes from NVML, or from the simulated
 GPUs file named by env ``TRAINQ_SIMULATE_GPUS`` on machines without one.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,7 +73,15 @@ class ModelShape:
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(in, out) of every linear layer in one block: q, k, v, o, gate, up, down."""
         h, kv = self.hidden, self.kv_heads * self.head_dim
-        return [(h, h), (h, kv), (h, kv), (h, h), (h, self.intermediate), (h, self.intermediate), (self.intermediate, h)]
+        return [
+            (h, h),
+            (h, kv),
+            (h, kv),
+            (h, h),
+            (h, self.intermediate),
+            (h, self.intermediate),
+            (self.intermediate, h),
+        ]
 
     @property
     def linear_params(self) -> int:
@@ -122,8 +131,14 @@ class Estimate:
         return {k: round(v, 1) for k, v in asdict(self).items()}
 
 
-def estimate(shape: ModelShape, method: str, knobs: Knobs, weight_bytes: float = 2, act_bytes: float = 2,
-             gradient_checkpointing: bool | None = None) -> Estimate:
+def estimate(
+    shape: ModelShape,
+    method: str,
+    knobs: Knobs,
+    weight_bytes: float = 2,
+    act_bytes: float = 2,
+    gradient_checkpointing: bool | None = None,
+) -> Estimate:
     """Peak training memory of one micro-batch."""
     if gradient_checkpointing is None:
         gradient_checkpointing = method == "qlora"
@@ -135,7 +150,9 @@ def estimate(shape: ModelShape, method: str, knobs: Knobs, weight_bytes: float =
         trainable = shape.lora_params(knobs.lora_r) * TRAINABLE_BYTES
     tokens = knobs.seq_len * knobs.batch_size
     one_layer = tokens * (34 * shape.hidden + 5 * shape.heads * knobs.seq_len) * act_bytes / 2
-    kept = tokens * shape.hidden * act_bytes * shape.layers if gradient_checkpointing else one_layer * (shape.layers - 1)
+    kept = (
+        tokens * shape.hidden * act_bytes * shape.layers if gradient_checkpointing else one_layer * (shape.layers - 1)
+    )
     activations = kept + one_layer
     logits = tokens * shape.vocab * 4 * LOGIT_COPIES
     allocated = (weights + trainable + activations + logits) / MIB
@@ -169,8 +186,12 @@ class Choice:
     free_mb: float
 
     def to_dict(self) -> dict:
-        return {"knobs": asdict(self.knobs), "estimate": self.estimate.to_dict(),
-                "budget_mb": round(self.budget_mb, 1), "free_mb": round(self.free_mb, 1)}
+        return {
+            "knobs": asdict(self.knobs),
+            "estimate": self.estimate.to_dict(),
+            "budget_mb": round(self.budget_mb, 1),
+            "free_mb": round(self.free_mb, 1),
+        }
 
 
 def choose(shape: ModelShape, method: str, requested: Knobs, free_mb: float, weight_bytes: float = 2) -> Choice:

@@ -6,6 +6,7 @@ masked (a prompt, a user turn, a system prompt). On a terminal, trained tokens a
 Rows the trainer would skip are listed with their line and reason. Nothing is trained and nothing is written.
 ``method: dpo`` rows print the prompt (masked) followed by the chosen and the rejected answer (trained).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ _GREEN, _GREY, _RESET = "\033[32m", "\033[90m", "\033[0m"
 
 def load_job_file(path: Path):
     """The TrainConfig of a job file anywhere (relative paths resolve against its cwd:, else its folder)."""
-    from trainq.trainer.config import (ConfigError, TrainConfig, _check_paths, base_dirs_for, validate_block)
+    from trainq.trainer.config import ConfigError, TrainConfig, _check_paths, base_dirs_for, validate_block
     from trainq.watcher.spec.yaml12 import YamlError, load_yaml12
 
     try:
@@ -59,20 +60,24 @@ def _sft_lines(row, tokenizer, config, color: bool) -> list[str]:
     except RowError as exc:
         return [f"row {row.file}: line {row.line} ({row.kind}): SKIPPED, a bad row: {exc.bad.reason}"]
     trained = sum(label != IGNORE_INDEX for label in example["labels"])
-    return [f"row {row.file}: line {row.line} ({row.kind}): {len(example['input_ids'])} tokens, {trained} trained",
-            render_example(example["input_ids"], example["labels"], tokenizer, color)]
+    return [
+        f"row {row.file}: line {row.line} ({row.kind}): {len(example['input_ids'])} tokens, {trained} trained",
+        render_example(example["input_ids"], example["labels"], tokenizer, color),
+    ]
 
 
 def _dpo_lines(row, tokenizer, config, color: bool) -> list[str]:
     if row.kind != "preference":
-        return [f"row {row.file}: line {row.line} ({row.kind}): SKIPPED, a bad row: method: dpo needs "
-                "{prompt, chosen, rejected} rows"]
+        return [
+            f"row {row.file}: line {row.line} ({row.kind}): SKIPPED, a bad row: method: dpo needs "
+            "{prompt, chosen, rejected} rows"
+        ]
     prompt = tokenizer(row.record["prompt"], add_special_tokens=False)["input_ids"]
     lines = [f"row {row.file}: line {row.line} (preference): prompt {len(prompt)} tokens (masked)"]
     for side in ("chosen", "rejected"):
         answer = tokenizer(row.record[side] + (tokenizer.eos_token or ""), add_special_tokens=False)["input_ids"]
-        ids = (prompt + answer)[:config.seq_len]
-        labels = ([IGNORE_INDEX] * len(prompt) + answer)[:config.seq_len]
+        ids = (prompt + answer)[: config.seq_len]
+        labels = ([IGNORE_INDEX] * len(prompt) + answer)[: config.seq_len]
         lines.append(f"  {side}: " + render_example(ids, labels, tokenizer, color))
     return lines
 
@@ -85,8 +90,10 @@ def preview(path: Path, count: int, color: bool) -> str:
     config = load_job_file(path)
     data = load_data(config.train_sources, config.eval_file, config.eval_fraction, config.max_bad_rows)
     tokenizer = load_tokenizer(config.model, config.chat_template)
-    lines = [f"{path}: {config.method}, seq_len {config.seq_len}, train_on {config.train_on}, "
-             f"{len(data.train)} train rows; token(label): label -100 is masked, else trained"]
+    lines = [
+        f"{path}: {config.method}, seq_len {config.seq_len}, train_on {config.train_on}, "
+        f"{len(data.train)} train rows; token(label): label -100 is masked, else trained"
+    ]
     lines += [f"bad row (skipped): {bad}" for bad in data.bad[:count]]
     render = _dpo_lines if config.method == "dpo" else _sft_lines
     for row in data.train[:count]:
@@ -96,8 +103,9 @@ def preview(path: Path, count: int, color: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the preview; a bad job file or data is one line naming the file and field (exit code as training)."""
-    parser = argparse.ArgumentParser(prog="trainq preview", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="trainq preview", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("job_file", type=Path, help="a job file with a train: block (anywhere: inbox/, pending/, ...)")
     parser.add_argument("-n", type=int, default=3, metavar="N", help="rows to show (default 3)")
     args = parser.parse_args(argv)

@@ -13,6 +13,7 @@ unless ``allow_changed_schedule``. This module adds the rest:
 Everything else (eval/log/checkpoint cadence, max_grad_norm, packing, precision, export, report_to, ...) is read
 afresh by the new process, so it is applied as written and recorded as applied.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,7 +25,10 @@ from trainq.trainer.config import TrainConfig
 _FIXED = {
     "method": (lambda c: c.method, lambda d: d.get("method")),
     "lora.alpha": (lambda c: c.lora.alpha, lambda d: d.get("lora", {}).get("alpha")),
-    "lora.target_modules": (lambda c: _listed(c.lora.target_modules), lambda d: _listed(d.get("lora", {}).get("target_modules"))),
+    "lora.target_modules": (
+        lambda c: _listed(c.lora.target_modules),
+        lambda d: _listed(d.get("lora", {}).get("target_modules")),
+    ),
     "lora.dora": (lambda c: getattr(c.lora, "dora", False), lambda d: d.get("lora", {}).get("dora", False)),
     "lora.rslora": (lambda c: getattr(c.lora, "rslora", False), lambda d: d.get("lora", {}).get("rslora", False)),
     "optim": (lambda c: c.optim, lambda d: d.get("optim")),
@@ -65,20 +69,26 @@ def check_resume_knobs(config: TrainConfig, saved: dict, folder: Path) -> None:
     """Refuse, naming each, the knobs a resume from ``folder`` cannot apply (see the module docstring)."""
     fixed = _changes(_FIXED, config, saved)
     if fixed:
-        raise CheckpointError(f"{folder}: resume refused: {', '.join(fixed)}: the checkpoint's weights, optimizer and "
-                              "random state were made with the old value; start a new job (trainq fork) to change it")
+        raise CheckpointError(
+            f"{folder}: resume refused: {', '.join(fixed)}: the checkpoint's weights, optimizer and "
+            "random state were made with the old value; start a new job (trainq fork) to change it"
+        )
     data = _changes(_DATA, config, saved)
     if data and not config.allow_changed_data:
-        raise CheckpointError(f"{folder}: resume refused: {', '.join(data)} changes which tokens train; set "
-                              "train.allow_changed_data: true to accept")
+        raise CheckpointError(
+            f"{folder}: resume refused: {', '.join(data)} changes which tokens train; set "
+            "train.allow_changed_data: true to accept"
+        )
     optimizer = _changes(_OPTIMIZER, config, saved)
     if optimizer and not config.allow_changed_schedule:
-        raise CheckpointError(f"{folder}: resume would change {', '.join(optimizer)}; set train.allow_changed_schedule: "
-                              "true to accept")
+        raise CheckpointError(
+            f"{folder}: resume would change {', '.join(optimizer)}; set train.allow_changed_schedule: true to accept"
+        )
 
 
-def apply_to_optimizer(optimizer, scheduler, config: TrainConfig, saved_lr: float, saved_scale: float,
-                       lr_scale: float) -> None:
+def apply_to_optimizer(
+    optimizer, scheduler, config: TrainConfig, saved_lr: float, saved_scale: float, lr_scale: float
+) -> None:
     """After the Trainer loaded the checkpoint's optimizer and scheduler: put this run's lr (times its rollback
     scale) and weight_decay in place of the saved ones, so an allowed change is the change that trains."""
     factor = (config.lr * lr_scale) / (saved_lr * saved_scale)

@@ -1,4 +1,5 @@
 """One training run, top to bottom: config -> setup -> data -> model -> resume -> Trainer loop -> finish."""
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,22 @@ from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
 from trainq.trainer.vitals import OUTCOME_SCHEDULE, VitalsCallback
-from trainq.watcher.spec.contract import (ENV_ATTEMPT, ENV_INIT_FROM, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, ENV_TRAINER_FAULTS,
-                              EXIT_CHECKPOINT, EXIT_NAN, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_SCHEDULE, RECORD_DONE,
-                              JobPaths)
+from trainq.watcher.spec.contract import (
+    ENV_ATTEMPT,
+    ENV_INIT_FROM,
+    ENV_METRICS,
+    ENV_RESUME_FROM,
+    ENV_STOP_FLAG,
+    ENV_TRAINER_FAULTS,
+    EXIT_CHECKPOINT,
+    EXIT_NAN,
+    EXIT_OK,
+    EXIT_OOM,
+    EXIT_PREEMPTED,
+    EXIT_SCHEDULE,
+    RECORD_DONE,
+    JobPaths,
+)
 from trainq.watcher.spec.units import iso_utc
 
 logger = logging.getLogger(__name__)
@@ -40,8 +54,15 @@ logger = logging.getLogger(__name__)
 #: rollbacks after non-finite streaks; the third request ends the run with EXIT_NAN
 MAX_ROLLBACKS = 3
 #: exit code per outcome
-EXIT_FOR = {"done": EXIT_OK, "stopped": EXIT_OK, "preempted": EXIT_PREEMPTED, "nan": EXIT_NAN, "oom": EXIT_OOM,
-            OUTCOME_SCHEDULE: EXIT_SCHEDULE, "sliced": EXIT_CHECKPOINT}
+EXIT_FOR = {
+    "done": EXIT_OK,
+    "stopped": EXIT_OK,
+    "preempted": EXIT_PREEMPTED,
+    "nan": EXIT_NAN,
+    "oom": EXIT_OOM,
+    OUTCOME_SCHEDULE: EXIT_SCHEDULE,
+    "sliced": EXIT_CHECKPOINT,
+}
 
 
 class ScheduleChanged(checkpoints.CheckpointError):
@@ -68,14 +89,17 @@ class Invocation:
         paths = JobPaths(job_dir.resolve())
         resume = resume_from or os.environ.get(ENV_RESUME_FROM) or None
         return cls(
-            job_dir=paths.dir, metrics=Path(os.environ.get(ENV_METRICS) or paths.metrics),
+            job_dir=paths.dir,
+            metrics=Path(os.environ.get(ENV_METRICS) or paths.metrics),
             stop_flag=Path(os.environ.get(ENV_STOP_FLAG) or paths.stop_flag),
-            attempt=int(os.environ.get(ENV_ATTEMPT) or 1), resume_from=Path(resume) if resume else None,
+            attempt=int(os.environ.get(ENV_ATTEMPT) or 1),
+            resume_from=Path(resume) if resume else None,
             init_from=Path(os.environ[ENV_INIT_FROM]) if os.environ.get(ENV_INIT_FROM) else None,
         )
 
 
 # -- settling the config: preset, OOM ladder, checkpoint compatibility --------------------------------------
+
 
 def apply_preset(config: TrainConfig, metrics: MetricsWriter) -> tuple[TrainConfig, dict | None]:
     """``preset: auto``: the largest seq_len/batch/rank under 85% of free GPU memory (same effective batch)."""
@@ -83,21 +107,34 @@ def apply_preset(config: TrainConfig, metrics: MetricsWriter) -> tuple[TrainConf
         return config, None
     free = free_gpu_mb()
     if free is None:
-        metrics.event("preset", "preset: auto: no GPU found (NVML or TRAINQ_SIMULATE_GPUS); keeping the configured values")
+        metrics.event(
+            "preset", "preset: auto: no GPU found (NVML or TRAINQ_SIMULATE_GPUS); keeping the configured values"
+        )
         return config, {"applied": False, "reason": "no GPU"}
     shape = ModelShape.from_config(json.loads((Path(config.model) / "config.json").read_text()))
     requested = Knobs(config.seq_len, config.batch_size, config.grad_accum, config.lora.r)
     choice = choose(shape, config.method, requested, free[0])
     knobs = choice.knobs
     world_size = distributed.World.from_env().world_size  # the preset fits one rank's GPU; the batch is per rank
-    info = {"applied": True, "gpu": free[1], **choice.to_dict(), "params": shape.params,
-            "global_batch": knobs.batch_size * knobs.grad_accum * world_size, "world_size": world_size}
-    metrics.event("preset", f"preset: auto on {free[1]}: seq_len {knobs.seq_len}, batch_size {knobs.batch_size}, "
-                  f"grad_accum {knobs.grad_accum}, lora.r {knobs.lora_r}, global batch {info['global_batch']} "
-                  f"(x {world_size} ranks) (~{choice.estimate.total_mb:.0f} of "
-                  f"{choice.budget_mb:.0f} MiB budget)", **info)
-    return config.with_changes(seq_len=knobs.seq_len, batch_size=knobs.batch_size, grad_accum=knobs.grad_accum,
-                               lora_r=knobs.lora_r), info
+    info = {
+        "applied": True,
+        "gpu": free[1],
+        **choice.to_dict(),
+        "params": shape.params,
+        "global_batch": knobs.batch_size * knobs.grad_accum * world_size,
+        "world_size": world_size,
+    }
+    metrics.event(
+        "preset",
+        f"preset: auto on {free[1]}: seq_len {knobs.seq_len}, batch_size {knobs.batch_size}, "
+        f"grad_accum {knobs.grad_accum}, lora.r {knobs.lora_r}, global batch {info['global_batch']} "
+        f"(x {world_size} ranks) (~{choice.estimate.total_mb:.0f} of "
+        f"{choice.budget_mb:.0f} MiB budget)",
+        **info,
+    )
+    return config.with_changes(
+        seq_len=knobs.seq_len, batch_size=knobs.batch_size, grad_accum=knobs.grad_accum, lora_r=knobs.lora_r
+    ), info
 
 
 def apply_ladder(config: TrainConfig, inv: Invocation, metrics: MetricsWriter) -> tuple[TrainConfig, bool]:
@@ -109,26 +146,38 @@ def apply_ladder(config: TrainConfig, inv: Invocation, metrics: MetricsWriter) -
         return config, False
     knobs, rung = planned
     if rung is not None:
-        metrics.event(ladder.LADDER_EVENT, f"attempt {inv.attempt}: OOM ladder: {rung.change}", attempt=inv.attempt,
-                      to=knobs, change=rung.change)
+        metrics.event(
+            ladder.LADDER_EVENT,
+            f"attempt {inv.attempt}: OOM ladder: {rung.change}",
+            attempt=inv.attempt,
+            to=knobs,
+            change=rung.change,
+        )
         print(f"trainq: attempt {inv.attempt} after out of memory: {rung.change}", flush=True)
-    return config.with_changes(seq_len=knobs["seq_len"], batch_size=knobs["batch_size"],
-                               grad_accum=knobs["grad_accum"]), True
+    return config.with_changes(
+        seq_len=knobs["seq_len"], batch_size=knobs["batch_size"], grad_accum=knobs["grad_accum"]
+    ), True
 
 
 def pin_to_checkpoint(config: TrainConfig, saved: dict) -> TrainConfig:
     """A resumed preset keeps the checkpoint's choice (free memory may differ now; the adapter shape may not)."""
     if config.preset != "auto":
         return config
-    return config.with_changes(seq_len=saved["seq_len"], batch_size=saved["batch_size"],
-                               grad_accum=saved["grad_accum"], lora_r=saved["lora"]["r"])
+    return config.with_changes(
+        seq_len=saved["seq_len"],
+        batch_size=saved["batch_size"],
+        grad_accum=saved["grad_accum"],
+        lora_r=saved["lora"]["r"],
+    )
 
 
 #: knobs a resume must keep (beyond max_steps/epochs/batch), each read from the config and a checkpoint's config dict
-_RESUME_KNOBS = {"lr": (lambda c: c.lr, lambda d: d.get("lr")),
-                 "scheduler": (lambda c: c.scheduler, lambda d: d.get("scheduler")),
-                 "warmup_ratio": (lambda c: c.warmup_ratio, lambda d: d.get("warmup_ratio")),
-                 "lora.dropout": (lambda c: c.lora.dropout, lambda d: d.get("lora", {}).get("dropout"))}
+_RESUME_KNOBS = {
+    "lr": (lambda c: c.lr, lambda d: d.get("lr")),
+    "scheduler": (lambda c: c.scheduler, lambda d: d.get("scheduler")),
+    "warmup_ratio": (lambda c: c.warmup_ratio, lambda d: d.get("warmup_ratio")),
+    "lora.dropout": (lambda c: c.lora.dropout, lambda d: d.get("lora", {}).get("dropout")),
+}
 
 
 def check_schedule(config: TrainConfig, saved: dict, laddered: bool, folder: Path) -> None:
@@ -136,14 +185,21 @@ def check_schedule(config: TrainConfig, saved: dict, laddered: bool, folder: Pat
     allowed (the ladder keeps the effective batch and may halve seq_len)."""
     keys = ["max_steps", "epochs"] + ([] if laddered else ["batch_size", "grad_accum", "seq_len"])
     changed = [f"{k} {saved.get(k)} -> {getattr(config, k)}" for k in keys if saved.get(k) != getattr(config, k)]
-    changed += [f"{name} {old(saved)} -> {new(config)}" for name, (new, old) in _RESUME_KNOBS.items()
-                if old(saved) is not None and old(saved) != new(config)]
+    changed += [
+        f"{name} {old(saved)} -> {new(config)}"
+        for name, (new, old) in _RESUME_KNOBS.items()
+        if old(saved) is not None and old(saved) != new(config)
+    ]
     if laddered and saved["batch_size"] * saved["grad_accum"] != config.effective_batch:
         changed.append(f"effective batch {saved['batch_size'] * saved['grad_accum']} -> {config.effective_batch}")
     if saved["lora"]["r"] != config.lora.r and config.method != "full":
-        raise ScheduleChanged(f"{folder}: lora.r {saved['lora']['r']} -> {config.lora.r}: the adapter shape changed; resume needs the same rank")
+        raise ScheduleChanged(
+            f"{folder}: lora.r {saved['lora']['r']} -> {config.lora.r}: the adapter shape changed; resume needs the same rank"
+        )
     if changed and not config.allow_changed_schedule:
-        raise ScheduleChanged(f"{folder}: resume would change {', '.join(changed)}; set train.allow_changed_schedule: true to accept")
+        raise ScheduleChanged(
+            f"{folder}: resume would change {', '.join(changed)}; set train.allow_changed_schedule: true to accept"
+        )
 
 
 def check_data(config: TrainConfig, state: dict, data: LoadedData, folder: Path, metrics: MetricsWriter) -> None:
@@ -154,12 +210,17 @@ def check_data(config: TrainConfig, state: dict, data: LoadedData, folder: Path,
     if not changes:
         return
     if not config.allow_changed_data:
-        raise DataChanged(f"{folder}: resume refused: {'; '.join(changes)}; restore the data or set "
-                          "train.allow_changed_data: true to train on the new data")
-    metrics.event("data_changed", f"resuming on changed data (allow_changed_data): {'; '.join(changes)}", changes=changes)
+        raise DataChanged(
+            f"{folder}: resume refused: {'; '.join(changes)}; restore the data or set "
+            "train.allow_changed_data: true to train on the new data"
+        )
+    metrics.event(
+        "data_changed", f"resuming on changed data (allow_changed_data): {'; '.join(changes)}", changes=changes
+    )
 
 
 # -- the run ------------------------------------------------------------------------------------------------
+
 
 def total_steps(config: TrainConfig, train_rows: int, world_size: int = 1) -> int:
     """Optimizer steps of the whole run (as the Trainer counts them: the last partial accumulation still steps;
@@ -170,9 +231,17 @@ def total_steps(config: TrainConfig, train_rows: int, world_size: int = 1) -> in
     return max(math.ceil(config.epochs * math.ceil(batches / config.grad_accum)), 1)
 
 
-def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_eval: bool, lr_scale: float,
-                  train_rows: int, job_dir: Path | None = None, args_class: type = TrainingArguments,
-                  **extra: object) -> TrainingArguments:
+def training_args(
+    config: TrainConfig,
+    precision: Precision,
+    out_dir: Path,
+    has_eval: bool,
+    lr_scale: float,
+    train_rows: int,
+    job_dir: Path | None = None,
+    args_class: type = TrainingArguments,
+    **extra: object,
+) -> TrainingArguments:
     """The Trainer knobs users know, mapped 1:1 from the train: block; checkpoints and logs are trainq's.
     Warm-up is passed as a whole number of steps, which every transformers version reads the same way."""
     length = {"max_steps": config.max_steps} if config.max_steps else {"num_train_epochs": config.epochs}
@@ -184,24 +253,44 @@ def training_args(config: TrainConfig, precision: Precision, out_dir: Path, has_
         reporting.update(logging_strategy="steps", logging_steps=config.log_every)
     gradient_checkpointing = config.gradient_checkpointing if config.method != "qlora" else False  # peft prepares qlora
     return args_class(
-        output_dir=str(out_dir), per_device_train_batch_size=config.batch_size,
-        per_device_eval_batch_size=config.batch_size, gradient_accumulation_steps=config.grad_accum,
-        learning_rate=config.lr * lr_scale, lr_scheduler_type=config.scheduler, warmup_steps=warmup_steps,
-        weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm, seed=config.seed,
+        output_dir=str(out_dir),
+        per_device_train_batch_size=config.batch_size,
+        per_device_eval_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.lr * lr_scale,
+        lr_scheduler_type=config.scheduler,
+        warmup_steps=warmup_steps,
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm,
+        seed=config.seed,
         gradient_checkpointing=bool(gradient_checkpointing),
-        bf16=precision.name == "bf16", fp16=precision.name == "fp16", use_cpu=not torch.cuda.is_available(),
-        eval_strategy="steps" if has_eval and config.eval_every else "no", eval_steps=config.eval_every,
-        save_strategy="no", logging_nan_inf_filter=False, **reporting,
-        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, **length, **optimizer, **extra,
+        bf16=precision.name == "bf16",
+        fp16=precision.name == "fp16",
+        use_cpu=not torch.cuda.is_available(),
+        eval_strategy="steps" if has_eval and config.eval_every else "no",
+        eval_steps=config.eval_every,
+        save_strategy="no",
+        logging_nan_inf_filter=False,
+        **reporting,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        **length,
+        **optimizer,
+        **extra,
         **distributed.training_kwargs(config, world, cpu=not torch.cuda.is_available()),
     )
 
 
 def report_data(data: LoadedData, metrics: MetricsWriter) -> None:
     """Each file's sha256 and row counts (one ``data`` event); bad rows within the limit to stderr and an event."""
-    metrics.event("data", "; ".join(f"{f.role} {f.path}: {f.rows} rows, {f.bad_rows} bad, sha256 {f.sha256[:12]}"
-                                    for f in data.files), files=[f.to_dict() for f in data.files],
-                  train_rows=len(data.train), eval_rows=len(data.eval))
+    metrics.event(
+        "data",
+        "; ".join(f"{f.role} {f.path}: {f.rows} rows, {f.bad_rows} bad, sha256 {f.sha256[:12]}" for f in data.files),
+        files=[f.to_dict() for f in data.files],
+        train_rows=len(data.train),
+        eval_rows=len(data.eval),
+    )
     report_bad_rows(data.bad, metrics, "reading")
 
 
@@ -211,9 +300,17 @@ def report_bad_rows(bad: list, metrics: MetricsWriter, stage: str) -> None:
         return
     for row in bad[:MAX_REPORTED_BAD_ROWS]:
         print(f"trainq: skipped bad row: {row}", file=sys.stderr, flush=True)
-    metrics.event("bad_rows", f"{len(bad)} bad rows skipped while {stage}: {counts_text(bad)}", count=len(bad), stage=stage,
-                  reasons=count_reasons(bad), rows=[{"file": r.file, "line": r.line, "reason": r.reason, "category": r.category}
-                                                    for r in bad[:MAX_REPORTED_BAD_ROWS]])
+    metrics.event(
+        "bad_rows",
+        f"{len(bad)} bad rows skipped while {stage}: {counts_text(bad)}",
+        count=len(bad),
+        stage=stage,
+        reasons=count_reasons(bad),
+        rows=[
+            {"file": r.file, "line": r.line, "reason": r.reason, "category": r.category}
+            for r in bad[:MAX_REPORTED_BAD_ROWS]
+        ],
+    )
 
 
 def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: Path | None, inv: Invocation):
@@ -221,14 +318,23 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
     model = build_model(config, precision)
     trainable, total = count_params(model)
     if run.packing is None:
-        run.packing = (packing.PackingDecision(False, "method: dpo pads chosen/rejected pairs (TRL's collator)")
-                       if config.method == "dpo" else packing.decide(config.packing, model, str(inv.job_dir / "job.yaml")))
-        run.metrics.event("packing", f"packing {'on' if run.packing.enabled else 'off'}: {run.packing.reason}",
-                          **run.packing.to_dict())
+        run.packing = (
+            packing.PackingDecision(False, "method: dpo pads chosen/rejected pairs (TRL's collator)")
+            if config.method == "dpo"
+            else packing.decide(config.packing, model, str(inv.job_dir / "job.yaml"))
+        )
+        run.metrics.event(
+            "packing",
+            f"packing {'on' if run.packing.enabled else 'off'}: {run.packing.reason}",
+            **run.packing.to_dict(),
+        )
     if run.world.is_main:
-        print(f"trainq: {config.method} on {Path(config.model).name}: {trainable:,} trainable of {total:,} params, "
-              f"{precision.name}, {len(datasets[0])} train / {len(datasets[1] or [])} eval rows, "
-              f"packing {'on' if run.packing.enabled else 'off'} ({run.packing.reason})", flush=True)
+        print(
+            f"trainq: {config.method} on {Path(config.model).name}: {trainable:,} trainable of {total:,} params, "
+            f"{precision.name}, {len(datasets[0])} train / {len(datasets[1] or [])} eval rows, "
+            f"packing {'on' if run.packing.enabled else 'off'} ({run.packing.reason})",
+            flush=True,
+        )
     if resume is None or config.method == "dpo":  # dpo: the reference is the starting adapter, on resume too
         initial_weights(model, config, run, inv, announce=resume is None)
     callback = TrainqCallback(run, has_eval=datasets[1] is not None)
@@ -238,15 +344,27 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
         from trainq.trainer.dpo import build_dpo_trainer, dpo_arguments
 
         dpo_extra = dpo_arguments(config)
-    args = training_args(config, precision, run.ckpt_dir, datasets[1] is not None, run.lr_scale, len(datasets[0]),
-                         inv.job_dir, **dpo_extra)
+    args = training_args(
+        config,
+        precision,
+        run.ckpt_dir,
+        datasets[1] is not None,
+        run.lr_scale,
+        len(datasets[0]),
+        inv.job_dir,
+        **dpo_extra,
+    )
     if config.method == "dpo":
         trainer = build_dpo_trainer(model, args, datasets, tokenizer, callback, run)
         trainer.add_callback(vitals)
     else:
         trainer = TrainqTrainer(
-            model=model, args=args, train_dataset=datasets[0], eval_dataset=datasets[1],
-            data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled), callbacks=[vitals, callback],
+            model=model,
+            args=args,
+            train_dataset=datasets[0],
+            eval_dataset=datasets[1],
+            data_collator=packing.collator(tokenizer.pad_token_id, run.packing.enabled),
+            callbacks=[vitals, callback],
             run=run,
         )
     run.trainer = trainer
@@ -282,15 +400,23 @@ def train_with_rollbacks(config, precision, datasets, tokenizer, run: RunState, 
         resume = checkpoints.newest_complete(run.ckpt_dir)
         run.lr_scale /= 2
         target = resume.name if resume else "the start"
-        run.metrics.event("rollback", f"step {step}: {run.nonfinite_streak} non-finite steps in a row; rolling back to "
-                          f"{target} with lr x{run.lr_scale:g}", step=step, to=str(resume) if resume else None,
-                          lr_scale=run.lr_scale, rollbacks=run.rollbacks)
+        run.metrics.event(
+            "rollback",
+            f"step {step}: {run.nonfinite_streak} non-finite steps in a row; rolling back to "
+            f"{target} with lr x{run.lr_scale:g}",
+            step=step,
+            to=str(resume) if resume else None,
+            lr_scale=run.lr_scale,
+            rollbacks=run.rollbacks,
+        )
         print(f"trainq: non-finite loss at step {step}; rolling back to {target}, lr x{run.lr_scale:g}", flush=True)
 
 
 def is_oom(exc: BaseException) -> bool:
     """torch's OOM error, or a RuntimeError that says out of memory."""
-    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
 
 
 def record_oom(exc: BaseException, config: TrainConfig, run: RunState, inv: Invocation) -> str:
@@ -300,8 +426,14 @@ def record_oom(exc: BaseException, config: TrainConfig, run: RunState, inv: Invo
     if not run.world.is_main:  # the rank that ran out of memory says so, whichever it is (the ladder reads it)
         run.metrics = MetricsWriter(inv.metrics)
     where = f"rank {run.world.rank}: " if run.world.is_distributed else ""
-    run.metrics.event(ladder.OOM_EVENT, f"{where}out of memory: {first}", attempt=inv.attempt, advice=advice,
-                      **ladder.knobs_of(config), **({"rank": run.world.rank} if run.world.is_distributed else {}))
+    run.metrics.event(
+        ladder.OOM_EVENT,
+        f"{where}out of memory: {first}",
+        attempt=inv.attempt,
+        advice=advice,
+        **ladder.knobs_of(config),
+        **({"rank": run.world.rank} if run.world.is_distributed else {}),
+    )
     return f"trainq: out of memory: {first}; {advice}"
 
 
@@ -317,8 +449,11 @@ def _relative(path: Path | None, job_dir: Path) -> str | None:
 
 def world_info(config: TrainConfig, world: distributed.World) -> dict:
     """What env.json and summary.json say about the ranks."""
-    return {"world_size": world.world_size, "processes": world.local_world_size,
-            "strategy": config.strategy if world.is_distributed else None}
+    return {
+        "world_size": world.world_size,
+        "processes": world.local_world_size,
+        "strategy": config.strategy if world.is_distributed else None,
+    }
 
 
 def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState, inv: Invocation, timing: dict) -> int:
@@ -351,31 +486,57 @@ def finish(outcome: str, trainer, tokenizer, config: TrainConfig, run: RunState,
     train_s = run.train_s
     ckpt = lambda step: _relative(run.ckpt_dir / checkpoints.step_dir_name(step), inv.job_dir)  # noqa: E731
     summary = {
-        "outcome": outcome, "exit_code": EXIT_FOR[outcome], "steps": state.global_step if state else run.resumed_step,
-        "total_steps": state.max_steps if state else None, "final_loss": run.last_loss,
-        "final_eval_loss": run.last_eval_loss, "best_eval_loss": run.best_eval_loss, "best_step": run.best_step,
+        "outcome": outcome,
+        "exit_code": EXIT_FOR[outcome],
+        "steps": state.global_step if state else run.resumed_step,
+        "total_steps": state.max_steps if state else None,
+        "final_loss": run.last_loss,
+        "final_eval_loss": run.last_eval_loss,
+        "best_eval_loss": run.best_eval_loss,
+        "best_step": run.best_step,
         "best_checkpoint": ckpt(run.best_step) if run.best_step else None,
         "latest_checkpoint": _relative(run.last_checkpoint, inv.job_dir),
-        "output": final_dir.name if outcome == "done" else None, "merged": merged.name if merged else None,
-        "attempt": inv.attempt, "resumed_from": _relative(run.resumed_from, inv.job_dir),
-        "rollbacks": run.rollbacks, **world_info(config, run.world),
+        "output": final_dir.name if outcome == "done" else None,
+        "merged": merged.name if merged else None,
+        "attempt": inv.attempt,
+        "resumed_from": _relative(run.resumed_from, inv.job_dir),
+        "rollbacks": run.rollbacks,
+        **world_info(config, run.world),
         "early_stopping": run.early_stop or None,
         "tokens_per_s": run.tokens_seen / train_s if train_s > 0 else None,
-        "tokens": run.tokens_before + run.tokens_seen, "tokens_this_attempt": run.tokens_seen,
-        "packing": run.packing.to_dict() if run.packing else None, "train_on": config.train_on,
+        "tokens": run.tokens_before + run.tokens_seen,
+        "tokens_this_attempt": run.tokens_seen,
+        "packing": run.packing.to_dict() if run.packing else None,
+        "train_on": config.train_on,
         "data": [f.to_dict() for f in run.data_files],
-        "durations_s": {"setup": round(timing["setup"], 3), "train": round(train_s, 3), "train_cpu": round(run.train_cpu_s, 3), "total": round(now - timing["start"], 3)},
-        "started_at": iso_utc(timing["start"]), "finished_at": iso_utc(now),
+        "durations_s": {
+            "setup": round(timing["setup"], 3),
+            "train": round(train_s, 3),
+            "train_cpu": round(run.train_cpu_s, 3),
+            "total": round(now - timing["start"], 3),
+        },
+        "started_at": iso_utc(timing["start"]),
+        "finished_at": iso_utc(now),
     }
     summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
     artifacts.write_summary(inv.job_dir, summary)
     plotter.wait()
     artifacts.write_sums(inv.job_dir, names)
-    run.metrics.write(RECORD_DONE, outcome=outcome, step=summary["steps"], total_steps=summary["total_steps"],
-                      loss=run.last_loss, eval_loss=run.last_eval_loss, exit_code=EXIT_FOR[outcome])
+    run.metrics.write(
+        RECORD_DONE,
+        outcome=outcome,
+        step=summary["steps"],
+        total_steps=summary["total_steps"],
+        loss=run.last_loss,
+        eval_loss=run.last_eval_loss,
+        exit_code=EXIT_FOR[outcome],
+    )
     run.metrics.sync()
-    print(f"trainq: {outcome} at step {summary['steps']}/{summary['total_steps']} "
-          f"(loss {run.last_loss}, best eval loss {run.best_eval_loss}); summary.json written", flush=True)
+    print(
+        f"trainq: {outcome} at step {summary['steps']}/{summary['total_steps']} "
+        f"(loss {run.last_loss}, best eval loss {run.best_eval_loss}); summary.json written",
+        flush=True,
+    )
     return EXIT_FOR[outcome]
 
 
@@ -383,9 +544,13 @@ def check_reporters(config: TrainConfig, job_dir: Path) -> None:
     """``report_to: [tensorboard]`` needs a TensorBoard writer installed; say so before any work is done."""
     import importlib.util
 
-    if "tensorboard" in config.report_to and not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
-        raise ConfigError(f"{job_dir / 'job.yaml'}: train.report_to: tensorboard needs the tensorboard package in the "
-                          "trainer's environment (pip install 'trainq[tensorboard]'); remove it or install it")
+    if "tensorboard" in config.report_to and not any(
+        importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")
+    ):
+        raise ConfigError(
+            f"{job_dir / 'job.yaml'}: train.report_to: tensorboard needs the tensorboard package in the "
+            "trainer's environment (pip install 'trainq[tensorboard]'); remove it or install it"
+        )
 
 
 def settle_config(config: TrainConfig, inv: Invocation, metrics: MetricsWriter, data: LoadedData, world_size: int = 1):
@@ -413,8 +578,11 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     world = distributed.World.from_env()
     distributed.init(world, cpu=not torch.cuda.is_available())
     if world.is_distributed:
-        print(f"trainq: rank {world.rank} of {world.world_size} (local rank {world.local_rank}, "
-              f"{'cpu' if not torch.cuda.is_available() else f'cuda:{world.local_rank}'}, pid {os.getpid()})", flush=True)
+        print(
+            f"trainq: rank {world.rank} of {world.world_size} (local rank {world.local_rank}, "
+            f"{'cpu' if not torch.cuda.is_available() else f'cuda:{world.local_rank}'}, pid {os.getpid()})",
+            flush=True,
+        )
     check_reporters(config, inv.job_dir)
     if config.report_to:
         os.environ["TENSORBOARD_LOGGING_DIR"] = str(inv.job_dir / "tensorboard")  # read by transformers' callback
@@ -423,7 +591,9 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     data = load_data(config.train_sources, config.eval_file, config.eval_fraction, config.max_bad_rows)
     report_data(data, metrics)
     config, resume, saved, preset_info = settle_config(config, inv, metrics, data, world.world_size)
-    check_startup(config, inv.job_dir / "job.yaml")  # model, weights, tokenizer, target modules, template: before any (smoke) training
+    check_startup(
+        config, inv.job_dir / "job.yaml"
+    )  # model, weights, tokenizer, target modules, template: before any (smoke) training
     precision = resolve_precision(config.precision)
     tokenizer = load_tokenizer(config.model, config.chat_template)
     cache_dir = inv.job_dir / ".cache" / "tokenized" if config.data_cache else None
@@ -434,8 +604,9 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
 
         (train_set, eval_set), cached = datasets_for(data, tokenizer, config.seq_len), False
     else:
-        train_set, eval_set, cached = tokenize_cached(data, tokenizer, config.seq_len, config.train_on,
-                                                      config.eval_fraction, cache_dir)
+        train_set, eval_set, cached = tokenize_cached(
+            data, tokenizer, config.seq_len, config.train_on, config.eval_fraction, cache_dir
+        )
     if world.is_main:
         distributed.barrier(world)
     if cached and world.is_main:
@@ -447,18 +618,40 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     elif config.debug and resume is None:
         from trainq.trainer.debugrun import run_debug
 
-        code = run_debug(config, inv.job_dir, inv.stop_flag, total_steps(config, len(data.train)), metrics,
-                         uniform_loss(len(tokenizer)))
+        code = run_debug(
+            config,
+            inv.job_dir,
+            inv.stop_flag,
+            total_steps(config, len(data.train)),
+            metrics,
+            uniform_loss(len(tokenizer)),
+        )
         if code is not None:
             return code
-    metrics.event("start", f"attempt {inv.attempt}: {config.method}, pid {os.getpid()}" + (f", resuming from {resume}" if resume else ""),
-                  attempt=inv.attempt, pid=os.getpid(), resume_from=str(resume) if resume else None)
+    metrics.event(
+        "start",
+        f"attempt {inv.attempt}: {config.method}, pid {os.getpid()}" + (f", resuming from {resume}" if resume else ""),
+        attempt=inv.attempt,
+        pid=os.getpid(),
+        resume_from=str(resume) if resume else None,
+    )
     env = artifacts.environment(config.to_dict(), {"name": precision.name, "reason": precision.reason}, preset_info)
     if world.is_main:
-        artifacts.write_env(inv.job_dir, {**env, "data": [f.to_dict() for f in data.files], **world_info(config, world)})
+        artifacts.write_env(
+            inv.job_dir, {**env, "data": [f.to_dict() for f in data.files], **world_info(config, world)}
+        )
 
-    run = RunState(config=config, ckpt_dir=JobPaths(inv.job_dir).checkpoints, stop_flag=inv.stop_flag, metrics=metrics,
-                   faults=faults, attempt=inv.attempt, data_files=data.files, resumed_from=resume, world=world)
+    run = RunState(
+        config=config,
+        ckpt_dir=JobPaths(inv.job_dir).checkpoints,
+        stop_flag=inv.stop_flag,
+        metrics=metrics,
+        faults=faults,
+        attempt=inv.attempt,
+        data_files=data.files,
+        resumed_from=resume,
+        world=world,
+    )
     if saved:
         run.lr_scale, run.rollbacks = saved["lr_scale"], saved.get("rollbacks", 0)
         run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]
@@ -481,6 +674,10 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     outcome = run.stop_reason or "done"
     code = finish(outcome, trainer, tokenizer, config, run, inv, timing)
     if outcome == "nan":
-        print(f"trainq: training diverged: non-finite loss persisted through {run.rollbacks} rollbacks "
-              f"(lr x{run.lr_scale:g}); lower lr or check the data", file=sys.stderr, flush=True)
+        print(
+            f"trainq: training diverged: non-finite loss persisted through {run.rollbacks} rollbacks "
+            f"(lr x{run.lr_scale:g}); lower lr or check the data",
+            file=sys.stderr,
+            flush=True,
+        )
     return code

@@ -3,6 +3,7 @@
 Every file's sha256 and row counts are recorded (summary.json, env.json, a ``data`` event in metrics.jsonl and
 each checkpoint), so a resume can refuse data that changed under it (``allow_changed_data: true`` overrides).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainq.trainer.checkpoints import sha256_file
-from trainq.trainer.data import (BadRow, DataError, Row, TokenizedDataset, counts_text, read_rows, require_rows, split,
-                                 tokenize)
+from trainq.trainer.data import (
+    BadRow,
+    DataError,
+    Row,
+    TokenizedDataset,
+    counts_text,
+    read_rows,
+    require_rows,
+    split,
+    tokenize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +34,8 @@ logger = logging.getLogger(__name__)
 NAMED_BAD_LINES = 3
 #: bump when the cached example layout changes
 CACHE_FORMAT = 2
+
+
 @dataclass(frozen=True)
 class DataFile:
     """One data file as this run read it."""
@@ -60,8 +72,10 @@ def check_bad_rows(path: str, rows: list[Row], bad: list[BadRow], max_bad_rows: 
     if len(bad) <= limit:
         return
     first = "; ".join(f"line {b.line}: {b.reason}" for b in bad[:NAMED_BAD_LINES])
-    raise DataError(f"{path}: {len(bad)} bad rows of {len(rows) + len(bad)}, over train.data.max_bad_rows "
-                    f"({max_bad_rows:g} -> {limit} allowed): {first}; fix the rows or raise the limit")
+    raise DataError(
+        f"{path}: {len(bad)} bad rows of {len(rows) + len(bad)}, over train.data.max_bad_rows "
+        f"({max_bad_rows:g} -> {limit} allowed): {first}; fix the rows or raise the limit"
+    )
 
 
 def weighted(rows: list[Row], weight: float) -> list[Row]:
@@ -80,7 +94,9 @@ def _read(path: str, role: str, max_bad_rows: float, weight: float = 1.0) -> tup
     return rows, bad, DataFile(path, role, sha256_file(Path(path)), len(rows), len(bad), weight)
 
 
-def load_data(train: str | tuple | list, eval_file: str | None, eval_fraction: float, max_bad_rows: float = 0) -> LoadedData:
+def load_data(
+    train: str | tuple | list, eval_file: str | None, eval_fraction: float, max_bad_rows: float = 0
+) -> LoadedData:
     """Read, gate and hash the data files (no tokenizer needed: this runs before the model loads).
 
     ``train`` is one path or a sequence of ``(path, weight)``; the held-out split happens per file, before weighting,
@@ -112,31 +128,38 @@ def changed_files(saved: list[dict], current: tuple[DataFile, ...]) -> list[str]
         now = [f for f in current if f.role == role]
         for old, new in zip(before, now):
             if old["sha256"] != new.sha256:
-                changes.append(f"{role} data {new.path} changed (sha256 {old['sha256'][:12]} -> {new.sha256[:12]}, "
-                               f"rows {old['rows']} -> {new.rows})")
+                changes.append(
+                    f"{role} data {new.path} changed (sha256 {old['sha256'][:12]} -> {new.sha256[:12]}, "
+                    f"rows {old['rows']} -> {new.rows})"
+                )
             elif old.get("weight", 1.0) != new.weight:
                 changes.append(f"{role} data {new.path} weight {old.get('weight', 1.0)} -> {new.weight}")
-        changes += [f"{role} data {f.path} added" for f in now[len(before):]]
-        changes += [f"{role} data {f['path']} removed" for f in before[len(now):]]
+        changes += [f"{role} data {f.path} added" for f in now[len(before) :]]
+        changes += [f"{role} data {f['path']} removed" for f in before[len(now) :]]
     return changes
 
 
 # -- the tokenized-data cache ------------------------------------------------------------------------------
 
+
 def cache_key(files: tuple[DataFile, ...], tokenizer, seq_len: int, train_on: str, eval_fraction: float) -> str:
     """Data hashes + tokenizer (vocabulary, specials, chat template) + seq_len + train_on."""
     digest = hashlib.sha256()
-    tok = {"vocab": sorted(tokenizer.get_vocab().items()), "special": tokenizer.special_tokens_map,
-           "template": getattr(tokenizer, "chat_template", None), "class": type(tokenizer).__name__}
+    tok = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": tokenizer.special_tokens_map,
+        "template": getattr(tokenizer, "chat_template", None),
+        "class": type(tokenizer).__name__,
+    }
     digest.update(json.dumps(tok, sort_keys=True, default=str).encode())
     content = [(f.role, f.sha256, f.weight) for f in files]  # not the paths: the job folder moves between states
-    digest.update(json.dumps([CACHE_FORMAT, content, seq_len, train_on, eval_fraction],
-                             sort_keys=True).encode())
+    digest.update(json.dumps([CACHE_FORMAT, content, seq_len, train_on, eval_fraction], sort_keys=True).encode())
     return digest.hexdigest()
 
 
-def tokenize_cached(data: LoadedData, tokenizer, seq_len: int, train_on: str, eval_fraction: float,
-                    cache_dir: Path | None) -> tuple[TokenizedDataset, TokenizedDataset | None, bool]:
+def tokenize_cached(
+    data: LoadedData, tokenizer, seq_len: int, train_on: str, eval_fraction: float, cache_dir: Path | None
+) -> tuple[TokenizedDataset, TokenizedDataset | None, bool]:
     """(train set, eval set or None, whether it came from the cache); writes the cache when it was missing."""
     key = cache_key(data.files, tokenizer, seq_len, train_on, eval_fraction)
     path = cache_dir / f"{key}.pkl" if cache_dir is not None else None
@@ -153,14 +176,20 @@ def tokenize_cached(data: LoadedData, tokenizer, seq_len: int, train_on: str, ev
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
-            pickle.dump(((train_set.examples, train_set.bad),
-                         (eval_set.examples, eval_set.bad) if eval_set is not None else None), f)
+            pickle.dump(
+                (
+                    (train_set.examples, train_set.bad),
+                    (eval_set.examples, eval_set.bad) if eval_set is not None else None,
+                ),
+                f,
+            )
         os.replace(tmp, path)
     return train_set, eval_set, False
 
 
-def check_encoded(data: LoadedData, train_set: TokenizedDataset, eval_set: TokenizedDataset | None,
-                  max_bad_rows: float) -> list[BadRow]:
+def check_encoded(
+    data: LoadedData, train_set: TokenizedDataset, eval_set: TokenizedDataset | None, max_bad_rows: float
+) -> list[BadRow]:
     """Gate the rows tokenizing rejected (with each file's parse errors) on ``max_bad_rows``, and refuse a training
     set that filtering emptied, with the count of each reason; returns the newly rejected rows."""
     encoded_bad = train_set.bad + (eval_set.bad if eval_set is not None else [])
@@ -169,15 +198,19 @@ def check_encoded(data: LoadedData, train_set: TokenizedDataset, eval_set: Token
         total = info.rows + info.bad_rows
         limit = bad_row_limit(max_bad_rows, total)
         if len(mine) > limit:
-            first = "; ".join(f"line {b.line}: {b.reason}" for b in sorted(mine, key=lambda b: b.line)[:NAMED_BAD_LINES])
-            raise DataError(f"{info.path}: {len(mine)} bad rows of {total} ({counts_text(mine)}), over "
-                            f"train.data.max_bad_rows ({max_bad_rows:g} -> {limit} allowed): {first}; fix the rows or "
-                            "raise the limit")
+            first = "; ".join(
+                f"line {b.line}: {b.reason}" for b in sorted(mine, key=lambda b: b.line)[:NAMED_BAD_LINES]
+            )
+            raise DataError(
+                f"{info.path}: {len(mine)} bad rows of {total} ({counts_text(mine)}), over "
+                f"train.data.max_bad_rows ({max_bad_rows:g} -> {limit} allowed): {first}; fix the rows or "
+                "raise the limit"
+            )
     if len(train_set) == 0:
         train_files = ", ".join(f.path for f in data.files if f.role == "train")
         every = data.bad + encoded_bad
-        raise DataError(f"{train_files}: no usable training row after filtering ({len(every)} bad: "
-                        f"{counts_text(every)}); first: {every[0] if every else 'none'}")
+        raise DataError(
+            f"{train_files}: no usable training row after filtering ({len(every)} bad: "
+            f"{counts_text(every)}); first: {every[0] if every else 'none'}"
+        )
     return encoded_bad
-
-

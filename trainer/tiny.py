@@ -4,6 +4,7 @@ Usage: ``python -m trainq.trainer.tiny DIR [--size tiny|small]`` writes ``DIR/mo
 weights, a byte-level BPE tokenizer trained here), ``DIR/train.jsonl`` and ``DIR/eval.jsonl``, then prints the paths.
 ``tiny`` (~0.2M params) is for tests; ``small`` (a few million) for benchmarks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,7 +70,9 @@ def train_tokenizer(corpus: list[str], vocab: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=[PAD, BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab,
+        special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
@@ -83,9 +86,17 @@ def build_model(size: TinySize, vocab: int):
 
     torch.manual_seed(SEED)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=size.hidden, intermediate_size=size.intermediate,
-        num_hidden_layers=size.layers, num_attention_heads=size.heads, num_key_value_heads=size.heads,
-        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.heads,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
 
@@ -111,7 +122,9 @@ def build(out_dir: Path, size_name: str = "tiny") -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: build and print the paths."""
-    parser = argparse.ArgumentParser(prog=os.environ.get("TRAINQ_PROG") or "python -m trainq.trainer.tiny", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=os.environ.get("TRAINQ_PROG") or "python -m trainq.trainer.tiny", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("dir", type=Path, help="output folder (created)")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="tiny for tests, small for benchmarks")
     args = parser.parse_args(argv)

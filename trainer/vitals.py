@@ -11,6 +11,7 @@ and the learning rate checked against the schedule the trainer configured.
   schedule built from the same scheduler name and warm-up (stateless in s, so a resume or a rollback's
   lr halving raises nothing); a deviation beyond ``LR_RTOL`` ends the run with diagnosis ``schedule``.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,10 @@ LR_RTOL = 1e-4
 LR_ATOL = 1e-12
 #: the outcome (and diagnosis kind) of a run stopped for a schedule deviation
 OUTCOME_SCHEDULE = "schedule"
-SCHEDULE_ADVICE = ("The learning rate applied differs from the configured schedule: check custom code that sets "
-                   "param_groups' lr, a scheduler changed on resume, or the warm-up settings.")
+SCHEDULE_ADVICE = (
+    "The learning rate applied differs from the configured schedule: check custom code that sets "
+    "param_groups' lr, a scheduler changed on resume, or the warm-up settings."
+)
 
 
 class UpdateRatio:
@@ -71,8 +74,13 @@ class ReferenceSchedule:
 
     def __init__(self, name: str, warmup_steps: int, total_steps: int, kwargs: dict | None = None):
         dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-        scheduler = get_scheduler(name, optimizer=dummy, num_warmup_steps=warmup_steps,
-                                  num_training_steps=total_steps, scheduler_specific_kwargs=kwargs or {})
+        scheduler = get_scheduler(
+            name,
+            optimizer=dummy,
+            num_warmup_steps=warmup_steps,
+            num_training_steps=total_steps,
+            scheduler_specific_kwargs=kwargs or {},
+        )
         lambdas = getattr(scheduler, "lr_lambdas", None)
         self.factor = lambdas[0] if lambdas else None
         self.name, self.warmup_steps, self.total_steps = name, warmup_steps, total_steps
@@ -100,12 +108,18 @@ class VitalsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.ratio = UpdateRatio([p for p in model.parameters() if p.requires_grad])
-        self.reference = ReferenceSchedule(str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-                                           args.get_warmup_steps(state.max_steps), state.max_steps,
-                                           args.lr_scheduler_kwargs)
+        self.reference = ReferenceSchedule(
+            str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+            args.get_warmup_steps(state.max_steps),
+            state.max_steps,
+            args.lr_scheduler_kwargs,
+        )
         if self.reference.factor is None:
-            self.run.metrics.event("schedule_check", f"schedule check off: {self.reference.name} is not a function "
-                                                     "of the step", scheduler=self.reference.name)
+            self.run.metrics.event(
+                "schedule_check",
+                f"schedule check off: {self.reference.name} is not a function of the step",
+                scheduler=self.reference.name,
+            )
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
         if optimizer is None:
@@ -120,8 +134,9 @@ class VitalsCallback(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         grad_norm = getattr(self.run.trainer, "last_grad_norm", None)
-        clipped = bool(args.max_grad_norm and grad_norm is not None and math.isfinite(grad_norm)
-                       and grad_norm > args.max_grad_norm)
+        clipped = bool(
+            args.max_grad_norm and grad_norm is not None and math.isfinite(grad_norm) and grad_norm > args.max_grad_norm
+        )
         self.clips.append(clipped)
         ratio = self.ratio.ratio() if self.ratio is not None else None
         self.run.step_vitals = {"clip": clipped, "update_ratio": ratio}
@@ -136,12 +151,22 @@ class VitalsCallback(TrainerCallback):
         applied = float(optimizer.param_groups[0]["lr"])
         if expected is None or math.isclose(applied, expected, rel_tol=LR_RTOL, abs_tol=LR_ATOL):
             return
-        words = (f"step {step + 1}: lr {applied:.6g} applied, the schedule says {expected:.6g} "
-                 f"({self.reference.name}, {self.reference.warmup_steps} warm-up steps of {self.reference.total_steps}, "
-                 f"peak {args.learning_rate:.3g})")
+        words = (
+            f"step {step + 1}: lr {applied:.6g} applied, the schedule says {expected:.6g} "
+            f"({self.reference.name}, {self.reference.warmup_steps} warm-up steps of {self.reference.total_steps}, "
+            f"peak {args.learning_rate:.3g})"
+        )
         print(f"trainq: schedule deviation: {words}", flush=True)
-        self.run.metrics.event(OUTCOME_SCHEDULE, words, kind=OUTCOME_SCHEDULE, evidence=words, advice=SCHEDULE_ADVICE,
-                               step=step + 1, expected_lr=expected, applied_lr=applied)
+        self.run.metrics.event(
+            OUTCOME_SCHEDULE,
+            words,
+            kind=OUTCOME_SCHEDULE,
+            evidence=words,
+            advice=SCHEDULE_ADVICE,
+            step=step + 1,
+            expected_lr=expected,
+            applied_lr=applied,
+        )
         self.run.stop_reason = OUTCOME_SCHEDULE
         control.should_training_stop = True
         for param in model.parameters():  # this step is not applied
@@ -150,20 +175,31 @@ class VitalsCallback(TrainerCallback):
     def _judge(self, step: int, ratio: float | None) -> None:
         """Threshold crossings become one event each (and clear when back under)."""
         fraction = sum(self.clips) / len(self.clips) if len(self.clips) >= CLIP_MIN_STEPS else None
-        self._crossing("clip_fraction", fraction, self.clip_threshold, step,
-                       f"clip fraction {fraction or 0:.2f} over the last {len(self.clips)} steps (threshold "
-                       f"{self.clip_threshold:g}): gradients are clipped on most steps; lower lr or raise max_grad_norm")
-        self._crossing("update_ratio", ratio, self.ratio_threshold, step,
-                       f"update ratio {ratio or 0:.3g} (threshold {self.ratio_threshold:g}): each step moves the weights "
-                       "by a large fraction of their size; lower lr")
+        self._crossing(
+            "clip_fraction",
+            fraction,
+            self.clip_threshold,
+            step,
+            f"clip fraction {fraction or 0:.2f} over the last {len(self.clips)} steps (threshold "
+            f"{self.clip_threshold:g}): gradients are clipped on most steps; lower lr or raise max_grad_norm",
+        )
+        self._crossing(
+            "update_ratio",
+            ratio,
+            self.ratio_threshold,
+            step,
+            f"update ratio {ratio or 0:.3g} (threshold {self.ratio_threshold:g}): each step moves the weights "
+            "by a large fraction of their size; lower lr",
+        )
 
     def _crossing(self, name: str, value: float | None, threshold: float, step: int, message: str) -> None:
         if value is None:
             return
         if value > threshold and name not in self.alerting:
             self.alerting.add(name)
-            self.run.metrics.event("health", f"step {step}: {message}", signal=name, value=value, threshold=threshold,
-                                   step=step)
+            self.run.metrics.event(
+                "health", f"step {step}: {message}", signal=name, value=value, threshold=threshold, step=step
+            )
             print(f"trainq: health: step {step}: {message}", flush=True)
         elif value <= threshold and name in self.alerting:
             self.alerting.discard(name)

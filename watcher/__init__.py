@@ -2,4 +2,5 @@
 
 The watcher never imports the training stack; it talks to the trainer only through files.
 """
+
 __version__ = "0.1.0"

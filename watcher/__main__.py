@@ -1,4 +1,5 @@
 """``python -m trainq.watcher`` is the ``trainq`` command."""
+
 import sys
 
 from trainq.watcher.cli.main import main

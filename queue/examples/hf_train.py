@@ -9,6 +9,7 @@ reads progress (step/total, loss, ETA) from what the Trainer prints.
 
 `python -m trainq.trainer.tiny DIR` builds a tiny model and data to try it on (seconds, CPU).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, 
 @dataclass
 class ScriptArgs:
     model: str = field(metadata={"help": "a local model folder"})
-    data: str = field(metadata={"help": "a JSONL file of {\"text\": ...} rows"})
+    data: str = field(metadata={"help": 'a JSONL file of {"text": ...} rows'})
     seq_len: int = 48
     trainq: bool = field(default=False, metadata={"help": "add trainq's TrainerCallback"})
 
@@ -51,8 +52,9 @@ def main() -> None:
         from trainq.trainer.integrations import TrainqCallback  # the one line trainq asks for
 
         callbacks.append(TrainqCallback())
-    trainer = Trainer(model=model, args=args, train_dataset=TextRows(script.data, tokenizer, script.seq_len),
-                      callbacks=callbacks)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=TextRows(script.data, tokenizer, script.seq_len), callbacks=callbacks
+    )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(f"{args.output_dir}/final")
 

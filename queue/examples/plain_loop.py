@@ -4,6 +4,7 @@ Job file: command: [python, plain_loop.py, --steps, 1000]  and  resume_args: [] 
 $TRAINQ_RESUME_FROM itself). Checkpoints are written as step-N.tmp then renamed to step-N, so a
 kill mid-save never leaves a half checkpoint under a name trainq would pick.
 """
+
 import argparse, json, os, time
 
 import torch
@@ -30,8 +31,10 @@ if os.environ.get("TRAINQ_RESUME_FROM"):  # set only when this attempt resumes
 def save(step):
     final = os.path.join(job_dir, "checkpoints", f"step-{step}")
     os.makedirs(final + ".tmp", exist_ok=True)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                "rng": torch.get_rng_state()}, os.path.join(final + ".tmp", "state.pt"))
+    torch.save(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "rng": torch.get_rng_state()},
+        os.path.join(final + ".tmp", "state.pt"),
+    )
     os.replace(final + ".tmp", final)  # complete, or not there at all
     metrics.write(json.dumps({"type": "checkpoint", "step": step, "path": final, "time": time.time()}) + "\n")
 
@@ -41,8 +44,10 @@ while step < args.steps:
     loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
     opt.zero_grad(), loss.backward(), opt.step()
     step += 1
-    metrics.write(json.dumps({"type": "step", "step": step, "total_steps": args.steps, "loss": loss.item(),
-                              "time": time.time()}) + "\n")
+    metrics.write(
+        json.dumps({"type": "step", "step": step, "total_steps": args.steps, "loss": loss.item(), "time": time.time()})
+        + "\n"
+    )
     if step % args.save_every == 0:
         save(step)
     if stop_flag and os.path.exists(stop_flag):  # trainq stop: save, exit 0 (recorded cancelled)

@@ -1,4 +1,5 @@
 """Reads a data file that is not JSON lines: dies of a real JSONDecodeError traceback (exit 1)."""
+
 import json
 import os
 

@@ -10,6 +10,7 @@ With --metrics, a step record goes to $TRAINQ_METRICS after each line.
 --fail-first-after K: attempt 1 prints K lines, then exits 3 (the watcher retries it).
 --gates H: after line H, wait until the file $TRAINQ_JOB_DIR/go-H exists (the test says when).
 """
+
 import argparse
 import json
 import os
@@ -54,8 +55,12 @@ for i in range(1, opts.lines + 1):
     line(i)
     if opts.metrics:
         with open(os.environ["TRAINQ_METRICS"], "a") as f:
-            f.write(json.dumps({"type": "step", "step": i, "total_steps": opts.lines, "loss": 10.0 / i,
-                                "time": time.time()}) + "\n")
+            f.write(
+                json.dumps(
+                    {"type": "step", "step": i, "total_steps": opts.lines, "loss": 10.0 / i, "time": time.time()}
+                )
+                + "\n"
+            )
     if attempt == 1 and i == opts.fail_first_after:
         sys.exit(3)
     if i in gates:

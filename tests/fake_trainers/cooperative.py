@@ -1,4 +1,5 @@
 """Polls $TRAINQ_STOP_FLAG (every argv[1] seconds, default 0.02); when it appears, writes a checkpoint, exits 0."""
+
 import os
 import sys
 import time

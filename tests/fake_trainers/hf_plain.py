@@ -4,6 +4,7 @@ Full fine-tuning of the tiny model; every standard TrainingArguments flag works 
 --max_steps, --save_steps, --resume_from_checkpoint, ...). --step_sleep_s paces steps so a test can
 stop it mid-run; --save_weights FILE writes the final weights for a bitwise comparison.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    HfArgumentParser,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 
 @dataclass
@@ -57,8 +64,9 @@ def main() -> None:
         from trainq.trainer.integrations import TrainqCallback
 
         callbacks.append(TrainqCallback())
-    trainer = Trainer(model=model, args=args, train_dataset=Rows(script.data, tokenizer, script.seq_len),
-                      callbacks=callbacks)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Rows(script.data, tokenizer, script.seq_len), callbacks=callbacks
+    )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if script.save_weights and trainer.state.global_step >= args.max_steps:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, script.save_weights)

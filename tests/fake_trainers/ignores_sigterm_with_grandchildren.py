@@ -1,4 +1,5 @@
 """Ignores SIGTERM, starts a child and a double-forked grandchild that ignore it too, writes their pids, sleeps."""
+
 import os
 import signal
 import time

@@ -1,4 +1,5 @@
 """Dies of SIGKILL (as if killed from outside without an OOM trace)."""
+
 import os
 import signal
 

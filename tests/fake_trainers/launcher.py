@@ -1,4 +1,5 @@
 """A stand-in watcher: launches one supervisor from a LaunchSpec JSON file, prints its pid, sleeps until killed."""
+
 import json
 import sys
 import time

@@ -1,4 +1,5 @@
 """Double-forks a daemon that ignores SIGTERM and sleeps, writes its pid, then exits 0 at once."""
+
 import os
 import signal
 import time

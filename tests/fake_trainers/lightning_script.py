@@ -1,4 +1,5 @@
 """A small Lightning script with the one-line trainq callback; resumes with --ckpt_path (trainq's resume_args)."""
+
 import argparse
 import time
 
@@ -37,8 +38,14 @@ def main():
     torch.set_num_threads(1)
     x = torch.randn(64, 8)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    trainer = pl.Trainer(max_steps=40, logger=False, enable_checkpointing=False, accelerator="cpu",
-                         enable_model_summary=False, callbacks=[TrainqLightningCallback(), Resumed()])
+    trainer = pl.Trainer(
+        max_steps=40,
+        logger=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        enable_model_summary=False,
+        callbacks=[TrainqLightningCallback(), Resumed()],
+    )
     trainer.fit(Regression(), data, ckpt_path=args.ckpt_path)
     print(f"final global_step {trainer.global_step}", flush=True)
 

@@ -1,4 +1,5 @@
 """Writes one step record to $TRAINQ_METRICS, then sleeps (a job that stalls)."""
+
 import json
 import os
 import time

@@ -1,4 +1,5 @@
 """Computes a loss that really overflows to inf, reports it, exits 1 (or the code given as argv[1])."""
+
 import math
 import sys
 

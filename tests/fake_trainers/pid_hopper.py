@@ -8,6 +8,7 @@ Usage: pid_hopper.py MARKER READY_FILE
 Imported (tests, bench/bench_containment.py), it gives ``with_marker`` and ``stamp_out``, the way to end
 every generation for sure.
 """
+
 import os
 import signal
 import sys

@@ -1,4 +1,5 @@
 """Treats SIGTERM as preemption like the trainer: says so and exits 143 (EXIT_PREEMPTED)."""
+
 import signal
 import sys
 import time

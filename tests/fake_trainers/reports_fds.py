@@ -1,4 +1,5 @@
 """Prints the fds it holds (a job must inherit only stdin, stdout and stderr); --sleep waits 0.3 s first."""
+
 import os
 import sys
 import time

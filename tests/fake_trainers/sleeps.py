@@ -1,4 +1,5 @@
 """Says it is ready, then sleeps until killed; default SIGTERM handling (so SIGTERM ends it)."""
+
 import time
 
 print("ready", flush=True)

@@ -4,6 +4,7 @@ Writes step records with total_steps (so trainq can forecast its end) and a chec
 checkpoint; on stop.flag it checkpoints and exits 0; it resumes from $TRAINQ_RESUME_FROM.
 usage: slow_steps.py STEPS SLEEP EVERY
 """
+
 import json
 import os
 import sys
@@ -32,8 +33,9 @@ def save(step):
 while step < steps:
     time.sleep(sleep_s)
     step += 1
-    metrics.write(json.dumps({"type": "step", "step": step, "total_steps": steps, "loss": 1.0 / step,
-                              "time": time.time()}) + "\n")
+    metrics.write(
+        json.dumps({"type": "step", "step": step, "total_steps": steps, "loss": 1.0 / step, "time": time.time()}) + "\n"
+    )
     if step % every == 0:
         save(step)
     if os.path.exists(stop_flag):

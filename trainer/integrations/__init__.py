@@ -13,6 +13,7 @@ exits 143, so a retry resumes. Outside trainq (no ``TRAINQ_*`` variables) they d
 
 Importing this package is light: transformers or Lightning load only when a callback is asked for.
 """
+
 from __future__ import annotations
 
 from trainq.trainer.integrations.link import TrainqLink

@@ -1,4 +1,5 @@
 """``TrainqCallback``: a transformers ``TrainerCallback`` that reports to trainq and stops cleanly."""
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,14 @@ class TrainqCallback(TrainerCallback):
         if "eval_loss" in logs:
             self.link.eval(state.global_step, logs.get("eval_loss"), epoch=logs.get("epoch"))
         elif "loss" in logs:
-            self.link.step(state.global_step, total_steps=state.max_steps or None, loss=logs.get("loss"),
-                           lr=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"), epoch=logs.get("epoch"))
+            self.link.step(
+                state.global_step,
+                total_steps=state.max_steps or None,
+                loss=logs.get("loss"),
+                lr=logs.get("learning_rate"),
+                grad_norm=logs.get("grad_norm"),
+                epoch=logs.get("epoch"),
+            )
 
     def on_save(self, args, state, control, **kwargs):
         # the Trainer calls on_save once checkpoint-N is complete (trainer_state.json written)

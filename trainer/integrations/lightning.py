@@ -3,6 +3,7 @@
 Built on the Lightning flavour the script uses (``lightning.pytorch`` or ``pytorch_lightning``: a
 Trainer accepts only its own package's Callback), picked from what is already imported.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -55,8 +56,9 @@ class _Hooks:
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = int(trainer.global_step)
         if trainer.is_global_zero:
-            self.link.step(step, total_steps=_total_steps(trainer), loss=_loss(outputs),
-                           epoch=_epoch(trainer, batch_idx))
+            self.link.step(
+                step, total_steps=_total_steps(trainer), loss=_loss(outputs), epoch=_epoch(trainer, batch_idx)
+            )
             self._record_saved(trainer, step)
         sigterm = bool(getattr(trainer, "received_sigterm", False))  # Lightning owns SIGTERM and raises after this hook
         if self.stopped_at is None and (self.link.stop_requested() or sigterm):
@@ -66,7 +68,8 @@ class _Hooks:
         """Save where the job's checkpoints go, record it, and end fit() after this batch."""
         self.stopped_at = step
         folder = getattr(trainer.checkpoint_callback, "dirpath", None) or os.path.join(
-            str(self.link.job_dir or trainer.default_root_dir), "checkpoints")
+            str(self.link.job_dir or trainer.default_root_dir), "checkpoints"
+        )
         path = os.path.join(folder, f"trainq-step={step}.ckpt")
         trainer.save_checkpoint(path)
         if trainer.is_global_zero:

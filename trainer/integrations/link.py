@@ -6,6 +6,7 @@ Torch-free, so a plain PyTorch loop can use it too::
     link.step(step, total_steps=total, loss=loss)
     if link.stop_requested(): save(...); link.checkpoint(path, step=step); sys.exit(0)
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainq.trainer.metrics import MetricsWriter
-from trainq.watcher.spec.contract import (ENV_JOB_DIR, ENV_METRICS, ENV_STOP_FLAG, RECORD_CHECKPOINT, RECORD_EVAL,
-                                     RECORD_STEP)
+from trainq.watcher.spec.contract import (
+    ENV_JOB_DIR,
+    ENV_METRICS,
+    ENV_STOP_FLAG,
+    RECORD_CHECKPOINT,
+    RECORD_EVAL,
+    RECORD_STEP,
+)
 
 #: the exit status of a script that saved and stopped on SIGTERM (128 + 15, as a shell reports it)
 EXIT_PREEMPTED = 143

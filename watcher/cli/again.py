@@ -5,6 +5,7 @@ resume from); a dependent whose dependency ended badly must wait for that one to
 a rejected job is fixed with ``trainq edit ID`` (same id). Nothing here advises an action that does
 not apply to the job at hand.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,12 +51,18 @@ def rerun_line(root: Path, job_id: str, path: Path, run: dict, spec: JobSpec | N
     blocked = blocking_dependency(root, spec)
     if blocked:
         dep, dep_status = blocked
-        return (f"  to run it again: first `trainq retry {dep}` (its dependency, which ended {dep_status}); "
-                f"then `trainq retry {job_id}`")
+        return (
+            f"  to run it again: first `trainq retry {dep}` (its dependency, which ended {dep_status}); "
+            f"then `trainq retry {job_id}`"
+        )
     if ((run.get("diagnosis") or {}).get("kind")) == "unsatisfiable":
-        return (f"  to run it: lower its resources to what this machine has with `trainq edit {job_id}` "
-                "(it then runs under the same id)")
+        return (
+            f"  to run it: lower its resources to what this machine has with `trainq edit {job_id}` "
+            "(it then runs under the same id)"
+        )
     if not run.get("attempts"):
         return f"  to run it (it never started): trainq retry {job_id}; to change it first: trainq edit {job_id}"
-    return (f"  to run it again ({resume_words(path, spec)}): trainq retry {job_id}; "
-            f"to change it first: trainq edit {job_id}")
+    return (
+        f"  to run it again ({resume_words(path, spec)}): trainq retry {job_id}; "
+        f"to change it first: trainq edit {job_id}"
+    )

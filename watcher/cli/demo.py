@@ -5,6 +5,7 @@ runs the watcher until the queue is idle, and says where the adapter, summary an
 Everything goes through the same files a user would touch; the watcher never imports the
 trainer (the trainer runs as ``python -m trainq.trainer`` in the job's own process).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,10 @@ def run_demo(root: Path) -> int:
         subprocess.run([sys.executable, "-m", "trainq.trainer.tiny", str(demo_dir)], check=True)
     job_file = _submit_example(root)
     job_id = _id_for(job_file)
-    print(f"demo: submitted {job_file.relative_to(root.parent) if root.parent in job_file.parents else job_file}",
-          flush=True)
+    print(
+        f"demo: submitted {job_file.relative_to(root.parent) if root.parent in job_file.parents else job_file}",
+        flush=True,
+    )
     _watch_until_done(root, job_id)
     return _report(root, job_id)
 
@@ -87,8 +90,14 @@ def _report(root: Path, job_id: str) -> int:
         print(f"  diagnosis: {run.get('diagnosis')}\n  log: {paths.log}")
         return 1
     summary = json.loads(paths.summary.read_text()) if paths.summary.exists() else {}
-    for label, path in (("adapter", job_dir / "adapter"), ("summary", paths.summary), ("loss plot", paths.loss_png),
-                        ("metrics", paths.metrics), ("log", paths.log), ("checksums", job_dir / "SHA256SUMS")):
+    for label, path in (
+        ("adapter", job_dir / "adapter"),
+        ("summary", paths.summary),
+        ("loss plot", paths.loss_png),
+        ("metrics", paths.metrics),
+        ("log", paths.log),
+        ("checksums", job_dir / "SHA256SUMS"),
+    ):
         print(f"  {label:10} {path}")
     for key in ("final_loss", "initial_loss", "best_eval_loss", "steps", "tokens_per_s"):
         if key in summary:

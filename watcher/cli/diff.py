@@ -6,6 +6,7 @@ environment (``environment.json``: Python, torch, CUDA, driver, GPUs, packages) 
 and best loss, steps, runtime, status: ``summary.json`` for train jobs, else ``metrics.jsonl`` and
 run.json's attempts).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,9 @@ def describe(job_dir: Path) -> dict:
     run = read_json(paths.run) or {}
     snap = paths.snapshot
     return {
-        "id": job_dir.name, "state": job_dir.parent.name, "status": run.get("status"),
+        "id": job_dir.name,
+        "state": job_dir.parent.name,
+        "status": run.get("status"),
         "params": (run.get("sweep") or {}).get("params"),
         "config": read_json(snap / "config.json") or _job_yaml(paths),
         "code": read_json(snap / "code.json"),
@@ -56,8 +59,11 @@ def _read_list(path: Path) -> list:
 def results(paths: JobPaths, run: dict) -> dict:
     """Final and best loss, steps, runtime (seconds over every attempt), attempts."""
     summary = read_json(paths.summary) or {}
-    found = {"final_loss": summary.get("final_loss"), "best_eval_loss": summary.get("best_eval_loss"),
-             "steps": summary.get("steps")}
+    found = {
+        "final_loss": summary.get("final_loss"),
+        "best_eval_loss": summary.get("best_eval_loss"),
+        "steps": summary.get("steps"),
+    }
     if not summary:
         found.update(_from_metrics(paths.metrics))
     found["runtime_s"] = _runtime_s(run)
@@ -108,9 +114,11 @@ def compare(a: dict, b: dict) -> dict[str, list[tuple[str, object, object]]]:
         "code": _code(a["code"], b["code"]),
         "data": _data(a["sources"], b["sources"], _root(a["code"]), _root(b["code"])),
         "environment": _environment(a["environment"] or {}, b["environment"] or {}),
-        "results": [(k, a["results"].get(k), b["results"].get(k)) for k in
-                    ("status", "final_loss", "best_eval_loss", "best_loss", "steps", "runtime_s", "attempts")
-                    if k != "status" and (a["results"].get(k) is not None or b["results"].get(k) is not None)]
+        "results": [
+            (k, a["results"].get(k), b["results"].get(k))
+            for k in ("status", "final_loss", "best_eval_loss", "best_loss", "steps", "runtime_s", "attempts")
+            if k != "status" and (a["results"].get(k) is not None or b["results"].get(k) is not None)
+        ]
         + [("status", a["status"], b["status"])],
     }
 
@@ -131,8 +139,7 @@ def _flat(value: object, prefix: str = "") -> dict:
 
 def _differing(fa: dict, fb: dict, skip: set[str] = frozenset()) -> list:
     keys = dict.fromkeys([*fa, *fb])
-    return [(k, fa.get(k), fb.get(k)) for k in keys
-            if k.split(".")[0] not in skip and fa.get(k) != fb.get(k)]
+    return [(k, fa.get(k), fb.get(k)) for k in keys if k.split(".")[0] not in skip and fa.get(k) != fb.get(k)]
 
 
 def _code(ca: dict | None, cb: dict | None) -> list:
@@ -140,9 +147,12 @@ def _code(ca: dict | None, cb: dict | None) -> list:
         return [("snapshot", "yes" if ca else "none", "yes" if cb else "none")] if ca != cb else []
     ga, gb = ca.get("git") or {}, cb.get("git") or {}
     if ga or gb:
-        rows = [("root", ca.get("root"), cb.get("root")), ("commit", ga.get("commit"), gb.get("commit")),
-                ("uncommitted diff (sha256)", ga.get("diff_sha256"), gb.get("diff_sha256")),
-                ("untracked", ga.get("untracked"), gb.get("untracked"))]
+        rows = [
+            ("root", ca.get("root"), cb.get("root")),
+            ("commit", ga.get("commit"), gb.get("commit")),
+            ("uncommitted diff (sha256)", ga.get("diff_sha256"), gb.get("diff_sha256")),
+            ("untracked", ga.get("untracked"), gb.get("untracked")),
+        ]
         return [r for r in rows if r[1] != r[2]]
     fa = {_in_code(f["path"], _root(ca)): f.get("sha256") for f in ca.get("files") or []}
     fb = {_in_code(f["path"], _root(cb)): f.get("sha256") for f in cb.get("files") or []}
@@ -162,17 +172,20 @@ def _data(sa: list, sb: list, root_a: str | None, root_b: str | None) -> list:
 
 def _in_code(path: str | None, root: str | None) -> str | None:
     if path and root and path.startswith(root.rstrip("/") + "/"):
-        return "<code>/" + path[len(root.rstrip("/")) + 1:]
+        return "<code>/" + path[len(root.rstrip("/")) + 1 :]
     return path
 
 
 def _environment(ea: dict, eb: dict) -> list:
     rows = []
-    for key, pick in (("host", lambda e: e.get("host")), ("python", lambda e: (e.get("python") or {}).get("version")),
-                      ("torch", lambda e: (e.get("torch") or {}).get("version")),
-                      ("cuda", lambda e: (e.get("torch") or {}).get("cuda")),
-                      ("nvidia_driver", lambda e: e.get("nvidia_driver")),
-                      ("gpus", lambda e: [g.get("name") for g in e.get("gpus") or []] or None)):
+    for key, pick in (
+        ("host", lambda e: e.get("host")),
+        ("python", lambda e: (e.get("python") or {}).get("version")),
+        ("torch", lambda e: (e.get("torch") or {}).get("version")),
+        ("cuda", lambda e: (e.get("torch") or {}).get("cuda")),
+        ("nvidia_driver", lambda e: e.get("nvidia_driver")),
+        ("gpus", lambda e: [g.get("name") for g in e.get("gpus") or []] or None),
+    ):
         if pick(ea) != pick(eb):
             rows.append((key, pick(ea), pick(eb)))
     pa, pb = ea.get("packages"), eb.get("packages")

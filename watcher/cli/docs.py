@@ -3,6 +3,7 @@
 ``python -m trainq.watcher.cli.docs`` prints the page; ``python -m trainq.watcher.cli.docs --write docs/reference.md``
 writes it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,26 @@ def reference() -> str:
     job = _load("job.schema.json")
     train = _load("train.schema.json")
     watcher = _load("watcher.schema.json")
-    parts = [_INTRO, "## Job file", "", "`schemas/job.schema.json`", "", *_table(job, job), "",
-             "## `train:`", "", "`schemas/train.schema.json`: the built-in trainer's knobs.", "", *_table(train, train), "",
-             "## watcher.yaml", "", "`schemas/watcher.schema.json`: the queue's own settings, all optional.", "",
-             *_table(watcher, watcher)]
+    parts = [
+        _INTRO,
+        "## Job file",
+        "",
+        "`schemas/job.schema.json`",
+        "",
+        *_table(job, job),
+        "",
+        "## `train:`",
+        "",
+        "`schemas/train.schema.json`: the built-in trainer's knobs.",
+        "",
+        *_table(train, train),
+        "",
+        "## watcher.yaml",
+        "",
+        "`schemas/watcher.schema.json`: the queue's own settings, all optional.",
+        "",
+        *_table(watcher, watcher),
+    ]
     return "\n".join(parts) + "\n"
 
 

@@ -7,6 +7,7 @@ fix-and-re-run (pueue's ``restart -e``): the edited job.yaml replaces the old on
 its checkpoints are still there to resume from. A rejected job's fixed file is submitted again
 under its id. These commands only make sure what lands there is valid.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,8 +82,10 @@ def edit(root: Path, job_id: str, editor: str | None = None) -> int:
     start = original
     if kept.is_file():
         start = kept.read_text(encoding="utf-8")
-        print(f"trainq: opening your earlier edit of job {job_id} (kept in {kept}); delete it to start from "
-              "job.yaml", file=sys.stderr)
+        print(
+            f"trainq: opening your earlier edit of job {job_id} (kept in {kept}); delete it to start from job.yaml",
+            file=sys.stderr,
+        )
     editor = editor or os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
     with tempfile.TemporaryDirectory(prefix="trainq-edit-") as tmp:
         draft = Path(tmp) / f"{job_id}.yaml"
@@ -104,8 +107,11 @@ def edit(root: Path, job_id: str, editor: str | None = None) -> int:
                 if sys.stdin.isatty() and input("Edit again? [Y/n] ").strip().lower() in ("", "y", "yes"):
                     continue
                 atomic_write(kept, text, durable=False)
-                print(f"trainq: job {job_id} unchanged; your edit is kept in {kept} and `trainq edit {job_id}` "
-                      "opens it again", file=sys.stderr)
+                print(
+                    f"trainq: job {job_id} unchanged; your edit is kept in {kept} and `trainq edit {job_id}` "
+                    "opens it again",
+                    file=sys.stderr,
+                )
                 return EXIT_INVALID
             break
     if mode == "pending":
@@ -132,8 +138,10 @@ def _edit_mode(found: Found) -> str:
         return "rerun"
     if found.state == "done":
         raise UsageError(f"job {found.id} is done: `trainq fork {found.id}` copies it into a new job to change")
-    raise UsageError(f"job {found.id} is {status or found.state} in {found.state}/: a running job's file is not "
-                     f"re-read; stop it first (`trainq stop {found.id}`), then edit it")
+    raise UsageError(
+        f"job {found.id} is {status or found.state} in {found.state}/: a running job's file is not "
+        f"re-read; stop it first (`trainq stop {found.id}`), then edit it"
+    )
 
 
 def _rerun_edited(root: Path, found: Found, text: str) -> None:
@@ -146,8 +154,10 @@ def _rerun_edited(root: Path, found: Found, text: str) -> None:
     blocked = blocking_dependency(root, spec)
     if blocked:
         atomic_write(found.path / DRAFT_NAME, text, durable=False)
-        raise UsageError(f"job {found.id} runs after {blocked[0]}, which ended {blocked[1]}: retry that first "
-                         f"(`trainq retry {blocked[0]}`); your edit is kept and `trainq edit {found.id}` opens it")
+        raise UsageError(
+            f"job {found.id} runs after {blocked[0]}, which ended {blocked[1]}: retry that first "
+            f"(`trainq retry {blocked[0]}`); your edit is kept and `trainq edit {found.id}` opens it"
+        )
     paths = JobPaths(found.path)
     attempts = int(found.run.get("attempt") or 0)
     previous = found.path / f"job.attempt-{attempts}.yaml"
@@ -157,8 +167,10 @@ def _rerun_edited(root: Path, found: Found, text: str) -> None:
     atomic_write(tmp, text)
     os.replace(tmp, paths.spec)
     touch(paths.retry_flag)
-    say(f"job {found.id}: job.yaml updated (the old one is {previous.name}); it runs again as attempt "
-        f"{attempts + 1} under the same id, {resume_words(found.path, spec)} (retry.flag)")
+    say(
+        f"job {found.id}: job.yaml updated (the old one is {previous.name}); it runs again as attempt "
+        f"{attempts + 1} under the same id, {resume_words(found.path, spec)} (retry.flag)"
+    )
 
 
 def _resubmit_rejected(root: Path, found: Found, text: str) -> None:

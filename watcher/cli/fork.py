@@ -5,6 +5,7 @@ temporary name and renamed in (as ``trainq submit`` does). It is validated first
 watcher will: a ``--set`` naming an unknown field or a bad value fails with the validator's own
 error and nothing is written. The watcher records ``lineage: {fork_of, parents}`` in run.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,9 +54,17 @@ def fork_data(job_dir: Path, job_id: str, sets: list[str], from_checkpoint: bool
     if from_checkpoint:
         checkpoint = latest_checkpoint(JobPaths(job_dir), running=job_dir.parent.name == "running")
         if checkpoint is None:
-            raise InvalidJobSpec(display, [Problem("from_checkpoint", f"job {job_id} has no checkpoint yet "
-                                                                      "(no checkpoint record, no checkpoints/ckpt_latest, "
-                                                                      "no complete checkpoint-N, step-N or *.ckpt)")])
+            raise InvalidJobSpec(
+                display,
+                [
+                    Problem(
+                        "from_checkpoint",
+                        f"job {job_id} has no checkpoint yet "
+                        "(no checkpoint record, no checkpoints/ckpt_latest, "
+                        "no complete checkpoint-N, step-N or *.ckpt)",
+                    )
+                ],
+            )
         data["from_checkpoint"] = _checked_checkpoint(str((job_dir / checkpoint).resolve()), display)
     JobSpec.from_dict(data, display)  # the validator's own errors, before anything is written
     return data
@@ -67,8 +76,9 @@ def _checked_checkpoint(value: object, display: str) -> str:
         raise InvalidJobSpec(display, [Problem("from_checkpoint", f"expected a checkpoint path (got {value!r})")])
     path = Path(os.path.expanduser(value)).resolve()
     if not path.exists():
-        raise InvalidJobSpec(display, [Problem("from_checkpoint", f"{path} does not exist; name an existing checkpoint "
-                                                                  "folder or file")])
+        raise InvalidJobSpec(
+            display, [Problem("from_checkpoint", f"{path} does not exist; name an existing checkpoint folder or file")]
+        )
     return str(path)
 
 

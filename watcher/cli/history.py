@@ -5,6 +5,7 @@ so it answers at once however many jobs finished (status.json keeps only the lat
 without that file yet (made before this version) is read from its done/ and failed/ folders instead.
 Jobs now pending or running again (retried) are left out: they have not finished.
 """
+
 from __future__ import annotations
 
 import csv
@@ -25,8 +26,15 @@ class HistoryUsage(Exception):
     """Raised when an option's value cannot be used (exit status 2)."""
 
 
-def history(root: Path, state: str | None = None, since: str | None = None, kind: str | None = None,
-            sweep: str | None = None, fmt: str = "table", now: float | None = None) -> int:
+def history(
+    root: Path,
+    state: str | None = None,
+    since: str | None = None,
+    kind: str | None = None,
+    sweep: str | None = None,
+    fmt: str = "table",
+    now: float | None = None,
+) -> int:
     """Print the finished jobs that match, oldest conclusion first."""
     try:
         records = select(root, state, since, kind, sweep, now)
@@ -45,8 +53,9 @@ def history(root: Path, state: str | None = None, since: str | None = None, kind
     return EXIT_OK
 
 
-def select(root: Path, state: str | None, since: str | None, kind: str | None, sweep: str | None,
-           now: float | None = None) -> list[dict]:
+def select(
+    root: Path, state: str | None, since: str | None, kind: str | None, sweep: str | None, now: float | None = None
+) -> list[dict]:
     """The matching records; HistoryUsage for a bad option value."""
     records = read_records(root)
     if records is None:
@@ -102,7 +111,9 @@ def _since(text: str | None, now: float) -> str | None:
         when = None
     stamp = None if when is None else (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
     if stamp is None:
-        raise HistoryUsage(f"--since {text!r}: expected an ISO date (2026-12-01, 2026-12-01T08:00Z) or an age (12h, 7d)")
+        raise HistoryUsage(
+            f"--since {text!r}: expected an ISO date (2026-12-01, 2026-12-01T08:00Z) or an age (12h, 7d)"
+        )
     return iso_utc(stamp)
 
 
@@ -147,7 +158,9 @@ def _table(records: list[dict]) -> str:
         if r.get("kind"):
             status += f" ({r['kind']})"
         name = r.get("name") if r.get("name") != r["id"] else ""
-        lines.append(f"{r['id']:<{width}}  {status:<22}  {r.get('type') or '-':<7}  "
-                     f"{(r.get('finished_at') or '-')[:19]:<20}  {r.get('attempts') or 0:>3}  {name or ''}")
+        lines.append(
+            f"{r['id']:<{width}}  {status:<22}  {r.get('type') or '-':<7}  "
+            f"{(r.get('finished_at') or '-')[:19]:<20}  {r.get('attempts') or 0:>3}  {name or ''}"
+        )
     lines.append(f"{len(records)} finished job(s)")
     return "\n".join(lines) + "\n"

@@ -5,6 +5,7 @@ The user config is ``config.yaml`` in platformdirs' user config folder for ``tra
 one key, ``root: /srv/trainq/queue`` (a relative path is taken from the config file's folder).
 When none of these names a queue, the error lists every place that was looked at.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,8 @@ class RootNotFound(Exception):
     def __init__(self, looked: list[str]):
         self.looked = looked
         super().__init__(
-            "no queue found; looked at " + "; ".join(looked)
+            "no queue found; looked at "
+            + "; ".join(looked)
             + ". Create one with `trainq init DIR`, or pass --root DIR (or set TRAINQ_ROOT)"
         )
 
@@ -52,8 +54,9 @@ def user_config_path(env: dict | os._Environ = os.environ) -> Path:
     return Path(platformdirs.user_config_dir("trainq", appauthor=False)) / "config.yaml"
 
 
-def locate_root(option: str | None, env: dict | os._Environ = os.environ, cwd: Path | None = None,
-                must_exist: bool = True) -> Located:
+def locate_root(
+    option: str | None, env: dict | os._Environ = os.environ, cwd: Path | None = None, must_exist: bool = True
+) -> Located:
     """The queue root to use; RootNotFound (naming where it looked) when ``must_exist`` and none is found."""
     if option:
         return Located(Path(option), "--root")
@@ -68,8 +71,12 @@ def locate_root(option: str | None, env: dict | os._Environ = os.environ, cwd: P
         return Located(configured, str(config))
     if not must_exist:
         return Located(DEFAULT_ROOT, "./queue")
-    looked = ["--root (not given)", f"${ENV_ROOT} (not set)", f"./queue ({local} does not exist)",
-              f"{config} ({'names ' + str(configured) + ', which does not exist' if configured else 'no such file'})"]
+    looked = [
+        "--root (not given)",
+        f"${ENV_ROOT} (not set)",
+        f"./queue ({local} does not exist)",
+        f"{config} ({'names ' + str(configured) + ', which does not exist' if configured else 'no such file'})",
+    ]
     raise RootNotFound(looked)
 
 

@@ -5,6 +5,7 @@ Every command does what a user could do by hand with an editor, ``cp``, ``touch`
 there is no second path into the queue. Heavy modules are imported inside the commands so
 ``trainq --help`` stays fast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,11 @@ def _parser() -> argparse.ArgumentParser:
         description="A training-job queue driven by files. Drop job YAML files into QUEUE/inbox/; "
         "read QUEUE/status.json. Every command here is a convenience over those files.",
     )
-    parser.add_argument("--root", help="queue root (default: $TRAINQ_ROOT, else ./queue, else root: in "
-                        "~/.config/trainq/config.yaml); accepted after the command too")
+    parser.add_argument(
+        "--root",
+        help="queue root (default: $TRAINQ_ROOT, else ./queue, else root: in "
+        "~/.config/trainq/config.yaml); accepted after the command too",
+    )
     sub = parser.add_subparsers(metavar="COMMAND")
 
     p = sub.add_parser("init", help="create a queue root with its five folders")
@@ -72,8 +76,11 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("watch", help="run the watcher on the queue root (foreground)")
     p.add_argument("--once", action="store_true", help="run one pass (tick) and exit")
-    p.add_argument("--until-idle", action="store_true",
-                   help="exit once nothing is pending, running or waiting in the inbox (demos, scripts)")
+    p.add_argument(
+        "--until-idle",
+        action="store_true",
+        help="exit once nothing is pending, running or waiting in the inbox (demos, scripts)",
+    )
     p.add_argument("--polling", action="store_true", help="poll instead of inotify (network filesystems)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("-q", "--quiet", action="store_true", help="log only to watcher.log")
@@ -86,16 +93,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("submit", help="validate a job file and drop a copy into the inbox atomically; "
-                       "or `submit [OPTIONS] -- CMD ARGS...`: a command job written for you",
-                       usage="trainq submit FILE [--approve] [--debug]\n"
-                             "       trainq submit [--name N] [--priority P] [--after ID] [--gpus G] [--ram 8G] "
-                             "[--timeout 2h] [--pool P] -- CMD ARGS...")
+    p = sub.add_parser(
+        "submit",
+        help="validate a job file and drop a copy into the inbox atomically; "
+        "or `submit [OPTIONS] -- CMD ARGS...`: a command job written for you",
+        usage="trainq submit FILE [--approve] [--debug]\n"
+        "       trainq submit [--name N] [--priority P] [--after ID] [--gpus G] [--ram 8G] "
+        "[--timeout 2h] [--pool P] -- CMD ARGS...",
+    )
     p.add_argument("file", metavar="FILE", nargs="?")
     add_command_options(p)
     p.add_argument("--approve", action="store_true", help="submit it with approved: true")
-    p.add_argument("--debug", action="store_true",
-                   help="submit a train job with debug: true added (a short smoke run before the real one)")
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="submit a train job with debug: true added (a short smoke run before the real one)",
+    )
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("status", help="show the queue (from status.json), one line a job")
@@ -103,8 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print status.json as it is")
     p.add_argument("--follow", "-f", action="store_true", help="redraw until Ctrl-C, fitted to the terminal")
     p.add_argument("--wide", "-w", action="store_true", help="every column, with advice and full evidence")
-    p.add_argument("--state", metavar="STATE[,STATE]", help="only these states or statuses (running, pending, "
-                   "awaiting, done, failed, cancelled, timeout, rejected, stopping)")
+    p.add_argument(
+        "--state",
+        metavar="STATE[,STATE]",
+        help="only these states or statuses (running, pending, "
+        "awaiting, done, failed, cancelled, timeout, rejected, stopping)",
+    )
     p.add_argument("--sweep", metavar="ID", help="only the jobs of this sweep")
     p.set_defaults(func=cmd_status)
 
@@ -119,15 +136,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--now", action="store_true", help="skip the job's stop_grace (stop.flag holds `now`)")
     p.set_defaults(func=cmd_stop)
 
-    p = sub.add_parser("retry", help="run a failed job again under its id (touches retry.flag); it resumes from its "
-                       "latest checkpoint when it can (train jobs, resume_args)")
+    p = sub.add_parser(
+        "retry",
+        help="run a failed job again under its id (touches retry.flag); it resumes from its "
+        "latest checkpoint when it can (train jobs, resume_args)",
+    )
     _id_argument(p)
     p.set_defaults(func=cmd_retry)
 
     p = sub.add_parser("why", help="say where a job is and why: every gate that holds it, or how it failed")
     _id_argument(p)
-    p.add_argument("--stack", action="store_true",
-                   help="a running job: record its processes' Python stacks (py-spy) into stacks/ and show the main thread")
+    p.add_argument(
+        "--stack",
+        action="store_true",
+        help="a running job: record its processes' Python stacks (py-spy) into stacks/ and show the main thread",
+    )
     p.set_defaults(func=cmd_why)
 
     p = sub.add_parser("fork", help="write a new job file into the inbox: ID's job.yaml with changes and fork_of: ID")
@@ -183,8 +206,10 @@ def cmd_init(args: argparse.Namespace) -> int:
     for folder in root.folders():
         (folder / ".gitkeep").touch(exist_ok=True)
     schemas = write_schemas(root.path)
-    print(f"{root.path}: queue ready ({len(created)} folder(s) created; JSON Schemas in {schemas}/). "
-          f"Drop job files into {root.inbox}/")
+    print(
+        f"{root.path}: queue ready ({len(created)} folder(s) created; JSON Schemas in {schemas}/). "
+        f"Drop job files into {root.inbox}/"
+    )
     return EXIT_OK
 
 
@@ -288,13 +313,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"{name}: cannot read ({exc.strerror})")
             worst = EXIT_INVALID
             continue
-        state = "approved" if spec.approved else f"valid, awaiting approval ({spec.approval_hint or 'add approved: true'})"
+        state = (
+            "approved" if spec.approved else f"valid, awaiting approval ({spec.approval_hint or 'add approved: true'})"
+        )
         if spec.sweep:
             from trainq.watcher.spec.sweeps import combinations
 
             count = combinations(spec.sweep)
-            state += (f"; a sweep: it becomes {count} job{'s' if count != 1 else ''} "
-                      f"({', '.join(map(str, spec.sweep))})")
+            state += f"; a sweep: it becomes {count} job{'s' if count != 1 else ''} ({', '.join(map(str, spec.sweep))})"
         print(f"{name}: ok, {state}")
     return worst
 
@@ -309,12 +335,25 @@ def cmd_submit(args: argparse.Namespace) -> int:
         from trainq.watcher.cli.submit_command import submit_command
 
         return submit_command(args, _root(args))
-    given = [o for o, v in (("--name", args.name), ("--priority", args.priority), ("--after", args.after),
-                            ("--gpus", args.gpus), ("--ram", args.ram), ("--timeout", args.timeout),
-                            ("--pool", args.pool)) if v not in (None, [])]
+    given = [
+        o
+        for o, v in (
+            ("--name", args.name),
+            ("--priority", args.priority),
+            ("--after", args.after),
+            ("--gpus", args.gpus),
+            ("--ram", args.ram),
+            ("--timeout", args.timeout),
+            ("--pool", args.pool),
+        )
+        if v not in (None, [])
+    ]
     if given:
-        return _fail(f"submit {args.file}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
-                     "`trainq submit [OPTIONS] -- CMD ARGS...`; set these fields in the job file instead", EXIT_INVALID)
+        return _fail(
+            f"submit {args.file}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
+            "`trainq submit [OPTIONS] -- CMD ARGS...`; set these fields in the job file instead",
+            EXIT_INVALID,
+        )
     source = Path(args.file)
     try:
         text = read_job_text(source)
@@ -350,8 +389,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from trainq.watcher.faces.view import Filters, print_status
 
     filters = Filters(states=args.state, sweep=args.sweep, pattern=args.pattern)
-    return print_status(_root(args) / "status.json", follow=args.follow, json_out=args.json, wide=args.wide,
-                        filters=filters) or EXIT_OK
+    return (
+        print_status(
+            _root(args) / "status.json", follow=args.follow, json_out=args.json, wide=args.wide, filters=filters
+        )
+        or EXIT_OK
+    )
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -423,8 +466,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
     size = sweeps_of(root, args.id).get(args.id) if find_job(root, args.id) is None else None
     if size:
         return _stop_sweep(root, args.id, size, args.now)
-    return _flag(args, ("pending", "running"), lambda path: request_stop(path, now=args.now),
-                 _stop_words(root, args.id, args.now))
+    return _flag(
+        args,
+        ("pending", "running"),
+        lambda path: request_stop(path, now=args.now),
+        _stop_words(root, args.id, args.now),
+    )
 
 
 def _stop_words(root: Path, job_id: str, now: bool) -> str:
@@ -442,8 +489,10 @@ def _stop_words(root: Path, job_id: str, now: bool) -> str:
         grace = load_job_file(found.path / "job.yaml").stop_grace_s
     except (InvalidJobSpec, OSError):
         return "stop requested; it shows `stopping` until it has checkpointed and exited (at most its stop_grace)"
-    return (f"stop requested; it shows `stopping` for up to its stop_grace ({grace:g}s) while it checkpoints and "
-            f"exits, then its processes are terminated; `trainq stop --now {found.id}` skips the wait")
+    return (
+        f"stop requested; it shows `stopping` for up to its stop_grace ({grace:g}s) while it checkpoints and "
+        f"exits, then its processes are terminated; `trainq stop --now {found.id}` skips the wait"
+    )
 
 
 def _stop_sweep(root: Path, sweep_id: str, size: int, now: bool) -> int:
@@ -459,11 +508,15 @@ def _stop_sweep(root: Path, sweep_id: str, size: int, now: bool) -> int:
         else:
             ended += 1
     if not stopped:
-        return _fail(f"sweep {sweep_id}: none of its {size} job(s) is pending or running; nothing to stop",
-                     EXIT_INVALID)
+        return _fail(
+            f"sweep {sweep_id}: none of its {size} job(s) is pending or running; nothing to stop", EXIT_INVALID
+        )
     listed = stopped[0] if len(stopped) == 1 else f"{stopped[0]} … {stopped[-1]}"
-    print(f"sweep {sweep_id}: stop requested for {len(stopped)} job(s) ({listed})"
-          + (", without the grace" if now else "") + (f"; {ended} already finished" if ended else ""))
+    print(
+        f"sweep {sweep_id}: stop requested for {len(stopped)} job(s) ({listed})"
+        + (", without the grace" if now else "")
+        + (f"; {ended} already finished" if ended else "")
+    )
     return EXIT_OK
 
 
@@ -478,17 +531,21 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
         run = read_json(JobPaths(path).run) or {}
         if run.get("status") == "rejected" and not _validates(JobPaths(path).spec):
-            raise UsageError(f"job {path.name} was rejected: its job file is invalid, so it cannot run again. "
-                             f"Fix it with `trainq edit {path.name}` (checked, then run under the same id; "
-                             f"`trainq show {path.name}` lists the problems)")
+            raise UsageError(
+                f"job {path.name} was rejected: its job file is invalid, so it cannot run again. "
+                f"Fix it with `trainq edit {path.name}` (checked, then run under the same id; "
+                f"`trainq show {path.name}` lists the problems)"
+            )
         try:
             spec = load_job_file(JobPaths(path).spec)
         except (InvalidJobSpec, OSError):
             spec = None
         blocked = blocking_dependency(_root(args), spec)
         if blocked:
-            raise UsageError(f"job {path.name} runs after {blocked[0]}, which ended {blocked[1]}: retry that first "
-                             f"(`trainq retry {blocked[0]}`), then this one; nothing done")
+            raise UsageError(
+                f"job {path.name} runs after {blocked[0]}, which ended {blocked[1]}: retry that first "
+                f"(`trainq retry {blocked[0]}`), then this one; nothing done"
+            )
         touch(JobPaths(path).retry_flag)
         return JobPaths(path).retry_flag
 
@@ -532,8 +589,10 @@ def _flag(args: argparse.Namespace, states: tuple[str, ...], act: Callable[[Path
     if found is None:
         return _fail(no_such_job(root, args.id), EXIT_INVALID)
     if found.state not in states:
-        return _fail(f"job {found.id} is in {found.state}/; this works only for jobs in "
-                     f"{' or '.join(s + '/' for s in states)}", EXIT_INVALID)
+        return _fail(
+            f"job {found.id} is in {found.state}/; this works only for jobs in {' or '.join(s + '/' for s in states)}",
+            EXIT_INVALID,
+        )
     try:
         flag_path = act(found.path)
     except UsageError as exc:
@@ -554,8 +613,10 @@ def cmd_why(args: argparse.Namespace) -> int:
     except AmbiguousName as exc:
         return _fail(str(exc), EXIT_INVALID)
     if lines is None:
-        return _fail(f"{_root(args)}: no job with id {args.id!r} (not in inbox/, pending/, running/, done/ or failed/)",
-                     EXIT_INVALID)
+        return _fail(
+            f"{_root(args)}: no job with id {args.id!r} (not in inbox/, pending/, running/, done/ or failed/)",
+            EXIT_INVALID,
+        )
     if getattr(args, "stack", False):
         from trainq.watcher.cli.why import stack_lines
 

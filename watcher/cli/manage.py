@@ -6,6 +6,7 @@ Each is a thin layer over the files, and the README gives the file way beside ea
 job lookup the other commands share (edit.py rewrites job files, show.py puts run.json into words).
 Only light modules are imported here: ``trainq --help`` stays fast.
 """
+
 from __future__ import annotations
 
 import os
@@ -113,8 +114,9 @@ def wait_for_claim(root: Path, job_id: str, timeout_s: float = 10.0) -> Found | 
     return find_job(root, job_id, by_name=False)
 
 
-def claimed_id(root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, int] | None = None,
-               timeout_s: float = 10.0) -> str:
+def claimed_id(
+    root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, int] | None = None, timeout_s: float = 10.0
+) -> str:
     """``job ID`` once a watcher took ``inbox_file`` (inode ``ino``: a claim hard-links it), else what will happen."""
     from trainq.watcher.spec.folders import id_from_name
 
@@ -135,8 +137,10 @@ def claimed_id(root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, 
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    return (f"inbox/{inbox_file.name}: submitted; it becomes job {base} (or {base}-2, … if taken) "
-            f"when a watcher takes it ({watcher_words(root)})")
+    return (
+        f"inbox/{inbox_file.name}: submitted; it becomes job {base} (or {base}-2, … if taken) "
+        f"when a watcher takes it ({watcher_words(root)})"
+    )
 
 
 def sweeps_of(root: Path, base: str) -> dict[str, int]:
@@ -180,8 +184,14 @@ def _job_with_inode(root: Path, base: str, ino: int) -> str | None:
 def awaiting_entry(root: Path, inbox_file: Path) -> dict | None:
     """status.json's entry for an inbox file the watcher found valid but not approved."""
     status = read_json(root / "status.json") or {}
-    return next((j for j in status.get("jobs") or () if j.get("state") == "awaiting_approval"
-                 and j.get("dir") == f"inbox/{inbox_file.name}"), None)
+    return next(
+        (
+            j
+            for j in status.get("jobs") or ()
+            if j.get("state") == "awaiting_approval" and j.get("dir") == f"inbox/{inbox_file.name}"
+        ),
+        None,
+    )
 
 
 def _inbox_hint(root: Path, job_id: str) -> str:
@@ -210,7 +220,9 @@ def watcher_alive(root: Path) -> bool:
 
 
 def watcher_words(root: Path) -> str:
-    return "a watcher is running" if watcher_alive(root) else f"no watcher is running: start `trainq --root {root} watch`"
+    return (
+        "a watcher is running" if watcher_alive(root) else f"no watcher is running: start `trainq --root {root} watch`"
+    )
 
 
 def remove_folder(path: Path) -> None:
@@ -232,8 +244,10 @@ def rm(root: Path, ids: list[str], now: bool = False, timeout_s: float | None = 
         try:
             found = require_job(root, job_id)
             if found.state == "running" and not force and not _confirm_running(found):
-                raise UsageError(f"job {found.id} is running and can resume: rm would delete its checkpoints too. "
-                                 f"`trainq stop {found.id}` keeps them; `trainq rm --force {found.id}` deletes it all")
+                raise UsageError(
+                    f"job {found.id} is running and can resume: rm would delete its checkpoints too. "
+                    f"`trainq stop {found.id}` keeps them; `trainq rm --force {found.id}` deletes it all"
+                )
             _rm_one(root, found.id, now, timeout_s)
         except UsageError as exc:
             print(f"trainq: {exc}", file=sys.stderr)
@@ -266,8 +280,9 @@ def _rm_one(root: Path, job_id: str, now: bool, timeout_s: float | None) -> None
     if found.state == "running":
         found = _stop_and_wait(root, found, now, timeout_s)
     run = read_json(JobPaths(found.path).run) or {}
-    record_removal(root, job_id, found.state, run.get("status") or found.state, by="trainq rm",
-                   sweep=run.get("sweep"))  # its dependents count it as ended (removed), across restarts
+    record_removal(
+        root, job_id, found.state, run.get("status") or found.state, by="trainq rm", sweep=run.get("sweep")
+    )  # its dependents count it as ended (removed), across restarts
     try:
         remove_folder(found.path)
     except FileNotFoundError:  # it started meanwhile: stop it, then remove it
@@ -278,8 +293,10 @@ def _rm_one(root: Path, job_id: str, now: bool, timeout_s: float | None) -> None
 
 def _stop_and_wait(root: Path, found: Found, now: bool, timeout_s: float | None) -> Found:
     if not watcher_alive(root):
-        raise TimeoutError(f"job {found.id} is running and {watcher_words(root)}; it must move the stopped job "
-                           "out of running/ before the folder can be removed")
+        raise TimeoutError(
+            f"job {found.id} is running and {watcher_words(root)}; it must move the stopped job "
+            "out of running/ before the folder can be removed"
+        )
     request_stop(found.path, now)
     say(f"job {found.id}: stopping{' now' if now else ' (stop.flag; the job has its stop_grace to checkpoint)'}…")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -309,8 +326,10 @@ def pause(root: Path, pool: str | None = None) -> int:
     if pool is not None:
         return _pause_pool(root, pool)
     touch(root / "pause.flag")
-    say(f"{root}: paused (pause.flag): no new job starts; running jobs go on. `trainq resume` undoes it"
-        + ("" if watcher_alive(root) else f"; {watcher_words(root)}"))
+    say(
+        f"{root}: paused (pause.flag): no new job starts; running jobs go on. `trainq resume` undoes it"
+        + ("" if watcher_alive(root) else f"; {watcher_words(root)}")
+    )
     return EXIT_OK
 
 
@@ -341,14 +360,22 @@ def _pause_pool(root: Path, pool: str) -> int:
 
     flag = pool_pause_flag(root, _pool_name(pool))
     touch(flag)
-    say(f"{root}: pool {pool} paused ({flag.name}): none of its jobs starts; running ones go on. "
-        f"`trainq resume --pool {pool}` undoes it" + ("" if watcher_alive(root) else f"; {watcher_words(root)}"))
+    say(
+        f"{root}: pool {pool} paused ({flag.name}): none of its jobs starts; running ones go on. "
+        f"`trainq resume --pool {pool}` undoes it" + ("" if watcher_alive(root) else f"; {watcher_words(root)}")
+    )
     return EXIT_OK
 
 
 # -- clean -------------------------------------------------------------------------------------------------
-def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_run: bool = False,
-          ids: list[str] | None = None) -> int:
+def clean(
+    root: Path,
+    done: bool,
+    failed: bool,
+    older_than_s: float | None,
+    dry_run: bool = False,
+    ids: list[str] | None = None,
+) -> int:
     """Remove finished job folders (done/ and failed/ unless one is named; only ``ids`` when given),
     optionally only old ones. A named job that has not finished is refused and nothing is removed."""
     from trainq.watcher.spec.units import parse_iso
@@ -360,8 +387,10 @@ def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_
         found = [require_job(root, job_id) for job_id in ids]
         unfinished = [f for f in found if f.state not in FINISHED]
         if unfinished:
-            raise UsageError(f"job {unfinished[0].id} is in {unfinished[0].state}/: clean removes finished jobs only "
-                             f"(`trainq rm {unfinished[0].id}` stops and removes it); nothing removed")
+            raise UsageError(
+                f"job {unfinished[0].id} is in {unfinished[0].state}/: clean removes finished jobs only "
+                f"(`trainq rm {unfinished[0].id}` stops and removes it); nothing removed"
+            )
         named = {f.path for f in found}
     removed = []
     for state in states:
@@ -373,8 +402,9 @@ def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_
             if cutoff is not None and finished > cutoff:
                 continue
             if not dry_run:
-                record_removal(root, path.name, state, run.get("status") or state, by="trainq clean",
-                               sweep=run.get("sweep"))  # a dependent submitted later still sees how it ended
+                record_removal(
+                    root, path.name, state, run.get("status") or state, by="trainq clean", sweep=run.get("sweep")
+                )  # a dependent submitted later still sees how it ended
                 try:
                     remove_folder(path)
                 except FileNotFoundError:
@@ -389,7 +419,9 @@ def clean(root: Path, done: bool, failed: bool, older_than_s: float | None, dry_
 
 def _job_dirs(folder: Path) -> list[Path]:
     try:
-        return [Path(e.path) for e in os.scandir(folder) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")]
+        return [
+            Path(e.path) for e in os.scandir(folder) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
+        ]
     except FileNotFoundError:
         return []
 
@@ -418,14 +450,20 @@ def wait(root: Path, ids: list[str], timeout_s: float | None = None, quiet: bool
             if job_id in codes:
                 continue
             found = find_job(root, job_id, by_name=False)
-            if found is not None and found.state in FINISHED and found.run.get("status") not in (None, "running", "stopping"):
+            if (
+                found is not None
+                and found.state in FINISHED
+                and found.run.get("status") not in (None, "running", "stopping")
+            ):
                 codes[job_id] = job_exit_status(found)
                 if not quiet:
                     say(f"job {job_id}: {describe_end(found)}")
         if len(codes) < len(ids):
             if deadline is not None and time.monotonic() > deadline:
-                print(f"trainq: still waiting after {timeout_s:g} s for: "
-                      + ", ".join(i for i in ids if i not in codes), file=sys.stderr)
+                print(
+                    f"trainq: still waiting after {timeout_s:g} s for: " + ", ".join(i for i in ids if i not in codes),
+                    file=sys.stderr,
+                )
                 return EXIT_WAIT_TIMEOUT
             time.sleep(POLL_S)
     return next((codes[i] for i in ids if codes[i] != 0), EXIT_OK)

@@ -4,6 +4,7 @@
 cli.py keeps the original commands; this module adds the rest so each stays small. What each
 command does lives in manage.py and show.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,6 +97,7 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
             except manage.UsageError as exc:
                 print(f"trainq: {exc}", file=sys.stderr)
                 return manage.EXIT_INVALID
+
         return run
 
     p = sub.add_parser("show", help="a job's run.json in words: attempts, diagnosis with evidence, progress, paths")
@@ -106,13 +108,20 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p = sub.add_parser("rm", help="remove jobs: pending or finished at once; running ones are stopped first")
     _ids(p, "+")
     p.add_argument("--now", action="store_true", help="stop running jobs without their stop grace")
-    p.add_argument("-f", "--force", action="store_true",
-                   help="remove a running job that can resume (train job, resume_args) without asking")
+    p.add_argument(
+        "-f",
+        "--force",
+        action="store_true",
+        help="remove a running job that can resume (train job, resume_args) without asking",
+    )
     p.set_defaults(func=bind(lambda a: manage.rm(root_of(a), a.ids, now=a.now, force=a.force)))
 
-    p = sub.add_parser("edit", help="edit a job's job.yaml in $EDITOR, validated before it is used: a pending job's "
-                       "is replaced; a failed/cancelled one runs again under the same id (resuming where it can); "
-                       "a rejected one is fixed in place and runs under its id")
+    p = sub.add_parser(
+        "edit",
+        help="edit a job's job.yaml in $EDITOR, validated before it is used: a pending job's "
+        "is replaced; a failed/cancelled one runs again under the same id (resuming where it can); "
+        "a rejected one is fixed in place and runs under its id",
+    )
     _ids(p)
     p.set_defaults(func=bind(lambda a: _edit(root_of(a), a.id)))
 
@@ -134,8 +143,9 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p.add_argument("--failed", action="store_true", help="only failed/ (failed, cancelled, timeout, rejected)")
     p.add_argument("--older-than", metavar="AGE", help="only jobs finished longer ago than AGE (90s, 12h, 7d)")
     p.add_argument("-n", "--dry-run", action="store_true", help="list what would go; remove nothing")
-    p.set_defaults(func=bind(lambda a: manage.clean(root_of(a), a.done, a.failed, _age_s(a.older_than), a.dry_run,
-                                                    ids=a.ids)))
+    p.set_defaults(
+        func=bind(lambda a: manage.clean(root_of(a), a.done, a.failed, _age_s(a.older_than), a.dry_run, ids=a.ids))
+    )
 
     p = sub.add_parser("wait", help="wait until jobs finish; exit with the first failed job's exit status")
     _ids(p, "+")
@@ -143,11 +153,15 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing")
     p.set_defaults(func=bind(lambda a: manage.wait(root_of(a), a.ids, _age_s(a.timeout), a.quiet)))
 
-    p = sub.add_parser("train", help="run the built-in trainer on a folder holding a job.yaml (python -m trainq.trainer)")
+    p = sub.add_parser(
+        "train", help="run the built-in trainer on a folder holding a job.yaml (python -m trainq.trainer)"
+    )
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="JOB_DIR [--resume-from DIR]")
     p.set_defaults(func=lambda a: manage.run_module("trainq.trainer", a.args))
 
-    p = sub.add_parser("tiny", help="build a tiny model and data in DIR for trying trainq (python -m trainq.trainer.tiny)")
+    p = sub.add_parser(
+        "tiny", help="build a tiny model and data in DIR for trying trainq (python -m trainq.trainer.tiny)"
+    )
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="DIR")
     p.set_defaults(func=lambda a: manage.run_module("trainq.trainer.tiny", a.args))
 

@@ -10,6 +10,7 @@ Names are looked up in run.json of pending and running jobs, and for finished jo
 history.jsonl (or their run.json when the queue has no history yet): only on the path where
 the word is no id, so a lookup by id costs what it always did.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,11 @@ def ids_named(root: Path, name: str) -> list[str]:
         for state in ("done", "failed"):
             found.update(_named_in(root / state, name))
     else:
-        found.update(r["id"] for r in records.values() if r.get("name") == name
-                     and any((root / s / r["id"]).is_dir() for s in ("done", "failed")))
+        found.update(
+            r["id"]
+            for r in records.values()
+            if r.get("name") == name and any((root / s / r["id"]).is_dir() for s in ("done", "failed"))
+        )
     return sorted(found)
 
 

@@ -1,4 +1,5 @@
 """The run-records commands (CONTRACT section 13): ``trainq events ID``, ``trainq rerun ID``, ``trainq diff A B``."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,16 @@ def add_record_commands(sub: argparse._SubParsersAction, root_of: Callable[[argp
     p.add_argument("id")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--here", action="store_true", help="run today's code even though it differs from the snapshot")
-    how.add_argument("--at-snapshot", action="store_true",
-                     help="run the saved commit plus its uncommitted diff, from a scratch worktree")
-    p.set_defaults(func=lambda args: cmd_rerun(root_of(args), args.id,
-                                               "here" if args.here else "at-snapshot" if args.at_snapshot else None))
+    how.add_argument(
+        "--at-snapshot",
+        action="store_true",
+        help="run the saved commit plus its uncommitted diff, from a scratch worktree",
+    )
+    p.set_defaults(
+        func=lambda args: cmd_rerun(
+            root_of(args), args.id, "here" if args.here else "at-snapshot" if args.at_snapshot else None
+        )
+    )
 
     p = sub.add_parser("diff", help="what differs between two jobs: params, config, code, data, environment, results")
     p.add_argument("a", metavar="A")

@@ -8,6 +8,7 @@ difference, unless ``--here`` (run today's tree) or ``--at-snapshot`` (check the
 scratch worktree under ``ROOT/worktrees/``, apply ``code.diff``, unpack ``untracked.tar``, and point the
 job's cwd and arguments there).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,19 +42,24 @@ def rerun_data(root: Path, job_dir: Path, job_id: str, mode: str | None) -> tupl
     code = read_json(JobPaths(job_dir).snapshot / "code.json")
     if code is None:
         if mode == "at-snapshot":
-            raise RerunRefused(f"job {job_id} has no snapshot/code.json (snapshot: false, or it never started); "
-                               "rerun it with --here")
+            raise RerunRefused(
+                f"job {job_id} has no snapshot/code.json (snapshot: false, or it never started); rerun it with --here"
+            )
         notes = [f"job {job_id} has no code snapshot: running today's code"]
     else:
         drift = code_drift(code)
         notes = []
         if drift and mode is None:
-            raise RerunRefused(f"job {job_id} ran code that differs from today's: {'; '.join(drift)}. "
-                               "Rerun with --here to run today's code, or --at-snapshot to run the saved code "
-                               "in a scratch worktree")
+            raise RerunRefused(
+                f"job {job_id} ran code that differs from today's: {'; '.join(drift)}. "
+                "Rerun with --here to run today's code, or --at-snapshot to run the saved code "
+                "in a scratch worktree"
+            )
         if mode == "at-snapshot" and "train" in data:
-            raise RerunRefused(f"job {job_id} is a train job: its code is trainq itself, which --at-snapshot does "
-                               f"not check out ({'; '.join(drift) or 'no difference today'}); rerun it with --here")
+            raise RerunRefused(
+                f"job {job_id} is a train job: its code is trainq itself, which --at-snapshot does "
+                f"not check out ({'; '.join(drift) or 'no difference today'}); rerun it with --here"
+            )
         if mode == "at-snapshot":
             scratch = at_snapshot(root, job_id, job_dir, code)
             _point_at(data, code, scratch)
@@ -113,10 +119,13 @@ def _git_drift(top: Path, saved: dict) -> list[str]:
     now_sha = hashlib.sha256(diff).hexdigest() if diff else None
     if now_sha != saved.get("diff_sha256"):
         changed = _git(top, "diff", "--name-only", "HEAD").decode(errors="replace").split() if commit else []
-        drift.append("uncommitted changes differ" + (f" (changed now: {', '.join(changed[:MAX_NAMED])})"
-                                                     if changed else " (none now)"))
-    untracked = set(_git(top, "ls-files", "--others", "--exclude-standard", "-z").decode(errors="replace")
-                    .split("\0")) - {""}
+        drift.append(
+            "uncommitted changes differ"
+            + (f" (changed now: {', '.join(changed[:MAX_NAMED])})" if changed else " (none now)")
+        )
+    untracked = set(
+        _git(top, "ls-files", "--others", "--exclude-standard", "-z").decode(errors="replace").split("\0")
+    ) - {""}
     before = set(saved.get("untracked") or [])
     added, removed = sorted(untracked - before), sorted(before - untracked)
     if added or removed:
@@ -213,7 +222,7 @@ def _point_at(data: dict, code: dict, scratch: Path) -> None:
     """Rewrite cwd and arguments that named the old tree (or, without git, the named files) to the copy."""
     if "git" in code:
         old = str(Path(code["root"]))
-        move = lambda s: str(scratch) + s[len(old):] if s == old or s.startswith(old + "/") else s  # noqa: E731
+        move = lambda s: str(scratch) + s[len(old) :] if s == old or s.startswith(old + "/") else s  # noqa: E731
     else:  # the named files were copied to scratch/<their absolute path>; a cwd holding them moves along
         named = {f["path"] for f in code.get("files") or []}
         folders = {str(Path(p).parent) for p in named}

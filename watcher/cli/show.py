@@ -4,6 +4,7 @@ Reads only files (run.json, metrics.jsonl's tail, status.json's entry for the jo
 lines: where the job is and why, its attempts with times and exits, the diagnosis with its
 evidence, progress, and the paths worth opening.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,16 +18,35 @@ from trainq.watcher.cli.manage import Found, describe_end, job_exit_status
 from trainq.watcher.spec.units import parse_iso
 
 #: files and folders of a job folder worth naming, in the order ``show`` lists them
-_PATHS = ("job.yaml", "run.json", "output.log", "metrics.jsonl", "checkpoints", "adapter", "model",
-          "summary.json", "loss.png", "hook.log")
+_PATHS = (
+    "job.yaml",
+    "run.json",
+    "output.log",
+    "metrics.jsonl",
+    "checkpoints",
+    "adapter",
+    "model",
+    "summary.json",
+    "loss.png",
+    "hook.log",
+)
 
 
 def show_lines(root: Path, found: Found, now: float | None = None) -> list[str]:
     """Everything ``trainq show`` prints for one job."""
     now = time.time() if now is None else now
     run = found.run
-    lines = [headline(found, run), *_times(run, now), *_waiting(root, found, run), *_errors(run),
-             *_diagnosis(run), *_rerun(root, found, run), *_attempts(run, now), *_progress(found), *_paths(found)]
+    lines = [
+        headline(found, run),
+        *_times(run, now),
+        *_waiting(root, found, run),
+        *_errors(run),
+        *_diagnosis(run),
+        *_rerun(root, found, run),
+        *_attempts(run, now),
+        *_progress(found),
+        *_paths(found),
+    ]
     return lines
 
 
@@ -125,9 +145,11 @@ def _attempts(run: dict, now: float) -> list[str]:
         else:
             end = f"running for {_span(a.get('started_at'), None, now)}"
         how = _exit_words(a)
-        extra = [f"gpus {','.join(map(str, a['gpus']))}" if a.get("gpus") else "",
-                 f"resumed from {a['resumed_from']}" if a.get("resumed_from") else "",
-                 f"slurm job {a['slurm_job_id']}" if a.get("slurm_job_id") else ""]
+        extra = [
+            f"gpus {','.join(map(str, a['gpus']))}" if a.get("gpus") else "",
+            f"resumed from {a['resumed_from']}" if a.get("resumed_from") else "",
+            f"slurm job {a['slurm_job_id']}" if a.get("slurm_job_id") else "",
+        ]
         tail = " · ".join(x for x in [how, *extra] if x)
         lines.append(f"    #{a.get('n')} started {_clock(a.get('started_at'))}, {end}" + (f" · {tail}" if tail else ""))
     return lines
@@ -164,8 +186,11 @@ def _progress(found: Found) -> list[str]:
 
 def _paths(found: Found) -> list[str]:
     present = [name + ("/" if (found.path / name).is_dir() else "") for name in _PATHS if (found.path / name).exists()]
-    return [f"  folder: {found.path.resolve()}", "  files: " + " ".join(present)] if present else \
-        [f"  folder: {found.path.resolve()}"]
+    return (
+        [f"  folder: {found.path.resolve()}", "  files: " + " ".join(present)]
+        if present
+        else [f"  folder: {found.path.resolve()}"]
+    )
 
 
 def status_entry(root: Path, job_id: str) -> dict | None:
@@ -182,8 +207,9 @@ def no_output_words(root: Path, found: Found) -> str | None:
     if run.get("status") == "rejected":
         return "\n".join([headline(found, run), *_errors(run)])
     if found.state == "pending":
-        return "\n".join([f"job {found.id} is pending: it has not started, so it has no output yet.",
-                          *_waiting(root, found, run)])
+        return "\n".join(
+            [f"job {found.id} is pending: it has not started, so it has no output yet.", *_waiting(root, found, run)]
+        )
     if found.state in ("done", "failed"):
         return f"job {found.id}: {describe_end(found)}; it wrote no output.log"
     return None

@@ -1,4 +1,5 @@
 """What ``trainq submit`` does to a file before it lands in the inbox: read it safely, approve it, name it."""
+
 from __future__ import annotations
 
 import re
@@ -37,8 +38,15 @@ def debug_text(text: str, display: str) -> str:
 
     data = load_yaml12(text)
     if not isinstance(data, dict) or not isinstance(data.get("train"), dict):
-        raise InvalidJobSpec(display, [Problem("command", "--debug adds train.debug: true, so it is for train jobs "
-                                                          "only; a command job runs its own program")])
+        raise InvalidJobSpec(
+            display,
+            [
+                Problem(
+                    "command",
+                    "--debug adds train.debug: true, so it is for train jobs only; a command job runs its own program",
+                )
+            ],
+        )
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     train = next(v for k, v in root.value if k.value == "train")
     existing = next((v for k, v in train.value if k.value == "debug"), None)
@@ -47,12 +55,16 @@ def debug_text(text: str, display: str) -> str:
     else:
         first = train.value[0][0].start_mark
         start = end = first.index
-        insert = "debug: true, " if train.flow_style else "debug: true\n" + text[first.index - first.column:first.index]
+        insert = (
+            "debug: true, " if train.flow_style else "debug: true\n" + text[first.index - first.column : first.index]
+        )
     new = text[:start] + insert + text[end:]
     expected = dict(data, train=dict(data["train"], debug=True))
     if load_yaml12(new) != expected:
-        raise InvalidJobSpec(display, [Problem("train.debug", "could not add debug: true to this file's layout; "
-                                                              "add it under train: yourself")])
+        raise InvalidJobSpec(
+            display,
+            [Problem("train.debug", "could not add debug: true to this file's layout; add it under train: yourself")],
+        )
     return new
 
 

@@ -5,6 +5,7 @@ options and the command become a job file (``approved: true``), validated exactl
 will, written into the inbox under a hidden name and renamed in, and the job id is printed. The
 file stays the interface: ``inbox/N.yaml`` is what a user could have written by hand.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,14 +31,16 @@ def split_submit_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
     cut = argv.index("--")
     if "submit" not in argv[:cut]:
         return argv, None
-    return argv[:cut], argv[cut + 1:]
+    return argv[:cut], argv[cut + 1 :]
 
 
 def add_command_options(p: argparse.ArgumentParser) -> None:
     """The options of ``submit -- CMD`` (a FILE submit ignores them, and says so)."""
     p.add_argument("--name", metavar="N", help="the job's name; its id too when free (default: the program's name)")
     p.add_argument("--priority", type=int, metavar="P", help="higher starts first (default 0)")
-    p.add_argument("--after", action="append", default=[], metavar="ID", help="start only after job ID ended (repeatable)")
+    p.add_argument(
+        "--after", action="append", default=[], metavar="ID", help="start only after job ID ended (repeatable)"
+    )
     p.add_argument("--gpus", type=int, metavar="G", help="GPUs the job needs (default 1 where the machine has GPUs)")
     p.add_argument("--ram", metavar="SIZE", help="RAM the job needs: 8G, 512M (G when no unit)")
     p.add_argument("--timeout", metavar="AGE", help="stop it after this long: 90s, 10m, 2h")
@@ -72,7 +75,9 @@ def ram_gb(text: str) -> float:
     """``8G`` → 8.0, ``512M`` → 0.5; InvalidJobSpec for anything else."""
     match = _RAM.match(text)
     if not match:
-        raise InvalidJobSpec("trainq submit --ram", [Problem("resources.ram_gb", f"expected a size such as 8G or 512M (got {text!r})")])
+        raise InvalidJobSpec(
+            "trainq submit --ram", [Problem("resources.ram_gb", f"expected a size such as 8G or 512M (got {text!r})")]
+        )
     return round(float(match["n"]) * _RAM_UNITS_GB[match["unit"].upper()], 6)
 
 
@@ -108,11 +113,15 @@ def submit_command(args: argparse.Namespace, root: Path) -> int:
 
     argv = args.command_argv
     if not argv:
-        print("trainq: submit: give a job FILE, or a command after `--` (trainq submit --name N -- python train.py)",
-              file=sys.stderr)
+        print(
+            "trainq: submit: give a job FILE, or a command after `--` (trainq submit --name N -- python train.py)",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     if args.file is not None:
-        print(f"trainq: submit: give either a job FILE ({args.file}) or a command after `--`, not both", file=sys.stderr)
+        print(
+            f"trainq: submit: give either a job FILE ({args.file}) or a command after `--`, not both", file=sys.stderr
+        )
         return EXIT_INVALID
     stem = file_stem(argv, args.name)
     try:

@@ -7,6 +7,7 @@ For a finished job: how it ended, the diagnosis with its evidence and advice, an
 Everything is read from the queue's files and a fresh sample of the machine; the watcher
 need not be running (if it is not, that is the first thing said).
 """
+
 from __future__ import annotations
 
 import os
@@ -88,15 +89,23 @@ def _inbox(found: Found) -> list[str]:
             data = load_yaml12(found.path.read_text(encoding="utf-8"))
         except Exception:  # noqa: BLE001 - not YAML at all: it is rejected
             data = None
-        if found.path.stat().st_size == 0 or (isinstance(data, dict) and "approved" in data
-                                              and data["approved"] is not True):
-            return [f"job {found.job_id}: {name} is a draft (not approved) that does not validate yet; it stays in "
-                    "the inbox until it is fixed and approved", f"  see why: trainq validate {found.path}"]
-        return [f"job {found.job_id}: {name} is in the inbox and does not validate; the watcher will reject it",
-                f"  see why: trainq validate {found.path}"]
+        if found.path.stat().st_size == 0 or (
+            isinstance(data, dict) and "approved" in data and data["approved"] is not True
+        ):
+            return [
+                f"job {found.job_id}: {name} is a draft (not approved) that does not validate yet; it stays in "
+                "the inbox until it is fixed and approved",
+                f"  see why: trainq validate {found.path}",
+            ]
+        return [
+            f"job {found.job_id}: {name} is in the inbox and does not validate; the watcher will reject it",
+            f"  see why: trainq validate {found.path}",
+        ]
     if not found.spec.approved:
-        return [f"job {found.job_id}: {name} waits for approval",
-                f"  {found.spec.approval_hint or 'add approved: true to the file'}"]
+        return [
+            f"job {found.job_id}: {name} waits for approval",
+            f"  {found.spec.approval_hint or 'add approved: true to the file'}",
+        ]
     return [f"job {found.job_id}: {name} is approved and waits for the watcher to take it (is one running?)"]
 
 
@@ -112,8 +121,11 @@ def _pending(root: Path, found: Found, now: float, machine) -> list[str]:
     rows = [_watcher_row(root, now)] + _dependency_rows(root, spec) + [_backoff_row(run, spec, now)]
     rows += _admission_rows(root, found, spec, machine)
     holding = [r for r in rows if r[1] == _HOLD]
-    lines.append(f"  {len(holding)} of {len(rows)} gates hold it:" if holding else
-                 f"  every gate passes ({len(rows)} checked): it starts on the watcher's next pass")
+    lines.append(
+        f"  {len(holding)} of {len(rows)} gates hold it:"
+        if holding
+        else f"  every gate passes ({len(rows)} checked): it starts on the watcher's next pass"
+    )
     width = max(len(r[0]) for r in rows)
     lines += [f"  {flag} {gate:<{width}}  {words}" for gate, flag, words in sorted(rows, key=lambda r: r[1] != _HOLD)]
     ahead = None if any(r[0].startswith("after ") and r[1] == _HOLD for r in rows) else _ahead(root, found)
@@ -134,7 +146,9 @@ def _running(root: Path, found: Found, now: float) -> list[str]:
     status = read_json(root / "status.json") or {}
     entry = next((j for j in status.get("jobs") or () if j.get("id") == found.job_id), {})
     if attempt.get("pid"):
-        lines.append(f"  supervisor pid {attempt['pid']}, gpus {run.get('gpus') or 'none'}, health {entry.get('health')}")
+        lines.append(
+            f"  supervisor pid {attempt['pid']}, gpus {run.get('gpus') or 'none'}, health {entry.get('health')}"
+        )
     progress = entry.get("progress") or {}
     if progress.get("step") is not None:
         total = f"/{progress['total_steps']}" if progress.get("total_steps") else ""
@@ -147,8 +161,10 @@ def _running(root: Path, found: Found, now: float) -> list[str]:
         lines.append(f"  {waiting}")
     if entry.get("forecast") or entry.get("deadline"):
         fits = {True: "fits", False: "does NOT fit", None: "no forecast yet"}[entry.get("fits")]
-        lines.append(f"  deadline {entry.get('deadline') or 'none (the window)'}: {fits}"
-                     + (f"; {entry['forecast']}" if entry.get("forecast") else ""))
+        lines.append(
+            f"  deadline {entry.get('deadline') or 'none (the window)'}: {fits}"
+            + (f"; {entry['forecast']}" if entry.get("forecast") else "")
+        )
     lines += _vitals_lines(entry, run)
     return lines
 
@@ -195,9 +211,11 @@ def _finished(found: Found, now: float) -> list[str]:
     run = found.run
     status = run.get("status") or found.state
     ended = parse_iso(run.get("finished_at"))
-    lines = [f"job {found.job_id}: {status} ({found.state}/{found.job_id})"
-             + (f", ended {_ago(now - ended)} ago" if ended else "")
-             + f" after {run.get('attempt', 0)} attempt(s)"]
+    lines = [
+        f"job {found.job_id}: {status} ({found.state}/{found.job_id})"
+        + (f", ended {_ago(now - ended)} ago" if ended else "")
+        + f" after {run.get('attempt', 0)} attempt(s)"
+    ]
     for problem in run.get("errors") or ():
         lines.append(f"  error: {problem.get('path') or 'file'}: {problem.get('message')}")
     diagnosis = run.get("diagnosis") or {}
@@ -219,16 +237,23 @@ def _finished(found: Found, now: float) -> list[str]:
         lines.append(rerun)
     delivered = run.get("delivered")
     if delivered:
-        lines.append(f"  delivered to {delivered.get('to')} at {delivered.get('at')}: "
-                     + ("verified" if delivered.get("verified") else f"NOT verified ({delivered.get('error')})"))
+        lines.append(
+            f"  delivered to {delivered.get('to')} at {delivered.get('at')}: "
+            + ("verified" if delivered.get("verified") else f"NOT verified ({delivered.get('error')})")
+        )
     if run.get("cost"):
-        lines.append(f"  cost: {run['cost'].get('amount'):.2f} {run['cost'].get('currency')}"
-                     f" ({run['cost'].get('gpu_hours')} GPU-hours)")
+        lines.append(
+            f"  cost: {run['cost'].get('amount'):.2f} {run['cost'].get('currency')}"
+            f" ({run['cost'].get('gpu_hours')} GPU-hours)"
+        )
     hook = read_json(JobPaths(found.path).hook_record)
     if hook:
         code = "killed at its time limit" if hook.get("timed_out") else f"exit code {hook.get('exit_code')}"
-        lines.append(f"  on_finish: {hook.get('state')}" + (f", {code}" if hook.get("state") == "ended" else "")
-                     + " (output in hook.log)")
+        lines.append(
+            f"  on_finish: {hook.get('state')}"
+            + (f", {code}" if hook.get("state") == "ended" else "")
+            + " (output in hook.log)"
+        )
     return lines
 
 
@@ -251,14 +276,21 @@ def _watcher_row(root: Path, now: float) -> tuple[str, str, str]:
         return ("watcher", _HOLD, f"no watcher is running on this queue ({last}); start one: trainq watch")
     _, live = check(root / "status.json", status)
     if not live.is_alive:
-        return ("watcher", _HOLD, f"no watcher is running on this queue ({dead_words(live, _ago)}); "
-                                  "start one: trainq watch")
+        return (
+            "watcher",
+            _HOLD,
+            f"no watcher is running on this queue ({dead_words(live, _ago)}); start one: trainq watch",
+        )
     where = f"pid {watcher.get('pid')} on {watcher.get('host')}"
     if live.how == BY_CLOCK:
         return ("watcher", _PASS, f"{where}, heartbeat {_ago(now - beat)} ago")
     offset = offset_words(live, _ago)
-    return ("watcher", _PASS, f"{where}, heartbeat seen changing {_ago(live.changed_ago_s)} ago from this machine"
-                              + (f"; {offset}" if offset else ""))
+    return (
+        "watcher",
+        _PASS,
+        f"{where}, heartbeat seen changing {_ago(live.changed_ago_s)} ago from this machine"
+        + (f"; {offset}" if offset else ""),
+    )
 
 
 def _dependency_rows(root: Path, spec: JobSpec) -> list[tuple[str, str, str]]:
@@ -309,8 +341,12 @@ def _backoff_row(run: dict, spec: JobSpec, now: float) -> tuple[str, str, str]:
         words = "not a retry" if not run.get("attempt") else "backoff over"
         return ("backoff", _PASS, words)
     total = 1 + spec.retries.max
-    return ("backoff", _HOLD, f"retry {run.get('attempt', 0) + 1} of {total} may start in "
-                              f"{_ago(not_before - now)} (at {iso_utc(not_before)}, backoff {spec.retries.backoff_s:g}s)")
+    return (
+        "backoff",
+        _HOLD,
+        f"retry {run.get('attempt', 0) + 1} of {total} may start in "
+        f"{_ago(not_before - now)} (at {iso_utc(not_before)}, backoff {spec.retries.backoff_s:g}s)",
+    )
 
 
 def _admission_rows(root: Path, found: Found, spec: JobSpec, machine=None) -> list[tuple[str, str, str]]:
@@ -329,19 +365,44 @@ def _admission_rows(root: Path, found: Found, spec: JobSpec, machine=None) -> li
         finally:
             probe.close()
     res = spec.resources
-    req = Request(found.job_id, spec.priority, int(found.run.get("order") or 0), res.gpus, res.gpu_memory_gb,
-                  res.ram_gb, res.disk_gb, res.allow_battery, root.resolve(), pool=spec.pool)
-    limits = Limits(config.max_concurrent, config.gpus, config.min_free_ram_gb, config.min_free_disk_gb,
-                    paused=(root / "pause.flag").exists(), pools=config.pool_limits() if config.pools else None,
-                    paused_pools=frozenset(paused_pools(root)))
+    req = Request(
+        found.job_id,
+        spec.priority,
+        int(found.run.get("order") or 0),
+        res.gpus,
+        res.gpu_memory_gb,
+        res.ram_gb,
+        res.disk_gb,
+        res.allow_battery,
+        root.resolve(),
+        pool=spec.pool,
+    )
+    limits = Limits(
+        config.max_concurrent,
+        config.gpus,
+        config.min_free_ram_gb,
+        config.min_free_disk_gb,
+        paused=(root / "pause.flag").exists(),
+        pools=config.pool_limits() if config.pools else None,
+        paused_pools=frozenset(paused_pools(root)),
+    )
     gates = gate_report(req, running, machine, limits)
     wall = _window_row(config, found, spec)
     if gates["never"]:
         return [("machine", _HOLD, f"this machine can never run it: {gates['never']}")]
     ok = _ok_words(req, running, machine, limits)
-    return [(gate, _HOLD if gates[key] else _PASS, gates[key] or ok[key])
-            for gate, key in (("pause", "pause"), ("pool", "pool"), ("max_concurrent", "max_concurrent"), ("RAM", "ram"),
-                              ("disk", "disk"), ("battery", "battery"), ("GPUs", "gpus"))] + wall
+    return [
+        (gate, _HOLD if gates[key] else _PASS, gates[key] or ok[key])
+        for gate, key in (
+            ("pause", "pause"),
+            ("pool", "pool"),
+            ("max_concurrent", "max_concurrent"),
+            ("RAM", "ram"),
+            ("disk", "disk"),
+            ("battery", "battery"),
+            ("GPUs", "gpus"),
+        )
+    ] + wall
 
 
 def _window_row(config, found: Found, spec: JobSpec) -> list[tuple[str, str, str]]:
@@ -352,15 +413,32 @@ def _window_row(config, found: Found, spec: JobSpec) -> list[tuple[str, str, str
     if window is None:
         return []
     remaining = (found.run.get("forecast") or {}).get("remaining_s")
-    estimate, source = (spec.expected_duration_s, "expected_duration") if spec.expected_duration_s else \
-        (float(remaining), "its last attempt's forecast") if isinstance(remaining, (int, float)) else (None, "")
+    estimate, source = (
+        (spec.expected_duration_s, "expected_duration")
+        if spec.expected_duration_s
+        else (float(remaining), "its last attempt's forecast")
+        if isinstance(remaining, (int, float))
+        else (None, "")
+    )
     now = time.time()
     hold = freeze_hold(window, now, estimate, source)
     if hold:
         return [("window", _HOLD, hold)]
     if window.is_frozen(now):
-        return [("window", _PASS, f"inside the freeze, but {source} {minutes(estimate or 0)} ends before the final checkpoint")]
-    return [("window", _PASS, f"freezes at {iso_utc(window.freeze_at)}, final checkpoint at {iso_utc(window.final_checkpoint_at)}")]
+        return [
+            (
+                "window",
+                _PASS,
+                f"inside the freeze, but {source} {minutes(estimate or 0)} ends before the final checkpoint",
+            )
+        ]
+    return [
+        (
+            "window",
+            _PASS,
+            f"freezes at {iso_utc(window.freeze_at)}, final checkpoint at {iso_utc(window.final_checkpoint_at)}",
+        )
+    ]
 
 
 def _ok_words(req: Request, running: list[Holding], machine, limits: Limits) -> dict[str, str]:
@@ -370,15 +448,28 @@ def _ok_words(req: Request, running: list[Holding], machine, limits: Limits) -> 
     return {
         "pause": "no pause.flag",
         "pool": f"pool {req.pool} not paused",
-        "max_concurrent": (f"{len(running)} running of max_concurrent {limits.max_concurrent}" if limits.pools is None
-                           else f"{sum(h.pool == req.pool for h in running)} running of pool {req.pool}'s "
-                                f"max_concurrent {limits.pool_limit(req.pool)}"),
+        "max_concurrent": (
+            f"{len(running)} running of max_concurrent {limits.max_concurrent}"
+            if limits.pools is None
+            else f"{sum(h.pool == req.pool for h in running)} running of pool {req.pool}'s "
+            f"max_concurrent {limits.pool_limit(req.pool)}"
+        ),
         "ram": f"{machine.ram_available_gb:.1f} GB RAM free, job needs {req.ram_gb:g} GB",
         "disk": (f"{disk[1]:.1f} GB free on {req.disk_path}, job needs {req.disk_gb:g} GB" if disk else "not checked"),
-        "battery": ("on battery, and resources.allow_battery is true" if on_battery else
-                    "on mains power" if battery else "no battery"),
-        "gpus": (f"needs {req.gpus} GPU(s); enough are free" if req.gpus else
-                 "needs no GPU" if req.gpus == 0 or not machine.gpus else "needs 1 GPU (the default); one is free"),
+        "battery": (
+            "on battery, and resources.allow_battery is true"
+            if on_battery
+            else "on mains power"
+            if battery
+            else "no battery"
+        ),
+        "gpus": (
+            f"needs {req.gpus} GPU(s); enough are free"
+            if req.gpus
+            else "needs no GPU"
+            if req.gpus == 0 or not machine.gpus
+            else "needs 1 GPU (the default); one is free"
+        ),
     }
 
 
@@ -393,9 +484,16 @@ def _running_holdings(root: Path) -> list[Holding]:
         spec = _spec(path / "job.yaml")
         run = read_json(JobPaths(path).run) or {}
         res = spec.resources if spec else None
-        holdings.append(Holding(job_id, tuple(run.get("gpus") or ()), res.ram_gb if res else 0.0,
-                                res.disk_gb if res else 0.0, disk_path=root.resolve(),
-                                pool=spec.pool if spec else "default"))
+        holdings.append(
+            Holding(
+                job_id,
+                tuple(run.get("gpus") or ()),
+                res.ram_gb if res else 0.0,
+                res.disk_gb if res else 0.0,
+                disk_path=root.resolve(),
+                pool=spec.pool if spec else "default",
+            )
+        )
     return holdings
 
 
@@ -409,7 +507,8 @@ def _ahead(root: Path, found: Found) -> str | None:
         return f"{counts.get('pending', '?')} job(s) pending in all" if counts.get("pending") else None
     i = ids.index(found.job_id)
     return f"{_ordinal(i + 1)} of {counts.get('pending', len(ids))} pending in start order" + (
-        f" (before it: {', '.join(ids[:min(i, 5)])}{' ...' if i > 5 else ''})" if i else "")
+        f" (before it: {', '.join(ids[: min(i, 5)])}{' ...' if i > 5 else ''})" if i else ""
+    )
 
 
 def _ordinal(n: int) -> str:

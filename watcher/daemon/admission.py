@@ -23,6 +23,7 @@ Requests are taken by priority (higher first), then acceptance order, and for ea
    job comes first, it starts as soon as enough GPUs free. A job also blocked by RAM, disk,
    battery or max_concurrent reserves nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -274,8 +275,10 @@ class _Ledger:
         if len(big) >= n:
             return None
         largest = max(v.gpu.memory_total_mb for v in self.gpus.values()) / 1024
-        return (f"needs {_count(n, 'GPU')} with {req.gpu_memory_gb:g} GB each; {len(big)} here "
-                f"{'has' if len(big) == 1 else 'have'} that much (largest {largest:.1f} GB)")
+        return (
+            f"needs {_count(n, 'GPU')} with {req.gpu_memory_gb:g} GB each; {len(big)} here "
+            f"{'has' if len(big) == 1 else 'have'} that much (largest {largest:.1f} GB)"
+        )
 
     def _never_ram(self, req: Request) -> str | None:
         usable = self.machine.ram_total_gb - self.limits.min_free_ram_gb
@@ -289,8 +292,9 @@ class _Ledger:
         if measured is None or req.disk_gb <= measured[0] - self.limits.min_free_disk_gb:
             return None
         keep = _kept("min_free_disk_gb", self.limits.min_free_disk_gb)
-        return (f"needs {req.disk_gb:g} GB disk on {req.disk_path}; "
-                f"that filesystem holds {measured[0]:.1f} GB in all{keep}")
+        return (
+            f"needs {req.disk_gb:g} GB disk on {req.disk_path}; that filesystem holds {measured[0]:.1f} GB in all{keep}"
+        )
 
     # -- gates: each returns why the job waits, or None --
 
@@ -369,8 +373,10 @@ class _Ledger:
             return f"GPU {index} used by {_foreign_words(view.foreign)}"
         if view.gpu.memory_total_mb - view.foreign_mb < need_mb:
             left = (view.gpu.memory_total_mb - view.foreign_mb) / 1024
-            return (f"GPU {index} has {left:.1f} GB beside {_foreign_words(view.foreign)}, "
-                    f"job needs {req.gpu_memory_gb:g} GB per GPU")
+            return (
+                f"GPU {index} has {left:.1f} GB beside {_foreign_words(view.foreign)}, "
+                f"job needs {req.gpu_memory_gb:g} GB per GPU"
+            )
         if index in self.reserved and self.reserver is not None and self.reserver[0].job_id != req.job_id:
             return "reserved"
         return None

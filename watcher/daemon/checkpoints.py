@@ -10,6 +10,7 @@ are reported in ``Discovery.skipped`` so the caller can say so in output.log.
 The walk is cheap: it runs only when an attempt ends, starts or is retried (never per tick), goes at
 most ``MAX_DEPTH`` folders down, never into a checkpoint, and reads at most ``MAX_ENTRIES`` entries.
 """
+
 from __future__ import annotations
 
 import json
@@ -127,7 +128,7 @@ def rebase(path: Path, paths: JobPaths) -> Path:
     parts = path.parts
     for i in range(len(parts) - 1, 0, -1):
         if parts[i] == paths.dir.name and parts[i - 1] in _STATE_FOLDERS:
-            return paths.dir.joinpath(*parts[i + 1:])
+            return paths.dir.joinpath(*parts[i + 1 :])
     return path
 
 
@@ -197,8 +198,9 @@ def _mtime(entry: os.DirEntry) -> float:
 _TOO_YOUNG = "too young"
 
 
-def incomplete_reason(path: Path, *, running: bool = False, now: float | None = None,
-                      named: bool = False) -> str | None:
+def incomplete_reason(
+    path: Path, *, running: bool = False, now: float | None = None, named: bool = False
+) -> str | None:
     """Why ``path`` is not a checkpoint to resume from (None when it is one).
 
     ``named``: the job itself named it (a record, ckpt_latest), so only evidence of an interrupted

@@ -10,6 +10,7 @@ exception as evidence, the traceback in watcher.log) and the loop goes on.
 ``TRAINQ_WATCHER_FAULTS`` (a documented test switch) raises a real exception inside a named step
 for the jobs whose id matches a glob, so tests exercise every boundary with real processes.
 """
+
 from __future__ import annotations
 
 import errno
@@ -67,7 +68,9 @@ class Faults:
                 continue
             step, sep, glob = part.strip().partition(":")
             if not sep or step not in STEPS or not glob:
-                raise BadFaultSpec(f"{ENV_WATCHER_FAULTS}: {part!r} is not STEP:GLOB with STEP one of {', '.join(STEPS)}")
+                raise BadFaultSpec(
+                    f"{ENV_WATCHER_FAULTS}: {part!r} is not STEP:GLOB with STEP one of {', '.join(STEPS)}"
+                )
             rules.append((step, glob))
         return cls(tuple(rules))
 
@@ -132,8 +135,13 @@ class Containment:
         self._concluded = [(j, o) for j, o in self._concluded if j is not job]
         self.folders.forget(job.id)
         running = job.state is JobState.RUNNING
-        logger.warning("job %s: folder %s/%s was removed; forgetting the job%s", job.id, job.state.value, job.id,
-                       " (its supervisor stops it as a stop.flag would)" if running else "")
+        logger.warning(
+            "job %s: folder %s/%s was removed; forgetting the job%s",
+            job.id,
+            job.state.value,
+            job.id,
+            " (its supervisor stops it as a stop.flag would)" if running else "",
+        )
         self._plan_due = True
         self.report.touch()
         self.note_removed(job.id, job.state.value, job.status, job.run.get("sweep"))
@@ -167,8 +175,12 @@ class Containment:
     def contain(self, job: Job, step: str, exc: Exception) -> None:
         """Fail ``job`` because ``step`` raised ``exc``; if even that fails, drop it from the loop."""
         if job.contained is None:
-            logger.error("job %s: internal error in step %s; failing this job, the queue goes on", job.id, step,
-                         exc_info=(type(exc), exc, exc.__traceback__))
+            logger.error(
+                "job %s: internal error in step %s; failing this job, the queue goes on",
+                job.id,
+                step,
+                exc_info=(type(exc), exc, exc.__traceback__),
+            )
             job.contained = step
         elif job.state is JobState.RUNNING and self.executor.is_alive(job.paths, job.current_attempt() or {}):
             logger.debug("job %s: %s failed again while it stops: %r", job.id, step, exc)
@@ -179,8 +191,13 @@ class Containment:
             if is_disk_full(again) or isinstance(again, JobFolderRemoved):
                 self.job_failed_in(job, step, again)  # noted (retried once space frees) or forgotten
                 return
-            logger.error("job %s: could not record that failure either; leaving its folder %s as it is until "
-                         "the watcher restarts", job.id, job.dir, exc_info=True)
+            logger.error(
+                "job %s: could not record that failure either; leaving its folder %s as it is until "
+                "the watcher restarts",
+                job.id,
+                job.dir,
+                exc_info=True,
+            )
             self.jobs.remove(job.id)
             self._concluded = [(j, o) for j, o in self._concluded if j is not job]
             self.report.touch()
@@ -201,8 +218,14 @@ class Containment:
             return
         if job.state is JobState.RUNNING:
             self.executor.kill_leftovers(job.paths, job.current_attempt() or {})
-        job.run.update(status="rejected" if step == "admit" else "failed", finished_at=iso_utc(now),
-                       waiting_for=None, gpus=[], error=error, diagnosis=diagnosis)
+        job.run.update(
+            status="rejected" if step == "admit" else "failed",
+            finished_at=iso_utc(now),
+            waiting_for=None,
+            gpus=[],
+            error=error,
+            diagnosis=diagnosis,
+        )
         job.save()
         self._concluded = [(j, o) for j, o in self._concluded if j is not job]
         if job.state in (JobState.PENDING, JobState.RUNNING):
@@ -219,8 +242,13 @@ class Containment:
 
     def _stop_contained(self, job: Job, error: str, diagnosis: dict, now: float) -> None:
         """A live attempt: stop it like a stop.flag; it ends failed (judge_exit reads stop_requested_by)."""
-        job.run.update(status="stopping", stop_requested_at=iso_utc(now), stop_requested_by=STOPPED_BY_INTERNAL_ERROR,
-                       error=error, diagnosis=diagnosis)
+        job.run.update(
+            status="stopping",
+            stop_requested_at=iso_utc(now),
+            stop_requested_by=STOPPED_BY_INTERNAL_ERROR,
+            error=error,
+            diagnosis=diagnosis,
+        )
         job.health = "stopping"
         job.save(durable=False)
         touch(job.paths.stop_flag)

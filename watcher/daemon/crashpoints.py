@@ -6,6 +6,7 @@ status.json, nothing flushed that was not already on disk. Tests use it to check
 between two writes of a multi-step change (a retry, a start) is finished by the next watcher.
 Never set it outside tests.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +51,9 @@ class CrashPoints:
                 continue
             point, sep, glob = part.strip().partition(":")
             if not sep or point not in POINTS or not glob:
-                raise BadCrashSpec(f"{ENV_WATCHER_CRASH}: {part!r} is not POINT:GLOB with POINT one of "
-                                   f"{', '.join(POINTS)}")
+                raise BadCrashSpec(
+                    f"{ENV_WATCHER_CRASH}: {part!r} is not POINT:GLOB with POINT one of {', '.join(POINTS)}"
+                )
             rules.append((point, glob))
         return cls(tuple(rules))
 

@@ -4,6 +4,7 @@ One pass of ``tick`` reads like a table of contents: reap_finished → honor_job
 admit_inbox → start_pending → watch_running → write status. Tests call ``tick`` directly.
 Starting lives in starting.py, finishing, retries and flags in finishing.py (mixins of Watcher).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -78,7 +79,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         self.stopping = False
         self._awaiting: dict[str, tuple[tuple, dict]] = {}
         self._unclaimable: dict[str, tuple] = {}
-        self._loop_errors: dict[str, int] = {}  # errors outside any job's guard, by text: how often  # inbox files not even rejectable (a second fault): name -> signature
+        self._loop_errors: dict[
+            str, int
+        ] = {}  # errors outside any job's guard, by text: how often  # inbox files not even rejectable (a second fault): name -> signature
         self._concluded: list = []  # (Job, Outcome) out of the live index, final write pending (finishing.py)
         self._order_last = 0
         self._lock_fd: int | None = None
@@ -207,8 +210,11 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             os.close(fd)
             raise QueueLocked(str(self.root.path), int(holder) if holder.isdigit() else None) from None
         except OSError as exc:  # ENOLCK, EOPNOTSUPP: a shared filesystem without (working) flock
-            logger.warning("cannot flock %s (%s): nothing stops a second watcher on this queue root; "
-                           "run only one", self.root.lock_file, exc.strerror)
+            logger.warning(
+                "cannot flock %s (%s): nothing stops a second watcher on this queue root; run only one",
+                self.root.lock_file,
+                exc.strerror,
+            )
         self._lock_fd = fd
         pid = f"{os.getpid()}\n".encode()
         try:  # over the old bytes first: on a full disk that needs no new block
@@ -353,7 +359,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
 
     def _contain_admitted(self, cand, taken: "_Taken", exc: Exception) -> None:
         if taken.claimed is None:
-            logger.error("inbox/%s: internal error while admitting it", cand.name, exc_info=(type(exc), exc, exc.__traceback__))
+            logger.error(
+                "inbox/%s: internal error while admitting it", cand.name, exc_info=(type(exc), exc, exc.__traceback__)
+            )
             return
         job_id, path = taken.claimed
         state = JobState.PENDING if path.parent.name == JobState.PENDING.value else JobState.FAILED
@@ -396,10 +404,15 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
 
     def _reject_internal(self, cand, order: int, now: float, exc: Exception) -> "_Taken":
         """Admitting ``cand`` raised: reject it with the exception as its error (traceback in watcher.log)."""
-        logger.error("inbox/%s: internal error while admitting it; rejecting the file", cand.name,
-                     exc_info=(type(exc), exc, exc.__traceback__))
-        problem = Problem("", f"internal error while admitting this file ({type(exc).__name__}: {exc}); "
-                              "see watcher.log, and report it")
+        logger.error(
+            "inbox/%s: internal error while admitting it; rejecting the file",
+            cand.name,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        problem = Problem(
+            "",
+            f"internal error while admitting this file ({type(exc).__name__}: {exc}); see watcher.log, and report it",
+        )
         result = InvalidJobSpec(f"inbox/{cand.name}", [problem])
         run = new_run(None, order, now, name=_stem(cand.name))
         run.update(status="rejected", finished_at=iso_utc(now), errors=[problem.to_dict()], error=result.lines()[0])
@@ -419,8 +432,12 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             return _Taken(result, unfinished=True)  # read again once it stood still, before it is rejected
         if isinstance(result, InvalidJobSpec):
             run = new_run(None, order, now, name=_stem(printable_name(cand.name)))
-            run.update(status="rejected", finished_at=iso_utc(now), errors=[p.to_dict() for p in result.problems],
-                       error=result.lines()[0] if result.problems else "invalid job file")
+            run.update(
+                status="rejected",
+                finished_at=iso_utc(now),
+                errors=[p.to_dict() for p in result.problems],
+                error=result.lines()[0] if result.problems else "invalid job file",
+            )
             return _Taken(result, run, self.folders.claim(cand.path, JobState.FAILED, run))
         run = new_run(result, order, now, name=_stem(printable_name(cand.name)))
         if result.fork_of:
@@ -502,11 +519,14 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             return  # it vanished meanwhile
         job_id, path = taken.claimed
         taken.run["id"] = job_id
-        job = Job(job_id, JobState.PENDING, path, taken.run, taken.result, spec_sig=(cand.size, cand.mtime_ns, cand.ino))
+        job = Job(
+            job_id, JobState.PENDING, path, taken.run, taken.result, spec_sig=(cand.size, cand.mtime_ns, cand.ino)
+        )
         self.jobs.add(job)
         records.accepted(job.paths, taken.run, cand.name, cand.mtime_ns / 1e9, now)
-        logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, printable_name(cand.name),
-                    taken.result.priority)
+        logger.info(
+            "job %s: inbox/%s -> pending (priority %d)", job_id, printable_name(cand.name), taken.result.priority
+        )
         self.report.touch()
         self.admit_workflow(job, now)
 

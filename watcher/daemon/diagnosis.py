@@ -3,6 +3,7 @@
 Reads what the supervisor and the job left behind: the exit record, the tail of ``output.log``
 (ANSI codes stripped), the tail of ``metrics.jsonl`` and, when readable, the kernel log.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,19 @@ from dataclasses import dataclass
 from trainq.watcher.spec.contract import EXIT_DATA, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, EXIT_SCHEDULE, RECORD_EVENT
 from trainq.watcher.spec.records import parse_records, read_metrics_tail, read_tail, strip_ansi  # noqa: F401 (re-exported)
 
-KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "dependency", "schedule",
-         "unknown")
+KINDS = (
+    "oom",
+    "nan",
+    "killed",
+    "data",
+    "timeout",
+    "stalled",
+    "preempted",
+    "unsatisfiable",
+    "dependency",
+    "schedule",
+    "unknown",
+)
 
 #: longest evidence line kept (characters)
 EVIDENCE_MAX_CHARS = 300
@@ -28,62 +40,80 @@ SIGTERM = 15
 
 _ADVICE = {
     "oom": "Out of memory: lower batch_size (raise grad_accum to keep the effective batch), then raise "
-           "grad_accum further, then shorten seq_len, then lower the LoRA rank (lora.r), and retry.",
+    "grad_accum further, then shorten seq_len, then lower the LoRA rank (lora.r), and retry.",
     "nan": "The loss went non-finite: lower lr (halve it), add warmup (warmup_ratio), or use bf16/fp32 "
-           "instead of fp16, then retry from the last good checkpoint.",
+    "instead of fp16, then retry from the last good checkpoint.",
     "killed": "The job was killed (SIGKILL) without an out-of-memory trace: check who kills processes on this "
-              "machine (and free RAM), then touch retry.flag to resume.",
+    "machine (and free RAM), then touch retry.flag to resume.",
     "data": "The training data could not be read: check that every data path exists and each row is valid "
-            "UTF-8 JSON with text, prompt+completion or messages, then submit again.",
+    "UTF-8 JSON with text, prompt+completion or messages, then submit again.",
     "timeout": "The job ran past its timeout: raise timeout in the job file or lower max_steps/epochs, then "
-               "touch retry.flag to resume from the latest checkpoint.",
+    "touch retry.flag to resume from the latest checkpoint.",
     "stalled": "No new output or metrics for longer than stall_after: look for a hung data loader, deadlock or "
-               "wait on a lock, or raise stall_after if the job is slow but healthy.",
+    "wait on a lock, or raise stall_after if the job is slow but healthy.",
     "preempted": "The job was stopped by SIGTERM from outside trainq (preemption or shutdown): touch retry.flag "
-                 "to resume it from its latest checkpoint.",
+    "to resume it from its latest checkpoint.",
     "unsatisfiable": "This machine can never run the job: lower resources (gpus, gpu_memory_gb, ram_gb, disk_gb) "
-                     "to what the machine has, then submit it again.",
+    "to what the machine has, then submit it again.",
     "dependency": "A job this one runs after did not end done: fix and retry that job, then retry this one "
-                  "(or use after_policy: any to run whatever their outcome).",
+    "(or use after_policy: any to run whatever their outcome).",
     "schedule": "The learning rate applied left the configured schedule (evidence: the step, the expected and the "
-                "applied value): look for code that sets the optimizer's lr, a scheduler changed on resume, or the "
-                "warm-up settings; fix it, then touch retry.flag to resume from the last checkpoint.",
+    "applied value): look for code that sets the optimizer's lr, a scheduler changed on resume, or the "
+    "warm-up settings; fix it, then touch retry.flag to resume from the last checkpoint.",
     "unknown": "Read the end of output.log (trainq logs ID) for the error, fix its cause, then touch retry.flag.",
 }
 
 #: advice for a command job where the trainer's advice names knobs it does not have (train: fields)
 _COMMAND_ADVICE = {
     "oom": "Out of memory: make the command use less per step (its own batch_size or sequence length arguments), "
-           "or ask for more with resources.gpu_memory_gb / ram_gb, then touch retry.flag.",
+    "or ask for more with resources.gpu_memory_gb / ram_gb, then touch retry.flag.",
     "nan": "The loss went non-finite: lower the learning rate your command uses, add warmup, or use bf16/fp32 "
-           "instead of fp16, then touch retry.flag to resume from its last checkpoint.",
+    "instead of fp16, then touch retry.flag to resume from its last checkpoint.",
     "data": "A file the command reads is missing or unreadable (evidence above): check the paths in command, cwd "
-            "and env (relative paths start in cwd, by default the job folder), then submit the job again.",
+    "and env (relative paths start in cwd, by default the job folder), then submit the job again.",
     "timeout": "The job ran past its timeout: raise timeout in the job file or make the command do less, then "
-               "touch retry.flag (it resumes only if the job declares resume_args).",
+    "touch retry.flag (it resumes only if the job declares resume_args).",
 }
 
 
 #: log patterns per kind, most specific first; the last matching line of the tail is the evidence
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("oom", re.compile(
-        r"CUDA out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory|trainq: out of memory"
-        r"|out of memory|can't allocate memory|std::bad_alloc|CUBLAS_STATUS_ALLOC_FAILED", re.IGNORECASE)),
-    ("nan", re.compile(
-        r"\bloss\b[^\n]{0,24}\b(?:is|=|:|became|went)\s*(?:nan|[+-]?inf)\b|\bnan (?:loss|detected|encountered)"
-        r"|non-?finite (?:loss|value|gradient)|detected (?:nan|inf)\b|trainq: nan", re.IGNORECASE)),
-    ("data", re.compile(
-        r"JSONDecodeError|UnicodeDecodeError|DatasetGenerationError|datasets\.exceptions|ArrowInvalid"
-        r"|No such file or directory:?\s*['\"]?[^'\"\s]*\.(?:jsonl?|csv|tsv|txt|parquet|arrow)\b"
-        r"|trainq: data error", re.IGNORECASE)),
+    (
+        "oom",
+        re.compile(
+            r"CUDA out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory|trainq: out of memory"
+            r"|out of memory|can't allocate memory|std::bad_alloc|CUBLAS_STATUS_ALLOC_FAILED",
+            re.IGNORECASE,
+        ),
+    ),
+    (
+        "nan",
+        re.compile(
+            r"\bloss\b[^\n]{0,24}\b(?:is|=|:|became|went)\s*(?:nan|[+-]?inf)\b|\bnan (?:loss|detected|encountered)"
+            r"|non-?finite (?:loss|value|gradient)|detected (?:nan|inf)\b|trainq: nan",
+            re.IGNORECASE,
+        ),
+    ),
+    (
+        "data",
+        re.compile(
+            r"JSONDecodeError|UnicodeDecodeError|DatasetGenerationError|datasets\.exceptions|ArrowInvalid"
+            r"|No such file or directory:?\s*['\"]?[^'\"\s]*\.(?:jsonl?|csv|tsv|txt|parquet|arrow)\b"
+            r"|trainq: data error",
+            re.IGNORECASE,
+        ),
+    ),
 )
 
 #: lines that only serve as evidence for a kind decided by the exit code (never decide it on their own)
 _EVIDENCE_ONLY = {"preempted": re.compile(r"SIGTERM|preempt", re.IGNORECASE)}
 
 #: kernel OOM-killer lines; group "pid" is the victim
-_KERNEL_OOM = re.compile(r"(?:Out of memory|oom-kill|oom_reaper)[^\n]*?(?:Killed process |pid=|reaped process )"
-                         r"(?P<pid>\d+)", re.IGNORECASE)
+_KERNEL_OOM = re.compile(
+    r"(?:Out of memory|oom-kill|oom_reaper)[^\n]*?(?:Killed process |pid=|reaped process )"
+    r"(?P<pid>\d+)",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -149,8 +179,9 @@ def unsatisfiable_diagnosis(reason: str) -> Diagnosis:
     return Diagnosis("unsatisfiable", advice_for("unsatisfiable"), _clip(reason))
 
 
-def diagnose(exit: dict, log_tail: str, metrics_tail: list[dict] | None = None,
-             kernel_log: str | None = None, train: bool = True) -> Diagnosis | None:
+def diagnose(
+    exit: dict, log_tail: str, metrics_tail: list[dict] | None = None, kernel_log: str | None = None, train: bool = True
+) -> Diagnosis | None:
     """Classify a finished attempt; None for a clean success or a user's stop (status cancelled, not a failure).
 
     ``train``: the job ran the built-in trainer; a command job's advice names no trainer knobs.
@@ -179,20 +210,24 @@ def fit_advice(diagnosis: Diagnosis | None, log_tail: str, has_resume: bool, pro
     missing = _NO_MODULE.search(strip_ansi(log_tail or ""))
     if missing and diagnosis.kind == "unknown":
         who = f"the interpreter that ran, {program}," if program else "the interpreter that ran"
-        advice = (f"Python could not import {missing['module']!r}: {who} does not have it. Install it there "
-                  f"({program or 'python'} -m pip install ...), or name the interpreter that has it in command "
-                  "(an absolute path); a bare python is the watcher's own (its folder comes first on the job's "
-                  "PATH). Then trainq retry ID.")
+        advice = (
+            f"Python could not import {missing['module']!r}: {who} does not have it. Install it there "
+            f"({program or 'python'} -m pip install ...), or name the interpreter that has it in command "
+            "(an absolute path); a bare python is the watcher's own (its folder comes first on the job's "
+            "PATH). Then trainq retry ID."
+        )
         return Diagnosis(diagnosis.kind, advice, _clip(missing.group(0)))
     if not has_resume:
-        advice = _RETRY_RESUME.sub("touch retry.flag (trainq retry ID) to run it again from the start (the job "
-                                   "declares no resume_args, so nothing resumes)", advice)
+        advice = _RETRY_RESUME.sub(
+            "touch retry.flag (trainq retry ID) to run it again from the start (the job "
+            "declares no resume_args, so nothing resumes)",
+            advice,
+        )
         advice = advice.replace("resume it from its latest checkpoint", "run it again from the start")
     return diagnosis if advice == diagnosis.advice else Diagnosis(diagnosis.kind, advice, diagnosis.evidence)
 
 
-def _classify(exit: dict, log_tail: str, metrics_tail: list[dict] | None,
-              kernel_log: str | None) -> Diagnosis | None:
+def _classify(exit: dict, log_tail: str, metrics_tail: list[dict] | None, kernel_log: str | None) -> Diagnosis | None:
     stop_reason = exit.get("stop_reason")
     code, sig = exit.get("exit_code"), exit.get("signal")
     if stop_reason is None and code == 0 and not sig:
@@ -202,9 +237,15 @@ def _classify(exit: dict, log_tail: str, metrics_tail: list[dict] | None,
     lines = [ln.strip() for ln in strip_ansi(log_tail or "").splitlines() if ln.strip()]
     if stop_reason == "timeout":
         return _make("timeout", f"stopped at the timeout ({exit.get('stop_requested_at') or 'time unknown'})")
-    return (_from_trainer(metrics_tail) or _from_executor(exit) or _from_spawn_error(exit)
-            or _from_stop_or_code(exit, lines)
-            or _from_signal(exit, lines, kernel_log) or _from_log(lines) or _unknown(exit, lines))
+    return (
+        _from_trainer(metrics_tail)
+        or _from_executor(exit)
+        or _from_spawn_error(exit)
+        or _from_stop_or_code(exit, lines)
+        or _from_signal(exit, lines, kernel_log)
+        or _from_log(lines)
+        or _unknown(exit, lines)
+    )
 
 
 def _from_trainer(metrics_tail: list[dict] | None) -> Diagnosis | None:
@@ -212,8 +253,9 @@ def _from_trainer(metrics_tail: list[dict] | None) -> Diagnosis | None:
     for record in reversed(metrics_tail or []):
         if record.get("type") == RECORD_EVENT and record.get("kind") in KINDS:
             evidence = record.get("evidence") or record.get("message") or json.dumps(record, ensure_ascii=False)
-            return Diagnosis(record["kind"], str(record.get("advice") or advice_for(record["kind"])),
-                             _clip(str(evidence)))
+            return Diagnosis(
+                record["kind"], str(record.get("advice") or advice_for(record["kind"])), _clip(str(evidence))
+            )
     return None
 
 
@@ -222,16 +264,20 @@ def _from_executor(exit: dict) -> Diagnosis | None:
     said = exit.get("executor_diagnosis")
     if not isinstance(said, dict) or said.get("kind") not in KINDS:
         return None
-    return Diagnosis(said["kind"], str(said.get("advice") or advice_for(said["kind"])),
-                     _clip(str(said.get("evidence") or "")))
+    return Diagnosis(
+        said["kind"], str(said.get("advice") or advice_for(said["kind"])), _clip(str(said.get("evidence") or ""))
+    )
 
 
 def _from_spawn_error(exit: dict) -> Diagnosis | None:
     """The command never started: the advice is the fix for the spawn error itself."""
     if not exit.get("spawn_error"):
         return None
-    return Diagnosis("unknown", "The command could not be started: fix command or cwd in the job file, "
-                                "then submit it again.", _clip(exit["spawn_error"]))
+    return Diagnosis(
+        "unknown",
+        "The command could not be started: fix command or cwd in the job file, then submit it again.",
+        _clip(exit["spawn_error"]),
+    )
 
 
 def _from_stop_or_code(exit: dict, lines: list[str]) -> Diagnosis | None:
@@ -239,7 +285,13 @@ def _from_stop_or_code(exit: dict, lines: list[str]) -> Diagnosis | None:
     if exit.get("stop_reason") == "sigterm":
         return _make("preempted", "the supervisor received SIGTERM and stopped the job")
     code = exit.get("exit_code")
-    by_code = {EXIT_OOM: "oom", EXIT_NAN: "nan", EXIT_DATA: "data", EXIT_PREEMPTED: "preempted", EXIT_SCHEDULE: "schedule"}
+    by_code = {
+        EXIT_OOM: "oom",
+        EXIT_NAN: "nan",
+        EXIT_DATA: "data",
+        EXIT_PREEMPTED: "preempted",
+        EXIT_SCHEDULE: "schedule",
+    }
     if code in by_code:
         kind = by_code[code]
         return _make(kind, _last_match(lines, kind) or f"exit code {code}")
@@ -279,8 +331,11 @@ def _unknown(exit: dict, lines: list[str]) -> Diagnosis:
             break
         tail.insert(0, line)
     if not tail:
-        how = f"signal {exit.get('signal_name') or exit.get('signal')}" if exit.get("signal") else \
-            f"exit code {exit.get('exit_code')}"
+        how = (
+            f"signal {exit.get('signal_name') or exit.get('signal')}"
+            if exit.get("signal")
+            else f"exit code {exit.get('exit_code')}"
+        )
         return _make("unknown", f"{how}; output.log is empty")
     return Diagnosis("unknown", advice_for("unknown"), "\n".join(tail)[-UNKNOWN_EVIDENCE_MAX_CHARS:])
 

@@ -10,6 +10,7 @@ spare and status.json written, it rebuilds its view of the queue from the folder
 after a restart, so no half-done step is trusted) and carries on. Supervisors keep their job's lock until its exit record is written, retrying, so
 the record survives and the job ends where its exit code says.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,10 @@ class DiskFull:
 
     def problem(self) -> str:
         """The line status.json's ``watcher.problems`` carries."""
-        return (f"disk full since {iso_utc(self.since)} ({self.where}: {self.reason}); no job is accepted or "
-                "started until space frees, running jobs go on")
+        return (
+            f"disk full since {iso_utc(self.since)} ({self.where}: {self.reason}); no job is accepted or "
+            "started until space frees, running jobs go on"
+        )
 
 
 class DiskFullHandling:
@@ -58,9 +61,13 @@ class DiskFullHandling:
         now = time.time()
         self.disk_full = DiskFull(now, where, exc.strerror or str(exc), now)
         released = release_reserve(self.root.reserve_file)
-        logger.warning("queue: disk full (%s: %s); accepting and starting no work, retrying every %gs%s",
-                       where, exc.strerror or exc, DISK_FULL_RETRY_S,
-                       f"; released {released // 1024} KiB reserve for status.json" if released else "")
+        logger.warning(
+            "queue: disk full (%s: %s); accepting and starting no work, retrying every %gs%s",
+            where,
+            exc.strerror or exc,
+            DISK_FULL_RETRY_S,
+            f"; released {released // 1024} KiB reserve for status.json" if released else "",
+        )
         self.report.touch()
 
     def problems(self) -> list[str]:

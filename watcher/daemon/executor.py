@@ -12,6 +12,7 @@ Adding an executor (say Kubernetes): write a class with the members of ``Executo
 add the name to ``executor``'s enum in schemas/watcher.schema.json. Its constructor takes
 ``(config: WatcherConfig, root: Path)``.
 """
+
 from __future__ import annotations
 
 from importlib.metadata import entry_points
@@ -35,8 +36,10 @@ class UnknownExecutor(WatcherError):
     """Raised when watcher.yaml names an executor no installed package registers."""
 
     def __init__(self, name: str, known: list[str]):
-        super().__init__(f"watcher.yaml: executor: no executor named {name!r} is installed "
-                         f"(installed: {', '.join(known) or 'none'}); reinstall trainq (pip install -e .)")
+        super().__init__(
+            f"watcher.yaml: executor: no executor named {name!r} is installed "
+            f"(installed: {', '.join(known) or 'none'}); reinstall trainq (pip install -e .)"
+        )
 
 
 class Executor(Protocol):
@@ -56,8 +59,9 @@ class Executor(Protocol):
     def unavailable(self, now: float) -> str | None:
         """Why no attempt can be launched now (in words), or None when ready."""
 
-    def launch(self, spec: LaunchSpec, job_name: str, options: dict | None,
-               group: tuple[str, int] | None = None) -> dict:
+    def launch(
+        self, spec: LaunchSpec, job_name: str, options: dict | None, group: tuple[str, int] | None = None
+    ) -> dict:
         """Start an attempt; return fields for its attempt record (``pid``, or ``job_ref_field``). ``options``
         are the job file's section for this executor; ``group`` (sweep id, index) lets an executor hold a
         sweep's attempts back and start them together in ``flush``."""
@@ -89,7 +93,9 @@ class Executor(Protocol):
     def waiting_for(self, paths: JobPaths, attempt: dict) -> str | None:
         """Why a launched attempt has not started yet (the scheduler's pending reason), or None."""
 
-    def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
+    def enforce_stop(
+        self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float
+    ) -> None:
         """Escalate a stop the supervisor cannot carry out itself (cancel the batch job after the grace)."""
 
     def health(self, paths: JobPaths, attempt: dict, now: float) -> str | None:
@@ -126,8 +132,9 @@ class LocalExecutor:
     def unavailable(self, now: float) -> str | None:
         return None
 
-    def launch(self, spec: LaunchSpec, job_name: str, options: dict | None,
-               group: tuple[str, int] | None = None) -> dict:
+    def launch(
+        self, spec: LaunchSpec, job_name: str, options: dict | None, group: tuple[str, int] | None = None
+    ) -> dict:
         return {"pid": self.supervisor.launch(spec)}
 
     def flush(self) -> list[tuple[str, str | None, Exception | None]]:
@@ -157,7 +164,9 @@ class LocalExecutor:
     def waiting_for(self, paths: JobPaths, attempt: dict) -> str | None:
         return None
 
-    def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
+    def enforce_stop(
+        self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float
+    ) -> None:
         return None  # the supervisor escalates by itself
 
     def health(self, paths: JobPaths, attempt: dict, now: float) -> str | None:

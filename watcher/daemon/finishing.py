@@ -11,7 +11,14 @@ from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import remove_quietly, touch
 from trainq.watcher.daemon import records
 from trainq.watcher.daemon.jobs import (
-    CHECKPOINTED, Job, judge_exit, load_job, resume_point, retries_used, should_retry, supervisor_lost,
+    CHECKPOINTED,
+    Job,
+    judge_exit,
+    load_job,
+    resume_point,
+    retries_used,
+    should_retry,
+    supervisor_lost,
 )
 from trainq.watcher.spec import events
 from trainq.watcher.spec.units import iso_utc, parse_iso
@@ -72,8 +79,9 @@ class Finishing:
         started = self.executor.read_started(job.paths) or {}
         record = {"job_pid": started.get("job_pid")} if started.get("attempt") == job.attempt else {}
         outcome = supervisor_lost(started)
-        events.emit(job.paths, "exited", now, attempt=job.attempt, code=None, lost=True,
-                    evidence=outcome.diagnosis.evidence)
+        events.emit(
+            job.paths, "exited", now, attempt=job.attempt, code=None, lost=True, evidence=outcome.diagnosis.evidence
+        )
         self._finish(job, outcome, record, now)
 
     def _finish(self, job: Job, outcome, record: dict, now: float) -> None:
@@ -109,8 +117,9 @@ class Finishing:
             self.guarded(job, "retry", self._requeue_for_retry, job, outcome, now)
             return
         # the attempt's real end (its exit record), not when this watcher got to it (after a SIGSTOP, a crash)
-        job.run.update(status=outcome.status, finished_at=record.get("ended_at") or iso_utc(now), waiting_for=None,
-                       gpus=[])
+        job.run.update(
+            status=outcome.status, finished_at=record.get("ended_at") or iso_utc(now), waiting_for=None, gpus=[]
+        )
         self.jobs.remove(job.id)
         self._concluded.append((job, outcome))
         self._plan_due = True
@@ -152,27 +161,62 @@ class Finishing:
         self.jobs.move(job, JobState.PENDING)
         job.readers = None
         self._plan_due = True
-        logger.info("job %s: running -> pending, retry after %s in %gs%s", job.id, outcome.diagnosis.kind,
-                    backoff_s, f" (resume from {resume})" if resume else "")
-        events.emit(job.paths, "retrying", now, attempt=job.attempt + 1, after=outcome.diagnosis.kind,
-                    resume_from=resume, backoff_s=backoff_s, retry=used, of=job.spec.retries.max if job.spec else 0)
+        logger.info(
+            "job %s: running -> pending, retry after %s in %gs%s",
+            job.id,
+            outcome.diagnosis.kind,
+            backoff_s,
+            f" (resume from {resume})" if resume else "",
+        )
+        events.emit(
+            job.paths,
+            "retrying",
+            now,
+            attempt=job.attempt + 1,
+            after=outcome.diagnosis.kind,
+            resume_from=resume,
+            backoff_s=backoff_s,
+            retry=used,
+            of=job.spec.retries.max if job.spec else 0,
+        )
         self.report.touch()
 
     def _requeue_after_checkpoint(self, job: Job, record: dict, now: float) -> None:
         """The job exited with its checkpoint_exit_code: the next attempt starts at once, resuming; no retry counted."""
         resume = resume_point(job)
         restarts = int(job.run.get("checkpoint_restarts") or 0) + 1
-        job.run.update(status="pending", not_before=None, resume_from=resume, stop_requested_at=None, gpus=[],
-                       checkpoint_restarts=restarts, waiting_for=None, diagnosis=None, error=None)
+        job.run.update(
+            status="pending",
+            not_before=None,
+            resume_from=resume,
+            stop_requested_at=None,
+            gpus=[],
+            checkpoint_restarts=restarts,
+            waiting_for=None,
+            diagnosis=None,
+            error=None,
+        )
         job.save()
         job.dir = self.folders.requeue(job.id, JobState.RUNNING)
         self.jobs.move(job, JobState.PENDING)
         job.readers = None
         self._plan_due = True
-        logger.info("job %s: running -> pending, checkpoint exit %s: next attempt at once%s", job.id,
-                    record.get("exit_code"), f" (resume from {resume})" if resume else "")
-        events.emit(job.paths, "retrying", now, attempt=job.attempt + 1, after="checkpoint_exit",
-                    exit_code=record.get("exit_code"), resume_from=resume, counted=False)
+        logger.info(
+            "job %s: running -> pending, checkpoint exit %s: next attempt at once%s",
+            job.id,
+            record.get("exit_code"),
+            f" (resume from {resume})" if resume else "",
+        )
+        events.emit(
+            job.paths,
+            "retrying",
+            now,
+            attempt=job.attempt + 1,
+            after="checkpoint_exit",
+            exit_code=record.get("exit_code"),
+            resume_from=resume,
+            counted=False,
+        )
         self.report.touch()
 
     def _retire(self, job: Job, now: float) -> None:
@@ -200,8 +244,7 @@ class Finishing:
             self.guarded_id(job_id, JobState.FAILED, "retry", self.retry_finished, job_id, JobState.FAILED, now)
 
     def cancel_pending(self, job: Job, now: float) -> None:
-        job.run.update(status="cancelled", finished_at=iso_utc(now), waiting_for=None,
-                       stop_requested_at=iso_utc(now))
+        job.run.update(status="cancelled", finished_at=iso_utc(now), waiting_for=None, stop_requested_at=iso_utc(now))
         job.save()
         job.dir = self.folders.fail(job.id, JobState.PENDING)
         self.jobs.move(job, JobState.FAILED)
@@ -227,8 +270,16 @@ class Finishing:
             remove_quietly(paths.retry_flag)
             return
         resume = resume_point(job)
-        job.run.update(status="pending", finished_at=None, not_before=None, resume_from=resume,
-                       waiting_for=None, diagnosis=None, error=None, stop_requested_at=None)
+        job.run.update(
+            status="pending",
+            finished_at=None,
+            not_before=None,
+            resume_from=resume,
+            waiting_for=None,
+            diagnosis=None,
+            error=None,
+            stop_requested_at=None,
+        )
         for key in ("stop_requested_by", "reason", "delivered"):
             job.run.pop(key, None)
         job.save()
@@ -242,8 +293,12 @@ class Finishing:
         self.report.unfinished(job_id, state)
         events.emit(job.paths, "retrying", now, attempt=job.attempt + 1, after="retry.flag", resume_from=resume)
         self.workflow_requeued(job, now)
-        logger.info("job %s: %s -> pending, retry requested%s", job_id, state.value,
-                    f" (resume from {resume})" if resume else "")
+        logger.info(
+            "job %s: %s -> pending, retry requested%s",
+            job_id,
+            state.value,
+            f" (resume from {resume})" if resume else "",
+        )
 
     def _fixed(self, job: Job) -> bool:
         """A rejected job whose job.yaml was fixed in place (``trainq edit ID``) may run under its id."""
@@ -256,8 +311,12 @@ class Finishing:
             self.check_allowed(job.spec, display, f"{job.id}.yaml")
             self._check_pool(job.spec, display)
         except InvalidJobSpec:
-            logger.warning("job %s: retry.flag ignored: its job.yaml is still invalid (or a sweep); fix it "
-                           "(trainq edit %s) and try again", job.id, job.id)
+            logger.warning(
+                "job %s: retry.flag ignored: its job.yaml is still invalid (or a sweep); fix it "
+                "(trainq edit %s) and try again",
+                job.id,
+                job.id,
+            )
             return False
         job.run.update(errors=[], name=job.spec.name or job.run.get("name"), priority=job.spec.priority)
         logger.info("job %s: its fixed job.yaml validates; it runs as a new submission under the same id", job.id)
@@ -278,8 +337,9 @@ class Finishing:
             job.run.update(status="stopping", stop_requested_at=iso_utc(now))
             job.health = "stopping"
             job.save(durable=False)
-            logger.info("job %s: stop requested (stop.flag); grace %gs", job.id,
-                        job.spec.stop_grace_s if job.spec else 0)
+            logger.info(
+                "job %s: stop requested (stop.flag); grace %gs", job.id, job.spec.stop_grace_s if job.spec else 0
+            )
             self.report.touch()
         if job.run.get("status") == "stopping":
             requested = parse_iso(job.run.get("stop_requested_at")) or now

@@ -6,6 +6,7 @@ however long the writer pauses). Files seen without such events (present at star
 dropped, other platforms) are ready once size and mtime stood still for ``settle_s`` and no
 process holds them open for writing (looked up in ``/proc/*/fd``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,9 +95,12 @@ def name_problem(name: str) -> Problem | None:
     except UnicodeEncodeError as exc:
         raw = name.encode("utf-8", "surrogateescape")
         bad = name[exc.start].encode("utf-8", "surrogateescape").hex()
-        offset = len(name[:exc.start].encode("utf-8", "surrogateescape"))
-        return Problem("", f"the file name is not valid UTF-8 (byte 0x{bad} at byte {offset} of {len(raw)}); "
-                           "rename the file to UTF-8 and drop it again")
+        offset = len(name[: exc.start].encode("utf-8", "surrogateescape"))
+        return Problem(
+            "",
+            f"the file name is not valid UTF-8 (byte 0x{bad} at byte {offset} of {len(raw)}); "
+            "rename the file to UTF-8 and drop it again",
+        )
     return None
 
 

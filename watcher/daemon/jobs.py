@@ -3,6 +3,7 @@
 ``Job`` is mutable and private to the daemon; what the outside sees is its ``run.json``
 (``Job.run``), written through ``save()`` only.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -13,8 +14,17 @@ from pathlib import Path
 from trainq.watcher.daemon.checkpoints import find_checkpoint, latest_checkpoint, note_skipped
 from trainq.watcher.spec.contract import ATTEMPT_BANNER_PREFIX, JobPaths
 from trainq.watcher.spec.errors import JobFolderRemoved
-from trainq.watcher.daemon.diagnosis import (SIGKILL, Diagnosis, advice_for, fit_advice, diagnose, read_kernel_log, read_metrics_tail,
-                                             read_tail, stalled_diagnosis)
+from trainq.watcher.daemon.diagnosis import (
+    SIGKILL,
+    Diagnosis,
+    advice_for,
+    fit_advice,
+    diagnose,
+    read_kernel_log,
+    read_metrics_tail,
+    read_tail,
+    stalled_diagnosis,
+)
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
 from trainq.watcher.spec.jobspec import JobSpec
@@ -142,10 +152,18 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
         return Outcome("failed", Diagnosis.from_dict(run["diagnosis"]))  # containment.py stopped it
     if run.get("stop_requested_by") == "stalled" and reason != "timeout":
         started = parse_iso(((run.get("attempts") or [{}])[-1] or {}).get("started_at"))
-        return Outcome("failed", stalled_diagnosis(float(run.get("stall_after_s") or 0), stack_evidence(paths.dir, started)))
+        return Outcome(
+            "failed", stalled_diagnosis(float(run.get("stall_after_s") or 0), stack_evidence(paths.dir, started))
+        )
     if run.get("stop_requested_by") == "schedule" and reason != "timeout":
-        return Outcome("failed", Diagnosis("schedule", advice_for("schedule"),
-                                           str((run.get("lr_deviation") or {}).get("words") or "off the declared lr schedule")))
+        return Outcome(
+            "failed",
+            Diagnosis(
+                "schedule",
+                advice_for("schedule"),
+                str((run.get("lr_deviation") or {}).get("words") or "off the declared lr schedule"),
+            ),
+        )
     if reason != "timeout" and (reason == "stop_flag" or run.get("status") == "stopping"):
         return Outcome("cancelled", None)
     if reason == "cancelled":  # ended from outside trainq (Slurm: scancel by a user or an admin): never retried
@@ -155,9 +173,13 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
     if reason is None and is_checkpoint_exit(exit_record, spec):
         return Outcome(CHECKPOINTED, None)
     log_tail = attempt_log_tail(paths)
-    diagnosis = diagnose(exit_record, log_tail, attempt_metrics(paths, run),
-                         kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record)
-                         else None, train=spec is None or spec.is_train)
+    diagnosis = diagnose(
+        exit_record,
+        log_tail,
+        attempt_metrics(paths, run),
+        kernel_log=read_kernel_log() if _was_sigkilled(exit_record) and _ran_here(exit_record) else None,
+        train=spec is None or spec.is_train,
+    )
     program = ((run.get("attempts") or [{}])[-1] or {}).get("program")
     diagnosis = fit_advice(diagnosis, log_tail, spec is None or spec.has_resume, program)
     return Outcome("timeout" if reason == "timeout" else "failed", diagnosis)

@@ -6,6 +6,7 @@ run.json, like a bad inbox file. A pending folder the user removed (``rm -r pend
 forgotten. Each rescan looks at up to ``CHECK_BATCH`` pending jobs in turn (one ``stat`` each), and
 a changed file is read once it has stood still for ``settle_s``, so a half-written save is never judged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -163,8 +164,13 @@ def _rewire_dependencies(watcher: "EditHost", job: "Job", old_after: tuple, now:
 
 def _reject(watcher: "EditHost", job: "Job", exc: InvalidJobSpec, now: float, why: str | None = None) -> None:
     lines = exc.lines() if exc.problems else [f"{exc.file}: {why}"]
-    job.run.update(status="rejected", finished_at=iso_utc(now), waiting_for=None, error=lines[0],
-                   errors=[p.to_dict() for p in exc.problems] or [{"path": "", "message": why}])
+    job.run.update(
+        status="rejected",
+        finished_at=iso_utc(now),
+        waiting_for=None,
+        error=lines[0],
+        errors=[p.to_dict() for p in exc.problems] or [{"path": "", "message": why}],
+    )
     job.save()
     job.dir = watcher.folders.fail(job.id, JobState.PENDING)
     watcher.jobs.move(job, JobState.FAILED)

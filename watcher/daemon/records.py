@@ -5,6 +5,7 @@ job's supervisor takes it before the job starts (watcher/supervisor/snapshot.py)
 watcher itself knows (submitted, accepted, held, released, retrying, finished) are appended here;
 the supervisor appends started, checkpoint, stopping, preempted and exited.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,16 @@ TRAINQ_SOURCE = Path(__file__).resolve().parent.parent.parent
 _PYTHON_NAMES = ("python", "python3")
 
 
-def snapshot_request(spec: JobSpec, run: dict, argv: list[str], cwd: str, launch_env: dict[str, str],
-                     gpus: list[dict], root: Path, python: str) -> SnapshotRequest:
+def snapshot_request(
+    spec: JobSpec,
+    run: dict,
+    argv: list[str],
+    cwd: str,
+    launch_env: dict[str, str],
+    gpus: list[dict],
+    root: Path,
+    python: str,
+) -> SnapshotRequest:
     """Describe this attempt's snapshot: resolved config, where the code is, what it reads, which Python."""
     named = _named_paths(argv, cwd)
     config = _resolved_config(spec, run, argv, cwd, launch_env)
@@ -36,9 +45,17 @@ def snapshot_request(spec: JobSpec, run: dict, argv: list[str], cwd: str, launch
         code_dir = cwd if spec.cwd else _script_dir(argv, named)
         interpreter = _interpreter(argv, launch_env)
         files = tuple(str(p) for p in named if p.is_file())
-    return SnapshotRequest(config=config, code_dir=code_dir, named=files, sources=sources, models=models,
-                           python=interpreter, gpus=tuple(gpus), job_env=tuple(spec.env),
-                           cache_dir=str(root / ".cache"))
+    return SnapshotRequest(
+        config=config,
+        code_dir=code_dir,
+        named=files,
+        sources=sources,
+        models=models,
+        python=interpreter,
+        gpus=tuple(gpus),
+        job_env=tuple(spec.env),
+        cache_dir=str(root / ".cache"),
+    )
 
 
 def _resolved_config(spec: JobSpec, run: dict, argv: list[str], cwd: str, env: dict[str, str]) -> dict:
@@ -113,8 +130,11 @@ def _train_sources(train: dict, cwd: str) -> tuple[tuple[str, ...], tuple[str, .
 def gpu_facts(machine, given: list[int]) -> list[dict]:
     """Index, name and memory of each GPU given, from the admission's machine sample."""
     gpus = getattr(machine, "gpus", ()) or ()
-    return [{"index": g.index, "name": g.name, "memory_total_mb": g.memory_total_mb, "simulated": g.simulated}
-            for g in gpus if g.index in given]
+    return [
+        {"index": g.index, "name": g.name, "memory_total_mb": g.memory_total_mb, "simulated": g.simulated}
+        for g in gpus
+        if g.index in given
+    ]
 
 
 # ---------------------------------------------------------------- the watcher's events
@@ -122,18 +142,29 @@ def gpu_facts(machine, given: list[int]) -> list[dict]:
 
 def accepted(paths: JobPaths, run: dict, file_name: str, submitted_at: float | None, now: float) -> None:
     """``submitted`` (when the file landed) and ``accepted`` (now), in one write."""
-    events.append(paths,
-                  events.event("submitted", submitted_at or now, file=file_name),
-                  events.event("accepted", now, priority=run.get("priority"), sweep=run.get("sweep"),
-                               lineage=run.get("lineage")))
+    events.append(
+        paths,
+        events.event("submitted", submitted_at or now, file=file_name),
+        events.event("accepted", now, priority=run.get("priority"), sweep=run.get("sweep"), lineage=run.get("lineage")),
+    )
 
 
 def rejected(paths: JobPaths, run: dict, file_name: str, submitted_at: float | None, now: float) -> None:
-    events.append(paths, events.event("submitted", submitted_at or now, file=file_name),
-                  events.event("finished", now, status="rejected", error=run.get("error")))
+    events.append(
+        paths,
+        events.event("submitted", submitted_at or now, file=file_name),
+        events.event("finished", now, status="rejected", error=run.get("error")),
+    )
 
 
 def finished(paths: JobPaths, run: dict, now: float) -> None:
     diagnosis = run.get("diagnosis") or {}
-    events.emit(paths, "finished", now, status=run.get("status"), attempts=run.get("attempt"),
-                diagnosis=diagnosis.get("kind"), error=run.get("error"))
+    events.emit(
+        paths,
+        "finished",
+        now,
+        status=run.get("status"),
+        attempts=run.get("attempt"),
+        diagnosis=diagnosis.get("kind"),
+        error=run.get("error"),
+    )

@@ -5,6 +5,7 @@ from its exit record, put back to pending (never started), or failed with diagno
 ``killed`` (its supervisor vanished). Claims interrupted by a crash are completed or undone.
 Nothing is guessed from a bare pid.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,6 +51,7 @@ class RecoveryHost(Protocol):
     def _finish(self, job: Job, outcome, record: dict, now: float) -> None: ...
     def _finish_lost(self, job: Job, now: float) -> None: ...
 
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,10 +70,17 @@ def recover(watcher: "RecoveryHost") -> None:
     present = {job_id for ids in found.values() for job_id in ids} | set(watcher.folders.ids_in(JobState.PENDING))
     gone = settle_known_ids(watcher.root.path, present, now)  # folders removed while no watcher ran
     if gone:
-        logger.warning("watcher: %d job folder(s) were removed while no watcher ran (%s%s); their dependents count "
-                       "them as removed", len(gone), ", ".join(gone[:5]), " ..." if len(gone) > 5 else "")
+        logger.warning(
+            "watcher: %d job folder(s) were removed while no watcher ran (%s%s); their dependents count "
+            "them as removed",
+            len(gone),
+            ", ".join(gone[:5]),
+            " ..." if len(gone) > 5 else "",
+        )
     for job in sorted(watcher.jobs.in_state(JobState.PENDING), key=lambda j: j.order):
-        watcher.guarded(job, "recover", watcher.admit_workflow, job, now)  # hold again on dependencies (kept only in job.yaml)
+        watcher.guarded(
+            job, "recover", watcher.admit_workflow, job, now
+        )  # hold again on dependencies (kept only in job.yaml)
     watcher.report.recount()
     _seed_recent(watcher)
     watcher.hooks.recover(watcher.root.path)  # every due hook, however many finished jobs there are
@@ -156,8 +165,12 @@ def _adopt(job: Job, started: dict | None, now: float) -> None:
     job.health = "stopping" if job.run["status"] == "stopping" else "healthy"
     job.last_activity = now
     job.save()
-    logger.info("job %s: re-adopted running attempt %d (supervisor pid %s)", job.id, job.attempt,
-                (started or {}).get("supervisor_pid"))
+    logger.info(
+        "job %s: re-adopted running attempt %d (supervisor pid %s)",
+        job.id,
+        job.attempt,
+        (started or {}).get("supervisor_pid"),
+    )
 
 
 def _sync_attempt(job: Job, record: dict | None) -> None:
@@ -252,9 +265,8 @@ def _seed_recent(watcher: "RecoveryHost") -> None:
                 continue
     finished.sort(key=lambda item: item[0])
     report = watcher.report
-    for _ctime, state, path in finished[-watcher.config.keep_finished:]:
+    for _ctime, state, path in finished[-watcher.config.keep_finished :]:
         job = load_job(path, state)
         if job is not None:
             report.finished(job, 0.0, count=False)  # recount() already counted it
             watcher.recovered_finished(job)
-

@@ -4,6 +4,7 @@ The daemon feeds events in (a job finished, the inbox changed); ``write`` builds
 ``StatusSnapshot`` only when something changed or the heartbeat is due, and hands it to the
 ``StatusWriter``, the only writer of status.json and status.html.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,6 +48,7 @@ class ReportSource(Protocol):
     def cost_now(self, now: float) -> dict | None: ...
     def _holding(self, job: "Job"): ...
 
+
 logger = logging.getLogger(__name__)
 
 #: most awaiting/pending entries listed in status.json (CONTRACT section 5)
@@ -86,9 +88,12 @@ class Report:
     def __post_init__(self) -> None:
         self.curves = CurveStore()
         self.writer = StatusWriter(
-            self.root.status_json, self.root.status_html,
-            status_s=self.config.status_s, heartbeat_s=self.config.heartbeat_s,
-            keep_finished=self.config.keep_finished, curves=self.curves,
+            self.root.status_json,
+            self.root.status_html,
+            status_s=self.config.status_s,
+            heartbeat_s=self.config.heartbeat_s,
+            keep_finished=self.config.keep_finished,
+            curves=self.curves,
         )
 
     def touch(self) -> None:
@@ -106,12 +111,25 @@ class Report:
 
     def awaiting(self, entries: dict) -> None:
         listed = [
-            job_entry(name, "awaiting_approval", f"inbox/{name}", name=e["spec"].name or name,
-                      priority=e["spec"].priority, waiting_for="approval: set approved: true in the file",
-                      approval_hint=e["spec"].approval_hint)
-            if e.get("spec") is not None else
-            job_entry(name, "awaiting_approval", f"inbox/{name}", name=name, waiting_for=e["waiting_for"],
-                      error=e["problems"][0] if e["problems"] else None, errors=e["errors"])
+            job_entry(
+                name,
+                "awaiting_approval",
+                f"inbox/{name}",
+                name=e["spec"].name or name,
+                priority=e["spec"].priority,
+                waiting_for="approval: set approved: true in the file",
+                approval_hint=e["spec"].approval_hint,
+            )
+            if e.get("spec") is not None
+            else job_entry(
+                name,
+                "awaiting_approval",
+                f"inbox/{name}",
+                name=name,
+                waiting_for=e["waiting_for"],
+                error=e["problems"][0] if e["problems"] else None,
+                errors=e["errors"],
+            )
             for name, (_sig, e) in list(entries.items())
         ]
         if listed != self.awaiting_entries:
@@ -134,8 +152,13 @@ class Report:
     def _record_history(self, job: "Job") -> None:
         """One line in history.jsonl for ``trainq history``; a write that fails costs that line, not the job."""
         spec = job.spec
-        record = record_of(job.id, job.state.value, job.run, None if spec is None else spec.is_train,
-                           spec.pool if spec is not None else None)
+        record = record_of(
+            job.id,
+            job.state.value,
+            job.run,
+            None if spec is None else spec.is_train,
+            spec.pool if spec is not None else None,
+        )
         try:
             append_record(self.root.path, record)
         except OSError as exc:
@@ -148,8 +171,7 @@ class Report:
 
     def forget_removed_recent(self) -> list[tuple[str, str]]:
         """Drop listed finished jobs whose folder was removed by hand; their (id, state)."""
-        gone = [(job_id, e["state"]) for job_id, e in self.recent.items()
-                if not (self.root.path / e["dir"]).is_dir()]
+        gone = [(job_id, e["state"]) for job_id, e in self.recent.items() if not (self.root.path / e["dir"]).is_dir()]
         for job_id, _state in gone:
             self.recent.pop(job_id, None)
         if gone:
@@ -235,10 +257,14 @@ class Report:
         holdings = [watcher._holding(j) for j in running]
         return StatusSnapshot(
             watcher={
-                "pid": os.getpid(), "host": socket.gethostname(), "version": __version__,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "version": __version__,
                 "state": state or ("stopping" if watcher.stopping else "paused" if watcher.paused else "running"),
-                "started_at": iso_utc(self.started_at), "heartbeat_at": iso_utc(now),
-                "disk_full": watcher.disk_full is not None, "problems": watcher.problems(),
+                "started_at": iso_utc(self.started_at),
+                "heartbeat_at": iso_utc(now),
+                "disk_full": watcher.disk_full is not None,
+                "problems": watcher.problems(),
                 **_containment(watcher.executor),
             },
             counts=counts,
@@ -265,8 +291,11 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
     progress = merge_progress(readers.metrics.fields, readers.log.fields) if readers is not None else None
     vitals = readers.metrics.vitals if readers is not None else {}
     if vitals:
-        progress = {**(progress or {}), "clip_fraction": vitals.get("clip_fraction"),
-                    "update_ratio": vitals.get("update_ratio")}
+        progress = {
+            **(progress or {}),
+            "clip_fraction": vitals.get("clip_fraction"),
+            "update_ratio": vitals.get("update_ratio"),
+        }
     entry = {
         "id": job.id,
         "state": job.state.value,
@@ -339,8 +368,12 @@ def _outputs(job: "Job", root: QueueRoot) -> dict | None:
     """Paths of a finished train job's artifacts that exist (adapter, summary, loss.png)."""
     paths = job.paths
     found = {}
-    for key, path in (("adapter", paths.dir / "adapter"), ("model", paths.dir / "model"),
-                      ("summary", paths.summary), ("loss_png", paths.loss_png)):
+    for key, path in (
+        ("adapter", paths.dir / "adapter"),
+        ("model", paths.dir / "model"),
+        ("summary", paths.summary),
+        ("loss_png", paths.loss_png),
+    ):
         if path.exists():
             found[key] = str(path.relative_to(root.path))
     return found or None

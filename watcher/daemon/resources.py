@@ -15,6 +15,7 @@ inode, size or mtime changes; a malformed file logs one warning per change and n
 - env ``TRAINQ_SIMULATE_BATTERY``: a JSON file ``{"percent": 62, "power_plugged": false}``
   replaces ``psutil.sensors_battery()``; a malformed file means "no battery".
 """
+
 from __future__ import annotations
 
 import json
@@ -225,8 +226,8 @@ def _process_state(pid: int) -> tuple[bool, str | None]:
         return _psutil_state(pid)
     # "pid (comm) state ...": comm may hold spaces and parentheses, so cut at the last ")"
     close = stat.rfind(b")")
-    name = stat[stat.find(b"(") + 1:close].decode("utf-8", "replace")
-    return stat[close + 2:close + 3] != b"Z", name
+    name = stat[stat.find(b"(") + 1 : close].decode("utf-8", "replace")
+    return stat[close + 2 : close + 3] != b"Z", name
 
 
 def _psutil_state(pid: int) -> tuple[bool, str | None]:
@@ -313,9 +314,7 @@ class _Nvml:
             temperature_c=temp,
             compute_capability=cc,
             # usedGpuMemory is None where the driver cannot tell (WDDM, some containers)
-            processes=tuple(
-                GpuProcess(p.pid, (p.usedGpuMemory or 0) / MB, process_name(p.pid)) for p in procs
-            ),
+            processes=tuple(GpuProcess(p.pid, (p.usedGpuMemory or 0) / MB, process_name(p.pid)) for p in procs),
         )
 
 
@@ -509,7 +508,7 @@ def _children_map() -> dict[int, list[int]]:
         except OSError:  # exited while we listed
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
-        fields = stat[stat.rfind(b")") + 2:].split(b" ", 2)
+        fields = stat[stat.rfind(b")") + 2 :].split(b" ", 2)
         children.setdefault(int(fields[1]), []).append(int(name))
     return children
 

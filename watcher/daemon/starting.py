@@ -86,7 +86,9 @@ class Starting:
         if unavailable:
             self._all_wait(head, unavailable)
             return
-        waiting = [j for j in head if j.state is JobState.PENDING and not _later(j, now) and not self.held_by_wall(j, now)]
+        waiting = [
+            j for j in head if j.state is JobState.PENDING and not _later(j, now) and not self.held_by_wall(j, now)
+        ]
         budget_ends = time.monotonic() + LAUNCH_BUDGET_S
         try:
             for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
@@ -160,22 +162,43 @@ class Starting:
         res = job.spec.resources
         if self.executor.places_resources:
             # a scheduler places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
-            return Request(job_id=job.id, priority=job.priority, order=job.order, gpus=0, disk_gb=res.disk_gb,
-                           allow_battery=True, disk_path=self._disk_path(job), pool=job.spec.pool)
+            return Request(
+                job_id=job.id,
+                priority=job.priority,
+                order=job.order,
+                gpus=0,
+                disk_gb=res.disk_gb,
+                allow_battery=True,
+                disk_path=self._disk_path(job),
+                pool=job.spec.pool,
+            )
         return Request(
-            job_id=job.id, priority=job.priority, order=job.order, gpus=res.gpus,
-            gpu_memory_gb=res.gpu_memory_gb, ram_gb=res.ram_gb, disk_gb=res.disk_gb,
-            allow_battery=res.allow_battery, disk_path=self._disk_path(job), gpus_default=default_gpus(job.spec.raw),
+            job_id=job.id,
+            priority=job.priority,
+            order=job.order,
+            gpus=res.gpus,
+            gpu_memory_gb=res.gpu_memory_gb,
+            ram_gb=res.ram_gb,
+            disk_gb=res.disk_gb,
+            allow_battery=res.allow_battery,
+            disk_path=self._disk_path(job),
+            gpus_default=default_gpus(job.spec.raw),
             pool=job.spec.pool,
         )
 
     def _holding(self, job: Job) -> Holding:
         res = job.spec.resources if job.spec and not getattr(self.executor, "places_resources", False) else None
         rss_gb = ((job.usage or {}).get("rss_mb") or 0.0) / 1024
-        return Holding(job_id=job.id, gpus=tuple(job.run.get("gpus") or ()),
-                       ram_gb=res.ram_gb if res else 0.0, disk_gb=res.disk_gb if res else 0.0, rss_gb=rss_gb,
-                       pids=job.pids, disk_path=self._disk_path(job),
-                       pool=job.spec.pool if job.spec else "default")
+        return Holding(
+            job_id=job.id,
+            gpus=tuple(job.run.get("gpus") or ()),
+            ram_gb=res.ram_gb if res else 0.0,
+            disk_gb=res.disk_gb if res else 0.0,
+            rss_gb=rss_gb,
+            pids=job.pids,
+            disk_path=self._disk_path(job),
+            pool=job.spec.pool if job.spec else "default",
+        )
 
     def _disk_path(self, job: Job) -> Path:
         cwd = job.spec.cwd if job.spec else None
@@ -187,8 +210,13 @@ class Starting:
         return sorted({self._disk_path(j) for j in jobs[:50]} | {self.root.path})
 
     def _fail_unsatisfiable(self, job: Job, reason: str, now: float) -> None:
-        job.run.update(status="failed", finished_at=iso_utc(now), waiting_for=None, error=reason,
-                       diagnosis=unsatisfiable_diagnosis(reason).to_dict())
+        job.run.update(
+            status="failed",
+            finished_at=iso_utc(now),
+            waiting_for=None,
+            error=reason,
+            diagnosis=unsatisfiable_diagnosis(reason).to_dict(),
+        )
         job.save()
         job.dir = self.folders.fail(job.id, JobState.PENDING)
         self.jobs.move(job, JobState.FAILED)
@@ -211,10 +239,16 @@ class Starting:
         if attempt == 1 and job.spec.from_checkpoint and not job.spec.is_train:
             # a fork started from its parent's checkpoint (CONTRACT section 9); a relative path is the job folder's
             resume_from = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
-        values = {"job_dir": str(paths.dir), "job_id": job.id, "attempt": str(attempt), "resume_from": resume_from or "",
-                  **self.after_values(job)}
-        problem = command_problem(job.spec, self.config.allow_commands, values, job_path(self.env.get("PATH", "")),
-                                  self.config.allow_env)
+        values = {
+            "job_dir": str(paths.dir),
+            "job_id": job.id,
+            "attempt": str(attempt),
+            "resume_from": resume_from or "",
+            **self.after_values(job),
+        }
+        problem = command_problem(
+            job.spec, self.config.allow_commands, values, job_path(self.env.get("PATH", "")), self.config.allow_env
+        )
         if problem is not None:
             self._refuse(job, problem, now)
             return
@@ -234,16 +268,32 @@ class Starting:
             inherit_env=self.executor.inherits_environment,
             snapshot=self._snapshot_request(job, argv, cwd, values, decision),
         )
-        job.run.update(status="running", attempt=attempt, waiting_for=None, not_before=None,
-                       gpus=list(decision.gpus), stop_requested_at=None)
+        job.run.update(
+            status="running",
+            attempt=attempt,
+            waiting_for=None,
+            not_before=None,
+            gpus=list(decision.gpus),
+            stop_requested_at=None,
+        )
         job.run["started_at"] = job.run.get("started_at") or iso_utc(now)
-        record = {"n": attempt, "pid": None, "job_pid": None, "started_at": iso_utc(now),
-                  "resumed_from": resume_from, "gpus": list(decision.gpus),
-                  "program": spec.executable or resolved_program(spec.argv[0], spec.env.get("PATH", ""), spec.cwd)}
+        record = {
+            "n": attempt,
+            "pid": None,
+            "job_pid": None,
+            "started_at": iso_utc(now),
+            "resumed_from": resume_from,
+            "gpus": list(decision.gpus),
+            "program": spec.executable or resolved_program(spec.argv[0], spec.env.get("PATH", ""), spec.cwd),
+        }
         sweep = job.run.get("sweep") or {}
         group = (sweep["id"], sweep["index"]) if sweep.get("id") and isinstance(sweep.get("index"), int) else None
         try:
-            record.update(self.executor.launch(spec, job.run.get("name") or job.id, job.spec.options_for(self.executor.name), group))
+            record.update(
+                self.executor.launch(
+                    spec, job.run.get("name") or job.id, job.spec.options_for(self.executor.name), group
+                )
+            )
         except ExecutorUnavailable as exc:
             self._unlaunch(job, str(exc), getattr(exc, "retry_after_s", None), now)
             return
@@ -270,8 +320,9 @@ class Starting:
             return None
         try:
             gpus = gpu_facts(getattr(self, "_machine", None), list(decision.gpus))
-            return snapshot_request(job.spec, job.run, list(argv), cwd, job.spec.launch_env(values), gpus,
-                                    self.root.path, sys.executable).to_dict()
+            return snapshot_request(
+                job.spec, job.run, list(argv), cwd, job.spec.launch_env(values), gpus, self.root.path, sys.executable
+            ).to_dict()
         except (OSError, ValueError) as exc:  # a record must not keep the job from starting
             logger.warning("job %s: no snapshot for this attempt: %s", job.id, exc)
             return None
@@ -307,8 +358,9 @@ class Starting:
     def _refuse(self, job: Job, problem, now: float) -> None:
         """allow_commands refuses the job at start (written into pending/ by hand, or the list changed)."""
         error = f"{job.id}/job.yaml: {problem.path}: {problem.message}"
-        job.run.update(status="rejected", finished_at=iso_utc(now), waiting_for=None, error=error,
-                       errors=[problem.to_dict()])
+        job.run.update(
+            status="rejected", finished_at=iso_utc(now), waiting_for=None, error=error, errors=[problem.to_dict()]
+        )
         job.save()
         job.dir = self.folders.finish(job.id, ok=False)
         self.jobs.move(job, JobState.FAILED)
@@ -319,8 +371,13 @@ class Starting:
     def _unlaunch(self, job: Job, reason: str, retry_after_s: float | None = None, now: float = 0.0) -> None:
         """The executor could not take the attempt (its scheduler is down, or a submit limit is reached: then not
         before ``retry_after_s``): back to pending, nothing lost."""
-        job.run.update(status="pending", attempt=job.attempt - 1, waiting_for=reason, gpus=[],
-                       not_before=iso_utc(now + retry_after_s) if retry_after_s else None)
+        job.run.update(
+            status="pending",
+            attempt=job.attempt - 1,
+            waiting_for=reason,
+            gpus=[],
+            not_before=iso_utc(now + retry_after_s) if retry_after_s else None,
+        )
         job.save(durable=False)
         job.dir = self.folders.requeue(job.id, JobState.RUNNING)
         self.jobs.move(job, JobState.PENDING)
@@ -328,20 +385,25 @@ class Starting:
         self.report.touch()
 
     def _job_env(self, job: Job, values: dict, decision, resume_from: str | None) -> dict[str, str]:
-        env = {k: v for k, v in passed_through(self.env, self.config.env_passthrough).items()
-               if not k.startswith("TRAINQ_") or k == "TRAINQ_TRAINER_FAULTS"}
+        env = {
+            k: v
+            for k, v in passed_through(self.env, self.config.env_passthrough).items()
+            if not k.startswith("TRAINQ_") or k == "TRAINQ_TRAINER_FAULTS"
+        }
         if "PATH" not in job.spec.env:  # the watcher's python first (interpreter.py); the job's own PATH wins
             env["PATH"] = job_path(env.get("PATH"))
         env.update(job.spec.launch_env(values))
         env.update(decision.env)
         paths = job.paths
-        env.update({
-            ENV_JOB_ID: job.id,
-            ENV_JOB_DIR: str(paths.dir),
-            ENV_STOP_FLAG: str(paths.stop_flag),
-            ENV_METRICS: str(paths.metrics),
-            ENV_ATTEMPT: values["attempt"],
-        })
+        env.update(
+            {
+                ENV_JOB_ID: job.id,
+                ENV_JOB_DIR: str(paths.dir),
+                ENV_STOP_FLAG: str(paths.stop_flag),
+                ENV_METRICS: str(paths.metrics),
+                ENV_ATTEMPT: values["attempt"],
+            }
+        )
         if resume_from:
             env[ENV_RESUME_FROM] = resume_from
         elif job.spec.is_train and job.spec.from_checkpoint:
@@ -362,10 +424,18 @@ def _spawn_outcome(error: Exception) -> Outcome:
     """The attempt never started (fork failed, lock held): a failure whose evidence is the reason; ``rejected``
     when the executor says it will never take the job as it is (Slurm refused it), so it is never retried."""
     if getattr(error, "rejected", False):
-        return Outcome("rejected", Diagnosis("unknown", "Slurm refused the job as it is: fix the job file's slurm "
-                                                        "options (or watcher.yaml's), then submit it again.", str(error)))
-    return Outcome("failed", Diagnosis("unknown", "Check the job's command and cwd; the process could not be started.",
-                                       str(error)))
+        return Outcome(
+            "rejected",
+            Diagnosis(
+                "unknown",
+                "Slurm refused the job as it is: fix the job file's slurm "
+                "options (or watcher.yaml's), then submit it again.",
+                str(error),
+            ),
+        )
+    return Outcome(
+        "failed", Diagnosis("unknown", "Check the job's command and cwd; the process could not be started.", str(error))
+    )
 
 
 def _later(job: Job, now: float) -> bool:

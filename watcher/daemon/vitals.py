@@ -8,6 +8,7 @@
   (supervisor/stacks.py, a detached runner: the loop never waits on it); the stalled diagnosis quotes
   the main thread's innermost frames.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,8 +57,17 @@ class Vitals:
     def _off_schedule(self, job: Job, step: int, words: str, now: float) -> None:
         job.run["lr_deviation"] = {"attempt": job.attempt, "step": step, "words": words, "at": iso_utc(now)}
         logger.warning("job %s: off its declared lr schedule: %s", job.id, words)
-        append_record(job.paths.metrics, {"type": "event", "event": "schedule", "message": words, "step": step,
-                                          "written_by": "watcher", "time": now})
+        append_record(
+            job.paths.metrics,
+            {
+                "type": "event",
+                "event": "schedule",
+                "message": words,
+                "step": step,
+                "written_by": "watcher",
+                "time": now,
+            },
+        )
         if job.spec.raw.get("abort_on_lr_deviation") is True and job.run.get("status") == "running":
             job.run.update(stop_requested_by=STOPPED_BY_SCHEDULE)
             touch(job.paths.stop_flag)
@@ -70,10 +80,17 @@ class Vitals:
         pids = [int(p) for p in self.executor.process_tree(job.paths)]
         if not pids:
             return
-        self._stack_runners[job.id] = (subprocess.Popen(
-            [sys.executable, "-m", "trainq.watcher.supervisor.stacks", str(job.paths.dir), *map(str, pids)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            close_fds=True), time.monotonic())
+        self._stack_runners[job.id] = (
+            subprocess.Popen(
+                [sys.executable, "-m", "trainq.watcher.supervisor.stacks", str(job.paths.dir), *map(str, pids)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+            ),
+            time.monotonic(),
+        )
         logger.info("job %s: %s; recording the stacks of %d process(es) in %s/stacks/", job.id, why, len(pids), job.id)
 
     def stacks_pending(self, job: Job) -> bool:

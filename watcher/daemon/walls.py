@@ -9,6 +9,7 @@ freeze a pending job starts only when its estimated duration fits before the fin
 A job that ends done, or stopped at a wall, with ``deliver:`` gets a durable delivery
 (supervisor/deliver.py). Each attempt's cost goes into run.json and into the queue's ledger.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,14 @@ class Walls:
         forecast = Forecast.from_progress(_progress(job), now)
         fits = forecast.fits(wall)
         old = job.run.get("forecast") or {}
-        new = {"deadline": iso_utc(deadline), "wall": iso_utc(wall), "predicted_end": iso_utc(forecast.predicted_end),
-               "fits": fits, "words": forecast.words(wall, wall_name), "flagged_attempt": old.get("flagged_attempt")}
+        new = {
+            "deadline": iso_utc(deadline),
+            "wall": iso_utc(wall),
+            "predicted_end": iso_utc(forecast.predicted_end),
+            "fits": fits,
+            "words": forecast.words(wall, wall_name),
+            "flagged_attempt": old.get("flagged_attempt"),
+        }
         if forecast.predicted_end is not None:
             new["remaining_s"] = round(max(0.0, forecast.predicted_end - now), 1)
         if (old.get("fits"), (old.get("predicted_end") or "")[:16]) != (fits, (new["predicted_end"] or "")[:16]):
@@ -85,9 +92,18 @@ class Walls:
         """Early, not at the wall: one event record in the job's metrics.jsonl and one line in watcher.log."""
         message = f"predicted to miss the {wall_name} at {forecast['wall']}: {forecast['words']}"
         logger.warning("job %s: %s", job.id, message)
-        append_record(job.paths.metrics, {"type": "event", "event": "deadline", "message": message,
-                                           "predicted_end": forecast["predicted_end"], "wall": forecast["wall"],
-                                           "written_by": "watcher", "time": now})
+        append_record(
+            job.paths.metrics,
+            {
+                "type": "event",
+                "event": "deadline",
+                "message": message,
+                "predicted_end": forecast["predicted_end"],
+                "wall": forecast["wall"],
+                "written_by": "watcher",
+                "time": now,
+            },
+        )
         job.save(durable=False)
 
     def _stop_at_wall(self, job: Job, wall_name: str, now: float) -> None:
@@ -140,9 +156,14 @@ class Walls:
             return
         attempt["cost"] = cost.of(end - start, len(attempt.get("gpus") or []))
         priced = [a["cost"] for a in job.run.get("attempts") or [] if isinstance(a.get("cost"), dict)]
-        job.run["cost"] = {"amount": round(sum(c["amount"] for c in priced), 6), "currency": cost.currency,
-                           "gpu_hours": round(sum(c["gpu_hours"] for c in priced), 6)}
-        ledger = self._cost_ledger if self._cost_ledger.get("currency") == cost.currency else {"currency": cost.currency}
+        job.run["cost"] = {
+            "amount": round(sum(c["amount"] for c in priced), 6),
+            "currency": cost.currency,
+            "gpu_hours": round(sum(c["gpu_hours"] for c in priced), 6),
+        }
+        ledger = (
+            self._cost_ledger if self._cost_ledger.get("currency") == cost.currency else {"currency": cost.currency}
+        )
         ledger["total"] = round(float(ledger.get("total") or 0.0) + attempt["cost"]["amount"], 6)
         ledger["attempts"] = int(ledger.get("attempts") or 0) + 1
         self._cost_ledger = ledger
@@ -153,7 +174,9 @@ class Walls:
         cost = self.config.cost
         if cost is None:
             return None
-        total = float(self._cost_ledger.get("total") or 0.0) if self._cost_ledger.get("currency") == cost.currency else 0.0
+        total = (
+            float(self._cost_ledger.get("total") or 0.0) if self._cost_ledger.get("currency") == cost.currency else 0.0
+        )
         for job in self._jobs_in(JobState.RUNNING):
             attempt = job.current_attempt() or {}
             start = parse_iso(attempt.get("started_at"))
@@ -176,11 +199,17 @@ class Walls:
             if cost is not None:
                 stop = min(end or window.final_checkpoint_at, window.final_checkpoint_at)
                 projected += cost.of(max(0.0, stop - now), len(job.run.get("gpus") or []))["amount"]
-        out = {**window.to_dict(), "fits": fits, "misses": misses,
-               "phase": "final" if window.is_final(now) else "freeze" if window.is_frozen(now) else "open"}
+        out = {
+            **window.to_dict(),
+            "fits": fits,
+            "misses": misses,
+            "phase": "final" if window.is_final(now) else "freeze" if window.is_frozen(now) else "open",
+        }
         if cost is not None:
-            out["projected_cost"] = {"total": round((self.cost_now(now) or {}).get("total", 0.0) + projected, 4),
-                                     "currency": cost.currency}
+            out["projected_cost"] = {
+                "total": round((self.cost_now(now) or {}).get("total", 0.0) + projected, 4),
+                "currency": cost.currency,
+            }
         return out
 
     # -- delivery ------------------------------------------------------------------------------
@@ -196,8 +225,10 @@ class Walls:
     def _tend_deliveries(self) -> None:
         """Copy finished deliveries into run.json; start a runner for any due one without a live runner."""
         for job_id in self.deliveries.due():
-            job_dir = next((d for d in (self.root.job_dir(s, job_id) for s in (JobState.DONE, JobState.FAILED))
-                            if d.is_dir()), None)
+            job_dir = next(
+                (d for d in (self.root.job_dir(s, job_id) for s in (JobState.DONE, JobState.FAILED)) if d.is_dir()),
+                None,
+            )
             if job_dir is None:
                 self.deliveries.done(job_id)  # removed, or retried: nothing to deliver from here
                 continue
@@ -215,13 +246,27 @@ class Walls:
             return
         run["delivered"] = {k: record.get(k) for k in ("to", "at", "verified", "files", "tries", "error")}
         atomic_write_json(paths.run, run)
-        events.emit(paths, "delivered", to=record.get("to"), verified=record.get("verified"),
-                    files=len(record.get("files") or []), tries=record.get("tries"), error=record.get("error"))
+        events.emit(
+            paths,
+            "delivered",
+            to=record.get("to"),
+            verified=record.get("verified"),
+            files=len(record.get("files") or []),
+            tries=record.get("tries"),
+            error=record.get("error"),
+        )
         if record.get("verified"):
-            logger.info("job %s: delivered to %s, verified (%d files)", job_id, record.get("to"), len(record.get("files") or []))
+            logger.info(
+                "job %s: delivered to %s, verified (%d files)", job_id, record.get("to"), len(record.get("files") or [])
+            )
         else:
-            logger.warning("job %s: delivery to %s not verified after %s tries: %s", job_id, record.get("to"),
-                           record.get("tries"), record.get("error"))
+            logger.warning(
+                "job %s: delivery to %s not verified after %s tries: %s",
+                job_id,
+                record.get("to"),
+                record.get("tries"),
+                record.get("error"),
+            )
 
 
 def job_deadline(job: Job) -> float | None:

@@ -13,6 +13,7 @@ variants are written as ordinary pending jobs ``ID-1`` ... ``ID-N``, then the st
 removed. A crash in between is finished by ``resume_sweeps`` at start-up (variants already there
 are kept).
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,10 @@ SWEEP_STAGING_PREFIX = ".sweep-"
 _MAX_SHOWN = 4
 #: ancestors kept in lineage.parents
 MAX_LINEAGE = 50
-DEPENDENCY_ADVICE = ("A job this one runs after did not end done: fix and retry that job (trainq retry ID), then "
-                     "retry this one, or submit it with after_policy: any to run whatever their outcome.")
+DEPENDENCY_ADVICE = (
+    "A job this one runs after did not end done: fix and retry that job (trainq retry ID), then "
+    "retry this one, or submit it with after_policy: any to run whatever their outcome."
+)
 
 
 @dataclass(frozen=True)
@@ -133,8 +136,13 @@ class Workflows:
     def _reject_cycle(self, job: Job, cycle: list[str], now: float) -> None:
         words = " -> ".join(cycle)
         message = f"after: these jobs would wait on each other forever: {words}; remove one of those dependencies"
-        job.run.update(status="rejected", finished_at=iso_utc(now), waiting_for=None,
-                       error=f"pending/{job.id}/job.yaml: {message}", errors=[Problem("after", message).to_dict()])
+        job.run.update(
+            status="rejected",
+            finished_at=iso_utc(now),
+            waiting_for=None,
+            error=f"pending/{job.id}/job.yaml: {message}",
+            errors=[Problem("after", message).to_dict()],
+        )
         self._conclude_pending(job, now, f"rejected, dependency cycle {words}")
 
     # -- dependencies ----------------------------------------------------------------------------
@@ -181,8 +189,9 @@ class Workflows:
         gone = [s.dep_id for s in states if not s.known and s.dep_id in seen]
         for dep in gone:  # one seen done and cleaned up since stays done
             status = "done" if dep in seen_done else None
-            record_removal(self.root.path, dep, "done" if status else "unknown", status,
-                           by="found gone when a watcher started")
+            record_removal(
+                self.root.path, dep, "done" if status else "unknown", status, by="found gone when a watcher started"
+            )
             self.deps.finished[dep] = status or REMOVED
         fresh = [s.dep_id for s in states if s.known and s.dep_id not in seen]
         fresh_done = [s.dep_id for s in states if s.ended and s.ok and s.dep_id not in seen_done]
@@ -207,9 +216,15 @@ class Workflows:
             return DepState(dep, False, False, f"{dep} (ending)")
         named = self._ids_named(dep)
         if named:
-            return DepState(dep, False, False, f"{dep}: no job with id {dep}; job {' and '.join(named)} "
-                            f"{'is' if len(named) == 1 else 'are'} named {dep} (after: takes ids: write "
-                            f"after: [{named[0]}])", known=False)
+            return DepState(
+                dep,
+                False,
+                False,
+                f"{dep}: no job with id {dep}; job {' and '.join(named)} "
+                f"{'is' if len(named) == 1 else 'are'} named {dep} (after: takes ids: write "
+                f"after: [{named[0]}])",
+                known=False,
+            )
         return DepState(dep, False, False, f"{dep}: no such job yet", known=False)
 
     def _has_live_folder(self, dep: str) -> bool:
@@ -231,8 +246,13 @@ class Workflows:
         if len(ended) == len(states):
             return DepState(sweep, True, True, f"{sweep} (sweep: all {len(states)} done)")
         open_ = [s.words for s in states if not s.ended][:3]
-        return DepState(sweep, False, False, f"{sweep} (sweep: {len(ended)} of {len(states)} ended; "
-                                             f"{', '.join(open_)}{' ...' if len(states) - len(ended) > 3 else ''})")
+        return DepState(
+            sweep,
+            False,
+            False,
+            f"{sweep} (sweep: {len(ended)} of {len(states)} ended; "
+            f"{', '.join(open_)}{' ...' if len(states) - len(ended) > 3 else ''})",
+        )
 
     def _finished_status(self, dep: str) -> str | None:
         """A dependency's final status: from done/ or failed/, else its tombstone (``removed``), else None."""
@@ -272,8 +292,11 @@ class Workflows:
         if members:
             return members
         for state in (*JobState, None):
-            run = (read_json(JobPaths(self.root.job_dir(state, f"{sweep}-1")).run) if state is not None
-                   else read_tombstone(self.root.path, f"{sweep}-1"))  # its first job removed: its tombstone
+            run = (
+                read_json(JobPaths(self.root.job_dir(state, f"{sweep}-1")).run)
+                if state is not None
+                else read_tombstone(self.root.path, f"{sweep}-1")
+            )  # its first job removed: its tombstone
             info = (run or {}).get("sweep") or {}
             if info.get("id") == sweep and isinstance(info.get("of"), int):
                 members = [f"{sweep}-{i}" for i in range(1, info["of"] + 1)]
@@ -323,8 +346,13 @@ class Workflows:
 
     def _fail_dependency(self, job: Job, dead: DepState, now: float) -> None:
         diagnosis = Diagnosis("dependency", DEPENDENCY_ADVICE, dead.evidence or f"dependency {dead.dep_id} failed")
-        job.run.update(status="failed", finished_at=iso_utc(now), waiting_for=None, error=diagnosis.evidence,
-                       diagnosis=diagnosis.to_dict())
+        job.run.update(
+            status="failed",
+            finished_at=iso_utc(now),
+            waiting_for=None,
+            error=diagnosis.evidence,
+            diagnosis=diagnosis.to_dict(),
+        )
         self._conclude_pending(job, now, f"failed, dependency: {diagnosis.evidence}")
 
     def _conclude_pending(self, job: Job, now: float, words: str) -> None:
@@ -377,8 +405,9 @@ class Workflows:
         if claimed is None:
             return
         sweep_id, staging = claimed
-        logger.info("sweep %s: inbox/%s -> %d job(s) %s-1 ... %s-%d", sweep_id, cand.name, total, sweep_id,
-                    sweep_id, total)
+        logger.info(
+            "sweep %s: inbox/%s -> %d job(s) %s-1 ... %s-%d", sweep_id, cand.name, total, sweep_id, sweep_id, total
+        )
         try:
             self.expand_staged(sweep_id, staging, now, name=_stem(cand.name))
         except OSError as exc:  # its staging folder keeps the file; the jobs written so far stay
@@ -433,7 +462,7 @@ class Workflows:
         except FileNotFoundError:
             return
         for entry in staged:
-            sweep_id = entry.name[len(SWEEP_STAGING_PREFIX):]
+            sweep_id = entry.name[len(SWEEP_STAGING_PREFIX) :]
             logger.info("sweep %s: finishing its expansion interrupted by a crash", sweep_id)
             self.expand_staged(sweep_id, Path(entry.path), now)
 

@@ -6,6 +6,7 @@ string is cut at MAX_TEXT_CHARS and marked with how much was cut, ``params`` lis
 MAX_PARAMS keys and says how many it left out, and lists at most MAX_LIST_ITEMS items, so an
 entry stays a few KB. The job's own files (run.json, job.yaml) keep everything.
 """
+
 from __future__ import annotations
 
 #: longest string kept in a status.json job entry; longer ones end with CUT_MARK

@@ -11,6 +11,7 @@ truncate the file to forget them.
 A record: ``{"id", "name", "state", "status", "type": "train"|"command", "kind": diagnosis kind or
 null, "sweep", "pool", "submitted_at", "started_at", "finished_at", "attempts", "exit_code"}``.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,21 @@ from pathlib import Path
 #: the file's name at the queue root
 HISTORY_FILE = "history.jsonl"
 #: record fields, in the order ``--csv`` prints them
-FIELDS = ("id", "name", "state", "status", "type", "kind", "sweep", "pool", "submitted_at", "started_at",
-          "finished_at", "attempts", "exit_code")
+FIELDS = (
+    "id",
+    "name",
+    "state",
+    "status",
+    "type",
+    "kind",
+    "sweep",
+    "pool",
+    "submitted_at",
+    "started_at",
+    "finished_at",
+    "attempts",
+    "exit_code",
+)
 
 
 def history_path(root: Path) -> Path:
@@ -34,11 +48,18 @@ def record_of(job_id: str, state: str, run: dict, is_train: bool | None, pool: s
     last = attempts[-1] if attempts else {}
     diagnosis = run.get("diagnosis") or {}
     return {
-        "id": job_id, "name": run.get("name") or job_id, "state": state, "status": run.get("status") or state,
+        "id": job_id,
+        "name": run.get("name") or job_id,
+        "state": state,
+        "status": run.get("status") or state,
         "type": None if is_train is None else ("train" if is_train else "command"),
-        "kind": diagnosis.get("kind"), "sweep": (run.get("sweep") or {}).get("id"), "pool": pool,
-        "submitted_at": run.get("submitted_at"), "started_at": run.get("started_at"),
-        "finished_at": run.get("finished_at"), "attempts": len(attempts),
+        "kind": diagnosis.get("kind"),
+        "sweep": (run.get("sweep") or {}).get("id"),
+        "pool": pool,
+        "submitted_at": run.get("submitted_at"),
+        "started_at": run.get("started_at"),
+        "finished_at": run.get("finished_at"),
+        "attempts": len(attempts),
         "exit_code": last.get("exit_code"),
     }
 
@@ -61,7 +82,7 @@ def read_records(root: Path) -> dict[str, dict] | None:
     except FileNotFoundError:
         return None
     end = data.rfind(b"\n")
-    body = data[:end + 1] if end >= 0 else b""  # a last line without its newline is still being written
+    body = data[: end + 1] if end >= 0 else b""  # a last line without its newline is still being written
     try:  # one C call for the whole file: 100,000 records parse in a fraction of a second
         records = json.loads(b"[" + body.rstrip(b"\n").replace(b"\n", b",") + b"]")
     except ValueError:

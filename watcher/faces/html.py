@@ -3,6 +3,7 @@
 ``CurveStore`` keeps a downsampled loss curve per job, fed incrementally with the records
 ``MetricsTail.poll`` reads (``tail.new_records``), so rendering costs the same at step 100 or 100,000.
 """
+
 from __future__ import annotations
 
 import math
@@ -138,19 +139,22 @@ class CurveStore:
 
 # -- formatting helpers --------------------------------------------------------------------------
 
+
 def _e(value: object) -> str:
     """Escaped text for element content and quoted attributes; None shows as a dash."""
     return "–" if value is None else escape(str(value), quote=True)
 
 
 def wall_line(snapshot: dict) -> str | None:
-    """"window: wall 08:00 UTC · freeze 07:30 · final checkpoint 07:45 · fits a, b · misses c · cost 12.40 USD"."""
+    """ "window: wall 08:00 UTC · freeze 07:30 · final checkpoint 07:45 · fits a, b · misses c · cost 12.40 USD"."""
     window, cost = snapshot.get("window"), snapshot.get("cost")
     parts = []
     if window:
         clock = lambda iso: str(iso or "")[11:16]  # noqa: E731
-        parts.append(f"window: wall {clock(window.get('ends_at'))} UTC ({window.get('phase')}) · freeze "
-                     f"{clock(window.get('freeze_at'))} · final checkpoint {clock(window.get('final_checkpoint_at'))}")
+        parts.append(
+            f"window: wall {clock(window.get('ends_at'))} UTC ({window.get('phase')}) · freeze "
+            f"{clock(window.get('freeze_at'))} · final checkpoint {clock(window.get('final_checkpoint_at'))}"
+        )
         if window.get("fits"):
             parts.append("fits " + ", ".join(window["fits"]))
         if window.get("misses"):
@@ -202,6 +206,7 @@ def _label(job: dict) -> str:
 
 # -- loss curve ----------------------------------------------------------------------------------
 
+
 def _bounds(series: dict[str, list]) -> tuple[float, float, float, float]:
     """(first step, last step, lowest, highest value) over the curves; points are in step order."""
     x0 = min(pts[0][0] for pts in series.values())
@@ -241,12 +246,13 @@ def render_curve(curve: dict | None) -> str:
         f'<svg class="curve" viewBox="{view}" preserveAspectRatio="none" role="img" '
         f'aria-label="loss by step">{lines}</svg>'
         f'<div class="axis"><span>step {format_number(x0)}</span>'
-        f'<span>{keys} loss {format_number(lo, 3)}–{format_number(hi, 3)}</span>'
-        f'<span>step {format_number(x1)}</span></div>'
+        f"<span>{keys} loss {format_number(lo, 3)}–{format_number(hi, 3)}</span>"
+        f"<span>step {format_number(x1)}</span></div>"
     )
 
 
 # -- sections ------------------------------------------------------------------------------------
+
 
 def _header(snapshot: dict, heartbeat_s: float = 5.0) -> str:
     w = snapshot.get("watcher") or {}
@@ -257,11 +263,11 @@ def _header(snapshot: dict, heartbeat_s: float = 5.0) -> str:
         f'v{_e(w.get("version"))} · <b class="wstate {_e(w.get("state"))}">{_e(w.get("state"))}</b> · '
         f'started {_when(w.get("started_at"))} · heartbeat <time id="hb" datetime="{_e(heartbeat)}" '
         f'data-stale-s="{stale_s:g}" data-confirm-s="{confirm_s:g}">'
-        f'{_e(str(heartbeat or "").replace("T", " ")[:19])}</time></div></header>'
+        f"{_e(str(heartbeat or '').replace('T', ' ')[:19])}</time></div></header>"
         '<div id="stale" class="banner" hidden><span id="stale-what">watcher not responding</span>: no heartbeat for '
         '<span id="age"></span>. Is <code>trainq watch</code> running?</div>'
         f'<noscript><div class="banner">JavaScript is off: if the heartbeat above is more than '
-        f'{stale_s:g} s old, the watcher is not responding.</div></noscript>'
+        f"{stale_s:g} s old, the watcher is not responding.</div></noscript>"
         + "".join(f'<div class="banner">{_e(problem)}</div>' for problem in w.get("problems") or ())
         + (f'<div class="meta wall">{_e(wall)}</div>' if (wall := wall_line(snapshot)) else "")
     )
@@ -281,8 +287,10 @@ def _progress_bar(progress: dict) -> str:
     if step is None or not total:
         return f'<progress></progress> <span class="steps">step {_e(step)}</span>'
     pct = 100.0 * min(step, total) / total
-    return (f'<progress value="{int(step)}" max="{int(total)}"></progress> '
-            f'<span class="steps">{int(step)} / {int(total)} ({pct:.0f}%)</span>')
+    return (
+        f'<progress value="{int(step)}" max="{int(total)}"></progress> '
+        f'<span class="steps">{int(step)} / {int(total)} ({pct:.0f}%)</span>'
+    )
 
 
 def _facts(pairs: list[tuple[str, str]], css: str = "") -> str:
@@ -294,18 +302,30 @@ def _running_card(job: dict, curve: dict | None) -> str:
     health = job.get("health") or job.get("status")
     usage = job.get("usage") or {}
     facts = [
-        ("loss", format_number(progress.get("loss"))), ("eval loss", format_number(progress.get("eval_loss"))),
-        ("epoch", format_number(progress.get("epoch"), 3)), ("tokens/s", format_number(progress.get("tokens_per_s"), 4)),
-        ("ETA", format_eta(progress.get("eta_s"))), ("attempt", _e(job.get("attempt"))),
+        ("loss", format_number(progress.get("loss"))),
+        ("eval loss", format_number(progress.get("eval_loss"))),
+        ("epoch", format_number(progress.get("epoch"), 3)),
+        ("tokens/s", format_number(progress.get("tokens_per_s"), 4)),
+        ("ETA", format_eta(progress.get("eta_s"))),
+        ("attempt", _e(job.get("attempt"))),
         ("GPUs", _e(",".join(map(str, job.get("gpus") or [])) or None)),
         ("RSS MB", format_number(usage.get("rss_mb"), 5)),
     ]
     if job.get("deadline") or job.get("forecast"):
-        facts.append(("deadline", _e({True: "fits", False: "MISSES", None: "?"}[job.get("fits")]
-                                     + (f": {job['forecast']}" if job.get("forecast") else ""))))
+        facts.append(
+            (
+                "deadline",
+                _e(
+                    {True: "fits", False: "MISSES", None: "?"}[job.get("fits")]
+                    + (f": {job['forecast']}" if job.get("forecast") else "")
+                ),
+            )
+        )
     if progress.get("clip_fraction") is not None or progress.get("update_ratio") is not None:
-        facts += [("clip fraction", format_number(progress.get("clip_fraction"), 2)),
-                  ("update ratio", format_number(progress.get("update_ratio"), 3))]
+        facts += [
+            ("clip fraction", format_number(progress.get("clip_fraction"), 2)),
+            ("update ratio", format_number(progress.get("update_ratio"), 3)),
+        ]
     if job.get("vitals"):
         facts.append(("health", _e(job["vitals"])))
     return (
@@ -321,7 +341,7 @@ def _warning_and_samples(progress: dict) -> str:
     out = f'<p class="warning">{_e(progress["warning"])}</p>' if progress.get("warning") else ""
     samples = [s for s in progress.get("samples") or () if isinstance(s, dict)]
     if samples:
-        rows = "".join(f'<li><q>{_e(s.get("prompt"))}</q> → <q>{_e(s.get("completion"))}</q></li>' for s in samples)
+        rows = "".join(f"<li><q>{_e(s.get('prompt'))}</q> → <q>{_e(s.get('completion'))}</q></li>" for s in samples)
         out += f'<details class="samples"><summary>sample generations</summary><ul>{rows}</ul></details>'
     return out
 
@@ -338,15 +358,18 @@ def _table(title: str, css: str, heads: tuple[str, ...], rows: list[str], empty:
     if not rows:
         return f'<section class="{css}"><h2>{title}</h2><p class="none">{empty}</p></section>'
     head = "".join(f"<th>{h}</th>" for h in heads)
-    return (f'<section class="{css}"><h2>{title}</h2><table><thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(rows)}</tbody></table></section>')
+    return (
+        f'<section class="{css}"><h2>{title}</h2><table><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></section>"
+    )
 
 
 def _pending(snapshot: dict) -> str:
     rows = [
-        f'<tr><td>{_label(j)}</td><td>{_e(j.get("priority"))}</td><td>{_e(j.get("attempt"))}</td>'
+        f"<tr><td>{_label(j)}</td><td>{_e(j.get('priority'))}</td><td>{_e(j.get('attempt'))}</td>"
         f'<td class="t">{_when(j.get("submitted_at"))}</td><td class="why">{_e(j.get("waiting_for"))}</td></tr>'
-        for j in snapshot.get("jobs") or () if j.get("state") == "pending"
+        for j in snapshot.get("jobs") or ()
+        if j.get("state") == "pending"
     ]
     heads = ("job", "priority", "attempt", "submitted", "waiting for")
     return _table("Pending", "pending", heads, rows, "Nothing is waiting.")
@@ -354,17 +377,20 @@ def _pending(snapshot: dict) -> str:
 
 def _awaiting(snapshot: dict) -> str:
     rows = [
-        f'<tr><td>{_label(j)}</td><td>{_e(j.get("dir"))}</td>'
-        f'<td>{_e(j.get("approval_hint") or "set approved: true in the file")}</td></tr>'
-        for j in snapshot.get("jobs") or () if j.get("state") == "awaiting_approval"
+        f"<tr><td>{_label(j)}</td><td>{_e(j.get('dir'))}</td>"
+        f"<td>{_e(j.get('approval_hint') or 'set approved: true in the file')}</td></tr>"
+        for j in snapshot.get("jobs") or ()
+        if j.get("state") == "awaiting_approval"
     ]
     return _table("Awaiting approval", "awaiting", ("job", "file", "to approve"), rows, "No file awaits approval.")
 
 
 def _ignored(snapshot: dict) -> str:
     """Inbox entries that are not job files, with why (nothing when there are none)."""
-    rows = [f'<tr><td>inbox/{_e(e.get("name"))}</td><td class="why">{_e(e.get("reason"))}</td></tr>'
-            for e in snapshot.get("ignored") or ()]
+    rows = [
+        f'<tr><td>inbox/{_e(e.get("name"))}</td><td class="why">{_e(e.get("reason"))}</td></tr>'
+        for e in snapshot.get("ignored") or ()
+    ]
     if not rows:
         return ""
     return _table("Ignored in inbox", "ignored", ("entry", "why it is not taken"), rows, "")
@@ -384,7 +410,9 @@ def _outcome(job: dict) -> str:
 
 def _outputs(job: dict) -> str:
     outputs = job.get("outputs") or {}
-    links = [f'<a href="{_e(path)}">{_e(path)}</a>' for path in (outputs.get("loss_png"), outputs.get("adapter")) if path]
+    links = [
+        f'<a href="{_e(path)}">{_e(path)}</a>' for path in (outputs.get("loss_png"), outputs.get("adapter")) if path
+    ]
     return "<br>".join(links) or _e(job.get("dir"))
 
 
@@ -392,7 +420,8 @@ def _finished(snapshot: dict) -> str:
     rows = [
         f'<tr class="{_e(j.get("state"))}"><td>{_label(j)}</td><td>{_outcome(j)}</td>'
         f'<td class="t">{_when(j.get("finished_at"))}</td><td>{_e(j.get("attempt"))}</td><td>{_outputs(j)}</td></tr>'
-        for j in snapshot.get("jobs") or () if j.get("state") in ("done", "failed")
+        for j in snapshot.get("jobs") or ()
+        if j.get("state") in ("done", "failed")
     ]
     heads = ("job", "outcome", "finished", "attempts", "outputs")
     return _table("Recently finished", "finished", heads, rows, "No job has finished yet.")
@@ -400,8 +429,10 @@ def _finished(snapshot: dict) -> str:
 
 def _gpu_card(gpu: dict) -> str:
     total, used = gpu.get("memory_total_mb") or 0, gpu.get("memory_used_mb") or 0
-    foreign = ", ".join(f'{_e(p.get("name") or "pid")} {_e(p.get("pid"))} ({format_number(p.get("used_mb"))} MB)'
-                        for p in gpu.get("foreign") or ())
+    foreign = ", ".join(
+        f"{_e(p.get('name') or 'pid')} {_e(p.get('pid'))} ({format_number(p.get('used_mb'))} MB)"
+        for p in gpu.get("foreign") or ()
+    )
     facts = [
         ("memory", f"{format_number(used, 6)} / {format_number(total, 6)} MB"),
         ("utilisation", _unit(gpu.get("utilization_pct"), "%")),
@@ -409,9 +440,11 @@ def _gpu_card(gpu: dict) -> str:
         ("held by", _e(gpu.get("held_by")) if gpu.get("held_by") else '<span class="none">nobody (free)</span>'),
     ]
     sim = ' <span class="badge sim">simulated</span>' if gpu.get("simulated") else ""
-    return (f'<article class="gpu"><h3>GPU {_e(gpu.get("index"))} · {_e(gpu.get("name"))}{sim}</h3>'
-            f'<meter value="{float(used)}" min="0" max="{float(total) or 1.0}"></meter>{_facts(facts, "two")}'
-            f'<div class="dir">other processes: {foreign or "none"}</div></article>')
+    return (
+        f'<article class="gpu"><h3>GPU {_e(gpu.get("index"))} · {_e(gpu.get("name"))}{sim}</h3>'
+        f'<meter value="{float(used)}" min="0" max="{float(total) or 1.0}"></meter>{_facts(facts, "two")}'
+        f'<div class="dir">other processes: {foreign or "none"}</div></article>'
+    )
 
 
 def _unit(value: object, unit: str) -> str:
@@ -422,15 +455,18 @@ def _unit(value: object, unit: str) -> str:
 def _machine(snapshot: dict) -> str:
     res = snapshot.get("resources") or {}
     ram, battery = res.get("ram") or {}, res.get("battery")
-    items = [f'RAM {format_number(ram.get("available_gb"), 3)} of {format_number(ram.get("total_gb"), 3)} GB free']
-    items += [f'disk {_e(path)}: {format_number(d.get("free_gb"), 4)} of {format_number(d.get("total_gb"), 4)} GB free'
-              for path, d in (res.get("disk") or {}).items()]
+    items = [f"RAM {format_number(ram.get('available_gb'), 3)} of {format_number(ram.get('total_gb'), 3)} GB free"]
+    items += [
+        f"disk {_e(path)}: {format_number(d.get('free_gb'), 4)} of {format_number(d.get('total_gb'), 4)} GB free"
+        for path, d in (res.get("disk") or {}).items()
+    ]
     if battery:
         plugged = "plugged in" if battery.get("power_plugged") else "on battery"
-        items.append(f'battery {format_number(battery.get("percent"), 3)}% ({plugged})')
+        items.append(f"battery {format_number(battery.get('percent'), 3)}% ({plugged})")
     cards = "".join(_gpu_card(g) for g in res.get("gpus") or ()) or '<p class="none">No GPU.</p>'
-    return (f'<section class="machine"><h2>Machine</h2><p>{" · ".join(items)}</p>'
-            f'<div class="cards">{cards}</div></section>')
+    return (
+        f'<section class="machine"><h2>Machine</h2><p>{" · ".join(items)}</p><div class="cards">{cards}</div></section>'
+    )
 
 
 _CSS = """
@@ -496,14 +532,22 @@ var hb=document.getElementById('hb');if(hb)trainqHeartbeat(hb.getAttribute('date
 def render_html(snapshot: dict, curves: dict[str, dict], heartbeat_s: float = 5.0) -> str:
     """The whole status page for a status.json object and CurveStore.curves(); ``heartbeat_s``: how often the
     watcher rewrites its heartbeat (the page's stale bounds follow it)."""
-    body = "".join((
-        _header(snapshot, heartbeat_s), _counts(snapshot), _running(snapshot, curves), _pending(snapshot),
-        _awaiting(snapshot), _ignored(snapshot), _finished(snapshot), sweep_html(list(snapshot.get("jobs") or ())),
-        _machine(snapshot),
-    ))
+    body = "".join(
+        (
+            _header(snapshot, heartbeat_s),
+            _counts(snapshot),
+            _running(snapshot, curves),
+            _pending(snapshot),
+            _awaiting(snapshot),
+            _ignored(snapshot),
+            _finished(snapshot),
+            sweep_html(list(snapshot.get("jobs") or ())),
+            _machine(snapshot),
+        )
+    )
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f'{REFRESH_META}<meta name="viewport" content="width=device-width">'
-        f'<title>trainq · {_e((snapshot.get("counts") or {}).get("running", 0))} running</title>'
-        f'<style>{_CSS}</style></head><body>{body}<script>{_SCRIPT}</script></body></html>\n'
+        f"<title>trainq · {_e((snapshot.get('counts') or {}).get('running', 0))} running</title>"
+        f"<style>{_CSS}</style></head><body>{body}<script>{_SCRIPT}</script></body></html>\n"
     )

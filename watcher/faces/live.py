@@ -6,6 +6,7 @@ the counts and job state changes (the page body is fetched again only when a job
 and per running job ``/jobs/ID/metrics`` (progress bar, loss, curve) and ``/jobs/ID/log`` (the last
 lines of its output under the card). A ``?token=`` in the page's address is passed on to the streams.
 """
+
 from __future__ import annotations
 
 from trainq.watcher.faces.html import REFRESH_META

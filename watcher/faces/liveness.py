@@ -29,6 +29,7 @@ pays it once per status.json, since its HeartbeatWatch remembers what it saw.
 Nothing is added to status.json: the heartbeat itself, watched, is the evidence. status.html's
 script (faces/html.py) follows the same rules with the browser's clock and sessionStorage.
 """
+
 from __future__ import annotations
 
 import os
@@ -88,8 +89,10 @@ class Liveness:
 def bounds(heartbeat_s: float = 5.0) -> tuple[float, float]:
     """(stale, confirm) seconds for a watcher that rewrites its heartbeat every ``heartbeat_s``: 15 s and 12 s
     for the default 5 s, STALE_PERIODS and CONFIRM_PERIODS (+ 2 s) heartbeats for a longer one."""
-    return (max(float(STALE_HEARTBEAT_S), STALE_PERIODS * heartbeat_s),
-            max(CONFIRM_S, CONFIRM_PERIODS * heartbeat_s + 2.0))
+    return (
+        max(float(STALE_HEARTBEAT_S), STALE_PERIODS * heartbeat_s),
+        max(CONFIRM_S, CONFIRM_PERIODS * heartbeat_s + 2.0),
+    )
 
 
 def heartbeat_period(root: Path) -> float:
@@ -145,8 +148,9 @@ class HeartbeatWatch:
         if self.changed:
             verdict = ALIVE if unchanged <= self.stale_s else DEAD
             offset = self.seen_at_wall - (parse_iso(self.value) or self.seen_at_wall)
-            return Liveness(verdict, BY_WATCHING, clock.clock_age_s, unchanged, unchanged, offset, clock.host,
-                            clock.pid)
+            return Liveness(
+                verdict, BY_WATCHING, clock.clock_age_s, unchanged, unchanged, offset, clock.host, clock.pid
+            )
         verdict = DEAD if unchanged >= self.confirm_s else WATCHING
         return Liveness(verdict, BY_WATCHING, clock.clock_age_s, None, unchanged, None, clock.host, clock.pid)
 
@@ -211,8 +215,10 @@ def dead_words(live: Liveness, fmt: Callable[[float], str]) -> str:
         return f"last heartbeat {fmt(max(0.0, age))} ago"
     if live.how == BY_PID:
         return f"pid {live.pid} is gone from this host; last heartbeat {clock_words(age, fmt)}"
-    return (f"heartbeat unchanged for {fmt(live.unchanged_s)} watched from this machine; last one "
-            f"{clock_words(age, fmt)} by this machine's clock")
+    return (
+        f"heartbeat unchanged for {fmt(live.unchanged_s)} watched from this machine; last one "
+        f"{clock_words(age, fmt)} by this machine's clock"
+    )
 
 
 def offset_words(live: Liveness, fmt: Callable[[float], str]) -> str | None:

@@ -4,6 +4,7 @@ training script prints into output.log (``progress_log.LogProgress``), merged fi
 Files are never re-read from the start while they grow: each reader keeps a byte offset and the
 unfinished last line. A file that shrinks or is replaced (new inode) is read again from 0.
 """
+
 from __future__ import annotations
 
 import json
@@ -181,8 +182,14 @@ class Fields:
 #: trainer events copied into progress (absent until one is seen): event -> (progress key, record field)
 EVENT_FIELDS = {"plateau": ("warning", "message"), "eval_samples": ("samples", "samples")}
 #: record fields copied into progress when present and valid
-_PROGRESS_FIELDS = (("total_steps", whole), ("epoch", finite), ("tokens_per_s", finite), ("eval_loss", finite),
-                    ("lr", finite), ("grad_norm", finite))
+_PROGRESS_FIELDS = (
+    ("total_steps", whole),
+    ("epoch", finite),
+    ("tokens_per_s", finite),
+    ("eval_loss", finite),
+    ("lr", finite),
+    ("grad_norm", finite),
+)
 
 
 class MetricsTail:
@@ -283,7 +290,7 @@ class MetricsTail:
 
 
 def vitals_words(vitals: dict, thresholds: dict | None = None) -> str | None:
-    """"clip fraction 0.92 > 0.05 over 50 steps; update ratio 0.31 > 0.1" for the vitals past their thresholds."""
+    """ "clip fraction 0.92 > 0.05 over 50 steps; update ratio 0.31 > 0.1" for the vitals past their thresholds."""
     limits = {**HEALTH_DEFAULTS, **(thresholds or {})}
     words = []
     fraction = vitals.get("clip_fraction")

@@ -6,6 +6,7 @@ step and total) and Lightning's default bar (``Epoch 2:  45%|████▌ | 4
 fractional epoch and the losses on it). tqdm redraws with ``\\r``, so the newest bar is the last
 ``\\r``-separated segment, often still unterminated: it is read from the reader's unfinished line.
 """
+
 from __future__ import annotations
 
 import ast
@@ -21,8 +22,10 @@ _HF_DICT = re.compile(r"\{'(?:loss|eval_loss|train_loss|epoch|learning_rate|grad
 #: a tqdm bar: optional description, percentage, N/M, [elapsed<remaining, rate, postfix]
 #: (searched, the description being what comes before: a leading ``(.*?)\s*`` made a line of spaces
 #: quadratic, and a job's one 60 KB line held the watcher for a minute)
-_BAR = re.compile(r"\d{1,3}%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)\s*"
-                  r"\[(?P<elapsed>[\d:]+)<(?P<remaining>[\d:]+|\?)(?P<rest>[^\]]*)\]\s*$")
+_BAR = re.compile(
+    r"\d{1,3}%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)\s*"
+    r"\[(?P<elapsed>[\d:]+)<(?P<remaining>[\d:]+|\?)(?P<rest>[^\]]*)\]\s*$"
+)
 #: longest line taken for a progress bar (a terminal line; longer ones are not bars and cost no search)
 MAX_BAR_CHARS = 2000
 #: Lightning's training bar description
@@ -30,7 +33,13 @@ _LIGHTNING_EPOCH = re.compile(r"^Epoch (\d+)\s*:?$")
 #: key=value pairs of a tqdm postfix (Lightning puts its logged metrics there)
 _POSTFIX = re.compile(r"\b(\w+)=([-+0-9.eE]+|nan|inf)")  # \b: a long word is scanned once, not from each letter
 #: Trainer dict key -> progress field
-_DICT_FIELDS = {"loss": "loss", "eval_loss": "eval_loss", "epoch": "epoch", "learning_rate": "lr", "grad_norm": "grad_norm"}
+_DICT_FIELDS = {
+    "loss": "loss",
+    "eval_loss": "eval_loss",
+    "epoch": "epoch",
+    "learning_rate": "lr",
+    "grad_norm": "grad_norm",
+}
 #: Lightning postfix key -> progress field
 _POSTFIX_FIELDS = {"loss": "loss", "train_loss": "loss", "val_loss": "eval_loss", "eval_loss": "eval_loss"}
 
@@ -138,7 +147,7 @@ class LogProgress:
         if match is None:
             return False
         n, total = int(match["n"]), int(match["total"])
-        desc = text[:match.start()].strip()
+        desc = text[: match.start()].strip()
         epoch = _LIGHTNING_EPOCH.match(desc)
         if epoch:
             return self._apply_lightning(int(epoch.group(1)), n, total, match["rest"], read_at)

@@ -3,6 +3,7 @@
 The daemon builds a ``StatusSnapshot`` every tick (with a fresh ``heartbeat_at``) and hands it to
 ``StatusWriter.maybe_write``, which decides cheaply whether anything is worth writing.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -27,8 +28,22 @@ MAX_PENDING = 50
 DEFAULT_KEEP_FINISHED = 50
 #: keys every job entry carries, in the order status.json shows them
 JOB_KEYS = (
-    "id", "state", "status", "name", "priority", "attempt", "pid", "submitted_at", "started_at",
-    "finished_at", "waiting_for", "health", "progress", "dir", "error", "diagnosis",
+    "id",
+    "state",
+    "status",
+    "name",
+    "priority",
+    "attempt",
+    "pid",
+    "submitted_at",
+    "started_at",
+    "finished_at",
+    "waiting_for",
+    "health",
+    "progress",
+    "dir",
+    "error",
+    "diagnosis",
 )
 _FINISHED = ("done", "failed")
 
@@ -68,8 +83,7 @@ class StatusSnapshot:
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(
-                f"status.json: schema_version {version!r} is not {SCHEMA_VERSION}; "
-                "use the trainq version that wrote it"
+                f"status.json: schema_version {version!r} is not {SCHEMA_VERSION}; use the trainq version that wrote it"
             )
         return cls(
             watcher=dict(d.get("watcher") or {}),
@@ -155,7 +169,7 @@ def _dumps_lines(obj: dict, allow_nan: bool) -> str:
     for key, value in obj.items():
         if key == "jobs" and value:
             body = ",\n  ".join(one(job) for job in value)
-            lines.append(f' {one(key)}: [\n  {body}\n ]')
+            lines.append(f" {one(key)}: [\n  {body}\n ]")
         else:
             lines.append(f" {one(key)}: {one(value)}")
     return "{\n" + ",\n".join(lines) + "\n}\n"
@@ -246,8 +260,15 @@ class StatusWriter:
 def _content(snapshot: StatusSnapshot) -> tuple:
     """Everything but heartbeat_at: what decides whether the file changed."""
     watcher = {k: v for k, v in snapshot.watcher.items() if k != "heartbeat_at"}
-    return (watcher, snapshot.counts, snapshot.jobs, snapshot.resources, snapshot.ignored, snapshot.window,
-            snapshot.cost)
+    return (
+        watcher,
+        snapshot.counts,
+        snapshot.jobs,
+        snapshot.resources,
+        snapshot.ignored,
+        snapshot.window,
+        snapshot.cost,
+    )
 
 
 def _has_excess(jobs: tuple[dict, ...], keep_finished: int) -> bool:
@@ -257,8 +278,11 @@ def _has_excess(jobs: tuple[dict, ...], keep_finished: int) -> bool:
         key = "finished" if job["state"] in _FINISHED else job["state"]
         if key in counts:
             counts[key] += 1
-    return (counts["awaiting_approval"] > MAX_AWAITING or counts["pending"] > MAX_PENDING
-            or counts["finished"] > keep_finished)
+    return (
+        counts["awaiting_approval"] > MAX_AWAITING
+        or counts["pending"] > MAX_PENDING
+        or counts["finished"] > keep_finished
+    )
 
 
 def load_status(path: Path) -> StatusSnapshot | None:

@@ -7,6 +7,7 @@ restarts: the job's files are only ever appended to. A piece not yet ended stays
 again once more bytes arrive) unless the job has ended, or it grew past ``MAX_LINE_BYTES``.
 No asyncio, no web framework: the server wraps these in server-sent events.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,7 @@ def split_log(data: bytes, base: int, final: bool = False) -> tuple[list[Piece],
     for match in re.finditer(rb"\r\n|\n|\r", data):
         if match.group() == b"\r" and match.end() == size and not final:
             break  # maybe the first half of \r\n: wait for the next byte
-        pieces.append(_piece(data[start:match.start()], base + match.end(), match.group() == b"\r"))
+        pieces.append(_piece(data[start : match.start()], base + match.end(), match.group() == b"\r"))
         start = match.end()
     while size - start > MAX_LINE_BYTES or (final and start < size):
         cut = _cut(data, start, min(size, start + MAX_LINE_BYTES))
@@ -211,5 +212,7 @@ def find_job(root: Path, job_id: str) -> JobPlace | None:
 
 def sse(data: str, event: str | None = None, event_id: str | int | None = None) -> str:
     """One server-sent event (data is one line: the callers never pass a newline)."""
-    head = (f"event: {event}\n" if event and event != LINE else "") + (f"id: {event_id}\n" if event_id is not None else "")
+    head = (f"event: {event}\n" if event and event != LINE else "") + (
+        f"id: {event_id}\n" if event_id is not None else ""
+    )
     return f"{head}data: {data}\n\n"

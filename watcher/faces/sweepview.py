@@ -5,6 +5,7 @@
 them for ``trainq status`` and status.html. Kept apart from view.py and html.py so each can
 call it with one line.
 """
+
 from __future__ import annotations
 
 import html
@@ -23,6 +24,7 @@ class JobView(Protocol):
     state: object  # a JobState
     spec: object  # a JobSpec, or None
     paths: object  # a JobPaths
+
 
 #: how much of metrics.jsonl is read for a finished job's best eval loss when summary.json has none (bytes)
 BEST_EVAL_MAX_BYTES = 512 * 1024
@@ -83,8 +85,11 @@ def best_eval_loss(metrics_path, summary_path=None) -> float | None:
     best = (summary or {}).get("best_eval_loss")
     if isinstance(best, (int, float)) and math.isfinite(best):
         return float(best)
-    losses = [r.get("eval_loss") for r in parse_records(read_tail(metrics_path, BEST_EVAL_MAX_BYTES).splitlines())
-              if r.get("type") == "eval"]
+    losses = [
+        r.get("eval_loss")
+        for r in parse_records(read_tail(metrics_path, BEST_EVAL_MAX_BYTES).splitlines())
+        if r.get("type") == "eval"
+    ]
     finite = [float(x) for x in losses if isinstance(x, (int, float)) and math.isfinite(x)]
     return min(finite) if finite else None
 
@@ -95,8 +100,10 @@ def sweep_groups(jobs: list[dict]) -> list[SweepGroup]:
     for job in jobs:
         if job.get("sweep"):
             groups.setdefault(job["sweep"], []).append(
-                SweepRow(str(job.get("id")), str(job.get("status")), dict(job.get("params") or {}),
-                         job.get("best_eval_loss")))
+                SweepRow(
+                    str(job.get("id")), str(job.get("status")), dict(job.get("params") or {}), job.get("best_eval_loss")
+                )
+            )
     return [SweepGroup(sweep_id, tuple(sorted(rows, key=_rank))) for sweep_id, rows in groups.items()]
 
 
@@ -119,8 +126,10 @@ def sweep_lines(jobs: list[dict]) -> list[str]:
     lines = []
     for group in sweep_groups(jobs):
         ended = sum(1 for r in group.rows if r.status not in ("pending", "running", "stopping"))
-        lines.append(f"sweep {group.sweep_id}: {len(group.rows)} job(s) listed, {ended} ended"
-                     + (", best eval loss first" if group.has_losses else ""))
+        lines.append(
+            f"sweep {group.sweep_id}: {len(group.rows)} job(s) listed, {ended} ended"
+            + (", best eval loss first" if group.has_losses else "")
+        )
         width = max(len(r.job_id) for r in group.rows)
         for row in group.rows:
             loss = f"  best eval loss {_loss_text(row.best_eval_loss)}" if group.has_losses else ""
@@ -138,9 +147,12 @@ def sweep_html(jobs: list[dict]) -> str:
         rows = "".join(
             f"<tr><td>{html.escape(r.job_id)}</td><td>{html.escape(r.status)}</td>"
             + "".join(f"<td>{html.escape(str(r.params.get(k, '')))}</td>" for k in keys)
-            + (f"<td>{_loss_text(r.best_eval_loss)}</td>" if group.has_losses else "") + "</tr>"
+            + (f"<td>{_loss_text(r.best_eval_loss)}</td>" if group.has_losses else "")
+            + "</tr>"
             for r in group.rows
         )
-        parts.append(f'<section class="sweep"><h2>Sweep {html.escape(group.sweep_id)}</h2>'
-                     f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></section>")
+        parts.append(
+            f'<section class="sweep"><h2>Sweep {html.escape(group.sweep_id)}</h2>'
+            f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></section>"
+        )
     return "".join(parts)

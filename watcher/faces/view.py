@@ -5,6 +5,7 @@ reason (why it waits, or a failure's diagnosis kind with its evidence line). Wid
 get start and end times; ``--wide`` adds every column and wraps the reason with its advice.
 ``--follow`` fits the table to the terminal's height and says how many rows it hid.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,19 @@ from rich.text import Text
 
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.faces.html import format_eta, format_number, wall_line
-from trainq.watcher.faces.liveness import (ALIVE, BY_CLOCK, DEAD, WATCHING, Liveness, by_clock, check,
-                                           clock_words, dead_words, offset_words, watch_for)
+from trainq.watcher.faces.liveness import (
+    ALIVE,
+    BY_CLOCK,
+    DEAD,
+    WATCHING,
+    Liveness,
+    by_clock,
+    check,
+    clock_words,
+    dead_words,
+    offset_words,
+    watch_for,
+)
 from trainq.watcher.spec.units import parse_iso
 from trainq.watcher.spec.text import printable_tree
 from trainq.watcher.faces.sweepview import sweep_lines
@@ -40,8 +52,17 @@ STARTUP_WAIT_S = 5.0
 #: from this terminal width on, the compact table also shows start and end times
 TIMES_FROM_COLUMNS = 130
 _COUNT_KEYS = ("inbox", "awaiting_approval", "pending", "running", "done", "failed")
-_STATE_STYLE = {"running": "green", "done": "green", "failed": "red", "timeout": "red", "rejected": "red",
-                "cancelled": "yellow", "stopping": "yellow", "pending": "cyan", "awaiting": "magenta"}
+_STATE_STYLE = {
+    "running": "green",
+    "done": "green",
+    "failed": "red",
+    "timeout": "red",
+    "rejected": "red",
+    "cancelled": "yellow",
+    "stopping": "yellow",
+    "pending": "cyan",
+    "awaiting": "magenta",
+}
 #: the order rows are drawn in, by state
 _ROW_ORDER = {"running": 0, "pending": 1, "awaiting_approval": 2, "failed": 3, "done": 3}
 #: which rows --follow hides first when the terminal is too short (highest first): done, then pending
@@ -106,15 +127,19 @@ def _header(snapshot: dict, live: Liveness) -> Text:
 def _heartbeat(text: Text, live: Liveness) -> None:
     """The heartbeat's age, or why the watcher looks dead, in the words of what was measured (liveness.py)."""
     if live.verdict == DEAD:
-        text.append(f"\nwatcher not responding: {dead_words(live, format_eta)} — is `trainq watch` running?",
-                    style="bold red")
+        text.append(
+            f"\nwatcher not responding: {dead_words(live, format_eta)} — is `trainq watch` running?", style="bold red"
+        )
     elif live.verdict == ALIVE and live.how == BY_CLOCK:
         text.append(f" · heartbeat {format_eta(max(0.0, live.clock_age_s))} ago", style="dim")
     elif live.verdict == ALIVE:
         text.append(f" · heartbeat {format_eta(live.changed_ago_s)} ago (seen changing from here)", style="dim")
     elif live.verdict == WATCHING:
-        text.append(f" · heartbeat {clock_words(live.clock_age_s, format_eta)} by this machine's clock: "
-                    "watching whether it changes", style="yellow")
+        text.append(
+            f" · heartbeat {clock_words(live.clock_age_s, format_eta)} by this machine's clock: "
+            "watching whether it changes",
+            style="yellow",
+        )
     offset = offset_words(live, format_eta)
     if offset:
         text.append(f"\n{offset}", style="yellow")
@@ -131,8 +156,11 @@ def _ignored(snapshot: dict) -> list[Text]:
     if not ignored:
         return []
     names = ", ".join(f"{e.get('name')}/" if "folder" in str(e.get("reason")) else str(e.get("name")) for e in ignored)
-    return [Text(f"inbox ignores {len(ignored)} (not job files): {names}", style="yellow", overflow="ellipsis",
-                 no_wrap=True)]
+    return [
+        Text(
+            f"inbox ignores {len(ignored)} (not job files): {names}", style="yellow", overflow="ellipsis", no_wrap=True
+        )
+    ]
 
 
 # -- one row per job ----------------------------------------------------------------------------------------
@@ -142,8 +170,7 @@ def _state_word(job: dict) -> str:
         return "awaiting"
     if state == "running" and job.get("health") == "stalled":
         return "stalled"
-    return str(status if status and status not in ("pending", "running", "done", "failed") or state is None
-               else state)
+    return str(status if status and status not in ("pending", "running", "done", "failed") or state is None else state)
 
 
 def _progress(job: dict, percent: bool = True) -> str:
@@ -265,8 +292,7 @@ def _reason(job: dict, wide: bool) -> Text:
 
 
 #: widest each short column may get (characters); the reason gets what is left
-_CAPS = {"ID": 24, "NAME": 24, "STATE": 9, "PROGRESS": 11, "LOSS": 6, "TIME": 10, "STARTED": 12, "ENDED": 12,
-         "GPU": 5}
+_CAPS = {"ID": 24, "NAME": 24, "STATE": 9, "PROGRESS": 11, "LOSS": 6, "TIME": 10, "STARTED": 12, "ENDED": 12, "GPU": 5}
 #: the columns shrunk first when the terminal is narrow, each down to its floor
 _SHRINK = (("ID", 16), ("ID", 12), ("PROGRESS", 8), ("TIME", 7), ("STATE", 7), ("NAME", 8), ("ID", 8))
 #: share of the width the reason keeps before the other columns shrink
@@ -279,10 +305,17 @@ def _cells(job: dict, now: float, wide: bool, times: bool) -> dict[str, Text]:
     state = _state_word(job)
     cells = {"ID": Text(str(job.get("id")))}
     if wide:
-        cells.update(NAME=Text(str(job.get("name") or "")), PRIO=Text(str(job.get("priority") or 0)),
-                     TRY=Text(str(job.get("attempt") or 0)))
-    cells.update(STATE=Text(state, style=_STATE_STYLE.get(state, "")), PROGRESS=Text(_progress(job, times)),
-                 LOSS=Text(_loss(job)), TIME=Text(_time(job, now)))
+        cells.update(
+            NAME=Text(str(job.get("name") or "")),
+            PRIO=Text(str(job.get("priority") or 0)),
+            TRY=Text(str(job.get("attempt") or 0)),
+        )
+    cells.update(
+        STATE=Text(state, style=_STATE_STYLE.get(state, "")),
+        PROGRESS=Text(_progress(job, times)),
+        LOSS=Text(_loss(job)),
+        TIME=Text(_time(job, now)),
+    )
     if times:
         cells.update(STARTED=Text(_clock(job.get("started_at"), now)), ENDED=Text(_clock(job.get("finished_at"), now)))
     cells.update(GPU=Text(_gpus(job)), REASON=_reason(job, wide))
@@ -361,8 +394,12 @@ def _hidden_line(hidden: list[dict]) -> Text:
         key = _state_word(job)
         by_state[key] = by_state.get(key, 0) + 1
     what = ", ".join(f"{n} {state}" for state, n in by_state.items())
-    return Text(f"… {len(hidden)} more row(s) hidden ({what}): a taller terminal, --state, --sweep or a GLOB "
-                "shows them", style="dim", overflow="ellipsis", no_wrap=True)
+    return Text(
+        f"… {len(hidden)} more row(s) hidden ({what}): a taller terminal, --state, --sweep or a GLOB shows them",
+        style="dim",
+        overflow="ellipsis",
+        no_wrap=True,
+    )
 
 
 def _gpu_line(gpu: dict) -> Text:
@@ -382,13 +419,26 @@ def _gpu_line(gpu: dict) -> Text:
 def _machine(snapshot: dict) -> list[Text]:
     res = snapshot.get("resources") or {}
     ram = res.get("ram") or {}
-    lines = [Text(f"RAM {format_number(ram.get('available_gb'), 3)}/{format_number(ram.get('total_gb'), 3)} GB free",
-                  overflow="ellipsis", no_wrap=True)]
+    lines = [
+        Text(
+            f"RAM {format_number(ram.get('available_gb'), 3)}/{format_number(ram.get('total_gb'), 3)} GB free",
+            overflow="ellipsis",
+            no_wrap=True,
+        )
+    ]
     return lines + [_gpu_line(g) for g in res.get("gpus") or ()]
 
 
-def render_status(snapshot: dict, width: int = 80, now: float | None = None, *, height: int | None = None,
-                  wide: bool = False, filters: Filters | None = None, liveness: Liveness | None = None) -> RenderableType:
+def render_status(
+    snapshot: dict,
+    width: int = 80,
+    now: float | None = None,
+    *,
+    height: int | None = None,
+    wide: bool = False,
+    filters: Filters | None = None,
+    liveness: Liveness | None = None,
+) -> RenderableType:
     """The whole status: header, counts, one row per job, machine; fitted to ``height`` lines when given.
 
     ``liveness``: the reader's verdict on the watcher (liveness.check); without one, this machine's clock judges.
@@ -411,8 +461,12 @@ def render_status(snapshot: dict, width: int = 80, now: float | None = None, *, 
     if rows:
         body: list[RenderableType] = _table(rows, width, now, wide)
     else:
-        body = [Text("no job matches the filters" if filters.active else "no jobs yet: drop a job file into inbox/",
-                     style="dim")]
+        body = [
+            Text(
+                "no job matches the filters" if filters.active else "no jobs yet: drop a job file into inbox/",
+                style="dim",
+            )
+        ]
     if hidden:
         body.append(_hidden_line(hidden))
     sweeps = _sweeps(snapshot, filters) if height is None or wide or filters.sweep else []
@@ -443,8 +497,9 @@ def read_status(status_path: Path, wait_s: float = STARTUP_WAIT_S) -> dict | Non
     return snapshot
 
 
-def print_status(status_path: Path, follow: bool = False, json_out: bool = False, wide: bool = False,
-                 filters: Filters | None = None) -> int:
+def print_status(
+    status_path: Path, follow: bool = False, json_out: bool = False, wide: bool = False, filters: Filters | None = None
+) -> int:
     """Print status.json (as JSON, once, or redrawn until Ctrl-C); 1 when no watcher has written it yet."""
     status_path = Path(status_path)
     filters = filters or Filters()

@@ -5,6 +5,7 @@ watcher's variables reach the node (Slurm's own always win there); ``batch_scrip
 write ``slurm.sh`` for one job or for a sweep's job array; ``srun_argv`` wraps a multi-node command.
 watcher/slurm.py submits and follows the jobs; nothing here runs a command or touches the disk.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,19 @@ TIME_LIMIT_SIGNAL = "USR1"
 #: variables trainq itself sets for every job (GPU numbering that matches NVML's)
 TRAINQ_OWNED_ENV = ("CUDA_DEVICE_ORDER",)
 #: variables Slurm sets on the node for the job's allocation: the watcher's values never replace them
-NODE_OWNED_ENV = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
-                  "TMPDIR", "HOSTNAME", "HOME", "USER", "LOGNAME", "PWD", "SHELL")
+NODE_OWNED_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "GPU_DEVICE_ORDINAL",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "TMPDIR",
+    "HOSTNAME",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "PWD",
+    "SHELL",
+)
 #: the watcher variables a batch job starts from (with every LC_*) under slurm.node_env "clean" (the default), besides
 #: what Slurm sets itself; "login" asks Slurm for the node's login environment with ``--export=NONE`` instead, which
 #: makes slurmd run a login shell (``su - USER``) before every batch job: measured on the test cluster, a burst of 100
@@ -39,10 +51,12 @@ CLEAN_BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE"
 #: the variables sbatch itself reads (its configuration, its option defaults); they reach the node with the base
 SBATCH_OWN_ENV = ("SLURM_CONF", "SLURM_CLUSTERS")
 #: per-task rendezvous variables for multi-node jobs, from Slurm's own (torchrun reads MASTER_ADDR/PORT, NODE_RANK)
-RENDEZVOUS_SH = ('MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; '
-                 'export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))} '
-                 'WORLD_SIZE=$SLURM_NTASKS RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID NODE_RANK=$SLURM_NODEID '
-                 'NNODES=$SLURM_NNODES LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; ' + RANK_EXIT_SH)
+RENDEZVOUS_SH = (
+    'MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; '
+    "export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))} "
+    "WORLD_SIZE=$SLURM_NTASKS RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID NODE_RANK=$SLURM_NODEID "
+    "NNODES=$SLURM_NNODES LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; " + RANK_EXIT_SH
+)
 
 
 @dataclass(frozen=True)
@@ -67,10 +81,17 @@ class SlurmOptions:
 
     def argv(self, script: Path) -> list[str]:
         """``sbatch --parsable ...`` for ``script``; extra args last, so watcher.yaml and job file win."""
-        argv = ["sbatch", "--parsable", "--requeue" if self.requeue else "--no-requeue",
-                "--export=NONE" if self.node_env == "login" else "--export=ALL",
-                f"--job-name={self.job_name}", f"--comment={self.comment}", f"--output={self.output}",
-                f"--chdir={self.chdir}", f"--signal=B:{TIME_LIMIT_SIGNAL}@{self.signal_lead_s}"]
+        argv = [
+            "sbatch",
+            "--parsable",
+            "--requeue" if self.requeue else "--no-requeue",
+            "--export=NONE" if self.node_env == "login" else "--export=ALL",
+            f"--job-name={self.job_name}",
+            f"--comment={self.comment}",
+            f"--output={self.output}",
+            f"--chdir={self.chdir}",
+            f"--signal=B:{TIME_LIMIT_SIGNAL}@{self.signal_lead_s}",
+        ]
         if self.array:
             argv.append(f"--array={self.array}")
         if self.partition:
@@ -90,8 +111,9 @@ class SlurmOptions:
         return dataclasses.replace(self, job_name="", comment="", output="", chdir="", array=None)
 
 
-def batch_env(env: dict[str, str], keep: frozenset[str] | set[str] = frozenset(),
-              node_env: str = "clean") -> dict[str, str]:
+def batch_env(
+    env: dict[str, str], keep: frozenset[str] | set[str] = frozenset(), node_env: str = "clean"
+) -> dict[str, str]:
     """What the node's supervisor adds to the batch job's environment (launch.json): TRAINQ_* and the ``keep`` names
     (the job's own ``env`` and watcher.yaml's ``env_passthrough``), and with ``node_env`` "clean" the base names
     too (PATH with the watcher's interpreter first, LANG, LC_*, TZ: as a local job gets them); never SLURM_* nor
@@ -175,12 +197,22 @@ def slurm_minutes(value: str) -> float | None:
 
 def srun_argv(argv: tuple[str, ...], tasks: int) -> tuple[str, ...]:
     """The command under srun: ``tasks`` tasks over the allocation, each with its rendezvous variables."""
-    return ("srun", "--export=ALL", f"--ntasks={tasks}", "--kill-on-bad-exit=1", "sh", "-c", RENDEZVOUS_SH,
-            "trainq-task", *argv)
+    return (
+        "srun",
+        "--export=ALL",
+        f"--ntasks={tasks}",
+        "--kill-on-bad-exit=1",
+        "sh",
+        "-c",
+        RENDEZVOUS_SH,
+        "trainq-task",
+        *argv,
+    )
 
 
-def batch_script(paths: JobPaths, attempt: int, argv: list[str], python: str, package_parent: str,
-                 heartbeat_s: float | None = None) -> str:
+def batch_script(
+    paths: JobPaths, attempt: int, argv: list[str], python: str, package_parent: str, heartbeat_s: float | None = None
+) -> str:
     """slurm.sh: check the job folder is visible on the node, then exec the node side of the attempt."""
     return f"""#!/bin/sh
 # trainq job {paths.dir.name}, attempt {attempt}: written by the watcher and submitted with
@@ -191,8 +223,15 @@ JOB_DIR={shlex.quote(str(paths.dir))}
 {_node_side(attempt, python, package_parent, heartbeat_s)}"""
 
 
-def array_script(running: Path, sweep_id: str, attempt: int, argv: list[str], python: str,
-                 package_parent: str, heartbeat_s: float | None = None) -> str:
+def array_script(
+    running: Path,
+    sweep_id: str,
+    attempt: int,
+    argv: list[str],
+    python: str,
+    package_parent: str,
+    heartbeat_s: float | None = None,
+) -> str:
     """The script of a sweep's job array: task ``i`` runs attempt ``attempt`` of job ``<sweep>-i``."""
     return f"""#!/bin/sh
 # trainq sweep {sweep_id}, attempt {attempt} of its jobs as one Slurm job array: written by the watcher and

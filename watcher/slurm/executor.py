@@ -15,6 +15,7 @@ full ``squeue -t all`` proves it does not exist (then it is submitted again unde
 
 This class holds the state and the Executor protocol; submitting.py, polling.py and liveness.py are its parts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,15 +29,34 @@ from typing import TYPE_CHECKING
 
 from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.batch import (
-    SlurmOptions, array_script, batch_env, batch_script, sbatch_env, signal_lead_s, time_limit_min,
+    SlurmOptions,
+    array_script,
+    batch_env,
+    batch_script,
+    sbatch_env,
+    signal_lead_s,
+    time_limit_min,
 )
 from trainq.watcher.slurm.node import HEARTBEAT_S
 from trainq.watcher.slurm.records import (
-    LIMIT_RETRY_S, Held, Inflight, Unconfirmed, attempt_ended,
-    refresh_listing, signalled, with_slurm_view,
+    LIMIT_RETRY_S,
+    Held,
+    Inflight,
+    Unconfirmed,
+    attempt_ended,
+    refresh_listing,
+    signalled,
+    with_slurm_view,
 )
 from trainq.watcher.slurm.state import (
-    EXIT_NOT_SHARED, GONE, QUEUED_STATES, RUNNING_STATES, SlurmJob, SqueueQuery, ended_outcome, queue_key,
+    EXIT_NOT_SHARED,
+    GONE,
+    QUEUED_STATES,
+    RUNNING_STATES,
+    SlurmJob,
+    SqueueQuery,
+    ended_outcome,
+    queue_key,
 )
 from trainq.watcher.slurm.submit import Submitter
 from trainq.watcher.spec.contract import JobPaths
@@ -50,8 +70,18 @@ from trainq.watcher.slurm.liveness import EXIT_READS_PER_S, Liveness
 from trainq.watcher.slurm.polling import Polling
 from trainq.watcher.slurm.submitting import Submitting
 
-__all__ = ["EXIT_NOT_SHARED", "SlurmExecutor", "SlurmJob", "SlurmOptions", "array_script", "batch_env",
-           "batch_script", "ended_outcome", "signal_lead_s", "time_limit_min"]
+__all__ = [
+    "EXIT_NOT_SHARED",
+    "SlurmExecutor",
+    "SlurmJob",
+    "SlurmOptions",
+    "array_script",
+    "batch_env",
+    "batch_script",
+    "ended_outcome",
+    "signal_lead_s",
+    "time_limit_min",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -130,13 +160,14 @@ class SlurmExecutor(Submitting, Polling, Liveness):
 
     # -- the Executor protocol -----------------------------------------------------------------
     def unavailable(self, now: float) -> str | None:
-        """"Slurm is not reachable: ..." after the last squeue or sbatch failed so; checked once per poll_s."""
+        """ "Slurm is not reachable: ..." after the last squeue or sbatch failed so; checked once per poll_s."""
         self._probe_wanted_mono = time.monotonic()
         self._poll(start=True)
         return self._down
 
-    def launch(self, spec: LaunchSpec, job_name: str, slurm_options: dict | None,
-               group: tuple[str, int] | None = None) -> dict:
+    def launch(
+        self, spec: LaunchSpec, job_name: str, slurm_options: dict | None, group: tuple[str, int] | None = None
+    ) -> dict:
         """Record the submission in slurm.json, then hand sbatch to the worker; the Slurm job id comes from ``flush``.
 
         A sweep's job (``group`` = sweep id and index) is only prepared here: ``flush`` submits the attempts
@@ -212,8 +243,13 @@ class SlurmExecutor(Submitting, Polling, Liveness):
         if not submitted.get("attempt") or attempt_ended(paths, submitted.get("attempt")):
             return None
         # recovery needs this when the watcher died between sbatch and run.json: the attempt exists in Slurm
-        return {"attempt": submitted.get("attempt"), "supervisor_pid": None, "job_pid": None,
-                "started_at": submitted.get("submitted_at"), "slurm_job_id": submitted.get("slurm_job_id")}
+        return {
+            "attempt": submitted.get("attempt"),
+            "supervisor_pid": None,
+            "job_pid": None,
+            "started_at": submitted.get("submitted_at"),
+            "slurm_job_id": submitted.get("slurm_job_id"),
+        }
 
     def read_exit(self, paths: JobPaths, attempt: dict) -> dict | None:
         """The node's exit record once it can be final; or, once Slurm ended the job without one, one written here.
@@ -249,8 +285,9 @@ class SlurmExecutor(Submitting, Polling, Liveness):
                 # watcher restarted after the end): wait for the first poll, unless Slurm cannot be reached
                 return None
         if record is not None:
-            return self._final(with_slurm_view(record, slurm_id, job, paths, self._cancelled_by(paths, slurm_id)),
-                               slurm_id)
+            return self._final(
+                with_slurm_view(record, slurm_id, job, paths, self._cancelled_by(paths, slurm_id)), slurm_id
+            )
         if job is None or not ended or attempt.get("ended_at"):
             return None
         if self._node_still_alive(paths, slurm_id) or self._within_grace(paths, slurm_id):
@@ -263,8 +300,7 @@ class SlurmExecutor(Submitting, Polling, Liveness):
         record = self._own_record(paths, attempt) or self._synthesize(paths, attempt, slurm_id, job)
         if record is None:
             return None  # the folder cannot be written now: concluded once it can
-        return self._final(with_slurm_view(record, slurm_id, job, paths, self._cancelled_by(paths, slurm_id)),
-                           slurm_id)
+        return self._final(with_slurm_view(record, slurm_id, job, paths, self._cancelled_by(paths, slurm_id)), slurm_id)
 
     def kill_leftovers(self, paths: JobPaths, attempt: dict) -> int:
         """Nothing of the attempt runs on this machine; a batch job Slurm still holds is cancelled."""
@@ -278,7 +314,7 @@ class SlurmExecutor(Submitting, Polling, Liveness):
         return []  # the attempt runs on a Slurm node, not here
 
     def waiting_for(self, paths: JobPaths, attempt: dict) -> str | None:
-        """"Slurm: Resources" (Slurm's pending reason) while the batch job is queued, else None."""
+        """ "Slurm: Resources" (Slurm's pending reason) while the batch job is queued, else None."""
         slurm_id = None if self._submitting(paths) else self._slurm_id(paths, attempt)
         if self._submitting(paths):
             return "Slurm: being submitted (sbatch)"
@@ -294,7 +330,9 @@ class SlurmExecutor(Submitting, Polling, Liveness):
             return "Slurm: suspended"
         return None
 
-    def enforce_stop(self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float) -> None:
+    def enforce_stop(
+        self, paths: JobPaths, attempt: dict, stop_requested_at: float, grace_s: float, now: float
+    ) -> None:
         """scancel a stopped job at once while Slurm still queues it, else after grace + kill_after + a margin."""
         slurm_id = self._slurm_id(paths, attempt)
         job = self._state(slurm_id) if slurm_id else None

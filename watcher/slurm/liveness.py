@@ -1,5 +1,6 @@
 """Is an attempt still alive on its node: Slurm's state, the heartbeat (also while Slurm says RUNNING), the exit
 record, the grace for a shared filesystem's caching; and the exit record written for Slurm when the node left none."""
+
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,13 @@ from typing import TYPE_CHECKING
 
 from trainq.watcher.slurm.records import append_note, refresh_listing
 from trainq.watcher.slurm.state import (
-    EXIT_NO_PYTHON, EXIT_NOT_SHARED, GONE, SIGNAL_NAMES, SLURM_OUTPUT, SlurmJob, ended_outcome,
+    EXIT_NO_PYTHON,
+    EXIT_NOT_SHARED,
+    GONE,
+    SIGNAL_NAMES,
+    SLURM_OUTPUT,
+    SlurmJob,
+    ended_outcome,
 )
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
@@ -66,8 +73,10 @@ class Liveness:
         if quiet_s < self.heartbeat_stale_s:
             return None
         node = f" on node {job.node}" if job.node else ""
-        said = (f"no heartbeat from the node side of Slurm job {slurm_id}{node} for {quiet_s:.0f} s while Slurm says "
-                "RUNNING")
+        said = (
+            f"no heartbeat from the node side of Slurm job {slurm_id}{node} for {quiet_s:.0f} s while Slurm says "
+            "RUNNING"
+        )
         if quiet_s >= self.heartbeat_dead_s:
             self._give_up_on_node(paths, slurm_id, said)
         return said
@@ -95,8 +104,9 @@ class Liveness:
         try:
             atomic_write_json(paths.slurm_record, {**record, "node_lost": evidence})
         except OSError as exc:
-            logger.warning("job %s: cannot note the lost node in %s: %s", paths.dir.name, paths.slurm_record.name,
-                           exc.strerror)
+            logger.warning(
+                "job %s: cannot note the lost node in %s: %s", paths.dir.name, paths.slurm_record.name, exc.strerror
+            )
         self._scancel(slurm_id, paths)
 
     # -- the node's signs of life -------------------------------------------------------------------
@@ -166,8 +176,9 @@ class Liveness:
             return str(slurm_id)  # the usual case: no file to read
         record = read_json(paths.slurm_record) or {}
         known, submitted = attempt.get("n"), int(record.get("attempt") or 0)
-        if record.get("slurm_job_id") and (known is None or submitted > int(known)
-                                           or (submitted == int(known) and not slurm_id)):
+        if record.get("slurm_job_id") and (
+            known is None or submitted > int(known) or (submitted == int(known) and not slurm_id)
+        ):
             if known is not None and submitted == int(known) and not attempt.get("ended_at"):
                 attempt["slurm_job_id"] = str(record["slurm_job_id"])  # adopted after an unanswered sbatch
             return str(record["slurm_job_id"])
@@ -177,32 +188,57 @@ class Liveness:
     def _synthesize(self, paths: JobPaths, attempt: dict, slurm_id: str, job: SlurmJob) -> dict | None:
         """Write exit.json in the supervisor's place, and say in output.log what Slurm did; None while the job
         folder cannot be written (the watcher tries again at the next poll)."""
-        outcome = ended_outcome(job, job.exit_code, job.exit_signal, paths, slurm_id, self.python,
-                                self._cancelled_by(paths, slurm_id), self._what_was_known(paths, slurm_id))
+        outcome = ended_outcome(
+            job,
+            job.exit_code,
+            job.exit_signal,
+            paths,
+            slurm_id,
+            self.python,
+            self._cancelled_by(paths, slurm_id),
+            self._what_was_known(paths, slurm_id),
+        )
         started = read_json(paths.started) or {}
         now = time.time()
         record = {
             "attempt": attempt.get("n") or (read_json(paths.slurm_record) or {}).get("attempt"),
-            "job_pid": started.get("job_pid"), "exit_code": outcome["exit_code"], "signal": outcome["signal"],
-            "signal_name": SIGNAL_NAMES.get(outcome["signal"]), "started_at": started.get("started_at"),
-            "ended_at": iso_utc(now), "stop_reason": outcome["stop_reason"],
+            "job_pid": started.get("job_pid"),
+            "exit_code": outcome["exit_code"],
+            "signal": outcome["signal"],
+            "signal_name": SIGNAL_NAMES.get(outcome["signal"]),
+            "started_at": started.get("started_at"),
+            "ended_at": iso_utc(now),
+            "stop_reason": outcome["stop_reason"],
             "stop_requested_at": iso_utc(now) if outcome["stop_reason"] == "timeout" else None,
-            "signals_sent": [], "spawn_error": None, "slurm_job_id": slurm_id, "slurm_state": job.state,
-            "slurm_reason": job.reason, "executor_diagnosis": outcome["diagnosis"], "written_by": "watcher",
+            "signals_sent": [],
+            "spawn_error": None,
+            "slurm_job_id": slurm_id,
+            "slurm_state": job.state,
+            "slurm_reason": job.reason,
+            "executor_diagnosis": outcome["diagnosis"],
+            "written_by": "watcher",
         }
         try:
             atomic_write_json(paths.exit_record, record)
         except OSError as exc:
-            logger.warning("job %s: slurm job %s ended %s; cannot write its exit record yet (%s)", paths.dir.name,
-                           slurm_id, job.state, exc.strerror)
+            logger.warning(
+                "job %s: slurm job %s ended %s; cannot write its exit record yet (%s)",
+                paths.dir.name,
+                slurm_id,
+                job.state,
+                exc.strerror,
+            )
             return None
         said = "is no longer known to Slurm" if job.state == GONE else f"ended {job.state}"
-        append_note(paths.log, f"trainq: Slurm job {slurm_id} {said} without an exit record from trainq's "
-                                f"supervisor: {outcome['evidence']}")
-        logger.info("job %s: slurm job %s ended %s without an exit record; wrote one", paths.dir.name, slurm_id,
-                    job.state)
+        append_note(
+            paths.log,
+            f"trainq: Slurm job {slurm_id} {said} without an exit record from trainq's "
+            f"supervisor: {outcome['evidence']}",
+        )
+        logger.info(
+            "job %s: slurm job %s ended %s without an exit record; wrote one", paths.dir.name, slurm_id, job.state
+        )
         return record
-
 
     def _what_was_known(self, paths: JobPaths, slurm_id: str) -> str:
         """What was last known of a job Slurm forgot: this watcher's last sight of it, else the job folder's
@@ -218,8 +254,8 @@ class Liveness:
             known.append(f"its supervisor started at {started['started_at']}")
         beat = read_json(paths.heartbeat) or {}
         if str(beat.get("slurm_job_id")) == slurm_id and beat.get("at"):
-            known.append(f"last heartbeat from node {beat.get('node') or '?'} at {beat['at']}"
-                         + (" (its supervisor had ended)" if beat.get("ended") else ""))
+            known.append(
+                f"last heartbeat from node {beat.get('node') or '?'} at {beat['at']}"
+                + (" (its supervisor had ended)" if beat.get("ended") else "")
+            )
         return ", ".join(known) or "never seen running"
-
-

@@ -14,6 +14,7 @@ slurm.sh execs this as the batch job's main process. It
 
 It never talks to Slurm; the watcher's squeue is the other half of liveness (watcher/slurm.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +55,16 @@ class Heartbeat:
 
     def beat(self, ended: bool = False) -> None:
         self.beats += 1
-        record = {"attempt": self.attempt, "slurm_job_id": self.slurm_job_id, "node": socket.gethostname(),
-                  "pid": os.getpid(), "beats": self.beats, "at": iso_utc(time.time()), "period_s": self.period_s,
-                  "ended": ended}
+        record = {
+            "attempt": self.attempt,
+            "slurm_job_id": self.slurm_job_id,
+            "node": socket.gethostname(),
+            "pid": os.getpid(),
+            "beats": self.beats,
+            "at": iso_utc(time.time()),
+            "period_s": self.period_s,
+            "ended": ended,
+        }
         try:
             atomic_write_json(self.paths.heartbeat, record, durable=False)
         except OSError as exc:  # a full or unreachable filesystem must not end the attempt
@@ -75,8 +83,17 @@ class Heartbeat:
 def claim(paths: JobPaths, attempt: int, slurm_job_id: str) -> str | None:
     """Claim attempt ``attempt`` for this Slurm job: None when it is ours, else the Slurm job id that holds it."""
     path = paths.slurm_claim(attempt)
-    body = json.dumps({"attempt": attempt, "slurm_job_id": slurm_job_id, "node": socket.gethostname(),
-                       "claimed_at": iso_utc(time.time())}) + "\n"
+    body = (
+        json.dumps(
+            {
+                "attempt": attempt,
+                "slurm_job_id": slurm_job_id,
+                "node": socket.gethostname(),
+                "claimed_at": iso_utc(time.time()),
+            }
+        )
+        + "\n"
+    )
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
@@ -94,13 +111,18 @@ def own_slurm_id(env: Mapping[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainq.watcher.slurm.node",
-                                     description="Run one attempt of a trainq job inside a Slurm batch job.")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainq.watcher.slurm.node",
+        description="Run one attempt of a trainq job inside a Slurm batch job.",
+    )
     parser.add_argument("job_dir", help="the job folder, on the filesystem the watcher shares with the nodes")
     parser.add_argument("--attempt", type=int, required=True, help="the attempt this submission was made for")
-    parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S,
-                        help=f"seconds between two writes of heartbeat.json (watcher.yaml slurm.heartbeat_s; "
-                             f"default {HEARTBEAT_S:g})")
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=HEARTBEAT_S,
+        help=f"seconds between two writes of heartbeat.json (watcher.yaml slurm.heartbeat_s; default {HEARTBEAT_S:g})",
+    )
     args = parser.parse_args(argv)
     paths = JobPaths(Path(os.path.abspath(args.job_dir)))
     slurm_job_id = own_slurm_id(os.environ)
@@ -111,13 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainq: {paths.launch_spec}: {exc}; fix the launch spec", file=sys.stderr)
         return EXIT_USAGE
     if spec.attempt != args.attempt:
-        print(f"trainq: Slurm job {slurm_job_id} was submitted for attempt {args.attempt}, but the job is at attempt "
-              f"{spec.attempt} now; running nothing", file=sys.stderr)
+        print(
+            f"trainq: Slurm job {slurm_job_id} was submitted for attempt {args.attempt}, but the job is at attempt "
+            f"{spec.attempt} now; running nothing",
+            file=sys.stderr,
+        )
         return EXIT_NOT_MINE
     holder = claim(paths, spec.attempt, slurm_job_id)
     if holder is not None:
-        print(f"trainq: attempt {spec.attempt} already runs as Slurm job {holder}; this duplicate submission "
-              f"(Slurm job {slurm_job_id}) runs nothing", file=sys.stderr)
+        print(
+            f"trainq: attempt {spec.attempt} already runs as Slurm job {holder}; this duplicate submission "
+            f"(Slurm job {slurm_job_id}) runs nothing",
+            file=sys.stderr,
+        )
         return EXIT_NOT_MINE
     heartbeat = Heartbeat(paths, spec.attempt, slurm_job_id, max(0.1, args.heartbeat_s)).start()
     try:

@@ -1,5 +1,6 @@
 """The poll: one squeue -j of the queue's own jobs per interval, backing off while nothing changes; what its answer
 says of each job; unconfirmed submissions found by their tags."""
+
 from __future__ import annotations
 
 import logging
@@ -10,12 +11,27 @@ from typing import TYPE_CHECKING
 
 from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.records import (
-    NoAnswer, Unconfirmed, attempt_ended,
+    NoAnswer,
+    Unconfirmed,
+    attempt_ended,
     claimed_id,
 )
 from trainq.watcher.slurm.state import (
-    GONE, QUEUED_CANCEL_REASON, QUEUED_STATES, RUNNING_STATES, SlurmJob, SqueueQuery, accounting_enabled, array_task_id, duplicate_key,
-    find_tagged, first_line, id_order, parse_squeue, query_ids, sacct_jobs,
+    GONE,
+    QUEUED_CANCEL_REASON,
+    QUEUED_STATES,
+    RUNNING_STATES,
+    SlurmJob,
+    SqueueQuery,
+    accounting_enabled,
+    array_task_id,
+    duplicate_key,
+    find_tagged,
+    first_line,
+    id_order,
+    parse_squeue,
+    query_ids,
+    sacct_jobs,
 )
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
@@ -55,8 +71,16 @@ class Polling:
             self._jobs[slurm_id] = seed
 
     def _forget(self, slurm_id: str) -> None:
-        for store in (self._jobs, self._ended_seen, self._beats, self._exit_read_mono, self._tracked_at,
-                      self._running_at, self._last_known, self._node_lost):
+        for store in (
+            self._jobs,
+            self._ended_seen,
+            self._beats,
+            self._exit_read_mono,
+            self._tracked_at,
+            self._running_at,
+            self._last_known,
+            self._node_lost,
+        ):
             store.pop(slurm_id, None)
         for suffix in ("#beat", "#synth"):
             self._exit_read_mono.pop(slurm_id + suffix, None)
@@ -133,8 +157,9 @@ class Polling:
             self._seeded.discard(slurm_id)
             changed |= old is None or (old.state, old.reason) != (job.state, job.reason)
             self._jobs[slurm_id] = job
-            self._last_known[slurm_id] = f"{job.state}{f' on node {job.node}' if job.node else ''} at " \
-                                         f"{iso_utc(time.time())}"
+            self._last_known[slurm_id] = (
+                f"{job.state}{f' on node {job.node}' if job.node else ''} at {iso_utc(time.time())}"
+            )
             if job.state in RUNNING_STATES:
                 self._running_at.setdefault(slurm_id, now)
             if not job.is_live:
@@ -179,8 +204,11 @@ class Polling:
         for ids in by_attempt.values():
             if len(ids) > 1 and any(i in self._tracked for i in ids):
                 for extra in (i for i in ids if i not in self._tracked and i not in self._cancelled):
-                    logger.warning("slurm: job %s duplicates an attempt already running as %s; scancel", extra,
-                                   ",".join(i for i in ids if i in self._tracked))
+                    logger.warning(
+                        "slurm: job %s duplicates an attempt already running as %s; scancel",
+                        extra,
+                        ",".join(i for i in ids if i in self._tracked),
+                    )
                     self._scancel(extra, None)
 
     def _resolve_unconfirmed(self, seen: dict[str, SlurmJob]) -> None:
@@ -215,8 +243,13 @@ class Polling:
         if everything:
             self._adopt(group, everything[0][0])
             return
-        logger.warning("job %s: Slurm has no job tagged %s; submitting attempt %d again%s", lead.paths.dir.name,
-                       tag, lead.attempt, f" (the job array of {len(group)} jobs)" if lead.index is not None else "")
+        logger.warning(
+            "job %s: Slurm has no job tagged %s; submitting attempt %d again%s",
+            lead.paths.dir.name,
+            tag,
+            lead.attempt,
+            f" (the job array of {len(group)} jobs)" if lead.index is not None else "",
+        )
         try:
             slurm_id = self._submit(lead.argv, lead.paths)
         except NoAnswer:
@@ -231,8 +264,9 @@ class Polling:
         """The submission of ``group`` exists as ``slurm_id`` (for an array: any of its tasks)."""
         for pending in group:
             own = slurm_id if pending.index is None else array_task_id(slurm_id, pending.index)
-            logger.info("job %s: attempt %d is Slurm job %s (tag %s)", pending.paths.dir.name, pending.attempt,
-                        own, pending.tag)
+            logger.info(
+                "job %s: attempt %d is Slurm job %s (tag %s)", pending.paths.dir.name, pending.attempt, own, pending.tag
+            )
             record = read_json(pending.paths.slurm_record) or {"attempt": pending.attempt, "tag": pending.tag}
             self._confirm(pending.paths, record, own)
 
@@ -242,12 +276,20 @@ class Polling:
         if pending is not None or attempt.get("ended_at"):
             return pending
         record = read_json(paths.slurm_record) or {}
-        if (record.get("tag") and not record.get("slurm_job_id") and not record.get("refused")
-                and attempt.get("n") in (None, record.get("attempt"))
-                and not attempt_ended(paths, record.get("attempt"))):
+        if (
+            record.get("tag")
+            and not record.get("slurm_job_id")
+            and not record.get("refused")
+            and attempt.get("n") in (None, record.get("attempt"))
+            and not attempt_ended(paths, record.get("attempt"))
+        ):
             index = record.get("array_index")
-            pending = Unconfirmed(paths, int(record["attempt"]), str(record["tag"]), list(record.get("sbatch") or []),
-                                   index=index if isinstance(index, int) else None)
+            pending = Unconfirmed(
+                paths,
+                int(record["attempt"]),
+                str(record["tag"]),
+                list(record.get("sbatch") or []),
+                index=index if isinstance(index, int) else None,
+            )
             self._unconfirmed[str(paths.dir)] = pending
         return pending
-

@@ -6,6 +6,7 @@ Under srun (``resources.nodes`` > 1 or ``tasks_per_node`` > 1) one rank that exi
 command's exit status and the time. Ranks that srun ends are killed with their wrapper and write nothing, so the
 first record with a non-zero status names the rank that failed; ``real_rank_exit`` puts it in the exit record.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,10 @@ from trainq.watcher.spec.contract import JobPaths
 
 #: what each srun task runs after its rendezvous variables are set: the command, then its record (never exec'd,
 #: so the wrapper outlives the command to write it)
-RANK_EXIT_SH = ('"$@"; s=$?; d="$TRAINQ_JOB_DIR/ranks"; mkdir -p "$d" 2>/dev/null && '
-                'echo "$s $(date +%s.%N)" > "$d/$TRAINQ_ATTEMPT.$SLURM_PROCID" 2>/dev/null; exit $s')
+RANK_EXIT_SH = (
+    '"$@"; s=$?; d="$TRAINQ_JOB_DIR/ranks"; mkdir -p "$d" 2>/dev/null && '
+    'echo "$s $(date +%s.%N)" > "$d/$TRAINQ_ATTEMPT.$SLURM_PROCID" 2>/dev/null; exit $s'
+)
 
 
 def rank_records(paths: JobPaths, attempt: int) -> list[tuple[float, int, int]]:
@@ -40,7 +43,11 @@ def rank_records(paths: JobPaths, attempt: int) -> list[tuple[float, int, int]]:
 def real_rank_exit(record: dict, paths: JobPaths) -> dict:
     """The exit record with the first failing rank's own exit code (``failed_rank``, ``srun_exit_code``) when srun
     ran the ranks and one of them failed; else the record unchanged."""
-    if record.get("exit_code") == 0 or record.get("failed_rank") is not None or not isinstance(record.get("attempt"), int):
+    if (
+        record.get("exit_code") == 0
+        or record.get("failed_rank") is not None
+        or not isinstance(record.get("attempt"), int)
+    ):
         return record
     failed = [(at, rank, status) for at, rank, status in rank_records(paths, record["attempt"]) if status != 0]
     if not failed:
@@ -48,8 +55,15 @@ def real_rank_exit(record: dict, paths: JobPaths) -> dict:
     _, rank, status = failed[0]
     srun = record.get("exit_code") if record.get("exit_code") is not None else 128 + int(record.get("signal") or 0)
     _note(paths.log, f"trainq: rank {rank} exited {status} first; srun then ended the others (srun's status {srun})")
-    return dict(record, exit_code=status, signal=None, signal_name=None, failed_rank=rank, srun_exit_code=srun,
-                stop_reason=None if record.get("stop_reason") == "sigterm" else record.get("stop_reason"))
+    return dict(
+        record,
+        exit_code=status,
+        signal=None,
+        signal_name=None,
+        failed_rank=rank,
+        srun_exit_code=srun,
+        stop_reason=None if record.get("stop_reason") == "sigterm" else record.get("stop_reason"),
+    )
 
 
 def _note(log: Path, line: str) -> None:

@@ -1,5 +1,6 @@
 """The small shared parts of the Slurm executor: submissions in their states, the refusals, and what is added to
 an exit record from Slurm's side (its final state, who sent a signal, a rank's own exit code)."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,15 @@ from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.batch import SlurmOptions
 from trainq.watcher.slurm.ranks import real_rank_exit
 from trainq.watcher.slurm.state import (
-    CANCELLED_ADVICE, CANCELLED_OUTSIDE, SIGKILL, SIGTERM, SlurmJob, cancelled_evidence, killed_for_memory,
-    oom_evidence, taken_by_slurm,
+    CANCELLED_ADVICE,
+    CANCELLED_OUTSIDE,
+    SIGKILL,
+    SIGTERM,
+    SlurmJob,
+    cancelled_evidence,
+    killed_for_memory,
+    oom_evidence,
+    taken_by_slurm,
 )
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
@@ -70,11 +78,8 @@ class Held:
     options: SlurmOptions
 
 
-
 class NoAnswer(Exception):
     """sbatch reached the controller but got no answer: the job may exist."""
-
-
 
 
 def claimed_id(pending: Unconfirmed) -> str:
@@ -82,8 +87,9 @@ def claimed_id(pending: Unconfirmed) -> str:
     return str((read_json(pending.paths.slurm_claim(pending.attempt)) or {}).get("slurm_job_id") or "")
 
 
-def with_slurm_view(record: dict, slurm_id: str, job: SlurmJob | None, paths: JobPaths,
-                     cancelled_by: str | None = None) -> dict:
+def with_slurm_view(
+    record: dict, slurm_id: str, job: SlurmJob | None, paths: JobPaths, cancelled_by: str | None = None
+) -> dict:
     """The node's record plus what Slurm says: its id and final state; OUT_OF_MEMORY (cgroups), or a SIGKILL that
     Slurm's output says was for memory (OverMemoryKill, no cgroups), makes the kill an oom; a signal Slurm sent
     says who sent it (scancel from outside: cancelled; preemption, a node failure or a node trainq gave up on:
@@ -103,8 +109,14 @@ def with_slurm_view(record: dict, slurm_id: str, job: SlurmJob | None, paths: Jo
     elif by_signal and cancelled_by and cancelled_by != "cancelled by trainq":
         record["executor_diagnosis"] = {"kind": "preempted", "evidence": cancelled_by}
     elif by_signal and job.state == "CANCELLED" and not cancelled_by and record.get("stop_reason") != "stop_flag":
-        record.update(stop_reason=CANCELLED_OUTSIDE, executor_diagnosis={
-            "kind": "killed", "evidence": cancelled_evidence(slurm_id, job), "advice": CANCELLED_ADVICE})
+        record.update(
+            stop_reason=CANCELLED_OUTSIDE,
+            executor_diagnosis={
+                "kind": "killed",
+                "evidence": cancelled_evidence(slurm_id, job),
+                "advice": CANCELLED_ADVICE,
+            },
+        )
     elif by_signal and job.state in ("PREEMPTED", "NODE_FAIL", "BOOT_FAIL"):
         record["executor_diagnosis"] = {"kind": "preempted", "evidence": taken_by_slurm(job.state, job.node)}
     return record
@@ -116,8 +128,11 @@ def was_sigkilled(record: dict) -> bool:
 
 def signalled(record: dict) -> bool:
     """Killed or terminated by a signal (SIGKILL, SIGTERM: Slurm's ways of ending a job), or stopped on SIGTERM."""
-    return (record.get("signal") in (SIGKILL, SIGTERM) or record.get("exit_code") in (128 + SIGKILL, 128 + SIGTERM)
-            or record.get("stop_reason") == "sigterm")
+    return (
+        record.get("signal") in (SIGKILL, SIGTERM)
+        or record.get("exit_code") in (128 + SIGKILL, 128 + SIGTERM)
+        or record.get("stop_reason") == "sigterm"
+    )
 
 
 def json_text(obj: object) -> str:

@@ -13,6 +13,7 @@
 
 This module runs Slurm's commands (``subprocess``); watcher/slurm/executor.py decides what to do with the answers.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,10 +29,23 @@ from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import open_no_follow
 
 #: Slurm states in which a batch job is queued or still has processes
-LIVE_STATES = frozenset({
-    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
-    "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD",
-})
+LIVE_STATES = frozenset(
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "SUSPENDED",
+        "REQUEUED",
+        "REQUEUE_FED",
+        "REQUEUE_HOLD",
+        "RESIZING",
+        "SIGNALING",
+        "STAGE_OUT",
+        "STOPPED",
+        "RESV_DEL_HOLD",
+    }
+)
 #: states in which the job has not started yet (waiting_for shows Slurm's reason)
 QUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
 #: states in which the batch job's supervisor runs; its exit record cannot be final yet (no file is read)
@@ -54,10 +68,14 @@ QUERY_TIMEOUT_S = 60.0
 REFUSED = re.compile(
     r"connect failure|Connection refused|Unable to contact slurm controller|Could not establish a configuration "
     r"source|Unable to establish|Transport endpoint|Slurm backup controller in standby mode|Unable to resolve",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 #: stderr fragments meaning "the controller got the request but did not answer": it may have been submitted
-NO_ANSWER = re.compile(r"Socket timed out|Zero Bytes were transmitted|Communication connection failure"
-                       r"|slurm_persist_conn", re.IGNORECASE)
+NO_ANSWER = re.compile(
+    r"Socket timed out|Zero Bytes were transmitted|Communication connection failure"
+    r"|slurm_persist_conn",
+    re.IGNORECASE,
+)
 #: sbatch's words for a QOS or association limit on the jobs one may have submitted (AssocMaxSubmitJobLimit,
 #: QOSMaxSubmitJobPerUserLimit, QOSGrpSubmitJobsLimit, ...; then "Job violates accounting/QOS policy (job submit
 #: limit, ...)"): the count goes down as jobs end, so the job waits and is submitted again later
@@ -74,8 +92,10 @@ MEMORY_KILL = re.compile(r"exceeded (?:job )?memory limit|oom[-_ ]kill", re.IGNO
 SIGKILL, SIGTERM = 9, 15
 SIGNAL_NAMES = MappingProxyType({SIGKILL: "SIGKILL", SIGTERM: "SIGTERM"})
 
-NOT_SHARED_ADVICE = ("Put the queue root on a filesystem that the watcher's machine and every Slurm node mount at "
-                     "the same path (NFS, Lustre, BeeGFS...), then touch retry.flag.")
+NOT_SHARED_ADVICE = (
+    "Put the queue root on a filesystem that the watcher's machine and every Slurm node mount at "
+    "the same path (NFS, Lustre, BeeGFS...), then touch retry.flag."
+)
 
 
 @dataclass(frozen=True)
@@ -167,8 +187,9 @@ class SqueueQuery:
         self.ids = ids
         self._out = tempfile.TemporaryFile()
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(squeue_argv(ids, squeue), stdin=subprocess.DEVNULL, stdout=self._out,
-                                     stderr=self._err, close_fds=True)
+        self.proc = subprocess.Popen(
+            squeue_argv(ids, squeue), stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err, close_fds=True
+        )
 
     def result(self) -> tuple[int, str, str] | None:
         """(returncode, stdout, stderr) once squeue exited (or was killed after QUERY_TIMEOUT_S), else None.
@@ -217,8 +238,9 @@ def parse_squeue(out: str) -> dict[str, SlurmJob]:
         state = parts[1].split()[0] if parts[1] else "UNKNOWN"
         reason, node, status, comment = (parts[2:] + [""] * 4)[:4]
         code, sig = decode_status(status)
-        jobs[parts[0]] = SlurmJob(state, reason, "" if node in ("n/a", "(null)") else node,
-                                  "" if comment == "(null)" else comment, code, sig)
+        jobs[parts[0]] = SlurmJob(
+            state, reason, "" if node in ("n/a", "(null)") else node, "" if comment == "(null)" else comment, code, sig
+        )
     return jobs
 
 
@@ -265,9 +287,14 @@ def parse_sacct(out: str) -> dict[str, SlurmJob]:
             continue
         code, _, sig = parts[2].partition(":")
         node = parts[3] if len(parts) > 3 and parts[3] not in ("None assigned", "(null)") else ""
-        jobs[parts[0]] = SlurmJob(parts[1].split()[0] if parts[1] else "UNKNOWN", parts[4] if len(parts) > 4 else "",
-                                  node, "", int(code) if code.isdigit() else None,
-                                  int(sig) if sig.isdigit() and int(sig) else None)
+        jobs[parts[0]] = SlurmJob(
+            parts[1].split()[0] if parts[1] else "UNKNOWN",
+            parts[4] if len(parts) > 4 else "",
+            node,
+            "",
+            int(code) if code.isdigit() else None,
+            int(sig) if sig.isdigit() and int(sig) else None,
+        )
     return jobs
 
 
@@ -281,8 +308,9 @@ def find_tagged(tag_prefix: str, timeout_s: float) -> list[tuple[str, SlurmJob]]
 
 
 def run(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
-                          check=False, env=env)
+    return subprocess.run(
+        argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s, check=False, env=env
+    )
 
 
 def taken_by_slurm(state: str, node: str | None) -> str:
@@ -291,8 +319,11 @@ def taken_by_slurm(state: str, node: str | None) -> str:
     if state == "PREEMPTED":
         return f"Slurm preempted the job{on} (PREEMPTED: a job of higher priority took its resources)"
     if state == "NODE_FAIL":
-        return f"Slurm node {node} failed while running the job (NODE_FAIL)" if on else \
-            "the Slurm node failed while running the job (NODE_FAIL)"
+        return (
+            f"Slurm node {node} failed while running the job (NODE_FAIL)"
+            if on
+            else "the Slurm node failed while running the job (NODE_FAIL)"
+        )
     return f"Slurm could not boot the node{on} for the job ({state})"
 
 
@@ -316,8 +347,16 @@ def _read_all(f) -> str:
 # -- when Slurm ended a job without an exit record ---------------------------------------------------------
 
 
-def ended_outcome(job: SlurmJob, code: int | None, sig: int | None, paths: JobPaths, slurm_id: str,
-                  python: str, cancelled_by: str | None = None, last_known: str = "") -> dict:
+def ended_outcome(
+    job: SlurmJob,
+    code: int | None,
+    sig: int | None,
+    paths: JobPaths,
+    slurm_id: str,
+    python: str,
+    cancelled_by: str | None = None,
+    last_known: str = "",
+) -> dict:
     """How a batch job that left no exit record ended: exit_code, signal, stop_reason, evidence, diagnosis.
 
     ``cancelled_by`` is why the watcher itself scancelled the job (None: it did not); ``last_known`` says what was
@@ -326,8 +365,9 @@ def ended_outcome(job: SlurmJob, code: int | None, sig: int | None, paths: JobPa
     node = f" on node {job.node}" if job.node and job.node != "(null)" else ""
     stopped = "stop_flag" if paths.stop_flag.exists() else None
     if job.state == GONE:
-        return _outcome(None, None, stopped, None if stopped else "unknown", purged_evidence(slurm_id, last_known),
-                        PURGED_ADVICE)
+        return _outcome(
+            None, None, stopped, None if stopped else "unknown", purged_evidence(slurm_id, last_known), PURGED_ADVICE
+        )
     if job.state == "CANCELLED" and cancelled_by is None and not stopped:
         return _outcome(None, SIGTERM, CANCELLED_OUTSIDE, "killed", cancelled_evidence(slurm_id, job), CANCELLED_ADVICE)
     if job.state == "CANCELLED" and cancelled_by and not stopped:
@@ -351,11 +391,15 @@ def ended_outcome(job: SlurmJob, code: int | None, sig: int | None, paths: JobPa
 
 #: stop_reason of an attempt that someone outside trainq cancelled in Slurm (scancel): the job ends ``cancelled``
 CANCELLED_OUTSIDE = "cancelled"
-CANCELLED_ADVICE = ("Someone cancelled the Slurm job outside trainq (scancel, or an admin); trainq does not run it "
-                    "again by itself: touch retry.flag (or `trainq retry ID`) to run it again.")
-PURGED_ADVICE = ("Slurm forgot the job before trainq saw how it ended (MinJobAge, a controller that lost its state, "
-                 "or the watcher was stopped for longer than MinJobAge); output.log has whatever the job wrote. "
-                 "Touch retry.flag to run it again.")
+CANCELLED_ADVICE = (
+    "Someone cancelled the Slurm job outside trainq (scancel, or an admin); trainq does not run it "
+    "again by itself: touch retry.flag (or `trainq retry ID`) to run it again."
+)
+PURGED_ADVICE = (
+    "Slurm forgot the job before trainq saw how it ended (MinJobAge, a controller that lost its state, "
+    "or the watcher was stopped for longer than MinJobAge); output.log has whatever the job wrote. "
+    "Touch retry.flag to run it again."
+)
 
 
 def cancelled_evidence(slurm_id: str, job: SlurmJob) -> str:
@@ -371,8 +415,10 @@ QUEUED_CANCEL_REASON = "cancelled while queued"
 
 def purged_evidence(slurm_id: str, last_known: str) -> str:
     known = f"; last known: {last_known}" if last_known else ""
-    return (f"Slurm no longer knows job {slurm_id} and trainq's supervisor left no exit record (the job was purged "
-            f"from slurmctld, after MinJobAge, before its end was seen){known}")
+    return (
+        f"Slurm no longer knows job {slurm_id} and trainq's supervisor left no exit record (the job was purged "
+        f"from slurmctld, after MinJobAge, before its end was seen){known}"
+    )
 
 
 def oom_evidence(node: str) -> str:
@@ -390,37 +436,60 @@ def _memory_kill_line(tail: str) -> str:
     return max(lines, key=lambda line: ">" in line, default="")
 
 
-def _failed_outcome(code: int | None, sig: int | None, paths: JobPaths, slurm_id: str, python: str,
-                    node: str) -> dict:
+def _failed_outcome(code: int | None, sig: int | None, paths: JobPaths, slurm_id: str, python: str, node: str) -> dict:
     """FAILED (or an unknown state): the job folder not visible, no Python on the node, a kill, or the output's tail."""
     output = paths.dir / SLURM_OUTPUT.replace("%j", slurm_id)
     tail = _tail_lines(output)
     if code == EXIT_NOT_SHARED or (not output.exists() and not paths.started.exists()):
-        evidence = tail or (f"Slurm could not start the job{node}: it cannot see or write the job folder "
-                            f"{paths.dir} (no {output.name} was written); the queue root must be on a shared filesystem")
+        evidence = tail or (
+            f"Slurm could not start the job{node}: it cannot see or write the job folder "
+            f"{paths.dir} (no {output.name} was written); the queue root must be on a shared filesystem"
+        )
         return _outcome(None, None, None, "unknown", evidence, NOT_SHARED_ADVICE)
     said = _memory_kill_line(tail)
     if said:
         return _outcome(code, sig, None, "oom", f"{oom_evidence(node)}: {said}")
     if code in EXIT_NO_PYTHON:
-        return _outcome(code, None, None, "unknown", tail or f"cannot run {python}{node}",
-                        f"Install trainq's Python at {python} on every Slurm node (or keep the watcher's virtualenv "
-                        "on the shared filesystem), then touch retry.flag.")
+        return _outcome(
+            code,
+            None,
+            None,
+            "unknown",
+            tail or f"cannot run {python}{node}",
+            f"Install trainq's Python at {python} on every Slurm node (or keep the watcher's virtualenv "
+            "on the shared filesystem), then touch retry.flag.",
+        )
     if sig:
-        return _outcome(None, sig, None, "killed" if sig == SIGKILL else "unknown",
-                        f"the supervisor was killed by signal {sig}{node}" + (f": {tail}" if tail else ""))
+        return _outcome(
+            None,
+            sig,
+            None,
+            "killed" if sig == SIGKILL else "unknown",
+            f"the supervisor was killed by signal {sig}{node}" + (f": {tail}" if tail else ""),
+        )
     return _outcome(code, None, None, "unknown", tail or f"Slurm reports FAILED{node} (exit code {code})")
 
 
-def _outcome(exit_code: int | None, signal: int | None, stop_reason: str | None, kind: str | None,
-             evidence: str, advice: str | None = None) -> dict:
+def _outcome(
+    exit_code: int | None,
+    signal: int | None,
+    stop_reason: str | None,
+    kind: str | None,
+    evidence: str,
+    advice: str | None = None,
+) -> dict:
     diagnosis = None
     if kind is not None:
         diagnosis = {"kind": kind, "evidence": evidence}
         if advice:
             diagnosis["advice"] = advice
-    return {"exit_code": exit_code, "signal": signal, "stop_reason": stop_reason, "evidence": evidence,
-            "diagnosis": diagnosis}
+    return {
+        "exit_code": exit_code,
+        "signal": signal,
+        "stop_reason": stop_reason,
+        "evidence": evidence,
+        "diagnosis": diagnosis,
+    }
 
 
 def _tail_lines(path: Path, max_chars: int = 300) -> str:

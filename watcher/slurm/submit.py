@@ -7,6 +7,7 @@ only runs sbatch and keeps the answer; the loop collects answers (``take``) and 
 (``wake_fd``) wakes the loop when an answer is in. One worker, so a burst reaches the controller one sbatch at a
 time, as a user's shell loop would.
 """
+
 from __future__ import annotations
 
 import collections

@@ -1,5 +1,6 @@
 """Submitting attempts to Slurm: sbatch options, slurm.sh and slurm.json, the hand-over to the sbatch worker
 (submit.py) and what each answer means; scancel, batched."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,16 +16,40 @@ from typing import TYPE_CHECKING
 
 from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.batch import (
-    SlurmOptions, array_script, batch_env, batch_script, effective_time_min, signal_lead_s, srun_argv, time_limit_min,
+    SlurmOptions,
+    array_script,
+    batch_env,
+    batch_script,
+    effective_time_min,
+    signal_lead_s,
+    srun_argv,
+    time_limit_min,
 )
 from trainq.watcher.slurm.node import HEARTBEAT_S
 from trainq.watcher.slurm.records import (
-    Held, Inflight, NoAnswer, SlurmRejected, SubmitLimited, Unconfirmed, job_file, json_text,
+    Held,
+    Inflight,
+    NoAnswer,
+    SlurmRejected,
+    SubmitLimited,
+    Unconfirmed,
+    job_file,
+    json_text,
 )
 from trainq.watcher.slurm.state import (
-    LIMITED, NO_ANSWER, PER_JOB_LIMIT,
-    REFUSED, SLURM_OUTPUT,
-    SlurmJob, array_spec, array_task_id, first_line, id_order, make_array_tag, make_tag, run,
+    LIMITED,
+    NO_ANSWER,
+    PER_JOB_LIMIT,
+    REFUSED,
+    SLURM_OUTPUT,
+    SlurmJob,
+    array_spec,
+    array_task_id,
+    first_line,
+    id_order,
+    make_array_tag,
+    make_tag,
+    run,
 )
 from trainq.watcher.slurm.submit import Answer
 from trainq.watcher.spec.contract import JobPaths
@@ -52,8 +77,12 @@ class Submitting:
         resources, declared_env = job_file(Path(job_dir))
         # the batch job's starting environment (sbatch's base with --export=ALL, or the node's login environment
         # with --export=NONE, and Slurm's variables) is the base; launch.json adds the job's own on top
-        spec = dataclasses.replace(spec, job_dir=job_dir, env=batch_env(spec.env, declared_env | self.passthrough,
-                                                                        self.node_env), inherit_env=True)
+        spec = dataclasses.replace(
+            spec,
+            job_dir=job_dir,
+            env=batch_env(spec.env, declared_env | self.passthrough, self.node_env),
+            inherit_env=True,
+        )
         paths = JobPaths(Path(job_dir))
         options = self.options_for(spec, job_name, job_slurm, resources)
         if options.nodes > 1 or options.tasks_per_node > 1:
@@ -64,11 +93,19 @@ class Submitting:
     def _submit_one(self, paths: JobPaths, attempt: int, options: SlurmOptions) -> None:
         """slurm.sh, slurm.json, then sbatch in the worker; its answer is taken in ``_collect_answers``."""
         argv = options.argv(paths.slurm_script)
-        atomic_write(paths.slurm_script, batch_script(paths, attempt, argv, self.python, self.package_parent,
-                                                        self._node_heartbeat_s()),
-                     mode=0o755)
-        record = {"attempt": attempt, "slurm_job_id": None, "tag": options.comment, "requeue": options.requeue,
-                  "submitted_at": iso_utc(time.time()), "sbatch": argv}
+        atomic_write(
+            paths.slurm_script,
+            batch_script(paths, attempt, argv, self.python, self.package_parent, self._node_heartbeat_s()),
+            mode=0o755,
+        )
+        record = {
+            "attempt": attempt,
+            "slurm_job_id": None,
+            "tag": options.comment,
+            "requeue": options.requeue,
+            "submitted_at": iso_utc(time.time()),
+            "sbatch": argv,
+        }
         atomic_write_json(paths.slurm_record, record)  # before sbatch: a crash right after it can still find the job
         self._hand_over(Inflight(paths, attempt, options.comment, argv))
 
@@ -83,17 +120,29 @@ class Submitting:
         tag = make_array_tag(self.key, first.sweep, secrets.token_hex(4))
         spec = array_spec([m.index for m in members])
         options = dataclasses.replace(
-            first.options, job_name=first.sweep, comment=tag, chdir=str(running),
+            first.options,
+            job_name=first.sweep,
+            comment=tag,
+            chdir=str(running),
             output=str(running / f"{first.sweep}-%a" / SLURM_OUTPUT.replace("%j", "%A_%a")),
-            array=f"{spec}%{self.array_limit}" if self.array_limit else spec)
+            array=f"{spec}%{self.array_limit}" if self.array_limit else spec,
+        )
         argv = options.argv(first.paths.slurm_script)
-        script = array_script(running, first.sweep, first.attempt, argv, self.python, self.package_parent,
-                              self._node_heartbeat_s())
+        script = array_script(
+            running, first.sweep, first.attempt, argv, self.python, self.package_parent, self._node_heartbeat_s()
+        )
         submitted_at = iso_utc(time.time())
         for member in members:
             atomic_write(member.paths.slurm_script, script, mode=0o755)
-            record = {"attempt": member.attempt, "slurm_job_id": None, "tag": tag, "array_index": member.index,
-                      "requeue": options.requeue, "submitted_at": submitted_at, "sbatch": argv}
+            record = {
+                "attempt": member.attempt,
+                "slurm_job_id": None,
+                "tag": tag,
+                "array_index": member.index,
+                "requeue": options.requeue,
+                "submitted_at": submitted_at,
+                "sbatch": argv,
+            }
             atomic_write_json(member.paths.slurm_record, record)
         self._hand_over(Inflight(first.paths, first.attempt, tag, argv, members))
 
@@ -135,8 +184,9 @@ class Submitting:
             except (SpawnFailed, ExecutorUnavailable) as exc:
                 if len(members) > 1 and isinstance(exc, (SpawnFailed, SubmitLimited)):
                     # only the jobs Slurm itself refuses fail, and only those over a limit wait (an array's tail)
-                    logger.warning("sweep %s: %s; submitting its %d jobs one by one", members[0].sweep, exc,
-                                   len(members))
+                    logger.warning(
+                        "sweep %s: %s; submitting its %d jobs one by one", members[0].sweep, exc, len(members)
+                    )
                     self._settle(sub)
                     for member in members:
                         self._submit_one(member.paths, member.attempt, member.options)
@@ -168,8 +218,13 @@ class Submitting:
             logger.debug("job %s: sbatch %s -> slurm job %s", sub.paths.dir.name, shlex.join(sub.argv[1:]), slurm_id)
             return [(sub.paths.dir.name, slurm_id, None)]
         first = sub.members[0]
-        logger.info("sweep %s: attempt %d of %d job(s) submitted as Slurm job array %s", first.sweep, first.attempt,
-                    len(sub.members), slurm_id)
+        logger.info(
+            "sweep %s: attempt %d of %d job(s) submitted as Slurm job array %s",
+            first.sweep,
+            first.attempt,
+            len(sub.members),
+            slurm_id,
+        )
         confirmed = []
         for member in sub.members:
             task = array_task_id(slurm_id, member.index)
@@ -180,19 +235,22 @@ class Submitting:
     def _no_answer(self, sub: Inflight, why: str) -> None:
         """sbatch got no answer: the job may exist; it is looked for by its tag before anything is submitted again."""
         if sub.members:
-            logger.warning("sweep %s: %s; looking for tag %s before submitting its array again",
-                           sub.members[0].sweep, why, sub.tag)
+            logger.warning(
+                "sweep %s: %s; looking for tag %s before submitting its array again", sub.members[0].sweep, why, sub.tag
+            )
         else:
             logger.warning("job %s: %s; looking for tag %s before submitting again", sub.paths.dir.name, why, sub.tag)
         for member in sub.members or [None]:
             paths = member.paths if member else sub.paths
-            self._unconfirmed[str(paths.dir)] = Unconfirmed(paths, sub.attempt, sub.tag, sub.argv,
-                                                             index=member.index if member else None)
+            self._unconfirmed[str(paths.dir)] = Unconfirmed(
+                paths, sub.attempt, sub.tag, sub.argv, index=member.index if member else None
+            )
         self._wake_poll()
 
     # -- sbatch options ------------------------------------------------------------------------
-    def options_for(self, spec: LaunchSpec, job_name: str, job_slurm: dict, resources: dict | None = None,
-                    token: str | None = None) -> SlurmOptions:
+    def options_for(
+        self, spec: LaunchSpec, job_name: str, job_slurm: dict, resources: dict | None = None, token: str | None = None
+    ) -> SlurmOptions:
         """The attempt's sbatch options from its LaunchSpec, its resources, watcher.yaml and the job's slurm block."""
         if resources is None:
             resources = job_file(Path(spec.job_dir))[0]
@@ -243,12 +301,16 @@ class Submitting:
             raise NoAnswer(first)
         if REFUSED.search(done.stderr):
             raise self._went_down(first)
-        said = "; ".join(line.strip().removeprefix("sbatch: error: ") for line in done.stderr.splitlines()
-                         if line.strip()) or f"sbatch exited {done.returncode}"
+        said = (
+            "; ".join(line.strip().removeprefix("sbatch: error: ") for line in done.stderr.splitlines() if line.strip())
+            or f"sbatch exited {done.returncode}"
+        )
         if LIMITED.search(done.stderr) and not PER_JOB_LIMIT.search(done.stderr):
             raise SubmitLimited(f"Slurm: {said}; submitting again in {self.limit_retry_s:g} s", self.limit_retry_s)
-        raise SlurmRejected(f"{paths.dir}: Slurm refused the job: {said}; fix slurm.partition / slurm.sbatch_args "
-                            "in the job file or watcher.yaml, then submit it again")
+        raise SlurmRejected(
+            f"{paths.dir}: Slurm refused the job: {said}; fix slurm.partition / slurm.sbatch_args "
+            "in the job file or watcher.yaml, then submit it again"
+        )
 
     def _confirm(self, paths: JobPaths, record: dict, slurm_id: str) -> None:
         """The submission exists as ``slurm_id``: record it in slurm.json and track it."""
@@ -280,9 +342,9 @@ class Submitting:
             logger.warning("scancel of %s (%s) failed: %s", what, ", ".join(sorted(set(batch.values()))[:5]), exc)
             return
         if done.returncode != 0:
-            logger.warning("scancel %s: %s", " ".join(ids[:5]) + (" ..." if len(ids) > 5 else ""),
-                           first_line(done.stderr))
+            logger.warning(
+                "scancel %s: %s", " ".join(ids[:5]) + (" ..." if len(ids) > 5 else ""), first_line(done.stderr)
+            )
             if REFUSED.search(done.stderr) or NO_ANSWER.search(done.stderr):
                 return  # nothing was cancelled; a later stop check asks again
         self._cancelled.update(ids)  # scancel goes on past an id it cannot cancel (one that just ended)
-

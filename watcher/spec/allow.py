@@ -10,6 +10,7 @@ the program started and nothing else runs in it. ``allow_env`` (watcher.yaml) is
 job's env may only set the names it lists. The checks run at acceptance and again at start, where
 the checked real path is what the supervisor execs (``LaunchSpec.executable``).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -29,33 +30,108 @@ LOADER_FAMILIES: dict[str, tuple[str, ...]] = {
     # which program a bare name is, and the dynamic loader: preload, audit and library paths
     "loader": ("PATH", "LD_*", "DYLD_*", "GCONV_PATH", "GLIBC_TUNABLES", "LOCPATH", "NLSPATH", "HOSTALIASES"),
     # shells: exported functions, start-up files, options that turn tracing on and the prompts it expands
-    "shell": ("BASH_FUNC_*", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS0", "PS1", "PS2", "PS3", "PS4",
-              "PROMPT_COMMAND", "BASH_LOADABLES_PATH", "ZDOTDIR"),
+    "shell": (
+        "BASH_FUNC_*",
+        "BASH_ENV",
+        "ENV",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "PS0",
+        "PS1",
+        "PS2",
+        "PS3",
+        "PS4",
+        "PROMPT_COMMAND",
+        "BASH_LOADABLES_PATH",
+        "ZDOTDIR",
+    ),
     # whose start-up files and user site-packages programs read: python's user site (.pth files run
     # code), ~/.gitconfig, ~/.curlrc, ~/.zshenv, ...
     "home": ("HOME", "XDG_CONFIG_HOME", "CURL_HOME", "WGETRC"),
     # OpenSSL loads engines and providers (shared objects) named in its config
     "openssl": ("OPENSSL_CONF", "OPENSSL_CONF_INCLUDE", "OPENSSL_ENGINES", "OPENSSL_MODULES"),
-    "python": ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONINSPECT", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
-               "PYTHONPLATLIBDIR", "PYTHONBREAKPOINT", "PYTHONWARNINGS", "PYTHONPYCACHEPREFIX"),
+    "python": (
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONSTARTUP",
+        "PYTHONINSPECT",
+        "PYTHONUSERBASE",
+        "PYTHONEXECUTABLE",
+        "PYTHONPLATLIBDIR",
+        "PYTHONBREAKPOINT",
+        "PYTHONWARNINGS",
+        "PYTHONPYCACHEPREFIX",
+    ),
     "perl": ("PERL5OPT", "PERL5LIB", "PERLLIB", "PERL5DB", "PERLIO"),
     "ruby": ("RUBYOPT", "RUBYLIB", "GEM_HOME", "GEM_PATH"),
     "node": ("NODE_OPTIONS", "NODE_PATH", "NODE_REPL_EXTERNAL_MODULE"),
     "java": ("JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "CLASSPATH", "JAVA_HOME"),
-    "other interpreters": ("LUA_INIT*", "LUA_PATH*", "LUA_CPATH*", "R_PROFILE*", "R_ENVIRON*", "PHPRC",
-                           "PHP_INI_SCAN_DIR", "JULIA_DEPOT_PATH", "JULIA_LOAD_PATH", "TCLLIBPATH"),
+    "other interpreters": (
+        "LUA_INIT*",
+        "LUA_PATH*",
+        "LUA_CPATH*",
+        "R_PROFILE*",
+        "R_ENVIRON*",
+        "PHPRC",
+        "PHP_INI_SCAN_DIR",
+        "JULIA_DEPOT_PATH",
+        "JULIA_LOAD_PATH",
+        "TCLLIBPATH",
+    ),
     # git runs these as commands (ssh, editor, pager, askpass), or reads config/repos that do (core.fsmonitor)
-    "git": ("GIT_SSH", "GIT_SSH_COMMAND", "GIT_EXEC_PATH", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "GIT_PAGER",
-            "GIT_ASKPASS", "SSH_ASKPASS", "GIT_CONFIG", "GIT_CONFIG_*", "GIT_DIR", "GIT_WORK_TREE",
-            "GIT_COMMON_DIR", "GIT_TEMPLATE_DIR", "GIT_PROXY_COMMAND", "GIT_EXTERNAL_DIFF"),
+    "git": (
+        "GIT_SSH",
+        "GIT_SSH_COMMAND",
+        "GIT_EXEC_PATH",
+        "GIT_EDITOR",
+        "GIT_SEQUENCE_EDITOR",
+        "GIT_PAGER",
+        "GIT_ASKPASS",
+        "SSH_ASKPASS",
+        "GIT_CONFIG",
+        "GIT_CONFIG_*",
+        "GIT_DIR",
+        "GIT_WORK_TREE",
+        "GIT_COMMON_DIR",
+        "GIT_TEMPLATE_DIR",
+        "GIT_PROXY_COMMAND",
+        "GIT_EXTERNAL_DIFF",
+    ),
     # commands other programs start: editors, pagers (less runs LESSOPEN), browsers, make's extra makefiles
-    "commands": ("EDITOR", "VISUAL", "PAGER", "MANPAGER", "LESSOPEN", "LESSCLOSE", "BROWSER", "MAKEFLAGS",
-                 "MFLAGS", "GNUMAKEFLAGS", "MAKEFILES"),
+    "commands": (
+        "EDITOR",
+        "VISUAL",
+        "PAGER",
+        "MANPAGER",
+        "LESSOPEN",
+        "LESSCLOSE",
+        "BROWSER",
+        "MAKEFLAGS",
+        "MFLAGS",
+        "GNUMAKEFLAGS",
+        "MAKEFILES",
+    ),
     # plug-ins loaded as shared objects: CUDA/NVTX injection, MPI components, GL/Vulkan drivers, Kerberos
-    "plugins": ("CUDA_INJECTION*_PATH", "NVTX_INJECTION*_PATH", "OMPI_MCA_mca_base_component_path",
-                "OMPI_MCA_plm_rsh_agent", "LIBGL_DRIVERS_PATH", "__EGL_VENDOR_LIBRARY_*", "__GLX_VENDOR_LIBRARY_NAME",
-                "VK_ICD_FILENAMES", "VK_DRIVER_FILES", "VK_LAYER_PATH", "VK_ADD_LAYER_PATH", "GST_PLUGIN_PATH*",
-                "GTK_MODULES", "GTK_PATH", "QT_PLUGIN_PATH", "GIO_EXTRA_MODULES", "KRB5_CONFIG", "SASL_PATH"),
+    "plugins": (
+        "CUDA_INJECTION*_PATH",
+        "NVTX_INJECTION*_PATH",
+        "OMPI_MCA_mca_base_component_path",
+        "OMPI_MCA_plm_rsh_agent",
+        "LIBGL_DRIVERS_PATH",
+        "__EGL_VENDOR_LIBRARY_*",
+        "__GLX_VENDOR_LIBRARY_NAME",
+        "VK_ICD_FILENAMES",
+        "VK_DRIVER_FILES",
+        "VK_LAYER_PATH",
+        "VK_ADD_LAYER_PATH",
+        "GST_PLUGIN_PATH*",
+        "GTK_MODULES",
+        "GTK_PATH",
+        "QT_PLUGIN_PATH",
+        "GIO_EXTRA_MODULES",
+        "KRB5_CONFIG",
+        "SASL_PATH",
+    ),
 }
 #: every family's names in one tuple
 LOADER_VARIABLES = tuple(name for names in LOADER_FAMILIES.values() for name in names)
@@ -87,15 +163,23 @@ def allowed_real_paths(allowed: Sequence[str], path_env: str | None) -> dict[str
     """Each allowed entry's real path → the entry, resolved on the watcher's PATH (missing ones drop out)."""
     found = {}
     for entry in allowed:
-        real = resolve_executable(entry, "/", path_env) if "/" not in entry or os.path.isabs(
-            os.path.expanduser(entry)) else None
+        real = (
+            resolve_executable(entry, "/", path_env)
+            if "/" not in entry or os.path.isabs(os.path.expanduser(entry))
+            else None
+        )
         if real is not None:
             found.setdefault(real, entry)
     return found
 
 
-def command_problem(spec: JobSpec, allowed: Sequence[str] | None, values: Mapping[str, str],
-                    path_env: str | None, allow_env: Sequence[str] | None = None) -> Problem | None:
+def command_problem(
+    spec: JobSpec,
+    allowed: Sequence[str] | None,
+    values: Mapping[str, str],
+    path_env: str | None,
+    allow_env: Sequence[str] | None = None,
+) -> Problem | None:
     """Why ``spec`` may not start under ``allowed`` and ``allow_env`` (None: it may).
 
     Train jobs are always allowed, but their env is held to the same rule (the trainer is python, and
@@ -110,7 +194,8 @@ def command_problem(spec: JobSpec, allowed: Sequence[str] | None, values: Mappin
         return problem
     if spec.command and not spec.is_train:
         problem = _first_word_problem(
-            "command", spec.command[0], executable_for(spec, values, path_env), allowed, values, path_env)
+            "command", spec.command[0], executable_for(spec, values, path_env), allowed, values, path_env
+        )
         if problem is not None:
             return problem
     hook = getattr(spec, "on_finish", None)
@@ -121,8 +206,9 @@ def command_problem(spec: JobSpec, allowed: Sequence[str] | None, values: Mappin
     return None
 
 
-def hook_executable(argv0: str, job_dir: str, allowed: Sequence[str] | None,
-                    path_env: str | None) -> str | Problem | None:
+def hook_executable(
+    argv0: str, job_dir: str, allowed: Sequence[str] | None, path_env: str | None
+) -> str | Problem | None:
     """For the hook runner, as a hook runs: the checked real path to exec, why it may not run, or None (no list)."""
     if allowed is None:
         return None
@@ -130,15 +216,24 @@ def hook_executable(argv0: str, job_dir: str, allowed: Sequence[str] | None,
     return _first_word_problem("on_finish", argv0, real, allowed, {}, path_env) or real
 
 
-def _first_word_problem(field: str, written: str, executable: str | None, allowed: Sequence[str],
-                        values: Mapping[str, str], path_env: str | None) -> Problem | None:
+def _first_word_problem(
+    field: str,
+    written: str,
+    executable: str | None,
+    allowed: Sequence[str],
+    values: Mapping[str, str],
+    path_env: str | None,
+) -> Problem | None:
     if executable is not None and executable in allowed_real_paths(allowed, path_env):
         return None
     argv0 = expand_placeholders(written, dict(values))
     listed = ", ".join(allowed) or "nothing"
     where = f"it resolves to {executable}" if executable else "no such executable was found"
-    return Problem(field, f"'{field_name(argv0)}' is not in allow_commands of watcher.yaml (allowed: {listed}); "
-                          f"{where}; ask whoever runs the queue to add it, or use an allowed program")
+    return Problem(
+        field,
+        f"'{field_name(argv0)}' is not in allow_commands of watcher.yaml (allowed: {listed}); "
+        f"{where}; ask whoever runs the queue to add it, or use an allowed program",
+    )
 
 
 def executable_for(spec: JobSpec, values: Mapping[str, str], path_env: str | None) -> str | None:
@@ -156,9 +251,11 @@ def _env_problem(spec: JobSpec) -> Problem | None:
     if not refused:
         return None
     names = ", ".join(field_name(n) for n in refused)
-    return Problem(f"env.{field_name(refused[0])}",
-                   f"{names} may not be set while watcher.yaml sets allow_commands: they make an allowed program "
-                   "load or run other code; set them in the watcher's own environment instead")
+    return Problem(
+        f"env.{field_name(refused[0])}",
+        f"{names} may not be set while watcher.yaml sets allow_commands: they make an allowed program "
+        "load or run other code; set them in the watcher's own environment instead",
+    )
 
 
 def _allow_env_problem(spec: JobSpec, allow_env: Sequence[str] | None) -> Problem | None:
@@ -169,6 +266,8 @@ def _allow_env_problem(spec: JobSpec, allow_env: Sequence[str] | None) -> Proble
         return None
     names = ", ".join(field_name(n) for n in refused)
     listed = ", ".join(allow_env) or "nothing"
-    return Problem(f"env.{field_name(refused[0])}",
-                   f"{names} may not be set: watcher.yaml's allow_env lists the only variables a job may set "
-                   f"(allowed: {listed}); ask whoever runs the queue to add it, or drop it from env")
+    return Problem(
+        f"env.{field_name(refused[0])}",
+        f"{names} may not be set: watcher.yaml's allow_env lists the only variables a job may set "
+        f"(allowed: {listed}); ask whoever runs the queue to add it, or drop it from env",
+    )

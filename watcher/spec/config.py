@@ -2,6 +2,7 @@
 
 Built once (by cli.py) and passed down; a bad file stops start-up with one line per problem.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -15,7 +16,13 @@ from trainq.watcher.spec.allow import command_problem
 from trainq.watcher.spec.contract import ENV_SIMULATE_GPUS
 from trainq.watcher.spec.errors import InvalidWatcherConfig, Problem
 from trainq.watcher.spec.jobspec import (
-    SCHEMAS_DIR, JobSpec, control_problems, duration_problems, foreign_value_problems, parse_mapping, read_spec_text,
+    SCHEMAS_DIR,
+    JobSpec,
+    control_problems,
+    duration_problems,
+    foreign_value_problems,
+    parse_mapping,
+    read_spec_text,
 )
 from trainq.watcher.spec.schema_errors import schema_problems, schema_validator, shown, sort_problems
 from trainq.watcher.spec.units import is_zero_duration, iso_utc, parse_duration_s
@@ -42,9 +49,17 @@ DEFAULT_SLURM_HEARTBEAT_S = 10.0
 
 
 def _default_slurm() -> dict:
-    return {"partition": None, "sbatch_args": [], "poll_s": DEFAULT_SLURM_POLL_S,
-            "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S, "arrays": True, "poll_max_s": DEFAULT_SLURM_POLL_MAX_S,
-            "heartbeat_s": DEFAULT_SLURM_HEARTBEAT_S, "array_limit": None, "node_env": "clean"}
+    return {
+        "partition": None,
+        "sbatch_args": [],
+        "poll_s": DEFAULT_SLURM_POLL_S,
+        "exit_grace_s": DEFAULT_SLURM_EXIT_GRACE_S,
+        "arrays": True,
+        "poll_max_s": DEFAULT_SLURM_POLL_MAX_S,
+        "heartbeat_s": DEFAULT_SLURM_HEARTBEAT_S,
+        "array_limit": None,
+        "node_env": "clean",
+    }
 
 
 @dataclass(frozen=True)
@@ -80,11 +95,17 @@ class WatcherConfig:
     def from_dict(cls, data: Mapping, root: Path | None = None, display: str = WATCHER_FILE) -> WatcherConfig:
         """Validate a settings mapping and build the config; relative ``simulate_gpus`` resolves against ``root``."""
         problems = foreign_value_problems(dict(data)) or sort_problems(
-            schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data)) + _interval_problems(data)
-            + duration_problems(dict(data), tuple((key,) for key in _DURATIONS)
-                                + (("slurm", "poll_s"), ("slurm", "poll_max_s"), ("slurm", "heartbeat_s"))
-                                + (("window", "freeze_before"), ("window", "final_checkpoint_before")))
-            + _string_problems(data) + watcher_wall_problems(dict(data)))
+            schema_problems(schema_validator(SCHEMAS_DIR, WATCHER_SCHEMA), dict(data))
+            + _interval_problems(data)
+            + duration_problems(
+                dict(data),
+                tuple((key,) for key in _DURATIONS)
+                + (("slurm", "poll_s"), ("slurm", "poll_max_s"), ("slurm", "heartbeat_s"))
+                + (("window", "freeze_before"), ("window", "final_checkpoint_before")),
+            )
+            + _string_problems(data)
+            + watcher_wall_problems(dict(data))
+        )
         if problems:
             raise InvalidWatcherConfig(display, problems)
         return _build(data, root)
@@ -92,9 +113,12 @@ class WatcherConfig:
     def to_dict(self) -> dict:
         """The watcher.yaml form (seconds for durations); ``from_dict`` turns it back into an equal config."""
         out: dict = {
-            "max_concurrent": self.max_concurrent, "min_free_ram_gb": self.min_free_ram_gb,
-            "min_free_disk_gb": self.min_free_disk_gb, "keep_finished": self.keep_finished,
-            "executor": self.executor, **{key: getattr(self, key) for key in _DURATIONS},
+            "max_concurrent": self.max_concurrent,
+            "min_free_ram_gb": self.min_free_ram_gb,
+            "min_free_disk_gb": self.min_free_disk_gb,
+            "keep_finished": self.keep_finished,
+            "executor": self.executor,
+            **{key: getattr(self, key) for key in _DURATIONS},
             "slurm": {k: v for k, v in self.slurm.items() if v is not None},
         }
         if self.gpus is not None:
@@ -106,11 +130,16 @@ class WatcherConfig:
         if self.env_passthrough is not None:
             out["env_passthrough"] = list(self.env_passthrough)
         if self.window is not None:
-            out["window"] = {"ends_at": iso_utc(self.window.ends_at), "freeze_before": self.window.freeze_before_s,
-                             "final_checkpoint_before": self.window.final_checkpoint_before_s}
+            out["window"] = {
+                "ends_at": iso_utc(self.window.ends_at),
+                "freeze_before": self.window.freeze_before_s,
+                "final_checkpoint_before": self.window.final_checkpoint_before_s,
+            }
         if self.cost is not None:
-            out["cost"] = {"per_gpu_hour" if self.cost.per_gpu else "per_hour": self.cost.rate,
-                           "currency": self.cost.currency}
+            out["cost"] = {
+                "per_gpu_hour" if self.cost.per_gpu else "per_hour": self.cost.rate,
+                "currency": self.cost.currency,
+            }
         if self.allow_env is not None:
             out["allow_env"] = list(self.allow_env)
         if self.pools:
@@ -124,8 +153,11 @@ def _interval_problems(data: Mapping) -> list[Problem]:
     slurm = data.get("slurm")
     if isinstance(slurm, Mapping):
         checks += [(f"slurm.{key}", slurm.get(key)) for key in ("poll_s", "poll_max_s", "heartbeat_s")]
-    return [Problem(key, f"must be a duration greater than 0 (got {shown(value)})")
-            for key, value in checks if is_zero_duration(value)]
+    return [
+        Problem(key, f"must be a duration greater than 0 (got {shown(value)})")
+        for key, value in checks
+        if is_zero_duration(value)
+    ]
 
 
 def _string_problems(data: Mapping) -> list[Problem]:
@@ -214,8 +246,9 @@ def passed_through(env: Mapping[str, str], patterns: tuple[str, ...] | None) -> 
     return {k: v for k, v in env.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
 
 
-def check_command_allowed(spec: JobSpec, config: WatcherConfig, values: Mapping[str, str] | None = None,
-                          path_env: str | None = None) -> Problem | None:
+def check_command_allowed(
+    spec: JobSpec, config: WatcherConfig, values: Mapping[str, str] | None = None, path_env: str | None = None
+) -> Problem | None:
     """A Problem when a command job may not start under ``allow_commands`` (allow.py); train jobs always may.
 
     ``values`` are the placeholder values (job_dir, job_id, ...); ``path_env`` the watcher's PATH

@@ -3,6 +3,7 @@
 Dependency-free on purpose: the trainer imports it, and it must never pull in anything heavy.
 Every filename inside a job folder is owned by ``JobPaths``; no other module spells them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """The exception tree: one class per thing the person who dropped the job must fix."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -7,6 +7,7 @@ bounded: past ``MAX_EVENTS_BYTES`` it is renamed to ``events.1.jsonl`` (the one 
 and a new one begins. Writing is best effort: a full disk or a folder removed by hand loses the line,
 never the job.
 """
+
 from __future__ import annotations
 
 import errno
@@ -20,8 +21,21 @@ from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.units import iso_utc
 
 #: every event name a record may carry, in the order a job usually meets them
-EVENTS = ("submitted", "accepted", "held", "released", "started", "checkpoint", "stopping", "preempted",
-          "exited", "retrying", "finished", "hook", "delivered")
+EVENTS = (
+    "submitted",
+    "accepted",
+    "held",
+    "released",
+    "started",
+    "checkpoint",
+    "stopping",
+    "preempted",
+    "exited",
+    "retrying",
+    "finished",
+    "hook",
+    "delivered",
+)
 #: size past which events.jsonl is rotated to events.1.jsonl (bytes); two generations bound a job's story
 MAX_EVENTS_BYTES = 1024 * 1024
 #: longest string value kept in a record (characters); evidence lines and paths are cut there

@@ -5,6 +5,7 @@ pending → running → done|failed by ``rename`` inside one filesystem, so a jo
 two states and is never copied. Every verb here is one atomic step, and every crash between two
 steps leaves something ``Watcher.recover()`` knows how to finish.
 """
+
 from __future__ import annotations
 
 import errno
@@ -172,8 +173,11 @@ class Folders:
     def ids_in(self, state: JobState) -> list[str]:
         """The job folders in ``state`` now (hidden and temporary names skipped)."""
         try:
-            return [e.name for e in os.scandir(self.root.state_dir(state))
-                    if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")]
+            return [
+                e.name
+                for e in os.scandir(self.root.state_dir(state))
+                if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
+            ]
         except FileNotFoundError:
             return []
 

@@ -1,4 +1,5 @@
 """Atomic writes (the usual one, and one that publishes before it syncs), and small file reads that tolerate races."""
+
 from __future__ import annotations
 
 import errno
@@ -55,7 +56,7 @@ def _temp_holding(path: str, data: bytes, mode: int) -> tuple[str, int]:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except BaseException:  # a full disk, most often: the temp file must not stay behind
         os.close(fd)
         _unlink_quietly(tmp)
@@ -73,7 +74,7 @@ def remove_stale_temps(folder: str | os.PathLike, names: tuple[str, ...]) -> int
     for entry in entries:
         if not entry.name.endswith(".tmp"):
             continue
-        stem, _, pid = entry.name[:-len(".tmp")].rpartition(".")
+        stem, _, pid = entry.name[: -len(".tmp")].rpartition(".")
         if stem in names and pid.isdigit() and (int(pid) == os.getpid() or not _pid_exists(int(pid))):
             removed += remove_quietly(entry.path)
     return removed
@@ -117,8 +118,14 @@ def read_json(path: str | os.PathLike) -> dict | None:
     try:
         with open_no_follow(path) as f:
             obj = json.loads(f.read(MAX_JSON_BYTES))
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, json.JSONDecodeError, UnicodeDecodeError,
-            RecursionError):  # RecursionError: '[' * 200,000, written by a job into its folder
+    except (
+        FileNotFoundError,
+        NotADirectoryError,
+        IsADirectoryError,
+        json.JSONDecodeError,
+        UnicodeDecodeError,
+        RecursionError,
+    ):  # RecursionError: '[' * 200,000, written by a job into its folder
         return None
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EAGAIN, errno.ENXIO):

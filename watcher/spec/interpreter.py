@@ -7,6 +7,7 @@ one trainq and its training stack are installed in, however the watcher was star
 (``.venv/bin/trainq watch &`` without activating the venv included). A job that sets ``PATH`` in
 its ``env:`` keeps its own. An absolute path (``/opt/conda/bin/python``) always runs that one.
 """
+
 from __future__ import annotations
 
 import os

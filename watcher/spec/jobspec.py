@@ -5,6 +5,7 @@ every problem found, each naming the field and what was expected. The file readi
 the schema-error wording (schema_errors.py) are shared with watcher.yaml (config.py), which is
 "validated like a job file".
 """
+
 from __future__ import annotations
 
 import errno
@@ -35,7 +36,18 @@ SCHEMAS_DIR = Path(__file__).resolve().parent.parent.parent / "schemas"
 #: largest job file accepted, in bytes (CONTRACT section 2)
 MAX_JOB_FILE_BYTES = 1024 * 1024
 #: diagnosis kinds a failure can carry (CONTRACT section 4)
-FAILURE_KINDS = ("oom", "nan", "killed", "data", "timeout", "stalled", "preempted", "unsatisfiable", "schedule", "unknown")
+FAILURE_KINDS = (
+    "oom",
+    "nan",
+    "killed",
+    "data",
+    "timeout",
+    "stalled",
+    "preempted",
+    "unsatisfiable",
+    "schedule",
+    "unknown",
+)
 #: retried by default: every kind but nan, data and timeout (retrying those repeats the same failure)
 DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout", "schedule"))
 #: seconds a stopped job may take to checkpoint and exit before its tree is terminated
@@ -65,12 +77,19 @@ _GOT = re.compile(r" \(got .*$", re.S)
 _LINE_BREAKS = "\t\n\r"
 
 _PLACEHOLDER = re.compile(r"\{(job_dir|job_id|attempt|resume_from|after:[A-Za-z0-9._-]+)\}")
-_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 _FOREIGN_NAMES = MappingProxyType(
-    {"bytes": "binary data (!!binary)", "datetime": "a timestamp", "date": "a date", "set": "a set"})
+    {"bytes": "binary data (!!binary)", "datetime": "a timestamp", "date": "a date", "set": "a set"}
+)
 _TOP_LEVEL_NAMES = MappingProxyType(
-    {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"})
+    {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+)
 
 
 def expand_placeholders(template: str, values: dict[str, str]) -> str:
@@ -193,20 +212,34 @@ class JobSpec:
     def to_dict(self) -> dict:
         """A schema-valid job mapping (durations in seconds) that ``from_dict`` turns back into an equal spec."""
         out: dict = {} if "approved" not in self.raw else {"approved": self.raw["approved"]}
-        optional = {"name": self.name, "cwd": self.cwd, "timeout": self.timeout_s, "stall_after": self.stall_after_s,
-                    "slurm": self.slurm, "train": self.train}
+        optional = {
+            "name": self.name,
+            "cwd": self.cwd,
+            "timeout": self.timeout_s,
+            "stall_after": self.stall_after_s,
+            "slurm": self.slurm,
+            "train": self.train,
+        }
         out.update({k: v for k, v in optional.items() if v is not None})
         if self.command is not None:
             out["command"] = list(self.command)
         if self.resume_args is not None:
             out["resume_args"] = list(self.resume_args)
-        records = {"rerun_of": self.rerun_of, "checkpoint_exit_code": self.declared_checkpoint_exit_code,
-                   "snapshot": None if self.snapshot else False}
+        records = {
+            "rerun_of": self.rerun_of,
+            "checkpoint_exit_code": self.declared_checkpoint_exit_code,
+            "snapshot": None if self.snapshot else False,
+        }
         out.update({k: v for k, v in records.items() if v is not None})
         if self.pool != DEFAULT_POOL:
             out["pool"] = self.pool
-        out.update(priority=self.priority, env=dict(self.env), resources=self.resources.to_dict(),
-                   stop_grace=self.stop_grace_s, retries=self.retries.to_dict())
+        out.update(
+            priority=self.priority,
+            env=dict(self.env),
+            resources=self.resources.to_dict(),
+            stop_grace=self.stop_grace_s,
+            retries=self.retries.to_dict(),
+        )
         return out
 
     @property
@@ -302,9 +335,11 @@ def _build(data: dict) -> JobSpec:
 
 def _wall_fields(data: dict) -> dict:
     """The CONTRACT section 11 fields: deadline, expected_duration, deliver."""
-    return {"deadline": Deadline.parse(data["deadline"]) if "deadline" in data else None,
-            "expected_duration_s": _duration_or_none(data, "expected_duration"),
-            "deliver": data.get("deliver")}
+    return {
+        "deadline": Deadline.parse(data["deadline"]) if "deadline" in data else None,
+        "expected_duration_s": _duration_or_none(data, "expected_duration"),
+        "deliver": data.get("deliver"),
+    }
 
 
 def check_submission(spec: JobSpec, display: str, now: float) -> None:
@@ -320,13 +355,17 @@ def _workflow_fields(data: dict) -> dict:
     hook = data.get("on_finish")
     if isinstance(hook, str):
         hook = shlex.split(hook)
-    return {"after": tuple(dict.fromkeys([after] if isinstance(after, str) else after)),
-            "after_policy": data.get("after_policy", "ok"),
-            "on_finish": None if hook is None else tuple(_argv_item(a) for a in hook),
-            "sweep": data.get("sweep"), "fork_of": data.get("fork_of"),
-            "from_checkpoint": data.get("from_checkpoint"), "rerun_of": data.get("rerun_of"),
-            "snapshot": data.get("snapshot", True) is not False,
-            "declared_checkpoint_exit_code": data.get("checkpoint_exit_code")}
+    return {
+        "after": tuple(dict.fromkeys([after] if isinstance(after, str) else after)),
+        "after_policy": data.get("after_policy", "ok"),
+        "on_finish": None if hook is None else tuple(_argv_item(a) for a in hook),
+        "sweep": data.get("sweep"),
+        "fork_of": data.get("fork_of"),
+        "from_checkpoint": data.get("from_checkpoint"),
+        "rerun_of": data.get("rerun_of"),
+        "snapshot": data.get("snapshot", True) is not False,
+        "declared_checkpoint_exit_code": data.get("checkpoint_exit_code"),
+    }
 
 
 def _duration_or_none(data: dict, key: str) -> float | None:
@@ -334,6 +373,7 @@ def _duration_or_none(data: dict, key: str) -> float | None:
 
 
 # -- validation --
+
 
 def _job_problems(data: dict) -> list[Problem]:
     """Every problem with a parsed job mapping: foreign values, schema, then cross-field rules."""
@@ -375,8 +415,13 @@ def _report_to_problems(data: dict) -> list[Problem]:
         return []
     if any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX")):
         return []
-    return [Problem("train.report_to", "tensorboard needs the tensorboard package beside trainq "
-                                       "(pip install 'trainq[tensorboard]'); install it, or remove tensorboard")]
+    return [
+        Problem(
+            "train.report_to",
+            "tensorboard needs the tensorboard package beside trainq "
+            "(pip install 'trainq[tensorboard]'); install it, or remove tensorboard",
+        )
+    ]
 
 
 def _semantic_problems(data: dict) -> list[Problem]:
@@ -390,10 +435,22 @@ def _semantic_problems(data: dict) -> list[Problem]:
             problems.append(Problem("command", f"cannot be split like a shell would: {exc} (check the quotes)"))
     problems += workflow_problems(data, _job_problems)
     if "train" in data and "resume_args" in data:
-        problems.append(Problem("resume_args", "only applies to command jobs; train jobs resume from their "
-                                               "checkpoints by themselves (remove resume_args)"))
-    return (problems + _control_problems(data) + duration_problems(data, DURATION_FIELDS) + _backoff_problems(data)
-            + _zero_limit_problems(data) + job_wall_problems(data) + rank_problems(data))
+        problems.append(
+            Problem(
+                "resume_args",
+                "only applies to command jobs; train jobs resume from their "
+                "checkpoints by themselves (remove resume_args)",
+            )
+        )
+    return (
+        problems
+        + _control_problems(data)
+        + duration_problems(data, DURATION_FIELDS)
+        + _backoff_problems(data)
+        + _zero_limit_problems(data)
+        + job_wall_problems(data)
+        + rank_problems(data)
+    )
 
 
 def duration_problems(data: dict, fields: tuple[tuple[str, ...], ...]) -> list[Problem]:
@@ -418,14 +475,22 @@ def _backoff_problems(data: dict) -> list[Problem]:
         return []  # the schema (or duration_problems) says why
     if not too_short:
         return []
-    return [Problem("retries.backoff", f"must be at least {MIN_BACKOFF_S:g}s, so a job that fails at once "
-                                       f"does not spin the queue (got {shown(value)})")]
+    return [
+        Problem(
+            "retries.backoff",
+            f"must be at least {MIN_BACKOFF_S:g}s, so a job that fails at once "
+            f"does not spin the queue (got {shown(value)})",
+        )
+    ]
 
 
 def _zero_limit_problems(data: dict) -> list[Problem]:
     """``timeout: 0`` or ``stall_after: 0`` would end (or flag) every job at once: say to leave the key out."""
-    return [Problem(key, f"must be more than 0 (got {shown(data[key])}); leave {key} out for no limit")
-            for key in ("timeout", "stall_after") if is_zero_duration(data.get(key))]
+    return [
+        Problem(key, f"must be more than 0 (got {shown(data[key])}); leave {key} out for no limit")
+        for key in ("timeout", "stall_after")
+        if is_zero_duration(data.get(key))
+    ]
 
 
 def _dig(data: object, keys: tuple[str, ...]) -> object:
@@ -442,8 +507,11 @@ def _control_problems(data: dict) -> list[Problem]:
     Argv items and env values may hold tabs and line breaks (``python -c`` scripts span lines);
     names, env keys and cwd may not.
     """
-    strings: list[tuple[str, object]] = [("name", data.get("name")), ("cwd", data.get("cwd")),
-                                         ("slurm.partition", _dig(data, ("slurm", "partition")))]
+    strings: list[tuple[str, object]] = [
+        ("name", data.get("name")),
+        ("cwd", data.get("cwd")),
+        ("slurm.partition", _dig(data, ("slurm", "partition"))),
+    ]
     multiline: list[tuple[str, object]] = [("command", data.get("command")), ("on_finish", data.get("on_finish"))]
     for key in ("command", "resume_args", "on_finish"):
         if isinstance(data.get(key), list):
@@ -460,8 +528,11 @@ def _control_problems(data: dict) -> list[Problem]:
 
 def control_problems(strings: list[tuple[str, object]], allowed: str = "") -> list[Problem]:
     """A Problem for each (field, value) whose string value holds a control character not in ``allowed``."""
-    return [Problem(path, _control_at(value, allowed)) for path, value in strings
-            if isinstance(value, str) and _control_at(value, allowed)]
+    return [
+        Problem(path, _control_at(value, allowed))
+        for path, value in strings
+        if isinstance(value, str) and _control_at(value, allowed)
+    ]
 
 
 def _control_at(text: str, allowed: str = "") -> str | None:
@@ -469,8 +540,10 @@ def _control_at(text: str, allowed: str = "") -> str | None:
     match = _CONTROL.search(text.translate({ord(c): " " for c in allowed}) if allowed else text)
     if match is None:
         return None
-    return (f"contains a control character (U+{ord(match.group()):04X} at character {match.start() + 1}); "
-            "only printable text is allowed here")
+    return (
+        f"contains a control character (U+{ord(match.group()):04X} at character {match.start() + 1}); "
+        "only printable text is allowed here"
+    )
 
 
 def foreign_value_problems(data: object) -> list[Problem]:
@@ -485,10 +558,16 @@ def foreign_value_problems(data: object) -> list[Problem]:
         if depth > MAX_NESTING:
             problems.append(Problem(path, f"is nested more than {MAX_NESTING} levels deep; job files never need that"))
         elif isinstance(value, dict):
-            problems += [Problem(path, f"key {shown(k)} must be a string (put it in quotes)") for k in value
-                         if not isinstance(k, str)]
-            stack += [(f"{path}.{field_name(k)}" if path else field_name(k), depth + 1, v)
-                      for k, v in value.items() if isinstance(k, str)]
+            problems += [
+                Problem(path, f"key {shown(k)} must be a string (put it in quotes)")
+                for k in value
+                if not isinstance(k, str)
+            ]
+            stack += [
+                (f"{path}.{field_name(k)}" if path else field_name(k), depth + 1, v)
+                for k, v in value.items()
+                if isinstance(k, str)
+            ]
         elif isinstance(value, list):
             stack += [(f"{path}[{i}]", depth + 1, item) for i, item in enumerate(value)]
         else:
@@ -501,8 +580,13 @@ def _scalar_problems(path: str, value: object) -> list[Problem]:
         return [Problem(path, f"must be a finite number (got {value})")]
     if isinstance(value, HugeInt) or (isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT):
         digits = value.digits if isinstance(value, HugeInt) else len(str(abs(value)))
-        return [Problem(path, f"is an integer of {digits} digits; integers here are at most {MAX_INT_DIGITS} digits "
-                              f"(at most {MAX_INT})")]
+        return [
+            Problem(
+                path,
+                f"is an integer of {digits} digits; integers here are at most {MAX_INT_DIGITS} digits "
+                f"(at most {MAX_INT})",
+            )
+        ]
     if value is None or isinstance(value, (str, int, float)):
         return []
     what = _FOREIGN_NAMES.get(type(value).__name__, f"a YAML {type(value).__name__}")
@@ -510,6 +594,7 @@ def _scalar_problems(path: str, value: object) -> list[Problem]:
 
 
 # -- reading --
+
 
 def read_spec_text(path: Path, follow_symlinks: bool = False, allow_empty: bool = False) -> str | Problem:
     """The file's text, or the one whole-file Problem that stops it; never blocks and never reads past 1 MiB.
@@ -589,10 +674,11 @@ def decode_spec_bytes(data: bytes, allow_empty: bool = False) -> str | Problem:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        bad = data[exc.start:exc.start + 1].hex()
+        bad = data[exc.start : exc.start + 1].hex()
         line = data.count(b"\n", 0, exc.start) + 1
-        return Problem("", f"is not UTF-8 text (invalid byte 0x{bad} at byte offset {exc.start}, line {line}); "
-                           "save it as UTF-8")
+        return Problem(
+            "", f"is not UTF-8 text (invalid byte 0x{bad} at byte offset {exc.start}, line {line}); save it as UTF-8"
+        )
     return text[1:] if text.startswith("\ufeff") else text
 
 

@@ -6,6 +6,7 @@ wave to 0 at ``total_steps`` (the Hugging Face schedules of those names). Script
 at a step either before or after their scheduler stepped, so a logged lr matches when it equals the
 schedule at ``step`` or at ``step - 1``, within ``tolerance`` (relative; default 1 %).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,6 +35,8 @@ def lr_deviation(plan: dict, step: int, lr: float) -> str | None:
     candidates = [scheduled_lr(plan, s) for s in (step, step - 1) if s >= 0]
     if any(math.isclose(lr, want, rel_tol=tolerance, abs_tol=1e-12) for want in candidates):
         return None
-    return (f"step {step}: lr {lr:.6g} logged, the declared schedule says {candidates[0]:.6g} "
-            f"({plan.get('schedule', 'cosine')}, peak {float(plan['peak']):.3g}, {int(plan.get('warmup_steps') or 0)} "
-            f"warm-up steps of {int(plan['total_steps'])})")
+    return (
+        f"step {step}: lr {lr:.6g} logged, the declared schedule says {candidates[0]:.6g} "
+        f"({plan.get('schedule', 'cosine')}, peak {float(plan['peak']):.3g}, {int(plan.get('warmup_steps') or 0)} "
+        f"warm-up steps of {int(plan['total_steps'])})"
+    )

@@ -4,6 +4,7 @@ A pool is like a pueue group or a Slurm partition: watcher.yaml ``pools: {gpu: {
 gives each its own limit, and ``ROOT/pause.POOL.flag`` (``trainq pause --pool POOL``) holds only
 that pool's jobs, as ``ROOT/pause.flag`` holds every job.
 """
+
 from __future__ import annotations
 
 import os

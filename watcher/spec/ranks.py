@@ -3,6 +3,7 @@
 ``rank_problems`` reads the job file alone (processes against the GPUs asked for, fsdp with qlora, srun tasks);
 ``nodes_problem`` needs the watcher's executor: only Slurm spreads a job over several nodes.
 """
+
 from __future__ import annotations
 
 from trainq.watcher.spec.errors import Problem
@@ -24,17 +25,32 @@ def rank_problems(data: dict) -> list[Problem]:
     gpus = per_node if per_node is not None else _int(resources.get("gpus"))
     if processes is not None and gpus and processes > gpus:
         field = "resources.gpus_per_node" if per_node is not None else "resources.gpus"
-        problems.append(Problem("train.processes", f"asks for {processes} ranks but {field} is {gpus}: each rank "
-                                                   f"trains on its own GPU; ask for {field}: {processes} or lower "
-                                                   "train.processes"))
+        problems.append(
+            Problem(
+                "train.processes",
+                f"asks for {processes} ranks but {field} is {gpus}: each rank "
+                f"trains on its own GPU; ask for {field}: {processes} or lower "
+                "train.processes",
+            )
+        )
     if train.get("strategy") == "fsdp" and train.get("method") == "qlora":
-        problems.append(Problem("train.strategy", "fsdp does not support method: qlora (4-bit weights are not "
-                                                  "sharded); use strategy: ddp with qlora, or method: full with fsdp"))
+        problems.append(
+            Problem(
+                "train.strategy",
+                "fsdp does not support method: qlora (4-bit weights are not "
+                "sharded); use strategy: ddp with qlora, or method: full with fsdp",
+            )
+        )
     tasks = _int(resources.get("tasks_per_node"))
     if tasks is not None and tasks > 1:
-        problems.append(Problem("resources.tasks_per_node", f"is {tasks}, but a train job runs one torchrun per node "
-                                                            "that starts the ranks itself; set train.processes "
-                                                            "for the ranks on each node and leave tasks_per_node out"))
+        problems.append(
+            Problem(
+                "resources.tasks_per_node",
+                f"is {tasks}, but a train job runs one torchrun per node "
+                "that starts the ranks itself; set train.processes "
+                "for the ranks on each node and leave tasks_per_node out",
+            )
+        )
     return problems
 
 
@@ -44,8 +60,11 @@ def nodes_problem(data: dict, executor: str) -> Problem | None:
     nodes = _int(resources.get("nodes")) if isinstance(resources, dict) else None
     if nodes is None or nodes <= 1 or executor == "slurm":
         return None
-    return Problem("resources.nodes", f"is {nodes}, but this watcher's executor is {executor}: it runs a job on this "
-                                      "one machine; set executor: slurm in watcher.yaml or ask for nodes: 1")
+    return Problem(
+        "resources.nodes",
+        f"is {nodes}, but this watcher's executor is {executor}: it runs a job on this "
+        "one machine; set executor: slurm in watcher.yaml or ask for nodes: 1",
+    )
 
 
 def default_gpus(data: dict) -> int:

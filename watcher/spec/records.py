@@ -3,6 +3,7 @@
 The daemon's diagnosis, the faces' progress and sweep views, and the trainer all read these files the
 same way: never following a link, never blocking on a FIFO, skipping torn or foreign lines.
 """
+
 from __future__ import annotations
 
 import json

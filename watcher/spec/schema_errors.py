@@ -4,6 +4,7 @@ jsonschema's raw messages ("'two' is not of type 'integer'") become one line per
 names the field and says what was expected ("resources.gpus: must be an integer >= 0 (got
 "two")"), with close-match suggestions for unknown keys. Used for job files and watcher.yaml.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -27,11 +28,28 @@ logger = logging.getLogger(__name__)
 
 # -- JSON Schema: one validator per schema per process, and messages written for people --
 
-_TYPE_NAMES = MappingProxyType({"integer": "an integer", "number": "a number", "string": "a string",
-                                "boolean": "a boolean (true/false)", "object": "a mapping", "array": "a list",
-                                "null": "null"})
-_PLURALS = MappingProxyType({"integer": "integers", "number": "numbers", "string": "strings", "boolean": "booleans",
-                             "object": "mappings", "array": "lists", "null": "nulls"})
+_TYPE_NAMES = MappingProxyType(
+    {
+        "integer": "an integer",
+        "number": "a number",
+        "string": "a string",
+        "boolean": "a boolean (true/false)",
+        "object": "a mapping",
+        "array": "a list",
+        "null": "null",
+    }
+)
+_PLURALS = MappingProxyType(
+    {
+        "integer": "integers",
+        "number": "numbers",
+        "string": "strings",
+        "boolean": "booleans",
+        "object": "mappings",
+        "array": "lists",
+        "null": "nulls",
+    }
+)
 #: most problems listed for one file (the rest are counted in one line)
 MAX_PROBLEMS = 50
 _MORE = "and more"
@@ -143,8 +161,10 @@ def _translate(error: jsonschema.ValidationError) -> list[Problem]:
         return _translate_alternatives(error)
     if error.validator in ("additionalProperties", "unevaluatedProperties"):
         keys = _unknown_keys(error)
-        return [Problem(path_text(parts + (key,)), _unknown_key_message(key, error.schema))
-                for key in keys[:MAX_PROBLEMS + 1]]
+        return [
+            Problem(path_text(parts + (key,)), _unknown_key_message(key, error.schema))
+            for key in keys[: MAX_PROBLEMS + 1]
+        ]
     if error.validator == "required":
         missing = [key for key in error.validator_value if key not in error.instance]
         return [Problem(path_text(parts), f"missing required key '{key}'") for key in missing]
@@ -266,13 +286,13 @@ def _unknown_key_message(key: str, schema: dict) -> str:
     """Name the unknown key and suggest the closest allowed one, or where it belongs."""
     known = list(schema.get("properties", {}))
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6) or difflib.get_close_matches(
-        key.lower(), known, n=1, cutoff=0.6)
+        key.lower(), known, n=1, cutoff=0.6
+    )
     home = close[0] if close else _key_home(key, schema)
     key = f"'{field_name(key)}'"
     if home:
         return f"unknown key {key} (did you mean '{home}'?)"
     return f"unknown key {key}; allowed here: {', '.join(known)}" if known else f"unknown key {key}"
-
 
 
 def _key_home(key: str, schema: dict) -> str | None:
@@ -293,8 +313,11 @@ def _translate_alternatives(error: jsonschema.ValidationError) -> list[Problem]:
     by_branch: dict[object, list] = {}
     for sub in error.context:
         by_branch.setdefault(sub.relative_schema_path[0], []).append(sub)
-    fitting = [subs for subs in by_branch.values() if not any(
-        s.validator in ("type", "enum", "const") and not s.relative_path for s in subs)]
+    fitting = [
+        subs
+        for subs in by_branch.values()
+        if not any(s.validator in ("type", "enum", "const") and not s.relative_path for s in subs)
+    ]
     if len(fitting) == 1:
         return [problem for sub in fitting[0] for problem in _translate(sub)]
     forms = [_expected(min(subs, key=lambda s: len(s.relative_path)).schema) for subs in by_branch.values()]
@@ -318,5 +341,3 @@ def _one_of_keys_message(error: jsonschema.ValidationError) -> str:
     if len(present) == len(names) == 2:
         found = "found both"
     return f"{rule} of {listed} is required ({found})"
-
-

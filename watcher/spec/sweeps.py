@@ -6,6 +6,7 @@ a dotted key (``train.lr``) overrides that field of the job. Nothing here touche
 except reading the schemas once: expanding and checking are shared by the validator
 (``trainq validate``), the watcher (which writes the variants' folders) and ``trainq fork``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -80,8 +81,12 @@ def _after_ref_problems(data: dict) -> list[Problem]:
             head, _, index = ref.rpartition("-")
             if ref not in after and not (head in after and index.isdigit()):  # a job of a sweep in after
                 listed = ", ".join(map(str, after)) or "nothing"
-                problems.append(Problem(path, f"{{after:{ref}}} names {ref!r}, which is not in after "
-                                              f"(after lists {listed}); add it to after"))
+                problems.append(
+                    Problem(
+                        path,
+                        f"{{after:{ref}}} names {ref!r}, which is not in after (after lists {listed}); add it to after",
+                    )
+                )
     return problems
 
 
@@ -111,8 +116,13 @@ def sweep_problems(data: dict, job_problems: Callable[[dict], list[Problem]]) ->
     if total > MAX_SWEEP_JOBS:
         sizes = " x ".join(f"{k}: {len(v)}" for k, v in sweep.items())
         biggest = max(sweep, key=lambda k: len(sweep[k]))
-        problems.append(Problem(f"sweep.{biggest}", f"the sweep makes {total} jobs ({sizes}), over the cap of "
-                                                    f"{MAX_SWEEP_JOBS}; shorten {biggest} or split the sweep"))
+        problems.append(
+            Problem(
+                f"sweep.{biggest}",
+                f"the sweep makes {total} jobs ({sizes}), over the cap of "
+                f"{MAX_SWEEP_JOBS}; shorten {biggest} or split the sweep",
+            )
+        )
     if problems:
         return problems
     too_big = _size_problem(data)
@@ -123,7 +133,11 @@ def sweep_problems(data: dict, job_problems: Callable[[dict], list[Problem]]) ->
         for p in job_problems(variant.data):
             key = _key_for(p.path, sweep) or next(iter(sweep))
             values = ", ".join(f"{k}={_shown(v)}" for k, v in list(variant.params.items())[:_MAX_SHOWN_PARAMS])
-            values += f", and {len(variant.params) - _MAX_SHOWN_PARAMS} more" if len(variant.params) > _MAX_SHOWN_PARAMS else ""
+            values += (
+                f", and {len(variant.params) - _MAX_SHOWN_PARAMS} more"
+                if len(variant.params) > _MAX_SHOWN_PARAMS
+                else ""
+            )
             bad.append(Problem(f"sweep.{key}", f"combination {variant.index} ({values}): {p.path}: {p.message}"))
         if len(bad) >= _MAX_VARIANT_PROBLEMS:
             break
@@ -143,10 +157,13 @@ def _size_problem(data: dict) -> Problem | None:
         written += len(json.dumps(variant.params, ensure_ascii=False).encode("utf-8"))
         if written > MAX_SWEEP_BYTES:
             made = combinations(data["sweep"])
-            return Problem("sweep", f"the sweep's {made} jobs would write more than {MAX_SWEEP_BYTES // 2**20} MiB "
-                                    f"(the limit MAX_SWEEP_BYTES; over it after job {variant.index}): every job "
-                                    "copies the values it uses; use fewer combinations or shorter values, or "
-                                    "read big values from a file")
+            return Problem(
+                "sweep",
+                f"the sweep's {made} jobs would write more than {MAX_SWEEP_BYTES // 2**20} MiB "
+                f"(the limit MAX_SWEEP_BYTES; over it after job {variant.index}): every job "
+                "copies the values it uses; use fewer combinations or shorter values, or "
+                "read big values from a file",
+            )
     return None
 
 
@@ -155,19 +172,33 @@ def _key_problems(data: dict, key: str, used: set[str]) -> list[Problem]:
         missing = _unknown_field(data, key.split("."))
         return [Problem(f"sweep.{key}", missing)] if missing else []
     if key in BUILTIN_PLACEHOLDERS or key.startswith("after"):
-        return [Problem(f"sweep.{key}", f"{{{key}}} is a placeholder trainq fills itself; name the sweep key "
-                                        "something else")]
+        return [
+            Problem(
+                f"sweep.{key}", f"{{{key}}} is a placeholder trainq fills itself; name the sweep key something else"
+            )
+        ]
     values = (data.get("sweep") or {}).get(key)
-    not_text = [i for i, v in enumerate(values if isinstance(values, list) else [])
-                if v is None or isinstance(v, (list, dict))]
+    not_text = [
+        i for i, v in enumerate(values if isinstance(values, list) else []) if v is None or isinstance(v, (list, dict))
+    ]
     if not_text:
-        return [Problem(f"sweep.{key}[{i}]", "a placeholder's value is text, a number or true/false "
-                                             f"(got {'null' if values[i] is None else 'a list' if isinstance(values[i], list) else 'a mapping'})")
-                for i in not_text]
+        return [
+            Problem(
+                f"sweep.{key}[{i}]",
+                "a placeholder's value is text, a number or true/false "
+                f"(got {'null' if values[i] is None else 'a list' if isinstance(values[i], list) else 'a mapping'})",
+            )
+            for i in not_text
+        ]
     if key not in used:
-        return [Problem(f"sweep.{key}", f"a plain key is a placeholder, but {{{key}}} appears nowhere in "
-                                        f"{', '.join(_TEMPLATED)}; use it there, or write a dotted key "
-                                        f"(e.g. train.{key}) to override a field")]
+        return [
+            Problem(
+                f"sweep.{key}",
+                f"a plain key is a placeholder, but {{{key}}} appears nowhere in "
+                f"{', '.join(_TEMPLATED)}; use it there, or write a dotted key "
+                f"(e.g. train.{key}) to override a field",
+            )
+        ]
     return []
 
 
@@ -181,9 +212,11 @@ def _unknown_field(data: dict, parts: list[str]) -> str | None:
         if part not in props:
             where = ".".join(parts[:depth]) or "the job file"
             if parts[0] == "env":
-                return (f"names no field: env.{'.'.join(parts[1:])} is not a field of the job file; to sweep an "
-                        f"environment variable, write a plain key (sweep: {{{parts[-1]}: [...]}}) and use it as a "
-                        f"placeholder in env (env: {{{parts[-1]}: \"{{{parts[-1]}}}\"}})")
+                return (
+                    f"names no field: env.{'.'.join(parts[1:])} is not a field of the job file; to sweep an "
+                    f"environment variable, write a plain key (sweep: {{{parts[-1]}: [...]}}) and use it as a "
+                    f'placeholder in env (env: {{{parts[-1]}: "{{{parts[-1]}}}"}})'
+                )
             known = ", ".join(sorted(props)) if props else "no fields"
             return f"names no field: {where} has no {part!r} (it has {known})"
         schema = props[part]
@@ -277,7 +310,9 @@ def _text(value: object) -> str:
 
 def _shown(value: object) -> str:
     text = json.dumps(value) if isinstance(value, str) else _text(value)
-    return text if len(text) <= _MAX_SHOWN_CHARS else f"{text[:_MAX_SHOWN_CHARS]}…[+{len(text) - _MAX_SHOWN_CHARS} chars]"
+    return (
+        text if len(text) <= _MAX_SHOWN_CHARS else f"{text[:_MAX_SHOWN_CHARS]}…[+{len(text) - _MAX_SHOWN_CHARS} chars]"
+    )
 
 
 def variant_text(data: dict, sweep_id: str, index: int, total: int) -> str:

@@ -1,4 +1,5 @@
 """Text that people read (watcher.log, the terminal view): never a forged line, never a terminal escape."""
+
 from __future__ import annotations
 
 import logging

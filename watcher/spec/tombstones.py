@@ -9,6 +9,7 @@ dependents; one removed after it ended keeps its final status (a cleaned-up ``do
 Claiming the id again for a new job clears its tombstone. At most MAX_TOMBSTONES are kept (the
 oldest go first), so the folder stays small however many jobs are removed.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,15 @@ def tombstone_path(root: Path, job_id: str) -> Path:
     return Path(root) / TOMBSTONES_DIR / f"{job_id}.json"
 
 
-def record_removal(root: Path, job_id: str, state: str, status: str | None, by: str,
-                   sweep: dict | None = None, now: float | None = None) -> None:
+def record_removal(
+    root: Path,
+    job_id: str,
+    state: str,
+    status: str | None,
+    by: str,
+    sweep: dict | None = None,
+    now: float | None = None,
+) -> None:
     """Write ``job_id``'s tombstone (keeping one already there: the first word on a removal is the best)."""
     path = tombstone_path(root, job_id)
     if path.exists():
@@ -60,8 +68,10 @@ def ended_status(tombstone: dict) -> str:
 
 def removal_words(tombstone: dict) -> str:
     """``"removed at 2026-12-01T20:00:00Z (trainq rm) while pending"``: the evidence a dependent names."""
-    return (f"removed at {tombstone.get('removed_at')} ({tombstone.get('by')}) "
-            f"while {tombstone.get('status') or tombstone.get('state')}")
+    return (
+        f"removed at {tombstone.get('removed_at')} ({tombstone.get('by')}) "
+        f"while {tombstone.get('status') or tombstone.get('state')}"
+    )
 
 
 def clear_tombstone(root: Path, job_id: str) -> None:

@@ -1,4 +1,5 @@
 """Durations and timestamps as job files and status files spell them."""
+
 from __future__ import annotations
 
 import re

@@ -6,6 +6,7 @@ queue's ``window`` (watcher.yaml) is the box's end, with the runbook's ladder be
 ``final_checkpoint_at`` every running job is stopped the way a stop.flag stops it. ``cost`` turns
 runtime into money: ``per_hour`` (the box's rate, charged to a job while it runs) or ``per_gpu_hour``.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,9 @@ class Deadline:
         try:
             seconds = parse_duration_s(value)
         except ValueError:
-            raise ValueError(f"expected an ISO-8601 time like 2026-12-02T08:00:00Z or a duration like 6h "
-                             f"(got {_shown(value)})") from None
+            raise ValueError(
+                f"expected an ISO-8601 time like 2026-12-02T08:00:00Z or a duration like 6h (got {_shown(value)})"
+            ) from None
         if seconds <= 0:
             raise ValueError("a duration must be more than 0")
         return cls(after_start_s=seconds)
@@ -78,10 +80,13 @@ class Window:
 
     @classmethod
     def from_dict(cls, data: dict) -> Window:
-        return cls(ends_at=float(parse_time(str(data["ends_at"])) or 0.0),
-                   freeze_before_s=parse_duration_s(data.get("freeze_before", DEFAULT_FREEZE_BEFORE_S)),
-                   final_checkpoint_before_s=parse_duration_s(
-                       data.get("final_checkpoint_before", DEFAULT_FINAL_CHECKPOINT_BEFORE_S)))
+        return cls(
+            ends_at=float(parse_time(str(data["ends_at"])) or 0.0),
+            freeze_before_s=parse_duration_s(data.get("freeze_before", DEFAULT_FREEZE_BEFORE_S)),
+            final_checkpoint_before_s=parse_duration_s(
+                data.get("final_checkpoint_before", DEFAULT_FINAL_CHECKPOINT_BEFORE_S)
+            ),
+        )
 
     @property
     def freeze_at(self) -> float:
@@ -98,8 +103,11 @@ class Window:
         return now >= self.final_checkpoint_at
 
     def to_dict(self) -> dict:
-        return {"ends_at": iso_utc(self.ends_at), "freeze_at": iso_utc(self.freeze_at),
-                "final_checkpoint_at": iso_utc(self.final_checkpoint_at)}
+        return {
+            "ends_at": iso_utc(self.ends_at),
+            "freeze_at": iso_utc(self.freeze_at),
+            "final_checkpoint_at": iso_utc(self.final_checkpoint_at),
+        }
 
 
 @dataclass(frozen=True)
@@ -113,16 +121,21 @@ class Cost:
     @classmethod
     def from_dict(cls, data: dict) -> Cost:
         per_gpu = "per_gpu_hour" in data
-        return cls(rate=float(data["per_gpu_hour" if per_gpu else "per_hour"]), currency=str(data["currency"]),
-                   per_gpu=per_gpu)
+        return cls(
+            rate=float(data["per_gpu_hour" if per_gpu else "per_hour"]), currency=str(data["currency"]), per_gpu=per_gpu
+        )
 
     def of(self, seconds: float, gpus: int) -> dict:
         """An attempt's ``{amount, currency, gpu_hours, hours}`` (a job given no GPU counts as one under per_gpu_hour)."""
         hours = max(0.0, seconds) / 3600.0
         gpu_hours = hours * max(0, gpus)
         billed = hours * max(1, gpus) if self.per_gpu else hours
-        return {"amount": round(billed * self.rate, 6), "currency": self.currency,
-                "gpu_hours": round(gpu_hours, 6), "hours": round(hours, 6)}
+        return {
+            "amount": round(billed * self.rate, 6),
+            "currency": self.currency,
+            "gpu_hours": round(gpu_hours, 6),
+            "hours": round(hours, 6),
+        }
 
     def to_env(self, gpus: int) -> str:
         """The rate as a job sees it in TRAINQ_COST (JSON)."""
@@ -142,10 +155,14 @@ def freeze_hold(window: Window | None, now: float, estimate_s: float | None, sou
         return None
     left = minutes(mark - now)
     if estimate_s is None:
-        return (f"window freeze since {iso_utc(window.freeze_at)}: no estimate of how long it runs "
-                f"(set expected_duration), {left} left before the final checkpoint")
-    return (f"window freeze since {iso_utc(window.freeze_at)}: {source} {minutes(estimate_s)}, {left} left before "
-            f"the final checkpoint at {iso_utc(mark)}")
+        return (
+            f"window freeze since {iso_utc(window.freeze_at)}: no estimate of how long it runs "
+            f"(set expected_duration), {left} left before the final checkpoint"
+        )
+    return (
+        f"window freeze since {iso_utc(window.freeze_at)}: {source} {minutes(estimate_s)}, {left} left before "
+        f"the final checkpoint at {iso_utc(mark)}"
+    )
 
 
 def attempt_cost_from_env(seconds: float, environ: dict | None = None) -> dict | None:
@@ -184,11 +201,14 @@ class Forecast:
         return self.predicted_end <= wall
 
     def words(self, wall: float | None, wall_name: str) -> str | None:
-        """"at 412 steps/h, 1,800 steps left: ends 03:40 UTC, 40 min after the wall"."""
+        """ "at 412 steps/h, 1,800 steps left: ends 03:40 UTC, 40 min after the wall"."""
         if self.predicted_end is None:
             return None
-        rate = f"at {self.steps_per_h:,.0f} steps/h, {self.steps_left:,} steps left: " \
-            if self.steps_per_h and self.steps_left else ""
+        rate = (
+            f"at {self.steps_per_h:,.0f} steps/h, {self.steps_left:,} steps left: "
+            if self.steps_per_h and self.steps_left
+            else ""
+        )
         ends = f"ends {_clock(self.predicted_end)}"
         if wall is None:
             return rate + ends
@@ -222,6 +242,7 @@ def _shown(value: object) -> str:
 
 # -- validation (the schema checks shapes; these check meaning) --------------------------------------------------
 
+
 def job_wall_problems(data: dict) -> list[Problem]:
     """``deadline`` is a time or a duration; ``expected_duration`` is more than 0 (whenever the file is read)."""
     problems = []
@@ -248,8 +269,12 @@ def submission_problems(raw: dict, now: float) -> list[Problem]:
     except ValueError:
         deadline = None  # reported by job_wall_problems
     if deadline is not None and deadline.at is not None and deadline.at <= now:
-        problems.append(Problem("deadline", f"{raw['deadline']} is in the past (now {iso_utc(now)}); "
-                                            "give a later time or a duration like 6h"))
+        problems.append(
+            Problem(
+                "deadline",
+                f"{raw['deadline']} is in the past (now {iso_utc(now)}); give a later time or a duration like 6h",
+            )
+        )
     deliver = raw.get("deliver")
     if isinstance(deliver, dict) and isinstance(deliver.get("to"), str):
         problem = target_problem(deliver["to"])
@@ -294,8 +319,12 @@ def watcher_wall_problems(data: dict) -> list[Problem]:
     window = data.get("window")
     if isinstance(window, dict):
         if parse_time(str(window.get("ends_at", ""))) is None:
-            problems.append(Problem("window.ends_at", "expected an ISO-8601 time like 2026-12-02T08:00:00Z "
-                                                      f"(got {_shown(window.get('ends_at'))})"))
+            problems.append(
+                Problem(
+                    "window.ends_at",
+                    f"expected an ISO-8601 time like 2026-12-02T08:00:00Z (got {_shown(window.get('ends_at'))})",
+                )
+            )
         try:
             freeze = parse_duration_s(window.get("freeze_before", DEFAULT_FREEZE_BEFORE_S))
             final = parse_duration_s(window.get("final_checkpoint_before", DEFAULT_FINAL_CHECKPOINT_BEFORE_S))
@@ -303,9 +332,13 @@ def watcher_wall_problems(data: dict) -> list[Problem]:
             pass  # reported by the duration checks
         else:
             if final > freeze:
-                problems.append(Problem("window.final_checkpoint_before",
-                                        f"must not be longer than freeze_before ({window.get('freeze_before', '30m')}): "
-                                        "the freeze comes first, then the final checkpoint"))
+                problems.append(
+                    Problem(
+                        "window.final_checkpoint_before",
+                        f"must not be longer than freeze_before ({window.get('freeze_before', '30m')}): "
+                        "the freeze comes first, then the final checkpoint",
+                    )
+                )
     cost = data.get("cost")
     if isinstance(cost, dict):
         rates = [k for k in ("per_hour", "per_gpu_hour") if k in cost]
@@ -313,6 +346,10 @@ def watcher_wall_problems(data: dict) -> list[Problem]:
             problems.append(Problem("cost", "give exactly one of per_hour or per_gpu_hour"))
         currency = cost.get("currency")
         if not isinstance(currency, str) or not CURRENCY.match(currency):
-            problems.append(Problem("cost.currency", "expected a three-letter ISO 4217 code such as USD or EUR "
-                                                     f"(got {_shown(currency)})"))
+            problems.append(
+                Problem(
+                    "cost.currency",
+                    f"expected a three-letter ISO 4217 code such as USD or EUR (got {_shown(currency)})",
+                )
+            )
     return problems

@@ -5,6 +5,7 @@ becomes ``True``. Job files are YAML 1.2, where only ``true``/``false`` are bool
 Anchors and aliases are refused outright: job files never need them, and refusing them
 closes the "billion laughs" expansion attack before anything is built.
 """
+
 from __future__ import annotations
 
 import re
@@ -99,8 +100,9 @@ class DuplicateKey(YamlError):
     """A mapping key written twice."""
 
     def __init__(self, key: str, first_line: int, line: int):
-        super().__init__(f"duplicate key '{key}' (first at line {first_line}, again at line {line}); "
-                         "keep one of them", line)
+        super().__init__(
+            f"duplicate key '{key}' (first at line {first_line}, again at line {line}); keep one of them", line
+        )
 
 
 def _refuse_aliases(text: str) -> None:

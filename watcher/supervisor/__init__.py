@@ -34,6 +34,7 @@ that launches supervisors) and hooks.py (the hook runner, a process of its own) 
 last two ``subprocess`` too; slurm.py and slurm_state.py (Slurm's commands), demo.py and edit.py
 import ``subprocess`` only.
 """
+
 from trainq.watcher.supervisor.attempt import LaunchSpec, main, open_job_log, run_in_foreground, shell_status
 from trainq.watcher.supervisor.leftovers import (
     boot_id,

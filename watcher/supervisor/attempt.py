@@ -7,6 +7,7 @@ is gone. It runs in a supervisor forked by pool.py, or in the calling process th
 ``run_in_foreground`` (a Slurm node; ``python -m trainq.watcher.supervisor``, whose ``main`` is here).
 Taking the job's lock (``_take_lock``) and the notes written to output.log live here too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,11 @@ from trainq.watcher.spec.contract import (
 )
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import (
-    atomic_write_json, open_no_follow, publish_then_sync, remove_quietly, touch,
+    atomic_write_json,
+    open_no_follow,
+    publish_then_sync,
+    remove_quietly,
+    touch,
 )
 from trainq.watcher.supervisor import cgroups, story
 from trainq.watcher.supervisor.cgroups import Containment
@@ -185,21 +190,27 @@ def _take_lock(paths: JobPaths, attempt: int, *, required: bool = True) -> tuple
     try:
         fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
-        raise SpawnFailed(f"{paths.dir}: cannot open {paths.lock.name} for attempt {attempt} "
-                          f"({exc.strerror}); check that the job folder exists and is writable") from exc
+        raise SpawnFailed(
+            f"{paths.dir}: cannot open {paths.lock.name} for attempt {attempt} "
+            f"({exc.strerror}); check that the job folder exists and is writable"
+        ) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
         os.close(fd)
-        raise SpawnFailed(f"{paths.lock}: another supervisor still runs this job; "
-                          f"wait for it to exit (or stop it) before starting attempt {attempt}") from exc
+        raise SpawnFailed(
+            f"{paths.lock}: another supervisor still runs this job; "
+            f"wait for it to exit (or stop it) before starting attempt {attempt}"
+        ) from exc
     except OSError as exc:
         why = f"flock on {paths.lock} failed ({exc.strerror})"
         if not required:
             return fd, why
         os.close(fd)
-        raise SpawnFailed(f"{why}: the queue root's filesystem has no working flock; keep the queue root on a "
-                          "local filesystem (or one mounted with flock), or use executor: slurm") from exc
+        raise SpawnFailed(
+            f"{why}: the queue root's filesystem has no working flock; keep the queue root on a "
+            "local filesystem (or one mounted with flock), or use executor: slurm"
+        ) from exc
     return fd, None
 
 
@@ -239,8 +250,13 @@ def _die_reporting(log_fd: int) -> None:
             pass
 
 
-def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None,
-               ended: Callable[[], None] = lambda: None, containment: Containment | None = None) -> dict:
+def _supervise(
+    spec: LaunchSpec,
+    log_fd: int,
+    prctl: Callable[..., int] | None,
+    ended: Callable[[], None] = lambda: None,
+    containment: Containment | None = None,
+) -> dict:
     """Run one attempt to the end of its whole process tree; returns the exit record it wrote.
 
     ``ended`` is called once the exit record can be read, before it is synced to disk. With a cgroup
@@ -250,8 +266,9 @@ def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None,
     _become_subreaper(prctl, log_fd)
     if spec.banner:
         _write_line(log_fd, spec.banner.splitlines()[0])
-    code = story.take_snapshot(spec.snapshot, spec.job_dir, spec.attempt, _job_env(spec),
-                               lambda message: _note(log_fd, message))
+    code = story.take_snapshot(
+        spec.snapshot, spec.job_dir, spec.attempt, _job_env(spec), lambda message: _note(log_fd, message)
+    )
     checkpoints = story.CheckpointWatch.from_now(JobPaths(Path(spec.job_dir)), spec.attempt)
     started_at, started_mono = time.time(), time.monotonic()
     group = containment.group_for(spec.job_dir, str(spec.attempt)) if containment else None
@@ -260,9 +277,18 @@ def _supervise(spec: LaunchSpec, log_fd: int, prctl: Callable[..., int] | None,
     except OSError as exc:
         _drop_group(group)
         return _record_spawn_error(spec, log_fd, exc, started_at, ended)
-    attempt = _Attempt(spec, JobPaths(Path(spec.job_dir)), log_fd, job.pid, started_at, started_mono,
-                       dir_ino=_inode(spec.job_dir), group=group,
-                       mode=containment.mode if group is not None else "process-tree", checkpoints=checkpoints)
+    attempt = _Attempt(
+        spec,
+        JobPaths(Path(spec.job_dir)),
+        log_fd,
+        job.pid,
+        started_at,
+        started_mono,
+        dir_ino=_inode(spec.job_dir),
+        group=group,
+        mode=containment.mode if group is not None else "process-tree",
+        checkpoints=checkpoints,
+    )
     _write_started(attempt)
     story.started(attempt.paths, spec.attempt, started_at, job.pid, _job_env(spec), code)
     _watch(attempt, stop_signal)
@@ -291,27 +317,33 @@ def _become_subreaper(prctl: Callable[..., int] | None, log_fd: int) -> None:
     if prctl is None:
         return
     if prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        _note(log_fd, f"cannot become a child subreaper ({os.strerror(ctypes.get_errno())}); "
-                      "double-forked processes may escape the stop")
+        _note(
+            log_fd,
+            f"cannot become a child subreaper ({os.strerror(ctypes.get_errno())}); "
+            "double-forked processes may escape the stop",
+        )
 
 
 def _job_env(spec: LaunchSpec) -> dict[str, str]:
     """The supervisor's environment, the TRAINQ_* defaults for this job, then the spec's own variables."""
     paths = JobPaths(Path(spec.job_dir))
     env = dict(os.environ) if spec.inherit_env else {}
-    env.update({
-        ENV_JOB_ID: paths.dir.name,
-        ENV_JOB_DIR: spec.job_dir,
-        ENV_STOP_FLAG: str(paths.stop_flag),
-        ENV_METRICS: str(paths.metrics),
-        ENV_ATTEMPT: str(spec.attempt),
-    })
+    env.update(
+        {
+            ENV_JOB_ID: paths.dir.name,
+            ENV_JOB_DIR: spec.job_dir,
+            ENV_STOP_FLAG: str(paths.stop_flag),
+            ENV_METRICS: str(paths.metrics),
+            ENV_ATTEMPT: str(spec.attempt),
+        }
+    )
     env.update(spec.env)
     return env
 
 
-def _spawn_contained(spec: LaunchSpec, log_fd: int, group: Path | None,
-                     containment: Containment | None) -> tuple[subprocess.Popen, Path | None]:
+def _spawn_contained(
+    spec: LaunchSpec, log_fd: int, group: Path | None, containment: Containment | None
+) -> tuple[subprocess.Popen, Path | None]:
     """Start the job inside ``group``; where joining it is refused, without it (a note says so).
 
     The supervisor steps into the group, starts the job there (so the job is born inside it and
@@ -352,9 +384,16 @@ def _drop_group(group: Path | None) -> None:
 def _spawn(spec: LaunchSpec, log_fd: int) -> subprocess.Popen:
     """Start the job in its own process group; it inherits only stdin=/dev/null and output.log."""
     return subprocess.Popen(
-        list(spec.argv), executable=spec.executable, cwd=spec.cwd, env=_job_env(spec), stdin=subprocess.DEVNULL,
+        list(spec.argv),
+        executable=spec.executable,
+        cwd=spec.cwd,
+        env=_job_env(spec),
+        stdin=subprocess.DEVNULL,
         stdout=log_fd,
-        stderr=subprocess.STDOUT, close_fds=True, start_new_session=True, restore_signals=True,
+        stderr=subprocess.STDOUT,
+        close_fds=True,
+        start_new_session=True,
+        restore_signals=True,
     )
 
 
@@ -365,17 +404,29 @@ def _write_started(a: _Attempt) -> None:
     except psutil.Error:
         create_time = None
     try:
-        atomic_write_json(a.paths.started, {
-            "attempt": a.spec.attempt, "supervisor_pid": os.getpid(), "job_pid": a.job_pid, "pgid": a.job_pid,
-            "started_at": iso_utc(a.started_at), "job_create_time": create_time, "boot_time": psutil.boot_time(),
-            "boot_id": boot_id(), "containment": a.mode, "cgroup": str(a.group) if a.group else None,
-        }, durable=False)  # a crash kills the job too, and then the record no longer matters
+        atomic_write_json(
+            a.paths.started,
+            {
+                "attempt": a.spec.attempt,
+                "supervisor_pid": os.getpid(),
+                "job_pid": a.job_pid,
+                "pgid": a.job_pid,
+                "started_at": iso_utc(a.started_at),
+                "job_create_time": create_time,
+                "boot_time": psutil.boot_time(),
+                "boot_id": boot_id(),
+                "containment": a.mode,
+                "cgroup": str(a.group) if a.group else None,
+            },
+            durable=False,
+        )  # a crash kills the job too, and then the record no longer matters
     except OSError as exc:  # a full disk or a removed folder must not kill the job; the lock still says it runs
         _note(a.log_fd, f"cannot write the start record ({exc.strerror})")
 
 
-def _record_spawn_error(spec: LaunchSpec, log_fd: int, exc: OSError, started_at: float,
-                        ended: Callable[[], None]) -> dict:
+def _record_spawn_error(
+    spec: LaunchSpec, log_fd: int, exc: OSError, started_at: float, ended: Callable[[], None]
+) -> dict:
     """The command could not start: say why in output.log and the exit record (127 not found, 126 otherwise)."""
     reason = _spawn_error_text(spec, exc)
     _note(log_fd, f"cannot start the job: {reason}")
@@ -460,15 +511,20 @@ def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
         a.grace_s = 0.0 if _says_now(a.paths.stop_flag) else a.spec.stop_grace_s
         _request_stop(a, "stop_flag", now, f"stop requested ({a.paths.stop_flag.name}); SIGTERM in {a.grace_s:g} s")
     elif _inode(a.paths.dir) != a.dir_ino:  # rm -rf of the job folder: a stop, as stop.flag would do it
-        _request_stop(a, "folder_removed", now,
-                      f"the job folder {a.paths.dir} was removed; SIGTERM in {a.spec.stop_grace_s:g} s")
+        _request_stop(
+            a, "folder_removed", now, f"the job folder {a.paths.dir} was removed; SIGTERM in {a.spec.stop_grace_s:g} s"
+        )
     elif stop_signal.time_limit or (a.spec.timeout_s is not None and now - a.started_mono >= a.spec.timeout_s):
         a.created_stop_flag = not _exists(a.paths.stop_flag)
         touch(a.paths.stop_flag)  # lets the job checkpoint before it is terminated
-        why = ("the batch system's time limit is near (SIGUSR1)" if stop_signal.time_limit
-               else f"timeout after {a.spec.timeout_s:g} s")
-        _request_stop(a, "timeout", now, f"{why}; created {a.paths.stop_flag.name}; "
-                                         f"SIGTERM in {a.spec.stop_grace_s:g} s")
+        why = (
+            "the batch system's time limit is near (SIGUSR1)"
+            if stop_signal.time_limit
+            else f"timeout after {a.spec.timeout_s:g} s"
+        )
+        _request_stop(
+            a, "timeout", now, f"{why}; created {a.paths.stop_flag.name}; SIGTERM in {a.spec.stop_grace_s:g} s"
+        )
 
 
 def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:
@@ -476,8 +532,13 @@ def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:
     a.stop_reason, a.stop_requested_at, a.stop_mono = reason, time.time(), now
     _note(a.log_fd, message)
     a.checkpoints.look()  # what the job saved before the stop comes first in its story
-    story.stop_requested(a.paths, a.spec.attempt, reason, a.stop_requested_at,
-                         a.grace_s if a.grace_s is not None else a.spec.stop_grace_s)
+    story.stop_requested(
+        a.paths,
+        a.spec.attempt,
+        reason,
+        a.stop_requested_at,
+        a.grace_s if a.grace_s is not None else a.spec.stop_grace_s,
+    )
 
 
 def _escalate(a: _Attempt, tree: list[int], now: float, got_stop_signal: bool) -> None:
@@ -572,8 +633,9 @@ def _publish_exit(paths: JobPaths, record: dict, ended: Callable[[], None], log_
 
 
 #: errors on writing the exit record that may go away (space freed, the folder writable again): retried
-_EXIT_RETRIED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO,
-                                  errno.ESTALE})
+_EXIT_RETRIED_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ESTALE}
+)
 
 
 class _Once:
@@ -588,9 +650,16 @@ class _Once:
             self.fn()
 
 
-def _exit_record(spec: LaunchSpec, job_pid: int | None, started_at: float, *, raw_status: int | None = None,
-                 status_code: int | None = None, spawn_error: str | None = None,
-                 attempt: _Attempt | None = None) -> dict:
+def _exit_record(
+    spec: LaunchSpec,
+    job_pid: int | None,
+    started_at: float,
+    *,
+    raw_status: int | None = None,
+    status_code: int | None = None,
+    spawn_error: str | None = None,
+    attempt: _Attempt | None = None,
+) -> dict:
     """The exit record's fields; ``raw_status`` is a waitpid status, ``status_code`` a plain exit code."""
     code, sig = status_code, None
     if raw_status is not None and os.WIFSIGNALED(raw_status):
@@ -598,9 +667,13 @@ def _exit_record(spec: LaunchSpec, job_pid: int | None, started_at: float, *, ra
     elif raw_status is not None:
         code = os.WEXITSTATUS(raw_status)
     return {
-        "attempt": spec.attempt, "job_pid": job_pid, "exit_code": code, "signal": sig,
+        "attempt": spec.attempt,
+        "job_pid": job_pid,
+        "exit_code": code,
+        "signal": sig,
         "signal_name": signal.Signals(sig).name if sig else None,
-        "started_at": iso_utc(started_at), "ended_at": iso_utc(time.time()),
+        "started_at": iso_utc(started_at),
+        "ended_at": iso_utc(time.time()),
         "stop_reason": attempt.stop_reason if attempt else None,
         "stop_requested_at": iso_utc(attempt.stop_requested_at) if attempt else None,
         "signals_sent": list(attempt.signals_sent) if attempt else [],
@@ -685,8 +758,11 @@ def run_in_foreground(spec: LaunchSpec, *, lock_required: bool = True) -> dict:
     _reset_signals()
     log_fd = open_job_log(paths.log)
     if unlocked:
-        _note(log_fd, f"{unlocked}; running without the lock (Slurm's job state and "
-                      f"{paths.heartbeat.name} tell the watcher this attempt is alive)")
+        _note(
+            log_fd,
+            f"{unlocked}; running without the lock (Slurm's job state and "
+            f"{paths.heartbeat.name} tell the watcher this attempt is alive)",
+        )
     try:
         return _supervise(spec, log_fd, _load_prctl())
     except BaseException:
@@ -708,7 +784,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m trainq.watcher.supervisor JOB_DIR --spec FILE.json``: exits with the job's status."""
     parser = argparse.ArgumentParser(
         prog="python -m trainq.watcher.supervisor",
-        description="Run one attempt of a trainq job in the foreground under its supervisor.")
+        description="Run one attempt of a trainq job in the foreground under its supervisor.",
+    )
     parser.add_argument("job_dir", help="the job folder (its lock, output.log and records live there)")
     parser.add_argument("--spec", required=True, help="LaunchSpec as JSON (job_dir inside it is replaced)")
     args = parser.parse_args(argv)

@@ -19,6 +19,7 @@ even by a job removed and resubmitted under the same id while its old attempt st
 record names the group, so a restarted watcher finds a job's processes by it. A group is removed once
 it is empty.
 """
+
 from __future__ import annotations
 
 import errno
@@ -214,10 +215,15 @@ def is_owned(group: Path, job_dir: str | os.PathLike, kind: str) -> bool:
     """Whether ``group`` is a ``kind`` group (an attempt number, or "hook") of this job in its queue (a record
     in the job folder could name any path)."""
     parts = group.parts
-    return (group.is_absolute() and ".." not in parts and len(parts) >= 4
-            and parts[-1].split(SEP)[:2] == [Path(job_dir).name, str(kind)]
-            and parts[-2] == _queue_key(Path(job_dir).parent.parent) and parts[-3] == TRAINQ_DIR
-            and any(_under(group, point) for point, _root in _mounts("cgroup2") + _mounts("cgroup", "freezer")))
+    return (
+        group.is_absolute()
+        and ".." not in parts
+        and len(parts) >= 4
+        and parts[-1].split(SEP)[:2] == [Path(job_dir).name, str(kind)]
+        and parts[-2] == _queue_key(Path(job_dir).parent.parent)
+        and parts[-3] == TRAINQ_DIR
+        and any(_under(group, point) for point, _root in _mounts("cgroup2") + _mounts("cgroup", "freezer"))
+    )
 
 
 def _under(path: Path, folder: Path) -> bool:
@@ -384,7 +390,7 @@ def _own_dir(mode: str) -> Path | None:
     mounts = _mounts("cgroup2") if mode == "cgroup-v2" else _mounts("cgroup", "freezer")
     for point, mount_root in mounts:
         if own is not None and own.startswith(mount_root):
-            rel = own[len(mount_root):].strip("/")
+            rel = own[len(mount_root) :].strip("/")
             return point / rel if rel else point
     return None
 
@@ -397,7 +403,7 @@ def _usable_base(mode: str, probe: bool) -> tuple[Path | None, str]:
         return None, f"{mode}: no {'cgroup2' if mode == 'cgroup-v2' else 'freezer'} hierarchy is mounted"
     why = ""
     for point, mount_root in mounts:
-        rel = own[len(mount_root):] if own.startswith(mount_root) else None
+        rel = own[len(mount_root) :] if own.startswith(mount_root) else None
         if rel is None:
             why = f"{mode}: this process's cgroup {own} is outside the mount at {point}"
             continue

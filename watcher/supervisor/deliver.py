@@ -16,6 +16,7 @@ starts runners for markers without a live one, and copies each final ``delivery.
 Test switch: ``TRAINQ_DELIVERY_FAULTS=corrupt_once`` flips one byte of the first local copy after rsync,
 before verification (the retry must detect and re-send it); ``backoff=S`` sets the first backoff.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -61,8 +62,10 @@ def items_for(paths: JobPaths, what: list[str]) -> dict[str, Path]:
         latest = paths.ckpt_latest if paths.ckpt_latest.exists() else _latest_recorded(paths)
         if latest is not None:
             found["ckpt_latest"] = latest.resolve()
-    groups = {"logs": (paths.log, paths.metrics, paths.run, paths.dir / "events.jsonl"),
-              "summary": (paths.summary, paths.dir / "env.json", paths.loss_png, paths.dir / "SHA256SUMS")}
+    groups = {
+        "logs": (paths.log, paths.metrics, paths.run, paths.dir / "events.jsonl"),
+        "summary": (paths.summary, paths.dir / "env.json", paths.loss_png, paths.dir / "SHA256SUMS"),
+    }
     for group, files in groups.items():
         if group in what:
             found.update({f.name: f for f in files if f.is_file() and not f.is_symlink()})
@@ -87,7 +90,7 @@ def _in_job_folder(path: Path, job_dir: Path) -> Path | None:
         return path
     parts = path.parts
     if job_dir.name in parts:  # written while the job was in running/: the same place under its folder now
-        moved = job_dir.joinpath(*parts[len(parts) - parts[::-1].index(job_dir.name):])
+        moved = job_dir.joinpath(*parts[len(parts) - parts[::-1].index(job_dir.name) :])
         return moved if moved.exists() else None
     return None
 
@@ -136,8 +139,9 @@ def verify_local(dest: Path, sent: dict[str, dict]) -> str | None:
 
 
 def _rsync(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(["rsync", *args], capture_output=True, text=True, timeout=RSYNC_TIMEOUT_S,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["rsync", *args], capture_output=True, text=True, timeout=RSYNC_TIMEOUT_S, stdin=subprocess.DEVNULL
+    )
 
 
 def send(stage: Path, dest: str) -> str | None:
@@ -157,8 +161,9 @@ def send(stage: Path, dest: str) -> str | None:
 
 def verify_remote(stage: Path, dest: str) -> str | None:
     """A checksum dry run that would change nothing means the receiving side holds exactly what was sent."""
-    done = _rsync(["-rtL", "--checksum", "--dry-run", "--itemize-changes", "--out-format=%n",
-                   f"{stage}/", dest.rstrip("/") + "/"])
+    done = _rsync(
+        ["-rtL", "--checksum", "--dry-run", "--itemize-changes", "--out-format=%n", f"{stage}/", dest.rstrip("/") + "/"]
+    )
     if done.returncode != 0:
         return f"rsync (verify) exited {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1]}"
     differ = [line for line in done.stdout.splitlines() if line.strip() and not line.endswith("/")]
@@ -205,9 +210,16 @@ def deliver(job_dir: Path) -> int:
     backoff = float(faults.get("backoff") or FIRST_BACKOFF_S)
     for tries in range(int(record.get("tries") or 0) + 1, MAX_TRIES + 1):
         error, verified, sent = _one_try(paths, deliver_spec, dest, corrupt=tries == 1 and "corrupt_once" in faults)
-        record = {"to": dest, "at": iso_utc(time.time()), "verified": verified, "files": sorted(sent),
-                  "bytes": sum(i["bytes"] for i in sent.values()), "tries": tries, "error": error,
-                  "state": "verified" if verified else "retrying" if tries < MAX_TRIES else "gave_up"}
+        record = {
+            "to": dest,
+            "at": iso_utc(time.time()),
+            "verified": verified,
+            "files": sorted(sent),
+            "bytes": sum(i["bytes"] for i in sent.values()),
+            "tries": tries,
+            "error": error,
+            "state": "verified" if verified else "retrying" if tries < MAX_TRIES else "gave_up",
+        }
         atomic_write_json(job_dir / RECORD_NAME, record)
         if verified:
             break
@@ -220,7 +232,11 @@ def deliver(job_dir: Path) -> int:
 def _one_try(paths: JobPaths, deliver_spec: dict, dest: str, corrupt: bool) -> tuple[str | None, bool, dict]:
     items = items_for(paths, list(deliver_spec.get("what") or DELIVERABLES))
     if not items:
-        return "nothing to deliver: none of " + ", ".join(deliver_spec.get("what") or DELIVERABLES) + " exists", False, {}
+        return (
+            "nothing to deliver: none of " + ", ".join(deliver_spec.get("what") or DELIVERABLES) + " exists",
+            False,
+            {},
+        )
     sent = manifest(items)
     problem = sums_problem(paths, sent)
     if problem:
@@ -265,8 +281,13 @@ class DeliveryQueue:
         if proc is not None and proc.poll() is None:
             return
         self._runners[job_id] = subprocess.Popen(
-            [sys.executable, "-m", "trainq.watcher.supervisor.deliver", str(job_dir)], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+            [sys.executable, "-m", "trainq.watcher.supervisor.deliver", str(job_dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
 
     def reap(self) -> None:
         for job_id, proc in list(self._runners.items()):

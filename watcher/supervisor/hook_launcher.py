@@ -12,6 +12,7 @@ at once. A runner still alive well past its deadline (stopped, stuck) is killed 
 watcher stops, hooks whose runner is gone are ended now (nobody would hold them to their limit); live
 runners finish by themselves within their limit.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,7 +33,14 @@ from trainq.watcher.spec.fsutil import atomic_write_json, read_json
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.supervisor import cgroups
 from trainq.watcher.supervisor.hooks import (
-    DUE, ENDED, ENV_HOOK_TIMEOUT, HOOK_KILL_AFTER_S, MAX_HOOK_RUNNERS, RUNNING, hook_timeout_s, runner_alive,
+    DUE,
+    ENDED,
+    ENV_HOOK_TIMEOUT,
+    HOOK_KILL_AFTER_S,
+    MAX_HOOK_RUNNERS,
+    RUNNING,
+    hook_timeout_s,
+    runner_alive,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,8 +98,9 @@ class HookLauncher:
                     self.launch(entry.name, Path(entry.path))
                     found += 1
                 elif record.get("state") == RUNNING and Path(entry.path) not in self._active:
-                    self._active[Path(entry.path)] = _Active(entry.name, JobPaths(Path(entry.path)), None,
-                                                             time.monotonic() - self.timeout_s)
+                    self._active[Path(entry.path)] = _Active(
+                        entry.name, JobPaths(Path(entry.path)), None, time.monotonic() - self.timeout_s
+                    )
                     found += 1
         if found:
             logger.info("watcher: %d on_finish hook(s) due or running from before this start", found)
@@ -101,8 +110,12 @@ class HookLauncher:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "trainq.watcher.supervisor.hooks", str(job_dir)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                close_fds=True, start_new_session=True, env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+                start_new_session=True,
+                env=self.env,
             )
         except OSError as exc:
             logger.warning("job %s: could not start its on_finish hook runner: %s", job_id, exc)
@@ -139,15 +152,20 @@ class HookLauncher:
     # -- one runner ----------------------------------------------------------------------------
     def _settled(self, active: _Active) -> bool:
         """True once this hook needs no more watching."""
-        if active.proc is not None and active.proc.poll() is None or (active.proc is None
-                                                                       and runner_alive(active.paths)):
+        if (
+            active.proc is not None
+            and active.proc.poll() is None
+            or (active.proc is None and runner_alive(active.paths))
+        ):
             self._kill_if_stuck(active)
             return False
         record = read_json(active.paths.hook_record)
         if record is None or record.get("state") != RUNNING:
             if record is not None and record.get("state") == DUE and not runner_alive(active.paths):
-                logger.warning("job %s: its hook runner left without running the hook; the next start-up tries "
-                               "again", active.job_id)
+                logger.warning(
+                    "job %s: its hook runner left without running the hook; the next start-up tries again",
+                    active.job_id,
+                )
             return True  # ended, moved on (retried, removed), or left due
         if runner_alive(active.paths):
             return False  # another runner took it (one from before a restart)
@@ -173,9 +191,14 @@ class HookLauncher:
         else:
             _kill_by_job_dir(active.paths.dir)
         timed_out = time.time() >= _deadline(record, self.timeout_s)
-        record.update(state=ENDED, ended_at=iso_utc(time.time()), exit_code=None, timed_out=timed_out,
-                      runner_lost=True, error=f"the hook's runner was gone ({why}); what was left of the hook was "
-                                              "killed")
+        record.update(
+            state=ENDED,
+            ended_at=iso_utc(time.time()),
+            exit_code=None,
+            timed_out=timed_out,
+            runner_lost=True,
+            error=f"the hook's runner was gone ({why}); what was left of the hook was killed",
+        )
         try:
             atomic_write_json(active.paths.hook_record, record)
         except FileNotFoundError:

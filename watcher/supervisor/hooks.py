@@ -18,6 +18,7 @@ subreaper and follows the tree, as jobs are followed. ``hook.log`` is opened as 
 never through a symlink, never into a FIFO (O_NOFOLLOW | O_NONBLOCK, then S_ISREG). The outcome goes to
 ``hook.json``; the runner never touches run.json, so it never changes the job's status.
 """
+
 from __future__ import annotations
 
 import errno
@@ -84,8 +85,10 @@ def mark_due(paths: JobPaths, spec, run: dict) -> bool:
     record = read_json(paths.hook_record)
     if record is not None and _same_conclusion(record, run):
         return False  # this conclusion's hook is due, running or ended already
-    atomic_write_json(paths.hook_record, {"state": DUE, "status": status, "attempt": run.get("attempt"),
-                                         "finished_at": run.get("finished_at")})
+    atomic_write_json(
+        paths.hook_record,
+        {"state": DUE, "status": status, "attempt": run.get("attempt"), "finished_at": run.get("finished_at")},
+    )
     return True
 
 
@@ -137,10 +140,17 @@ def run_hook(job_dir: Path, timeout_s: float = HOOK_TIMEOUT_S) -> int:
     containment = cgroups.detect()
     group = containment.group_for(paths.dir, "hook")
     due = read_json(paths.hook_record) or {}
-    record = {"state": RUNNING, "status": run.get("status"), "attempt": run.get("attempt"),
-              "finished_at": due.get("finished_at", run.get("finished_at")),
-              "runner_pid": os.getpid(), "started_at": iso_utc(time.time()), "timeout_s": timeout_s,
-              "containment": containment.mode if group else "process-tree", "cgroup": str(group) if group else None}
+    record = {
+        "state": RUNNING,
+        "status": run.get("status"),
+        "attempt": run.get("attempt"),
+        "finished_at": due.get("finished_at", run.get("finished_at")),
+        "runner_pid": os.getpid(),
+        "started_at": iso_utc(time.time()),
+        "timeout_s": timeout_s,
+        "containment": containment.mode if group else "process-tree",
+        "cgroup": str(group) if group else None,
+    }
     atomic_write_json(paths.hook_record, record)  # durable: from here on, no runner starts this hook again
     record.update(_run(paths, run, spec.on_finish, timeout_s, group, containment.mode))
     record.update(state=ENDED, ended_at=iso_utc(time.time()))
@@ -148,8 +158,14 @@ def run_hook(job_dir: Path, timeout_s: float = HOOK_TIMEOUT_S) -> int:
         atomic_write_json(paths.hook_record, record)
     except FileNotFoundError:
         pass  # the folder moved on meanwhile (retried, removed)
-    events.emit(paths, "hook", status=record.get("status"), exit_code=record.get("exit_code"),
-                timed_out=record.get("timed_out"), error=record.get("error"))
+    events.emit(
+        paths,
+        "hook",
+        status=record.get("status"),
+        exit_code=record.get("exit_code"),
+        timed_out=record.get("timed_out"),
+        error=record.get("error"),
+    )
     os.close(lock_fd)
     return 0
 
@@ -162,8 +178,7 @@ def _take_lock(paths: JobPaths) -> int | None:
     """
     for _ in range(3):
         try:
-            fd = os.open(lock_path(paths), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         0o644)
+            fd = os.open(lock_path(paths), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 return None
@@ -201,15 +216,17 @@ def _allowed_executable(paths: JobPaths, argv0: str) -> str | Problem | None:
     return hook_executable(argv0, str(paths.dir), allowed, os.environ.get("PATH", os.defpath))
 
 
-def _run(paths: JobPaths, run: dict, argv_template: tuple[str, ...], timeout_s: float, group: Path | None,
-         mode: str) -> dict:
+def _run(
+    paths: JobPaths, run: dict, argv_template: tuple[str, ...], timeout_s: float, group: Path | None, mode: str
+) -> dict:
     job_id = run.get("id") or paths.dir.name
     status = str(run.get("status") or "")
     diagnosis = (run.get("diagnosis") or {}).get("kind") or ""
     values = {"job_id": job_id, "status": status}
     argv = [_expand(a, values) for a in argv_template]
-    env = dict(os.environ, **{ENV_JOB_ID: job_id, ENV_JOB_DIR: str(paths.dir), ENV_STATUS: status,
-                              ENV_DIAGNOSIS: diagnosis})
+    env = dict(
+        os.environ, **{ENV_JOB_ID: job_id, ENV_JOB_DIR: str(paths.dir), ENV_STATUS: status, ENV_DIAGNOSIS: diagnosis}
+    )
     env.pop(ENV_HOOK_TIMEOUT, None)
     log_fd = open_job_log(paths.hook_log)  # a FIFO or a symlink the job left there is replaced, never waited on
     with os.fdopen(log_fd, "ab") as log:
@@ -249,13 +266,22 @@ class _Started:
         self.popen, self.group = popen, group
 
 
-def _start(argv: list[str], executable: str | None, log, paths: JobPaths, env: dict,
-           group: Path | None) -> _Started:
+def _start(argv: list[str], executable: str | None, log, paths: JobPaths, env: dict, group: Path | None) -> _Started:
     """The hook's process, inside ``group`` where it can join it."""
+
     def popen(preexec=None) -> subprocess.Popen:
-        return subprocess.Popen(argv, executable=executable, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, cwd=str(paths.dir), env=env, start_new_session=True,
-                                close_fds=True, preexec_fn=preexec)
+        return subprocess.Popen(
+            argv,
+            executable=executable,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=str(paths.dir),
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+            preexec_fn=preexec,
+        )
 
     if group is None:
         return _Started(popen(), None)

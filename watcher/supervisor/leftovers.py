@@ -8,6 +8,7 @@ supervisor too (attempt.py). Where the start record names the attempt's cgroup (
 group is the job: its members are the process tree, and ``kill_leftovers`` ends it with one write.
 This module imports nothing else of the supervisor package but cgroups.py.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -99,8 +100,9 @@ def recorded_group(paths: JobPaths, started: dict) -> tuple[Path | None, str]:
     if group is None or not is_this_boot(started):
         return None, "process-tree"
     if not cgroups.is_owned(group, paths.dir, str(started.get("attempt"))):
-        logger.warning("job %s: its start record names the cgroup %s, which is not this job's; ignoring it",
-                       paths.dir.name, group)
+        logger.warning(
+            "job %s: its start record names the cgroup %s, which is not this job's; ignoring it", paths.dir.name, group
+        )
         return None, "process-tree"
     return group, mode
 
@@ -113,8 +115,9 @@ def _kill_group(paths: JobPaths) -> int:
         return 0
     count = len(cgroups.members(group))
     if not cgroups.kill(group, mode):
-        logger.warning("job %s: its cgroup %s is not empty %.0f s after cgroup.kill", paths.dir.name, group,
-                       cgroups.KILL_WAIT_S)
+        logger.warning(
+            "job %s: its cgroup %s is not empty %.0f s after cgroup.kill", paths.dir.name, group, cgroups.KILL_WAIT_S
+        )
         return count
     cgroups.remove(group)
     return count
@@ -136,7 +139,7 @@ def kill_leftovers(paths: JobPaths) -> int:
         if not found:
             break
         for pgid in whole_groups:  # one signal to a whole group: a process forking as fast as it can escapes
-            try:                  # pid-by-pid kills (each scan is stale by then), never a group-wide one
+            try:  # pid-by-pid kills (each scan is stale by then), never a group-wide one
                 os.killpg(pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
@@ -147,13 +150,22 @@ def kill_leftovers(paths: JobPaths) -> int:
             except ProcessLookupError:
                 pass
         if time.monotonic() > deadline:
-            logger.warning("job %s: processes still alive after %.0f s of SIGKILL: %s",
-                           paths.dir.name, LEFTOVER_KILL_DEADLINE_S, sorted(found))
+            logger.warning(
+                "job %s: processes still alive after %.0f s of SIGKILL: %s",
+                paths.dir.name,
+                LEFTOVER_KILL_DEADLINE_S,
+                sorted(found),
+            )
             break
         time.sleep(LEFTOVER_RESCAN_S)
     if killed or in_group:
-        logger.info("job %s: killed %d leftover processes (%d in its cgroup) %s", paths.dir.name,
-                    len(killed) + in_group, in_group, sorted(killed))
+        logger.info(
+            "job %s: killed %d leftover processes (%d in its cgroup) %s",
+            paths.dir.name,
+            len(killed) + in_group,
+            in_group,
+            sorted(killed),
+        )
     return len(killed) + in_group
 
 
@@ -165,8 +177,11 @@ def _leftovers(paths: JobPaths) -> tuple[set[int], set[int]]:
     job_dirs = {os.path.normpath(str(paths.dir)), os.path.realpath(paths.dir)}
     started = read_json(paths.started) or {}
     if not is_this_boot(started):
-        logger.info("job %s: its start record is from an earlier boot, so none of its processes can be alive; "
-                    "signalling nothing", paths.dir.name)
+        logger.info(
+            "job %s: its start record is from an earlier boot, so none of its processes can be alive; "
+            "signalling nothing",
+            paths.dir.name,
+        )
         return set(), set()
     pgid, born = _job_group(started), started.get("job_create_time")
     found: set[int] = set()

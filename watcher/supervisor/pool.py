@@ -6,6 +6,7 @@ ahead of time, which answers once it holds the lock. Either way the supervisor d
 inherited fds, default signal dispositions), runs the attempt (attempt.py's ``_supervise``), and releases
 the lock once the exit record can be read. A pooled supervisor then waits for the next attempt.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +58,9 @@ class Supervisor:
     of time (``SupervisorPool``); each supervises one attempt at a time and waits for the next after it.
     """
 
-    def __init__(self, notify_fd: int | None = None, *, keep_warm: bool = False,
-                 containment: Containment | None = None) -> None:
+    def __init__(
+        self, notify_fd: int | None = None, *, keep_warm: bool = False, containment: Containment | None = None
+    ) -> None:
         self._children: set[int] = set()
         self._notify_fd = notify_fd
         # resolved before any fork: dlopen in a child forked from a threaded process could deadlock
@@ -150,8 +152,9 @@ class SupervisorPool:
     helper like any other; it just is not thrown away afterwards. At most POOL_IDLE_MAX wait.
     """
 
-    def __init__(self, prctl: Callable[..., int] | None, notify_fd: int | None,
-                 containment: Containment | None = None) -> None:
+    def __init__(
+        self, prctl: Callable[..., int] | None, notify_fd: int | None, containment: Containment | None = None
+    ) -> None:
         self._prctl = prctl
         self._notify_fd = notify_fd
         self._containment = containment
@@ -298,7 +301,7 @@ class _Warm:
 def _reply(fd: int, message: dict) -> None:
     data = json.dumps(message).encode() + b"\n"
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def _reply_quietly(fd: int, message: dict) -> bool:
@@ -319,8 +322,13 @@ def _clear_records(paths: JobPaths) -> None:
 # ---------------------------------------------------------------- inside a forked supervisor
 
 
-def _child_main(spec: LaunchSpec, lock_fd: int, prctl: Callable[..., int] | None,
-                notify_fd: int | None, containment: Containment | None = None) -> NoReturn:
+def _child_main(
+    spec: LaunchSpec,
+    lock_fd: int,
+    prctl: Callable[..., int] | None,
+    notify_fd: int | None,
+    containment: Containment | None = None,
+) -> NoReturn:
     """Body of the forked child: never returns into the watcher's code, never runs atexit handlers."""
     code = EXIT_SUPERVISOR_ERROR
     log_fd = 2
@@ -335,8 +343,13 @@ def _child_main(spec: LaunchSpec, lock_fd: int, prctl: Callable[..., int] | None
         os._exit(code)
 
 
-def _warm_main(requests: int, replies: int, prctl: Callable[..., int] | None, notify_fd: int | None,
-               containment: Containment | None = None) -> NoReturn:
+def _warm_main(
+    requests: int,
+    replies: int,
+    prctl: Callable[..., int] | None,
+    notify_fd: int | None,
+    containment: Containment | None = None,
+) -> NoReturn:
     """Body of a pooled supervisor: detach now, then supervise one requested attempt after another.
 
     A request is one JSON line (``LaunchSpec.to_dict``). The answer is ``{"pid": ...}`` once the job's

@@ -3,6 +3,7 @@
 They live beside the daemon, which installs them (daemon.py). A supervisor the watcher forks drops them
 at once (``_detach`` in watcher/supervisor/pool.py) and handles its own (watcher/supervisor/attempt.py).
 """
+
 from __future__ import annotations
 
 import signal

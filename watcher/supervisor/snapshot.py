@@ -15,6 +15,7 @@ large repository delays that one job's start, never the queue (CONTRACT section 
 
 Every size is bounded by a named constant below; what is left out is listed with why.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,7 +40,7 @@ MAX_ARCHIVE_BYTES = 16 * 1024 * 1024
 #: most untracked paths listed in code.json
 MAX_LISTED = 1000
 #: files larger than this are listed in sources.json with size but no sha256 (bytes)
-MAX_HASHED_FILE_BYTES = 2 * 1024 ** 3
+MAX_HASHED_FILE_BYTES = 2 * 1024**3
 #: in a model folder, only files up to this size are hashed (configs, tokenizer); weights get size and time
 MAX_HASHED_MODEL_FILE_BYTES = 64 * 1024 * 1024
 #: most files taken from one source folder
@@ -50,8 +51,15 @@ COMMAND_TIMEOUT_S = 60.0
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_?KEY|PRIVATE|CREDENTIAL|AUTH|COOKIE|SESSION", re.I)
 REDACTED = "<redacted>"
 #: every file an attempt's snapshot may hold (the previous attempt's are removed first)
-SNAPSHOT_FILES = ("code.json", "code.diff", "untracked.tar", "files.tar", "config.json", "sources.json",
-                  "environment.json")
+SNAPSHOT_FILES = (
+    "code.json",
+    "code.diff",
+    "untracked.tar",
+    "files.tar",
+    "config.json",
+    "sources.json",
+    "environment.json",
+)
 _HASH_CHUNK = 1024 * 1024
 
 
@@ -99,8 +107,15 @@ def take(request: SnapshotRequest, job_dir: str, attempt: int, env: dict[str, st
     atomic_write_json(out / "sources.json", found, durable=False)
     atomic_write_json(out / "environment.json", environment(request, attempt, env), durable=False)
     git = code.get("git") or {}
-    return {k: v for k, v in {"commit": git.get("commit"), "dirty": git.get("dirty"),
-                              "diff_sha256": git.get("diff_sha256")}.items() if v is not None}
+    return {
+        k: v
+        for k, v in {
+            "commit": git.get("commit"),
+            "dirty": git.get("dirty"),
+            "diff_sha256": git.get("diff_sha256"),
+        }.items()
+        if v is not None
+    }
 
 
 # ---------------------------------------------------------------- code
@@ -156,8 +171,13 @@ def _git_env() -> dict[str, str]:
 def _git(top: Path, *args: str) -> str | None:
     """One git command's stdout, stripped of its last newline; None when it fails."""
     try:
-        done = subprocess.run(["git", "-C", str(top), *args], capture_output=True, env=_git_env(),
-                              timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            ["git", "-C", str(top), *args],
+            capture_output=True,
+            env=_git_env(),
+            timeout=COMMAND_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.decode("utf-8", "surrogateescape").rstrip("\n") if done.returncode == 0 else None
@@ -167,8 +187,9 @@ def _git_diff(top: Path) -> tuple[bytes, bool]:
     """``git diff --binary HEAD`` up to MAX_DIFF_BYTES: (diff, False), or (b"", True) when larger."""
     argv = ["git", "-C", str(top), "diff", "--binary", "--no-ext-diff", "--no-color", "--no-textconv", "HEAD"]
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                env=_git_env())
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=_git_env()
+        )
     except OSError:
         return b"", False
     with proc:
@@ -282,14 +303,19 @@ def environment(request: SnapshotRequest, attempt: int, env: dict[str, str]) -> 
     inherited = sorted(k for k in env if k not in own and not k.startswith("TRAINQ_"))
     packages = (facts or {}).get("packages")
     return {
-        "attempt": attempt, "host": socket.gethostname(), "os": _os_name(),
+        "attempt": attempt,
+        "host": socket.gethostname(),
+        "os": _os_name(),
         "python": {k: v for k, v in (facts or {}).items() if k != "packages"} or None,
         "packages": packages,
         "torch": {"version": packages.get("torch"), "cuda": (facts or {}).get("torch_cuda")}
-        if packages and "torch" in packages else None,
+        if packages and "torch" in packages
+        else None,
         "nvidia_driver": nvidia_driver(),
-        "gpus": list(request.gpus), "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
-        "env": redact(own), "inherited_env": inherited,
+        "gpus": list(request.gpus),
+        "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+        "env": redact(own),
+        "inherited_env": inherited,
     }
 
 
@@ -359,8 +385,9 @@ def _dirs_unchanged(dirs: dict) -> bool:
 
 def _probe(python: str) -> dict | None:
     try:
-        done = subprocess.run([python, "-c", _FACTS_SCRIPT], capture_output=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [python, "-c", _FACTS_SCRIPT], capture_output=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
         return json.loads(done.stdout) if done.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError):
         return None
-

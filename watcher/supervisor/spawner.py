@@ -20,6 +20,7 @@ The helper exits when its stdin closes or its parent (the watcher) is gone.
 
 Like the supervisor package, this module starts processes, so it imports ``subprocess`` and ``signal``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,11 @@ class Spawner:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "trainq.watcher.supervisor.spawner", "--notify-fd", str(notify)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, bufsize=0, pass_fds=(notify,),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                close_fds=True,
+                bufsize=0,
+                pass_fds=(notify,),
             )
         except OSError:
             os.close(notices)

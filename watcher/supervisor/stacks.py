@@ -7,6 +7,7 @@ When the stall detector fires the watcher starts ``python -m trainq.watcher.supe
 Python process, and what went wrong (py-spy missing, no permission, not a Python process). The stalled
 diagnosis quotes those frames as its evidence.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,14 @@ def capture(job_dir: Path, pids: list[int], why: str) -> dict:
             errors.append(f"pid {pid}: {error}")
         elif not frames:
             frames = innermost(dump)
-    summary = {"at": iso_utc(now), "why": why, "pids": pids, "file": f"{STACKS_DIR}/{name}" if texts else None,
-               "innermost": frames, "errors": errors}
+    summary = {
+        "at": iso_utc(now),
+        "why": why,
+        "pids": pids,
+        "file": f"{STACKS_DIR}/{name}" if texts else None,
+        "innermost": frames,
+        "errors": errors,
+    }
     if texts:
         atomic_write(out_dir / name, "".join(texts).encode(), durable=False)
     atomic_write_json(out_dir / LATEST, summary, durable=False)
@@ -83,8 +90,13 @@ def capture(job_dir: Path, pids: list[int], why: str) -> dict:
 
 def _dump(exe: str, pid: int) -> tuple[str, str | None]:
     try:
-        done = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                              timeout=DUMP_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [exe, "dump", "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=DUMP_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         return "", f"py-spy gave no answer within {DUMP_TIMEOUT_S:g} s"
     except OSError as exc:

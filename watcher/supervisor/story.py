@@ -4,6 +4,7 @@
 ``preempted`` and ``exited`` (CONTRACT section 13). attempt.py calls these at the matching moments;
 they never raise, so a record can never keep a job from running or its exit from being recorded.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ from trainq.watcher.supervisor import snapshot as snapshots
 CHECKPOINT_LOOK_S = 1.0
 
 
-def take_snapshot(request: dict | None, job_dir: str, attempt: int, env: dict[str, str],
-                  note: Callable[[str], None]) -> dict:
+def take_snapshot(
+    request: dict | None, job_dir: str, attempt: int, env: dict[str, str], note: Callable[[str], None]
+) -> dict:
     """snapshot/ for this attempt; the code summary for ``started`` ({} when off or when it failed, noted)."""
     if request is None:
         return {}
@@ -33,9 +35,19 @@ def take_snapshot(request: dict | None, job_dir: str, attempt: int, env: dict[st
 
 def started(paths: JobPaths, attempt: int, at: float, job_pid: int, env: dict[str, str], code: dict) -> None:
     """``started``: attempt, host, pids, GPUs, Slurm job, resume point, code summary."""
-    events.emit(paths, "started", at, attempt=attempt, host=os.uname().nodename, pid=job_pid,
-                supervisor_pid=os.getpid(), gpus=env.get("CUDA_VISIBLE_DEVICES"), slurm_job_id=env.get("SLURM_JOB_ID"),
-                resume_from=env.get(ENV_RESUME_FROM), code=code or None)
+    events.emit(
+        paths,
+        "started",
+        at,
+        attempt=attempt,
+        host=os.uname().nodename,
+        pid=job_pid,
+        supervisor_pid=os.getpid(),
+        gpus=env.get("CUDA_VISIBLE_DEVICES"),
+        slurm_job_id=env.get("SLURM_JOB_ID"),
+        resume_from=env.get(ENV_RESUME_FROM),
+        code=code or None,
+    )
 
 
 def stop_requested(paths: JobPaths, attempt: int, reason: str, at: float, grace_s: float) -> None:
@@ -48,8 +60,15 @@ def stop_requested(paths: JobPaths, attempt: int, reason: str, at: float, grace_
 
 def exited(paths: JobPaths, record: dict) -> None:
     """``exited``, written before the exit record, so the watcher's events follow it."""
-    events.emit(paths, "exited", attempt=record["attempt"], code=record["exit_code"], signal=record["signal_name"],
-                stop_reason=record["stop_reason"], spawn_error=record["spawn_error"])
+    events.emit(
+        paths,
+        "exited",
+        attempt=record["attempt"],
+        code=record["exit_code"],
+        signal=record["signal_name"],
+        stop_reason=record["stop_reason"],
+        spawn_error=record["spawn_error"],
+    )
 
 
 @dataclass
@@ -97,5 +116,6 @@ class CheckpointWatch:
         except ValueError:
             return
         if isinstance(record, dict) and record.get("type") == "checkpoint":
-            events.emit(self.paths, "checkpoint", attempt=self.attempt, path=record.get("path"),
-                        step=record.get("step"))
+            events.emit(
+                self.paths, "checkpoint", attempt=self.attempt, path=record.get("path"), step=record.get("step")
+            )

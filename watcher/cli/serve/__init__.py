@@ -4,6 +4,7 @@ The watcher neither starts nor knows it; it reads what the watcher and the jobs 
 by default; any other address needs a token, which every request must then carry. The web
 stack (starlette, uvicorn) is the optional ``serve`` extra, imported only when the command runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,20 +28,35 @@ class ServeRefused(Exception):
 
 def add_serve_command(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Namespace], Path]) -> None:
     """Register ``trainq serve``; ``root_of`` resolves the queue root as cli/main.py does."""
-    p = sub.add_parser("serve", help="serve status and live streams (server-sent events) of the queue's files, "
-                       "read-only (needs the serve extra)")
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}); "
-                   "a non-loopback address needs --token or --token-file")
+    p = sub.add_parser(
+        "serve",
+        help="serve status and live streams (server-sent events) of the queue's files, "
+        "read-only (needs the serve extra)",
+    )
+    p.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to bind (default {DEFAULT_HOST}); a non-loopback address needs --token or --token-file",
+    )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
     token = p.add_mutually_exclusive_group()
-    token.add_argument("--token", help="require Authorization: Bearer TOKEN on every request (visible in ps: "
-                       "prefer --token-file)")
+    token.add_argument(
+        "--token", help="require Authorization: Bearer TOKEN on every request (visible in ps: prefer --token-file)"
+    )
     token.add_argument("--token-file", metavar="FILE", help="read the token from the first line of FILE")
-    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
-                   help="let pages from ORIGIN read the streams (CORS), e.g. an IDE's webview; repeatable")
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let pages from ORIGIN read the streams (CORS), e.g. an IDE's webview; repeatable",
+    )
     p.add_argument("--keepalive-s", type=float, default=15.0, help="seconds between keepalive comments (default 15)")
-    p.add_argument("--polling", action="store_true", help="poll instead of inotify (network filesystems; "
-                   "jobs writing on other machines, as with Slurm)")
+    p.add_argument(
+        "--polling",
+        action="store_true",
+        help="poll instead of inotify (network filesystems; jobs writing on other machines, as with Slurm)",
+    )
     p.set_defaults(func=lambda args: cmd_serve(args, root_of))
 
 
@@ -50,7 +66,9 @@ def cmd_serve(args: argparse.Namespace, root_of: Callable[[argparse.Namespace], 
         token = read_token(args.token, args.token_file)
         check_bind(args.host, token)
         if not 0 <= args.port <= 65535 or args.keepalive_s <= 0:
-            raise ServeRefused(f"--port must be 0-65535 and --keepalive-s positive (got {args.port}, {args.keepalive_s})")
+            raise ServeRefused(
+                f"--port must be 0-65535 and --keepalive-s positive (got {args.port}, {args.keepalive_s})"
+            )
         if not root.is_dir():
             raise ServeRefused(f"{root}: no queue here; create one with `trainq init {root}`")
     except ServeRefused as exc:
@@ -61,19 +79,30 @@ def cmd_serve(args: argparse.Namespace, root_of: Callable[[argparse.Namespace], 
 
         from trainq.watcher.cli.serve.app import create_app
     except ImportError as exc:
-        print(f"trainq serve: needs the serve extra ({exc.name} is missing): pip install 'trainq[serve]'", file=sys.stderr)
+        print(
+            f"trainq serve: needs the serve extra ({exc.name} is missing): pip install 'trainq[serve]'", file=sys.stderr
+        )
         return EXIT_ERROR
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
         print(f"trainq serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR
-    app = create_app(root, token=token, local_only=is_loopback(args.host), keepalive_s=args.keepalive_s,
-                     allow_origins=args.allow_origin, polling=args.polling)
+    app = create_app(
+        root,
+        token=token,
+        local_only=is_loopback(args.host),
+        keepalive_s=args.keepalive_s,
+        allow_origins=args.allow_origin,
+        polling=args.polling,
+    )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"trainq serve: {root} on http://{shown}:{port}/ (read-only{', token required' if token else ''}); "
-          "Ctrl-C stops", flush=True)
+    print(
+        f"trainq serve: {root} on http://{shown}:{port}/ (read-only{', token required' if token else ''}); "
+        "Ctrl-C stops",
+        flush=True,
+    )
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])
     return EXIT_OK
@@ -93,8 +122,10 @@ def read_token(token: str | None, token_file: str | None) -> str | None:
     if token is None:
         return None
     if len(token.strip()) < MIN_TOKEN_CHARS or any(c.isspace() for c in token.strip()):
-        raise ServeRefused(f"{where}: the token must be at least {MIN_TOKEN_CHARS} characters without spaces "
-                           f"(e.g. `openssl rand -hex 16`)")
+        raise ServeRefused(
+            f"{where}: the token must be at least {MIN_TOKEN_CHARS} characters without spaces "
+            f"(e.g. `openssl rand -hex 16`)"
+        )
     return token.strip()
 
 
@@ -111,9 +142,11 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, token: str | None) -> None:
     """Refuse a non-loopback address without a token: the queue's logs would be open to the network."""
     if not is_loopback(host) and not token:
-        raise ServeRefused(f"--host {host} is not a loopback address: refusing to serve the queue to the network "
-                           "without a token; give --token-file FILE (or --token T), clients then send "
-                           "Authorization: Bearer T")
+        raise ServeRefused(
+            f"--host {host} is not a loopback address: refusing to serve the queue to the network "
+            "without a token; give --token-file FILE (or --token T), clients then send "
+            "Authorization: Bearer T"
+        )
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -4,6 +4,7 @@ Read-only by construction: every route is GET (HEAD), and nothing here opens a f
 A stream reads the job's file from an offset, sends whole lines, then sleeps until inotify says the
 folder changed (or the keepalive is due). Ids are looked up in the four state folders by name only.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,15 @@ from trainq.watcher.cli.serve.feed import JobFeed
 from trainq.watcher.cli.serve.watch import QueueWatch
 from trainq.watcher.faces.live import live_page
 from trainq.watcher.faces.stream import (
-    READ_BYTES, JobPlace, file_size, find_job, read_from, resume_offset, split_log, split_records, sse,
+    READ_BYTES,
+    JobPlace,
+    file_size,
+    find_job,
+    read_from,
+    resume_offset,
+    split_log,
+    split_records,
+    sse,
 )
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import read_json
@@ -52,8 +61,11 @@ class _BearerToken:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self._allowed(Request(scope)):
-            response = PlainTextResponse("trainq serve: missing or wrong token (send Authorization: Bearer TOKEN)\n",
-                                         status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            response = PlainTextResponse(
+                "trainq serve: missing or wrong token (send Authorization: Bearer TOKEN)\n",
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -82,8 +94,10 @@ class ServeApp:
         self.watch = QueueWatch(self.root, asyncio.get_running_loop(), polling=self.polling)
         self.watch.start()
         self.feed = JobFeed(self.root)
-        tasks = [asyncio.create_task(self.feed.run(self.watch)),
-                 asyncio.create_task(self.watch.keep_alive(self.keepalive_s))]
+        tasks = [
+            asyncio.create_task(self.feed.run(self.watch)),
+            asyncio.create_task(self.watch.keep_alive(self.keepalive_s)),
+        ]
         try:
             yield
         finally:
@@ -121,12 +135,17 @@ class ServeApp:
         if place is None:
             return PlainTextResponse(f"no job {job_id!r} in {self.root}\n", status_code=404)
         path = file_of(place.paths)
-        start = resume_offset(request.headers.get("last-event-id"), request.query_params.get("from"), path,
-                              request.query_params.get("tail"))
+        start = resume_offset(
+            request.headers.get("last-event-id"),
+            request.query_params.get("from"),
+            path,
+            request.query_params.get("tail"),
+        )
         if place.ended and not read_from(path, start, 1):
             return Response(status_code=204)  # ended, and the client has it all: EventSource stops here
-        return StreamingResponse(self._follow_file(place, file_of, split, start), media_type="text/event-stream",
-                                 headers=_SSE_HEADERS)
+        return StreamingResponse(
+            self._follow_file(place, file_of, split, start), media_type="text/event-stream", headers=_SSE_HEADERS
+        )
 
     async def _follow_file(self, place: JobPlace, file_of, split, offset: int) -> AsyncIterator[str]:
         assert self.watch is not None
@@ -184,8 +203,11 @@ class ServeApp:
         return data, events, used
 
     async def events(self, request: Request) -> Response:
-        return StreamingResponse(self._follow_feed(request.headers.get("last-event-id")),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+        return StreamingResponse(
+            self._follow_feed(request.headers.get("last-event-id")),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
 
     async def _follow_feed(self, last_event_id: str | None) -> AsyncIterator[str]:
         assert self.feed is not None
@@ -230,12 +252,20 @@ async def _no_icon(_request: Request) -> Response:
 
 
 def _no_status(root: Path, name: str) -> Response:
-    return PlainTextResponse(f"{root / name} does not exist yet: is `trainq watch` running on {root}?\n",
-                             status_code=503)
+    return PlainTextResponse(
+        f"{root / name} does not exist yet: is `trainq watch` running on {root}?\n", status_code=503
+    )
 
 
-def create_app(root: Path, *, token: str | None = None, local_only: bool = True, keepalive_s: float = KEEPALIVE_S,
-               allow_origins: list[str] | None = None, polling: bool = False) -> Starlette:
+def create_app(
+    root: Path,
+    *,
+    token: str | None = None,
+    local_only: bool = True,
+    keepalive_s: float = KEEPALIVE_S,
+    allow_origins: list[str] | None = None,
+    polling: bool = False,
+) -> Starlette:
     """The ASGI app for ``root``: token check, host check on a loopback bind, CORS for the origins named."""
     serve = ServeApp(root, keepalive_s, polling)
     routes = [
@@ -248,8 +278,14 @@ def create_app(root: Path, *, token: str | None = None, local_only: bool = True,
     ]
     middleware = []
     if allow_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=allow_origins, allow_methods=["GET"],
-                                     allow_headers=["Authorization", "Last-Event-ID"]))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=allow_origins,
+                allow_methods=["GET"],
+                allow_headers=["Authorization", "Last-Event-ID"],
+            )
+        )
     if local_only:
         middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=LOCAL_HOSTS))
     if token:

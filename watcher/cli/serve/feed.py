@@ -8,6 +8,7 @@ from run.json), and one gone from all four was removed. Each change gets an id
 Last-Event-ID gets exactly what it missed, or a fresh ``snapshot`` when that is too old or the
 server restarted.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -70,7 +71,11 @@ class JobFeed:
             try:
                 with os.scandir(self.root / state) as entries:
                     for entry in entries:
-                        if is_job_id(entry.name) and not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False):
+                        if (
+                            is_job_id(entry.name)
+                            and not entry.name.startswith(".")
+                            and entry.is_dir(follow_symlinks=False)
+                        ):
                             found[entry.name] = state
             except OSError:
                 continue
@@ -92,16 +97,19 @@ class JobFeed:
         for job_id in sorted(set(self.jobs) | set(listing) | set(passed)):
             before, after = self.jobs.get(job_id), listing.get(job_id)
             final_rank = _RANK.get(after, len(_RANK))
-            steps = sorted((s for s in passed.get(job_id, ()) if _RANK[s] < final_rank and s != (before or ("",))[0]),
-                           key=_RANK.get)
+            steps = sorted(
+                (s for s in passed.get(job_id, ()) if _RANK[s] < final_rank and s != (before or ("",))[0]),
+                key=_RANK.get,
+            )
             for state in steps:
                 sent.append(self._record(job_id, self.jobs.get(job_id), state, now, current=False))
             if (self.jobs.get(job_id) or (None,))[0] != after:
                 sent.append(self._record(job_id, self.jobs.get(job_id), after, now))
         return sent
 
-    def _record(self, job_id: str, before: tuple[str, str | None] | None, state: str | None, now: str,
-                current: bool = True) -> str:
+    def _record(
+        self, job_id: str, before: tuple[str, str | None] | None, state: str | None, now: str, current: bool = True
+    ) -> str:
         """One change; ``current``: the job is in ``state`` now (its status is read from run.json), else it passed."""
         status = (_status(self.root, state, job_id) if current else state) if state else None
         if state:
@@ -111,8 +119,17 @@ class JobFeed:
         change = _CHANGE[state] if state else "removed"
         if state == "pending" and before and before[0] in ("running", "failed"):
             change = "requeued"
-        data = json.dumps({"id": job_id, "change": change, "state": state, "status": status,
-                           "previous": before[0] if before else None, "time": now}, ensure_ascii=False)
+        data = json.dumps(
+            {
+                "id": job_id,
+                "change": change,
+                "state": state,
+                "status": status,
+                "previous": before[0] if before else None,
+                "time": now,
+            },
+            ensure_ascii=False,
+        )
         self.seq += 1
         self.ring.append((self.seq, data))
         self._send(("job", self.event_id(self.seq), data))
@@ -173,8 +190,9 @@ class JobFeed:
             arrivals, watch.arrivals = watch.arrivals, []
             self.rescan(arrivals)
 
-        await asyncio.gather(self._follow(watch.folders_changed, rescan),
-                             self._follow(watch.status_changed, self.status_replaced))
+        await asyncio.gather(
+            self._follow(watch.folders_changed, rescan), self._follow(watch.status_changed, self.status_replaced)
+        )
 
     @staticmethod
     async def _follow(changed: asyncio.Event, react) -> None:

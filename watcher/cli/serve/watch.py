@@ -6,6 +6,7 @@ the queue root, the four state folders, and the folder of each job somebody is s
 IN_MOVED_FROM is asked for, so watchdog never holds events back waiting for a move's other half
 (every move between state folders also shows as IN_MOVED_TO in the folder the job lands in).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,17 @@ import threading
 from pathlib import Path
 
 from watchdog.events import (
-    DirCreatedEvent, DirDeletedEvent, DirModifiedEvent, DirMovedEvent, FileClosedEvent, FileCreatedEvent,
-    FileDeletedEvent, FileModifiedEvent, FileMovedEvent, FileSystemEvent, FileSystemEventHandler,
+    DirCreatedEvent,
+    DirDeletedEvent,
+    DirModifiedEvent,
+    DirMovedEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileModifiedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
 )
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
@@ -32,10 +42,15 @@ POLL_S = 1.0
 _FOLDER_EVENTS = (DirCreatedEvent, DirMovedEvent, DirDeletedEvent, FileCreatedEvent, FileMovedEvent, FileDeletedEvent)
 _JOB_EVENTS = (FileModifiedEvent, FileClosedEvent, FileCreatedEvent, FileMovedEvent, DirModifiedEvent)
 _MASKS = {
-    FileModifiedEvent: "IN_MODIFY", DirModifiedEvent: "IN_MODIFY", FileClosedEvent: "IN_CLOSE_WRITE",
-    FileCreatedEvent: "IN_CREATE", DirCreatedEvent: "IN_CREATE",
-    FileMovedEvent: "IN_MOVED_TO", DirMovedEvent: "IN_MOVED_TO",
-    FileDeletedEvent: "IN_DELETE", DirDeletedEvent: "IN_DELETE",
+    FileModifiedEvent: "IN_MODIFY",
+    DirModifiedEvent: "IN_MODIFY",
+    FileClosedEvent: "IN_CLOSE_WRITE",
+    FileCreatedEvent: "IN_CREATE",
+    DirCreatedEvent: "IN_CREATE",
+    FileMovedEvent: "IN_MOVED_TO",
+    DirMovedEvent: "IN_MOVED_TO",
+    FileDeletedEvent: "IN_DELETE",
+    DirDeletedEvent: "IN_DELETE",
 }
 
 
@@ -122,8 +137,9 @@ class QueueWatch:
         """Watch the root and the state folders; start watchdog's threads."""
         self._observer.schedule(self._handler, str(self.root), recursive=False, event_filter=list(_FOLDER_EVENTS))
         for state in STATES:
-            self._observer.schedule(self._handler, str(self.root / state), recursive=False,
-                                    event_filter=list(_FOLDER_EVENTS))
+            self._observer.schedule(
+                self._handler, str(self.root / state), recursive=False, event_filter=list(_FOLDER_EVENTS)
+            )
         self._observer.daemon = True
         self._observer.start()
 
