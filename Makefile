@@ -7,20 +7,24 @@ PY := $(VENV)/bin/python
 # (an unpinned torch pulls a multi-GB CUDA build). Elsewhere: make PIP_CONSTRAINT= demo
 PIP_CONSTRAINT ?= .ci/constraints.txt
 
-.PHONY: demo test bench setup clean-demo
+.PHONY: demo test lint bench setup clean-demo
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(if $(PIP_CONSTRAINT),-c $(PIP_CONSTRAINT)) -e '.[train,test,lightning,serve]'
+	$(PY) -m pip install -q $(if $(PIP_CONSTRAINT),-c $(PIP_CONSTRAINT)) -e '.[train,test,lightning,serve,dev]'
 	touch $@
 
 demo: setup
 	$(VENV)/bin/trainq demo
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: setup lint
 	bash .ci/system-deps
 	bash .ci/pytest
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import Queue, job_yaml, kill_strays, load_average, running_watcher, wait_until  # noqa: E402
-from trainq.watcher.spec.units import parse_iso  # noqa: E402
+from bench._common import Queue, job_yaml, kill_strays, load_average, running_watcher, wait_until
+from trainq.watcher.spec.units import parse_iso
 
 #: links per second the chain must reach (issue 23)
 CHAIN_GOAL_LINKS_PER_S = 20.0

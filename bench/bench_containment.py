@@ -96,7 +96,7 @@ def bench_mode(mode: str, runs: int, base: Path) -> dict:
         paths.stop_flag.write_text("now")
         _wait(lambda: sup.read_exit(paths))
         stop_s.append(time.perf_counter() - t0)
-        stop_escaped = [a + b for a, b in zip(stop_escaped, _escaped(marker, gc))]
+        stop_escaped = [a + b for a, b in zip(stop_escaped, _escaped(marker, gc), strict=False)]
         _clean(marker, gc)
         paths, pid, marker, gc = _launch(sup, base / mode, f"kill{i}")
         os.kill(pid, signal.SIGKILL)
@@ -104,7 +104,7 @@ def bench_mode(mode: str, runs: int, base: Path) -> dict:
         t0 = time.perf_counter()
         kill_leftovers(paths)
         kill_s.append(time.perf_counter() - t0)
-        kill_escaped = [a + b for a, b in zip(kill_escaped, _escaped(marker, gc))]
+        kill_escaped = [a + b for a, b in zip(kill_escaped, _escaped(marker, gc), strict=False)]
         _clean(marker, gc)
     _wait(lambda: not sup.reap() and not sup.forked_pids, 30)
     return {

@@ -15,6 +15,7 @@ run above. Goal: under 1 % of a step.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -75,7 +76,7 @@ def run_job(base: Path, name: str, model_dir: Path, processes: int, batch: int, 
         for line in (job / "metrics.jsonl").read_text().splitlines()
         if '"type": "step"' in line
     ]
-    intervals = [b - a for a, b in zip(times[1:], times[2:])]  # the first step holds the warm-up
+    intervals = [b - a for a, b in itertools.pairwise(times)]  # the first step holds the warm-up
     return {"summary": summary, "wall_s": wall, "step_s": statistics.median(intervals)}
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainq.watcher.daemon.admission import Holding, Limits, Request, plan, resources_dict  # noqa: E402
-from trainq.watcher.daemon.resources import ResourceProbe  # noqa: E402
+from trainq.watcher.daemon.admission import Holding, Limits, Request, plan, resources_dict
+from trainq.watcher.daemon.resources import ResourceProbe
 
 
 def tick(probe: ResourceProbe, root: Path, job_pid: int) -> None:

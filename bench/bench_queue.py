@@ -21,7 +21,6 @@ from pathlib import Path
 
 import psutil
 
-from trainq.watcher.spec.units import parse_iso
 from bench._common import (
     PY,
     REPO,
@@ -40,6 +39,7 @@ from bench._common import (
     wait_until,
     workspace,
 )
+from trainq.watcher.spec.units import parse_iso
 
 logger = logging.getLogger(__name__)
 
@@ -504,7 +504,8 @@ def bench_loaded(base: Path, jobs: int, reads: int, poll_s: float, profile_dir: 
         with _readopting_watcher(q.root, _profile(profile_dir, "readopt")) as readopt_s:
             stop_s = _stop_everything(q, jobs)
     goal_stop = READOPT_STOP_GRACE_S + STOP_IGNORING_EXTRA_GOAL_S
-    return status_rows + [
+    return [
+        *status_rows,
         Row(
             "readopt",
             f"6. re-adoption of {jobs} running jobs after SIGKILL of the watcher",

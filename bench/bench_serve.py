@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import shutil
 import signal
@@ -33,7 +32,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import PY, REPO, count_entries, load_average, median, percentile, wait_until  # noqa: E402
+from bench._common import PY, REPO, count_entries, load_average, median, percentile, wait_until
 
 #: goals this benchmark holds the server to (on the project's 2-core machines)
 GOAL_STREAM_CPU_PCT = 50.0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainq.watcher.supervisor import snapshot  # noqa: E402
+from trainq.watcher.supervisor import snapshot
 
 
 def git(repo: Path, *args: str) -> None:

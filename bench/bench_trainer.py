@@ -237,7 +237,7 @@ def packing_comparison(work: Path, tiny: Path, rows: int) -> dict:
     packed = run_trainq(work, tiny, 0, "packed", settings, packing=True)
     padded = run_script(PLAIN_TRAINER, tiny, 0, settings)
     flattened = run_script(PLAIN_TRAINER, tiny, 0, {**settings, "flatten": True})
-    pairs = list(zip(packed["losses"], padded["losses"]))
+    pairs = list(zip(packed["losses"], padded["losses"], strict=False))
     return {
         "stats": stats,
         "packed": packed,
@@ -262,11 +262,8 @@ def stop_latency(work: Path, tiny: Path) -> tuple[float, bool]:
         metrics = job / "metrics.jsonl"
         deadline = time.monotonic() + 300
         while (
-            time.monotonic() < deadline
-            and metrics.exists()
-            and metrics.read_text().count('"type": "step"') < 10
-            or not metrics.exists()
-        ):
+            time.monotonic() < deadline and metrics.exists() and metrics.read_text().count('"type": "step"') < 10
+        ) or not metrics.exists():
             time.sleep(0.05)
         touched = time.perf_counter()
         (job / "stop.flag").touch()

@@ -29,9 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import bench_queue, bench_sweep  # noqa: E402
-from bench._common import PY, REPO, Row, bench_env, load_average, remove_workspaces, spread_out  # noqa: E402
-from trainq.watcher.spec.fsutil import atomic_write  # noqa: E402
+from bench import bench_queue, bench_sweep
+from bench._common import PY, REPO, Row, bench_env, load_average, remove_workspaces, spread_out
+from trainq.watcher.spec.fsutil import atomic_write
 
 logger = logging.getLogger("bench")
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import PY, REPO, BenchError, Queue, WatcherProc, bench_env, kill_strays, load_average, strays  # noqa: E402
+from bench._common import PY, REPO, BenchError, Queue, WatcherProc, bench_env, kill_strays, load_average, strays
 
 #: how long the whole soak may take before it gives up waiting (s)
 DEADLINE_S = 3600.0
@@ -94,10 +94,13 @@ class Plan:
         out = [("gate-edit.yaml", {"command": self._gate("edit")}), ("gate-rm.yaml", {"command": self._gate("rm")})]
         out += [(f"{j}.yaml", {"command": self._cmd("orig"), "after": ["gate-edit"]}) for j in self.edits]
         out += [(f"{j}.yaml", {"command": self._cmd("gone"), "after": ["gate-rm"]}) for j in self.removed]
-        out += [(f"{j}.yaml", {"command": self._cmd("ok"), "after": [g]}) for j, g in zip(self.rm_ok, self.removed)]
+        out += [
+            (f"{j}.yaml", {"command": self._cmd("ok"), "after": [g]})
+            for j, g in zip(self.rm_ok, self.removed, strict=False)
+        ]
         out += [
             (f"{j}.yaml", {"command": self._cmd("any"), "after": [g], "after_policy": "any"})
-            for j, g in zip(self.rm_any, self.removed[len(self.rm_ok) :])
+            for j, g in zip(self.rm_any, self.removed[len(self.rm_ok) :], strict=False)
         ]
         rest = [(f"{j}.yaml", {"command": self._cmd("stop", sleep_s=60), "stop_grace": "1s"}) for j in self.stops]
         rest += [

@@ -22,7 +22,6 @@ sys.path.insert(0, str(REPO))
 sys.path.append(str(FAKE))  # last: nothing there shadows a real module
 from pid_hopper import stamp_out, with_marker  # noqa: E402  (tests/fake_trainers: the hopper's own clean-up)
 
-
 #: every wait's bound is multiplied by this (TRAINQ_TEST_SLACK, default 3): a bound says "something is wrong
 #: if it takes longer", never how fast it must be, so a loaded machine (CI at load 10) only makes waits longer
 SLACK = float(os.environ.get("TRAINQ_TEST_SLACK", "3"))
@@ -146,7 +145,7 @@ class WatcherProcess:
         self.args = args
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "WatcherProcess":
+    def start(self) -> WatcherProcess:
         self.proc = subprocess.Popen(
             [PY, "-m", "trainq.watcher", "--root", str(self.root), "watch", "-q", *self.args],
             cwd=REPO,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator
 
 import jsonschema
 import pytest
@@ -423,7 +423,7 @@ def test_resources_dict_shape(machine: Callable, sleeper: subprocess.Popen, tmp_
     assert res["gpus"][0]["foreign"] == [{"pid": sleeper.pid, "name": "sleep", "used_mb": 900}]
     assert res["gpus"][0]["held_by"] is None and res["gpus"][1]["held_by"] == "llama-a"
     assert res["gpus"][1]["memory_free_mb"] == 6144 and res["gpus"][1]["simulated"] is True
-    assert set(res["disk"]) == {str(tmp_path)} and res["battery"] is None or isinstance(res["battery"], dict)
+    assert (set(res["disk"]) == {str(tmp_path)} and res["battery"] is None) or isinstance(res["battery"], dict)
     empty = resources_dict(ResourceProbe(env={}).sample([]), [])
     jsonschema.validate(empty, RESOURCES_SCHEMA)
     assert empty["gpus"] == [] and empty["disk"] == {}

@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import drop, tick_until
-from trainq.watcher.spec.fsutil import read_json
+
 from trainq.watcher.spec.allow import LOADER_VARIABLES, is_loader_variable, resolve_executable
+from trainq.watcher.spec.fsutil import read_json
 
 ECHO = shutil.which("echo")
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import yaml
-
 from conftest import drop, tick_until
+
 from trainq.watcher.spec.allow import LOADER_FAMILIES, is_loader_variable
 
 PY3 = "/usr/bin/python3"
@@ -174,7 +173,7 @@ def test_python_start_up_and_user_site(queue_dir, watcher, marks):
     user_site = marks / "home" / ".local" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
     if (
         subprocess.run(
-            [PY3, "-c", "import sys; sys.exit(sys.version_info[:2] != (%d, %d))" % sys.version_info[:2]]
+            [PY3, "-c", f"import sys; sys.exit(sys.version_info[:2] != {sys.version_info[:2]!r})"]
         ).returncode
         == 0
     ):

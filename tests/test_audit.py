@@ -7,14 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import PY, REPO, drop, wait_until
+
 from trainq.watcher.spec.fsutil import read_json
 
 

@@ -11,12 +11,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import FAKE, PY, REPO, drop, job_processes, wait_until
 
 HF_SCRIPT = FAKE / "hf_plain.py"
@@ -62,8 +60,8 @@ def reference(tiny: Path, tmp_path_factory) -> dict:
             "1000",
             "--save_weights",
             str(out / "final.pt"),
-        ]
-        + TRAIN_ARGS,
+            *TRAIN_ARGS,
+        ],
         check=True,
         env=dict(os.environ, **ENV),
         stdout=subprocess.DEVNULL,

@@ -14,17 +14,16 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 import pytest
-
 from conftest import FAKE, tick_until, wait_until
+from pid_hopper import stamp_out, with_marker
+
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.supervisor import LaunchSpec, Supervisor, cgroups, kill_leftovers, process_tree
-
-from pid_hopper import stamp_out, with_marker  # noqa: E402  (conftest puts tests/fake_trainers on the path)
 
 CGROUP_MODES = ("cgroup-v2", "cgroup-v1")
 

@@ -13,8 +13,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
-
 from conftest import FAKE, PY, job_processes, tick_until, wait_until
 
 
@@ -70,7 +68,7 @@ def test_rm_rf_of_a_running_job_stops_its_processes_and_the_loop_goes_on(queue_d
         tick_until(w, lambda: status(queue_dir)["counts"]["running"] == 0, what="the removed job forgotten")
         write_job("next")
         tick_until(w, lambda: (queue_dir / "done" / "next").is_dir(), what="the next job runs")
-    gone, alive = psutil.wait_procs(procs, timeout=20)
+    _gone, alive = psutil.wait_procs(procs, timeout=20)
     assert not alive, "the removed job's processes were not stopped"
     lines = [r.getMessage() for r in caplog.records if "victim" in r.getMessage() and "removed" in r.getMessage()]
     assert len(lines) == 1, lines

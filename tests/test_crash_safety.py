@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import drop, tick_until, wait_until
+
 from trainq.watcher.daemon.crashpoints import CRASH_EXIT_CODE
 from trainq.watcher.spec.units import parse_iso
 

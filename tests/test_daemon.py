@@ -10,8 +10,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-
 from conftest import PY, REPO, drop, tick_until
+
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import QueueLocked
 
@@ -92,7 +92,10 @@ def test_priority_then_acceptance_order(queue_dir, watcher, write_job):
     (queue_dir / "pause.flag").touch()
     w = watcher(max_concurrent=1)
     marker = queue_dir / "order.txt"
-    cmd = lambda tag: [PY, "-c", f"open({str(marker)!r}, 'a').write({tag!r} + '\\n')"]
+
+    def cmd(tag):
+        return [PY, "-c", f"open({str(marker)!r}, 'a').write({tag!r} + '\\n')"]
+
     write_job("low1", command=cmd("low1"))
     time.sleep(0.01)
     write_job("low2", command=cmd("low2"))

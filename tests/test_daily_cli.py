@@ -133,4 +133,4 @@ def test_history_lists_every_finished_job_with_filters(queue_dir, watcher_proces
     (queue_dir / "failed" / "bad" / "retry.flag").touch()  # retried: not finished while it runs again
     wait_until(lambda: _run(queue_dir, "bad", "failed") and _run(queue_dir, "bad", "failed")["attempt"] == 2, 30)
     again = json.loads(_cli(queue_dir, "history", "--json").stdout)
-    assert [r for r in again if r["id"] == "bad"][0]["attempts"] == 2 and len(again) == 6
+    assert next(r for r in again if r["id"] == "bad")["attempts"] == 2 and len(again) == 6

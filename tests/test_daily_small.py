@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
-
-from conftest import PY, REPO, drop, wait_until
-from test_workflows import _entry, _job, _run, _status, _where
+from conftest import PY, REPO, wait_until
+from test_workflows import _entry, _job, _where
 
 
 def _cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
+from test_supervisor import FAKE, Jobs
 
-from trainq.watcher.spec.contract import EXIT_DATA, EXIT_FAILED, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, JobPaths
 from trainq.watcher.daemon.diagnosis import (
     KINDS,
     Diagnosis,
@@ -22,7 +22,7 @@ from trainq.watcher.daemon.diagnosis import (
     stalled_diagnosis,
     unsatisfiable_diagnosis,
 )
-from test_supervisor import FAKE, Jobs
+from trainq.watcher.spec.contract import EXIT_DATA, EXIT_FAILED, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, JobPaths
 
 
 class Runner(Jobs):

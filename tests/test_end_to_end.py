@@ -13,8 +13,8 @@ from pathlib import Path
 
 import jsonschema
 import psutil
-
 from conftest import PY, REPO, drop, job_processes, wait_until
+
 from trainq.watcher.spec.units import parse_iso
 
 

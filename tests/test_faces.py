@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-
 from browser_util import Browser
 from conftest import PY, drop, wait_until
 from test_train_queue import job_entry, tiny, train_job  # noqa: F401  (tiny is a module fixture)
-from trainq.watcher.spec.fsutil import atomic_write
+
 from trainq.watcher.faces.html import CurveStore, render_curve, render_html
+from trainq.watcher.spec.fsutil import atomic_write
 
 TMUX = shutil.which("tmux")
 #: the installed `trainq` script beside the venv's python; `python -m trainq.watcher` is the same program

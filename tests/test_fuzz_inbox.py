@@ -16,16 +16,14 @@ import os
 import time
 from pathlib import Path
 
-import pytest
+from conftest import PY, drop, wait_until
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from conftest import PY, drop, wait_until
-from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.daemon.inbox import is_candidate_name, name_problem
-from trainq.watcher.spec.jobspec import decode_spec_bytes, parse_job_text
-from trainq.watcher.spec.errors import Problem
 from trainq.watcher.spec.config import WatcherConfig, check_command_allowed, load_watcher_config
+from trainq.watcher.spec.errors import InvalidJobSpec, Problem
+from trainq.watcher.spec.jobspec import decode_spec_bytes, parse_job_text
 
 #: files thrown in all, and per batch (the inbox is checked after each batch)
 FILES = int(os.environ.get("TRAINQ_FUZZ_FILES", "2000"))

@@ -10,13 +10,12 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import drop, wait_until
+
 from trainq.watcher.spec.fsutil import read_json
 
 

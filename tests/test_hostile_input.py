@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PY, drop, tick_until
+
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.jobspec import MAX_RETRIES, MIN_BACKOFF_S, parse_job_text
 from trainq.watcher.spec.units import MAX_DURATION_S, parse_duration_s

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from trainq.watcher.faces.html import MAX_CURVE_POINTS, CurveStore, format_eta, render_curve, render_html
-from trainq.watcher.faces.status import job_entry
 from trainq.watcher.spec.units import iso_utc
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -7,19 +7,16 @@ import os
 import subprocess
 from pathlib import Path
 
-from conftest import PY, REPO, wait_until
+from conftest import PY, REPO, drop, wait_until
 from test_workflows import _entry, _where
 
-from conftest import drop
+from trainq.watcher.spec.jobspec import parse_job_text
 
 
 def _job(root: Path, file_stem: str, **fields) -> Path:
     fields.setdefault("approved", True)
     fields.setdefault("command", ["true"])
     return drop(root, f"{file_stem}.yaml", json.dumps(fields))
-
-
-from trainq.watcher.spec.jobspec import parse_job_text
 
 
 def _cli(root: str | Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -50,9 +47,9 @@ def test_a_name_is_an_alias_where_an_id_is_taken_and_refused_when_shared(queue_d
     assert _cli(queue_dir, "why", "dup").returncode == 2
     assert "no job with id 'nobody'" in _cli(queue_dir, "logs", "nobody").stderr
     wait_until(lambda: "named" in ((_entry(queue_dir, "later") or {}).get("waiting_for") or ""), 20)
-    assert (
+    assert _entry(queue_dir, "later")["waiting_for"] == (
         "after trainer-x: no job with id trainer-x; job a1 is named trainer-x (after: takes ids: write after: [a1])"
-    ) == _entry(queue_dir, "later")["waiting_for"]
+    )
 
 
 def test_fork_prints_the_id_it_gets_and_says_when_it_is_not_the_first(queue_dir):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import os
 import shutil
 import subprocess
@@ -11,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import drop, tick_until
-from trainq.watcher.spec.folders import id_from_name
+
 from trainq.watcher.daemon.inbox import is_candidate_name
+from trainq.watcher.spec.folders import id_from_name
 
 GOOD = "approved: true\ncommand: ['true']\n"
 
@@ -71,7 +73,7 @@ def test_same_name_twice_gets_suffixed_ids(queue_dir, watcher):
     drop(queue_dir, "x.yaml", "approved: true\ncommand: [sleep, '5']\nstop_grace: 0.5\n")
     tick_until(w, lambda: states(queue_dir)["running"] == ["x"] or states(queue_dir)["pending"] == ["x"])
     drop(queue_dir, "x.yaml", GOOD)
-    tick_until(w, lambda: "x-2" in sum(states(queue_dir).values(), []))
+    tick_until(w, lambda: "x-2" in functools.reduce(operator.iadd, states(queue_dir).values(), []))
     (queue_dir / "running" / "x" / "stop.flag").touch()
     tick_until(w, lambda: states(queue_dir)["failed"] == ["x"] and states(queue_dir)["done"] == ["x-2"], 20)
 

@@ -448,7 +448,7 @@ def test_command_job_launch_with_and_without_resume() -> None:
     values = {"job_dir": "/q/running/sweep", "job_id": "sweep", "attempt": "2", "resume_from": "/q/running/sweep/ck"}
     base = ["python", "train.py", "--lr", "1e-4", "--epochs", "3", "--out", "/q/running/sweep/out"]
     assert spec.launch_argv(values, "/usr/bin/python3", resume=False) == base
-    assert spec.launch_argv(values, "/usr/bin/python3", resume=True) == base + ["--resume", "/q/running/sweep/ck"]
+    assert spec.launch_argv(values, "/usr/bin/python3", resume=True) == [*base, "--resume", "/q/running/sweep/ck"]
     assert spec.launch_env(values)["RUN_TAG"] == "sweep-a2"
     assert spec.launch_cwd(values) == "/q/running/sweep/work"
     assert spec.has_resume and not spec.is_train

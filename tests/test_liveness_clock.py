@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import PY, REPO, wait_until
 from rich.console import Console
 
-from conftest import PY, REPO, wait_until
 from trainq.watcher.faces.html import render_html
 from trainq.watcher.faces.liveness import (
     ALIVE,

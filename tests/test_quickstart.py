@@ -14,7 +14,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import PY, REPO, wait_until
 
 #: a PATH with only the system folders: its python3 (if any) lacks torch, and `python` may not exist

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import PY, drop, tick_until
+
 from trainq.watcher.spec import events
 from trainq.watcher.spec.contract import JobPaths
 

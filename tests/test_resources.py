@@ -7,15 +7,15 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import psutil
-from conftest import wait_until
 import pytest
+from conftest import wait_until
 
-from trainq.watcher.spec.contract import ENV_SIMULATE_GPUS
 from trainq.watcher.daemon.resources import ENV_SIMULATE_BATTERY, GpuInfo, ResourceProbe
+from trainq.watcher.spec.contract import ENV_SIMULATE_GPUS
 
 TWO_GPUS = [
     {
@@ -93,7 +93,7 @@ def test_simulation_file_is_reread_when_it_changes(tmp_path: Path) -> None:
     sim = write_json(tmp_path / "gpus.json", TWO_GPUS)
     probe = probe_for(sim)
     assert len(probe.sample().gpus) == 2
-    write_json(sim, TWO_GPUS + [{"index": 2, "name": "Sim 24GB", "memory_total_mb": 24576}])
+    write_json(sim, [*TWO_GPUS, {"index": 2, "name": "Sim 24GB", "memory_total_mb": 24576}])
     assert [g.name for g in probe.sample().gpus] == ["Sim 6GB", "Sim 6GB", "Sim 24GB"]
     replacement = tmp_path / "new.json"  # editors that save by rename change the inode
     write_json(replacement, TWO_GPUS[:1])
@@ -228,7 +228,7 @@ def _has_nvidia_driver() -> bool:
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
         return True
-    except Exception:  # noqa: BLE001 - any NVML failure means: no usable driver here
+    except Exception:
         return False
 
 

@@ -9,11 +9,11 @@ import os
 import stat
 from pathlib import Path
 
+from conftest import PY, drop, tick_until, wait_until
 from rich.console import Console
 
-from conftest import PY, drop, tick_until, wait_until
-from trainq.watcher.spec.text import PrintableFormatter, printable
 from trainq.watcher.faces.view import render_status
+from trainq.watcher.spec.text import PrintableFormatter, printable
 
 PRINT_ENV = "import os; print(sorted(k for k in os.environ if k.startswith(('SECRET', 'KEEP', 'OWN'))))"
 

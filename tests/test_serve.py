@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, drop, wait_until
 
 pytest.importorskip("starlette", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
 pytest.importorskip("uvicorn", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
-from serve_util import Server, chatty_job  # noqa: E402
-from trainq.watcher.faces.stream import clean  # noqa: E402
+from serve_util import Server, chatty_job
+
+from trainq.watcher.faces.stream import clean
 
 TOKEN = "0123456789abcdef0123"
 
@@ -134,7 +134,7 @@ def test_ids_are_checked_against_the_folders_and_nothing_changes_the_queue(
     assert server.get("/status", {"Host": "evil.example:80"})[0] == 400  # DNS rebinding of a loopback server
     assert server.get("/jobs/a/metrics")[0] == 204  # a symlinked metrics file is not followed: nothing to send
     log = server.stream("/jobs/a/log")
-    assert [(e.kind, e.id, e.data) for e in log.until(lambda e: e.kind == "end")][0] == ("message", "6", "hello")
+    assert next((e.kind, e.id, e.data) for e in log.until(lambda e: e.kind == "end")) == ("message", "6", "hello")
     assert server.get("/jobs/a/log", {"Last-Event-ID": "6"})[0] == 204
     assert _tree(queue_dir) == before
 
@@ -213,7 +213,7 @@ def test_a_real_jobs_log_and_metrics_stream_live_and_resume_exactly_at_every_id(
     assert json.loads(events[-1].data)["status"] == "done"
     ids = [int(e.id) for e in events[:-1]]
     assert ids == sorted(set(ids)) and ids[-1] == len(log)
-    for start, end, event in zip([0] + ids, ids, events):  # each id is the offset just past its line
+    for start, end, event in zip([0, *ids], ids, events, strict=False):  # each id is the offset just past its line
         assert clean(log[start:end].rstrip(b"\r\n")).endswith(event.data) and log[start:end].endswith((b"\n", b"\r"))
 
     for i, event in enumerate(events[:-1]):  # reconnect after every event: exactly the rest, then the end

@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("starlette", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
 pytest.importorskip("uvicorn", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
 
-from browser_util import Browser  # noqa: E402
-from conftest import drop, wait_until  # noqa: E402
-from serve_util import Server, chatty_job  # noqa: E402
+from browser_util import Browser
+from conftest import drop, wait_until
+from serve_util import Server, chatty_job
 
 TOKEN = "f00dfeedcafe0123456789"
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import FAKE, PY, REPO, drop, tick_until, wait_until
-from trainq.watcher.spec.contract import JobPaths
+
 from trainq.watcher.slurm.batch import sbatch_env
-from trainq.watcher.supervisor import LaunchSpec
 from trainq.watcher.slurm.executor import EXIT_NOT_SHARED, SlurmExecutor, batch_env, batch_script, time_limit_min
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.supervisor import LaunchSpec
 
 pytestmark = pytest.mark.slurm
 
@@ -257,9 +257,9 @@ def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
 def test_slurm_ending_a_job_itself_gets_an_exit_record_and_diagnosis(tmp_path, state, status, kind):
     """Each way Slurm ends a job without the supervisor's record: a node failure is preempted (retried), a scancel
     from outside trainq is cancelled (never retried by itself), a job Slurm forgot says so."""
-    from trainq.watcher.spec.config import WatcherConfig
     from trainq.watcher.daemon.jobs import judge_exit
     from trainq.watcher.slurm.executor import SlurmJob
+    from trainq.watcher.spec.config import WatcherConfig
 
     paths = JobPaths(tmp_path / "job")
     paths.dir.mkdir()
@@ -800,7 +800,7 @@ def test_one_squeue_per_poll_with_a_retried_job_queued_and_many_jobs(
             w.jobs["retried"].run.get("attempt") == 2
             and w.jobs["retried"].run.get("waiting_for") in ("Slurm: Resources", "Slurm: Priority")
             and all(
-                (w.jobs.get(f"held{i}") and w.jobs[f"held{i}"].run.get("waiting_for") or "").startswith("Slurm: ")
+                ((w.jobs.get(f"held{i}") and w.jobs[f"held{i}"].run.get("waiting_for")) or "").startswith("Slurm: ")
                 for i in range(6)
             )
         ),
@@ -1236,7 +1236,7 @@ def test_a_watcher_killed_while_a_sweeps_array_waits_readopts_every_task(queue_d
     )
     assert "sweep held: stop requested for 3 job(s)" in stopped.stdout, stopped.stderr
     wait_until(lambda: all(finished(queue_dir, i) for i in ids), 30, what="the sweep to be cancelled")
-    for job_id, task in zip(ids, tasks):
+    for job_id, task in zip(ids, tasks, strict=False):
         run = run_json(finished(queue_dir, job_id))
         assert run["status"] == "cancelled" and [a["slurm_job_id"] for a in run["attempts"]] == [task]
     # one array, nothing submitted twice (Slurm shows a cancelled never-started array as its id alone)

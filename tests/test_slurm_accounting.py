@@ -15,7 +15,6 @@ import signal
 import subprocess
 
 import pytest
-
 from conftest import drop, tick_until, wait_until
 from test_slurm import (  # noqa: F401  (the autouse clean-up fixture is used by name)
     SLURM,
@@ -97,7 +96,7 @@ def test_a_real_qos_submit_limit_holds_the_job_back_until_a_slot_frees(queue_dir
     """QOS normal allows 2 submitted jobs per user (sacctmgr; limits enforced): slurmctld refuses the third sbatch
     with QOSMaxSubmitJobPerUserLimit; trainq keeps it pending, says which limit, and submits it again."""
     limit = ["sacctmgr", "-i", "modify", "qos", "normal", "set"]
-    subprocess.run(limit + ["MaxSubmitJobsPerUser=2"], check=True, capture_output=True, timeout=60)
+    subprocess.run([*limit, "MaxSubmitJobsPerUser=2"], check=True, capture_output=True, timeout=60)
     try:
         w = watcher(**SLURM)
         w.executor.limit_retry_s = 1.0  # the real wait is 30 s; only the wait shrinks here
@@ -117,4 +116,4 @@ def test_a_real_qos_submit_limit_holds_the_job_back_until_a_slot_frees(queue_dir
             run = run_json(done)
             assert done.parent.name == "done" and len(run["attempts"]) == 1, run
     finally:
-        subprocess.run(limit + ["MaxSubmitJobsPerUser=-1"], check=True, capture_output=True, timeout=60)
+        subprocess.run([*limit, "MaxSubmitJobsPerUser=-1"], check=True, capture_output=True, timeout=60)

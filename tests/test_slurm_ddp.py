@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import drop, tick_until
 from test_slurm import SLURM, finished, job_file, no_leftover_slurm_jobs, slurm_cluster  # noqa: F401 - fixtures
 from trainer_util import BASE_TRAIN, build_tiny

@@ -17,7 +17,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import drop, tick_until
 from test_slurm import (  # noqa: F401  (the cluster fixtures are used by name)
     SLURM,
@@ -31,6 +30,7 @@ from test_slurm import (  # noqa: F401  (the cluster fixtures are used by name)
     slurm_state,
     status_job,
 )
+
 from trainq.watcher.slurm.batch import effective_time_min, signal_lead_s
 from trainq.watcher.slurm.state import decode_status, parse_sacct, parse_squeue
 
@@ -250,7 +250,7 @@ def test_polls_ask_only_about_the_queues_jobs_and_space_out_while_nothing_change
     tick_until(
         w,
         lambda: all(
-            (w.jobs.get(f"h{i}") and w.jobs[f"h{i}"].run.get("waiting_for") or "") == "Slurm: JobHeldUser"
+            ((w.jobs.get(f"h{i}") and w.jobs[f"h{i}"].run.get("waiting_for")) or "") == "Slurm: JobHeldUser"
             for i in range(3)
         ),
         30,
@@ -293,7 +293,7 @@ def test_a_silent_node_is_stalled_then_cancelled_and_retried_as_preempted(queue_
         assert "no heartbeat" in (w.jobs["hung"].run.get("health_reason") or "")
         tick_until(
             w,
-            lambda: w.jobs.get("hung") is not None and w.jobs["hung"].attempt == 2 or finished(queue_dir, "hung"),
+            lambda: (w.jobs.get("hung") is not None and w.jobs["hung"].attempt == 2) or finished(queue_dir, "hung"),
             60,
             "trainq to give up on the node",
         )

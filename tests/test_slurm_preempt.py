@@ -13,7 +13,6 @@ import socket
 import subprocess
 
 import pytest
-
 from conftest import drop, tick_until, wait_until
 from test_slurm import (  # noqa: F401  (the cluster fixtures are used by name)
     SLURM,
@@ -102,7 +101,7 @@ def test_a_job_preempted_by_a_higher_priority_partition_is_retried_from_where_it
     try:
         tick_until(
             w,
-            lambda: w.jobs.get("low") is not None and w.jobs["low"].attempt == 2 or finished(queue_dir, "low"),
+            lambda: (w.jobs.get("low") is not None and w.jobs["low"].attempt == 2) or finished(queue_dir, "low"),
             90,
             "Slurm to preempt low and trainq to retry it",
         )

@@ -8,11 +8,11 @@ import signal
 from pathlib import Path
 
 import psutil
-
 from conftest import wait_until
+
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.supervisor.spawner import SpawningSupervisor
 from trainq.watcher.supervisor import LaunchSpec
+from trainq.watcher.supervisor.spawner import SpawningSupervisor
 
 
 def spec_for(tmp_path: Path, name: str, argv: tuple[str, ...]) -> LaunchSpec:
@@ -119,7 +119,7 @@ def test_a_dead_helper_falls_back_to_forking_in_process(tmp_path):
         paths = JobPaths(Path(second.job_dir))
         wait_until(lambda: sup.read_exit(paths), 10)
         assert "forked-here" in paths.log.read_text()
-        wait_until(lambda: not sup.forked_pids or sup.reap() and not sup.forked_pids, 10)
+        wait_until(lambda: not sup.forked_pids or (sup.reap() and not sup.forked_pids), 10)
     finally:
         sup.close()
 

@@ -87,7 +87,7 @@ def test_any_write_boundaries_give_the_same_pieces_and_every_id_resumes_exactly(
     data = b"".join(chunks)
     whole = split_log(data, 0, final=True)[0]
     sent, offset = [], 0
-    for size in sorted({min(c, len(data)) for c in cuts}) + [len(data)]:
+    for size in [*sorted({min(c, len(data)) for c in cuts}), len(data)]:
         pieces, used = split_log(data[offset:size], offset, final=size == len(data))
         sent += pieces
         offset += used

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 from conftest import FAKE, PY, job_processes, tick_until
 
 RESUMABLE = r"""

@@ -11,17 +11,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 import pytest
-
 from conftest import wait_until
+
 from trainq.watcher.spec.contract import ENV_JOB_DIR, JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
-from trainq.watcher.supervisor.signals import install_watcher_signal_handlers
 from trainq.watcher.supervisor import LaunchSpec, Supervisor
+from trainq.watcher.supervisor.signals import install_watcher_signal_handlers
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).resolve().parent / "fake_trainers"
@@ -449,7 +449,7 @@ def _drain(fd: int) -> bytes:
 
 def test_launch_into_a_missing_folder_raises_spawn_failed(jobs: Jobs, tmp_path: Path) -> None:
     paths = JobPaths(tmp_path / "running" / "never-made")
-    with pytest.raises(SpawnFailed, match="never-made.*check that the job folder exists"):
+    with pytest.raises(SpawnFailed, match=r"never-made.*check that the job folder exists"):
         jobs.sup.launch(jobs.spec(paths, ("true",)))
     assert not jobs.sup.forked_pids
 

@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 from conftest import PY, REPO, drop, tick_until
+
 from trainq.watcher.faces.bounds import MAX_PARAMS, MAX_TEXT_CHARS
-from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.jobspec import load_job_file
 from trainq.watcher.spec.sweeps import MAX_SWEEP_BYTES, apply_params, expand
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import PY, REPO, drop, wait_until
 
 torch = pytest.importorskip("torch", reason="the training stack (pip install -e '.[train]') is not installed")

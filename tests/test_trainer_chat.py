@@ -115,7 +115,26 @@ def test_alpaca_and_sharegpt_rows_are_conversations(tiny, tmp_path):
 def chat_rows(count: int, seed: int = 7) -> list[dict]:
     """Random user turns, one constant assistant answer."""
     rng = random.Random(seed)
-    words = "red blue green cat dog fox bird hill tree barn river fence old small runs sits looks walks".split()
+    words = [
+        "red",
+        "blue",
+        "green",
+        "cat",
+        "dog",
+        "fox",
+        "bird",
+        "hill",
+        "tree",
+        "barn",
+        "river",
+        "fence",
+        "old",
+        "small",
+        "runs",
+        "sits",
+        "looks",
+        "walks",
+    ]
     return [
         {
             "messages": [

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
-
 from conftest import drop, wait_until
 from trainer_util import build_tiny, events, output, records, run_trainer, start_trainer, summary, write_job
 

@@ -31,7 +31,7 @@ def tiny(tmp_path_factory) -> Path:
 
 def preference_file(path: Path, count: int = 64) -> Path:
     rng = random.Random(3)
-    words = "red blue green cat dog fox bird hill tree".split()
+    words = ["red", "blue", "green", "cat", "dog", "fox", "bird", "hill", "tree"]
     rows = [
         {
             "prompt": " ".join(rng.choice(words) for _ in range(5)) + " is",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
 
@@ -15,7 +14,7 @@ from trainq.watcher.spec.contract import EXIT_USAGE
 
 
 def test_preview_shows_labels_per_token_and_skipped_rows(tmp_path):
-    tiny = build_tiny(tmp_path / "tiny")
+    build_tiny(tmp_path / "tiny")
     data = tmp_path / "chat.jsonl"
     data.write_text(
         "".join(

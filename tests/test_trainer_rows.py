@@ -114,14 +114,16 @@ def test_tool_call_rows_are_accepted_and_every_assistant_turn_ends_with_eos(toke
     text = trained(example, tokenizer)
     assert "get_weather" in text and "Paris" in text and "It is sunny." in text and "sunny" + "<|eos|>" not in text[:20]
     assert example["input_ids"].count(tokenizer.eos_token_id) == 2, "each assistant turn ends with eos (no template)"
-    eos_labels = [label for t, label in zip(example["input_ids"], example["labels"]) if t == tokenizer.eos_token_id]
+    eos_labels = [
+        label for t, label in zip(example["input_ids"], example["labels"], strict=False) if t == tokenizer.eos_token_id
+    ]
     assert eos_labels == [tokenizer.eos_token_id] * 2, "both end-of-turn tokens are trained"
     ends_on_user = encode(
         Row(
             "d",
             1,
             "messages",
-            {"messages": TOOL_CALL[:1] + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "bye"}]},
+            {"messages": [*TOOL_CALL[:1], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "bye"}]},
             "",
         ),
         tokenizer,
@@ -156,7 +158,7 @@ def test_a_job_whose_rows_all_fail_is_a_data_error_with_counts_and_a_few_bad_one
     assert [e["stage"] for e in found] == ["reading", "tokenizing"]
     assert found[1]["reasons"] == {"no assistant turn": 2} and summary(job)["outcome"] == "done"
 
-    empty = write_rows(tmp_path / "empty.jsonl", bad + [{"prompt": "word " * 200, "completion": "x"}])
+    empty = write_rows(tmp_path / "empty.jsonl", [*bad, {"prompt": "word " * 200, "completion": "x"}])
     job = write_job(tmp_path / "empty", tiny, data={"train": str(empty), "max_bad_rows": 10}, max_steps=2)
     assert run_trainer(job) == EXIT_DATA, output(job)
     log = output(job)

@@ -11,9 +11,9 @@ import pytest
 from trainq.trainer import checkpoints, ladder
 from trainq.trainer.config import ConfigError, load_config
 from trainq.trainer.data import IGNORE_INDEX, DataError, Row, RowError, encode, read_rows, split
-from trainq.trainer.sources import load_data
 from trainq.trainer.faults import FaultSpecError, parse_faults
 from trainq.trainer.presets import Knobs, ModelShape, PresetError, choose, estimate
+from trainq.trainer.sources import load_data
 
 # Published shapes (config.json of each model family)
 QWEN25_05B = ModelShape(hidden=896, layers=24, intermediate=4864, vocab=151936, heads=14, kv_heads=2, tied=True)
@@ -50,9 +50,9 @@ def test_7b_qlora_fits_24gb_and_grows_the_micro_batch():
 
 def test_estimate_orders_methods_and_matches_the_7b_rules_of_thumb():
     knobs = Knobs(512, 1, 1, 16)
-    q, l, f = (estimate(LLAMA2_7B, m, knobs).total_mb for m in ("qlora", "lora", "full"))
-    assert q < l < f
-    assert 12_000 < l < 24_000, "7B LoRA in 16-bit: ~16 GB class"
+    q, lo, f = (estimate(LLAMA2_7B, m, knobs).total_mb for m in ("qlora", "lora", "full"))
+    assert q < lo < f
+    assert 12_000 < lo < 24_000, "7B LoRA in 16-bit: ~16 GB class"
     assert f > 100_000, "7B full fine-tune with Adam: ~120 GB class"
 
 

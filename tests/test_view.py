@@ -15,8 +15,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.faces.view import Filters, render_status
+from trainq.watcher.spec.units import iso_utc
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from conftest import run_json, PY, REPO, drop, tick_until
+from conftest import PY, REPO, drop, run_json, tick_until
 from trainer_util import build_tiny, events, records, run_trainer, summary, write_job
+
 from trainq.watcher.spec.contract import EXIT_SCHEDULE
 from trainq.watcher.spec.lrschedule import lr_deviation, scheduled_lr
 from trainq.watcher.supervisor.stacks import innermost, py_spy
@@ -187,8 +187,8 @@ def test_innermost_frames_come_from_the_main_thread() -> None:
 
 
 def test_the_declared_schedule_matches_the_hugging_face_ones() -> None:
-    from transformers import get_scheduler
     import torch
+    from transformers import get_scheduler
 
     plan = {"schedule": "cosine", "peak": 2e-4, "warmup_steps": 10, "total_steps": 100}
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-4)

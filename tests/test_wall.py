@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import FAKE, PY, REPO, drop, run_json, tick_until, wait_until
 
-from conftest import run_json, FAKE, PY, REPO, drop, tick_until, wait_until
 from trainq.watcher.spec.config import WatcherConfig
 from trainq.watcher.spec.errors import InvalidWatcherConfig
 from trainq.watcher.spec.units import iso_utc

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
-
 from conftest import PY, REPO, wait_until
 from test_workflows import _entry, _job, _run, _where
-from trainq.watcher.daemon.resources import GpuInfo, MachineState
+
 from trainq.watcher.cli.why import explain
+from trainq.watcher.daemon.resources import GpuInfo, MachineState
 
 
 def _cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

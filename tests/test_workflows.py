@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import PY, REPO, drop, wait_until
+
 from trainq.watcher.spec.fsutil import read_json
 
 
@@ -301,11 +301,14 @@ def test_sweep_of_tiny_train_jobs_is_compared_in_status(queue_dir, watcher_proce
     wait_until(lambda: _where(queue_dir, "lrs-2-fork") in ("done", "failed"), 120, what="the fork")
     assert _where(queue_dir, "lrs-2-fork") == "done", (queue_dir / "failed" / "lrs-2-fork" / "output.log").read_text()
     assert "initial weights from" in (queue_dir / "done" / "lrs-2-fork" / "output.log").read_text()
-    first = lambda job: next(
-        json.loads(line)["loss"]
-        for line in (queue_dir / "done" / job / "metrics.jsonl").read_text().splitlines()
-        if '"type": "step"' in line or '"type":"step"' in line
-    )
+
+    def first(job):
+        return next(
+            json.loads(line)["loss"]
+            for line in (queue_dir / "done" / job / "metrics.jsonl").read_text().splitlines()
+            if '"type": "step"' in line or '"type":"step"' in line
+        )
+
     assert first("lrs-2-fork") < first("lrs-2") - 0.1, (first("lrs-2-fork"), first("lrs-2"))
     assert _run(queue_dir, "lrs-2-fork")["lineage"]["fork_of"] == "lrs-2"
 

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks = launch.plan(args.job_dir)
         if ranks is not None:  # several ranks: this process is their torchrun agent
             return launch.launch(ranks, args.job_dir, ["--resume-from", args.resume_from] if args.resume_from else [])
-    except Exception as exc:  # noqa: BLE001 - a bad train: block exits 2 here as it would in the trainer
+    except Exception as exc:
         return _exit_code(exc)
     # started before torch is imported: matplotlib's import (~1 s) then overlaps ours and the model load, so a
     # short run finds the helper ready at the end instead of importing matplotlib itself on the critical path;
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainq.trainer.run import main_run
 
         return main_run(args.job_dir, args.resume_from, plotter)
-    except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
+    except Exception as exc:
         return _exit_code(exc)
     finally:
         plotter.close()  # a helper that never plotted (an error, a failed debug run) ends with us

@@ -22,7 +22,7 @@ def _version(module: str) -> str | None:
         from importlib.metadata import version
 
         return version(module)
-    except Exception:  # noqa: BLE001 - a missing or odd distribution just has no version
+    except Exception:
         return None
 
 
@@ -89,9 +89,9 @@ def plot_loss(metrics_path: Path, out: Path, title: str) -> None:
     ]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
-        ax.plot(*zip(*train), label="train loss", linewidth=1)
+        ax.plot(*zip(*train, strict=False), label="train loss", linewidth=1)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
+        ax.plot(*zip(*evals, strict=False), "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.set_title(title)

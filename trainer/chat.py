@@ -137,4 +137,4 @@ def encode_messages(messages: list[dict], tokenizer, train_on: str) -> tuple[lis
         ids, mask = _tokenize_spans(*prefix_spans(messages, tokenizer), tokenizer)
     if train_on == "all":
         return ids, list(ids)
-    return ids, [t if keep else IGNORE_INDEX for t, keep in zip(ids, mask)]
+    return ids, [t if keep else IGNORE_INDEX for t, keep in zip(ids, mask, strict=False)]

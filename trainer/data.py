@@ -306,7 +306,7 @@ def _encode_chat(row: Row, tokenizer, train_on: str) -> tuple[list[int], list[in
         return encode_messages(messages, tokenizer, train_on)
     except UnmaskableTemplate as exc:
         raise RowError(row, f"train.train_on: {exc}", "unmaskable") from None
-    except Exception as exc:  # noqa: BLE001 - a template may raise anything (raise_exception, a None it concatenates)
+    except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RowError(
             row, f"the chat template failed on this row: {type(exc).__name__}: {first}", "template"

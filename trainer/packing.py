@@ -20,6 +20,7 @@ batches, sliding-window masks). The start-up probe checks the switched model lik
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,7 @@ def packed_sdpa_attention(
             scaling=scaling,
             is_causal=True,
         )[0]
-        for a, b in zip(bounds, bounds[1:])
+        for a, b in itertools.pairwise(bounds)
     ]
     return torch.cat(outs, dim=1), None
 

@@ -105,7 +105,7 @@ def main() -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401 - the import is the point: it is what takes the time
+    import matplotlib.pyplot
 
     from trainq.trainer.artifacts import plot_loss
 

@@ -37,7 +37,7 @@ def meta_model(model_dir: str):
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
-    except Exception:  # noqa: BLE001 - some architectures (pre-quantized, remote code) build only from weights
+    except Exception:
         return None
 
 
@@ -101,5 +101,5 @@ def check_template(tokenizer, config: TrainConfig) -> None:
     except TemplateSyntaxError as exc:
         where = config.chat_template or f"{config.model} (the tokenizer's own template)"
         raise ConfigError(f"train.chat_template: {where}: line {exc.lineno}: {exc.message}") from None
-    except Exception:  # noqa: BLE001 - a template may refuse this probe conversation; real rows decide (bad rows)
+    except Exception:
         return

@@ -49,7 +49,7 @@ def show_token(text: str, label: int, color: bool) -> str:
 
 def render_example(ids: list[int], labels: list[int], tokenizer, color: bool) -> str:
     """Every token of one example with its label."""
-    return " ".join(show_token(tokenizer.decode([t]), label, color) for t, label in zip(ids, labels))
+    return " ".join(show_token(tokenizer.decode([t]), label, color) for t, label in zip(ids, labels, strict=False))
 
 
 def _sft_lines(row, tokenizer, config, color: bool) -> list[str]:
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     try:
         print(preview(args.job_file, max(args.n, 0), color=sys.stdout.isatty()))
-    except Exception as exc:  # noqa: BLE001 - config and data errors carry their exit code
+    except Exception as exc:
         code = getattr(exc, "exit_code", None)
         if code is None:
             raise

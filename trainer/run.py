@@ -19,17 +19,17 @@ from trainq.trainer import artifacts, checkpoints, distributed, ladder, packing
 from trainq.trainer.callbacks import RunState, TrainqCallback, TrainqTrainer
 from trainq.trainer.config import ConfigError, TrainConfig, load_config
 from trainq.trainer.data import MAX_REPORTED_BAD_ROWS, DataError, count_reasons, counts_text
-from trainq.trainer.sources import LoadedData, changed_files, check_encoded, load_data, tokenize_cached
-from trainq.trainer.faults import parse_faults
-from trainq.trainer.plotter import LossPlotter
 from trainq.trainer.early_stop import restore_best
+from trainq.trainer.faults import parse_faults
 from trainq.trainer.knobs import initial_weights, round_three_callbacks
-from trainq.trainer.plateau import PlateauWatch, uniform_loss
-from trainq.trainer.preflight import check_startup
-from trainq.trainer.resume_knobs import check_resume_knobs
 from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.modeling import Precision, build_model, count_params, load_tokenizer, resolve_precision
+from trainq.trainer.plateau import PlateauWatch, uniform_loss
+from trainq.trainer.plotter import LossPlotter
+from trainq.trainer.preflight import check_startup
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
+from trainq.trainer.resume_knobs import check_resume_knobs
+from trainq.trainer.sources import LoadedData, changed_files, check_encoded, load_data, tokenize_cached
 from trainq.trainer.vitals import OUTCOME_SCHEDULE, VitalsCallback
 from trainq.watcher.spec.contract import (
     ENV_ATTEMPT,

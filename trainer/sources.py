@@ -126,7 +126,7 @@ def changed_files(saved: list[dict], current: tuple[DataFile, ...]) -> list[str]
     for role in ("train", "eval"):
         before = [f for f in saved if f["role"] == role]
         now = [f for f in current if f.role == role]
-        for old, new in zip(before, now):
+        for old, new in zip(before, now, strict=False):
             if old["sha256"] != new.sha256:
                 changes.append(
                     f"{role} data {new.path} changed (sha256 {old['sha256'][:12]} -> {new.sha256[:12]}, "

@@ -5,7 +5,10 @@ $TRAINQ_RESUME_FROM itself). Checkpoints are written as step-N.tmp then renamed 
 kill mid-save never leaves a half checkpoint under a name trainq would pick.
 """
 
-import argparse, json, os, time
+import argparse
+import json
+import os
+import time
 
 import torch
 

@@ -40,7 +40,7 @@ class TrainqLink:
     _writer: MetricsWriter | None = field(default=None, repr=False)
 
     @classmethod
-    def from_env(cls, environ: dict | None = None) -> "TrainqLink":
+    def from_env(cls, environ: dict | None = None) -> TrainqLink:
         env = os.environ if environ is None else environ
 
         def path(key: str) -> Path | None:

@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+from trainq.watcher.cli.submit import approve_text, inbox_name, read_job_text
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write
-from trainq.watcher.cli.submit import approve_text, inbox_name, read_job_text
 
 #: the example job the demo submits (its model/data paths point at ROOT/demo/, built below)
 EXAMPLE = Path(__file__).resolve().parent.parent.parent / "queue" / "examples" / "lora-cpu.yaml"

@@ -14,9 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+from trainq.watcher.cli.manage import EXIT_INVALID, EXIT_OK, Found, UsageError, require_job, say
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write, remove_quietly
-from trainq.watcher.cli.manage import EXIT_INVALID, EXIT_OK, Found, UsageError, require_job, say
 
 
 def priority(root: Path, job_id: str, value: int) -> int:

@@ -12,13 +12,12 @@ import json
 import os
 from pathlib import Path
 
+from trainq.watcher.daemon.jobs import latest_checkpoint
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write
-from trainq.watcher.daemon.jobs import latest_checkpoint
 from trainq.watcher.spec.jobspec import JobSpec, parse_mapping, read_spec_text
-from trainq.watcher.cli.submit import inbox_name
 from trainq.watcher.spec.sweeps import set_dotted
 from trainq.watcher.spec.yaml12 import YamlError, load_yaml12
 

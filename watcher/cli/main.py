@@ -15,15 +15,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from trainq.watcher.spec.text import PrintableFormatter
 
-from trainq.watcher.cli.records import add_record_commands
-from trainq.watcher.cli.manage_commands import add_commands, add_global_options, enable_completion, run_trainer_command
-from trainq.watcher.cli.submit_command import add_command_options, split_submit_command
-from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.cli.locate import BadUserConfig, RootNotFound, locate_root
 from trainq.watcher.cli.manage import UsageError
+from trainq.watcher.cli.manage_commands import add_commands, add_global_options, enable_completion, run_trainer_command
+from trainq.watcher.cli.records import add_record_commands
 from trainq.watcher.cli.serve import add_serve_command
+from trainq.watcher.cli.submit_command import add_command_options, split_submit_command
+from trainq.watcher.spec.fsutil import read_json
+from trainq.watcher.spec.text import PrintableFormatter
 
 #: exit status for success, for invalid input (a bad job file, an unknown id), and for anything else
 EXIT_OK = 0
@@ -193,10 +193,9 @@ def _fail(message: str, code: int = EXIT_ERROR) -> int:
 
 # -- commands --------------------------------------------------------------------------------
 def cmd_init(args: argparse.Namespace) -> int:
+    from trainq.watcher.cli.manage import write_schemas
     from trainq.watcher.spec.errors import QueueLayoutError
     from trainq.watcher.spec.folders import QueueRoot
-
-    from trainq.watcher.cli.manage import write_schemas
 
     root = QueueRoot(Path(args.dir) if args.dir else _root(args, must_exist=False))
     try:
@@ -326,10 +325,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from trainq.watcher.cli.submit import approve_text, debug_text, inbox_name, read_job_text
     from trainq.watcher.spec.errors import InvalidJobSpec
     from trainq.watcher.spec.fsutil import atomic_write
     from trainq.watcher.spec.jobspec import parse_job_text
-    from trainq.watcher.cli.submit import approve_text, debug_text, inbox_name, read_job_text
 
     if args.command_argv is not None or args.file is None:
         from trainq.watcher.cli.submit_command import submit_command
@@ -373,8 +372,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     target = inbox_name(inbox, source.name)
     atomic_write(inbox / f".{target.name}.tmp", text)  # hidden temp name: the watcher ignores it
     ino = os.stat(inbox / f".{target.name}.tmp").st_ino  # before the rename: a watcher may take it at once
-    from trainq.watcher.spec.folders import id_from_name
     from trainq.watcher.cli.manage import claimed_id, sweeps_of
+    from trainq.watcher.spec.folders import id_from_name
 
     sweeps_before = sweeps_of(_root(args), id_from_name(target.name)) if spec.raw.get("sweep") else None
     os.replace(inbox / f".{target.name}.tmp", target)
@@ -398,9 +397,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from trainq.watcher.spec.contract import JobPaths
     from trainq.watcher.cli.manage import find_job, no_such_job, wait_for_claim
     from trainq.watcher.cli.show import no_output_words
+    from trainq.watcher.spec.contract import JobPaths
 
     root = _root(args)
     found = find_job(root, args.id) or wait_for_claim(root, args.id)
@@ -564,9 +563,9 @@ def _validates(path: Path) -> bool:
 
 def _retry_plan(root: Path, job_id: str) -> str:
     """What ``trainq retry`` will do: which checkpoint the next attempt resumes from, or that none exists."""
-    from trainq.watcher.spec.folders import JobState
-    from trainq.watcher.daemon.jobs import load_job, resume_point
     from trainq.watcher.cli.manage import find_job
+    from trainq.watcher.daemon.jobs import load_job, resume_point
+    from trainq.watcher.spec.folders import JobState
 
     found = find_job(root, job_id)
     job = load_job(found.path, JobState.FAILED) if found is not None and found.state == "failed" else None
@@ -602,11 +601,9 @@ def _flag(args: argparse.Namespace, states: tuple[str, ...], act: Callable[[Path
 
 
 def cmd_why(args: argparse.Namespace) -> int:
-    from trainq.watcher.cli.why import explain
-
-    from trainq.watcher.spec.text import printable
-
     from trainq.watcher.cli.names import AmbiguousName
+    from trainq.watcher.cli.why import explain
+    from trainq.watcher.spec.text import printable
 
     try:
         lines = explain(_root(args), args.id)
@@ -626,10 +623,9 @@ def cmd_why(args: argparse.Namespace) -> int:
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
-    from trainq.watcher.spec.errors import InvalidJobSpec
     from trainq.watcher.cli.fork import find_job_dir, fork_data, fork_words, write_fork
-
     from trainq.watcher.cli.names import AmbiguousName
+    from trainq.watcher.spec.errors import InvalidJobSpec
 
     root = _root(args).resolve()  # every path the fork carries is absolute, whatever --root was
     try:

@@ -85,8 +85,8 @@ def require_job(root: Path, job_id: str) -> Found:
 
 def inbox_file_for(root: Path, job_id: str) -> Path | None:
     """The inbox file that will become job ``job_id`` once a watcher takes it (same stem), if any."""
-    from trainq.watcher.spec.folders import id_from_name
     from trainq.watcher.daemon.inbox import is_candidate_name
+    from trainq.watcher.spec.folders import id_from_name
 
     try:
         names = sorted(os.listdir(root / "inbox"))

@@ -201,8 +201,8 @@ def _age_s(text: str | None) -> float | None:
 
 
 def _show(root: Path, job_id: str, as_json: bool) -> int:
-    from trainq.watcher.spec.contract import JobPaths
     from trainq.watcher.cli.show import show_lines
+    from trainq.watcher.spec.contract import JobPaths
 
     found = manage.require_job(root, job_id)
     if as_json:

@@ -105,7 +105,7 @@ def cmd_diff(root: Path, a: str, b: str, as_json: bool) -> int:
     from trainq.watcher.spec.text import printable
 
     dirs = [_job_dir(root, a), _job_dir(root, b)]
-    for job_id, job_dir in zip((a, b), dirs):
+    for job_id, job_dir in zip((a, b), dirs, strict=False):
         if job_dir is None:
             return _no_job(root, job_id)
     da, db = describe(dirs[0]), describe(dirs[1])

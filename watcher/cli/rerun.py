@@ -20,11 +20,11 @@ import tarfile
 import time
 from pathlib import Path
 
+from trainq.watcher.cli.submit import inbox_name
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import Problem
 from trainq.watcher.spec.fsutil import atomic_write, read_json
 from trainq.watcher.spec.jobspec import JobSpec, parse_mapping, read_spec_text
-from trainq.watcher.cli.submit import inbox_name
 
 #: where --at-snapshot checks saved code out (one folder per rerun), under the queue root
 WORKTREES = "worktrees"
@@ -146,7 +146,7 @@ def _short(commit: str | None) -> str:
 
 
 def _capped(items: list[str]) -> list[str]:
-    return items if len(items) <= MAX_NAMED else items[:MAX_NAMED] + [f"and {len(items) - MAX_NAMED} more"]
+    return items if len(items) <= MAX_NAMED else [*items[:MAX_NAMED], f"and {len(items) - MAX_NAMED} more"]
 
 
 def _sha256(path: Path) -> str | None:

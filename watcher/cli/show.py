@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.daemon.diagnosis import read_metrics_tail
-from trainq.watcher.spec.fsutil import read_json
-from trainq.watcher.faces.html import format_eta, format_number
 from trainq.watcher.cli.manage import Found, describe_end, job_exit_status
+from trainq.watcher.daemon.diagnosis import read_metrics_tail
+from trainq.watcher.faces.html import format_eta, format_number
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.spec.units import parse_iso
 
 #: files and folders of a job folder worth naming, in the order ``show`` lists them

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainq.watcher.daemon.admission import Holding, Limits, Request, gate_report
-from trainq.watcher.spec.tombstones import ended_status, read_tombstone, removal_words
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.spec.jobspec import JobSpec, load_job_file
 from trainq.watcher.spec.pools import paused_pools
+from trainq.watcher.spec.tombstones import ended_status, read_tombstone, removal_words
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 _PASS, _HOLD = "ok  ", "HOLD"
@@ -87,7 +87,7 @@ def _inbox(found: Found) -> list[str]:
 
         try:
             data = load_yaml12(found.path.read_text(encoding="utf-8"))
-        except Exception:  # noqa: BLE001 - not YAML at all: it is rejected
+        except Exception:
             data = None
         if found.path.stat().st_size == 0 or (
             isinstance(data, dict) and "approved" in data and data["approved"] is not True
@@ -117,8 +117,8 @@ def _pending(root: Path, found: Found, now: float, machine) -> list[str]:
         head = f"job {found.job_id}: pending again after {run['attempt']} attempt(s)"
     lines = [head + (f", submitted {_ago(now - submitted)} ago" if submitted else "")]
     if spec is None:
-        return lines + ["  its job.yaml no longer validates: the watcher will fail it"]
-    rows = [_watcher_row(root, now)] + _dependency_rows(root, spec) + [_backoff_row(run, spec, now)]
+        return [*lines, "  its job.yaml no longer validates: the watcher will fail it"]
+    rows = [_watcher_row(root, now), *_dependency_rows(root, spec), _backoff_row(run, spec, now)]
     rows += _admission_rows(root, found, spec, machine)
     holding = [r for r in rows if r[1] == _HOLD]
     lines.append(
@@ -350,8 +350,8 @@ def _backoff_row(run: dict, spec: JobSpec, now: float) -> tuple[str, str, str]:
 
 
 def _admission_rows(root: Path, found: Found, spec: JobSpec, machine=None) -> list[tuple[str, str, str]]:
-    from trainq.watcher.spec.config import load_watcher_config
     from trainq.watcher.daemon.resources import ResourceProbe
+    from trainq.watcher.spec.config import load_watcher_config
 
     try:
         config = load_watcher_config(root, os.environ)

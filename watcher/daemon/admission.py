@@ -27,9 +27,10 @@ Requests are taken by priority (higher first), then acceptance order, and for ea
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from trainq.watcher.daemon.resources import GpuInfo, GpuProcess, MachineState
 

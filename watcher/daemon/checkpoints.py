@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from trainq.watcher.spec.contract import RECORD_CHECKPOINT, JobPaths
 from trainq.watcher.daemon.diagnosis import read_metrics_tail
+from trainq.watcher.spec.contract import RECORD_CHECKPOINT, JobPaths
 
 #: a checkpoint modified less than this many seconds ago may still be being written (only while the job runs)
 SETTLE_S = 5.0

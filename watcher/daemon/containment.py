@@ -17,16 +17,17 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainq.watcher.daemon.diagnosis import Diagnosis
+from trainq.watcher.daemon.jobs import Job, load_job, new_run
 from trainq.watcher.spec.errors import JobFolderRemoved, WatcherError
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json, touch
 from trainq.watcher.spec.tombstones import ended_status, read_tombstone, record_removal
-from trainq.watcher.daemon.jobs import Job, load_job, new_run
 from trainq.watcher.spec.units import iso_utc
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ class Containment:
         try:
             self.faults.check(step, job.id)
             return fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - the boundary: anything at all stays this job's
+        except Exception as exc:
             self.job_failed_in(job, step, exc)
             return None
 
@@ -113,7 +114,7 @@ class Containment:
         try:
             self.faults.check(step, job_id)
             return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - as in guarded
+        except Exception as exc:
             job = self.jobs.get(job_id) or _job_from_folder(self.root.job_dir(state, job_id), state)
             self.job_failed_in(job, step, exc)
             return None
@@ -187,7 +188,7 @@ class Containment:
             return  # already stopping; once its attempt has ended it is failed below without that step
         try:
             self._fail_contained(job, step, exc, time.time())
-        except Exception as again:  # noqa: BLE001 - recording the failure failed too: keep the loop alive
+        except Exception as again:
             if is_disk_full(again) or isinstance(again, JobFolderRemoved):
                 self.job_failed_in(job, step, again)  # noted (retried once space frees) or forgotten
                 return
@@ -258,11 +259,11 @@ class Containment:
         self.report.touch()
 
 
-def _job_from_folder(path: "Path", state: JobState) -> Job:
+def _job_from_folder(path: Path, state: JobState) -> Job:
     """The job in ``path`` as far as it can be read (for containing a failure before it was loaded)."""
     try:
         job = load_job(path, state)
-    except Exception:  # noqa: BLE001 - the job may be what failed to load
+    except Exception:
         job = None
     if job is None:
         run = read_json(path / "run.json") or new_run(None, time.time_ns(), time.time(), name=path.name)
@@ -270,7 +271,7 @@ def _job_from_folder(path: "Path", state: JobState) -> Job:
     return job
 
 
-def _names_in(folder: "Path") -> set[str]:
+def _names_in(folder: Path) -> set[str]:
     try:
         return {e.name for e in os.scandir(folder)}
     except FileNotFoundError:

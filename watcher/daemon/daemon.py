@@ -17,33 +17,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainq.watcher import __version__
-from trainq.watcher.spec.config import WatcherConfig, check_command_allowed
-from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.daemon import records
 from trainq.watcher.daemon.containment import ENV_WATCHER_FAULTS, Containment, Faults, is_disk_full
 from trainq.watcher.daemon.crashpoints import ENV_WATCHER_CRASH, CrashPoints
 from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFullHandling, take_reserve
-from trainq.watcher.spec.errors import InvalidJobSpec, Problem, QueueLocked, QueueLayoutError
-from trainq.watcher.spec.interpreter import job_path
-from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
-from trainq.watcher.spec.pools import paused_pools, unknown_pool_words
-from trainq.watcher.spec.fsutil import drain, remove_quietly
-from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
-from trainq.watcher.daemon import records
-from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
-from trainq.watcher.spec.jobspec import JobSpec, check_submission, load_job_file
-from trainq.watcher.spec.ranks import nodes_problem
+from trainq.watcher.daemon.executor import make_executor
 from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
-from trainq.watcher.daemon.workflows import Workflows
+from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
+from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
 from trainq.watcher.daemon.pending_edits import PendingEdits
 from trainq.watcher.daemon.recovery import recover
-from trainq.watcher.daemon.starting import Starting
-from trainq.watcher.daemon.walls import Walls
-from trainq.watcher.daemon.vitals import Vitals
 from trainq.watcher.daemon.report import Report
 from trainq.watcher.daemon.resources import ResourceProbe
-from trainq.watcher.daemon.executor import make_executor
-from trainq.watcher.supervisor.signals import install_watcher_signal_handlers
+from trainq.watcher.daemon.starting import Starting
+from trainq.watcher.daemon.vitals import Vitals
+from trainq.watcher.daemon.walls import Walls
+from trainq.watcher.daemon.workflows import Workflows
+from trainq.watcher.spec.config import WatcherConfig, check_command_allowed
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.errors import InvalidJobSpec, Problem, QueueLayoutError, QueueLocked
+from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
+from trainq.watcher.spec.fsutil import drain, remove_quietly
+from trainq.watcher.spec.interpreter import job_path
+from trainq.watcher.spec.jobspec import JobSpec, check_submission, load_job_file
+from trainq.watcher.spec.pools import paused_pools, unknown_pool_words
+from trainq.watcher.spec.ranks import nodes_problem
 from trainq.watcher.spec.units import iso_utc
+from trainq.watcher.supervisor.signals import install_watcher_signal_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             self._save_started(time.time(), all_now=True)
         try:
             self.write_status(time.time(), force=True, state="stopped")
-        except Exception as exc:  # noqa: BLE001 - shutting down: say it, and still release everything below
+        except Exception as exc:
             logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
         self.hooks.close()
@@ -147,7 +147,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
                 self.tick(now)
             except QueueLayoutError as exc:
                 logger.error("watcher: %s", exc)
-            except Exception as exc:  # noqa: BLE001 - the last net, for what no job's guard covers
+            except Exception as exc:
                 self._loop_failed(exc)
             self._wait(self._next_wait_s())
 
@@ -275,7 +275,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         if self.disk_full is None:
             try:
                 self.write_status(time.time())
-            except Exception:  # noqa: BLE001 - the write at the end of the pass reports it; the pass goes on
+            except Exception:
                 logger.debug("status.json between steps could not be written", exc_info=True)
 
     def write_status(self, now: float, *, force: bool = False, state: str | None = None) -> None:
@@ -348,7 +348,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
                 continue
             try:
                 self._admit_one(cand, taken, now)
-            except Exception as exc:  # noqa: BLE001 - the admit guard, once the file is a job folder
+            except Exception as exc:
                 self._contain_admitted(cand, taken, exc)
         live = {c.name for c in candidates}
         for name in [n for n in self._awaiting if n not in live]:
@@ -357,7 +357,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             del self._unclaimable[name]
         self.report.awaiting(self._awaiting)
 
-    def _contain_admitted(self, cand, taken: "_Taken", exc: Exception) -> None:
+    def _contain_admitted(self, cand, taken: _Taken, exc: Exception) -> None:
         if taken.claimed is None:
             logger.error(
                 "inbox/%s: internal error while admitting it", cand.name, exc_info=(type(exc), exc, exc.__traceback__)
@@ -384,12 +384,12 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         """
         orders = [self._next_order() for _ in cands]
         if len(cands) < PARALLEL_VALIDATE_MIN:
-            return ((c, self._take(c, order, now)) for c, order in zip(cands, orders))
+            return ((c, self._take(c, order, now)) for c, order in zip(cands, orders, strict=False))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="trainq-admit")
-        return zip(cands, self._pool.map(self._take, cands, orders, [now] * len(cands)))
+        return zip(cands, self._pool.map(self._take, cands, orders, [now] * len(cands)), strict=False)
 
-    def _take(self, cand, order: int, now: float) -> "_Taken":
+    def _take(self, cand, order: int, now: float) -> _Taken:
         """Validate one inbox file and claim it into pending/ (or failed/ when invalid); any thread.
 
         The admit step's guard: a full disk is reported back; anything unexpected rejects the file.
@@ -397,12 +397,12 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         try:
             self.faults.check("admit", id_from_name(cand.name))
             return self._take_unguarded(cand, order, now)
-        except Exception as exc:  # noqa: BLE001 - containment: one file's trouble stays that file's
+        except Exception as exc:
             if is_disk_full(exc):
                 return _Taken(None, disk_full=exc)
             return self._reject_internal(cand, order, now, exc)
 
-    def _reject_internal(self, cand, order: int, now: float, exc: Exception) -> "_Taken":
+    def _reject_internal(self, cand, order: int, now: float, exc: Exception) -> _Taken:
         """Admitting ``cand`` raised: reject it with the exception as its error (traceback in watcher.log)."""
         logger.error(
             "inbox/%s: internal error while admitting it; rejecting the file",
@@ -418,13 +418,13 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         run.update(status="rejected", finished_at=iso_utc(now), errors=[problem.to_dict()], error=result.lines()[0])
         try:
             return _Taken(result, run, self.folders.claim(cand.path, JobState.FAILED, run))
-        except Exception as exc2:  # noqa: BLE001 - a second fault: leave the file, skip it until it changes
+        except Exception as exc2:
             if is_disk_full(exc2):
                 return _Taken(None, disk_full=exc2)
             logger.error("inbox/%s: could not reject it either (%s); leaving it in the inbox", cand.name, exc2)
             return _Taken(None, unclaimable=True)
 
-    def _take_unguarded(self, cand, order: int, now: float) -> "_Taken":
+    def _take_unguarded(self, cand, order: int, now: float) -> _Taken:
         result = self._validate(cand)
         if result is None or (isinstance(result, JobSpec) and (not result.approved or result.sweep)):
             return _Taken(result)  # a sweep is claimed on the loop's thread (workflows.py)
@@ -467,7 +467,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         """Written less than settle_s ago and not renamed in: a writer may still be appending to it."""
         return cand.name not in self.inbox.moved_in and not self.inbox.is_still(cand, time.time())
 
-    def _admit_one(self, cand, taken: "_Taken", now: float) -> None:
+    def _admit_one(self, cand, taken: _Taken, now: float) -> None:
         result = taken.result
         if taken.unclaimable:
             self._unclaimable[cand.name] = (cand.size, cand.mtime_ns, cand.ino)
@@ -512,7 +512,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         self._order_last = max(self._order_last + 1, time.time_ns())
         return self._order_last
 
-    def _accepted(self, cand, taken: "_Taken", now: float) -> None:
+    def _accepted(self, cand, taken: _Taken, now: float) -> None:
         self._awaiting.pop(cand.name, None)
         self.inbox.taken(cand.name)
         if taken.claimed is None:
@@ -530,7 +530,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         self.report.touch()
         self.admit_workflow(job, now)
 
-    def _rejected(self, cand, taken: "_Taken", now: float) -> None:
+    def _rejected(self, cand, taken: _Taken, now: float) -> None:
         self.inbox.taken(cand.name)
         self._awaiting.pop(cand.name, None)
         if taken.claimed is None:

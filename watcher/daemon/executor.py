@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import ExecutorUnavailable, WatcherError  # noqa: F401 (re-exported)
-from trainq.watcher.supervisor.spawner import SpawningSupervisor
 from trainq.watcher.supervisor import LaunchSpec
+from trainq.watcher.supervisor.spawner import SpawningSupervisor
 
 if TYPE_CHECKING:
     from trainq.watcher.spec.config import WatcherConfig
@@ -120,7 +120,7 @@ class LocalExecutor:
     inherits_environment = False
     job_ref_field = None
 
-    def __init__(self, config: "WatcherConfig | None" = None, root: Path | None = None) -> None:
+    def __init__(self, config: WatcherConfig | None = None, root: Path | None = None) -> None:
         self.supervisor = SpawningSupervisor()
         #: status.json's watcher.containment: a cgroup per attempt where the kernel lets us, else the tree walk
         self.containment = self.supervisor.containment.mode
@@ -182,7 +182,7 @@ class LocalExecutor:
         self.supervisor.close()
 
 
-def make_executor(config: "WatcherConfig", root: Path) -> Executor:
+def make_executor(config: WatcherConfig, root: Path) -> Executor:
     """The executor watcher.yaml asks for: ``local`` is built in, any other comes from its entry point."""
     if config.executor == LocalExecutor.name:
         return LocalExecutor(config, root)

@@ -6,9 +6,6 @@ import logging
 import os
 from pathlib import Path
 
-from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.spec.folders import JobState
-from trainq.watcher.spec.fsutil import remove_quietly, touch
 from trainq.watcher.daemon import records
 from trainq.watcher.daemon.jobs import (
     CHECKPOINTED,
@@ -21,6 +18,9 @@ from trainq.watcher.daemon.jobs import (
     supervisor_lost,
 )
 from trainq.watcher.spec import events
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.folders import JobState
+from trainq.watcher.spec.fsutil import remove_quietly, touch
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 logger = logging.getLogger(__name__)

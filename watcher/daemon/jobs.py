@@ -12,25 +12,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainq.watcher.daemon.checkpoints import find_checkpoint, latest_checkpoint, note_skipped
-from trainq.watcher.spec.contract import ATTEMPT_BANNER_PREFIX, JobPaths
-from trainq.watcher.spec.errors import JobFolderRemoved
 from trainq.watcher.daemon.diagnosis import (
     SIGKILL,
     Diagnosis,
     advice_for,
-    fit_advice,
     diagnose,
+    fit_advice,
     read_kernel_log,
     read_metrics_tail,
     read_tail,
     stalled_diagnosis,
 )
+from trainq.watcher.spec.contract import ATTEMPT_BANNER_PREFIX, JobPaths
+from trainq.watcher.spec.errors import JobFolderRemoved
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
 from trainq.watcher.spec.jobspec import JobSpec
 from trainq.watcher.spec.units import iso_utc, parse_iso
-from trainq.watcher.supervisor.stacks import evidence as stack_evidence
 from trainq.watcher.supervisor.hooks import HOOK_STATUSES, mark_due
+from trainq.watcher.supervisor.stacks import evidence as stack_evidence
 
 RUN_SCHEMA_VERSION = 1
 #: statuses after which a job never runs again unless retried

@@ -38,10 +38,10 @@ class EditHost(Protocol):
     report: object
     _plan_due: bool
 
-    def check_allowed(self, spec: "JobSpec", display: str, file_name: str) -> None: ...
-    def admit_workflow(self, job: "Job", now: float) -> None: ...
-    def forget_removed(self, job: "Job") -> None: ...
-    def _retire(self, job: "Job", now: float) -> None: ...
+    def check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None: ...
+    def admit_workflow(self, job: Job, now: float) -> None: ...
+    def forget_removed(self, job: Job) -> None: ...
+    def _retire(self, job: Job, now: float) -> None: ...
     def wake(self) -> None: ...
 
 
@@ -51,7 +51,7 @@ class PendingEdits:
     def __init__(self) -> None:
         self._cursor = 0
 
-    def check(self, watcher: "EditHost", now: float) -> None:
+    def check(self, watcher: EditHost, now: float) -> None:
         """Stat the next batch of pending job files; re-read those that changed and have settled."""
         pending = watcher.jobs.in_state(JobState.PENDING)
         if not pending:
@@ -69,7 +69,7 @@ def file_sig(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-def _check_one(watcher: "EditHost", job: "Job", now: float) -> None:
+def _check_one(watcher: EditHost, job: Job, now: float) -> None:
     try:
         sig = file_sig(os.stat(job.paths.spec))
     except FileNotFoundError:
@@ -90,7 +90,7 @@ def _check_one(watcher: "EditHost", job: "Job", now: float) -> None:
     _reread(watcher, job, now)
 
 
-def ready_to_start(watcher: "EditHost", job: "Job", now: float) -> bool:
+def ready_to_start(watcher: EditHost, job: Job, now: float) -> bool:
     """Right before a start: one ``stat`` of job.yaml against the version the spec was read from.
 
     An edit that landed since (even milliseconds ago) is read now, and the job is planned again
@@ -120,14 +120,14 @@ def ready_to_start(watcher: "EditHost", job: "Job", now: float) -> bool:
     return False
 
 
-def _vanished(watcher: "EditHost", job: "Job", now: float) -> None:
+def _vanished(watcher: EditHost, job: Job, now: float) -> None:
     if job.dir.exists():
         _reject(watcher, job, InvalidJobSpec(f"pending/{job.id}/job.yaml", []), now, "job.yaml was removed")
         return
     watcher.forget_removed(job)  # containment.py: one log line, the id free again
 
 
-def _reread(watcher: "EditHost", job: "Job", now: float) -> None:
+def _reread(watcher: EditHost, job: Job, now: float) -> None:
     display = f"pending/{job.id}/job.yaml"
     try:
         spec = load_job_file(job.paths.spec, display)
@@ -151,7 +151,7 @@ def _reread(watcher: "EditHost", job: "Job", now: float) -> None:
     logger.info("job %s: job.yaml changed; re-read (priority %d -> %d)", job.id, before, spec.priority)
 
 
-def _rewire_dependencies(watcher: "EditHost", job: "Job", old_after: tuple, now: float) -> None:
+def _rewire_dependencies(watcher: EditHost, job: Job, old_after: tuple, now: float) -> None:
     """An edited after: is followed: the old dependencies forgotten, the new ones held on (or a cycle rejected)."""
     if old_after:
         watcher.deps.forget(job.id, old_after)
@@ -162,7 +162,7 @@ def _rewire_dependencies(watcher: "EditHost", job: "Job", old_after: tuple, now:
         watcher.admit_workflow(job, now)
 
 
-def _reject(watcher: "EditHost", job: "Job", exc: InvalidJobSpec, now: float, why: str | None = None) -> None:
+def _reject(watcher: EditHost, job: Job, exc: InvalidJobSpec, now: float, why: str | None = None) -> None:
     lines = exc.lines() if exc.problems else [f"{exc.file}: {why}"]
     job.run.update(
         status="rejected",

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from trainq.watcher.daemon.jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, remove_quietly, remove_stale_temps
-from trainq.watcher.daemon.jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
 from trainq.watcher.spec.jobspec import load_job_file
 from trainq.watcher.spec.tombstones import prune_tombstones, settle_known_ids
 from trainq.watcher.spec.units import iso_utc
@@ -34,12 +34,12 @@ if TYPE_CHECKING:
 class RecoveryHost(Protocol):
     """What start-up recovery needs from the loop (the Watcher provides it; no import of it here)."""
 
-    root: "QueueRoot"
-    config: "WatcherConfig"
-    folders: "Folders"
+    root: QueueRoot
+    config: WatcherConfig
+    folders: Folders
     jobs: object
-    executor: "Executor"
-    report: "Report"
+    executor: Executor
+    report: Report
     hooks: object  # the HookLauncher: recover() queues every due hook
     recovered_finished: list
     _order_last: int
@@ -55,7 +55,7 @@ class RecoveryHost(Protocol):
 logger = logging.getLogger(__name__)
 
 
-def recover(watcher: "RecoveryHost") -> None:
+def recover(watcher: RecoveryHost) -> None:
     """Rebuild the daemon's index from the folders and repair interrupted steps."""
     now = time.time()
     found = watcher.folders.load_ids()
@@ -86,12 +86,12 @@ def recover(watcher: "RecoveryHost") -> None:
     watcher.hooks.recover(watcher.root.path)  # every due hook, however many finished jobs there are
     _remove_empty_cgroups(watcher)
     orders = [j.order for j in watcher.jobs.values()]
-    watcher._order_last = max(orders + [time.time_ns()])
+    watcher._order_last = max([*orders, time.time_ns()])
     running = watcher.jobs.count(JobState.RUNNING)
     logger.info("watcher: recovered %d pending and %d running job(s)", len(watcher.jobs) - running, running)
 
 
-def _recover_pending(watcher: "RecoveryHost", job_id: str, now: float) -> None:
+def _recover_pending(watcher: RecoveryHost, job_id: str, now: float) -> None:
     path = watcher.root.job_dir(JobState.PENDING, job_id)
     paths = JobPaths(path)
     remove_stale_temps(path, (paths.run.name,))
@@ -130,7 +130,7 @@ def _validation_error(paths: JobPaths, job_id: str) -> tuple[str, list[dict]]:
     return f"pending/{job_id}/job.yaml no longer validates", []
 
 
-def _recover_running(watcher: "RecoveryHost", job_id: str, now: float) -> None:
+def _recover_running(watcher: RecoveryHost, job_id: str, now: float) -> None:
     path = watcher.root.job_dir(JobState.RUNNING, job_id)
     job = load_job(path, JobState.RUNNING)
     if job is None:
@@ -189,7 +189,7 @@ def _sync_attempt(job: Job, record: dict | None) -> None:
     job.run["started_at"] = job.run.get("started_at") or record.get("started_at")
 
 
-def _never_started(watcher: "RecoveryHost", job: Job) -> None:
+def _never_started(watcher: RecoveryHost, job: Job) -> None:
     """The watcher died between moving the folder and forking the supervisor: start it again later."""
     job.run.update(status="pending", waiting_for=None)
     job.save()
@@ -198,7 +198,7 @@ def _never_started(watcher: "RecoveryHost", job: Job) -> None:
     logger.info("job %s: running -> pending, its attempt never started", job.id)
 
 
-def _remove_stale_temp_files(watcher: "RecoveryHost", found: dict) -> None:
+def _remove_stale_temp_files(watcher: RecoveryHost, found: dict) -> None:
     """Temp files of atomic writes a killed watcher left: status.json's, status.html's, run.json's in running/."""
     root = watcher.root
     removed = remove_stale_temps(root.path, (root.status_json.name, root.status_html.name))
@@ -219,7 +219,7 @@ def _remove_abandoned_claim(paths: JobPaths) -> None:
         logger.warning("queue: %s has no job.yaml but is not empty; leaving it", paths.dir)
 
 
-def _unlink_claimed_inbox_names(watcher: "RecoveryHost", found: dict) -> None:
+def _unlink_claimed_inbox_names(watcher: RecoveryHost, found: dict) -> None:
     """A crash between link and unlink leaves one file with two names; drop the inbox one."""
     suspects = {}
     try:
@@ -243,14 +243,14 @@ def _unlink_claimed_inbox_names(watcher: "RecoveryHost", found: dict) -> None:
                 logger.info("queue: %s was already claimed as %s; removed the inbox name", name.name, job_id)
 
 
-def _remove_empty_cgroups(watcher: "RecoveryHost") -> None:
+def _remove_empty_cgroups(watcher: RecoveryHost) -> None:
     """Groups a killed supervisor or hook runner left empty (live attempts' groups are never empty)."""
     containment = getattr(getattr(watcher.executor, "supervisor", None), "containment", None)
     if containment is not None and cgroups.remove_empty_groups(containment, watcher.root.path):
         logger.info("queue: removed empty cgroups left by killed supervisors")
 
 
-def _seed_recent(watcher: "RecoveryHost") -> None:
+def _seed_recent(watcher: RecoveryHost) -> None:
     """List the most recently finished jobs (by folder change time) in status.json."""
     finished = []
     for state in (JobState.DONE, JobState.FAILED):

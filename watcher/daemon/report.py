@@ -15,30 +15,30 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from trainq.watcher import __version__
-from trainq.watcher.spec.folders import JobState, QueueRoot
+from trainq.watcher.daemon.admission import resources_dict
 from trainq.watcher.daemon.diagnosis import read_metrics_tail
+from trainq.watcher.faces.history import HISTORY_FILE, append_record, record_of
+from trainq.watcher.faces.html import CurveStore
 from trainq.watcher.faces.progress import PROGRESS_KEYS, MetricsTail, merge_progress, vitals_words
 from trainq.watcher.faces.progress_log import LogProgress
-from trainq.watcher.daemon.admission import resources_dict
-from trainq.watcher.faces.html import CurveStore
 from trainq.watcher.faces.status import StatusSnapshot, StatusWriter, job_entry
 from trainq.watcher.faces.sweepview import workflow_entry
-from trainq.watcher.faces.history import HISTORY_FILE, append_record, record_of
+from trainq.watcher.spec.folders import JobState, QueueRoot
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
-    from trainq.watcher.spec.config import WatcherConfig
     from trainq.watcher.daemon.executor import Executor
     from trainq.watcher.daemon.jobs import Job
     from trainq.watcher.daemon.resources import ResourceProbe
+    from trainq.watcher.spec.config import WatcherConfig
 
 
 class ReportSource(Protocol):
     """What the report reads from the loop (the Watcher provides it; no import of it here)."""
 
     jobs: object
-    executor: "Executor"
-    probe: "ResourceProbe"
+    executor: Executor
+    probe: ResourceProbe
     paused: bool
     stopping: bool
     disk_full: object  # None while the disk has room
@@ -46,7 +46,7 @@ class ReportSource(Protocol):
     def problems(self) -> list[str]: ...
     def window_now(self, now: float) -> dict | None: ...
     def cost_now(self, now: float) -> dict | None: ...
-    def _holding(self, job: "Job"): ...
+    def _holding(self, job: Job): ...
 
 
 logger = logging.getLogger(__name__)
@@ -73,10 +73,10 @@ class Report:
     """Status bookkeeping for one watcher."""
 
     root: QueueRoot
-    config: "WatcherConfig"
+    config: WatcherConfig
     started_at: float
     counts: dict = field(default_factory=lambda: {s.value: 0 for s in JobState})
-    recent: "OrderedDict[str, dict]" = field(default_factory=OrderedDict)
+    recent: OrderedDict[str, dict] = field(default_factory=OrderedDict)
     inbox_count: int = 0
     awaiting_entries: list = field(default_factory=list)
     ignored: list = field(default_factory=list)
@@ -136,7 +136,7 @@ class Report:
             self.awaiting_entries = listed
             self.dirty = True
 
-    def finished(self, job: "Job", now: float, count: bool = True) -> None:
+    def finished(self, job: Job, now: float, count: bool = True) -> None:
         """A job reached done/ or failed/ (``count``: it was not on disk at the last recount)."""
         if count:
             self.counts[job.state.value] += 1
@@ -149,7 +149,7 @@ class Report:
             self.recent.popitem(last=False)
         self.dirty = True
 
-    def _record_history(self, job: "Job") -> None:
+    def _record_history(self, job: Job) -> None:
         """One line in history.jsonl for ``trainq history``; a write that fails costs that line, not the job."""
         spec = job.spec
         record = record_of(
@@ -191,7 +191,7 @@ class Report:
                 self.dirty = True
 
     # -- progress ------------------------------------------------------------------------------
-    def update_progress(self, watcher: "ReportSource", job: "Job", now: float) -> None:
+    def update_progress(self, watcher: ReportSource, job: Job, now: float) -> None:
         """Read new metrics/log lines of a running job; measure its process tree now and then."""
         if job.unsaved_since is not None:
             return  # just launched: looked at once it has run a moment (most trivial jobs are over by then)
@@ -215,7 +215,7 @@ class Report:
                 self.dirty = True
 
     # -- writing -------------------------------------------------------------------------------
-    def write(self, watcher: "ReportSource", now: float, force: bool = False, state: str | None = None) -> None:
+    def write(self, watcher: ReportSource, now: float, force: bool = False, state: str | None = None) -> None:
         if now - self.last_recount >= RECOUNT_EVERY_S:
             self.last_recount = now
             self.recount()
@@ -233,7 +233,7 @@ class Report:
             self.last_write = now
             self.dirty = False
 
-    def snapshot(self, watcher: "ReportSource", now: float, state: str | None = None) -> StatusSnapshot:
+    def snapshot(self, watcher: ReportSource, now: float, state: str | None = None) -> StatusSnapshot:
         running = sorted(watcher.jobs.in_state(JobState.RUNNING), key=lambda j: j.order)
         # the next to start, without sorting a 10,000-job queue on every write
         pending = watcher.jobs.pending_head(MAX_LISTED)
@@ -283,7 +283,7 @@ def _containment(executor) -> dict:
     return {"containment": mode} if mode else {}
 
 
-def _entry(job: "Job", root: QueueRoot) -> dict:
+def _entry(job: Job, root: QueueRoot) -> dict:
     """One status.json job entry, from what the daemon knows."""
     run = job.run
     attempt = job.current_attempt() or {}
@@ -333,7 +333,7 @@ def _entry(job: "Job", root: QueueRoot) -> dict:
     return entry
 
 
-def _wall_entry(job: "Job") -> dict:
+def _wall_entry(job: Job) -> dict:
     """``deadline``, ``predicted_end`` and ``fits`` of a job planned against a wall (CONTRACT section 11)."""
     forecast = job.run.get("forecast")
     if job.state is JobState.RUNNING and forecast:
@@ -351,7 +351,7 @@ def _wall_entry(job: "Job") -> dict:
 FINAL_METRICS_BYTES = 16384
 
 
-def final_progress(progress: dict | None, job: "Job") -> dict | None:
+def final_progress(progress: dict | None, job: Job) -> dict | None:
     """A finished job's progress with the records written after the last poll (a short job was never polled)."""
     merged = dict(progress or {})
     for record in read_metrics_tail(job.paths.metrics, FINAL_METRICS_BYTES):
@@ -364,7 +364,7 @@ def final_progress(progress: dict | None, job: "Job") -> dict | None:
     return {k: merged.get(k) for k in PROGRESS_KEYS}
 
 
-def _outputs(job: "Job", root: QueueRoot) -> dict | None:
+def _outputs(job: Job, root: QueueRoot) -> dict | None:
     """Paths of a finished train job's artifacts that exist (adapter, summary, loss.png)."""
     paths = job.paths
     found = {}

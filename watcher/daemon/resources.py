@@ -23,9 +23,10 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import psutil
 
@@ -100,7 +101,7 @@ class _WatchedJson:
         self.path = path
         self._parse = parse
         self._what = what
-        self._stamp: tuple[int, int, int] | None | bool = False  # False: never looked
+        self._stamp: tuple[int, int, int] | bool | None = False  # False: never looked
         self._value: Any = None
         self._error: str | None = None
 
@@ -303,7 +304,7 @@ class _Nvml:
         mem = nv.nvmlDeviceGetMemoryInfo(handle)
         util = _optional(nv, lambda: float(nv.nvmlDeviceGetUtilizationRates(handle).gpu))
         temp = _optional(nv, lambda: float(nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU)))
-        cc = _optional(nv, lambda: "%d.%d" % tuple(nv.nvmlDeviceGetCudaComputeCapability(handle)))
+        cc = _optional(nv, lambda: "{}.{}".format(*nv.nvmlDeviceGetCudaComputeCapability(handle)))
         procs = _optional(nv, lambda: nv.nvmlDeviceGetComputeRunningProcesses(handle)) or []
         return GpuInfo(
             index=index,

@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 
 from trainq.watcher.daemon.admission import Holding, Limits, Request, plan
+from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
+from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
+from trainq.watcher.daemon.pending_edits import ready_to_start
+from trainq.watcher.daemon.records import gpu_facts, snapshot_request
 from trainq.watcher.spec.allow import command_problem, executable_for
 from trainq.watcher.spec.config import passed_through
 from trainq.watcher.spec.contract import (
@@ -23,16 +27,12 @@ from trainq.watcher.spec.contract import (
     ENV_STOP_FLAG,
 )
 from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
-from trainq.watcher.spec.wall import ENV_COST
-from trainq.watcher.spec.interpreter import job_path, resolved_program
 from trainq.watcher.spec.folders import JobState
-from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
-from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
-from trainq.watcher.daemon.records import gpu_facts, snapshot_request
-from trainq.watcher.daemon.pending_edits import ready_to_start
-from trainq.watcher.supervisor import LaunchSpec
-from trainq.watcher.spec.units import iso_utc, parse_iso
+from trainq.watcher.spec.interpreter import job_path, resolved_program
 from trainq.watcher.spec.ranks import default_gpus
+from trainq.watcher.spec.units import iso_utc, parse_iso
+from trainq.watcher.spec.wall import ENV_COST
+from trainq.watcher.supervisor import LaunchSpec
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Starting:
         """admission.plan; if it raises, plan each job alone to find the one it fails on, fail that one, plan the rest."""
         try:
             return plan(requests, holdings, machine, limits)
-        except Exception:  # noqa: BLE001 - find the job it fails on below
+        except Exception:
             logger.debug("admission failed on a batch of %d; planning each job alone", len(requests), exc_info=True)
         fine = []
         for request in requests:

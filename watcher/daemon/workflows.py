@@ -22,20 +22,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainq.watcher.daemon import records
+from trainq.watcher.daemon.diagnosis import Diagnosis
+from trainq.watcher.daemon.jobs import Job, new_run
 from trainq.watcher.spec import events
 from trainq.watcher.spec.config import passed_through
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.daemon.diagnosis import Diagnosis
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json, remove_quietly
+from trainq.watcher.spec.jobspec import JobSpec, load_job_file
+from trainq.watcher.spec.sweeps import after_refs, combinations, expand, variant_text
+from trainq.watcher.spec.tombstones import REMOVED, ended_status, read_tombstone, record_removal, removal_words
+from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor.hook_launcher import HookLauncher
 from trainq.watcher.supervisor.hooks import hook_due
-from trainq.watcher.daemon.jobs import Job, new_run
-from trainq.watcher.spec.jobspec import JobSpec, load_job_file
-from trainq.watcher.spec.tombstones import REMOVED, ended_status, read_tombstone, record_removal, removal_words
-from trainq.watcher.spec.sweeps import after_refs, combinations, expand, variant_text
-from trainq.watcher.spec.units import iso_utc
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +127,10 @@ class Workflows:
             for member in self.deps.sweeps.get(node, ()):
                 other = self.jobs.get(member)
                 if other is not None and other.spec is not None:
-                    stack += [(d, path + [d]) for d in other.spec.after]
+                    stack += [(d, [*path, d]) for d in other.spec.after]
             other = self.jobs.get(node)
             if other is not None and other.spec is not None:
-                stack += [(d, path + [d]) for d in other.spec.after]
+                stack += [(d, [*path, d]) for d in other.spec.after]
         return None
 
     def _reject_cycle(self, job: Job, cycle: list[str], now: float) -> None:
@@ -473,7 +473,7 @@ class Workflows:
         for state in JobState:
             run = read_json(JobPaths(self.root.job_dir(state, parent)).run)
             if run is not None:
-                parents += list(((run.get("lineage") or {}).get("parents") or []))[: MAX_LINEAGE - 1]
+                parents += list((run.get("lineage") or {}).get("parents") or [])[: MAX_LINEAGE - 1]
                 break
         return {how: parent, "parents": parents}
 

@@ -7,13 +7,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from html import escape
 from operator import itemgetter
-from typing import Iterable
 
-from trainq.watcher.spec.contract import RECORD_EVAL
 from trainq.watcher.faces.liveness import bounds
 from trainq.watcher.faces.sweepview import sweep_html
+from trainq.watcher.spec.contract import RECORD_EVAL
 
 #: most points kept per curve however long the run
 MAX_CURVE_POINTS = 300
@@ -66,7 +66,7 @@ class _Series:
     def _halve(self) -> None:
         old = self.buckets
         self.buckets, self.pts, self.txt = [], [], []
-        for a, b in zip(old[0::2], old[1::2]):
+        for a, b in zip(old[0::2], old[1::2], strict=False):
             self._append([b[0], a[1] + b[1], a[2] + b[2]])
         if len(old) % 2:
             self._append(old[-1])
@@ -74,18 +74,18 @@ class _Series:
 
     def points(self) -> list[tuple[float, float]]:
         """(step, mean value) per bucket, the unfinished one included."""
-        return self.pts + [(self.acc[0], self.acc[1] / self.acc[2])] if self.acc else list(self.pts)
+        return [*self.pts, (self.acc[0], self.acc[1] / self.acc[2])] if self.acc else list(self.pts)
 
     def svg_points(self) -> str:
         """The polyline's points attribute in data coordinates (x = step, y = -value)."""
         if not self.acc:
             return " ".join(self.txt)
-        return " ".join(self.txt + [_svg_xy((self.acc[0], self.acc[1] / self.acc[2]))])
+        return " ".join([*self.txt, _svg_xy((self.acc[0], self.acc[1] / self.acc[2]))])
 
 
 def _svg_xy(point: tuple[float, float]) -> str:
     # y is negated so larger losses sit higher once the viewBox maps data coordinates onto the plot
-    return "%.10g,%.5g" % (point[0], -point[1])
+    return f"{point[0]:.10g},{-point[1]:.5g}"
 
 
 class CurveStore:
@@ -237,7 +237,7 @@ def render_curve(curve: dict | None) -> str:
     dx, dy = (x1 - x0) or 1.0, (hi - lo) or 1.0
     pad = dy * 0.05
     # the viewBox maps data coordinates (step, -loss) onto the plot, so points need no per-render scaling
-    view = "%.10g %.6g %.10g %.6g" % (x0, -hi - pad, dx, dy + 2 * pad)
+    view = f"{x0:.10g} {-hi - pad:.6g} {dx:.10g} {dy + 2 * pad:.6g}"
     svg = curve.get("svg") or {}
     lines = "".join(f'<polyline class="{k}" points="{_points(pts, svg.get(k))}"/>' for k, pts in series.items())
     # a key only for the curves drawn: before the first eval there is no eval line to point at

@@ -35,9 +35,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -102,7 +102,7 @@ def heartbeat_period(root: Path) -> float:
     try:
         text = (Path(root) / "watcher.yaml").read_text(encoding="utf-8")[:65536]
         period = parse_duration_s((yaml.safe_load(text) or {}).get("heartbeat_s", 5.0))
-    except Exception:  # noqa: BLE001 - a reader judges with the default rather than fail on a bad file
+    except Exception:
         return 5.0
     return period if isinstance(period, (int, float)) and 0 < period < 86400 else 5.0
 

@@ -17,8 +17,8 @@ from collections import deque
 from pathlib import Path
 
 from trainq.watcher.spec.contract import HEALTH_DEFAULTS, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_EVENT
-from trainq.watcher.spec.records import parse_records
 from trainq.watcher.spec.fsutil import open_no_follow
+from trainq.watcher.spec.records import parse_records
 
 logger = logging.getLogger(__name__)
 

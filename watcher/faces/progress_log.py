@@ -14,8 +14,8 @@ import re
 import time
 from pathlib import Path
 
-from trainq.watcher.spec.contract import ATTEMPT_BANNER_PREFIX
 from trainq.watcher.faces.progress import Fields, LineReader, finite, whole
+from trainq.watcher.spec.contract import ATTEMPT_BANNER_PREFIX
 
 #: a Hugging Face Trainer log dict as printed on stdout: {'loss': 2.1, 'grad_norm': 0.5, ...}
 _HF_DICT = re.compile(r"\{'(?:loss|eval_loss|train_loss|epoch|learning_rate|grad_norm)'[^{}\n\r]{0,2000}\}")

@@ -10,13 +10,13 @@ import heapq
 import json
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable
 
-from trainq.watcher.spec.fsutil import atomic_write, read_json
 from trainq.watcher.faces.bounds import bounded_entry
 from trainq.watcher.faces.html import CurveStore, render_html
+from trainq.watcher.spec.fsutil import atomic_write, read_json
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from trainq.watcher.spec.records import parse_records, read_tail
 from trainq.watcher.spec.fsutil import read_json
+from trainq.watcher.spec.records import parse_records, read_tail
 
 
 class JobView(Protocol):

@@ -8,23 +8,21 @@ get start and end times; ``--wide`` adds every column and wraps the reason with 
 
 from __future__ import annotations
 
-import math
-
 import fnmatch
 import logging
+import math
 import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console, Group, RenderableType
 from rich.cells import cell_len
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.padding import Padding
 from rich.text import Text
 
-from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.faces.html import format_eta, format_number, wall_line
 from trainq.watcher.faces.liveness import (
     ALIVE,
@@ -39,9 +37,10 @@ from trainq.watcher.faces.liveness import (
     offset_words,
     watch_for,
 )
-from trainq.watcher.spec.units import parse_iso
-from trainq.watcher.spec.text import printable_tree
 from trainq.watcher.faces.sweepview import sweep_lines
+from trainq.watcher.spec.fsutil import read_json
+from trainq.watcher.spec.text import printable_tree
+from trainq.watcher.spec.units import parse_iso
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +90,9 @@ class Filters:
             return False
         if self.sweep and job.get("sweep") != self.sweep:
             return False
-        if self.pattern and not any(fnmatch.fnmatchcase(str(job.get(k) or ""), self.pattern) for k in ("id", "name")):
-            return False
-        return True
+        return not (
+            self.pattern and not any(fnmatch.fnmatchcase(str(job.get(k) or ""), self.pattern) for k in ("id", "name"))
+        )
 
     @property
     def active(self) -> bool:
@@ -170,7 +169,9 @@ def _state_word(job: dict) -> str:
         return "awaiting"
     if state == "running" and job.get("health") == "stalled":
         return "stalled"
-    return str(status if status and status not in ("pending", "running", "done", "failed") or state is None else state)
+    return str(
+        status if (status and status not in ("pending", "running", "done", "failed")) or state is None else state
+    )
 
 
 def _progress(job: dict, percent: bool = True) -> str:

@@ -14,9 +14,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.slurm.ranks import RANK_EXIT_SH
 from trainq.watcher.slurm.state import EXIT_NOT_SHARED
+from trainq.watcher.spec.contract import JobPaths
 
 #: seconds added to timeout + stop_grace + kill_after for --time, so trainq's own timeout path runs first
 TIME_LIMIT_MARGIN_S = 60.0
@@ -106,7 +106,7 @@ class SlurmOptions:
             argv.append(f"--time={self.time_min}")
         return argv + list(self.extra) + [str(script)]
 
-    def shared(self) -> "SlurmOptions":
+    def shared(self) -> SlurmOptions:
         """What jobs must have in common to be one job array: everything but their names, tags and folders."""
         return dataclasses.replace(self, job_name="", comment="", output="", chdir="", array=None)
 
@@ -187,7 +187,7 @@ def slurm_minutes(value: str) -> float | None:
     if not parts or len(parts) > 3:
         return None
     if days:
-        h, m, sec = (parts + [0.0, 0.0])[:3]
+        h, m, sec = ([*parts, 0.0, 0.0])[:3]
     elif len(parts) == 3:
         h, m, sec = parts
     else:

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.batch import (
     SlurmOptions,
     array_script,
@@ -60,6 +59,7 @@ from trainq.watcher.slurm.state import (
 )
 from trainq.watcher.slurm.submit import Submitter
 from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.supervisor import LaunchSpec, lock_state
 
@@ -107,7 +107,7 @@ class SlurmExecutor(Submitting, Polling, Liveness):
     inherits_environment = True  # a batch job adds to its node's environment (SLURM_*, the rendezvous variables)
     job_ref_field = "slurm_job_id"
 
-    def __init__(self, config: "WatcherConfig", root: Path):
+    def __init__(self, config: WatcherConfig, root: Path):
         slurm = dict(config.slurm or {})
         self.root = Path(root)
         self.key = queue_key(self.root)
@@ -268,12 +268,12 @@ class SlurmExecutor(Submitting, Polling, Liveness):
         if job is not None and job.state in QUEUED_STATES and slurm_id not in self._seeded:
             self._look_for_a_start(paths, attempt, slurm_id)
             return None
-        if job is not None and (job.state in RUNNING_STATES or slurm_id in self._seeded):
-            if not self._exit_read_due(slurm_id, len(self._tracked) / EXIT_READS_PER_S):
-                return None
-        elif job is None or not (job.has_ended or job.state == GONE):  # COMPLETING, or Slurm unknown
-            if not self._exit_read_due(slurm_id, self.poll_s):
-                return None
+        running = job is not None and (job.state in RUNNING_STATES or slurm_id in self._seeded)
+        unsettled = not running and (job is None or not (job.has_ended or job.state == GONE))  # COMPLETING, unknown
+        if running and not self._exit_read_due(slurm_id, len(self._tracked) / EXIT_READS_PER_S):
+            return None
+        if unsettled and not self._exit_read_due(slurm_id, self.poll_s):
+            return None
         ended = job is not None and (job.has_ended or job.state == GONE)
         record = self._own_record(paths, attempt)
         if record is not None and not ended:

@@ -30,8 +30,8 @@ from pathlib import Path
 from trainq.watcher.spec.contract import EXIT_USAGE, JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
-from trainq.watcher.supervisor import LaunchSpec, run_in_foreground, shell_status
 from trainq.watcher.spec.units import iso_utc
+from trainq.watcher.supervisor import LaunchSpec, run_in_foreground, shell_status
 
 #: seconds between two writes of heartbeat.json by a live node-side supervisor
 HEARTBEAT_S = 10.0
@@ -48,7 +48,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainq-heartbeat", daemon=True)
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         self.beat()  # before the supervisor starts: the watcher sees it as soon as it sees supervisor.json
         self._thread.start()
         return self

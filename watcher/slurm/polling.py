@@ -9,7 +9,6 @@ import subprocess
 import time
 from typing import TYPE_CHECKING
 
-from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.records import (
     NoAnswer,
     Unconfirmed,
@@ -34,7 +33,7 @@ from trainq.watcher.slurm.state import (
     sacct_jobs,
 )
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.spec.errors import SpawnFailed
+from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.spec.units import iso_utc
 

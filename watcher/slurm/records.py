@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.batch import SlurmOptions
 from trainq.watcher.slurm.ranks import real_rank_exit
 from trainq.watcher.slurm.state import (
@@ -23,7 +22,7 @@ from trainq.watcher.slurm.state import (
     taken_by_slurm,
 )
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.spec.errors import SpawnFailed
+from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
 from trainq.watcher.spec.fsutil import read_json
 
 #: how long a job refused by a QOS/association submit limit waits before it is submitted again (s)
@@ -50,7 +49,7 @@ class Inflight:
     attempt: int
     tag: str
     argv: list[str]
-    members: list["Held"] | None = None
+    members: list[Held] | None = None
 
 
 class SubmitLimited(ExecutorUnavailable):

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainq.watcher.spec.errors import ExecutorUnavailable
 from trainq.watcher.slurm.batch import (
     SlurmOptions,
     array_script,
@@ -53,7 +52,7 @@ from trainq.watcher.slurm.state import (
 )
 from trainq.watcher.slurm.submit import Answer
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.spec.errors import SpawnFailed
+from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
 from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import LaunchSpec

@@ -99,9 +99,14 @@ class WatcherConfig:
             + _interval_problems(data)
             + duration_problems(
                 dict(data),
-                tuple((key,) for key in _DURATIONS)
-                + (("slurm", "poll_s"), ("slurm", "poll_max_s"), ("slurm", "heartbeat_s"))
-                + (("window", "freeze_before"), ("window", "final_checkpoint_before")),
+                (
+                    *tuple((key,) for key in _DURATIONS),
+                    ("slurm", "poll_s"),
+                    ("slurm", "poll_max_s"),
+                    ("slurm", "heartbeat_s"),
+                    ("window", "freeze_before"),
+                    ("window", "final_checkpoint_before"),
+                ),
             )
             + _string_problems(data)
             + watcher_wall_problems(dict(data))

@@ -106,9 +106,7 @@ def _rotate(paths: JobPaths, fd: int) -> bool:
         os.replace(paths.events, paths.events_rotated)
         return True
     except OSError as exc:
-        if exc.errno == errno.ENOENT:
-            return True
-        return False
+        return exc.errno == errno.ENOENT
 
 
 def read(paths: JobPaths) -> list[dict]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 #: largest JSON record read (run.json of 100 attempts is ~100 KB; a job could grow its files without bound)
 MAX_JSON_BYTES = 16 * 1024 * 1024

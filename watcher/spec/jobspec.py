@@ -23,10 +23,10 @@ from trainq.watcher.spec.contract import EXIT_CHECKPOINT
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.ranks import rank_problems
 from trainq.watcher.spec.schema_errors import field_name, schema_problems, schema_validator, shown, sort_problems
-from trainq.watcher.spec.units import DURATION_PATTERN, MAX_DURATION_TEXT, is_zero_duration, parse_duration_s
-from trainq.watcher.spec.yaml12 import MAX_INT_DIGITS, HugeInt, YamlError, load_yaml12
 from trainq.watcher.spec.sweeps import workflow_problems
+from trainq.watcher.spec.units import DURATION_PATTERN, MAX_DURATION_TEXT, is_zero_duration, parse_duration_s
 from trainq.watcher.spec.wall import Deadline, job_wall_problems, submission_problems
+from trainq.watcher.spec.yaml12 import MAX_INT_DIGITS, HugeInt, YamlError, load_yaml12
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +397,7 @@ def _scrub_numbers(value: object, depth: int) -> object:
         return value if all(items[k] is value[k] for k in value) else items
     if isinstance(value, list):
         new = [_scrub_numbers(v, depth + 1) for v in value]
-        return value if all(a is b for a, b in zip(new, value)) else new
+        return value if all(a is b for a, b in zip(new, value, strict=False)) else new
     return 0 if _scalar_problems("", value) and isinstance(value, (HugeInt, int, float)) else value
 
 

@@ -114,7 +114,7 @@ def sort_problems(problems: list[Problem]) -> list[Problem]:
     if len(ordered) <= MAX_PROBLEMS:
         return ordered
     kept = [p for p in ordered if not p.message.startswith(_MORE)][:MAX_PROBLEMS]
-    return kept + [Problem("", f"{_MORE} problems not listed (the first {MAX_PROBLEMS} are); fix these first")]
+    return [*kept, Problem("", f"{_MORE} problems not listed (the first {MAX_PROBLEMS} are); fix these first")]
 
 
 def _problem_key(problem: Problem) -> tuple:
@@ -162,7 +162,7 @@ def _translate(error: jsonschema.ValidationError) -> list[Problem]:
     if error.validator in ("additionalProperties", "unevaluatedProperties"):
         keys = _unknown_keys(error)
         return [
-            Problem(path_text(parts + (key,)), _unknown_key_message(key, error.schema))
+            Problem(path_text((*parts, key)), _unknown_key_message(key, error.schema))
             for key in keys[: MAX_PROBLEMS + 1]
         ]
     if error.validator == "required":

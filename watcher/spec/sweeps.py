@@ -15,10 +15,10 @@ import json
 import math
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Callable
 
 from trainq.watcher.spec.errors import Problem
 
@@ -228,7 +228,7 @@ def _unknown_field(data: dict, parts: list[str]) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _schema(name: str) -> dict:
     return json.loads((_SCHEMAS_DIR / name).read_text(encoding="utf-8"))
 
@@ -257,7 +257,7 @@ def iter_variants(data: dict):
     keys = list(sweep)
     base = {k: v for k, v in data.items() if k != "sweep"}
     for index, values in enumerate(itertools.product(*(sweep[k] for k in keys)), start=1):
-        params = dict(zip(keys, values))
+        params = dict(zip(keys, values, strict=False))
         yield Variant(index, params, apply_params(base, params))
 
 

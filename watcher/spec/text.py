@@ -36,6 +36,6 @@ class PrintableFormatter(logging.Formatter):
     one line whatever a message's arguments hold. Tracebacks (exc_info) stay multi-line.
     """
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+    def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = printable(record.message)
         return super().formatMessage(record)

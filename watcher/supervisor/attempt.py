@@ -24,9 +24,10 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
@@ -48,10 +49,10 @@ from trainq.watcher.spec.fsutil import (
     remove_quietly,
     touch,
 )
+from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import cgroups, story
 from trainq.watcher.supervisor.cgroups import Containment
 from trainq.watcher.supervisor.leftovers import _descendants, boot_id
-from trainq.watcher.spec.units import iso_utc
 
 #: how long the supervisor sleeps between looks at stop.flag, the timeout and its process tree (ms)
 POLL_INTERVAL_MS = 50

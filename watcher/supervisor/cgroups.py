@@ -87,7 +87,7 @@ def detect(preference: str | None = None, probe: bool = True) -> Containment:
     can succeed where moving a process in is refused).
     """
     wanted = (preference or os.environ.get(ENV_CONTAINMENT) or "auto").strip()
-    if wanted not in MODES + ("auto",):
+    if wanted not in (*MODES, "auto"):
         return Containment("process-tree", why=f"{ENV_CONTAINMENT}={wanted!r} is not one of auto, {', '.join(MODES)}")
     if wanted == "process-tree":
         return Containment("process-tree", why=f"{ENV_CONTAINMENT}=process-tree")

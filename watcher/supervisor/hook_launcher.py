@@ -141,8 +141,8 @@ class HookLauncher:
 
     def close(self) -> None:
         """The watcher stops: hooks whose runner is gone are ended now; live runners end within their limit."""
-        for job_dir, active in list(self._active.items()):
-            if active.proc is not None and active.proc.poll() is None or runner_alive(active.paths):
+        for _job_dir, active in list(self._active.items()):
+            if (active.proc is not None and active.proc.poll() is None) or runner_alive(active.paths):
                 self._kill_if_stuck(active)
                 continue
             record = read_json(active.paths.hook_record) or {}
@@ -152,10 +152,8 @@ class HookLauncher:
     # -- one runner ----------------------------------------------------------------------------
     def _settled(self, active: _Active) -> bool:
         """True once this hook needs no more watching."""
-        if (
-            active.proc is not None
-            and active.proc.poll() is None
-            or (active.proc is None and runner_alive(active.paths))
+        if (active.proc is not None and active.proc.poll() is None) or (
+            active.proc is None and runner_alive(active.paths)
         ):
             self._kill_if_stuck(active)
             return False

@@ -18,8 +18,9 @@ import os
 import select
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import NoReturn
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
@@ -337,7 +338,7 @@ def _child_main(
         log_fd = _open_log(spec)
         _supervise(spec, log_fd, prctl, lambda: _end_attempt(lock_fd, notify_fd), containment)
         code = 0
-    except BaseException:  # noqa: BLE001 - anything at all: report it and leave without the watcher's code
+    except BaseException:
         _die_reporting(log_fd)
     finally:
         os._exit(code)
@@ -369,12 +370,14 @@ def _warm_main(
             if taken is None:
                 break
             spec, lock_fd, log_fd = taken
-            record = _supervise(spec, log_fd, prctl, lambda: _end_attempt(lock_fd, notify_fd), containment)
+            record = _supervise(
+                spec, log_fd, prctl, lambda lock_fd=lock_fd: _end_attempt(lock_fd, notify_fd), containment
+            )
             log_fd = _quiet_stdio()
             if record.get("stop_reason") == "sigterm" or not _reply_quietly(replies, {"idle": os.getpid()}):
                 break  # we were told to stop, or nobody will send another job
         code = 0
-    except BaseException:  # noqa: BLE001 - as in _child_main
+    except BaseException:
         _die_reporting(log_fd)
     finally:
         os._exit(code)
