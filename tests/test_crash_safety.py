@@ -1,6 +1,6 @@
 """Retry, edit and the small ones of issue 23 hold across crashes: real watchers, real jobs, real kills.
 
-Crashes come from the documented test switch TRAINQ_WATCHER_CRASH (watcher/daemon/crashpoints.py),
+Crashes come from the documented test switch TRAINQ_WATCHER_CRASH (watcher/daemon/containment.py),
 which ends the watcher process with ``os._exit`` right after a named step, as a SIGKILL there would.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import yaml
 from conftest import drop, tick_until, wait_until
 
-from trainq.watcher.daemon.crashpoints import CRASH_EXIT_CODE
+from trainq.watcher.daemon.containment import CRASH_EXIT_CODE
 from trainq.watcher.spec.units import parse_iso
 
 

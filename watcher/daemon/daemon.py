@@ -1,8 +1,14 @@
-"""``Watcher.run()`` and ``Watcher.tick(now)``: the loop that wires the other modules together.
+"""``Watcher.run()`` and ``Watcher.tick(now)``: the loop that wires the loop's steps together.
 
 One pass of ``tick`` reads like a table of contents: reap_finished → honor_job_flags →
 admit_inbox → start_pending → watch_running → write status. Tests call ``tick`` directly.
-Starting lives in starting.py, finishing, retries and flags in finishing.py (mixins of Watcher).
+Each step is an object the Watcher builds and owns, given what it reads and changes (its class
+docstring says which): ``Intake`` (below: inbox files validated, claimed, rejected), ``Starting``
+(starting.py), ``Finishing`` (finishing.py: attempts' ends, retries, flags), ``Workflows``
+(workflows.py), ``Containment`` (containment.py: the per-job guard), ``DiskFullHandling``
+(diskfull.py), ``Walls`` (walls.py), ``Vitals`` (vitals.py) and ``PendingEdits`` (pending_edits.py).
+What several steps share (the job index, folders, report, config, executor) is one ``LoopState``
+(state.py).
 """
 
 from __future__ import annotations
@@ -18,30 +24,41 @@ from pathlib import Path
 
 from trainq.watcher import __version__
 from trainq.watcher.daemon import records
-from trainq.watcher.daemon.containment import ENV_WATCHER_FAULTS, Containment, Faults, is_disk_full
-from trainq.watcher.daemon.crashpoints import ENV_WATCHER_CRASH, CrashPoints
-from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFullHandling, take_reserve
-from trainq.watcher.daemon.executor import make_executor
+from trainq.watcher.daemon.containment import (
+    ENV_WATCHER_CRASH,
+    ENV_WATCHER_FAULTS,
+    Containment,
+    CrashPoints,
+    Faults,
+)
+from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFull, DiskFullHandling, is_disk_full, take_reserve
+from trainq.watcher.daemon.executor import Executor, make_executor
 from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
-from trainq.watcher.daemon.inbox import Inbox, InboxEvents, name_problem, printable_name, schedule, start_observer
+from trainq.watcher.daemon.inbox import (
+    Inbox,
+    InboxEvents,
+    name_problem,
+    printable_name,
+    schedule,
+    start_observer,
+)
 from trainq.watcher.daemon.jobs import Job, JobIndex, new_run
 from trainq.watcher.daemon.pending_edits import PendingEdits
 from trainq.watcher.daemon.recovery import recover
 from trainq.watcher.daemon.report import Report
 from trainq.watcher.daemon.resources import ResourceProbe
 from trainq.watcher.daemon.starting import Starting
+from trainq.watcher.daemon.state import LoopState
 from trainq.watcher.daemon.vitals import Vitals
 from trainq.watcher.daemon.walls import Walls
 from trainq.watcher.daemon.workflows import Workflows
-from trainq.watcher.spec.config import WatcherConfig, check_command_allowed
+from trainq.watcher.spec.config import WatcherConfig
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem, QueueLayoutError, QueueLocked
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
 from trainq.watcher.spec.fsutil import drain, remove_quietly
-from trainq.watcher.spec.interpreter import job_path
 from trainq.watcher.spec.jobspec import JobSpec, check_submission, load_job_file
-from trainq.watcher.spec.pools import paused_pools, unknown_pool_words
-from trainq.watcher.spec.ranks import nodes_problem
+from trainq.watcher.spec.pools import paused_pools
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor.signals import install_watcher_signal_handlers
 
@@ -57,46 +74,93 @@ ADMIT_THREADS = 2
 LOOP_ERROR_PAUSE_S = 0.5
 
 
-class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Walls, Vitals):
-    """The daemon: owns the queue root while it runs."""
+class Watcher:
+    """The daemon: owns the queue root while it runs, builds the loop's steps and calls them in order."""
 
     def __init__(self, root: Path, config: WatcherConfig, *, polling: bool = False, env: dict | None = None):
         self.root = QueueRoot(Path(root).resolve())
         self.config = config
         self.polling = polling
         self.env = dict(os.environ if env is None else env)
-        self.folders = Folders(self.root)
-        self.executor = make_executor(config, self.root.path)
-        self.probe = ResourceProbe(simulate_gpus=config.simulate_gpus, env=self.env)
-        self.jobs = JobIndex()
-        self.faults = Faults.parse(self.env.get(ENV_WATCHER_FAULTS))  # a test switch (README, "Switches")
-        self.crashes = CrashPoints.parse(self.env.get(ENV_WATCHER_CRASH))  # a test switch (docs/reliability.md)
-        self.disk_full = None  # a DiskFull while writes fail for lack of space (diskfull.py)
+        folders = Folders(self.root)
+        executor = make_executor(config, self.root.path)
+        probe = ResourceProbe(simulate_gpus=config.simulate_gpus, env=self.env)
+        faults = Faults.parse(self.env.get(ENV_WATCHER_FAULTS))  # a test switch (README, "Switches")
+        crashes = CrashPoints.parse(self.env.get(ENV_WATCHER_CRASH))  # a test switch (docs/reliability.md)
         self.report = Report(self.root, config, started_at=time.time())
-        self.inbox: Inbox | None = None
-        self.paused = False
-        self.paused_pools: set[str] = set()  # pause.POOL.flag at the root (CONTRACT section 14)
+        self.state = LoopState(self.root, config, self.env, folders, executor, probe, self.report, self.wake)
         self.stopping = False
-        self._awaiting: dict[str, tuple[tuple, dict]] = {}
-        self._unclaimable: dict[str, tuple] = {}
-        self._loop_errors: dict[
-            str, int
-        ] = {}  # errors outside any job's guard, by text: how often  # inbox files not even rejectable (a second fault): name -> signature
-        self._concluded: list = []  # (Job, Outcome) out of the live index, final write pending (finishing.py)
-        self._order_last = 0
+        self._loop_errors: dict[str, int] = {}  # errors outside any job's guard, by text: how often
         self._lock_fd: int | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._observer = None
         self._signals = None
-        self._pool: ThreadPoolExecutor | None = None
         self._last_rescan = 0.0
-        self._last_running_poll = 0.0
-        self._plan_due = True
-        self._last_plan = 0.0
-        self.init_workflows()
-        self.pending_edits = PendingEdits()
-        self.init_walls()
-        self.init_vitals()
+        self.disk = DiskFullHandling(self.root, self.report)
+        self.guard = Containment(self.state, self.disk, faults, retire=self._retire, deps_changed=self._deps_changed)
+        self.workflows = Workflows(self.state, self.guard, retire=self._retire)
+        self.walls = Walls(self.state, self.guard)
+        self.vitals = Vitals(executor, self.report)
+        self.finishing = Finishing(self.state, self.guard, self.disk, self.workflows, self.walls, self.vitals, crashes)
+        self.edits = PendingEdits(self.state, self.guard, self.workflows, retire=self._retire)
+        self.starting = Starting(
+            self.state, self.guard, self.disk, self.finishing, self.workflows, self.walls, self.edits, crashes
+        )
+        self.intake = Intake(self.state, self.guard, self.disk, self.workflows)
+
+    # -- what the report and the command line read ------------------------------------------
+    @property
+    def jobs(self) -> JobIndex:
+        """The live jobs (pending and running)."""
+        return self.state.jobs
+
+    @property
+    def executor(self) -> Executor:
+        """Where attempts run (this machine, or Slurm)."""
+        return self.state.executor
+
+    @property
+    def probe(self) -> ResourceProbe:
+        """The machine's free GPUs, RAM and disk."""
+        return self.state.probe
+
+    @property
+    def paused(self) -> bool:
+        """pause.flag at the root: nothing new starts."""
+        return self.state.paused
+
+    @property
+    def disk_full(self) -> DiskFull | None:
+        """The DiskFull while writes fail for lack of space, else None."""
+        return self.disk.disk_full
+
+    @property
+    def inbox(self) -> Inbox | None:
+        """The inbox being watched (None before ``start``)."""
+        return self.intake.inbox
+
+    def problems(self) -> list[str]:
+        """What is wrong with the watcher itself, one line each (status.json ``watcher.problems``)."""
+        return self.disk.problems()
+
+    def window_now(self, now: float) -> dict | None:
+        """status.json's ``window`` (walls.py)."""
+        return self.walls.window_now(now)
+
+    def cost_now(self, now: float) -> dict | None:
+        """status.json's ``cost`` (walls.py)."""
+        return self.walls.cost_now(now)
+
+    def holding(self, job: Job):
+        """What a running job holds, as admission counts it (starting.py)."""
+        return self.starting.holding(job)
+
+    # -- where the steps meet: a retired job tells workflows, and workflows retires the jobs it ends -----
+    def _retire(self, job: Job, now: float) -> None:
+        self.finishing.retire(job, now)
+
+    def _deps_changed(self, job_id: str, now: float) -> None:
+        self.workflows.deps_changed(job_id, now)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, *, install_signals: bool = True) -> None:
@@ -107,13 +171,16 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         self._take_reserve()
         remove_quietly(self.root.stop_flag)
         events = InboxEvents(self.root.inbox, self.wake, flags=(self.root.stop_flag, self.root.pause_flag))
-        self.inbox = Inbox(self.root.inbox, self.config.settle_s, events)
+        self.intake.inbox = Inbox(self.root.inbox, self.config.settle_s, events)
         self._observer = start_observer(self.root.inbox, self.root.path, events, self.polling)
         if install_signals:
             self._signals = install_watcher_signal_handlers(self._wake_w)
         self.executor.start()
-        recover(self)
+        self._recover()
         logger.info("watcher %d: watching %s (trainq %s)", os.getpid(), self.root.path, __version__)
+
+    def _recover(self) -> None:
+        recover(self.state, self.guard, self.workflows, self.finishing)
 
     def close(self) -> None:
         """Stop watching; running jobs keep running (a later watcher re-adopts them)."""
@@ -121,23 +188,23 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             self._observer.stop()
             self._observer.join(timeout=2)
             self._observer = None
-        if self.disk_full is None:  # else the next watcher's recover() finishes from the folders
-            self.retire_concluded(time.time())
-            self._save_started(time.time(), all_now=True)
+        if self.disk.disk_full is None:  # else the next watcher's recover() finishes from the folders
+            self.finishing.retire_concluded(time.time())
+            self.finishing.save_started(time.time(), all_now=True)
         try:
             self.write_status(time.time(), force=True, state="stopped")
         except Exception as exc:
             logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
-        self.hooks.close()
+        self.workflows.hooks.close()
         self.executor.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        self.intake.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-        logger.info("watcher %d: stopped; %d running job(s) keep running", os.getpid(), self._count(JobState.RUNNING))
+        logger.info(
+            "watcher %d: stopped; %d running job(s) keep running", os.getpid(), self.jobs.count(JobState.RUNNING)
+        )
 
     def run(self) -> None:
         """Repeat ``tick`` until SIGINT/SIGTERM or the root's stop.flag."""
@@ -154,7 +221,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
     def _loop_failed(self, exc: Exception) -> None:
         """An error outside every job's guard: log it (the traceback once per kind), pause a moment, go on."""
         if is_disk_full(exc):
-            self.note_disk_full(exc, "the loop")
+            self.disk.note_disk_full(exc, "the loop")
             return
         key = f"{type(exc).__name__}: {exc}"[:300]
         seen = self._loop_errors.get(key, 0)
@@ -186,9 +253,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         held_back = self.inbox.next_due_s() if self.inbox is not None else None
         if held_back is not None:
             wait = min(wait, held_back)
-        if self._count(JobState.RUNNING):
+        if self.jobs.count(JobState.RUNNING):
             wait = min(wait, RUNNING_POLL_S)
-            save_in = self._next_started_save_s(time.time())
+            save_in = self.finishing.next_started_save_s(time.time())
             if save_in is not None:
                 wait = min(wait, save_in)
         return wait
@@ -199,7 +266,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         except OSError as exc:
             if not is_disk_full(exc):
                 raise
-            self.note_disk_full(exc, self.root.reserve_file.name)
+            self.disk.note_disk_full(exc, self.root.reserve_file.name)
 
     def _take_root_lock(self) -> None:
         fd = os.open(self.root.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -230,49 +297,50 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         self.executor.reap()
         self.check_layout()
         self.honor_root_flags()
-        if self.disk_full is not None:
-            self.retry_after_disk_full(now)
-        if self.disk_full is None:
+        if self.disk.disk_full is not None:
+            self.disk.retry_after_disk_full(now, self, self.rebuild_from_disk)
+        if self.disk.disk_full is None:
             self._work(now)
         else:
-            self.watch_running(now)
-        self.hooks.reap()
+            self.finishing.watch_running(now)
+        self.workflows.hooks.reap()
         self.write_status(now)
 
     def _work(self, now: float) -> None:
-        self.reap_finished(now)
+        self.finishing.reap_finished(now)
         rescan = now - self._last_rescan >= self.config.rescan_s
-        if rescan and self.disk_full is None:
+        if rescan and self.disk.disk_full is None:
             self._last_rescan = now
-            self.honor_job_flags(now)
-            self.recheck_unknown(now)
-            self.pending_edits.check(self, now)
+            self.finishing.honor_job_flags(now)
+            self.workflows.recheck_unknown(now)
+            self.edits.check(now)
         try:
-            if self.disk_full is None:
-                self.admit_inbox(now)
+            if self.disk.disk_full is None:
+                self.intake.admit_inbox(now)
                 self.keep_status_fresh()
-            if self.disk_full is None:
-                self.start_pending(now)  # before retiring: the next job need not wait for the last one's writes
+            if self.disk.disk_full is None:
+                # before retiring: the next job need not wait for the last one's writes
+                self.starting.start_pending(now)
                 self.keep_status_fresh()
         finally:
-            self.retire_concluded(now)
-        if self.deps_released and self.disk_full is None:
+            self.finishing.retire_concluded(now)
+        if self.workflows.deps_released and self.disk.disk_full is None:
             self._start_released(now)
-        self.watch_running(now)
-        self.keep_walls(now)
+        self.finishing.watch_running(now)
+        self.walls.keep_walls(now)
 
     def _start_released(self, now: float) -> None:
         """Dependents released by a job retired in this pass start in this same pass (a chain: one link a pass)."""
-        self.deps_released = False
+        self.workflows.deps_released = False
         try:
-            self.start_pending(now)
+            self.starting.start_pending(now)
         finally:
-            self.retire_concluded(now)
+            self.finishing.retire_concluded(now)
 
     def keep_status_fresh(self) -> None:
         """status.json between the steps of a long pass (a burst admitted, a thousand sbatch answers taken), so
         its heartbeat is never a whole pass old; a no-op unless a write is due (status_s, heartbeat_s)."""
-        if self.disk_full is None:
+        if self.disk.disk_full is None:
             try:
                 self.write_status(time.time())
             except Exception:
@@ -285,17 +353,16 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         except OSError as exc:
             if not is_disk_full(exc):
                 raise
-            self.note_disk_full(exc, "status.json")
+            self.disk.note_disk_full(exc, "status.json")
 
     def rebuild_from_disk(self) -> None:
         """Forget the in-memory index and read it again from the folders (after a full disk)."""
-        self.jobs = JobIndex()
-        self.deps = type(self.deps)()  # rebuilt from job.yaml files by recover(), as at start-up
-        self._deps_queue = []
-        self._concluded = []
-        self._awaiting.clear()
-        self._plan_due = True
-        recover(self)
+        self.state.jobs = JobIndex()
+        self.workflows.reset()  # rebuilt from job.yaml files by recover(), as at start-up
+        self.state.concluded = []
+        self.intake.forget_awaiting()
+        self.state.plan_due = True
+        self._recover()
 
     def check_layout(self) -> None:
         """Recreate queue folders a user deleted, instead of crash-looping."""
@@ -312,7 +379,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         for job in list(self.jobs.values()):
             if not job.dir.exists():
                 logger.warning("job %s: its folder %s vanished; forgetting it", job.id, job.dir)
-                self._drop(job)
+                self.finishing.drop(job)
 
     def honor_root_flags(self) -> None:
         """``stop.flag`` at the root: exit (jobs keep running); ``pause.flag``: start nothing new."""
@@ -321,30 +388,64 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             logger.info("watcher %d: stop.flag found; exiting, running jobs keep running", os.getpid())
             self.stopping = True
         paused = self.root.pause_flag.exists()
-        if paused != self.paused:
+        if paused != self.state.paused:
             logger.info("watcher %d: %s", os.getpid(), "paused (pause.flag)" if paused else "resumed")
-            self.paused = paused
-            self._plan_due = True
+            self.state.paused = paused
+            self.state.plan_due = True
             self.report.touch()
         pools = paused_pools(self.root.path)
-        if pools != self.paused_pools:
+        if pools != self.state.paused_pools:
             logger.info("watcher %d: paused pools: %s", os.getpid(), ", ".join(sorted(pools)) or "none")
-            self.paused_pools = pools
-            self._plan_due = True
+            self.state.paused_pools = pools
+            self.state.plan_due = True
             self.report.touch()
 
-    # -- the inbox ---------------------------------------------------------------------------
+
+class Intake:
+    """Admits inbox files: validates each, claims it into pending/ (or failed/ when invalid), or keeps it awaiting.
+
+    Reads the state's config, env and root, and the inbox (set by ``Watcher.start``). Changes the state's
+    ``jobs`` (accepted jobs), order counter and ``deps.finished`` (a rejected id), claims files through the
+    state's folders, and tells the report what it saw. A file's failure goes to ``guard``, a full disk to
+    ``disk``; accepted jobs, sweeps and rejections go to ``workflows``. Owns what awaits approval.
+    """
+
+    def __init__(self, state: LoopState, guard: Containment, disk: DiskFullHandling, workflows: Workflows) -> None:
+        self.state = state
+        self.guard = guard
+        self.disk = disk
+        self.workflows = workflows
+        self.inbox: Inbox | None = None
+        self._awaiting: dict[str, tuple[tuple, dict]] = {}
+        self._unclaimable: dict[str, tuple] = {}  # inbox files not even rejectable (a second fault): name -> signature
+        self._pool: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        """Stop the threads that validate a burst."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def forget_awaiting(self) -> None:
+        """Forget the files found awaiting approval (read again on the next pass)."""
+        self._awaiting.clear()
+
+    def _forget(self, name: str) -> None:
+        """The inbox file ``name`` was taken: the inbox and the awaiting list forget it."""
+        self.inbox.taken(name)
+        self._awaiting.pop(name, None)
+
     def admit_inbox(self, now: float) -> None:
         """Validate every complete inbox file: accept, reject, or leave it awaiting approval."""
         candidates = self.inbox.scan()
-        self.report.inbox_seen(candidates, self.inbox.ignored)
+        self.state.report.inbox_seen(candidates, self.inbox.ignored)
         todo = [c for c in self.inbox.ready(candidates, now) if not self._known_awaiting(c)]
         if len(todo) > ADMIT_BATCH:
             todo = todo[:ADMIT_BATCH]
-            self.wake()  # the rest next pass, so status.json stays fresh during a burst
+            self.state.wake()  # the rest next pass, so status.json stays fresh during a burst
         for cand, taken in self._taken(todo, now):
             if taken.disk_full is not None:
-                self.note_disk_full(taken.disk_full, f"inbox/{cand.name}")
+                self.disk.note_disk_full(taken.disk_full, f"inbox/{cand.name}")
                 continue
             try:
                 self._admit_one(cand, taken, now)
@@ -355,7 +456,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             del self._awaiting[name]
         for name in [n for n in self._unclaimable if n not in live]:
             del self._unclaimable[name]
-        self.report.awaiting(self._awaiting)
+        self.state.report.awaiting(self._awaiting)
 
     def _contain_admitted(self, cand, taken: _Taken, exc: Exception) -> None:
         if taken.claimed is None:
@@ -365,8 +466,8 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             return
         job_id, path = taken.claimed
         state = JobState.PENDING if path.parent.name == JobState.PENDING.value else JobState.FAILED
-        job = self.jobs.get(job_id) or Job(job_id, state, path, dict(taken.run, id=job_id))
-        self.job_failed_in(job, "admit", exc)
+        job = self.state.jobs.get(job_id) or Job(job_id, state, path, dict(taken.run, id=job_id))
+        self.guard.job_failed_in(job, "admit", exc)
 
     def _known_awaiting(self, cand) -> bool:
         """A file already found valid but unapproved, unchanged since: nothing to do."""
@@ -382,7 +483,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         create, link, unlink) that release the GIL, so they overlap with the next file's
         validation. The index, the report and the inbox's bookkeeping stay on the loop's thread.
         """
-        orders = [self._next_order() for _ in cands]
+        orders = [self.state.next_order() for _ in cands]
         if len(cands) < PARALLEL_VALIDATE_MIN:
             return ((c, self._take(c, order, now)) for c, order in zip(cands, orders, strict=False))
         if self._pool is None:
@@ -395,7 +496,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         The admit step's guard: a full disk is reported back; anything unexpected rejects the file.
         """
         try:
-            self.faults.check("admit", id_from_name(cand.name))
+            self.guard.faults.check("admit", id_from_name(cand.name))
             return self._take_unguarded(cand, order, now)
         except Exception as exc:
             if is_disk_full(exc):
@@ -417,7 +518,7 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         run = new_run(None, order, now, name=_stem(cand.name))
         run.update(status="rejected", finished_at=iso_utc(now), errors=[problem.to_dict()], error=result.lines()[0])
         try:
-            return _Taken(result, run, self.folders.claim(cand.path, JobState.FAILED, run))
+            return _Taken(result, run, self.state.folders.claim(cand.path, JobState.FAILED, run))
         except Exception as exc2:
             if is_disk_full(exc2):
                 return _Taken(None, disk_full=exc2)
@@ -438,13 +539,13 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
                 errors=[p.to_dict() for p in result.problems],
                 error=result.lines()[0] if result.problems else "invalid job file",
             )
-            return _Taken(result, run, self.folders.claim(cand.path, JobState.FAILED, run))
+            return _Taken(result, run, self.state.folders.claim(cand.path, JobState.FAILED, run))
         run = new_run(result, order, now, name=_stem(printable_name(cand.name)))
         if result.fork_of:
-            run["lineage"] = self.lineage_of(result.fork_of)
+            run["lineage"] = self.workflows.lineage_of(result.fork_of)
         if result.rerun_of:
-            run["lineage"] = self.lineage_of(result.rerun_of, "rerun_of")
-        return _Taken(result, run, self.folders.claim(cand.path, JobState.PENDING, run))
+            run["lineage"] = self.workflows.lineage_of(result.rerun_of, "rerun_of")
+        return _Taken(result, run, self.state.folders.claim(cand.path, JobState.PENDING, run))
 
     def _validate(self, cand) -> JobSpec | InvalidJobSpec | None:
         """The file's JobSpec, the InvalidJobSpec listing its problems, or None when it vanished."""
@@ -454,9 +555,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             return InvalidJobSpec(display, [bad_name])
         try:
             spec = load_job_file(cand.path, display)
-            self.check_allowed(spec, display, cand.name)
+            self.state.check_allowed(spec, display, cand.name)
             check_submission(spec, display, time.time())
-            self._check_pool(spec, display)
+            self.state.check_pool(spec, display)
         except InvalidJobSpec as exc:
             return exc
         except FileNotFoundError:
@@ -484,33 +585,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             sig = (cand.size, cand.mtime_ns, cand.ino)
             self._awaiting[cand.name] = (sig, {"name": cand.name, "spec": result, "seen_at": now})
         elif result.sweep:
-            self.admit_sweep(cand, result, now)
+            self.workflows.admit_sweep(cand, result, now, self._forget)
         else:
             self._accepted(cand, taken, now)
-
-    def check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
-        """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's);
-        also what needs the executor: several nodes only with Slurm."""
-        nodes = nodes_problem(spec.raw, self.config.executor)
-        if nodes is not None:
-            raise InvalidJobSpec(display, [nodes])
-        if self.config.allow_commands is None and self.config.allow_env is None:
-            return
-        job_id = id_from_name(file_name)
-        values = {"job_dir": str(self.root.job_dir(JobState.PENDING, job_id)), "job_id": job_id, "attempt": "1"}
-        problem = check_command_allowed(spec, self.config, values, job_path(self.env.get("PATH", "")))
-        if problem is not None:
-            raise InvalidJobSpec(display, [problem])
-
-    def _check_pool(self, spec: JobSpec, display: str) -> None:
-        """A job's pool must be one watcher.yaml names (or the default pool)."""
-        words = unknown_pool_words(spec.pool, self.config.pool_limits())
-        if words is not None:
-            raise InvalidJobSpec(display, [Problem("pool", words + "; fix pool: or add it to watcher.yaml")])
-
-    def _next_order(self) -> int:
-        self._order_last = max(self._order_last + 1, time.time_ns())
-        return self._order_last
 
     def _accepted(self, cand, taken: _Taken, now: float) -> None:
         self._awaiting.pop(cand.name, None)
@@ -522,13 +599,13 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
         job = Job(
             job_id, JobState.PENDING, path, taken.run, taken.result, spec_sig=(cand.size, cand.mtime_ns, cand.ino)
         )
-        self.jobs.add(job)
+        self.state.jobs.add(job)
         records.accepted(job.paths, taken.run, cand.name, cand.mtime_ns / 1e9, now)
         logger.info(
             "job %s: inbox/%s -> pending (priority %d)", job_id, printable_name(cand.name), taken.result.priority
         )
-        self.report.touch()
-        self.admit_workflow(job, now)
+        self.state.report.touch()
+        self.workflows.admit_workflow(job, now)
 
     def _rejected(self, cand, taken: _Taken, now: float) -> None:
         self.inbox.taken(cand.name)
@@ -541,16 +618,9 @@ class Watcher(Starting, Finishing, Workflows, Containment, DiskFullHandling, Wal
             logger.warning("job %s: rejected: %s", job_id, line)
         records.rejected(JobPaths(path), taken.run, cand.name, cand.mtime_ns / 1e9, now)
         logger.info("job %s: inbox/%s -> failed, rejected", job_id, printable_name(cand.name))
-        self.report.finished(Job(job_id, JobState.FAILED, path, taken.run, None), now)
-        self.deps.finished[job_id] = "rejected"
-        self.deps_changed(job_id, now)
-
-    # -- helpers -----------------------------------------------------------------------------
-    def _jobs_in(self, state: JobState) -> list[Job]:
-        return self.jobs.in_state(state)
-
-    def _count(self, state: JobState) -> int:
-        return self.jobs.count(state)
+        self.state.report.finished(Job(job_id, JobState.FAILED, path, taken.run, None), now)
+        self.state.deps.finished[job_id] = "rejected"
+        self.workflows.deps_changed(job_id, now)
 
 
 @dataclass

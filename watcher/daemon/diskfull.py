@@ -1,4 +1,4 @@
-"""A full disk degrades the watcher, never kills it (a mixin of Watcher).
+"""A full disk degrades the watcher, never kills it (``DiskFullHandling``, one of the Watcher's steps).
 
 When a write fails with ENOSPC/EDQUOT (status.json, run.json, a claim, a folder move) the watcher
 notes it and, until space frees: accepts and starts nothing, concludes nothing (a job's final
@@ -20,9 +20,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from trainq.watcher.daemon.containment import is_disk_full
 from trainq.watcher.spec.units import iso_utc
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from trainq.watcher.daemon.report import Report, ReportSource
+    from trainq.watcher.spec.folders import QueueRoot
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +38,13 @@ DISK_FULL_RETRY_S = 1.0
 RESERVE_BYTES = 256 * 1024
 #: free space needed, beyond the reserve, before a watcher with a full disk resumes (bytes)
 RESUME_MARGIN_BYTES = 256 * 1024
+#: errno values that mean "no space left" (a full disk, or a full quota)
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for an OSError that says the disk (or quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
 
 
 @dataclass
@@ -52,7 +65,16 @@ class DiskFull:
 
 
 class DiskFullHandling:
-    """Noting a full disk and getting out of it (a mixin of Watcher)."""
+    """Noting a full disk and getting out of it.
+
+    Reads the root's reserve file and free space; changes only ``disk_full`` (every other step reads it
+    and holds back while it is set); touches and writes the report.
+    """
+
+    def __init__(self, root: QueueRoot, report: Report) -> None:
+        self.root = root
+        self.report = report
+        self.disk_full: DiskFull | None = None  # set while writes fail for lack of space
 
     def note_disk_full(self, exc: OSError, where: str) -> None:
         """A write failed for lack of space: stop accepting and starting work until it succeeds again."""
@@ -74,19 +96,20 @@ class DiskFullHandling:
         """What is wrong with the watcher itself, one line each (status.json ``watcher.problems``)."""
         return [self.disk_full.problem()] if self.disk_full is not None else []
 
-    def retry_after_disk_full(self, now: float) -> None:
-        """Try status.json again; once it is written, rebuild from the folders and resume."""
+    def retry_after_disk_full(self, now: float, source: ReportSource, rebuild: Callable[[], None]) -> None:
+        """Try status.json again (``source`` says what it holds); once it is written, ``rebuild`` the queue's
+        view from the folders and resume."""
         full = self.disk_full
         if full is None or now - full.last_try < DISK_FULL_RETRY_S:
             return
         full.last_try = now
         try:
-            self.report.write(self, now, force=True)  # says "disk full" while it lasts
+            self.report.write(source, now, force=True)  # says "disk full" while it lasts
             if free_bytes(self.root.path) < RESERVE_BYTES + RESUME_MARGIN_BYTES:
                 return
             take_reserve(self.root.reserve_file)
             self.disk_full = None
-            self.rebuild_from_disk()
+            rebuild()
         except OSError as exc:
             if not is_disk_full(exc):
                 raise

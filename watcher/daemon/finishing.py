@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainq.watcher.daemon import records
 from trainq.watcher.daemon.jobs import (
@@ -23,6 +24,14 @@ from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import remove_quietly, touch
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
+if TYPE_CHECKING:
+    from trainq.watcher.daemon.containment import Containment, CrashPoints
+    from trainq.watcher.daemon.diskfull import DiskFullHandling
+    from trainq.watcher.daemon.state import LoopState
+    from trainq.watcher.daemon.vitals import Vitals
+    from trainq.watcher.daemon.walls import Walls
+    from trainq.watcher.daemon.workflows import Workflows
+
 logger = logging.getLogger(__name__)
 
 #: how often running jobs are polled for exit records when no SIGCHLD can tell us (re-adopted jobs), seconds
@@ -32,7 +41,32 @@ STARTED_SAVE_AFTER_S = 0.05
 
 
 class Finishing:
-    """The part of the Watcher that finishes, retries, stops and watches running jobs (a mixin of Watcher)."""
+    """Finishes, retries, stops and watches running jobs; honours stop.flag in pending/ and retry.flag in failed/.
+
+    Reads the state's root, config and executor, and ``disk`` (nothing is concluded while the disk is full).
+    Changes the state's ``jobs``, ``concluded`` and ``plan_due``, jobs' run.json and folders, and touches
+    the report. Each job's step runs inside ``guard``; an attempt's end is told to ``walls`` (cost,
+    delivery) and ``workflows`` (dependents, hooks); a running job's records go to ``vitals``.
+    """
+
+    def __init__(
+        self,
+        state: LoopState,
+        guard: Containment,
+        disk: DiskFullHandling,
+        workflows: Workflows,
+        walls: Walls,
+        vitals: Vitals,
+        crashes: CrashPoints,
+    ) -> None:
+        self.state = state
+        self.guard = guard
+        self.disk = disk
+        self.workflows = workflows
+        self.walls = walls
+        self.vitals = vitals
+        self.crashes = crashes
+        self._last_running_poll = 0.0
 
     # -- finishing ---------------------------------------------------------------------------
     def reap_finished(self, now: float) -> None:
@@ -44,9 +78,9 @@ class Finishing:
         ``recover()`` finishes it from that.
         """
         forced = now - self._last_running_poll >= RUNNING_POLL_S
-        for job in self._jobs_in(JobState.RUNNING):
-            self.guarded(job, "finish", self._reap_one, job, forced, now)
-            if self.disk_full is not None:
+        for job in self.state.jobs.in_state(JobState.RUNNING):
+            self.guard.guarded(job, "finish", self._reap_one, job, forced, now)
+            if self.disk.disk_full is not None:
                 return
         if forced:
             self._last_running_poll = now
@@ -55,36 +89,36 @@ class Finishing:
         attempt = job.current_attempt() or {}
         if self._conclude_from_record(job, attempt, now):
             return
-        if forced and not self.executor.is_alive(job.paths, attempt):
+        if forced and not self.state.executor.is_alive(job.paths, attempt):
             if not job.dir.exists():
-                self.forget_removed(job)  # rm -rf: its supervisor (if any) stops the attempt by itself
+                self.guard.forget_removed(job)  # rm -rf: its supervisor (if any) stops the attempt by itself
                 return
             # the record may have landed between the two looks; only without one is the supervisor lost
             if not self._conclude_from_record(job, attempt, now):
-                self._finish_lost(job, now)
+                self.finish_lost(job, now)
 
     def _conclude_from_record(self, job: Job, attempt: dict, now: float) -> bool:
         """Conclude ``job`` from its current attempt's exit record; False while there is none."""
-        record = self.executor.read_exit(job.paths, attempt)
+        record = self.state.executor.read_exit(job.paths, attempt)
         if record is None or record.get("attempt") != job.attempt:
             return False
         self._conclude(job, judge_exit(job.run, record, job.paths, job.spec), record, now)
         self.crashes.reached("concluded", job.id)
         return True
 
-    def _finish_lost(self, job: Job, now: float) -> None:
-        killed = self.executor.kill_leftovers(job.paths, job.current_attempt() or {})
+    def finish_lost(self, job: Job, now: float) -> None:
+        killed = self.state.executor.kill_leftovers(job.paths, job.current_attempt() or {})
         if killed:
             logger.warning("job %s: killed %d leftover process(es) of a dead supervisor", job.id, killed)
-        started = self.executor.read_started(job.paths) or {}
+        started = self.state.executor.read_started(job.paths) or {}
         record = {"job_pid": started.get("job_pid")} if started.get("attempt") == job.attempt else {}
         outcome = supervisor_lost(started)
         events.emit(
             job.paths, "exited", now, attempt=job.attempt, code=None, lost=True, evidence=outcome.diagnosis.evidence
         )
-        self._finish(job, outcome, record, now)
+        self.finish(job, outcome, record, now)
 
-    def _finish(self, job: Job, outcome, record: dict, now: float) -> None:
+    def finish(self, job: Job, outcome, record: dict, now: float) -> None:
         """Conclude the attempt and, unless it is retried, write the job's final state and move its folder now."""
         self._conclude(job, outcome, record, now)
         self.retire_concluded(now)
@@ -107,38 +141,38 @@ class Finishing:
         if outcome.diagnosis and outcome.diagnosis.kind == "preempted" and record.get("stop_reason") != "sigterm":
             # SIGTERM reached the job itself (the supervisor's own SIGTERM is recorded by the supervisor)
             events.emit(job.paths, "preempted", now, attempt=job.attempt, evidence=outcome.diagnosis.evidence)
-        self.account_attempt(job, attempt)
+        self.walls.account_attempt(job, attempt)
         job.run["diagnosis"] = outcome.diagnosis.to_dict() if outcome.diagnosis else None
         job.run["error"] = record.get("spawn_error") or (outcome.diagnosis.evidence if outcome.diagnosis else None)
         if outcome.status == CHECKPOINTED:
-            self.guarded(job, "retry", self._requeue_after_checkpoint, job, record, now)
+            self.guard.guarded(job, "retry", self._requeue_after_checkpoint, job, record, now)
             return
         if should_retry(job, outcome):
-            self.guarded(job, "retry", self._requeue_for_retry, job, outcome, now)
+            self.guard.guarded(job, "retry", self._requeue_for_retry, job, outcome, now)
             return
         # the attempt's real end (its exit record), not when this watcher got to it (after a SIGSTOP, a crash)
         job.run.update(
             status=outcome.status, finished_at=record.get("ended_at") or iso_utc(now), waiting_for=None, gpus=[]
         )
-        self.jobs.remove(job.id)
-        self._concluded.append((job, outcome))
-        self._plan_due = True
+        self.state.jobs.remove(job.id)
+        self.state.concluded.append((job, outcome))
+        self.state.plan_due = True
 
     def retire_concluded(self, now: float) -> None:
         """Write each concluded job's final run.json (durably) and move its folder to done/ or failed/."""
-        while self._concluded and self.disk_full is None:
-            job, outcome = self._concluded[0]
-            self.guarded(job, "finish", self._retire_one, job, outcome, now)
-            self._concluded = [(j, o) for j, o in self._concluded if j is not job]
+        while self.state.concluded and self.disk.disk_full is None:
+            job, outcome = self.state.concluded[0]
+            self.guard.guarded(job, "finish", self._retire_one, job, outcome, now)
+            self.state.drop_concluded(job)
 
     def _retire_one(self, job: Job, outcome, now: float) -> None:
         job.save()
         ok = outcome.status == "done"
-        job.dir = self.folders.finish(job.id, ok)
+        job.dir = self.state.folders.finish(job.id, ok)
         job.state = JobState.DONE if ok else JobState.FAILED
         kind = f" ({outcome.diagnosis.kind})" if outcome.diagnosis else ""
         logger.info("job %s: running -> %s, %s%s", job.id, job.state.value, outcome.status, kind)
-        self._retire(job, now)
+        self.retire(job, now)
 
     def _requeue_for_retry(self, job: Job, outcome, now: float) -> None:
         backoff_s = job.spec.retries.backoff_s if job.spec else 0.0
@@ -157,10 +191,10 @@ class Finishing:
         job.run.pop("stop_requested_by", None)
         remove_quietly(job.paths.stop_flag)
         job.save()
-        job.dir = self.folders.requeue(job.id, JobState.RUNNING)
-        self.jobs.move(job, JobState.PENDING)
+        job.dir = self.state.folders.requeue(job.id, JobState.RUNNING)
+        self.state.jobs.move(job, JobState.PENDING)
         job.readers = None
-        self._plan_due = True
+        self.state.plan_due = True
         logger.info(
             "job %s: running -> pending, retry after %s in %gs%s",
             job.id,
@@ -179,7 +213,7 @@ class Finishing:
             retry=used,
             of=job.spec.retries.max if job.spec else 0,
         )
-        self.report.touch()
+        self.state.report.touch()
 
     def _requeue_after_checkpoint(self, job: Job, record: dict, now: float) -> None:
         """The job exited with its checkpoint_exit_code: the next attempt starts at once, resuming; no retry counted."""
@@ -197,10 +231,10 @@ class Finishing:
             error=None,
         )
         job.save()
-        job.dir = self.folders.requeue(job.id, JobState.RUNNING)
-        self.jobs.move(job, JobState.PENDING)
+        job.dir = self.state.folders.requeue(job.id, JobState.RUNNING)
+        self.state.jobs.move(job, JobState.PENDING)
         job.readers = None
-        self._plan_due = True
+        self.state.plan_due = True
         logger.info(
             "job %s: running -> pending, checkpoint exit %s: next attempt at once%s",
             job.id,
@@ -217,39 +251,39 @@ class Finishing:
             resume_from=resume,
             counted=False,
         )
-        self.report.touch()
+        self.state.report.touch()
 
-    def _retire(self, job: Job, now: float) -> None:
+    def retire(self, job: Job, now: float) -> None:
         """A job reached done/ or failed/: it leaves the live index, the report keeps it as recent."""
         records.finished(job.paths, job.run, now)
-        self._plan_due = True
-        self.jobs.remove(job.id)
-        self.report.finished(job, now)
-        self.workflow_concluded(job, now)
-        self.deliver_if_due(job)
+        self.state.plan_due = True
+        self.state.jobs.remove(job.id)
+        self.state.report.finished(job, now)
+        self.workflows.workflow_concluded(job, now)
+        self.walls.deliver_if_due(job)
 
-    def _drop(self, job: Job) -> None:
-        self.jobs.remove(job.id)
-        self.folders.forget(job.id)
-        self.report.touch()
+    def drop(self, job: Job) -> None:
+        self.state.jobs.remove(job.id)
+        self.state.folders.forget(job.id)
+        self.state.report.touch()
 
     # -- flags -------------------------------------------------------------------------------
     def honor_job_flags(self, now: float) -> None:
         """stop.flag in pending/ cancels; retry.flag in failed/ requeues with resume."""
-        self.forget_removed_folders()
-        for job in self._jobs_in(JobState.PENDING):
+        self.guard.forget_removed_folders()
+        for job in self.state.jobs.in_state(JobState.PENDING):
             if job.paths.stop_flag.exists():
-                self.guarded(job, "finish", self.cancel_pending, job, now)
-        for job_id in _ids_with_retry_flag(self.root.state_dir(JobState.FAILED)):
-            self.guarded_id(job_id, JobState.FAILED, "retry", self.retry_finished, job_id, JobState.FAILED, now)
+                self.guard.guarded(job, "finish", self.cancel_pending, job, now)
+        for job_id in _ids_with_retry_flag(self.state.root.state_dir(JobState.FAILED)):
+            self.guard.guarded_id(job_id, JobState.FAILED, "retry", self.retry_finished, job_id, JobState.FAILED, now)
 
     def cancel_pending(self, job: Job, now: float) -> None:
         job.run.update(status="cancelled", finished_at=iso_utc(now), waiting_for=None, stop_requested_at=iso_utc(now))
         job.save()
-        job.dir = self.folders.fail(job.id, JobState.PENDING)
-        self.jobs.move(job, JobState.FAILED)
+        job.dir = self.state.folders.fail(job.id, JobState.PENDING)
+        self.state.jobs.move(job, JobState.FAILED)
         logger.info("job %s: pending -> failed, cancelled (stop.flag)", job.id)
-        self._retire(job, now)
+        self.retire(job, now)
 
     def retry_finished(self, job_id: str, state: JobState, now: float) -> None:
         """retry.flag: back to pending as a new attempt that resumes from the latest checkpoint.
@@ -259,7 +293,7 @@ class Finishing:
         flag in failed/ (the next watcher honours it again); after it, a pending job whose stray
         flag recovery removes. The old stop.flag goes first: left behind, it would cancel the retry.
         """
-        paths = JobPaths(self.root.job_dir(state, job_id))
+        paths = JobPaths(self.state.root.job_dir(state, job_id))
         remove_quietly(paths.stop_flag)
         job = load_job(paths.dir, state)
         if job is None:
@@ -284,15 +318,15 @@ class Finishing:
             job.run.pop(key, None)
         job.save()
         self.crashes.reached("retry-saved", job_id)
-        job.dir = self.folders.requeue(job_id, state)
+        job.dir = self.state.folders.requeue(job_id, state)
         self.crashes.reached("retry-moved", job_id)
         remove_quietly(job.paths.retry_flag)
         self.crashes.reached("retry-done", job_id)
-        self.jobs.move(job, JobState.PENDING)
-        self.jobs.add(job)
-        self.report.unfinished(job_id, state)
+        self.state.jobs.move(job, JobState.PENDING)
+        self.state.jobs.add(job)
+        self.state.report.unfinished(job_id, state)
         events.emit(job.paths, "retrying", now, attempt=job.attempt + 1, after="retry.flag", resume_from=resume)
-        self.workflow_requeued(job, now)
+        self.workflows.workflow_requeued(job, now)
         logger.info(
             "job %s: %s -> pending, retry requested%s",
             job_id,
@@ -308,8 +342,8 @@ class Finishing:
         try:
             if job.spec is None or job.spec.sweep:
                 raise InvalidJobSpec(display, [])
-            self.check_allowed(job.spec, display, f"{job.id}.yaml")
-            self._check_pool(job.spec, display)
+            self.state.check_allowed(job.spec, display, f"{job.id}.yaml")
+            self.state.check_pool(job.spec, display)
         except InvalidJobSpec:
             logger.warning(
                 "job %s: retry.flag ignored: its job.yaml is still invalid (or a sweep); fix it "
@@ -325,12 +359,12 @@ class Finishing:
     # -- running jobs ------------------------------------------------------------------------
     def watch_running(self, now: float) -> None:
         """Mark stop requests, track health (stalls) and progress of running jobs."""
-        self._save_started(now)
-        for job in self._jobs_in(JobState.RUNNING):
-            self.guarded(job, "watch", self._watch_one, job, now)
+        self.save_started(now)
+        for job in self.state.jobs.in_state(JobState.RUNNING):
+            self.guard.guarded(job, "watch", self._watch_one, job, now)
 
     def _watch_one(self, job: Job, now: float) -> None:
-        if not self.executor.folder_due(job.paths, job.current_attempt() or {}, now):
+        if not self.state.executor.folder_due(job.paths, job.current_attempt() or {}, now):
             self._note_executor_wait(job)  # from memory (Slurm: once per poll for each job, spread over the polls)
             return
         if job.run.get("status") == "running" and job.paths.stop_flag.exists():
@@ -340,63 +374,63 @@ class Finishing:
             logger.info(
                 "job %s: stop requested (stop.flag); grace %gs", job.id, job.spec.stop_grace_s if job.spec else 0
             )
-            self.report.touch()
+            self.state.report.touch()
         if job.run.get("status") == "stopping":
             requested = parse_iso(job.run.get("stop_requested_at")) or now
             grace = job.spec.stop_grace_s if job.spec else 0.0
-            self.executor.enforce_stop(job.paths, job.current_attempt() or {}, requested, grace, now)
+            self.state.executor.enforce_stop(job.paths, job.current_attempt() or {}, requested, grace, now)
         self._note_executor_wait(job)
         if job.run.get("waiting_for"):  # still in Slurm's queue: nothing written yet, and not stalled
             job.last_activity = now
             return
         if not self._check_node(job, now):
             self._check_stall(job, now)
-        self.report.update_progress(self, job, now)
-        self.check_vitals(job, now)
+        self.state.report.update_progress(self.state, job, now)
+        self.vitals.check_vitals(job, now)
 
-    def _save_started(self, now: float, *, all_now: bool = False) -> None:
+    def save_started(self, now: float, *, all_now: bool = False) -> None:
         """Write run.json of jobs launched at least STARTED_SAVE_AFTER_S ago (every one with ``all_now``).
 
         A trivial job is over before that: its one write then carries its final state, which halves
         the run.json writes of a queue of short jobs. ``recover()`` already accepts a run.json that
         lags the supervisor's start record, so a crash in this window loses nothing.
         """
-        for job in self._jobs_in(JobState.RUNNING):
+        for job in self.state.jobs.in_state(JobState.RUNNING):
             if job.unsaved_since is not None and (all_now or now - job.unsaved_since >= STARTED_SAVE_AFTER_S):
-                self.guarded(job, "start", job.save, durable=False)  # clears unsaved_since
+                self.guard.guarded(job, "start", job.save, durable=False)  # clears unsaved_since
 
-    def _next_started_save_s(self, now: float) -> float | None:
+    def next_started_save_s(self, now: float) -> float | None:
         """Seconds until the next deferred run.json write is due; None when none waits."""
-        due = [j.unsaved_since for j in self._jobs_in(JobState.RUNNING) if j.unsaved_since is not None]
+        due = [j.unsaved_since for j in self.state.jobs.in_state(JobState.RUNNING) if j.unsaved_since is not None]
         return max(0.0, min(due) + STARTED_SAVE_AFTER_S - now) if due else None
 
     def _note_executor_wait(self, job: Job) -> None:
-        reason = self.executor.waiting_for(job.paths, job.current_attempt() or {})
+        reason = self.state.executor.waiting_for(job.paths, job.current_attempt() or {})
         if job.run.get("waiting_for") != reason:
             job.run["waiting_for"] = reason
-            self.report.touch()
+            self.state.report.touch()
 
     def _check_node(self, job: Job, now: float) -> bool:
         """The executor's word on the node (Slurm: its heartbeat stopped): health "stalled" while it says so."""
-        said = self.executor.health(job.paths, job.current_attempt() or {}, now)
+        said = self.state.executor.health(job.paths, job.current_attempt() or {}, now)
         if said is None:
             if job.health == "stalled" and job.run.get("health_reason"):
                 job.health = "healthy"
                 job.run.pop("health_reason", None)
-                self.report.touch()
+                self.state.report.touch()
             return False
         if job.health != "stalled" or job.run.get("health_reason") != said.split(" for ")[0]:
             logger.warning("job %s: stalled: %s", job.id, said)
             job.health = "stalled"
             job.run["health_reason"] = said.split(" for ")[0]
-            self.report.touch()
+            self.state.report.touch()
         return True
 
     def _check_stall(self, job: Job, now: float) -> None:
         stall_after = job.spec.stall_after_s if job.spec else None
         if not stall_after:
             return
-        if job.run.get("stop_after_stacks") and not self.stacks_pending(job):
+        if job.run.get("stop_after_stacks") and not self.vitals.stacks_pending(job):
             job.run.pop("stop_after_stacks")
             touch(job.paths.stop_flag)
         sig = tuple(_mtime(p) for p in (job.paths.log, job.paths.metrics))
@@ -404,18 +438,18 @@ class Finishing:
             job.activity_sig, job.last_activity = sig, now
             if job.health == "stalled":
                 job.health = "healthy"
-                self.report.touch()
+                self.state.report.touch()
             return
         if job.health != "healthy" or now - job.last_activity < stall_after:
             return
         job.health = "stalled"
         logger.warning("job %s: stalled: no new output for %gs", job.id, now - job.last_activity)
-        self.capture_stacks(job, f"stalled for {now - job.last_activity:.0f}s")
-        self.report.touch()
+        self.vitals.capture_stacks(job, f"stalled for {now - job.last_activity:.0f}s")
+        self.state.report.touch()
         if "stalled" in job.spec.retries.on:  # the user opted in: end it (retried while attempts remain)
             job.run.update(stop_requested_by="stalled", stall_after_s=stall_after)
             job.save(durable=False)
-            if self.stacks_pending(job):
+            if self.vitals.stacks_pending(job):
                 job.run["stop_after_stacks"] = True  # stopped once its stacks are recorded (vitals.py)
             else:
                 touch(job.paths.stop_flag)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import JobState
@@ -19,8 +20,10 @@ from trainq.watcher.spec.jobspec import load_job_file
 from trainq.watcher.spec.units import iso_utc
 
 if TYPE_CHECKING:
+    from trainq.watcher.daemon.containment import Containment
     from trainq.watcher.daemon.jobs import Job
-    from trainq.watcher.spec.jobspec import JobSpec
+    from trainq.watcher.daemon.state import LoopState
+    from trainq.watcher.daemon.workflows import Workflows
 
 logger = logging.getLogger(__name__)
 
@@ -28,32 +31,26 @@ logger = logging.getLogger(__name__)
 CHECK_BATCH = 2000
 
 
-class EditHost(Protocol):
-    """What re-reading a pending job needs from the loop (the Watcher provides it; no import of it here)."""
-
-    config: object
-    jobs: object
-    folders: object
-    deps: object
-    report: object
-    _plan_due: bool
-
-    def check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None: ...
-    def admit_workflow(self, job: Job, now: float) -> None: ...
-    def forget_removed(self, job: Job) -> None: ...
-    def _retire(self, job: Job, now: float) -> None: ...
-    def wake(self) -> None: ...
-
-
 class PendingEdits:
-    """Which pending job the next rescan looks at first (round robin over the pending jobs)."""
+    """Re-reads pending job files edited in place; owns which pending job the next rescan looks at first.
 
-    def __init__(self) -> None:
-        self._cursor = 0
+    Reads the state's config. Changes the state's ``jobs`` (a new priority re-sorts, a rejected job leaves)
+    and ``plan_due``, ``deps`` (an edited after:), pending jobs' run.json and folders, and touches the
+    report. A removed folder goes to ``guard``, a new after: to ``workflows``, a rejected job to ``retire``.
+    """
 
-    def check(self, watcher: EditHost, now: float) -> None:
+    def __init__(
+        self, state: LoopState, guard: Containment, workflows: Workflows, *, retire: Callable[[Job, float], None]
+    ) -> None:
+        self.state = state
+        self.guard = guard
+        self.workflows = workflows
+        self.retire = retire
+        self._cursor = 0  # round robin over the pending jobs
+
+    def check(self, now: float) -> None:
         """Stat the next batch of pending job files; re-read those that changed and have settled."""
-        pending = watcher.jobs.in_state(JobState.PENDING)
+        pending = self.state.jobs.in_state(JobState.PENDING)
         if not pending:
             return
         start = self._cursor % len(pending)
@@ -61,7 +58,11 @@ class PendingEdits:
         self._cursor = start + len(batch)
         for job in batch:
             if job.state is JobState.PENDING:
-                _check_one(watcher, job, now)
+                _check_one(self, job, now)
+
+    def ready_to_start(self, job: Job, now: float) -> bool:
+        """Right before a start: True unless job.yaml changed since it was read (``_ready_to_start``)."""
+        return _ready_to_start(self, job, now)
 
 
 def file_sig(st: os.stat_result) -> tuple[int, int, int]:
@@ -69,11 +70,11 @@ def file_sig(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-def _check_one(watcher: EditHost, job: Job, now: float) -> None:
+def _check_one(edits: PendingEdits, job: Job, now: float) -> None:
     try:
         sig = file_sig(os.stat(job.paths.spec))
     except FileNotFoundError:
-        _vanished(watcher, job, now)
+        _vanished(edits, job, now)
         return
     if job.spec_sig is None:
         job.spec_sig = sig  # recovered at start-up: the spec was read from this very file
@@ -84,13 +85,13 @@ def _check_one(watcher: EditHost, job: Job, now: float) -> None:
     if job.spec_change is None or job.spec_change[0] != sig:
         job.spec_change = (sig, now)  # changed: judged once it has stood still (never half-written)
         return
-    if now - job.spec_change[1] < watcher.config.settle_s:
+    if now - job.spec_change[1] < edits.state.config.settle_s:
         return
     job.spec_sig, job.spec_change = sig, None
-    _reread(watcher, job, now)
+    _reread(edits, job, now)
 
 
-def ready_to_start(watcher: EditHost, job: Job, now: float) -> bool:
+def _ready_to_start(edits: PendingEdits, job: Job, now: float) -> bool:
     """Right before a start: one ``stat`` of job.yaml against the version the spec was read from.
 
     An edit that landed since (even milliseconds ago) is read now, and the job is planned again
@@ -100,11 +101,11 @@ def ready_to_start(watcher: EditHost, job: Job, now: float) -> bool:
     try:
         sig = file_sig(os.stat(job.paths.spec))
     except FileNotFoundError:
-        _vanished(watcher, job, now)
+        _vanished(edits, job, now)
         return False
     if job.spec_sig is None or sig == job.spec_sig:
         return True
-    if now - sig[1] / 1e9 < watcher.config.settle_s:
+    if now - sig[1] / 1e9 < edits.state.config.settle_s:
         try:
             load_job_file(job.paths.spec, f"pending/{job.id}/job.yaml")
         except InvalidJobSpec:
@@ -114,26 +115,26 @@ def ready_to_start(watcher: EditHost, job: Job, now: float) -> bool:
         except OSError:
             return False
     job.spec_sig, job.spec_change = sig, None
-    _reread(watcher, job, now)
-    watcher._plan_due = True
-    watcher.wake()  # planned again at once, with what the file says now
+    _reread(edits, job, now)
+    edits.state.plan_due = True
+    edits.state.wake()  # planned again at once, with what the file says now
     return False
 
 
-def _vanished(watcher: EditHost, job: Job, now: float) -> None:
+def _vanished(edits: PendingEdits, job: Job, now: float) -> None:
     if job.dir.exists():
-        _reject(watcher, job, InvalidJobSpec(f"pending/{job.id}/job.yaml", []), now, "job.yaml was removed")
+        _reject(edits, job, InvalidJobSpec(f"pending/{job.id}/job.yaml", []), now, "job.yaml was removed")
         return
-    watcher.forget_removed(job)  # containment.py: one log line, the id free again
+    edits.guard.forget_removed(job)  # containment.py: one log line, the id free again
 
 
-def _reread(watcher: EditHost, job: Job, now: float) -> None:
+def _reread(edits: PendingEdits, job: Job, now: float) -> None:
     display = f"pending/{job.id}/job.yaml"
     try:
         spec = load_job_file(job.paths.spec, display)
-        watcher.check_allowed(spec, display, f"{job.id}.yaml")
+        edits.state.check_allowed(spec, display, f"{job.id}.yaml")
     except InvalidJobSpec as exc:
-        _reject(watcher, job, exc, now)
+        _reject(edits, job, exc, now)
         return
     except FileNotFoundError:
         return  # it moved meanwhile; the next pass sees where
@@ -141,28 +142,28 @@ def _reread(watcher: EditHost, job: Job, now: float) -> None:
     job.spec = spec
     job.run.update(priority=spec.priority, name=spec.name or job.run.get("name") or job.id)
     job.checked = False  # new resources: admission checks again whether this machine can ever run it
-    watcher.jobs.add(job)  # re-sorted by its (new) priority
-    _rewire_dependencies(watcher, job, old_after, now)
+    edits.state.jobs.add(job)  # re-sorted by its (new) priority
+    _rewire_dependencies(edits, job, old_after, now)
     if job.state is not JobState.PENDING:
         return  # the new after: closed a cycle: rejected
     job.save(durable=False)
-    watcher._plan_due = True
-    watcher.report.touch()
+    edits.state.plan_due = True
+    edits.state.report.touch()
     logger.info("job %s: job.yaml changed; re-read (priority %d -> %d)", job.id, before, spec.priority)
 
 
-def _rewire_dependencies(watcher: EditHost, job: Job, old_after: tuple, now: float) -> None:
+def _rewire_dependencies(edits: PendingEdits, job: Job, old_after: tuple, now: float) -> None:
     """An edited after: is followed: the old dependencies forgotten, the new ones held on (or a cycle rejected)."""
     if old_after:
-        watcher.deps.forget(job.id, old_after)
+        edits.state.deps.forget(job.id, old_after)
     if job.held and not job.spec.after:
-        watcher.jobs.release(job)
+        edits.state.jobs.release(job)
         job.run["waiting_for"] = None
     if job.spec.after:
-        watcher.admit_workflow(job, now)
+        edits.workflows.admit_workflow(job, now)
 
 
-def _reject(watcher: EditHost, job: Job, exc: InvalidJobSpec, now: float, why: str | None = None) -> None:
+def _reject(edits: PendingEdits, job: Job, exc: InvalidJobSpec, now: float, why: str | None = None) -> None:
     lines = exc.lines() if exc.problems else [f"{exc.file}: {why}"]
     job.run.update(
         status="rejected",
@@ -172,9 +173,9 @@ def _reject(watcher: EditHost, job: Job, exc: InvalidJobSpec, now: float, why: s
         errors=[p.to_dict() for p in exc.problems] or [{"path": "", "message": why}],
     )
     job.save()
-    job.dir = watcher.folders.fail(job.id, JobState.PENDING)
-    watcher.jobs.move(job, JobState.FAILED)
+    job.dir = edits.state.folders.fail(job.id, JobState.PENDING)
+    edits.state.jobs.move(job, JobState.FAILED)
     for line in lines:
         logger.warning("job %s: rejected after an edit: %s", job.id, line)
     logger.info("job %s: pending -> failed, rejected (job.yaml no longer validates)", job.id)
-    watcher._retire(job, now)
+    edits.retire(job, now)

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from trainq.watcher.daemon.jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
 from trainq.watcher.spec.contract import JobPaths
@@ -25,50 +25,33 @@ from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import cgroups
 
 if TYPE_CHECKING:
-    from trainq.watcher.daemon.executor import Executor
-    from trainq.watcher.daemon.report import Report
-    from trainq.watcher.spec.config import WatcherConfig
-    from trainq.watcher.spec.folders import Folders, QueueRoot
-
-
-class RecoveryHost(Protocol):
-    """What start-up recovery needs from the loop (the Watcher provides it; no import of it here)."""
-
-    root: QueueRoot
-    config: WatcherConfig
-    folders: Folders
-    jobs: object
-    executor: Executor
-    report: Report
-    hooks: object  # the HookLauncher: recover() queues every due hook
-    recovered_finished: list
-    _order_last: int
-
-    def guarded(self, job: Job, step: str, fn, *args): ...
-    def guarded_id(self, job_id: str, state: JobState, step: str, fn, *args): ...
-    def admit_workflow(self, job: Job, now: float) -> None: ...
-    def resume_sweeps(self, now: float) -> None: ...
-    def _finish(self, job: Job, outcome, record: dict, now: float) -> None: ...
-    def _finish_lost(self, job: Job, now: float) -> None: ...
+    from trainq.watcher.daemon.containment import Containment
+    from trainq.watcher.daemon.finishing import Finishing
+    from trainq.watcher.daemon.state import LoopState
+    from trainq.watcher.daemon.workflows import Workflows
 
 
 logger = logging.getLogger(__name__)
 
 
-def recover(watcher: RecoveryHost) -> None:
-    """Rebuild the daemon's index from the folders and repair interrupted steps."""
+def recover(loop: LoopState, guard: Containment, workflows: Workflows, finishing: Finishing) -> None:
+    """Rebuild the daemon's index from the folders and repair interrupted steps.
+
+    Fills the loop's ``jobs`` and order counter; each job's repair runs inside ``guard``; ``workflows``
+    holds pending jobs again and resumes sweeps and hooks; ``finishing`` ends attempts that ended unseen.
+    """
     now = time.time()
-    found = watcher.folders.load_ids()
-    _unlink_claimed_inbox_names(watcher, found)
-    prune_tombstones(watcher.root.path)
-    _remove_stale_temp_files(watcher, found)
+    found = loop.folders.load_ids()
+    _unlink_claimed_inbox_names(loop, found)
+    prune_tombstones(loop.root.path)
+    _remove_stale_temp_files(loop, found)
     for job_id in found[JobState.PENDING]:
-        watcher.guarded_id(job_id, JobState.PENDING, "recover", _recover_pending, watcher, job_id, now)
-    watcher.resume_sweeps(now)
+        guard.guarded_id(job_id, JobState.PENDING, "recover", _recover_pending, loop, job_id, now)
+    workflows.resume_sweeps(now)
     for job_id in found[JobState.RUNNING]:
-        watcher.guarded_id(job_id, JobState.RUNNING, "recover", _recover_running, watcher, job_id, now)
-    present = {job_id for ids in found.values() for job_id in ids} | set(watcher.folders.ids_in(JobState.PENDING))
-    gone = settle_known_ids(watcher.root.path, present, now)  # folders removed while no watcher ran
+        guard.guarded_id(job_id, JobState.RUNNING, "recover", _recover_running, loop, finishing, job_id, now)
+    present = {job_id for ids in found.values() for job_id in ids} | set(loop.folders.ids_in(JobState.PENDING))
+    gone = settle_known_ids(loop.root.path, present, now)  # folders removed while no watcher ran
     if gone:
         logger.warning(
             "watcher: %d job folder(s) were removed while no watcher ran (%s%s); their dependents count "
@@ -77,28 +60,28 @@ def recover(watcher: RecoveryHost) -> None:
             ", ".join(gone[:5]),
             " ..." if len(gone) > 5 else "",
         )
-    for job in sorted(watcher.jobs.in_state(JobState.PENDING), key=lambda j: j.order):
-        watcher.guarded(
-            job, "recover", watcher.admit_workflow, job, now
+    for job in sorted(loop.jobs.in_state(JobState.PENDING), key=lambda j: j.order):
+        guard.guarded(
+            job, "recover", workflows.admit_workflow, job, now
         )  # hold again on dependencies (kept only in job.yaml)
-    watcher.report.recount()
-    _seed_recent(watcher)
-    watcher.hooks.recover(watcher.root.path)  # every due hook, however many finished jobs there are
-    _remove_empty_cgroups(watcher)
-    orders = [j.order for j in watcher.jobs.values()]
-    watcher._order_last = max([*orders, time.time_ns()])
-    running = watcher.jobs.count(JobState.RUNNING)
-    logger.info("watcher: recovered %d pending and %d running job(s)", len(watcher.jobs) - running, running)
+    loop.report.recount()
+    _seed_recent(loop, workflows)
+    workflows.hooks.recover(loop.root.path)  # every due hook, however many finished jobs there are
+    _remove_empty_cgroups(loop)
+    orders = [j.order for j in loop.jobs.values()]
+    loop.order_last = max([*orders, time.time_ns()])
+    running = loop.jobs.count(JobState.RUNNING)
+    logger.info("watcher: recovered %d pending and %d running job(s)", len(loop.jobs) - running, running)
 
 
-def _recover_pending(watcher: RecoveryHost, job_id: str, now: float) -> None:
-    path = watcher.root.job_dir(JobState.PENDING, job_id)
+def _recover_pending(loop: LoopState, job_id: str, now: float) -> None:
+    path = loop.root.job_dir(JobState.PENDING, job_id)
     paths = JobPaths(path)
     remove_stale_temps(path, (paths.run.name,))
     remove_quietly(paths.retry_flag)  # a retry interrupted after its move (finishing.py): it is done
     if not paths.spec.exists() and not paths.spec.is_symlink():
         _remove_abandoned_claim(paths)
-        watcher.folders.forget(job_id)
+        loop.folders.forget(job_id)
         return
     job = load_job(path, JobState.PENDING)
     if job is None:  # job.yaml landed but run.json did not: finish the claim
@@ -112,11 +95,11 @@ def _recover_pending(watcher: RecoveryHost, job_id: str, now: float) -> None:
         job.run.update(status="rejected", finished_at=iso_utc(now), error=error, errors=errors)
     if job.run.get("status") in FINAL_STATUSES:  # the move to failed/ was interrupted
         job.save()
-        job.dir = watcher.folders.fail(job_id, JobState.PENDING)
-        watcher.jobs.move(job, JobState.FAILED)
+        job.dir = loop.folders.fail(job_id, JobState.PENDING)
+        loop.jobs.move(job, JobState.FAILED)
         return
     job.run["status"] = "pending"
-    watcher.jobs.add(job)
+    loop.jobs.add(job)
 
 
 def _validation_error(paths: JobPaths, job_id: str) -> tuple[str, list[dict]]:
@@ -130,29 +113,29 @@ def _validation_error(paths: JobPaths, job_id: str) -> tuple[str, list[dict]]:
     return f"pending/{job_id}/job.yaml no longer validates", []
 
 
-def _recover_running(watcher: RecoveryHost, job_id: str, now: float) -> None:
-    path = watcher.root.job_dir(JobState.RUNNING, job_id)
+def _recover_running(loop: LoopState, finishing: Finishing, job_id: str, now: float) -> None:
+    path = loop.root.job_dir(JobState.RUNNING, job_id)
     job = load_job(path, JobState.RUNNING)
     if job is None:
         job = Job(job_id, JobState.RUNNING, path, new_run(None, time.time_ns(), now, name=job_id))
         job.run["id"] = job_id
-    executor = watcher.executor
+    executor = loop.executor
     started = executor.read_started(job.paths)
-    watcher.jobs.add(job)
+    loop.jobs.add(job)
     attempt = job.current_attempt() or {}
     if executor.is_alive(job.paths, attempt):
         _adopt(job, started, now)
         return
     record = executor.read_exit(job.paths, attempt)
     if started is None and record is None:
-        _never_started(watcher, job)
+        _never_started(loop, job)
         return
     _sync_attempt(job, started or record)
     if record is not None and record.get("attempt") == job.attempt:
         logger.info("job %s: its attempt ended unseen (no watcher, or a full disk); recording its exit", job_id)
-        watcher._finish(job, judge_exit(job.run, record, job.paths, job.spec), record, now)
+        finishing.finish(job, judge_exit(job.run, record, job.paths, job.spec), record, now)
     else:
-        watcher._finish_lost(job, now)
+        finishing.finish_lost(job, now)
 
 
 def _adopt(job: Job, started: dict | None, now: float) -> None:
@@ -189,18 +172,18 @@ def _sync_attempt(job: Job, record: dict | None) -> None:
     job.run["started_at"] = job.run.get("started_at") or record.get("started_at")
 
 
-def _never_started(watcher: RecoveryHost, job: Job) -> None:
+def _never_started(loop: LoopState, job: Job) -> None:
     """The watcher died between moving the folder and forking the supervisor: start it again later."""
     job.run.update(status="pending", waiting_for=None)
     job.save()
-    job.dir = watcher.folders.requeue(job.id, JobState.RUNNING)
-    watcher.jobs.move(job, JobState.PENDING)
+    job.dir = loop.folders.requeue(job.id, JobState.RUNNING)
+    loop.jobs.move(job, JobState.PENDING)
     logger.info("job %s: running -> pending, its attempt never started", job.id)
 
 
-def _remove_stale_temp_files(watcher: RecoveryHost, found: dict) -> None:
+def _remove_stale_temp_files(loop: LoopState, found: dict) -> None:
     """Temp files of atomic writes a killed watcher left: status.json's, status.html's, run.json's in running/."""
-    root = watcher.root
+    root = loop.root
     removed = remove_stale_temps(root.path, (root.status_json.name, root.status_html.name))
     for job_id in found[JobState.RUNNING]:
         removed += remove_stale_temps(root.job_dir(JobState.RUNNING, job_id), ("run.json",))
@@ -219,11 +202,11 @@ def _remove_abandoned_claim(paths: JobPaths) -> None:
         logger.warning("queue: %s has no job.yaml but is not empty; leaving it", paths.dir)
 
 
-def _unlink_claimed_inbox_names(watcher: RecoveryHost, found: dict) -> None:
+def _unlink_claimed_inbox_names(loop: LoopState, found: dict) -> None:
     """A crash between link and unlink leaves one file with two names; drop the inbox one."""
     suspects = {}
     try:
-        for entry in os.scandir(watcher.root.inbox):
+        for entry in os.scandir(loop.root.inbox):
             st = entry.stat(follow_symlinks=False)
             if st.st_nlink > 1:
                 suspects[(st.st_dev, st.st_ino)] = Path(entry.path)
@@ -234,7 +217,7 @@ def _unlink_claimed_inbox_names(watcher: RecoveryHost, found: dict) -> None:
     for state in (JobState.PENDING, JobState.FAILED):
         for job_id in found[state]:
             try:
-                st = os.stat(JobPaths(watcher.root.job_dir(state, job_id)).spec, follow_symlinks=False)
+                st = os.stat(JobPaths(loop.root.job_dir(state, job_id)).spec, follow_symlinks=False)
             except OSError:
                 continue
             name = suspects.pop((st.st_dev, st.st_ino), None)
@@ -243,19 +226,19 @@ def _unlink_claimed_inbox_names(watcher: RecoveryHost, found: dict) -> None:
                 logger.info("queue: %s was already claimed as %s; removed the inbox name", name.name, job_id)
 
 
-def _remove_empty_cgroups(watcher: RecoveryHost) -> None:
+def _remove_empty_cgroups(loop: LoopState) -> None:
     """Groups a killed supervisor or hook runner left empty (live attempts' groups are never empty)."""
-    containment = getattr(getattr(watcher.executor, "supervisor", None), "containment", None)
-    if containment is not None and cgroups.remove_empty_groups(containment, watcher.root.path):
+    containment = getattr(getattr(loop.executor, "supervisor", None), "containment", None)
+    if containment is not None and cgroups.remove_empty_groups(containment, loop.root.path):
         logger.info("queue: removed empty cgroups left by killed supervisors")
 
 
-def _seed_recent(watcher: RecoveryHost) -> None:
+def _seed_recent(loop: LoopState, workflows: Workflows) -> None:
     """List the most recently finished jobs (by folder change time) in status.json."""
     finished = []
     for state in (JobState.DONE, JobState.FAILED):
         try:
-            entries = [e for e in os.scandir(watcher.root.state_dir(state)) if not e.name.startswith(".")]
+            entries = [e for e in os.scandir(loop.root.state_dir(state)) if not e.name.startswith(".")]
         except FileNotFoundError:
             continue
         for entry in entries:
@@ -264,9 +247,9 @@ def _seed_recent(watcher: RecoveryHost) -> None:
             except OSError:
                 continue
     finished.sort(key=lambda item: item[0])
-    report = watcher.report
-    for _ctime, state, path in finished[-watcher.config.keep_finished :]:
+    report = loop.report
+    for _ctime, state, path in finished[-loop.config.keep_finished :]:
         job = load_job(path, state)
         if job is not None:
             report.finished(job, 0.0, count=False)  # recount() already counted it
-            watcher.recovered_finished(job)
+            workflows.recovered_finished(job)

@@ -46,7 +46,14 @@ class ReportSource(Protocol):
     def problems(self) -> list[str]: ...
     def window_now(self, now: float) -> dict | None: ...
     def cost_now(self, now: float) -> dict | None: ...
-    def _holding(self, job: Job): ...
+    def holding(self, job: Job): ...
+
+
+class UsageSource(Protocol):
+    """What measuring a running job's processes needs (the loop's shared state provides it)."""
+
+    executor: Executor
+    probe: ResourceProbe
 
 
 logger = logging.getLogger(__name__)
@@ -191,7 +198,7 @@ class Report:
                 self.dirty = True
 
     # -- progress ------------------------------------------------------------------------------
-    def update_progress(self, watcher: ReportSource, job: Job, now: float) -> None:
+    def update_progress(self, watcher: UsageSource, job: Job, now: float) -> None:
         """Read new metrics/log lines of a running job; measure its process tree now and then."""
         if job.unsaved_since is not None:
             return  # just launched: looked at once it has run a moment (most trivial jobs are over by then)
@@ -254,7 +261,7 @@ class Report:
         )
         self.curves.retain([j.id for j in running] + list(self.recent))
         machine = watcher.probe.sample([self.root.path])
-        holdings = [watcher._holding(j) for j in running]
+        holdings = [watcher.holding(j) for j in running]
         return StatusSnapshot(
             watcher={
                 "pid": os.getpid(),

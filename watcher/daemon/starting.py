@@ -8,11 +8,11 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainq.watcher.daemon.admission import Holding, Limits, Request, plan
 from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
 from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
-from trainq.watcher.daemon.pending_edits import ready_to_start
 from trainq.watcher.daemon.records import gpu_facts, snapshot_request
 from trainq.watcher.spec.allow import command_problem, executable_for
 from trainq.watcher.spec.config import passed_through
@@ -34,6 +34,16 @@ from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.wall import ENV_COST
 from trainq.watcher.supervisor import LaunchSpec
 
+if TYPE_CHECKING:
+    from trainq.watcher.daemon.containment import Containment, CrashPoints
+    from trainq.watcher.daemon.diskfull import DiskFullHandling
+    from trainq.watcher.daemon.finishing import Finishing
+    from trainq.watcher.daemon.pending_edits import PendingEdits
+    from trainq.watcher.daemon.resources import MachineState
+    from trainq.watcher.daemon.state import LoopState
+    from trainq.watcher.daemon.walls import Walls
+    from trainq.watcher.daemon.workflows import Workflows
+
 logger = logging.getLogger(__name__)
 
 #: how many pending jobs, in start order, admission plans per pass (plus 2 x max_concurrent)
@@ -48,7 +58,36 @@ LAUNCH_BUDGET_S = 0.5
 
 
 class Starting:
-    """The part of the Watcher that turns pending jobs into running attempts (a mixin of Watcher)."""
+    """Turns pending jobs into running attempts: asks admission which fit, launches them, says why the rest wait.
+
+    Reads the state's config, env, root, probe, executor, ``paused`` and ``paused_pools``, and ``disk``
+    (nothing starts while the disk is full). Changes the state's ``jobs`` (pending -> running) and
+    ``plan_due``, jobs' run.json and folders, and touches the report. Each job's step runs inside
+    ``guard``; ``walls`` may hold a job, ``edits`` re-reads an edited job.yaml first, ``workflows`` gives
+    ``{after:ID}`` values and hears of each start, and ``finishing`` ends an attempt that never started.
+    """
+
+    def __init__(
+        self,
+        state: LoopState,
+        guard: Containment,
+        disk: DiskFullHandling,
+        finishing: Finishing,
+        workflows: Workflows,
+        walls: Walls,
+        edits: PendingEdits,
+        crashes: CrashPoints,
+    ) -> None:
+        self.state = state
+        self.guard = guard
+        self.disk = disk
+        self.finishing = finishing
+        self.workflows = workflows
+        self.walls = walls
+        self.edits = edits
+        self.crashes = crashes
+        self._last_plan = 0.0
+        self._machine: MachineState | None = None  # the last probe: the GPUs' names for the snapshot (records.py)
 
     # -- starting ----------------------------------------------------------------------------
     def start_pending(self, now: float) -> None:
@@ -61,57 +100,59 @@ class Starting:
         cannot use. Every job is still checked once, when it first becomes pending, for whether
         this machine can ever run it.
         """
-        unchecked = self.jobs.take_unchecked()
-        if not self.jobs.count(JobState.PENDING):
+        unchecked = self.state.jobs.take_unchecked()
+        if not self.state.jobs.count(JobState.PENDING):
             self._flush_launches(now)  # submissions answered since (Slurm's sbatch runs off the loop)
             return
         full = now - self._last_plan >= PLAN_EVERY_S
-        if not (self._plan_due or unchecked or full):
+        if not (self.state.plan_due or unchecked or full):
             return
-        running = self._jobs_in(JobState.RUNNING)
-        slots = sum(self.config.pool_limits().values())
+        running = self.state.jobs.in_state(JobState.RUNNING)
+        slots = sum(self.state.config.pool_limits().values())
         depth = PLAN_HEAD + 2 * slots
         if not full:
             depth = min(depth, max(0, slots - len(running)) + PLAN_MARGIN)
         else:
             self._last_plan = now
-        self._plan_due = False
-        head = self.jobs.pending_head(depth)
-        machine = self.probe.sample(self._disk_paths(head + running))
+        self.state.plan_due = False
+        head = self.state.jobs.pending_head(depth)
+        machine = self.state.probe.sample(self._disk_paths(head + running))
         self._machine = machine  # the GPUs' names for the snapshot (records.py)
         limits = self._limits()
-        holdings = self._per_job(running, self._holding, "plan")
+        holdings = self._per_job(running, self.holding, "plan")
         self._reject_unsatisfiable(unchecked, holdings, machine, limits, now)
-        unavailable = self.executor.unavailable(now)
+        unavailable = self.state.executor.unavailable(now)
         if unavailable:
             self._all_wait(head, unavailable)
             return
         waiting = [
-            j for j in head if j.state is JobState.PENDING and not _later(j, now) and not self.held_by_wall(j, now)
+            j
+            for j in head
+            if j.state is JobState.PENDING and not _later(j, now) and not self.walls.held_by_wall(j, now)
         ]
         budget_ends = time.monotonic() + LAUNCH_BUDGET_S
         try:
             for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
-                job = self.jobs.get(decision.job_id)
+                job = self.state.jobs.get(decision.job_id)
                 if job is None or job.state is not JobState.PENDING:
                     continue
                 if decision.unsatisfiable:
-                    self.guarded(job, "plan", self._fail_unsatisfiable, job, decision.unsatisfiable, now)
+                    self.guard.guarded(job, "plan", self._fail_unsatisfiable, job, decision.unsatisfiable, now)
                 elif decision.start and time.monotonic() > budget_ends:
-                    self._plan_due = True  # out of time for this pass: the next one starts it
+                    self.state.plan_due = True  # out of time for this pass: the next one starts it
                 elif decision.start:
-                    self.guarded(job, "start", self._launch, job, decision, now)
+                    self.guard.guarded(job, "start", self._launch, job, decision, now)
                 elif job.run.get("waiting_for") != decision.waiting_for:
                     job.run["waiting_for"] = decision.waiting_for
-                    self.report.touch()
-                if self.disk_full is not None:
+                    self.state.report.touch()
+                if self.disk.disk_full is not None:
                     return
         finally:
             self._flush_launches(now)
 
     def _per_job(self, jobs: list[Job], make, step: str) -> list:
         """``make(job)`` for each job, each inside its guard (a job whose value cannot be built is failed)."""
-        made = [self.guarded(job, step, make, job) for job in jobs]
+        made = [self.guard.guarded(job, step, make, job) for job in jobs]
         return [m for m in made if m is not None]
 
     def _plan(self, requests: list[Request], holdings: list[Holding], machine, limits: Limits) -> list:
@@ -122,22 +163,22 @@ class Starting:
             logger.debug("admission failed on a batch of %d; planning each job alone", len(requests), exc_info=True)
         fine = []
         for request in requests:
-            job = self.jobs.get(request.job_id)
+            job = self.state.jobs.get(request.job_id)
             if job is None:
                 continue
-            if self.guarded(job, "plan", plan, [request], holdings, machine, limits) is not None:
+            if self.guard.guarded(job, "plan", plan, [request], holdings, machine, limits) is not None:
                 fine.append(request)
         return plan(fine, holdings, machine, limits)
 
     def _limits(self) -> Limits:
         return Limits(
-            max_concurrent=self.config.max_concurrent,
-            gpu_ids=self.config.gpus,
-            min_free_ram_gb=self.config.min_free_ram_gb,
-            min_free_disk_gb=self.config.min_free_disk_gb,
-            paused=self.paused,
-            pools=self.config.pool_limits() if self.config.pools else None,
-            paused_pools=frozenset(self.paused_pools),
+            max_concurrent=self.state.config.max_concurrent,
+            gpu_ids=self.state.config.gpus,
+            min_free_ram_gb=self.state.config.min_free_ram_gb,
+            min_free_disk_gb=self.state.config.min_free_disk_gb,
+            paused=self.state.paused,
+            pools=self.state.config.pool_limits() if self.state.config.pools else None,
+            paused_pools=frozenset(self.state.paused_pools),
         )
 
     def _reject_unsatisfiable(self, jobs: list[Job], holdings, machine, limits: Limits, now: float) -> None:
@@ -150,17 +191,17 @@ class Starting:
         for job in jobs:
             job.checked = True
             if never.get(job.id) and job.state is JobState.PENDING:
-                self.guarded(job, "plan", self._fail_unsatisfiable, job, never[job.id], now)
+                self.guard.guarded(job, "plan", self._fail_unsatisfiable, job, never[job.id], now)
 
     def _all_wait(self, jobs: list[Job], reason: str) -> None:
         for job in jobs:
             if job.run.get("waiting_for") != reason:
                 job.run["waiting_for"] = reason
-                self.report.touch()
+                self.state.report.touch()
 
     def _request(self, job: Job) -> Request:
         res = job.spec.resources
-        if self.executor.places_resources:
+        if self.state.executor.places_resources:
             # a scheduler places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
             return Request(
                 job_id=job.id,
@@ -186,8 +227,8 @@ class Starting:
             pool=job.spec.pool,
         )
 
-    def _holding(self, job: Job) -> Holding:
-        res = job.spec.resources if job.spec and not getattr(self.executor, "places_resources", False) else None
+    def holding(self, job: Job) -> Holding:
+        res = job.spec.resources if job.spec and not getattr(self.state.executor, "places_resources", False) else None
         rss_gb = ((job.usage or {}).get("rss_mb") or 0.0) / 1024
         return Holding(
             job_id=job.id,
@@ -204,10 +245,10 @@ class Starting:
         cwd = job.spec.cwd if job.spec else None
         if cwd and "{" not in cwd and os.path.isdir(cwd):
             return Path(cwd)
-        return self.root.path
+        return self.state.root.path
 
     def _disk_paths(self, jobs: list[Job]) -> list[Path]:
-        return sorted({self._disk_path(j) for j in jobs[:50]} | {self.root.path})
+        return sorted({self._disk_path(j) for j in jobs[:50]} | {self.state.root.path})
 
     def _fail_unsatisfiable(self, job: Job, reason: str, now: float) -> None:
         job.run.update(
@@ -218,20 +259,20 @@ class Starting:
             diagnosis=unsatisfiable_diagnosis(reason).to_dict(),
         )
         job.save()
-        job.dir = self.folders.fail(job.id, JobState.PENDING)
-        self.jobs.move(job, JobState.FAILED)
+        job.dir = self.state.folders.fail(job.id, JobState.PENDING)
+        self.state.jobs.move(job, JobState.FAILED)
         logger.info("job %s: pending -> failed, unsatisfiable: %s", job.id, reason)
-        self._retire(job, now)
+        self.finishing.retire(job, now)
 
     def _launch(self, job: Job, decision, now: float) -> None:
         if job.paths.stop_flag.exists():  # stopped after the last flag scan (a retry's requeue clears its old flag)
-            self.cancel_pending(job, now)
+            self.finishing.cancel_pending(job, now)
             return
-        if not ready_to_start(self, job, time.time()):
+        if not self.edits.ready_to_start(job, time.time()):
             return  # job.yaml changed since it was read: re-read, planned again with the new values
         attempt = job.attempt + 1
-        job.dir = self.folders.start(job.id)
-        self.jobs.move(job, JobState.RUNNING)
+        job.dir = self.state.folders.start(job.id)
+        self.state.jobs.move(job, JobState.RUNNING)
         self.crashes.reached("start-moved", job.id)
         paths = job.paths
         # resolved now, where the folder is: it moved since the checkpoint was written
@@ -244,10 +285,14 @@ class Starting:
             "job_id": job.id,
             "attempt": str(attempt),
             "resume_from": resume_from or "",
-            **self.after_values(job),
+            **self.workflows.after_values(job),
         }
         problem = command_problem(
-            job.spec, self.config.allow_commands, values, job_path(self.env.get("PATH", "")), self.config.allow_env
+            job.spec,
+            self.state.config.allow_commands,
+            values,
+            job_path(self.state.env.get("PATH", "")),
+            self.state.config.allow_env,
         )
         if problem is not None:
             self._refuse(job, problem, now)
@@ -261,11 +306,11 @@ class Starting:
             cwd=cwd,
             attempt=attempt,
             stop_grace_s=job.spec.stop_grace_s,
-            kill_after_s=self.config.kill_after_s,
+            kill_after_s=self.state.config.kill_after_s,
             timeout_s=job.spec.timeout_s,
             banner=_banner(job.id, attempt, now, resume_from),
             executable=self._checked_executable(job, values),
-            inherit_env=self.executor.inherits_environment,
+            inherit_env=self.state.executor.inherits_environment,
             snapshot=self._snapshot_request(job, argv, cwd, values, decision),
         )
         job.run.update(
@@ -290,8 +335,8 @@ class Starting:
         group = (sweep["id"], sweep["index"]) if sweep.get("id") and isinstance(sweep.get("index"), int) else None
         try:
             record.update(
-                self.executor.launch(
-                    spec, job.run.get("name") or job.id, job.spec.options_for(self.executor.name), group
+                self.state.executor.launch(
+                    spec, job.run.get("name") or job.id, job.spec.options_for(self.state.executor.name), group
                 )
             )
         except ExecutorUnavailable as exc:
@@ -299,29 +344,36 @@ class Starting:
             return
         except SpawnFailed as exc:
             job.run["attempts"].append(record)
-            self._finish(job, _spawn_outcome(exc), {"spawn_error": str(exc)}, now)
+            self.finishing.finish(job, _spawn_outcome(exc), {"spawn_error": str(exc)}, now)
             return
         job.run["attempts"].append(record)
-        job.run["executor"] = self.executor.name
-        ref_field = self.executor.job_ref_field
+        job.run["executor"] = self.state.executor.name
+        ref_field = self.state.executor.job_ref_field
         if ref_field and record.get(ref_field):
             job.run[ref_field] = record[ref_field]
         job.unsaved_since = now  # written by watch_running once it has run a moment (finishing.py)
         job.health, job.last_activity, job.activity_sig, job.readers = "healthy", now, (), None
         gpus = ",".join(map(str, decision.gpus)) or "none"
-        where = self.executor.describe(record)
+        where = self.state.executor.describe(record)
         logger.info("job %s: pending -> running (attempt %d, %s, gpus %s)", job.id, attempt, where, gpus)
-        self.report.touch()
-        self.deps_changed(job.id, now)
+        self.state.report.touch()
+        self.workflows.deps_changed(job.id, now)
 
     def _snapshot_request(self, job: Job, argv: tuple[str, ...], cwd: str, values: dict, decision) -> dict | None:
         """What the supervisor records in snapshot/ (records.py); None with ``snapshot: false``."""
         if not job.spec.snapshot:
             return None
         try:
-            gpus = gpu_facts(getattr(self, "_machine", None), list(decision.gpus))
+            gpus = gpu_facts(self._machine, list(decision.gpus))
             return snapshot_request(
-                job.spec, job.run, list(argv), cwd, job.spec.launch_env(values), gpus, self.root.path, sys.executable
+                job.spec,
+                job.run,
+                list(argv),
+                cwd,
+                job.spec.launch_env(values),
+                gpus,
+                self.state.root.path,
+                sys.executable,
             ).to_dict()
         except (OSError, ValueError) as exc:  # a record must not keep the job from starting
             logger.warning("job %s: no snapshot for this attempt: %s", job.id, exc)
@@ -329,11 +381,11 @@ class Starting:
 
     def _flush_launches(self, now: float) -> None:
         """Submit the attempts the executor held back this pass (a sweep's jobs: one batch-job array)."""
-        for job_id, ref, error in self.executor.flush():
-            job = self.jobs.get(job_id)
+        for job_id, ref, error in self.state.executor.flush():
+            job = self.state.jobs.get(job_id)
             if job is None or job.state is not JobState.RUNNING:
                 continue
-            self.guarded(job, "start", self._launched, job, ref, error, now)
+            self.guard.guarded(job, "start", self._launched, job, ref, error, now)
 
     def _launched(self, job: Job, ref: str | None, error: Exception | None, now: float) -> None:
         """The held-back submission of ``job``'s attempt went out (or failed: the same paths as in ``_launch``)."""
@@ -341,19 +393,19 @@ class Starting:
             job.run["attempts"].pop()
             self._unlaunch(job, str(error), getattr(error, "retry_after_s", None), now)
         elif error is not None:
-            self._finish(job, _spawn_outcome(error), {"spawn_error": str(error)}, now)
-        elif ref and self.executor.job_ref_field:
-            job.run["attempts"][-1][self.executor.job_ref_field] = ref
-            job.run[self.executor.job_ref_field] = ref
+            self.finishing.finish(job, _spawn_outcome(error), {"spawn_error": str(error)}, now)
+        elif ref and self.state.executor.job_ref_field:
+            job.run["attempts"][-1][self.state.executor.job_ref_field] = ref
+            job.run[self.state.executor.job_ref_field] = ref
             if job.unsaved_since is None:
                 job.unsaved_since = now  # run.json was written before the id came: write it again soon
-            self.report.touch()
+            self.state.report.touch()
 
     def _checked_executable(self, job: Job, values: dict) -> str | None:
         """The real path allow_commands approved, so exactly that is exec'd (None: no list, or a train job)."""
-        if self.config.allow_commands is None or job.spec.is_train:
+        if self.state.config.allow_commands is None or job.spec.is_train:
             return None
-        return executable_for(job.spec, values, job_path(self.env.get("PATH", "")))
+        return executable_for(job.spec, values, job_path(self.state.env.get("PATH", "")))
 
     def _refuse(self, job: Job, problem, now: float) -> None:
         """allow_commands refuses the job at start (written into pending/ by hand, or the list changed)."""
@@ -362,11 +414,11 @@ class Starting:
             status="rejected", finished_at=iso_utc(now), waiting_for=None, error=error, errors=[problem.to_dict()]
         )
         job.save()
-        job.dir = self.folders.finish(job.id, ok=False)
-        self.jobs.move(job, JobState.FAILED)
+        job.dir = self.state.folders.finish(job.id, ok=False)
+        self.state.jobs.move(job, JobState.FAILED)
         logger.warning("job %s: rejected at start: %s", job.id, error)
         logger.info("job %s: running -> failed, rejected", job.id)
-        self._retire(job, now)
+        self.finishing.retire(job, now)
 
     def _unlaunch(self, job: Job, reason: str, retry_after_s: float | None = None, now: float = 0.0) -> None:
         """The executor could not take the attempt (its scheduler is down, or a submit limit is reached: then not
@@ -379,15 +431,15 @@ class Starting:
             not_before=iso_utc(now + retry_after_s) if retry_after_s else None,
         )
         job.save(durable=False)
-        job.dir = self.folders.requeue(job.id, JobState.RUNNING)
-        self.jobs.move(job, JobState.PENDING)
+        job.dir = self.state.folders.requeue(job.id, JobState.RUNNING)
+        self.state.jobs.move(job, JobState.PENDING)
         logger.warning("job %s: running -> pending, executor unavailable: %s", job.id, reason)
-        self.report.touch()
+        self.state.report.touch()
 
     def _job_env(self, job: Job, values: dict, decision, resume_from: str | None) -> dict[str, str]:
         env = {
             k: v
-            for k, v in passed_through(self.env, self.config.env_passthrough).items()
+            for k, v in passed_through(self.state.env, self.state.config.env_passthrough).items()
             if not k.startswith("TRAINQ_") or k == "TRAINQ_TRAINER_FAULTS"
         }
         if "PATH" not in job.spec.env:  # the watcher's python first (interpreter.py); the job's own PATH wins
@@ -409,8 +461,8 @@ class Starting:
         elif job.spec.is_train and job.spec.from_checkpoint:
             # weights only: fresh optimizer and schedule; a relative path is the job folder's
             env[ENV_INIT_FROM] = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
-        if self.config.cost is not None:  # the trainer writes its attempt's cost into summary.json
-            env[ENV_COST] = self.config.cost.to_env(len(decision.gpus))
+        if self.state.config.cost is not None:  # the trainer writes its attempt's cost into summary.json
+            env[ENV_COST] = self.state.config.cost.to_env(len(decision.gpus))
         return env
 
 

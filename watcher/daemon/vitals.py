@@ -1,4 +1,4 @@
-"""A running job's vital signs, on the watcher's side (a mixin of Watcher; issue 30).
+"""A running job's vital signs, on the watcher's side (``Vitals``, a Watcher step; issue 30).
 
 - A command job that declares ``expected_lr`` has each logged lr checked against that schedule
   (spec/lrschedule.py): the first deviation becomes an ``event`` record in its metrics.jsonl, a line in
@@ -15,12 +15,17 @@ import logging
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from trainq.watcher.daemon.jobs import Job
 from trainq.watcher.spec.fsutil import touch
 from trainq.watcher.spec.lrschedule import lr_deviation
 from trainq.watcher.spec.records import append_record
 from trainq.watcher.spec.units import iso_utc
+
+if TYPE_CHECKING:
+    from trainq.watcher.daemon.executor import Executor
+    from trainq.watcher.daemon.report import Report
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +36,15 @@ STACKS_WAIT_S = 30.0
 
 
 class Vitals:
-    """The part of the Watcher that checks declared lr schedules and records the stacks of stalled jobs."""
+    """Checks declared lr schedules and records the stacks of stalled jobs.
 
-    def init_vitals(self) -> None:
+    Reads ``executor`` (a job's process tree); changes a running job's run.json (``lr_deviation``, a stop
+    off schedule) and touches ``report``; owns the py-spy runners it starts.
+    """
+
+    def __init__(self, executor: Executor, report: Report) -> None:
+        self.executor = executor
+        self.report = report
         self._stack_runners: dict[str, tuple[subprocess.Popen, float]] = {}
 
     def check_vitals(self, job: Job, now: float) -> None:

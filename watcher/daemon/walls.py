@@ -1,4 +1,4 @@
-"""Runs against a wall: deadlines, the window's ladder, delivery and cost (a mixin of Watcher; CONTRACT section 11).
+"""Runs against a wall: deadlines, the window's ladder, delivery and cost (``Walls``, a Watcher step; CONTRACT section 11).
 
 Each pass, for every running job: a forecast from its current attempt's step rate (``predicted_end``,
 ``fits`` against its deadline or the window's final-checkpoint mark, whichever comes first); a job
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainq.watcher.daemon.jobs import Job
 from trainq.watcher.faces.progress import merge_progress
@@ -26,6 +27,10 @@ from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.wall import Forecast, freeze_hold
 from trainq.watcher.supervisor.deliver import LOCK_NAME, RECORD_NAME, DeliveryQueue
 
+if TYPE_CHECKING:
+    from trainq.watcher.daemon.containment import Containment
+    from trainq.watcher.daemon.state import LoopState
+
 logger = logging.getLogger(__name__)
 
 #: run.json's ``reason`` (and ``stop_requested_by``) for a job stopped at a wall
@@ -37,19 +42,28 @@ DELIVERY_CHECK_S = 1.0
 
 
 class Walls:
-    """The part of the Watcher that plans against walls, delivers results and counts cost."""
+    """Plans against walls, delivers results and counts cost.
 
-    def init_walls(self) -> None:
-        self.deliveries = DeliveryQueue(self.root.path)
-        self._cost_ledger = read_json(self.root.path / COST_LEDGER) or {}
+    Reads the state's config (window, cost), root, report and running jobs. Changes running jobs' run.json
+    (forecast, a stop at the wall) and a pending job's ``waiting_for``; owns the delivery queue and the
+    cost ledger. Runs each job's step inside ``guard``.
+    """
+
+    def __init__(self, state: LoopState, guard: Containment) -> None:
+        self.state = state
+        self.guard = guard
+        self.deliveries = DeliveryQueue(state.root.path)
+        self._cost_ledger = read_json(state.root.path / COST_LEDGER) or {}
         self._last_delivery_check = 0.0
 
     # -- each pass -----------------------------------------------------------------------------
     def keep_walls(self, now: float) -> None:
         """Forecast, flag and stop running jobs against their walls; tend due deliveries."""
-        if self.config.window is not None or any(j.spec and j.spec.deadline for j in self._jobs_in(JobState.RUNNING)):
-            for job in self._jobs_in(JobState.RUNNING):
-                self.guarded(job, "watch", self._face_wall, job, now)
+        if self.state.config.window is not None or any(
+            j.spec and j.spec.deadline for j in self.state.jobs.in_state(JobState.RUNNING)
+        ):
+            for job in self.state.jobs.in_state(JobState.RUNNING):
+                self.guard.guarded(job, "watch", self._face_wall, job, now)
         self.deliveries.reap()
         if now - self._last_delivery_check >= DELIVERY_CHECK_S:
             self._last_delivery_check = now
@@ -72,7 +86,7 @@ class Walls:
         if forecast.predicted_end is not None:
             new["remaining_s"] = round(max(0.0, forecast.predicted_end - now), 1)
         if (old.get("fits"), (old.get("predicted_end") or "")[:16]) != (fits, (new["predicted_end"] or "")[:16]):
-            self.report.touch()
+            self.state.report.touch()
         job.run["forecast"] = new
         if fits is False and old.get("flagged_attempt") != job.attempt:
             new["flagged_attempt"] = job.attempt
@@ -82,7 +96,7 @@ class Walls:
 
     def _wall_for(self, deadline: float | None) -> tuple[float | None, str]:
         """The earlier of the job's deadline and the window's final-checkpoint mark, and its name."""
-        window = self.config.window
+        window = self.state.config.window
         mark = window.final_checkpoint_at if window is not None else None
         if deadline is not None and (mark is None or deadline <= mark):
             return deadline, "deadline"
@@ -118,7 +132,7 @@ class Walls:
     # -- admission -----------------------------------------------------------------------------
     def held_by_wall(self, job: Job, now: float) -> bool:
         """Inside the window's freeze, hold a job not expected to end before the final-checkpoint mark."""
-        window = self.config.window
+        window = self.state.config.window
         if window is None or not window.is_frozen(now):
             return False
         reason = freeze_hold(window, now, *self.estimate_s(job))
@@ -126,7 +140,7 @@ class Walls:
             return False
         if job.run.get("waiting_for") != reason:
             job.run["waiting_for"] = reason
-            self.report.touch()
+            self.state.report.touch()
         return True
 
     def estimate_s(self, job: Job) -> tuple[float | None, str]:
@@ -138,7 +152,7 @@ class Walls:
             return float(remaining), "its last attempt's forecast"
         sweep = (job.run.get("sweep") or {}).get("id")
         if sweep:
-            for entry in self.report.recent.values():
+            for entry in self.state.report.recent.values():
                 if entry.get("sweep") == sweep and entry.get("status") == "done":
                     start, end = parse_iso(entry.get("started_at")), parse_iso(entry.get("finished_at"))
                     if start and end:
@@ -148,7 +162,7 @@ class Walls:
     # -- cost ----------------------------------------------------------------------------------
     def account_attempt(self, job: Job, attempt: dict | None) -> None:
         """An attempt ended: its cost into run.json (attempt and job) and into the queue's ledger."""
-        cost = self.config.cost
+        cost = self.state.config.cost
         if cost is None or attempt is None:
             return
         start, end = parse_iso(attempt.get("started_at")), parse_iso(attempt.get("ended_at"))
@@ -167,17 +181,17 @@ class Walls:
         ledger["total"] = round(float(ledger.get("total") or 0.0) + attempt["cost"]["amount"], 6)
         ledger["attempts"] = int(ledger.get("attempts") or 0) + 1
         self._cost_ledger = ledger
-        atomic_write_json(self.root.path / COST_LEDGER, ledger, durable=False)
+        atomic_write_json(self.state.root.path / COST_LEDGER, ledger, durable=False)
 
     def cost_now(self, now: float) -> dict | None:
         """status.json's ``cost``: the ledger plus what running attempts have cost so far."""
-        cost = self.config.cost
+        cost = self.state.config.cost
         if cost is None:
             return None
         total = (
             float(self._cost_ledger.get("total") or 0.0) if self._cost_ledger.get("currency") == cost.currency else 0.0
         )
-        for job in self._jobs_in(JobState.RUNNING):
+        for job in self.state.jobs.in_state(JobState.RUNNING):
             attempt = job.current_attempt() or {}
             start = parse_iso(attempt.get("started_at"))
             if start is not None:
@@ -187,12 +201,12 @@ class Walls:
     def window_now(self, now: float) -> dict | None:
         """status.json's ``window``: the marks, which running jobs will and will not end before the final mark,
         and the projected cost until then."""
-        window = self.config.window
+        window = self.state.config.window
         if window is None:
             return None
         fits, misses, projected = [], [], 0.0
-        cost = self.config.cost
-        for job in self._jobs_in(JobState.RUNNING):
+        cost = self.state.config.cost
+        for job in self.state.jobs.in_state(JobState.RUNNING):
             forecast = job.run.get("forecast") or {}
             end = parse_iso(forecast.get("predicted_end"))
             (misses if end is not None and end > window.final_checkpoint_at else fits).append(job.id)
@@ -226,7 +240,11 @@ class Walls:
         """Copy finished deliveries into run.json; start a runner for any due one without a live runner."""
         for job_id in self.deliveries.due():
             job_dir = next(
-                (d for d in (self.root.job_dir(s, job_id) for s in (JobState.DONE, JobState.FAILED)) if d.is_dir()),
+                (
+                    d
+                    for d in (self.state.root.job_dir(s, job_id) for s in (JobState.DONE, JobState.FAILED))
+                    if d.is_dir()
+                ),
                 None,
             )
             if job_dir is None:

@@ -1,4 +1,4 @@
-"""Dependencies, sweeps, finish hooks and lineage in the watcher (CONTRACT section 9; a mixin of Watcher).
+"""Dependencies, sweeps, finish hooks and lineage in the watcher (CONTRACT section 9; ``Workflows``, a Watcher step).
 
 Dependencies: a pending job whose ``after`` has not all ended is *held*: it stays in pending/
 but out of admission's start order (``JobIndex.hold``), so a thousand held jobs never hide a
@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainq.watcher.daemon import records
 from trainq.watcher.daemon.diagnosis import Diagnosis
 from trainq.watcher.daemon.jobs import Job, new_run
+from trainq.watcher.daemon.state import DependencyBook, LoopState
 from trainq.watcher.spec import events
 from trainq.watcher.spec.config import passed_through
 from trainq.watcher.spec.contract import JobPaths
@@ -36,6 +39,10 @@ from trainq.watcher.spec.tombstones import REMOVED, ended_status, read_tombstone
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor.hook_launcher import HookLauncher
 from trainq.watcher.supervisor.hooks import hook_due
+
+if TYPE_CHECKING:
+    from trainq.watcher.daemon.containment import Containment
+    from trainq.watcher.daemon.inbox import Candidate
 
 logger = logging.getLogger(__name__)
 
@@ -63,47 +70,36 @@ class DepState:
     evidence: str | None = None  # why it counts as failed
 
 
-@dataclass
-class DependencyBook:
-    """Who waits on whom, sweep members, and the final status of jobs looked up on disk."""
-
-    dependents: dict[str, set[str]] = field(default_factory=dict)  # dependency id -> held job ids
-    unknown: set[str] = field(default_factory=set)  # held jobs with a dependency not in the queue yet
-    sweeps: dict[str, list[str]] = field(default_factory=dict)  # sweep id -> member ids
-    finished: dict[str, str] = field(default_factory=dict)  # job id -> final status (cache)
-
-    def wait_on(self, job_id: str, dep_ids: tuple[str, ...]) -> None:
-        for dep in dep_ids:
-            self.dependents.setdefault(dep, set()).add(job_id)
-
-    def forget(self, job_id: str, dep_ids: tuple[str, ...]) -> None:
-        self.unknown.discard(job_id)
-        for dep in dep_ids:
-            waiting = self.dependents.get(dep)
-            if waiting is not None:
-                waiting.discard(job_id)
-                if not waiting:
-                    del self.dependents[dep]
-
-
 class Workflows:
-    """The part of the Watcher that handles after, sweep, on_finish and fork_of (a mixin of Watcher)."""
+    """after, sweep, on_finish and fork_of: holding and releasing pending jobs, expanding sweeps, finish hooks.
 
-    def init_workflows(self) -> None:
-        self.deps = DependencyBook()
-        self.hooks = HookLauncher(passed_through(self.env, self.config.env_passthrough))
+    Reads the state's root and report. Changes the state's ``deps``, ``jobs`` (holds, releases, adds a sweep's
+    jobs), ``plan_due`` and the order counter, and pending jobs' run.json; owns the finish hooks' launcher.
+    Runs each job's step inside ``guard``; a pending job that can never start goes to ``retire``.
+    """
+
+    def __init__(self, state: LoopState, guard: Containment, *, retire: Callable[[Job, float], None]) -> None:
+        self.state = state
+        self.guard = guard
+        self.retire = retire
+        self.hooks = HookLauncher(passed_through(state.env, state.config.env_passthrough))
         self._deps_queue: list[str] = []
         self._sweeps_unfinished = False  # a sweep's expansion failed (a full disk): retried on each rescan
         self.deps_released = False  # a held job was released in this pass: start_pending runs again (daemon.py)
+
+    def reset(self) -> None:
+        """Forget what is held on what (rebuilt from job.yaml files by recover(), as at start-up)."""
+        self.state.deps = DependencyBook()
+        self._deps_queue = []
 
     # -- accepting -----------------------------------------------------------------------------
     def admit_workflow(self, job: Job, now: float) -> None:
         """A job just entered pending: reject it if its after closes a cycle, else hold it on its dependencies."""
         sweep = (job.run.get("sweep") or {}).get("id")
         if sweep:
-            self.deps.sweeps.setdefault(sweep, [])
-            if job.id not in self.deps.sweeps[sweep]:
-                self.deps.sweeps[sweep].append(job.id)
+            self.state.deps.sweeps.setdefault(sweep, [])
+            if job.id not in self.state.deps.sweeps[sweep]:
+                self.state.deps.sweeps[sweep].append(job.id)
         if job.spec is not None and job.spec.after:
             cycle = self.find_cycle(job)
             if cycle:
@@ -124,11 +120,11 @@ class Workflows:
             if node in seen:
                 continue
             seen.add(node)
-            for member in self.deps.sweeps.get(node, ()):
-                other = self.jobs.get(member)
+            for member in self.state.deps.sweeps.get(node, ()):
+                other = self.state.jobs.get(member)
                 if other is not None and other.spec is not None:
                     stack += [(d, [*path, d]) for d in other.spec.after]
-            other = self.jobs.get(node)
+            other = self.state.jobs.get(node)
             if other is not None and other.spec is not None:
                 stack += [(d, [*path, d]) for d in other.spec.after]
         return None
@@ -153,34 +149,34 @@ class Workflows:
         states = self._remember_seen(job, [self.dependency_state(dep) for dep in job.spec.after])
         dead = [s for s in states if s.ended and not s.ok]
         if dead and job.spec.after_policy == "ok":
-            self.deps.forget(job.id, job.spec.after)
+            self.state.deps.forget(job.id, job.spec.after)
             self._fail_dependency(job, dead[0], now)
             return
         waiting = [s for s in states if not s.ended]
         if not waiting:
-            self.deps.forget(job.id, job.spec.after)
+            self.state.deps.forget(job.id, job.spec.after)
             if job.held:
-                self.jobs.release(job)
+                self.state.jobs.release(job)
                 job.run["waiting_for"] = None
                 events.emit(job.paths, "released", now, after=list(job.spec.after))
-                self._plan_due = True
+                self.state.plan_due = True
                 self.deps_released = True
-                self.report.touch()
+                self.state.report.touch()
                 logger.info("job %s: dependencies ended (%s); may start", job.id, ", ".join(job.spec.after))
             return
-        self.deps.wait_on(job.id, job.spec.after)
+        self.state.deps.wait_on(job.id, job.spec.after)
         if any(not s.known for s in waiting):
-            self.deps.unknown.add(job.id)
+            self.state.deps.unknown.add(job.id)
         else:
-            self.deps.unknown.discard(job.id)
+            self.state.deps.unknown.discard(job.id)
         shown = "; ".join(f"after {s.words}" for s in waiting[:_MAX_SHOWN])
         more = f"; and {len(waiting) - _MAX_SHOWN} more" if len(waiting) > _MAX_SHOWN else ""
         if not job.held:
-            self.jobs.hold(job)
+            self.state.jobs.hold(job)
             events.emit(job.paths, "held", now, after=[s.dep_id for s in waiting], waiting_for=shown + more)
         if job.run.get("waiting_for") != shown + more:
             job.run["waiting_for"] = shown + more
-            self.report.touch()
+            self.state.report.touch()
 
     def _remember_seen(self, job: Job, states: list[DepState]) -> list[DepState]:
         """Record in run.json (``after_seen``) each dependency seen in the queue; one seen before and now
@@ -190,9 +186,13 @@ class Workflows:
         for dep in gone:  # one seen done and cleaned up since stays done
             status = "done" if dep in seen_done else None
             record_removal(
-                self.root.path, dep, "done" if status else "unknown", status, by="found gone when a watcher started"
+                self.state.root.path,
+                dep,
+                "done" if status else "unknown",
+                status,
+                by="found gone when a watcher started",
             )
-            self.deps.finished[dep] = status or REMOVED
+            self.state.deps.finished[dep] = status or REMOVED
         fresh = [s.dep_id for s in states if s.known and s.dep_id not in seen]
         fresh_done = [s.dep_id for s in states if s.ended and s.ok and s.dep_id not in seen_done]
         if fresh or fresh_done:
@@ -203,7 +203,7 @@ class Workflows:
 
     def dependency_state(self, dep: str) -> DepState:
         """Where dependency ``dep`` (a job id or a sweep id) stands now."""
-        live = self.jobs.get(dep)
+        live = self.state.jobs.get(dep)
         if live is not None:
             return DepState(dep, False, False, f"{dep} ({live.status})")
         status = self._finished_status(dep)
@@ -229,12 +229,12 @@ class Workflows:
 
     def _has_live_folder(self, dep: str) -> bool:
         """Whether ``dep`` still has a folder in pending/ or running/ (a job between its end and its move)."""
-        return any(self.root.job_dir(state, dep).is_dir() for state in (JobState.RUNNING, JobState.PENDING))
+        return any(self.state.root.job_dir(state, dep).is_dir() for state in (JobState.RUNNING, JobState.PENDING))
 
     def _ids_named(self, name: str) -> list[str]:
         """Ids of the live and recently finished jobs whose name is ``name`` (an ``after:`` that names a name)."""
-        live = [job.id for job in self.jobs.values() if job.run.get("name") == name and job.id != name]
-        recent = [job_id for job_id, entry in self.report.recent.items() if entry.get("name") == name]
+        live = [job.id for job in self.state.jobs.values() if job.run.get("name") == name and job.id != name]
+        recent = [job_id for job_id, entry in self.state.report.recent.items() if entry.get("name") == name]
         return sorted(set(live + recent))[:3]
 
     def _sweep_state(self, sweep: str, members: list[str]) -> DepState:
@@ -256,51 +256,51 @@ class Workflows:
 
     def _finished_status(self, dep: str) -> str | None:
         """A dependency's final status: from done/ or failed/, else its tombstone (``removed``), else None."""
-        cached = self.deps.finished.get(dep)
+        cached = self.state.deps.finished.get(dep)
         if cached is not None:
             return cached
         for state in (JobState.DONE, JobState.FAILED):
-            path = self.root.job_dir(state, dep)
+            path = self.state.root.job_dir(state, dep)
             if path.is_dir():
                 run = read_json(JobPaths(path).run) or {}
                 status = run.get("status") or state.value
                 if state is JobState.DONE:
                     status = "done"
-                self.deps.finished[dep] = status
+                self.state.deps.finished[dep] = status
                 return status
-        stone = read_tombstone(self.root.path, dep)
+        stone = read_tombstone(self.state.root.path, dep)
         if stone is not None:
-            self.deps.finished[dep] = ended_status(stone)
-            return self.deps.finished[dep]
+            self.state.deps.finished[dep] = ended_status(stone)
+            return self.state.deps.finished[dep]
         return None
 
     def _dep_evidence(self, dep: str, status: str) -> str:
-        stone = read_tombstone(self.root.path, dep) if status == REMOVED else None
+        stone = read_tombstone(self.state.root.path, dep) if status == REMOVED else None
         if stone is not None:
             return f"dependency {dep} was {removal_words(stone)}"
         return f"dependency {dep} ended {status}" + self._dep_reason(dep)
 
     def _dep_reason(self, dep: str) -> str:
-        path = self.root.job_dir(JobState.FAILED, dep)
+        path = self.state.root.job_dir(JobState.FAILED, dep)
         run = read_json(JobPaths(path).run) if path.is_dir() else None
         kind = ((run or {}).get("diagnosis") or {}).get("kind")
         return f" ({kind})" if kind else ""
 
     def sweep_members(self, sweep: str) -> list[str]:
         """The ids of sweep ``sweep``'s jobs: known from this watcher's life, else read from ``sweep-1``'s run.json."""
-        members = self.deps.sweeps.get(sweep)
+        members = self.state.deps.sweeps.get(sweep)
         if members:
             return members
         for state in (*JobState, None):
             run = (
-                read_json(JobPaths(self.root.job_dir(state, f"{sweep}-1")).run)
+                read_json(JobPaths(self.state.root.job_dir(state, f"{sweep}-1")).run)
                 if state is not None
-                else read_tombstone(self.root.path, f"{sweep}-1")
+                else read_tombstone(self.state.root.path, f"{sweep}-1")
             )  # its first job removed: its tombstone
             info = (run or {}).get("sweep") or {}
             if info.get("id") == sweep and isinstance(info.get("of"), int):
                 members = [f"{sweep}-{i}" for i in range(1, info["of"] + 1)]
-                self.deps.sweeps[sweep] = members
+                self.state.deps.sweeps[sweep] = members
                 return members
         return []
 
@@ -317,29 +317,29 @@ class Workflows:
             changed = self._deps_queue[0]
             sweep = self._sweep_of(changed)
             for dep in (changed, sweep) if sweep else (changed,):
-                for held_id in sorted(self.deps.dependents.get(dep, ())):
-                    held = self.jobs.get(held_id)
+                for held_id in sorted(self.state.deps.dependents.get(dep, ())):
+                    held = self.state.jobs.get(held_id)
                     if held is None:
-                        self.deps.dependents.get(dep, set()).discard(held_id)
+                        self.state.deps.dependents.get(dep, set()).discard(held_id)
                     else:
-                        self.guarded(held, "plan", self.check_deps, held, now)
+                        self.guard.guarded(held, "plan", self.check_deps, held, now)
             self._deps_queue.pop(0)
 
     def _sweep_of(self, job_id: str) -> str | None:
-        job = self.jobs.get(job_id)
+        job = self.state.jobs.get(job_id)
         if job is not None:
             return (job.run.get("sweep") or {}).get("id")
         head, _, index = job_id.rpartition("-")
-        return head if index.isdigit() and job_id in self.deps.sweeps.get(head, ()) else None
+        return head if index.isdigit() and job_id in self.state.deps.sweeps.get(head, ()) else None
 
     def recheck_unknown(self, now: float) -> None:
         """On each rescan: held jobs waiting on ids not in the queue yet (dropped later, or in done/ by hand)."""
-        for job_id in sorted(self.deps.unknown):
-            job = self.jobs.get(job_id)
+        for job_id in sorted(self.state.deps.unknown):
+            job = self.state.jobs.get(job_id)
             if job is None:
-                self.deps.unknown.discard(job_id)
+                self.state.deps.unknown.discard(job_id)
             else:
-                self.guarded(job, "plan", self.check_deps, job, now)
+                self.guard.guarded(job, "plan", self.check_deps, job, now)
         if self._sweeps_unfinished:
             self._sweeps_unfinished = False
             self.resume_sweeps(now)
@@ -358,19 +358,19 @@ class Workflows:
     def _conclude_pending(self, job: Job, now: float, words: str) -> None:
         """A pending job that will never start: write its final run.json and move it to failed/."""
         if job.held:
-            self.jobs.release(job)
+            self.state.jobs.release(job)
         job.save()
-        job.dir = self.folders.fail(job.id, JobState.PENDING)
-        self.jobs.move(job, JobState.FAILED)
+        job.dir = self.state.folders.fail(job.id, JobState.PENDING)
+        self.state.jobs.move(job, JobState.FAILED)
         logger.info("job %s: pending -> failed, %s", job.id, words)
-        self._retire(job, now)
+        self.retire(job, now)
 
     def after_values(self, job: Job) -> dict[str, str]:
         """``{after:ID}`` → ID's job folder where it is now (done/ID once it ended)."""
         values = {}
         for dep in after_refs(job.spec.raw) if job.spec else ():
             for state in (JobState.DONE, JobState.FAILED, JobState.RUNNING, JobState.PENDING):
-                path = self.root.job_dir(state, dep)
+                path = self.state.root.job_dir(state, dep)
                 if path.is_dir():
                     values[f"after:{dep}"] = str(path)
                     break
@@ -379,14 +379,14 @@ class Workflows:
     # -- conclusions -------------------------------------------------------------------------------
     def workflow_concluded(self, job: Job, now: float) -> None:
         """A job reached done/ or failed/: remember its status, release or fail its dependents, start its hook."""
-        self.deps.finished[job.id] = job.status
+        self.state.deps.finished[job.id] = job.status
         if hook_due(job.paths, job.spec, job.status):
             self.hooks.launch(job.id, job.dir)
         self.deps_changed(job.id, now)
 
     def workflow_requeued(self, job: Job, now: float) -> None:
         """A finished job is pending again (retry.flag): its conclusion is undone, its next one gets a hook."""
-        self.deps.finished.pop(job.id, None)
+        self.state.deps.finished.pop(job.id, None)
         remove_quietly(job.paths.hook_record)
         self.admit_workflow(job, now)
 
@@ -396,12 +396,11 @@ class Workflows:
             self.hooks.launch(job.id, job.dir)
 
     # -- sweeps ------------------------------------------------------------------------------------
-    def admit_sweep(self, cand, spec: JobSpec, now: float) -> None:
-        """Claim a sweep file into its staging folder, then write its jobs."""
+    def admit_sweep(self, cand: Candidate, spec: JobSpec, now: float, taken: Callable[[str], None]) -> None:
+        """Claim a sweep file into its staging folder (then ``taken(name)``: the inbox forgets it), then write its jobs."""
         total = combinations(spec.sweep)
-        claimed = self.folders.claim_sweep(cand.path, total, SWEEP_STAGING_PREFIX)
-        self.inbox.taken(cand.name)
-        self._awaiting.pop(cand.name, None)
+        claimed = self.state.folders.claim_sweep(cand.path, total, SWEEP_STAGING_PREFIX)
+        taken(cand.name)
         if claimed is None:
             return
         sweep_id, staging = claimed
@@ -423,27 +422,27 @@ class Workflows:
             return
         variants = expand(spec.raw)
         base = spec.name or name or sweep_id
-        self.deps.sweeps[sweep_id] = [f"{sweep_id}-{v.index}" for v in variants]
+        self.state.deps.sweeps[sweep_id] = [f"{sweep_id}-{v.index}" for v in variants]
         for variant in variants:
             job = self._write_variant(sweep_id, variant, len(variants), base, now)
             if job is not None:  # held on its dependencies before anything can start it
-                self.guarded(job, "admit", self.admit_workflow, job, now)
+                self.guard.guarded(job, "admit", self.admit_workflow, job, now)
         remove_quietly(staging / "job.yaml")
         try:
             staging.rmdir()
         except OSError:
             logger.warning("sweep %s: could not remove its staging folder %s", sweep_id, staging)
         self.deps_changed(sweep_id, now)
-        self.report.touch()
+        self.state.report.touch()
 
     def _write_variant(self, sweep_id: str, variant, total: int, base: str, now: float) -> Job | None:
         job_id = f"{sweep_id}-{variant.index}"
-        if any((self.root.job_dir(s, job_id) / "job.yaml").exists() for s in JobState):
+        if any((self.state.root.job_dir(s, job_id) / "job.yaml").exists() for s in JobState):
             return None  # written before a crash
-        path = self.root.job_dir(JobState.PENDING, job_id)
-        os.makedirs(path, mode=self.root.job_dir_mode(), exist_ok=True)
+        path = self.state.root.job_dir(JobState.PENDING, job_id)
+        os.makedirs(path, mode=self.state.root.job_dir_mode(), exist_ok=True)
         spec = JobSpec.from_dict(variant.data, f"pending/{job_id}/job.yaml")
-        run = new_run(spec, self._next_order(), now, name=f"{base}-{variant.index}")
+        run = new_run(spec, self.state.next_order(), now, name=f"{base}-{variant.index}")
         run.update(id=job_id, sweep={"id": sweep_id, "index": variant.index, "params": variant.params, "of": total})
         paths = JobPaths(path)
         atomic_write_json(paths.run, run, durable=False)
@@ -451,12 +450,12 @@ class Workflows:
         records.accepted(paths, run, f"sweep {sweep_id}", None, now)
         st = os.stat(paths.spec)
         job = Job(job_id, JobState.PENDING, path, run, spec, spec_sig=(st.st_size, st.st_mtime_ns, st.st_ino))
-        self.jobs.add(job)
+        self.state.jobs.add(job)
         return job
 
     def resume_sweeps(self, now: float) -> None:
         """At start-up: finish sweeps a crash left in their staging folder."""
-        pending = self.root.state_dir(JobState.PENDING)
+        pending = self.state.root.state_dir(JobState.PENDING)
         try:
             staged = [e for e in os.scandir(pending) if e.name.startswith(SWEEP_STAGING_PREFIX) and e.is_dir()]
         except FileNotFoundError:
@@ -471,7 +470,7 @@ class Workflows:
         """run.json's lineage for a job forked (or rerun, ``how``) from ``parent``: it, then its parents, nearest first."""
         parents = [parent]
         for state in JobState:
-            run = read_json(JobPaths(self.root.job_dir(state, parent)).run)
+            run = read_json(JobPaths(self.state.root.job_dir(state, parent)).run)
             if run is not None:
                 parents += list((run.get("lineage") or {}).get("parents") or [])[: MAX_LINEAGE - 1]
                 break
