@@ -1,7 +1,7 @@
 """``trainq edit`` and ``trainq priority``: a job's job.yaml rewritten, validated first, put in place by rename.
 
 The file way is the same: edit ``pending/<id>/job.yaml`` with anything; the watcher re-reads a
-changed pending job file (pending_edits.py). For a failed, cancelled or timed-out job, ``edit`` is
+changed pending job file (daemon/intake.py). For a failed, cancelled or timed-out job, ``edit`` is
 fix-and-re-run (pueue's ``restart -e``): the edited job.yaml replaces the old one (kept as
 ``job.attempt-N.yaml``) and ``retry.flag`` runs it again under the same id, in the same folder, so
 its checkpoints are still there to resume from. A rejected job's fixed file is submitted again

@@ -61,7 +61,7 @@ class Job:
     held: bool = False  # pending on dependencies: out of the start order (workflows.py)
     contained: str | None = None  # the step whose internal error failed this job (containment.py)
     spec_sig: tuple | None = None  # (size, mtime_ns, inode) of the job.yaml the spec was read from
-    spec_change: tuple | None = None  # (new sig, first seen at) of an edit not yet re-read (pending_edits.py)
+    spec_change: tuple | None = None  # (new sig, first seen at) of an edit not yet re-read (intake.py)
 
     @property
     def paths(self) -> JobPaths:

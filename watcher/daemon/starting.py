@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from trainq.watcher.daemon.containment import Containment, CrashPoints
     from trainq.watcher.daemon.diskfull import DiskFullHandling
     from trainq.watcher.daemon.finishing import Finishing
-    from trainq.watcher.daemon.pending_edits import PendingEdits
+    from trainq.watcher.daemon.intake import PendingEdits
     from trainq.watcher.daemon.resources import MachineState
     from trainq.watcher.daemon.state import LoopState
     from trainq.watcher.daemon.walls import Walls

@@ -1,9 +1,8 @@
 """``LoopState``: what the loop's steps share, passed to each step explicitly instead of living on one class.
 
-The Watcher builds one ``LoopState`` and hands it to each step (starting.py, finishing.py,
-workflows.py, containment.py, walls.py, vitals.py, pending_edits.py, the inbox's admission in
-daemon.py). Each step's class docstring says which of these fields it reads and which it changes;
-a field no step docstring names as changed is set once, by the Watcher.
+The Watcher builds one ``LoopState`` and hands it to each step (intake.py, starting.py, finishing.py,
+workflows.py, containment.py, walls.py). Each step's class docstring says which of these fields it reads
+and which it changes; a field no step docstring names as changed is set once, by the Watcher.
 """
 
 from __future__ import annotations
