@@ -14,8 +14,9 @@ and no process teardown.
 
 Where things are:
 
-- ``attempt.py``: one attempt's supervision: ``LaunchSpec``, taking the job's lock, the supervise /
-  watch / stop / escalate loop, the start and exit records, the notes in output.log, and
+- ``attempt.py``: one attempt's supervision: the supervise / watch / stop / escalate loop and the start
+  record. ``attempt_io.py``: what an attempt is handed and leaves behind: ``LaunchSpec``, taking the
+  job's lock, output.log and its notes, the exit record and how it is published. ``foreground.py``:
   ``run_in_foreground`` with the ``python -m trainq.watcher.supervisor`` entry point (``main``).
 - ``pool.py``: ``Supervisor`` (the watcher's handle: launch, reap, query) and ``SupervisorPool`` with
   its pooled members; forking and detaching a supervisor.
@@ -35,7 +36,8 @@ last two ``subprocess`` too; slurm.py and slurm_state.py (Slurm's commands), dem
 import ``subprocess`` only.
 """
 
-from trainq.watcher.supervisor.attempt import LaunchSpec, main, open_job_log, run_in_foreground, shell_status
+from trainq.watcher.supervisor.attempt_io import LaunchSpec, open_job_log
+from trainq.watcher.supervisor.foreground import main, run_in_foreground, shell_status
 from trainq.watcher.supervisor.leftovers import (
     boot_id,
     is_alive,

@@ -1,7 +1,7 @@
-"""``python -m trainq.watcher.supervisor JOB_DIR --spec FILE.json``: one attempt in the foreground (attempt.main)."""
+"""``python -m trainq.watcher.supervisor JOB_DIR --spec FILE.json``: one attempt in the foreground (foreground.main)."""
 
 import sys
 
-from .attempt import main
+from .foreground import main
 
 sys.exit(main())

@@ -1,25 +1,19 @@
-"""One attempt's supervision: run a job's attempt to the end of its whole process tree.
+"""One attempt's supervision, inside the supervisor process: run a job's attempt to the end of its whole process tree.
 
 ``_supervise`` becomes a child subreaper, starts the job with its output going straight to ``output.log``,
 writes the start record, watches stop.flag / timeout / its own SIGTERM, escalates stop → SIGTERM →
 SIGKILL over its whole process tree, and writes the exit record only once every process of the attempt
-is gone. It runs in a supervisor forked by pool.py, or in the calling process through
-``run_in_foreground`` (a Slurm node; ``python -m trainq.watcher.supervisor``, whose ``main`` is here).
-Taking the job's lock (``_take_lock``) and the notes written to output.log live here too.
+is gone. It runs in a supervisor forked by pool.py, or in the calling process (foreground.py: a Slurm
+node, ``python -m trainq.watcher.supervisor``). What an attempt is handed and leaves behind (``LaunchSpec``,
+the job's lock, the notes in output.log, the exit record and how it is published) is attempt_io.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import dataclasses
-import errno
-import fcntl
-import json
 import os
 import select
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -27,41 +21,27 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 
-from trainq.watcher.spec.contract import (
-    ENV_ATTEMPT,
-    ENV_JOB_DIR,
-    ENV_JOB_ID,
-    ENV_METRICS,
-    ENV_STOP_FLAG,
-    EXIT_FAILED,
-    EXIT_USAGE,
-    JobPaths,
-)
-from trainq.watcher.spec.errors import SpawnFailed
-from trainq.watcher.spec.fsutil import (
-    atomic_write_json,
-    open_no_follow,
-    publish_then_sync,
-    remove_quietly,
-    touch,
-)
+from trainq.watcher.spec.contract import ENV_ATTEMPT, ENV_JOB_DIR, ENV_JOB_ID, ENV_METRICS, ENV_STOP_FLAG, JobPaths
+from trainq.watcher.spec.fsutil import atomic_write_json, open_no_follow, remove_quietly, touch
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import cgroups, story
+from trainq.watcher.supervisor.attempt_io import (
+    LaunchSpec,
+    _exists,
+    _exit_record,
+    _note,
+    _publish_exit,
+    _record_spawn_error,
+    _write_line,
+)
 from trainq.watcher.supervisor.cgroups import Containment
 from trainq.watcher.supervisor.leftovers import _descendants, boot_id
 
 #: how long the supervisor sleeps between looks at stop.flag, the timeout and its process tree (ms)
 POLL_INTERVAL_MS = 50
-
-#: exit code recorded when the command does not exist (or its cwd does not), as a shell reports it
-EXIT_NOT_FOUND = 127
-
-#: exit code recorded when the command exists but cannot be executed
-EXIT_NOT_EXECUTABLE = 126
 
 #: Linux prctl option: orphaned descendants reparent to the nearest subreaper instead of init
 PR_SET_CHILD_SUBREAPER = 36
@@ -71,60 +51,6 @@ SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 #: the signal that says a batch system's time limit is near: stop.flag now, SIGTERM after stop_grace ("timeout")
 TIME_LIMIT_SIGNAL = signal.SIGUSR1
-
-#: how often a supervisor retries writing its exit record while the disk is full (s)
-EXIT_RETRY_S = 0.5
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """Everything one attempt's supervisor needs; JSON-able for the standalone entry point."""
-
-    job_dir: str
-    argv: tuple[str, ...]
-    env: dict[str, str]
-    cwd: str
-    attempt: int
-    stop_grace_s: float = 120.0
-    kill_after_s: float = 5.0
-    timeout_s: float | None = None
-    banner: str = ""
-    #: the real path to exec (argv[0] stays as written); set when allow_commands checked it
-    executable: str | None = None
-    #: False: ``env`` is the job's whole environment (env_passthrough applied), not added to the supervisor's
-    inherit_env: bool = True
-    #: what to record in snapshot/ before the job starts (snapshot.SnapshotRequest.to_dict); None: nothing
-    snapshot: dict | None = None
-
-    def __post_init__(self) -> None:
-        if not self.argv or not all(isinstance(a, str) for a in self.argv):
-            raise ValueError(f"argv must be a non-empty list of strings (got {self.argv!r})")
-        if not isinstance(self.attempt, int) or self.attempt < 1:
-            raise ValueError(f"attempt must be an integer >= 1 (got {self.attempt!r})")
-        if self.stop_grace_s < 0 or self.kill_after_s < 0 or (self.timeout_s is not None and self.timeout_s < 0):
-            raise ValueError("stop_grace_s, kill_after_s and timeout_s cannot be negative")
-
-    def to_dict(self) -> dict:
-        """Plain JSON-able dict (argv as a list)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d.update(argv=list(self.argv), env=dict(self.env))
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LaunchSpec:
-        """Build from ``to_dict`` output; ``env`` defaults to {}, ``cwd`` to the job folder, ``attempt`` to 1."""
-        if not isinstance(d, dict) or not d.get("job_dir") or "argv" not in d:
-            raise ValueError("a launch spec needs at least job_dir and argv")
-        argv = d["argv"]
-        if not isinstance(argv, (list, tuple)):
-            raise ValueError(f"argv must be a list of strings (got {argv!r})")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown launch spec keys: {', '.join(unknown)}")
-        merged = {"env": {}, "cwd": d["job_dir"], "attempt": 1, **d, "argv": tuple(argv)}
-        merged["env"] = {str(k): str(v) for k, v in (merged["env"] or {}).items()}
-        return cls(**merged)
 
 
 @dataclass
@@ -157,62 +83,6 @@ class _StopSignal:
     received = False
     #: SIGUSR1: the batch system's time limit is near (Slurm's --signal=B:USR1@lead); stop like a timeout
     time_limit = False
-
-
-def open_job_log(path: Path) -> int:
-    """output.log opened for appending, never through a symlink or into a FIFO the job put in its place.
-
-    Such a stand-in is removed and a fresh file made: the supervisor may run as a user the job's
-    owner is not, and must not append to whatever file a symlink names (O_NOFOLLOW).
-    """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    for _ in range(3):
-        try:
-            fd = os.open(path, flags, 0o644)
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENXIO):  # a symlink; a FIFO nobody reads
-                raise
-        else:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-                return fd
-            os.close(fd)
-        remove_quietly(path)
-    raise OSError(errno.ELOOP, f"{path}: keeps being replaced by something that is not a plain file")
-
-
-def _take_lock(paths: JobPaths, attempt: int, *, required: bool = True) -> tuple[int, str | None]:
-    """Open and exclusively flock ``paths.lock``: (fd, None); SpawnFailed when someone still runs this job.
-
-    Where flock does not work on the job folder's filesystem (ENOLCK, EOPNOTSUPP...), SpawnFailed when the lock
-    is ``required``, else (fd, why): a Slurm node then runs unlocked (Slurm's job state and the heartbeat say
-    whether the attempt lives; see watcher/node.py).
-    """
-    try:
-        fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:
-        raise SpawnFailed(
-            f"{paths.dir}: cannot open {paths.lock.name} for attempt {attempt} "
-            f"({exc.strerror}); check that the job folder exists and is writable"
-        ) from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        os.close(fd)
-        raise SpawnFailed(
-            f"{paths.lock}: another supervisor still runs this job; "
-            f"wait for it to exit (or stop it) before starting attempt {attempt}"
-        ) from exc
-    except OSError as exc:
-        why = f"flock on {paths.lock} failed ({exc.strerror})"
-        if not required:
-            return fd, why
-        os.close(fd)
-        raise SpawnFailed(
-            f"{why}: the queue root's filesystem has no working flock; keep the queue root on a "
-            "local filesystem (or one mounted with flock), or use executor: slurm"
-        ) from exc
-    return fd, None
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -425,30 +295,6 @@ def _write_started(a: _Attempt) -> None:
         _note(a.log_fd, f"cannot write the start record ({exc.strerror})")
 
 
-def _record_spawn_error(
-    spec: LaunchSpec, log_fd: int, exc: OSError, started_at: float, ended: Callable[[], None]
-) -> dict:
-    """The command could not start: say why in output.log and the exit record (127 not found, 126 otherwise)."""
-    reason = _spawn_error_text(spec, exc)
-    _note(log_fd, f"cannot start the job: {reason}")
-    code = EXIT_NOT_FOUND if exc.errno in (errno.ENOENT, errno.ENOTDIR) else EXIT_NOT_EXECUTABLE
-    record = _exit_record(spec, None, started_at, status_code=code, spawn_error=reason)
-    story.exited(JobPaths(Path(spec.job_dir)), record)
-    _publish_exit(JobPaths(Path(spec.job_dir)), record, ended, log_fd)
-    return record
-
-
-def _spawn_error_text(spec: LaunchSpec, exc: OSError) -> str:
-    """One line naming what is wrong and what to fix."""
-    if exc.filename == spec.cwd or not os.path.isdir(spec.cwd):
-        return f"working directory {spec.cwd} does not exist or is not a folder ({exc.strerror}); fix cwd"
-    if exc.errno == errno.ENOENT:
-        return f"command not found: {spec.argv[0]} ({exc.strerror}); fix command (PATH is searched)"
-    if exc.errno == errno.EACCES:
-        return f"permission denied running {spec.argv[0]}; make it executable (chmod +x) or fix command"
-    return f"cannot execute {spec.argv[0]}: {exc.strerror}"
-
-
 def _watch(a: _Attempt, stop_signal: _StopSignal) -> None:
     """Loop until the main child is reaped and no descendant is left; never blocks longer than a poll."""
     pidfd = os.pidfd_open(a.job_pid) if hasattr(os, "pidfd_open") else None
@@ -602,86 +448,6 @@ def _write_exit(a: _Attempt, ended: Callable[[], None]) -> dict:
     return record
 
 
-def _publish_exit(paths: JobPaths, record: dict, ended: Callable[[], None], log_fd: int = 2) -> None:
-    """The watcher may go on as soon as the record can be read; the fsync follows.
-
-    A full disk, or a folder that cannot be written for now (permissions, a read-only or unreachable shared
-    filesystem), does not lose the record: the lock stays held (the attempt still counts as alive,
-    so nobody guesses its end) and the write is retried every EXIT_RETRY_S until it gets through.
-    A job folder removed by hand gets no record: the attempt just ends.
-    """
-    data = (json.dumps(record, indent=1) + "\n").encode()
-    once = _Once(ended)
-    noted = False
-    while True:
-        try:
-            publish_then_sync(paths.exit_record, data, once)
-            return
-        except FileNotFoundError:
-            if _exists(paths.dir):
-                raise
-            once()
-            return
-        except OSError as exc:
-            if once.called:
-                return  # published: only its fsync failed, and readers have it
-            if exc.errno not in _EXIT_RETRIED_ERRNOS:
-                raise
-            if not noted:
-                _note(log_fd, f"cannot write the exit record ({exc.strerror}); retrying every {EXIT_RETRY_S:g} s")
-                noted = True
-            time.sleep(EXIT_RETRY_S)
-
-
-#: errors on writing the exit record that may go away (space freed, the folder writable again): retried
-_EXIT_RETRIED_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ESTALE}
-)
-
-
-class _Once:
-    """Calls ``fn`` the first time it is called, never again."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn, self.called = fn, False
-
-    def __call__(self) -> None:
-        if not self.called:
-            self.called = True
-            self.fn()
-
-
-def _exit_record(
-    spec: LaunchSpec,
-    job_pid: int | None,
-    started_at: float,
-    *,
-    raw_status: int | None = None,
-    status_code: int | None = None,
-    spawn_error: str | None = None,
-    attempt: _Attempt | None = None,
-) -> dict:
-    """The exit record's fields; ``raw_status`` is a waitpid status, ``status_code`` a plain exit code."""
-    code, sig = status_code, None
-    if raw_status is not None and os.WIFSIGNALED(raw_status):
-        sig = os.WTERMSIG(raw_status)
-    elif raw_status is not None:
-        code = os.WEXITSTATUS(raw_status)
-    return {
-        "attempt": spec.attempt,
-        "job_pid": job_pid,
-        "exit_code": code,
-        "signal": sig,
-        "signal_name": signal.Signals(sig).name if sig else None,
-        "started_at": iso_utc(started_at),
-        "ended_at": iso_utc(time.time()),
-        "stop_reason": attempt.stop_reason if attempt else None,
-        "stop_requested_at": iso_utc(attempt.stop_requested_at) if attempt else None,
-        "signals_sent": list(attempt.signals_sent) if attempt else [],
-        "spawn_error": spawn_error,
-    }
-
-
 def _inode(path: str | Path) -> int | None:
     """The inode of ``path``, or None when it is gone."""
     try:
@@ -697,108 +463,3 @@ def _says_now(stop_flag: Path) -> bool:
             return (f.read(16) or b"").strip().lower() == b"now"
     except OSError:
         return False
-
-
-def _exists(path: Path) -> bool:
-    """One stat, no exceptions."""
-    try:
-        os.stat(path)
-    except OSError:
-        return False
-    return True
-
-
-def _note(log_fd: int, message: str) -> None:
-    """A ``trainq:`` line in output.log, where the user reads the job's story."""
-    _write_line(log_fd, f"trainq: {message}")
-
-
-def _write_line(log_fd: int, line: str) -> None:
-    """``line`` on a line of its own: after a newline when the log ends mid-line (a tqdm bar ends in ``\r``)."""
-    _write(log_fd, ("\n" if _ends_mid_line(log_fd) else "") + line + "\n")
-
-
-def _ends_mid_line(log_fd: int) -> bool:
-    """Whether the log's last byte is anything but a newline (read through /proc: the fd is write-only)."""
-    try:
-        size = os.fstat(log_fd).st_size
-        if size == 0:
-            return False
-        fd = os.open(f"/proc/self/fd/{log_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return False  # no /proc: the note may follow a bar on its line, as before
-    try:
-        return os.pread(fd, 1, size - 1) != b"\n"
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _write(fd: int, text: str) -> None:
-    """Best-effort write: a full disk must not kill the supervisor."""
-    try:
-        os.write(fd, text.encode("utf-8", errors="replace"))
-    except OSError:
-        pass
-
-
-# ---------------------------------------------------------------- standalone entry point
-
-
-def run_in_foreground(spec: LaunchSpec, *, lock_required: bool = True) -> dict:
-    """Take the lock and supervise in this process (Slurm, by hand); returns the exit record.
-
-    ``lock_required=False`` (a Slurm node) runs on, with a note in output.log, where flock does not work.
-    """
-    spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir))
-    paths = JobPaths(Path(spec.job_dir))
-    lock_fd, unlocked = _take_lock(paths, spec.attempt, required=lock_required)
-    remove_quietly(paths.exit_record)
-    remove_quietly(paths.started)
-    _reset_signals()
-    log_fd = open_job_log(paths.log)
-    if unlocked:
-        _note(
-            log_fd,
-            f"{unlocked}; running without the lock (Slurm's job state and "
-            f"{paths.heartbeat.name} tell the watcher this attempt is alive)",
-        )
-    try:
-        return _supervise(spec, log_fd, _load_prctl())
-    except BaseException:
-        _die_reporting(log_fd)
-        raise
-    finally:
-        os.close(log_fd)
-        os.close(lock_fd)
-
-
-def shell_status(record: dict) -> int:
-    """The exit record as a shell would report it: the exit code, or 128 + the signal number."""
-    if record.get("exit_code") is not None:
-        return int(record["exit_code"])
-    return 128 + int(record.get("signal") or 0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m trainq.watcher.supervisor JOB_DIR --spec FILE.json``: exits with the job's status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m trainq.watcher.supervisor",
-        description="Run one attempt of a trainq job in the foreground under its supervisor.",
-    )
-    parser.add_argument("job_dir", help="the job folder (its lock, output.log and records live there)")
-    parser.add_argument("--spec", required=True, help="LaunchSpec as JSON (job_dir inside it is replaced)")
-    args = parser.parse_args(argv)
-    try:
-        data = json.loads(Path(args.spec).read_text(encoding="utf-8"))
-        spec = LaunchSpec.from_dict({**data, "job_dir": args.job_dir} if isinstance(data, dict) else data)
-    except (OSError, ValueError, TypeError) as exc:
-        print(f"{args.spec}: {exc}; fix the launch spec", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        record = run_in_foreground(spec)
-    except SpawnFailed as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_FAILED
-    return shell_status(record)

@@ -42,7 +42,7 @@ from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, read_json
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import cgroups
-from trainq.watcher.supervisor.attempt import open_job_log
+from trainq.watcher.supervisor.attempt_io import open_job_log
 
 #: longest a hook may run before its processes are killed, seconds (CONTRACT section 9)
 HOOK_TIMEOUT_S = 60.0

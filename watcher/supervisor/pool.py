@@ -27,14 +27,12 @@ from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import read_json, remove_quietly
 from trainq.watcher.supervisor.attempt import (
     SUPERVISOR_STOP_SIGNALS,
-    LaunchSpec,
     _die_reporting,
     _load_prctl,
     _reset_signals,
     _supervise,
-    _take_lock,
-    open_job_log,
 )
+from trainq.watcher.supervisor.attempt_io import LaunchSpec, _take_lock, open_job_log
 from trainq.watcher.supervisor.cgroups import Containment, detect
 from trainq.watcher.supervisor.leftovers import is_alive, kill_leftovers, process_tree
 
