@@ -76,7 +76,7 @@ def test_submit_dash_dash_prints_the_id_and_the_job_runs(queue_dir, watcher_proc
 
 
 def test_logs_tail_counts_lines_from_the_end(queue_dir, tmp_path):
-    from trainq.watcher.cli.main import tail_offset
+    from trainq.watcher.cli.job_commands import tail_offset
 
     log = tmp_path / "output.log"
     log.write_bytes(b"a\nbb\nccc\n")
