@@ -1,7 +1,7 @@
 """The argparse side of the management commands (``rm``, ``edit``, ``priority``, ``pause``, ``resume``,
 ``clean``, ``wait``, ``show``, ``train``, ``tiny``, ``schema``), global options and shell completion.
 
-cli.py keeps the original commands; this module adds the rest so each stays small. What each
+main.py keeps the original commands; this module adds the rest so each stays small. What each
 command does lives in manage.py and show.py.
 """
 
@@ -88,7 +88,7 @@ def _ids(p: argparse.ArgumentParser, nargs: str | None = None, help: str = "job 
 
 
 def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Namespace], Path]) -> None:
-    """Register the management commands; ``root_of`` resolves the queue root as cli.py does."""
+    """Register the management commands; ``root_of`` resolves the queue root as main.py does."""
 
     def bind(fn: Callable[..., int]) -> Callable[[argparse.Namespace], int]:
         def run(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 ``SlurmOptions`` turns an attempt's settings into ``sbatch`` argv; ``batch_env`` decides which of the
 watcher's variables reach the node (Slurm's own always win there); ``batch_script`` and ``array_script``
 write ``slurm.sh`` for one job or for a sweep's job array; ``srun_argv`` wraps a multi-node command.
-watcher/slurm.py submits and follows the jobs; nothing here runs a command or touches the disk.
+executor.py (with submitting.py and polling.py) submits and follows the jobs; nothing here runs a command or touches the disk.
 """
 
 from __future__ import annotations

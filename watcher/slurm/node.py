@@ -12,7 +12,7 @@ slurm.sh execs this as the batch job's main process. It
 3. runs the attempt's supervisor in the foreground (``supervisor.run_in_foreground``) with flock as an
    extra signal only: where flock fails the attempt runs on and output.log says so.
 
-It never talks to Slurm; the watcher's squeue is the other half of liveness (watcher/slurm.py).
+It never talks to Slurm; the watcher's squeue is the other half of liveness (polling.py, liveness.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The watcher's own settings: ``ROOT/watcher.yaml`` checked against schemas/watcher.schema.json.
 
-Built once (by cli.py) and passed down; a bad file stops start-up with one line per problem.
+Built once (by the ``trainq`` command, watcher/cli/main.py) and passed down; a bad file stops start-up with one line per problem.
 """
 
 from __future__ import annotations

@@ -26,14 +26,16 @@ Where things are:
   process-tree), a cgroup per attempt and per hook, and ending a whole group at once.
 - ``hooks.py`` (the on_finish runner, a process of its own) and ``hook_launcher.py`` (the watcher's
   side): due hooks on disk, run exactly once, contained like jobs.
-
-The watcher's own signal handlers live beside the daemon, in watcher/signals.py.
+- ``signals.py``: the watcher's own signal handlers (the daemon installs them; a supervisor drops them).
+- ``spawner.py``: the helper process that forks supervisors, so launching never forks the big watcher.
+- ``snapshot.py`` and ``story.py``: what an attempt records (``snapshot/``, its events in events.jsonl);
+  ``stacks.py``: a stalled job's Python stacks (py-spy); ``deliver.py``: copying results off the box.
 
 This package starts and signals the jobs' processes, so it imports ``subprocess`` and ``signal``.
-Elsewhere in the watcher only watcher/signals.py (the watcher's own handlers), spawner.py (the helper
-that launches supervisors) and hooks.py (the hook runner, a process of its own) import ``signal``, the
-last two ``subprocess`` too; slurm.py and slurm_state.py (Slurm's commands), demo.py and edit.py
-import ``subprocess`` only.
+Elsewhere in the watcher ``signal`` is not imported at all; ``subprocess`` is, by the Slurm wing
+(watcher/slurm/: ``state.py``, ``polling.py``, ``submit.py``, ``submitting.py`` run Slurm's commands),
+watcher/daemon/vitals.py (starting the stacks runner) and watcher/cli/ (``demo.py``, ``edit.py``,
+``rerun.py``).
 """
 
 from trainq.watcher.supervisor.attempt_io import LaunchSpec, open_job_log
