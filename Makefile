@@ -20,9 +20,13 @@ $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 demo: setup
 	$(VENV)/bin/trainq demo
 
+# mypy reads the package under its installed name (trainq.watcher...): build/mypy/trainq/ links to its folders
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	mkdir -p build/mypy/trainq
+	for d in watcher trainer schemas; do ln -sfn ../../../$$d build/mypy/trainq/$$d; done
+	$(VENV)/bin/mypy
 
 test: setup lint
 	bash .ci/system-deps

@@ -32,7 +32,7 @@ def bounded_entry(entry: dict) -> dict:
     """A job entry with every string, list and ``params`` within bounds (the entry itself when it already is)."""
     if _is_small(entry, 0):
         return entry
-    out = {}
+    out: dict[str, object] = {}
     for key, value in entry.items():
         if key == "params" and isinstance(value, dict):
             out[key] = bounded_params(value)
@@ -62,10 +62,10 @@ def _bounded(value: object, depth: int) -> object:
             out[MORE_PARAMS_KEY] = f"{len(value) - MAX_LIST_ITEMS} more key(s)"
         return out
     if isinstance(value, (list, tuple)):
-        shown = [_bounded(v, depth + 1) for v in list(value)[:MAX_LIST_ITEMS]]
+        items = [_bounded(v, depth + 1) for v in list(value)[:MAX_LIST_ITEMS]]
         if len(value) > MAX_LIST_ITEMS:
-            shown.append(f"…[+{len(value) - MAX_LIST_ITEMS} items]")
-        return shown
+            items.append(f"…[+{len(value) - MAX_LIST_ITEMS} items]")
+        return items
     return value
 
 

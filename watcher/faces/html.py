@@ -37,7 +37,8 @@ class _Series:
 
     def add(self, step: float, value: float) -> None:
         """Append one (step, value); a step going backwards (resume) drops what came after it."""
-        if self._last_step() is not None and step < self._last_step():
+        last = self._last_step()
+        if last is not None and step < last:
             self._rewind(step)
         acc = self.acc = self.acc or [step, 0.0, 0]
         acc[0], acc[1], acc[2] = step, acc[1] + value, acc[2] + 1

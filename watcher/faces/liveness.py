@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 import yaml
 
@@ -135,7 +136,7 @@ class HeartbeatWatch:
             self.changed = self.value is not None
             self.value, self.seen_at, self.seen_at_wall = value, mono, now
         clock = by_clock(watcher, now, self.stale_s)
-        if clock.verdict == ABSENT or abs(clock.clock_age_s) <= self.stale_s:
+        if clock.verdict == ABSENT or clock.clock_age_s is None or abs(clock.clock_age_s) <= self.stale_s:
             return clock
         if watcher.get("state") == "stopped":
             return Liveness(DEAD, BY_STOPPED, clock.clock_age_s, host=clock.host, pid=clock.pid)
@@ -181,6 +182,10 @@ def watch_for(status_path: Path) -> HeartbeatWatch:
     return _WATCHES[path]
 
 
+@overload
+def check(status_path: Path, snapshot: dict) -> tuple[dict, Liveness]: ...
+@overload
+def check(status_path: Path, snapshot: dict | None = None) -> tuple[dict | None, Liveness]: ...
 def check(status_path: Path, snapshot: dict | None = None) -> tuple[dict | None, Liveness]:
     """status.json (the latest read) and its watcher's liveness; while undecided, re-read it for up to
     CONFIRM_S (rule 4). ``snapshot``: status.json as the caller already read it."""

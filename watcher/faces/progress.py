@@ -15,6 +15,7 @@ import stat
 import time
 from collections import deque
 from pathlib import Path
+from typing import cast
 
 from trainq.watcher.spec.contract import HEALTH_DEFAULTS, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_EVENT
 from trainq.watcher.spec.fsutil import open_no_follow
@@ -101,9 +102,10 @@ class LineReader:
 def finite(value: object) -> float | None:
     """A finite number as float; None for anything else (NaN, inf, strings, bools)."""
     # type() rather than isinstance: bool is an int subclass and must not count as a number
-    if type(value) not in (int, float) or not math.isfinite(value):
+    if type(value) not in (int, float):
         return None
-    return float(value)
+    number = float(cast(float, value))
+    return number if math.isfinite(number) else None
 
 
 def whole(value: object) -> int | None:

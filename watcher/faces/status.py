@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import overload
 
 from trainq.watcher.faces.bounds import bounded_entry
 from trainq.watcher.faces.html import CurveStore, render_html
@@ -129,6 +130,10 @@ def select_jobs(
     return (*by_state["running"], *pending, *awaiting, *finished)
 
 
+@overload
+def _plain_copy(value: tuple) -> tuple: ...
+@overload
+def _plain_copy(value: object) -> object: ...
 def _plain_copy(value: object) -> object:
     """Deep copy of JSON-like data (dicts, lists, tuples), cheaper than copy.deepcopy."""
     if isinstance(value, dict):
@@ -138,6 +143,10 @@ def _plain_copy(value: object) -> object:
     return value
 
 
+@overload
+def _json_safe(value: dict) -> dict: ...
+@overload
+def _json_safe(value: object) -> object: ...
 def _json_safe(value: object) -> object:
     """Non-finite floats become null (JSON has no NaN; browsers and jq reject it)."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -13,7 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import read_json
+from trainq.watcher.spec.jobspec import JobSpec
 from trainq.watcher.spec.records import parse_records, read_tail
 
 
@@ -21,9 +24,9 @@ class JobView(Protocol):
     """The parts of the daemon's Job that a sweep entry reads."""
 
     run: dict
-    state: object  # a JobState
-    spec: object  # a JobSpec, or None
-    paths: object  # a JobPaths
+    state: JobState
+    spec: JobSpec | None
+    paths: JobPaths
 
 
 #: how much of metrics.jsonl is read for a finished job's best eval loss when summary.json has none (bytes)
@@ -71,7 +74,8 @@ def best_logged_eval_loss(metrics_path, log_path) -> float | None:
     finite = []
     for value in losses:
         try:
-            number = float(value)  # transformers 5 prints floats as strings
+            # transformers 5 prints floats as strings; None and junk raise and are passed over
+            number = float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             continue
         if math.isfinite(number):

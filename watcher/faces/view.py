@@ -65,7 +65,7 @@ _STATE_STYLE = {
 #: the order rows are drawn in, by state
 _ROW_ORDER = {"running": 0, "pending": 1, "awaiting_approval": 2, "failed": 3, "done": 3}
 #: which rows --follow hides first when the terminal is too short (highest first): done, then pending
-_HIDE_ORDER = {"done": 4, "pending": 3, "awaiting_approval": 2, "failed": 1, "running": 0}
+_HIDE_ORDER: dict[str | None, int] = {"done": 4, "pending": 3, "awaiting_approval": 2, "failed": 1, "running": 0}
 #: ``torch.cuda.OutOfMemoryError: …`` → ``OutOfMemoryError: …`` in the compact table: the words that matter first
 _MODULE_PREFIX = re.compile(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Z]\w*(?:Error|Exception|Warning)\b)")
 _ERRNO = re.compile(r"\[Errno \d+\] ")
@@ -109,11 +109,14 @@ def _age_s(iso: str | None, now: float) -> float | None:
     return None if at is None else max(0.0, now - at)
 
 
+_WATCHER_STATE_STYLE: dict[str | None, str] = {"running": "green", "paused": "yellow"}
+
+
 def _header(snapshot: dict, live: Liveness) -> Text:
     w = snapshot.get("watcher") or {}
     text = Text("trainq ", style="bold", no_wrap=True, overflow="ellipsis")
     text.append(f"{w.get('host')} · pid {w.get('pid')} · ")
-    text.append(str(w.get("state")), style={"running": "green", "paused": "yellow"}.get(w.get("state"), "red"))
+    text.append(str(w.get("state")), style=_WATCHER_STATE_STYLE.get(w.get("state"), "red"))
     _heartbeat(text, live)
     for problem in w.get("problems") or ():
         text.append(f"\n{problem}", style="bold red")
@@ -130,12 +133,12 @@ def _heartbeat(text: Text, live: Liveness) -> None:
             f"\nwatcher not responding: {dead_words(live, format_eta)} — is `trainq watch` running?", style="bold red"
         )
     elif live.verdict == ALIVE and live.how == BY_CLOCK:
-        text.append(f" · heartbeat {format_eta(max(0.0, live.clock_age_s))} ago", style="dim")
+        text.append(f" · heartbeat {format_eta(max(0.0, live.clock_age_s or 0.0))} ago", style="dim")
     elif live.verdict == ALIVE:
         text.append(f" · heartbeat {format_eta(live.changed_ago_s)} ago (seen changing from here)", style="dim")
     elif live.verdict == WATCHING:
         text.append(
-            f" · heartbeat {clock_words(live.clock_age_s, format_eta)} by this machine's clock: "
+            f" · heartbeat {clock_words(live.clock_age_s or 0.0, format_eta)} by this machine's clock: "
             "watching whether it changes",
             style="yellow",
         )
@@ -450,7 +453,7 @@ def render_status(
     filters = filters or Filters()
     live = liveness or by_clock(snapshot.get("watcher") or {}, now)
     head: list[RenderableType] = [_header(snapshot, live), _counts(snapshot), *_ignored(snapshot)]
-    if offset_words(live, format_eta):
+    if offset_words(live, format_eta) and live.offset_s is not None:
         now -= live.offset_s  # started_at, submitted_at, … are the watcher's clock too
     machine = _machine(snapshot)
     rows = _rows(snapshot, filters)

@@ -161,7 +161,7 @@ def resolve_executable(argv0: str, cwd: str, path_env: str | None) -> str | None
 
 def allowed_real_paths(allowed: Sequence[str], path_env: str | None) -> dict[str, str]:
     """Each allowed entry's real path → the entry, resolved on the watcher's PATH (missing ones drop out)."""
-    found = {}
+    found: dict[str, str] = {}
     for entry in allowed:
         real = (
             resolve_executable(entry, "/", path_env)

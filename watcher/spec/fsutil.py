@@ -65,7 +65,7 @@ def _temp_holding(path: str, data: bytes, mode: int) -> tuple[str, int]:
     return tmp, fd
 
 
-def remove_stale_temps(folder: str | os.PathLike, names: tuple[str, ...]) -> int:
+def remove_stale_temps(folder: str | os.PathLike[str], names: tuple[str, ...]) -> int:
     """Remove ``NAME.PID.tmp`` files of ``names`` in ``folder`` whose writer (PID) is gone or is us; how many."""
     removed = 0
     try:

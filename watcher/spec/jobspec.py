@@ -18,6 +18,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import cast
 
 from trainq.watcher.spec.contract import EXIT_CHECKPOINT
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
@@ -377,7 +378,7 @@ def _duration_or_none(data: dict, key: str) -> float | None:
 
 def _job_problems(data: dict) -> list[Problem]:
     """Every problem with a parsed job mapping: foreign values, schema, then cross-field rules."""
-    clean = _scrub_numbers(data, 0)
+    clean = cast(dict, _scrub_numbers(data, 0))  # a mapping in, a mapping out
     problems = foreign_value_problems(clean)
     numbers = [p for p in foreign_value_problems(data) if p not in problems] if clean is not data else []
     if problems:
@@ -529,9 +530,7 @@ def _control_problems(data: dict) -> list[Problem]:
 def control_problems(strings: list[tuple[str, object]], allowed: str = "") -> list[Problem]:
     """A Problem for each (field, value) whose string value holds a control character not in ``allowed``."""
     return [
-        Problem(path, _control_at(value, allowed))
-        for path, value in strings
-        if isinstance(value, str) and _control_at(value, allowed)
+        Problem(path, why) for path, value in strings if isinstance(value, str) and (why := _control_at(value, allowed))
     ]
 
 

@@ -178,15 +178,14 @@ def _key_problems(data: dict, key: str, used: set[str]) -> list[Problem]:
             )
         ]
     values = (data.get("sweep") or {}).get(key)
-    not_text = [
-        i for i, v in enumerate(values if isinstance(values, list) else []) if v is None or isinstance(v, (list, dict))
-    ]
+    items: list = values if isinstance(values, list) else []
+    not_text = [i for i, v in enumerate(items) if v is None or isinstance(v, (list, dict))]
     if not_text:
         return [
             Problem(
                 f"sweep.{key}[{i}]",
                 "a placeholder's value is text, a number or true/false "
-                f"(got {'null' if values[i] is None else 'a list' if isinstance(values[i], list) else 'a mapping'})",
+                f"(got {'null' if items[i] is None else 'a list' if isinstance(items[i], list) else 'a mapping'})",
             )
             for i in not_text
         ]

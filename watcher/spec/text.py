@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import overload
 
 #: C0 controls, DEL and C1 controls (ESC starts terminal escapes; CR and LF start forged log lines)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -18,6 +19,10 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
+@overload
+def printable_tree(value: dict) -> dict: ...
+@overload
+def printable_tree(value: object) -> object: ...
 def printable_tree(value: object) -> object:
     """Every string in a JSON-like tree (keys too) made ``printable``."""
     if isinstance(value, str):

@@ -47,7 +47,13 @@ def record_removal(
     if path.exists():
         return
     path.parent.mkdir(exist_ok=True)
-    record = {"id": job_id, "state": state, "status": status, "removed_at": iso_utc(now or time.time()), "by": by}
+    record: dict[str, object] = {
+        "id": job_id,
+        "state": state,
+        "status": status,
+        "removed_at": iso_utc(now or time.time()),
+        "by": by,
+    }
     if sweep:
         record["sweep"] = {k: sweep.get(k) for k in ("id", "index", "of")}
     atomic_write_json(path, record, durable=False)
@@ -145,8 +151,10 @@ def settle_known_ids(root: Path, present: set[str], now: float | None = None) ->
             known[job_id] = status or None
     gone = sorted(job_id for job_id in known.keys() - present if read_tombstone(root, job_id) is None)
     for job_id in gone:
-        status = known[job_id]
-        record_removal(root, job_id, status or "unknown", status, by="found gone when a watcher started", now=now)
+        last_status = known[job_id]
+        record_removal(
+            root, job_id, last_status or "unknown", last_status, by="found gone when a watcher started", now=now
+        )
     kept = "".join(job_id + (f"\t{known[job_id]}" if known.get(job_id) else "") + "\n" for job_id in sorted(present))
     try:
         tmp = path.with_name(f".{KNOWN_IDS}.tmp")

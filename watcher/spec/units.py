@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timezone
+from typing import overload
 
 # fullmatch on the stripped text: one \s* run between number and unit, so a failed match backtracks
 # over it once (linear); the old ``\s*(unit)?\s*$`` tried every split of a run of spaces (quadratic)
@@ -58,6 +59,10 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+@overload
+def iso_utc(ts: float) -> str: ...
+@overload
+def iso_utc(ts: float | None) -> str | None: ...
 def iso_utc(ts: float | None) -> str | None:
     """Unix time → ISO-8601 UTC with millisecond precision and a ``Z``; None stays None."""
     if ts is None:

@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TypeGuard
 
 from trainq.watcher.spec.errors import Problem
 from trainq.watcher.spec.units import iso_utc, parse_duration_s
@@ -231,7 +232,7 @@ def _clock(ts: float) -> str:
     return (iso_utc(ts) or "")[11:16] + " UTC"
 
 
-def _finite(value: object) -> bool:
+def _finite(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

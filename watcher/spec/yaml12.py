@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import yaml
+from yaml.constructor import SafeConstructor
 
 try:  # the C parser is ~10x faster; resolution stays in Python either way
     from yaml import CSafeLoader as _BaseLoader
@@ -18,7 +19,7 @@ except ImportError:  # pragma: no cover - PyYAML built without libyaml
     from yaml import SafeLoader as _BaseLoader  # type: ignore[assignment]
 
 
-class Yaml12Loader(_BaseLoader):  # type: ignore[misc, valid-type]
+class Yaml12Loader(_BaseLoader):
     """Safe loader resolving plain scalars by the YAML 1.2 core schema."""
 
 
@@ -37,7 +38,7 @@ for _tag, _pattern, _first in _RESOLVERS:
     Yaml12Loader.add_implicit_resolver(_tag, re.compile(_pattern), _first)
 
 
-def _construct_bool(loader: yaml.SafeLoader, node: yaml.Node) -> bool:
+def _construct_bool(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool:
     return loader.construct_scalar(node).lower() == "true"
 
 
@@ -54,7 +55,7 @@ class HugeInt(str):
         return sum(ch.isalnum() for ch in self) - (2 if self.lstrip("+-").startswith(("0o", "0x")) else 0)
 
 
-def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int | HugeInt:
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int | HugeInt:
     text = loader.construct_scalar(node)
     body = text.lstrip("+-")
     if len(body) > MAX_INT_DIGITS + (2 if body.startswith(("0o", "0x")) else 0):
@@ -64,7 +65,7 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int | HugeInt:
     return int(text, 10)
 
 
-def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+def _construct_mapping(loader: SafeConstructor, node: yaml.MappingNode, deep: bool = False) -> dict:
     """Like PyYAML's, but a key written twice is an error naming the key and both lines (PyYAML keeps the last)."""
     seen: dict[object, int] = {}
     for key_node, _ in node.value:
@@ -85,7 +86,8 @@ def _key_text(key: object) -> str:
 
 Yaml12Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
 Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
-Yaml12Loader.construct_mapping = _construct_mapping  # type: ignore[method-assign]
+# replacing PyYAML's method on our own subclass (the stub types it as bound, so a plain function never matches)
+Yaml12Loader.construct_mapping = _construct_mapping  # type: ignore[method-assign, assignment]
 
 
 class YamlError(ValueError):

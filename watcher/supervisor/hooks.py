@@ -135,7 +135,7 @@ def run_hook(job_dir: Path, timeout_s: float = HOOK_TIMEOUT_S) -> int:
         spec = load_job_file(paths.spec)
     except (InvalidJobSpec, OSError):
         return 0
-    if not hook_due(paths, spec, run.get("status")):
+    if spec.on_finish is None or not hook_due(paths, spec, run.get("status")):
         return 0
     containment = cgroups.detect()
     group = containment.group_for(paths.dir, "hook")

@@ -242,7 +242,9 @@ def _job_group(started: dict) -> int | None:
 def _has_job_dir(proc: psutil.Process, job_dirs: set[str]) -> bool:
     """True when the process's environment names one of ``job_dirs`` as TRAINQ_JOB_DIR."""
     value = proc.environ().get(ENV_JOB_DIR)
-    return bool(value) and (os.path.normpath(value) in job_dirs or os.path.realpath(value) in job_dirs)
+    if not value:
+        return False
+    return os.path.normpath(value) in job_dirs or os.path.realpath(value) in job_dirs
 
 
 def _in_job_group(proc: psutil.Process, group: int, pgid: int | None, born: float | None) -> bool:
@@ -274,7 +276,7 @@ def _children_of(pid: int) -> list[int]:
         tids = os.listdir(f"/proc/{pid}/task")
     except (FileNotFoundError, ProcessLookupError):
         return []
-    kids = []
+    kids: list[int] = []
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import gc
 import json
 import logging
@@ -332,7 +333,7 @@ def _child_main(
     code = EXIT_SUPERVISOR_ERROR
     log_fd = 2
     try:
-        lock_fd, notify_fd = _detach(lock_fd, notify_fd)
+        lock_fd, notify_fd = _detach(lock_fd, notify_fd)  # type: ignore[assignment]  # an int stays an int
         log_fd = _open_log(spec)
         _supervise(spec, log_fd, prctl, lambda: _end_attempt(lock_fd, notify_fd), containment)
         code = 0
@@ -360,7 +361,7 @@ def _warm_main(
     code = EXIT_SUPERVISOR_ERROR
     log_fd = 2
     try:
-        requests, replies, notify_fd = _detach(requests, replies, notify_fd)
+        requests, replies, notify_fd = _detach(requests, replies, notify_fd)  # type: ignore[assignment]  # ints stay ints
         gc.freeze()  # what we inherited is never collected (it may name fds we closed); our own garbage is
         gc.enable()
         for _ in range(POOLED_MAX_ATTEMPTS):
@@ -368,9 +369,7 @@ def _warm_main(
             if taken is None:
                 break
             spec, lock_fd, log_fd = taken
-            record = _supervise(
-                spec, log_fd, prctl, lambda lock_fd=lock_fd: _end_attempt(lock_fd, notify_fd), containment
-            )
+            record = _supervise(spec, log_fd, prctl, functools.partial(_end_attempt, lock_fd, notify_fd), containment)
             log_fd = _quiet_stdio()
             if record.get("stop_reason") == "sigterm" or not _reply_quietly(replies, {"idle": os.getpid()}):
                 break  # we were told to stop, or nobody will send another job

@@ -28,6 +28,7 @@ import tarfile
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import IO, Any, cast
 
 from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json
 
@@ -83,7 +84,8 @@ class SnapshotRequest:
     @classmethod
     def from_dict(cls, d: dict) -> SnapshotRequest:
         tuples = ("named", "sources", "models", "gpus", "job_env")
-        return cls(**{k: tuple(v) if k in tuples else v for k, v in d.items()})
+        fields: dict[str, Any] = {k: tuple(v) if k in tuples else v for k, v in d.items()}
+        return cls(**fields)
 
 
 def redact(env: dict[str, str]) -> dict[str, str]:
@@ -123,9 +125,10 @@ def take(request: SnapshotRequest, job_dir: str, attempt: int, env: dict[str, st
 
 def code_record(request: SnapshotRequest, out: Path) -> dict:
     """code.json's content (and code.diff / untracked.tar or files.tar beside it)."""
-    top = git_top(request.code_dir) if request.code_dir else None
-    if top is not None:
-        return _git_record(top, Path(request.code_dir), out)
+    code_dir = request.code_dir
+    top = git_top(code_dir) if code_dir else None
+    if code_dir and top is not None:
+        return _git_record(top, Path(code_dir), out)
     files = [r for p in request.named for r in source_records(p, [])]
     archived = _archive(out / "files.tar", [(Path(f["path"]), f["path"].lstrip("/")) for f in files])
     return {"root": request.code_dir, "files": files, "archive": archived}
@@ -156,7 +159,7 @@ def _git_record(top: Path, code_dir: Path, out: Path) -> dict:
         git["diff_bytes"] = len(diff)
     if too_large:
         git["diff_left_out"] = f"larger than {MAX_DIFF_BYTES} bytes"
-    record = {"git": git, "root": str(top), "cwd": os.path.relpath(code_dir.resolve(), top)}
+    record: dict[str, object] = {"git": git, "root": str(top), "cwd": os.path.relpath(code_dir.resolve(), top)}
     record["archive"] = _archive(out / "untracked.tar", [(top / p, p) for p in untracked])
     return record
 
@@ -193,7 +196,7 @@ def _git_diff(top: Path) -> tuple[bytes, bool]:
     except OSError:
         return b"", False
     with proc:
-        data = proc.stdout.read(MAX_DIFF_BYTES + 1)
+        data = cast(IO[bytes], proc.stdout).read(MAX_DIFF_BYTES + 1)  # a pipe (stdout=PIPE), never None
         if len(data) > MAX_DIFF_BYTES:
             proc.kill()
             return b"", True

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO, cast
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
@@ -50,6 +51,10 @@ class SpawnerGone(Exception):
 
 class Spawner:
     """The watcher's end: start the helper, ask it to launch, collect its exit notices."""
+
+    #: the helper's stdin and stdout, set by ``start`` (pipes, so never None as Popen's Optional types allow)
+    _to_helper: IO[bytes]
+    _from_helper: IO[bytes]
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
@@ -76,7 +81,8 @@ class Spawner:
         finally:
             os.close(notify)
         self._notices = notices
-        os.set_blocking(self._proc.stdout.fileno(), False)
+        self._to_helper, self._from_helper = cast(IO[bytes], self._proc.stdin), cast(IO[bytes], self._proc.stdout)
+        os.set_blocking(self._from_helper.fileno(), False)
 
     @property
     def is_running(self) -> bool:
@@ -84,7 +90,7 @@ class Spawner:
 
     def filenos(self) -> list[int]:
         """The fds to select on: readable when the helper has news or a supervisor wrote its exit record."""
-        fds = [self._proc.stdout.fileno()] if self.is_running else []
+        fds = [self._from_helper.fileno()] if self.is_running else []
         return fds + ([self._notices] if self._notices is not None else [])
 
     def launch(self, spec: LaunchSpec) -> int:
@@ -92,7 +98,7 @@ class Spawner:
         if not self.is_running:
             raise SpawnerGone("the spawner helper is not running")
         try:
-            self._proc.stdin.write(json.dumps({"spec": spec.to_dict()}).encode() + b"\n")
+            self._to_helper.write(json.dumps({"spec": spec.to_dict()}).encode() + b"\n")
         except (BrokenPipeError, OSError) as exc:
             raise SpawnerGone(f"cannot write to the spawner helper: {exc}") from None
         reply = self._next_reply(time.monotonic() + REPLY_TIMEOUT_S)
@@ -110,12 +116,12 @@ class Spawner:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.is_running:
                 raise SpawnerGone("the spawner helper did not answer")
-            select.select([self._proc.stdout], [], [], min(remaining, 0.5))
+            select.select([self._from_helper], [], [], min(remaining, 0.5))
 
     def _read_messages(self) -> None:
         """Read what the helper wrote: exit notices to ``_exited``, launch answers to ``_replies``."""
         try:
-            chunk = self._proc.stdout.read(65536)
+            chunk = self._from_helper.read(65536)
         except (BlockingIOError, ValueError):
             chunk = None
         if chunk:
@@ -148,12 +154,12 @@ class Spawner:
         if self._proc is None:
             return
         try:
-            self._proc.stdin.close()
+            self._to_helper.close()
             self._proc.wait(timeout=2)
         except (OSError, subprocess.TimeoutExpired):
             self._proc.kill()
             self._proc.wait()
-        self._proc.stdout.close()
+        self._from_helper.close()
         self._proc = None
 
 
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears SIGCHLD
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the watcher; it closes our stdin
-    stdin, out = sys.stdin.buffer.raw, sys.stdout.buffer
+    stdin, out = sys.stdin.fileno(), sys.stdout.buffer  # stdin read unbuffered, straight from its fd
     pending = b""
     while True:
         readable, _, _ = select.select([stdin, wake_r, *supervisor.wait_fds()], [], [], 1.0)
@@ -244,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         for pid in supervisor.reap():
             _send(out, {"exited": pid})
         if stdin in readable:
-            chunk = os.read(stdin.fileno(), 65536)
+            chunk = os.read(stdin, 65536)
             if not chunk:
                 return 0
             pending += chunk

@@ -63,7 +63,9 @@ def capture(job_dir: Path, pids: list[int], why: str) -> dict:
     now = time.time()
     name = iso_utc(now).replace(":", "-") + ".txt"
     exe = py_spy()
-    texts, frames, errors = [], [], []
+    texts: list[str] = []
+    frames: list[str] = []
+    errors: list[str] = []
     for pid in pids:
         if exe is None:
             errors.append("py-spy is not installed (pip install py-spy, part of the train extra): no stack recorded")
