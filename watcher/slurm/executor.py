@@ -306,7 +306,7 @@ class SlurmExecutor(Submitting, Polling, Liveness):
         """Nothing of the attempt runs on this machine; a batch job Slurm still holds is cancelled."""
         slurm_id = self._slurm_id(paths, attempt)
         job = self._jobs.get(slurm_id) if slurm_id else None
-        if job is not None and job.is_live:
+        if job is not None and slurm_id is not None and job.is_live:
             self._scancel(slurm_id, paths)
         return 0
 
@@ -336,7 +336,13 @@ class SlurmExecutor(Submitting, Polling, Liveness):
         """scancel a stopped job at once while Slurm still queues it, else after grace + kill_after + a margin."""
         slurm_id = self._slurm_id(paths, attempt)
         job = self._state(slurm_id) if slurm_id else None
-        if job is None or not job.is_live or slurm_id in self._cancelled or slurm_id in self._to_cancel:
+        if (
+            job is None
+            or slurm_id is None
+            or not job.is_live
+            or slurm_id in self._cancelled
+            or slurm_id in self._to_cancel
+        ):
             return
         # the last poll may be older than the job's start (polls space out while nothing changes)
         queued = job.state in QUEUED_STATES and (read_json(paths.started) or {}).get("attempt") != attempt.get("n")

@@ -24,7 +24,9 @@ from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import lock_state
 
 if TYPE_CHECKING:
-    pass
+    from trainq.watcher.slurm.parts import SlurmParts
+else:
+    SlurmParts = object  # the parts' shared attributes, declared for the type checker only (parts.py)
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 EXIT_READS_PER_S = 50.0
 
 
-class Liveness:
+class Liveness(SlurmParts):
     """How SlurmExecutor tells a live attempt from a dead one, and writes the exit record Slurm's end left out (a mixin)."""
 
     def _final(self, record: dict, slurm_id: str) -> dict:
@@ -67,7 +69,13 @@ class Liveness:
         """
         slurm_id = None if self._submitting(paths) else self._slurm_id(paths, attempt)
         job = self._jobs.get(slurm_id) if slurm_id else None
-        if job is None or job.state != "RUNNING" or slurm_id in self._node_lost or slurm_id in self._cancelled:
+        if (
+            job is None
+            or slurm_id is None
+            or job.state != "RUNNING"
+            or slurm_id in self._node_lost
+            or slurm_id in self._cancelled
+        ):
             return None
         quiet_s = self._heartbeat_quiet_s(paths, slurm_id)
         if quiet_s < self.heartbeat_stale_s:

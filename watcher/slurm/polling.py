@@ -38,7 +38,9 @@ from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.spec.units import iso_utc
 
 if TYPE_CHECKING:
-    pass
+    from trainq.watcher.slurm.parts import SlurmParts
+else:
+    SlurmParts = object  # the parts' shared attributes, declared for the type checker only (parts.py)
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ ACCOUNTING_TIMEOUT_S = 5.0
 UNCONFIRMED_POLLS = 2
 
 
-class Polling:
+class Polling(SlurmParts):
     """How SlurmExecutor polls: one squeue -j per interval, backed off; what an answer says of each job (a mixin)."""
 
     # -- the cached squeue -----------------------------------------------------------------------

@@ -60,7 +60,7 @@ class Submitter:
     def take(self, limit: int | None = None) -> list[tuple[str, Answer]]:
         """The answers in since the last call (at most ``limit``), in submission order. While answers remain, the
         wake fd stays readable, so the loop comes back for them at once."""
-        answers = []
+        answers: list[tuple[str, Answer]] = []
         while self._done and (limit is None or len(answers) < limit):
             answers.append(self._done.popleft())
         with self._lock:

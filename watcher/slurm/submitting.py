@@ -58,7 +58,9 @@ from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import LaunchSpec
 
 if TYPE_CHECKING:
-    pass
+    from trainq.watcher.slurm.parts import SlurmParts
+else:
+    SlurmParts = object  # the parts' shared attributes, declared for the type checker only (parts.py)
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ logger = logging.getLogger(__name__)
 ANSWERS_BUDGET_S = 0.3
 
 
-class Submitting:
+class Submitting(SlurmParts):
     """How SlurmExecutor submits: sbatch options, the hand-over to the worker, each answer, scancel (a mixin: the state lives in SlurmExecutor.__init__)."""
 
     # -- submitting ------------------------------------------------------------------------------
@@ -148,7 +150,8 @@ class Submitting:
     def _hand_over(self, sub: Inflight) -> None:
         key = str(sub.paths.dir)
         self._inflight[key] = sub
-        for member in sub.members or [sub]:
+        members: list[Held] | list[Inflight] = sub.members or [sub]  # a sweep's array, or the one job
+        for member in members:
             self._inflight_dirs[str(member.paths.dir)] = key
         self._submitter.submit(key, sub.argv)
 
@@ -196,13 +199,15 @@ class Submitting:
                 self._answers += self._confirm_submission(sub, slurm_id)
 
     def _settle(self, sub: Inflight) -> None:
-        for member in sub.members or [sub]:
+        members: list[Held] | list[Inflight] = sub.members or [sub]  # a sweep's array, or the one job
+        for member in members:
             self._inflight_dirs.pop(str(member.paths.dir), None)
 
     def _refused(self, sub: Inflight, error: Exception) -> None:
         """sbatch said no (for now, or for good): slurm.json says so, so the tag is never looked for; the job
         stays "being submitted" until ``flush`` hands the error to the daemon."""
-        for member in sub.members or [sub]:
+        members: list[Held] | list[Inflight] = sub.members or [sub]  # a sweep's array, or the one job
+        for member in members:
             record = read_json(member.paths.slurm_record) or {}
             try:
                 atomic_write_json(member.paths.slurm_record, {**record, "refused": str(error)})
@@ -239,7 +244,8 @@ class Submitting:
             )
         else:
             logger.warning("job %s: %s; looking for tag %s before submitting again", sub.paths.dir.name, why, sub.tag)
-        for member in sub.members or [None]:
+        held: list[Held] | list[None] = sub.members or [None]
+        for member in held:
             paths = member.paths if member else sub.paths
             self._unconfirmed[str(paths.dir)] = Unconfirmed(
                 paths, sub.attempt, sub.tag, sub.argv, index=member.index if member else None
