@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -30,6 +31,10 @@ from trainq.trainer.plateau import PLATEAU_STEPS, PlateauWatch
 from trainq.trainer.resume_knobs import apply_to_optimizer
 from trainq.watcher.spec.contract import CKPT_BEST, CKPT_LATEST, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_STEP
 from trainq.watcher.spec.fsutil import atomic_write_json, touch
+
+if TYPE_CHECKING:
+    from trainq.trainer.packing import PackingDecision
+    from trainq.trainer.plotter import LossPlotter
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +79,12 @@ class RunState:
     resumed_lr: float | None = None  # the lr the resumed checkpoint's optimizer and scheduler were built with
     last_checkpoint: Path | None = None
     trainer: object | None = None  # the current segment's Trainer (an OOM leaves it behind for the summary)
-    packing: object | None = None  # packing.PackingDecision, made once per process
+    packing: PackingDecision | None = None  # made once per process
     tokens_before: int = 0  # tokens of earlier attempts (from the resumed checkpoint)
     resumed_step: int = 0
     resumed_from: Path | None = None  # the step-N folder this attempt resumed from
     data_files: tuple = ()
-    plotter: object | None = None  # plotter.LossPlotter, warmed up while training runs
+    plotter: LossPlotter | None = None  # warmed up while training runs
     step_vitals: dict = field(default_factory=dict)  # this step's clip and update_ratio (vitals.py)
     started_mono: float = field(default_factory=time.monotonic)  # for train.max_minutes_per_attempt
     world: World = field(default_factory=World)  # this rank among the job's ranks (distributed.py)
@@ -258,7 +263,8 @@ class TrainqCallback(TrainerCallback):
     def __init__(self, run: RunState, has_eval: bool):
         self.run = run
         self.has_eval = has_eval
-        self.trainer: TrainqTrainer | None = None
+        # set by run.py right after the Trainer is built, before any hook runs
+        self.trainer: TrainqTrainer = None  # type: ignore[assignment]
         self.step_started = time.perf_counter()
         self.last_save = time.monotonic()
         self.step_nonfinite = False

@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from jsonschema import Draft202012Validator
 
@@ -156,7 +157,7 @@ class TrainConfig:
             lora["target_modules"] = tuple(lora["target_modules"])
         return cls(lora=LoraConfig(**lora), checkpoint=CheckpointConfig(**values.pop("checkpoint")), **values)
 
-    def with_changes(self, **changes: object) -> TrainConfig:
+    def with_changes(self, **changes: Any) -> TrainConfig:
         """A copy with some knobs changed (preset, OOM ladder)."""
         lora_r = changes.pop("lora_r", None)
         new = replace(self, **changes)
@@ -274,12 +275,12 @@ def _check_paths(config: TrainConfig, spec: str) -> None:
             raise ConfigError(f"{spec}: {field_name}: {path} does not exist")
     if config.eval_file is not None and not Path(config.eval_file).is_file():
         raise ConfigError(f"{spec}: train.data.eval: {config.eval_file} does not exist")
-    for field_name, path in (
+    for knob, file in (
         ("train.chat_template", config.chat_template),
         ("train.eval_samples.prompts", config.eval_samples_prompts),
     ):
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"{spec}: {field_name}: {path} does not exist")
+        if file is not None and not Path(file).is_file():
+            raise ConfigError(f"{spec}: {knob}: {file} does not exist")
     if config.init_from is not None and not Path(config.init_from).is_dir():
         raise ConfigError(
             f"{spec}: train.init_from: {config.init_from} is not a folder; give a peft adapter folder or an "

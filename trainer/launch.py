@@ -10,12 +10,14 @@ exit code or signal and its last line, as one log line and one metrics event the
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from trainq.trainer.config import load_config
 from trainq.trainer.distributed import World, check_strategy, processes_per_node, visible_gpus
@@ -136,7 +138,9 @@ def launch(plan: Plan, job_dir: Path, trainer_argv: list[str]) -> int:
     os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_PREFIX_TEMPLATE
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True)  # torchrun copies the ranks' lines into output.log as they come
+        cast(io.TextIOWrapper, stream).reconfigure(
+            line_buffering=True
+        )  # torchrun copies the ranks' lines into output.log as they come
     print(
         f"trainq: starting {plan.processes} ranks on node {plan.node_rank} of {plan.nodes} under torchrun "
         f"(world size {plan.world_size}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})",
@@ -182,15 +186,15 @@ def _honour_shutdown_timeout() -> None:
     def close(self, death_sig=None, timeout: int = SHUTDOWN_TIMEOUT_S) -> None:
         original(self, death_sig, min(timeout, limit_s))
 
-    close.trainq_capped = True
+    close.trainq_capped = True  # type: ignore[attr-defined]  # a mark on the function: capped once
     PContext.close = close
 
 
-def _root_cause(failures: dict) -> tuple[int, object]:
+def _root_cause(failures: dict) -> tuple[int, Any]:
     """The failure that explains the others: a rank killed by a signal, then one with a trainer exit code,
     then the earliest; a rank that merely lost its peer (exit 1) is a consequence."""
 
-    def weight(item: tuple[int, object]) -> tuple:
+    def weight(item: tuple[int, Any]) -> tuple:
         rank, failure = item
         code = failure.exitcode
         return (0 if code < 0 else 1 if code in _TRAINER_CODES else 2, failure.timestamp, rank)
@@ -209,7 +213,7 @@ def last_line(log_dir: Path, local_rank: int) -> str | None:
     return None
 
 
-def describe(rank: int, failure: object, line: str | None, timed_out: str | None = None) -> tuple[str, str]:
+def describe(rank: int, failure: Any, line: str | None, timed_out: str | None = None) -> tuple[str, str]:
     """(diagnosis kind, evidence) of a failed rank; ``timed_out``: another rank's line saying it gave up waiting."""
     code = failure.exitcode
     said = f"; its last line: [rank {rank}] {line}" if line else ""

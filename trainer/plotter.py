@@ -52,6 +52,7 @@ class LossPlotter:
 
     def wait(self) -> None:
         """Until the requested picture is there; drawn in this process when the helper was not ready or failed."""
+        assert self.pending is not None, "wait() without a request()"
         metrics_path, out, title = self.pending
         if not self.sent and self.proc is not None and self.is_ready():  # it got ready meanwhile
             self.sent = self._send(metrics_path, out, title)

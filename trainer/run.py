@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PrinterCallback, TrainingArguments
@@ -48,6 +49,10 @@ from trainq.watcher.spec.contract import (
     JobPaths,
 )
 from trainq.watcher.spec.units import iso_utc
+
+if TYPE_CHECKING:
+    from trainq.trainer.data import TokenizedDataset
+    from trainq.trainer.dpo import PreferenceRows
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +232,7 @@ def total_steps(config: TrainConfig, train_rows: int, world_size: int = 1) -> in
     each of ``world_size`` ranks takes its own batch per micro-step)."""
     if config.max_steps:
         return config.max_steps
+    assert config.epochs is not None, "the schema asks for exactly one of max_steps and epochs"
     batches = math.ceil(train_rows / (config.batch_size * world_size))
     return max(math.ceil(config.epochs * math.ceil(batches / config.grad_accum)), 1)
 
@@ -247,7 +253,7 @@ def training_args(
     length = {"max_steps": config.max_steps} if config.max_steps else {"num_train_epochs": config.epochs}
     world = distributed.World.from_env()
     warmup_steps = math.ceil(config.warmup_ratio * total_steps(config, train_rows, world.world_size))
-    reporting = {"report_to": list(config.report_to) or "none", "logging_strategy": "no"}
+    reporting: dict[str, object] = {"report_to": list(config.report_to) or "none", "logging_strategy": "no"}
     optimizer = {"optim": config.optim} if config.optim else {}  # unset: the Trainer's own default
     if config.report_to:
         reporting.update(logging_strategy="steps", logging_steps=config.log_every)
@@ -559,7 +565,7 @@ def settle_config(config: TrainConfig, inv: Invocation, metrics: MetricsWriter, 
     saved = checkpoints.read_state(resume) if resume else None
     config, preset_info = (pin_to_checkpoint(config, saved["config"]), None) if saved else apply_preset(config, metrics)
     config, laddered = apply_ladder(config, inv, metrics)
-    if saved:
+    if saved and resume is not None:  # a saved state comes only from a resume folder
         config = distributed.keep_global_batch(config, saved, world_size, resume)
         check_schedule(config, saved["config"], laddered, resume)
         check_resume_knobs(config, saved["config"], resume)
@@ -599,6 +605,8 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     cache_dir = inv.job_dir / ".cache" / "tokenized" if config.data_cache else None
     if not world.is_main:
         distributed.barrier(world)  # rank 0 tokenizes (and fills the cache) first; the others then read it
+    train_set: TokenizedDataset | PreferenceRows
+    eval_set: TokenizedDataset | PreferenceRows | None
     if config.method == "dpo":
         from trainq.trainer.dpo import datasets_for
 

@@ -14,6 +14,7 @@ import os
 import pickle
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from trainq.trainer.checkpoints import sha256_file
 from trainq.trainer.data import (
@@ -187,8 +188,16 @@ def tokenize_cached(
     return train_set, eval_set, False
 
 
+class EncodedRows(Protocol):
+    """A split as tokenizing left it: TokenizedDataset, or dpo's PreferenceRows."""
+
+    bad: list[BadRow]
+
+    def __len__(self) -> int: ...
+
+
 def check_encoded(
-    data: LoadedData, train_set: TokenizedDataset, eval_set: TokenizedDataset | None, max_bad_rows: float
+    data: LoadedData, train_set: EncodedRows, eval_set: EncodedRows | None, max_bad_rows: float
 ) -> list[BadRow]:
     """Gate the rows tokenizing rejected (with each file's parse errors) on ``max_bad_rows``, and refuse a training
     set that filtering emptied, with the count of each reason; returns the newly rejected rows."""

@@ -45,7 +45,8 @@ class UpdateRatio:
     """‖θ_after − θ_before‖ / ‖θ_after‖ over the trained parameters (or a fixed sample of them)."""
 
     def __init__(self, params: list[torch.nn.Parameter], max_values: int = RATIO_MAX_VALUES):
-        chosen, total = [], 0
+        chosen: list[torch.nn.Parameter] = []
+        total = 0
         for p in params:
             if total + p.numel() > max_values and chosen:
                 continue

@@ -10,6 +10,7 @@ import importlib
 import math
 import os
 import sys
+from typing import Any
 
 from trainq.trainer.integrations.link import TrainqLink
 
@@ -29,7 +30,7 @@ def _lightning():
     raise ImportError("TrainqLightningCallback needs Lightning: pip install lightning (or pytorch-lightning)")
 
 
-def _number(value: object) -> float | None:
+def _number(value: Any) -> float | None:
     """A tensor or number as a finite float, else None."""
     try:
         number = float(value.item() if hasattr(value, "item") else value)
@@ -120,7 +121,7 @@ def _epoch(trainer, batch_idx: int) -> float | None:
 def _build():
     base = _lightning().Callback
 
-    class TrainqLightningCallback(_Hooks, base):
+    class TrainqLightningCallback(_Hooks, base):  # type: ignore[misc, valid-type]  # Lightning's Callback, found at run time
         """Step, eval and checkpoint records to $TRAINQ_METRICS; on stop.flag (or SIGTERM), save and stop.
 
         ``L.Trainer(..., callbacks=[TrainqLightningCallback()])``; resume with ``trainer.fit(model,

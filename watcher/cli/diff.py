@@ -10,6 +10,7 @@ run.json's attempts).
 from __future__ import annotations
 
 import json
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
@@ -137,7 +138,7 @@ def _flat(value: object, prefix: str = "") -> dict:
     return {prefix: value}
 
 
-def _differing(fa: dict, fb: dict, skip: set[str] = frozenset()) -> list:
+def _differing(fa: dict, fb: dict, skip: AbstractSet[str] = frozenset()) -> list:
     keys = dict.fromkeys([*fa, *fb])
     return [(k, fa.get(k), fb.get(k)) for k in keys if k.split(".")[0] not in skip and fa.get(k) != fb.get(k)]
 

@@ -127,8 +127,9 @@ def claimed_id(
             job_id = _job_with_inode(root, base, ino)
             if job_id is not None:
                 found = find_job(root, job_id, by_name=False)
-                rejected = found is not None and found.run.get("status") == "rejected"
-                return f"job {job_id}" + (f" (rejected: {found.run.get('error')})" if rejected else "")
+                if found is not None and found.run.get("status") == "rejected":
+                    return f"job {job_id} (rejected: {found.run.get('error')})"
+                return f"job {job_id}"
             # a sweep file becomes new files ID-1 … ID-N, none with our inode: a sweep not there before is ours
             new_sweeps = () if sweeps_before is None else sweeps_of(root, base).items() - sweeps_before.items()
             if new_sweeps:

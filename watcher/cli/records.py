@@ -104,11 +104,12 @@ def cmd_diff(root: Path, a: str, b: str, as_json: bool) -> int:
     from trainq.watcher.cli.diff import compare, describe, render
     from trainq.watcher.spec.text import printable
 
-    dirs = [_job_dir(root, a), _job_dir(root, b)]
-    for job_id, job_dir in zip((a, b), dirs, strict=False):
-        if job_dir is None:
-            return _no_job(root, job_id)
-    da, db = describe(dirs[0]), describe(dirs[1])
+    dir_a, dir_b = _job_dir(root, a), _job_dir(root, b)
+    if dir_a is None:
+        return _no_job(root, a)
+    if dir_b is None:
+        return _no_job(root, b)
+    da, db = describe(dir_a), describe(dir_b)
     sections = compare(da, db)
     if as_json:
         print(json.dumps({"a": da, "b": db, "differ": sections}, indent=1, ensure_ascii=False, default=str))

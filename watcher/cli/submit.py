@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import cast
 
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.jobspec import read_spec_text
@@ -47,7 +48,7 @@ def debug_text(text: str, display: str) -> str:
                 )
             ],
         )
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    root = cast(yaml.MappingNode, yaml.compose(text, Loader=yaml.SafeLoader))  # a valid job file: a mapping
     train = next(v for k, v in root.value if k.value == "train")
     existing = next((v for k, v in train.value if k.value == "debug"), None)
     if existing is not None:

@@ -144,7 +144,7 @@ def _running(root: Path, found: Found, now: float) -> list[str]:
     words = f"job {found.job_id}: {run.get('status', 'running')} (running/{found.job_id}), attempt {run.get('attempt')}"
     lines = [words + (f", started {_ago(now - started)} ago" if started else "")]
     status = read_json(root / "status.json") or {}
-    entry = next((j for j in status.get("jobs") or () if j.get("id") == found.job_id), {})
+    entry: dict = next((j for j in status.get("jobs") or () if j.get("id") == found.job_id), {})
     if attempt.get("pid"):
         lines.append(
             f"  supervisor pid {attempt['pid']}, gpus {run.get('gpus') or 'none'}, health {entry.get('health')}"

@@ -156,10 +156,11 @@ class ServeApp:
             while True:
                 if follower.moved:
                     follower.moved = False
-                    place = find_job(self.root, place.job_id)
-                    if place is None:
+                    moved_to = find_job(self.root, place.job_id)
+                    if moved_to is None:
                         yield sse(json.dumps({"id": follower.job_id, "state": None, "status": "removed"}), "end")
                         return
+                    place = moved_to
                 follower.watch(place.paths.dir)
                 ended = place.ended  # read before the file: once ended, nothing writes to it any more
                 data, events, used = self._read(place, file_of, split, offset, ended)
@@ -190,6 +191,7 @@ class ServeApp:
     def _read(self, place: JobPlace, file_of, split, offset: int, ended: bool) -> tuple[bytes, str, int]:
         """Bytes from ``offset``, their events and the bytes they used; one read serves every stream of the
         job waiting at the same offset, until a job folder reports another change."""
+        assert self.watch is not None  # streams run only once start() made it
         path = file_of(place.paths)
         key = (str(path), offset, ended, split, self.watch.generation)
         if key in self._reads:

@@ -16,6 +16,7 @@ import json
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ RING = 4096
 #: changes a slow client may have queued before its stream is closed (it reconnects and catches up)
 CLIENT_QUEUE = 2048
 #: the order jobs pass through the state folders (a retry goes back to pending/)
-_RANK = {"pending": 0, "running": 1, "done": 2, "failed": 2}
+_RANK: dict[str | None, int] = {"pending": 0, "running": 1, "done": 2, "failed": 2}
 #: statuses run.json may hold while a job is in pending/ or running/ (else it lags behind the folder)
 _LIVE_STATUSES = {"pending": ("pending",), "running": ("running", "stopping")}
 #: the name of a change, by the folder a job arrived in
@@ -81,7 +82,7 @@ class JobFeed:
                 continue
         return found
 
-    def rescan(self, arrivals: list[tuple[str, str]] = ()) -> list[str]:
+    def rescan(self, arrivals: Sequence[tuple[str, str]] = ()) -> list[str]:
         """List the folders again; record, and send to every listener, one event per state each job went through.
 
         ``arrivals`` (state folder, id) are the folders inotify saw arrive since the last look: a state
@@ -99,7 +100,7 @@ class JobFeed:
             final_rank = _RANK.get(after, len(_RANK))
             steps = sorted(
                 (s for s in passed.get(job_id, ()) if _RANK[s] < final_rank and s != (before or ("",))[0]),
-                key=_RANK.get,
+                key=_RANK.__getitem__,  # every step kept is in _RANK (the filter looked it up)
             )
             for state in steps:
                 sent.append(self._record(job_id, self.jobs.get(job_id), state, now, current=False))
