@@ -26,7 +26,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
-#: the five state folders of a queue root (CONTRACT section 1)
+#: the five state folders of a queue root (docs/contract.md, the queue root)
 STATE_FOLDERS = ("inbox", "pending", "running", "done", "failed")
 #: how long a watcher may take to write its first status.json (s); generous for a loaded 2-core box
 WATCHER_READY_S = 30.0

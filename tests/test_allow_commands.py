@@ -1,4 +1,4 @@
-"""Issue 12, item 6: allow_commands is a boundary (CONTRACT section 7). One test per bypass that used
+"""Issue 12, item 6: allow_commands is a boundary (docs/settings.md). One test per bypass that used
 to work with ``allow_commands: [echo]``; each is refused and the other program never runs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pools (CONTRACT section 14): watcher.yaml pools with their own max_concurrent, a job's pool:, pause --pool.
+"""Pools (docs/cli.md, pools): watcher.yaml pools with their own max_concurrent, a job's pool:, pause --pool.
 
 Against a real watcher process: jobs that block until a release file exists show that each pool
 holds its own limit while the others fill theirs.

@@ -1,4 +1,4 @@
-"""The built-in trainer on several ranks (CONTRACT section 10): 2 CPU ranks with gloo under torchrun, the tiny model.
+"""The built-in trainer on several ranks (docs/distributed.md): 2 CPU ranks with gloo under torchrun, the tiny model.
 
 One uninterrupted 2-rank run (module fixture) is the reference every interrupted run must equal bit for bit.
 """

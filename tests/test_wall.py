@@ -1,4 +1,4 @@
-"""Runs against a wall (CONTRACT section 11): deadlines, the window's ladder, verified delivery, cost.
+"""Runs against a wall (docs/wall.md): deadlines, the window's ladder, verified delivery, cost.
 
 Windows here are seconds long; the jobs are real programs (tests/fake_trainers/slow_steps.py, the
 built-in trainer on the tiny model), the watchers real (in-process ones ticked by the test, or real

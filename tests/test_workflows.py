@@ -1,4 +1,4 @@
-"""Workflows with a real watcher process (CONTRACT section 9): dependencies, sweeps, finish hooks."""
+"""Workflows with a real watcher process (docs/workflows.md): dependencies, sweeps, finish hooks."""
 
 from __future__ import annotations
 

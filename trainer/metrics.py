@@ -1,4 +1,4 @@
-"""metrics.jsonl: one JSON object per line, appended and flushed as things happen (CONTRACT section 5)."""
+"""metrics.jsonl: one JSON object per line, appended and flushed as things happen (docs/contract.md, metrics.jsonl)."""
 
 from __future__ import annotations
 

@@ -218,7 +218,7 @@ def _visible_index() -> int | None:
 
 
 def simulated_free_mb(path: str) -> tuple[float, str] | None:
-    """(free MiB, name) of the first visible GPU in a simulated GPUs file (CONTRACT section 7)."""
+    """(free MiB, name) of the first visible GPU in a simulated GPUs file (docs/settings.md)."""
     try:
         gpus = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):

@@ -1,4 +1,4 @@
-"""The run-records commands (CONTRACT section 13): ``trainq events ID``, ``trainq rerun ID``, ``trainq diff A B``."""
+"""The run-records commands (docs/records.md): ``trainq events ID``, ``trainq rerun ID``, ``trainq diff A B``."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 #: shape version written into status.json (and accepted by from_dict)
 SCHEMA_VERSION = 1
-#: bounds of the jobs list (CONTRACT section 5); keep_finished is a watcher setting
+#: bounds of the jobs list (docs/contract.md, status.json); keep_finished is a watcher setting
 MAX_AWAITING = 50
 MAX_PENDING = 50
 DEFAULT_KEEP_FINISHED = 50
@@ -57,8 +57,8 @@ class StatusSnapshot:
     counts: dict
     jobs: tuple[dict, ...]
     resources: dict = field(default_factory=dict)
-    ignored: tuple[dict, ...] = ()  # inbox entries that are not job files, with why (CONTRACT section 2)
-    window: dict | None = None  # the queue's wall and who fits before it (CONTRACT section 11)
+    ignored: tuple[dict, ...] = ()  # inbox entries that are not job files, with why (docs/contract.md, the inbox)
+    window: dict | None = None  # the queue's wall and who fits before it (docs/wall.md)
     cost: dict | None = None  # {total, currency}
 
     def to_dict(self) -> dict:
@@ -242,7 +242,7 @@ class StatusWriter:
         self._html_dirty = True
 
     def _bounded(self, snapshot: StatusSnapshot) -> StatusSnapshot:
-        """The listed jobs bounded in number (CONTRACT section 5) and each entry in size (bounds.py)."""
+        """The listed jobs bounded in number (docs/contract.md, status.json) and each entry in size (bounds.py)."""
         jobs = snapshot.jobs
         if _has_excess(jobs, self.keep_finished):
             jobs = select_jobs(jobs, keep_finished=self.keep_finished)

@@ -26,7 +26,7 @@ READ_BYTES = 1024 * 1024
 #: job folders, in the order a job passes through them; the last two mean the job has ended
 STATES = ("pending", "running", "done", "failed")
 ENDED_STATES = frozenset({"done", "failed"})
-#: what a job id may look like (CONTRACT §2: the file's stem with other characters replaced, ≤ 64)
+#: what a job id may look like (docs/contract.md, the inbox: the file's stem with other characters replaced, ≤ 64)
 _ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: ANSI escapes: CSI (colours, cursor moves), OSC (titles, links) ended by BEL or ST, and two-byte escapes
 _ANSI = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]")

@@ -1,4 +1,4 @@
-"""``allow_commands`` as a boundary (CONTRACT section 7): what a command job may start.
+"""``allow_commands`` as a boundary (docs/settings.md): what a command job may start.
 
 After placeholders expand, a command's executable is resolved the way exec would find it (a
 path with a slash against the job's cwd; a bare name on the *watcher's* PATH) to a real path,

@@ -30,7 +30,7 @@ from trainq.watcher.spec.wall import Cost, Window, watcher_wall_problems
 
 logger = logging.getLogger(__name__)
 
-#: the settings file inside the queue root (CONTRACT section 7)
+#: the settings file inside the queue root (docs/settings.md)
 WATCHER_FILE = "watcher.yaml"
 WATCHER_SCHEMA = "watcher.schema.json"
 #: where jobs run
@@ -81,11 +81,11 @@ class WatcherConfig:
     simulate_gpus: Path | None = None
     kill_after_s: float = 5.0
     env_passthrough: tuple[str, ...] | None = None
-    window: Window | None = None  # CONTRACT section 11
+    window: Window | None = None  # docs/wall.md
     cost: Cost | None = None
     #: names or globs a job's env may set (None: any name, within allow_commands' rules)
     allow_env: tuple[str, ...] | None = None
-    pools: dict = field(default_factory=dict)  # pool name -> max_concurrent (CONTRACT section 14)
+    pools: dict = field(default_factory=dict)  # pool name -> max_concurrent (docs/cli.md, pools)
 
     def pool_limits(self) -> dict[str, int]:
         """Every pool's max_concurrent: ``default`` is max_concurrent unless pools: names it."""

@@ -46,12 +46,12 @@ ENV_STATUS = "TRAINQ_STATUS"
 ENV_DIAGNOSIS = "TRAINQ_DIAGNOSIS"
 #: test switch for the trainer (documented in trainer/README section of the main README)
 ENV_TRAINER_FAULTS = "TRAINQ_TRAINER_FAULTS"
-#: simulated GPUs file (CONTRACT section 7)
+#: simulated GPUs file (docs/settings.md)
 ENV_SIMULATE_GPUS = "TRAINQ_SIMULATE_GPUS"
 #: queue root override
 ENV_ROOT = "TRAINQ_ROOT"
 
-# -- metrics.jsonl record types (CONTRACT section 5) --
+# -- metrics.jsonl record types (docs/contract.md, metrics.jsonl) --
 RECORD_STEP = "step"
 RECORD_EVAL = "eval"
 RECORD_CHECKPOINT = "checkpoint"
@@ -112,7 +112,7 @@ class JobPaths:
 
     @property
     def hook_log(self) -> Path:
-        """Output of the job's on_finish hook (CONTRACT section 9)."""
+        """Output of the job's on_finish hook (docs/workflows.md)."""
         return self.dir / "hook.log"
 
     @property
@@ -169,7 +169,7 @@ class JobPaths:
 
     @property
     def events(self) -> Path:
-        """The job's story, one JSON record a line, appended by the watcher and the supervisor (CONTRACT section 13)."""
+        """The job's story, one JSON record a line, appended by the watcher and the supervisor (docs/records.md)."""
         return self.dir / "events.jsonl"
 
     @property
@@ -179,7 +179,7 @@ class JobPaths:
 
     @property
     def snapshot(self) -> Path:
-        """What the latest attempt ran: code, resolved config, sources, environment (CONTRACT section 13)."""
+        """What the latest attempt ran: code, resolved config, sources, environment (docs/records.md)."""
         return self.dir / "snapshot"
 
     @property

@@ -1,4 +1,4 @@
-"""events.jsonl: one job's story, one JSON record a line, appended and never rewritten (CONTRACT section 13).
+"""events.jsonl: one job's story, one JSON record a line, appended and never rewritten (docs/records.md).
 
 The watcher and the job's supervisor both append here (the trainer may too: this module is
 dependency-free). Each record is ``{"time": ISO-8601 UTC, "event": NAME, ...fields}`` written with one

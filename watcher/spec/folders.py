@@ -25,7 +25,7 @@ from trainq.watcher.spec.tombstones import clear_tombstone, remember_ids
 
 logger = logging.getLogger(__name__)
 
-#: longest job id, suffix included (CONTRACT section 2)
+#: longest job id, suffix included (docs/contract.md, the inbox)
 MAX_ID_LEN = 64
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _YAML_SUFFIX = re.compile(r"\.ya?ml$", re.IGNORECASE)

@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 #: the repo's schemas/ folder (job, train, watcher, status schemas)
 SCHEMAS_DIR = Path(__file__).resolve().parent.parent.parent / "schemas"
 
-#: largest job file accepted, in bytes (CONTRACT section 2)
+#: largest job file accepted, in bytes (docs/contract.md, the inbox)
 MAX_JOB_FILE_BYTES = 1024 * 1024
-#: diagnosis kinds a failure can carry (CONTRACT section 4)
+#: diagnosis kinds a failure can carry (docs/contract.md, statuses and diagnoses)
 FAILURE_KINDS = (
     "oom",
     "nan",
@@ -188,19 +188,19 @@ class JobSpec:
     resume_args: tuple[str, ...] | None
     slurm: dict | None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
-    after: tuple[str, ...] = ()  # job or sweep ids this job waits for (CONTRACT section 9)
+    after: tuple[str, ...] = ()  # job or sweep ids this job waits for (docs/workflows.md)
     after_policy: str = "ok"
     on_finish: tuple[str, ...] | None = None
     sweep: dict | None = None
     fork_of: str | None = None
     from_checkpoint: str | None = None
-    deadline: Deadline | None = None  # CONTRACT section 11
+    deadline: Deadline | None = None  # docs/wall.md
     expected_duration_s: float | None = None
     deliver: dict | None = None
-    rerun_of: str | None = None  # run records (CONTRACT section 13): trainq rerun's lineage
+    rerun_of: str | None = None  # run records (docs/records.md): trainq rerun's lineage
     snapshot: bool = True
     declared_checkpoint_exit_code: int | None = None
-    pool: str = "default"  # watcher.yaml pools: (CONTRACT section 14)
+    pool: str = "default"  # watcher.yaml pools: (docs/cli.md, pools)
 
     @classmethod
     def from_dict(cls, data: dict, display: str = "<job>") -> JobSpec:
@@ -335,7 +335,7 @@ def _build(data: dict) -> JobSpec:
 
 
 def _wall_fields(data: dict) -> dict:
-    """The CONTRACT section 11 fields: deadline, expected_duration, deliver."""
+    """The fields of docs/wall.md: deadline, expected_duration, deliver."""
     return {
         "deadline": Deadline.parse(data["deadline"]) if "deadline" in data else None,
         "expected_duration_s": _duration_or_none(data, "expected_duration"),
@@ -351,7 +351,7 @@ def check_submission(spec: JobSpec, display: str, now: float) -> None:
 
 
 def _workflow_fields(data: dict) -> dict:
-    """The CONTRACT section 9 fields: after, after_policy, on_finish, sweep, fork_of, from_checkpoint."""
+    """The fields of docs/workflows.md: after, after_policy, on_finish, sweep, fork_of, from_checkpoint."""
     after = data.get("after", ())
     hook = data.get("on_finish")
     if isinstance(hook, str):

@@ -1,4 +1,4 @@
-"""Pools (CONTRACT section 14): a job's ``pool:`` and the per-pool pause flag at the queue root.
+"""Pools (docs/cli.md, pools): a job's ``pool:`` and the per-pool pause flag at the queue root.
 
 A pool is like a pueue group or a Slurm partition: watcher.yaml ``pools: {gpu: {max_concurrent: 2}}``
 gives each its own limit, and ``ROOT/pause.POOL.flag`` (``trainq pause --pool POOL``) holds only

@@ -1,4 +1,4 @@
-"""Rules for train jobs on several ranks and nodes that JSON Schema cannot say (CONTRACT section 10).
+"""Rules for train jobs on several ranks and nodes that JSON Schema cannot say (docs/distributed.md).
 
 ``rank_problems`` reads the job file alone (processes against the GPUs asked for, fsdp with qlora, srun tasks);
 ``nodes_problem`` needs the watcher's executor: only Slurm spreads a job over several nodes.

@@ -1,4 +1,4 @@
-"""Sweeps and the other workflow fields of a job file (CONTRACT section 9), as pure functions.
+"""Sweeps and the other workflow fields of a job file (docs/workflows.md), as pure functions.
 
 A sweep file becomes one concrete job per combination of its values (a grid, keys in file
 order). A plain key is a placeholder (``{lr}`` in command, cwd, env, resume_args, on_finish);
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from trainq.watcher.spec.errors import Problem
 
-#: most jobs one sweep file may make (CONTRACT section 9)
+#: most jobs one sweep file may make (docs/workflows.md)
 MAX_SWEEP_JOBS = 1000
 #: most bytes one sweep may write in all: every job's job.yaml plus its params in run.json (values are
 #: copied into every job, so a 200 KB file could become 200 MB); over it the file is rejected unwritten

@@ -1,4 +1,4 @@
-"""Walls a run must end before, and what it cost (CONTRACT section 11): pure values and arithmetic, no I/O.
+"""Walls a run must end before, and what it cost (docs/wall.md): pure values and arithmetic, no I/O.
 
 A job's ``deadline`` is an ISO-8601 time, or a duration counted from the job's first start. The
 queue's ``window`` (watcher.yaml) is the box's end, with the runbook's ladder before it: at

@@ -44,7 +44,7 @@ from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import cgroups
 from trainq.watcher.supervisor.attempt_io import open_job_log
 
-#: longest a hook may run before its processes are killed, seconds (CONTRACT section 9)
+#: longest a hook may run before its processes are killed, seconds (docs/workflows.md)
 HOOK_TIMEOUT_S = 60.0
 #: env variable that shortens HOOK_TIMEOUT_S (tests)
 ENV_HOOK_TIMEOUT = "TRAINQ_HOOK_TIMEOUT_S"

@@ -2,7 +2,7 @@
 
 The watcher's loop only describes what to record (``SnapshotRequest``, plain data in the LaunchSpec);
 the reading, hashing and ``git`` calls happen here, in the job's own supervisor, so a slow disk or a
-large repository delays that one job's start, never the queue (CONTRACT section 13):
+large repository delays that one job's start, never the queue (docs/records.md):
 
 - ``code.json``: for a git working tree ``{"git": {"commit", "branch", "dirty", "untracked"}, "root"}``
   plus ``code.diff`` (``git diff --binary HEAD``: staged and unstaged changes) and ``untracked.tar`` (small

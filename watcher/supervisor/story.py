@@ -1,7 +1,7 @@
 """What one attempt's supervisor adds to the job's records: its snapshot, and its events in events.jsonl.
 
 ``started``, ``checkpoint`` (each checkpoint record the job appends to metrics.jsonl), ``stopping``,
-``preempted`` and ``exited`` (CONTRACT section 13). attempt.py calls these at the matching moments;
+``preempted`` and ``exited`` (docs/records.md). attempt.py calls these at the matching moments;
 they never raise, so a record can never keep a job from running or its exit from being recorded.
 """
 
