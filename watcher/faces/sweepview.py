@@ -23,10 +23,14 @@ from trainq.watcher.spec.records import parse_records, read_tail
 class JobView(Protocol):
     """The parts of the daemon's Job that a sweep entry reads."""
 
-    run: dict
-    state: JobState
-    spec: JobSpec | None
-    paths: JobPaths
+    @property
+    def run(self) -> dict: ...
+    @property
+    def state(self) -> JobState: ...
+    @property
+    def spec(self) -> JobSpec | None: ...
+    @property
+    def paths(self) -> JobPaths: ...
 
 
 #: how much of metrics.jsonl is read for a finished job's best eval loss when summary.json has none (bytes)
