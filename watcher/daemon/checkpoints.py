@@ -1,6 +1,6 @@
 """Where a job resumes: the newest complete checkpoint it left, found with no trainq code in the job.
 
-Newest first (CONTRACT section 4): a ``{"type": "checkpoint", "path": ...}`` record in metrics.jsonl;
+Newest first (docs/byot.md, how resume is found): a ``{"type": "checkpoint", "path": ...}`` record in metrics.jsonl;
 ``checkpoints/ckpt_latest``; the highest-numbered ``checkpoint-N`` (Hugging Face Trainer) below the
 job folder; the highest ``step-N``; a Lightning ``*.ckpt`` (``last.ckpt`` first). A candidate that is
 incomplete (an HF folder without its ``trainer_state.json``, which the Trainer writes last; a torch

@@ -20,6 +20,8 @@ import select
 import time
 from pathlib import Path
 
+from watchdog.observers.api import BaseObserver
+
 from trainq.watcher import __version__
 from trainq.watcher.daemon.admission import Holding
 from trainq.watcher.daemon.containment import ENV_WATCHER_CRASH, ENV_WATCHER_FAULTS, Containment, CrashPoints, Faults
@@ -42,7 +44,7 @@ from trainq.watcher.spec.errors import QueueLayoutError, QueueLocked
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot
 from trainq.watcher.spec.fsutil import drain, remove_quietly
 from trainq.watcher.spec.pools import paused_pools
-from trainq.watcher.supervisor.signals import install_watcher_signal_handlers
+from trainq.watcher.supervisor.signals import WatcherSignals, install_watcher_signal_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +71,8 @@ class Watcher:
         self._loop_errors: dict[str, int] = {}  # errors outside any job's guard, by text: how often
         self._lock_fd: int | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._observer = None
-        self._signals = None
+        self._observer: BaseObserver | None = None
+        self._signals: WatcherSignals | None = None
         self._last_rescan = 0.0
         self.disk = DiskFullHandling(self.root, self.report)
         self.guard = Containment(self.state, self.disk, faults, retire=self._retire, deps_changed=self._deps_changed)
@@ -345,9 +347,10 @@ class Watcher:
         created = self.root.ensure_layout(create=True)
         for folder in created:
             logger.warning("queue: %s was missing; recreated it", folder)
-        if self.root.inbox in created and self._observer is not None:
-            self._observer.unschedule_all()
-            schedule(self._observer, self.root.inbox, self.root.path, self.inbox.events)
+        inbox = self.inbox
+        if self.root.inbox in created and self._observer is not None and inbox is not None and inbox.events is not None:
+            self._observer.unschedule_all()  # started: start() made the inbox with its events and the observer
+            schedule(self._observer, self.root.inbox, self.root.path, inbox.events)
         if any(f != self.root.inbox for f in created):
             self._forget_vanished_jobs()
 

@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from trainq.watcher.spec.units import iso_utc
 
@@ -42,7 +42,7 @@ RESUME_MARGIN_BYTES = 256 * 1024
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
-def is_disk_full(exc: BaseException) -> bool:
+def is_disk_full(exc: BaseException) -> TypeGuard[OSError]:
     """True for an OSError that says the disk (or quota) is full."""
     return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
 

@@ -118,7 +118,7 @@ class LocalExecutor:
     name = "local"
     places_resources = False
     inherits_environment = False
-    job_ref_field = None
+    job_ref_field: str | None = None
 
     def __init__(self, config: WatcherConfig | None = None, root: Path | None = None) -> None:
         self.supervisor = SpawningSupervisor()

@@ -114,7 +114,13 @@ class Finishing:
         record = {"job_pid": started.get("job_pid")} if started.get("attempt") == job.attempt else {}
         outcome = supervisor_lost(started)
         events.emit(
-            job.paths, "exited", now, attempt=job.attempt, code=None, lost=True, evidence=outcome.diagnosis.evidence
+            job.paths,
+            "exited",
+            now,
+            attempt=job.attempt,
+            code=None,
+            lost=True,
+            evidence=outcome.diagnosis and outcome.diagnosis.evidence,
         )
         self.finish(job, outcome, record, now)
 
@@ -446,7 +452,7 @@ class Finishing:
         logger.warning("job %s: stalled: no new output for %gs", job.id, now - job.last_activity)
         self.vitals.capture_stacks(job, f"stalled for {now - job.last_activity:.0f}s")
         self.state.report.touch()
-        if "stalled" in job.spec.retries.on:  # the user opted in: end it (retried while attempts remain)
+        if "stalled" in job.known_spec.retries.on:  # the user opted in: end it (retried while attempts remain)
             job.run.update(stop_requested_by="stalled", stall_after_s=stall_after)
             job.save(durable=False)
             if self.vitals.stacks_pending(job):

@@ -33,7 +33,7 @@ from trainq.watcher.spec.text import printable
 
 logger = logging.getLogger(__name__)
 
-#: suffixes editors and downloaders use for files still being written (CONTRACT section 2)
+#: suffixes editors and downloaders use for files still being written (docs/contract.md, the inbox)
 _TEMP_SUFFIXES = ("~", ".swp", ".swx", ".tmp", ".part", ".crdownload")
 #: vim writes a probe file of this name to test whether it may write in a folder
 _VIM_PROBE = "4913"
@@ -217,7 +217,7 @@ class Inbox:
     def scan(self) -> list[Candidate]:
         """Every candidate (regular file or symlink) in drop order: mtime, then name."""
         found = []
-        ignored = []
+        ignored: list[dict] = []
         generation = self.events.generation() if self.events else 0
         try:
             entries = list(os.scandir(self.path))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from trainq.watcher.daemon import records
 from trainq.watcher.daemon.diskfull import is_disk_full
@@ -77,20 +77,26 @@ class Intake:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
+    @property
+    def _inbox(self) -> Inbox:
+        """The inbox (``Watcher.start`` sets it before the first pass)."""
+        assert self.inbox is not None, "Intake used before Watcher.start"
+        return self.inbox
+
     def forget_awaiting(self) -> None:
         """Forget the files found awaiting approval (read again on the next pass)."""
         self._awaiting.clear()
 
     def _forget(self, name: str) -> None:
         """The inbox file ``name`` was taken: the inbox and the awaiting list forget it."""
-        self.inbox.taken(name)
+        self._inbox.taken(name)
         self._awaiting.pop(name, None)
 
     def admit_inbox(self, now: float) -> None:
         """Validate every complete inbox file: accept, reject, or leave it awaiting approval."""
-        candidates = self.inbox.scan()
-        self.state.report.inbox_seen(candidates, self.inbox.ignored)
-        todo = [c for c in self.inbox.ready(candidates, now) if not self._known_awaiting(c)]
+        candidates = self._inbox.scan()
+        self.state.report.inbox_seen(candidates, self._inbox.ignored)
+        todo = [c for c in self._inbox.ready(candidates, now) if not self._known_awaiting(c)]
         if len(todo) > ADMIT_BATCH:
             todo = todo[:ADMIT_BATCH]
             self.state.wake()  # the rest next pass, so status.json stays fresh during a burst
@@ -117,7 +123,7 @@ class Intake:
             return
         job_id, path = taken.claimed
         state = JobState.PENDING if path.parent.name == JobState.PENDING.value else JobState.FAILED
-        job = self.state.jobs.get(job_id) or Job(job_id, state, path, dict(taken.run, id=job_id))
+        job = self.state.jobs.get(job_id) or Job(job_id, state, path, dict(taken.run or {}, id=job_id))
         self.guard.job_failed_in(job, "admit", exc)
 
     def _known_awaiting(self, cand) -> bool:
@@ -217,7 +223,7 @@ class Intake:
 
     def _maybe_unfinished(self, cand) -> bool:
         """Written less than settle_s ago and not renamed in: a writer may still be appending to it."""
-        return cand.name not in self.inbox.moved_in and not self.inbox.is_still(cand, time.time())
+        return cand.name not in self._inbox.moved_in and not self._inbox.is_still(cand, time.time())
 
     def _admit_one(self, cand, taken: _Taken, now: float) -> None:
         result = taken.result
@@ -226,50 +232,48 @@ class Intake:
         if result is None:
             return
         if taken.unfinished:
-            self.inbox.hold_back(cand)
+            self._inbox.hold_back(cand)
             logger.debug("inbox/%s: not valid yet, written a moment ago; read again once it stands still", cand.name)
         elif isinstance(result, InvalidJobSpec):
-            self._rejected(cand, taken, now)
+            self._rejected(cand, taken, result, now)
         elif not result.approved:
             if self._maybe_unfinished(cand):
-                self.inbox.hold_back(cand)  # lines may still be coming (approved: true among them)
+                self._inbox.hold_back(cand)  # lines may still be coming (approved: true among them)
             sig = (cand.size, cand.mtime_ns, cand.ino)
             self._awaiting[cand.name] = (sig, {"name": cand.name, "spec": result, "seen_at": now})
         elif result.sweep:
             self.workflows.admit_sweep(cand, result, now, self._forget)
         else:
-            self._accepted(cand, taken, now)
+            self._accepted(cand, taken, result, now)
 
-    def _accepted(self, cand, taken: _Taken, now: float) -> None:
+    def _accepted(self, cand, taken: _Taken, spec: JobSpec, now: float) -> None:
         self._awaiting.pop(cand.name, None)
-        self.inbox.taken(cand.name)
+        self._inbox.taken(cand.name)
         if taken.claimed is None:
             return  # it vanished meanwhile
         job_id, path = taken.claimed
-        taken.run["id"] = job_id
-        job = Job(
-            job_id, JobState.PENDING, path, taken.run, taken.result, spec_sig=(cand.size, cand.mtime_ns, cand.ino)
-        )
+        run = cast(dict, taken.run)  # a claimed file has its run.json
+        run["id"] = job_id
+        job = Job(job_id, JobState.PENDING, path, run, spec, spec_sig=(cand.size, cand.mtime_ns, cand.ino))
         self.state.jobs.add(job)
-        records.accepted(job.paths, taken.run, cand.name, cand.mtime_ns / 1e9, now)
-        logger.info(
-            "job %s: inbox/%s -> pending (priority %d)", job_id, printable_name(cand.name), taken.result.priority
-        )
+        records.accepted(job.paths, run, cand.name, cand.mtime_ns / 1e9, now)
+        logger.info("job %s: inbox/%s -> pending (priority %d)", job_id, printable_name(cand.name), spec.priority)
         self.state.report.touch()
         self.workflows.admit_workflow(job, now)
 
-    def _rejected(self, cand, taken: _Taken, now: float) -> None:
-        self.inbox.taken(cand.name)
+    def _rejected(self, cand, taken: _Taken, invalid: InvalidJobSpec, now: float) -> None:
+        self._inbox.taken(cand.name)
         self._awaiting.pop(cand.name, None)
         if taken.claimed is None:
             return
         job_id, path = taken.claimed
-        taken.run["id"] = job_id
-        for line in taken.result.lines():
+        run = cast(dict, taken.run)  # a claimed file has its run.json
+        run["id"] = job_id
+        for line in invalid.lines():
             logger.warning("job %s: rejected: %s", job_id, line)
-        records.rejected(JobPaths(path), taken.run, cand.name, cand.mtime_ns / 1e9, now)
+        records.rejected(JobPaths(path), run, cand.name, cand.mtime_ns / 1e9, now)
         logger.info("job %s: inbox/%s -> failed, rejected", job_id, printable_name(cand.name))
-        self.state.report.finished(Job(job_id, JobState.FAILED, path, taken.run, None), now)
+        self.state.report.finished(Job(job_id, JobState.FAILED, path, run, None), now)
         self.state.deps.finished[job_id] = "rejected"
         self.workflows.deps_changed(job_id, now)
 
@@ -417,10 +421,10 @@ def _rewire_dependencies(edits: PendingEdits, job: Job, old_after: tuple, now: f
     """An edited after: is followed: the old dependencies forgotten, the new ones held on (or a cycle rejected)."""
     if old_after:
         edits.state.deps.forget(job.id, old_after)
-    if job.held and not job.spec.after:
+    if job.held and not job.known_spec.after:
         edits.state.jobs.release(job)
         job.run["waiting_for"] = None
-    if job.spec.after:
+    if job.known_spec.after:
         edits.workflows.admit_workflow(job, now)
 
 

@@ -10,6 +10,7 @@ import bisect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from trainq.watcher.daemon.checkpoints import find_checkpoint, latest_checkpoint, note_skipped
 from trainq.watcher.daemon.diagnosis import (
@@ -23,6 +24,8 @@ from trainq.watcher.daemon.diagnosis import (
     read_tail,
     stalled_diagnosis,
 )
+from trainq.watcher.faces.progress import MetricsTail
+from trainq.watcher.faces.progress_log import LogProgress
 from trainq.watcher.spec.contract import ATTEMPT_BANNER_PREFIX, JobPaths
 from trainq.watcher.spec.errors import JobFolderRemoved
 from trainq.watcher.spec.folders import JobState
@@ -41,6 +44,14 @@ LIVE_STATUSES = ("running", "stopping")
 CHECKPOINTED = "checkpointed"
 
 
+class ProgressReaders(Protocol):
+    """A running job's incremental readers of metrics.jsonl and output.log (report.py keeps them)."""
+
+    metrics: MetricsTail
+    log: LogProgress
+    usage_at: float
+
+
 @dataclass
 class Job:
     """One job the daemon knows: where it is, its run.json, its spec, and live readers."""
@@ -50,7 +61,7 @@ class Job:
     dir: Path
     run: dict
     spec: JobSpec | None = None
-    readers: object | None = None  # progress readers (set by the daemon for running jobs)
+    readers: ProgressReaders | None = None  # set by the report for running jobs
     health: str | None = None
     last_activity: float = 0.0
     activity_sig: tuple = field(default_factory=tuple)
@@ -82,6 +93,14 @@ class Job:
     @property
     def attempt(self) -> int:
         return int(self.run.get("attempt") or 0)
+
+    @property
+    def known_spec(self) -> JobSpec:
+        """The spec of a job that has one: every job admitted to pending/ or running (a file without a valid
+        spec is rejected at the inbox). Raises for one without, which the step's guard fails like any error."""
+        if self.spec is None:
+            raise ValueError(f"job {self.id} has no job spec")
+        return self.spec
 
     def sort_key(self) -> tuple[int, int, str]:
         """Start order: higher priority first, then acceptance order."""
@@ -186,7 +205,7 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
 
 
 def is_checkpoint_exit(exit_record: dict, spec: JobSpec | None) -> bool:
-    """The job exited with its ``checkpoint_exit_code``: "saved, run me again" (CONTRACT section 13)."""
+    """The job exited with its ``checkpoint_exit_code``: "saved, run me again" (docs/records.md)."""
     code = spec.checkpoint_exit_code if spec is not None else None
     return code is not None and exit_record.get("exit_code") == code and not exit_record.get("signal")
 

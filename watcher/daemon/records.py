@@ -1,4 +1,4 @@
-"""What the watcher records of each job (CONTRACT section 13): the snapshot request and its events.
+"""What the watcher records of each job (docs/records.md): the snapshot request and its events.
 
 The watcher only describes the snapshot (``snapshot_request``: no reading, no hashing, no git); the
 job's supervisor takes it before the job starts (watcher/supervisor/snapshot.py). The events the
@@ -37,6 +37,11 @@ def snapshot_request(
     """Describe this attempt's snapshot: resolved config, where the code is, what it reads, which Python."""
     named = _named_paths(argv, cwd)
     config = _resolved_config(spec, run, argv, cwd, launch_env)
+    sources: tuple[str, ...]
+    models: tuple[str, ...]
+    code_dir: str | None
+    interpreter: str | None
+    files: tuple[str, ...]
     if spec.is_train:
         sources, models = _train_sources(spec.train or {}, cwd)
         code_dir, interpreter, files = str(TRAINQ_SOURCE), python, ()
@@ -113,7 +118,7 @@ def _interpreter(argv: list[str], env: dict[str, str]) -> str | None:
 def _train_sources(train: dict, cwd: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The data files of a ``train:`` block, and its model folder (hashed with a smaller bound)."""
     data = train.get("data")
-    files: list[str] = []
+    files: list[object] = []  # what the file says; only strings are paths
     if isinstance(data, str):
         files.append(data)
     elif isinstance(data, dict):

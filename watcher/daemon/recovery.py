@@ -87,6 +87,7 @@ def _recover_pending(loop: LoopState, job_id: str, now: float) -> None:
     if job is None:  # job.yaml landed but run.json did not: finish the claim
         atomic_write_json(paths.run, dict(new_run(None, time.time_ns(), now, name=job_id), id=job_id))
         job = load_job(path, JobState.PENDING)
+        assert job is not None, "its run.json was just written"
         if job.spec is not None:
             job.run.update(priority=job.spec.priority, name=job.spec.name or job_id)
     if job.spec is None:

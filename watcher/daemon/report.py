@@ -12,7 +12,7 @@ import os
 import socket
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainq.watcher import __version__
 from trainq.watcher.daemon.admission import resources_dict
@@ -28,7 +28,7 @@ from trainq.watcher.spec.units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
     from trainq.watcher.daemon.executor import Executor
-    from trainq.watcher.daemon.jobs import Job
+    from trainq.watcher.daemon.jobs import Job, JobIndex
     from trainq.watcher.daemon.resources import ResourceProbe
     from trainq.watcher.spec.config import WatcherConfig
 
@@ -36,12 +36,19 @@ if TYPE_CHECKING:
 class ReportSource(Protocol):
     """What the report reads from the loop (the Watcher provides it; no import of it here)."""
 
-    jobs: object
-    executor: Executor
-    probe: ResourceProbe
-    paused: bool
-    stopping: bool
-    disk_full: object  # None while the disk has room
+    # read-only (properties): the report never sets them
+    @property
+    def jobs(self) -> JobIndex: ...
+    @property
+    def executor(self) -> Executor: ...
+    @property
+    def probe(self) -> ResourceProbe: ...
+    @property
+    def paused(self) -> bool: ...
+    @property
+    def stopping(self) -> bool: ...
+    @property
+    def disk_full(self) -> object: ...  # None while the disk has room
 
     def problems(self) -> list[str]: ...
     def window_now(self, now: float) -> dict | None: ...
@@ -52,13 +59,15 @@ class ReportSource(Protocol):
 class UsageSource(Protocol):
     """What measuring a running job's processes needs (the loop's shared state provides it)."""
 
-    executor: Executor
-    probe: ResourceProbe
+    @property
+    def executor(self) -> Executor: ...
+    @property
+    def probe(self) -> ResourceProbe: ...
 
 
 logger = logging.getLogger(__name__)
 
-#: most awaiting/pending entries listed in status.json (CONTRACT section 5)
+#: most awaiting/pending entries listed in status.json (docs/contract.md, status.json)
 MAX_LISTED = 50
 #: how often a running job's process tree is measured (RSS, CPU, GPU memory), seconds
 USAGE_EVERY_S = 2.0
@@ -231,6 +240,7 @@ class Report:
         if not (due or force):
             return  # building a snapshot costs ms: only when it may be written
         snapshot = self.snapshot(watcher, now, state)
+        assert self.writer is not None  # made by __post_init__
         if force:
             self.writer.force_write(snapshot, now)
             wrote = True
@@ -303,7 +313,7 @@ def _entry(job: Job, root: QueueRoot) -> dict:
             "clip_fraction": vitals.get("clip_fraction"),
             "update_ratio": vitals.get("update_ratio"),
         }
-    entry = {
+    entry: dict[str, Any] = {
         "id": job.id,
         "state": job.state.value,
         "status": run.get("status"),
@@ -341,7 +351,7 @@ def _entry(job: Job, root: QueueRoot) -> dict:
 
 
 def _wall_entry(job: Job) -> dict:
-    """``deadline``, ``predicted_end`` and ``fits`` of a job planned against a wall (CONTRACT section 11)."""
+    """``deadline``, ``predicted_end`` and ``fits`` of a job planned against a wall (docs/wall.md)."""
     forecast = job.run.get("forecast")
     if job.state is JobState.RUNNING and forecast:
         out = {k: forecast.get(k) for k in ("deadline", "predicted_end", "fits")}

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import psutil
 
@@ -134,6 +134,10 @@ def _file_stamp(path: Path) -> tuple[int, int, int] | None:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+@overload
+def _number(obj: Mapping, key: str, where: str, *, required: Literal[True], minimum: float = 0.0) -> float: ...
+@overload
+def _number(obj: Mapping, key: str, where: str, *, required: bool = False, minimum: float = 0.0) -> float | None: ...
 def _number(obj: Mapping, key: str, where: str, *, required: bool = False, minimum: float = 0.0) -> float | None:
     """``obj[key]`` as a number >= minimum (None when absent and optional); ValueError naming the field."""
     value = obj.get(key)

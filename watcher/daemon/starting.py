@@ -200,7 +200,7 @@ class Starting:
                 self.state.report.touch()
 
     def _request(self, job: Job) -> Request:
-        res = job.spec.resources
+        res = job.known_spec.resources
         if self.state.executor.places_resources:
             # a scheduler places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
             return Request(
@@ -211,7 +211,7 @@ class Starting:
                 disk_gb=res.disk_gb,
                 allow_battery=True,
                 disk_path=self._disk_path(job),
-                pool=job.spec.pool,
+                pool=job.known_spec.pool,
             )
         return Request(
             job_id=job.id,
@@ -223,8 +223,8 @@ class Starting:
             disk_gb=res.disk_gb,
             allow_battery=res.allow_battery,
             disk_path=self._disk_path(job),
-            gpus_default=default_gpus(job.spec.raw),
-            pool=job.spec.pool,
+            gpus_default=default_gpus(job.known_spec.raw),
+            pool=job.known_spec.pool,
         )
 
     def holding(self, job: Job) -> Holding:
@@ -277,9 +277,9 @@ class Starting:
         paths = job.paths
         # resolved now, where the folder is: it moved since the checkpoint was written
         resume_from = resume_checkpoint(job) if job.run.get("resume_from") else None
-        if attempt == 1 and job.spec.from_checkpoint and not job.spec.is_train:
-            # a fork started from its parent's checkpoint (CONTRACT section 9); a relative path is the job folder's
-            resume_from = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
+        if attempt == 1 and job.known_spec.from_checkpoint and not job.known_spec.is_train:
+            # a fork started from its parent's checkpoint (docs/workflows.md); a relative path is the job folder's
+            resume_from = os.path.join(str(paths.dir), os.path.expanduser(job.known_spec.from_checkpoint))
         values = {
             "job_dir": str(paths.dir),
             "job_id": job.id,
@@ -288,7 +288,7 @@ class Starting:
             **self.workflows.after_values(job),
         }
         problem = command_problem(
-            job.spec,
+            job.known_spec,
             self.state.config.allow_commands,
             values,
             job_path(self.state.env.get("PATH", "")),
@@ -297,17 +297,17 @@ class Starting:
         if problem is not None:
             self._refuse(job, problem, now)
             return
-        argv = tuple(job.spec.launch_argv(values, sys.executable, resume=bool(resume_from)))
-        cwd = job.spec.launch_cwd(values) or str(paths.dir)
+        argv = tuple(job.known_spec.launch_argv(values, sys.executable, resume=bool(resume_from)))
+        cwd = job.known_spec.launch_cwd(values) or str(paths.dir)
         spec = LaunchSpec(
             job_dir=str(paths.dir),
             argv=argv,
             env=self._job_env(job, values, decision, resume_from),
             cwd=cwd,
             attempt=attempt,
-            stop_grace_s=job.spec.stop_grace_s,
+            stop_grace_s=job.known_spec.stop_grace_s,
             kill_after_s=self.state.config.kill_after_s,
-            timeout_s=job.spec.timeout_s,
+            timeout_s=job.known_spec.timeout_s,
             banner=_banner(job.id, attempt, now, resume_from),
             executable=self._checked_executable(job, values),
             inherit_env=self.state.executor.inherits_environment,
@@ -336,7 +336,7 @@ class Starting:
         try:
             record.update(
                 self.state.executor.launch(
-                    spec, job.run.get("name") or job.id, job.spec.options_for(self.state.executor.name), group
+                    spec, job.run.get("name") or job.id, job.known_spec.options_for(self.state.executor.name), group
                 )
             )
         except ExecutorUnavailable as exc:
@@ -361,16 +361,16 @@ class Starting:
 
     def _snapshot_request(self, job: Job, argv: tuple[str, ...], cwd: str, values: dict, decision) -> dict | None:
         """What the supervisor records in snapshot/ (records.py); None with ``snapshot: false``."""
-        if not job.spec.snapshot:
+        if not job.known_spec.snapshot:
             return None
         try:
             gpus = gpu_facts(self._machine, list(decision.gpus))
             return snapshot_request(
-                job.spec,
+                job.known_spec,
                 job.run,
                 list(argv),
                 cwd,
-                job.spec.launch_env(values),
+                job.known_spec.launch_env(values),
                 gpus,
                 self.state.root.path,
                 sys.executable,
@@ -403,9 +403,9 @@ class Starting:
 
     def _checked_executable(self, job: Job, values: dict) -> str | None:
         """The real path allow_commands approved, so exactly that is exec'd (None: no list, or a train job)."""
-        if self.state.config.allow_commands is None or job.spec.is_train:
+        if self.state.config.allow_commands is None or job.known_spec.is_train:
             return None
-        return executable_for(job.spec, values, job_path(self.state.env.get("PATH", "")))
+        return executable_for(job.known_spec, values, job_path(self.state.env.get("PATH", "")))
 
     def _refuse(self, job: Job, problem, now: float) -> None:
         """allow_commands refuses the job at start (written into pending/ by hand, or the list changed)."""
@@ -442,9 +442,9 @@ class Starting:
             for k, v in passed_through(self.state.env, self.state.config.env_passthrough).items()
             if not k.startswith("TRAINQ_") or k == "TRAINQ_TRAINER_FAULTS"
         }
-        if "PATH" not in job.spec.env:  # the watcher's python first (interpreter.py); the job's own PATH wins
+        if "PATH" not in job.known_spec.env:  # the watcher's python first (interpreter.py); the job's own PATH wins
             env["PATH"] = job_path(env.get("PATH"))
-        env.update(job.spec.launch_env(values))
+        env.update(job.known_spec.launch_env(values))
         env.update(decision.env)
         paths = job.paths
         env.update(
@@ -458,9 +458,9 @@ class Starting:
         )
         if resume_from:
             env[ENV_RESUME_FROM] = resume_from
-        elif job.spec.is_train and job.spec.from_checkpoint:
+        elif job.known_spec.is_train and job.known_spec.from_checkpoint:
             # weights only: fresh optimizer and schedule; a relative path is the job folder's
-            env[ENV_INIT_FROM] = os.path.join(str(paths.dir), os.path.expanduser(job.spec.from_checkpoint))
+            env[ENV_INIT_FROM] = os.path.join(str(paths.dir), os.path.expanduser(job.known_spec.from_checkpoint))
         if self.state.config.cost is not None:  # the trainer writes its attempt's cost into summary.json
             env[ENV_COST] = self.state.config.cost.to_env(len(decision.gpus))
         return env

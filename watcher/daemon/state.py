@@ -67,7 +67,7 @@ class LoopState:
     concluded: list[tuple[Job, Outcome]] = field(default_factory=list)  # out of the index, final write pending
     plan_due: bool = True  # admission plans again on the next pass (a slot freed, a job released, a pause)
     paused: bool = False  # pause.flag at the root: start nothing new
-    paused_pools: set[str] = field(default_factory=set)  # pause.POOL.flag at the root (CONTRACT section 14)
+    paused_pools: set[str] = field(default_factory=set)  # pause.POOL.flag at the root (docs/cli.md, pools)
     order_last: int = 0  # the last acceptance order handed out (nanoseconds, strictly increasing)
     deps: DependencyBook = field(default_factory=DependencyBook)  # who waits on whom (workflows.py)
 

@@ -15,7 +15,7 @@ import logging
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from trainq.watcher.daemon.jobs import Job
 from trainq.watcher.spec.fsutil import touch
@@ -60,7 +60,7 @@ class Vitals:
             step, lr = record.get("step"), record.get("lr")
             if record.get("type", "step") != "step" or type(step) is not int or type(lr) not in (int, float):
                 continue
-            words = lr_deviation(plan, step, float(lr))
+            words = lr_deviation(plan, step, float(cast(float, lr)))  # an int or a float (checked above)
             if words:
                 self._off_schedule(job, step, words, now)
                 return
@@ -79,7 +79,7 @@ class Vitals:
                 "time": now,
             },
         )
-        if job.spec.raw.get("abort_on_lr_deviation") is True and job.run.get("status") == "running":
+        if job.known_spec.raw.get("abort_on_lr_deviation") is True and job.run.get("status") == "running":
             job.run.update(stop_requested_by=STOPPED_BY_SCHEDULE)
             touch(job.paths.stop_flag)
             logger.info("job %s: stopping it (abort_on_lr_deviation); it ends failed, diagnosis schedule", job.id)

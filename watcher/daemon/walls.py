@@ -1,4 +1,4 @@
-"""Runs against a wall: deadlines, the window's ladder, delivery and cost (``Walls``, a Watcher step; CONTRACT section 11).
+"""Runs against a wall: deadlines, the window's ladder, delivery and cost (``Walls``, a Watcher step; docs/wall.md).
 
 Each pass, for every running job: a forecast from its current attempt's step rate (``predicted_end``,
 ``fits`` against its deadline or the window's final-checkpoint mark, whichever comes first); a job
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainq.watcher.daemon.jobs import Job
 from trainq.watcher.faces.progress import merge_progress
@@ -75,7 +75,7 @@ class Walls:
         forecast = Forecast.from_progress(_progress(job), now)
         fits = forecast.fits(wall)
         old = job.run.get("forecast") or {}
-        new = {
+        new: dict[str, Any] = {
             "deadline": iso_utc(deadline),
             "wall": iso_utc(wall),
             "predicted_end": iso_utc(forecast.predicted_end),
@@ -204,7 +204,9 @@ class Walls:
         window = self.state.config.window
         if window is None:
             return None
-        fits, misses, projected = [], [], 0.0
+        fits: list[str] = []
+        misses: list[str] = []
+        projected = 0.0
         cost = self.state.config.cost
         for job in self.state.jobs.in_state(JobState.RUNNING):
             forecast = job.run.get("forecast") or {}

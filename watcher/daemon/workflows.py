@@ -1,4 +1,4 @@
-"""Dependencies, sweeps, finish hooks and lineage in the watcher (CONTRACT section 9; ``Workflows``, a Watcher step).
+"""Dependencies, sweeps, finish hooks and lineage in the watcher (docs/workflows.md; ``Workflows``, a Watcher step).
 
 Dependencies: a pending job whose ``after`` has not all ended is *held*: it stays in pending/
 but out of admission's start order (``JobIndex.hold``), so a thousand held jobs never hide a
@@ -111,7 +111,7 @@ class Workflows:
     def find_cycle(self, job: Job) -> list[str] | None:
         """A path job → … → job through ``after`` (sweep ids stand for their jobs), or None."""
         targets = {job.id} | ({job.run["sweep"]["id"]} if job.run.get("sweep") else set())
-        stack = [(dep, [job.id, dep]) for dep in job.spec.after]
+        stack = [(dep, [job.id, dep]) for dep in job.known_spec.after]
         seen: set[str] = set()
         while stack:
             node, path = stack.pop()
@@ -398,7 +398,7 @@ class Workflows:
     # -- sweeps ------------------------------------------------------------------------------------
     def admit_sweep(self, cand: Candidate, spec: JobSpec, now: float, taken: Callable[[str], None]) -> None:
         """Claim a sweep file into its staging folder (then ``taken(name)``: the inbox forgets it), then write its jobs."""
-        total = combinations(spec.sweep)
+        total = combinations(spec.sweep or {})  # a sweep file: its sweep mapping is there
         claimed = self.state.folders.claim_sweep(cand.path, total, SWEEP_STAGING_PREFIX)
         taken(cand.name)
         if claimed is None:

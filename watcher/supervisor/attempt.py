@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import psutil
 
@@ -63,6 +64,7 @@ class _Attempt:
     job_pid: int
     started_at: float
     started_mono: float
+    checkpoints: story.CheckpointWatch  # checkpoint records become events (story.py)
     status: int | None = None  # raw waitpid status once the main child is reaped
     stop_reason: str | None = None
     stop_requested_at: float | None = None
@@ -74,7 +76,6 @@ class _Attempt:
     group: Path | None = None  # the attempt's cgroup (None: process-tree mode)
     mode: str = "process-tree"  # how the attempt is contained (cgroups.MODES)
     grace_s: float | None = None  # the stop's grace: the spec's stop_grace_s, or 0 for a stop.flag saying "now"
-    checkpoints: story.CheckpointWatch | None = None  # checkpoint records become events (story.py)
 
 
 class _StopSignal:
@@ -157,13 +158,14 @@ def _supervise(
         started_mono,
         dir_ino=_inode(spec.job_dir),
         group=group,
-        mode=containment.mode if group is not None else "process-tree",
+        mode=containment.mode if group is not None and containment is not None else "process-tree",
         checkpoints=checkpoints,
     )
     _write_started(attempt)
     story.started(attempt.paths, spec.attempt, started_at, job.pid, _job_env(spec), code)
     _watch(attempt, stop_signal)
-    job.returncode = os.waitstatus_to_exitcode(attempt.status)  # we reaped it: Popen must not wait or warn
+    # we reaped it (_watch returns once the main child is): Popen must not wait or warn
+    job.returncode = os.waitstatus_to_exitcode(cast(int, attempt.status))
     return _write_exit(attempt, ended)
 
 
