@@ -240,13 +240,21 @@ def test_docstrings_name_modules_that_exist():
     assert not problems, "\n".join(problems)
 
 
-def test_package_docstrings_cite_no_contract_section_the_repository_lacks():
-    problems = [
-        f"{rel(path)}: {m.group(0)!r}"
-        for path, doc in module_docstrings()
-        if path.name == "__init__.py"
-        for m in CONTRACT_CITATION.finditer(doc)
-    ]
+def test_python_sources_cite_no_contract_section_and_name_docs_pages_that_exist():
+    """Docstrings and comments alike: a reader of the code follows them into the repository's docs."""
+    this_file = Path(__file__).resolve()
+    problems = []
+    for tree_name in SOURCE_TREES:
+        for path in sorted((REPO / tree_name).rglob("*.py")):
+            if path.resolve() == this_file:
+                continue  # it spells out the patterns it looks for
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+                problems += [f"{rel(path)}:{number}: {m.group(0)!r}" for m in CONTRACT_CITATION.finditer(line)]
+                problems += [
+                    f"{rel(path)}:{number}: {m.group(0)} does not exist"
+                    for m in re.finditer(r"(?<![\w/.-])docs/[\w.-]+\.md\b", line)
+                    if not (REPO / m.group(0)).is_file()
+                ]
     assert not problems, "\n".join(problems)
 
 
