@@ -31,6 +31,7 @@ from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json, remove_quietly
+from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.spec.records import read_metrics_tail
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.spec.wall import DELIVERABLES, is_remote_target
@@ -281,7 +282,7 @@ class DeliveryQueue:
         if proc is not None and proc.poll() is None:
             return
         self._runners[job_id] = subprocess.Popen(
-            [sys.executable, "-m", "trainq.watcher.supervisor.deliver", str(job_dir)],
+            [*safe_module_argv(sys.executable, "trainq.watcher.supervisor.deliver"), str(job_dir)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
