@@ -262,7 +262,7 @@ class Walls:
         run = read_json(paths.run)
         if run is None:
             return
-        run["delivered"] = {k: record.get(k) for k in ("to", "at", "verified", "files", "tries", "error")}
+        run["delivered"] = {k: record.get(k) for k in ("to", "at", "verified", "files", "tries", "error", "skipped")}
         atomic_write_json(paths.run, run)
         events.emit(
             paths,
