@@ -120,7 +120,7 @@ def test_allow_commands_makes_the_env_an_allowlist_with_a_short_default(queue_di
     assert name["errors"][0]["path"] == "env.MY_FLAG", name
     assert "default allow_env" in name["error"] and "OMP_NUM_THREADS" in name["error"]
     path = json.loads((queue_dir / "failed" / "path" / "run.json").read_text())
-    assert path["errors"][0]["path"] == "env.LC_ALL" and "not a plain value" in path["error"], path
+    assert path["errors"][0]["path"] == "env.LC_ALL" and "value is not plain" in path["error"], path
 
 
 def test_the_default_list_names_no_loader_variable_and_no_new_family():

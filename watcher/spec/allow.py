@@ -330,7 +330,7 @@ def _allow_env_problem(spec: JobSpec, written: Sequence[str] | None, allow_env: 
         return None
     return Problem(
         f"env.{field_name(bent[0])}",
-        f"{field_name(spec.env[bent[0]])} is not a plain value (letters, digits and _.,:@=+- only, no '/'): "
+        "its value is not plain (letters, digits and _.,:@=+- only, no '/'): "
         "allow_commands' default allow_env takes no paths; ask whoever runs the queue to list it in allow_env",
     )
 
