@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 from conftest import PY, drop, tick_until
 
-from trainq.watcher.spec.redact import REDACTED, is_token, redact_env, redact_text, redact_value
+from trainq.watcher.spec.text import REDACTED, is_token, redact_env, redact_text, redact_value
 
 #: name -> a value of a real credential's shape (random-looking, not real keys)
 SHAPES = {

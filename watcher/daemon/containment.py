@@ -31,7 +31,7 @@ from trainq.watcher.daemon.jobs import Job, load_job, new_run
 from trainq.watcher.spec.errors import JobFolderRemoved, WatcherError
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json, touch
-from trainq.watcher.spec.redact import redact_strings
+from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.tombstones import ended_status, read_tombstone, record_removal
 from trainq.watcher.spec.units import iso_utc
 

@@ -28,7 +28,7 @@ from trainq.watcher.spec.errors import JobFolderRemoved
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
 from trainq.watcher.spec.jobspec import JobSpec
-from trainq.watcher.spec.redact import redact_strings
+from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.supervisor.hooks import HOOK_STATUSES, mark_due
 from trainq.watcher.supervisor.stacks import evidence as stack_evidence

@@ -16,7 +16,7 @@ from trainq.watcher import __version__
 from trainq.watcher.spec import events
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.jobspec import JobSpec
-from trainq.watcher.spec.redact import redact_strings, redact_value
+from trainq.watcher.spec.text import redact_strings, redact_value
 from trainq.watcher.supervisor.snapshot import SnapshotRequest, redact
 
 #: the folder holding the trainq package (a git checkout for an editable install): a train job's code

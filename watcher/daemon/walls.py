@@ -23,7 +23,7 @@ from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, read_json, touch
 from trainq.watcher.spec.records import append_record
-from trainq.watcher.spec.redact import redact_strings
+from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.wall import Forecast, freeze_hold
 from trainq.watcher.supervisor.deliver import LOCK_NAME, RECORD_NAME, DeliveryQueue

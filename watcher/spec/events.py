@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.spec.redact import redact_strings
+from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.units import iso_utc
 
 #: every event name a record may carry, in the order a job usually meets them

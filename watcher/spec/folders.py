@@ -21,7 +21,7 @@ from pathlib import Path
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import IllegalTransition, JobFolderRemoved, QueueLayoutError
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json, same_filesystem
-from trainq.watcher.spec.redact import redact_strings
+from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.tombstones import clear_tombstone, remember_ids
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json
-from trainq.watcher.spec.redact import redact_env
+from trainq.watcher.spec.text import redact_env
 
 #: largest code.diff kept (bytes); a larger diff is not written (a cut diff cannot be applied)
 MAX_DIFF_BYTES = 32 * 1024 * 1024
