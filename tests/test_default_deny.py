@@ -9,6 +9,7 @@ of these jobs was accepted, and the train job's planted ``argparse.py`` ran insi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tarfile
 from pathlib import Path
@@ -204,18 +205,33 @@ def plant_argparse(folder: Path, mark: Path) -> None:
     )
 
 
-def test_python_m_puts_the_cwd_first_and_safe_module_argv_does_not(tmp_path):
+#: every Python process trainq starts, by module
+MODULES = (
+    "trainq.trainer",
+    "trainq.watcher.supervisor.spawner",
+    "trainq.watcher.supervisor.hooks",
+    "trainq.watcher.supervisor.deliver",
+    "trainq.watcher.supervisor.stacks",
+    "trainq.watcher.slurm.node",
+)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_python_m_puts_the_cwd_first_and_safe_module_argv_does_not(tmp_path, module):
+    """A ``trainq/`` package planted in the cwd shadows the real one under ``python -m``: every module runs it."""
     planted = tmp_path / "planted"
-    planted.mkdir()
-    plant_argparse(planted, tmp_path / "old")
-    subprocess.run([PY, "-m", "trainq.trainer", "--help"], cwd=planted, capture_output=True, timeout=300)
-    assert (tmp_path / "old").exists(), "python -m did not import the cwd's argparse.py"
-    plant_argparse(planted, tmp_path / "new")
-    for module in ("trainq.trainer", "trainq.watcher.supervisor.hooks", "trainq.watcher.supervisor.deliver"):
+    (planted / "trainq").mkdir(parents=True)
+    (planted / "trainq" / "__init__.py").write_text("import os\nopen(os.environ['EVIL_MARK'], 'a').close()\n")
+
+    def run(argv: list[str], mark: Path) -> bool:
+        env = {**os.environ, "EVIL_MARK": str(mark)}
         subprocess.run(
-            [*safe_module_argv(PY, module), "--help"], cwd=planted, capture_output=True, timeout=300, check=False
+            [*argv, "--help"], cwd=planted, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=300
         )
-    assert not (tmp_path / "new").exists(), "a process trainq starts imported the cwd's argparse.py"
+        return mark.exists()
+
+    assert run([PY, "-m", module], tmp_path / "old"), "python -m did not import the cwd's trainq/"
+    assert not run(safe_module_argv(PY, module), tmp_path / "new"), f"{module} imported the cwd's trainq/"
 
 
 @pytest.fixture(scope="module")
