@@ -86,6 +86,24 @@ CREDENTIAL = re.compile(
     """,
     re.X,
 )
+#: substrings one of which every credential shape or URL password holds (the cheap test before the regexes)
+_MARKERS = (
+    "hf_",
+    "gh",
+    "_pat_",
+    "sk-",
+    "k_live_",
+    "k_test_",
+    "AKIA",
+    "ASIA",
+    "xox",
+    "glpat-",
+    "AIza",
+    "npm_",
+    "pypi-",
+    "eyJ",
+    "://",
+)
 #: a URL's userinfo password: scheme://user:PASSWORD@host (the password group is replaced)
 URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)([^\s/@]+)(@)")
 #: a whole value that is a long hex string (API keys such as W&B's 40 hex digits)
@@ -102,8 +120,8 @@ SEPARATOR = re.compile(r"[/_-]")
 
 def redact_text(text: str) -> str:
     """``text`` with every credential shape and URL password replaced by ``<redacted>``."""
-    if not text:
-        return text
+    if not text or not any(marker in text for marker in _MARKERS):
+        return text  # most strings a record holds (times, paths, states): a few substring scans, no regex
     text = CREDENTIAL.sub(REDACTED, text)
     return URL_PASSWORD.sub(lambda m: m.group(1) + REDACTED + m.group(3), text)
 
