@@ -34,6 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import PY, REPO, count_entries, load_average, median, percentile, wait_until
 
+#: the token every request carries (every bind needs one; a fixed one here, so the clients know it)
+TOKEN = "bench-serve-token-0123456789"
+AUTH = f"Authorization: Bearer {TOKEN}\r\n"
 #: goals this benchmark holds the server to (on the project's 2-core machines)
 GOAL_STREAM_CPU_PCT = 50.0
 GOAL_IDLE_CPU_PCT = 5.0
@@ -100,7 +103,7 @@ class Sampler:
 async def sse_client(port: int, path: str, got: list, until_end: bool = True) -> None:
     """An EventSource-like reader over HTTP/1.0 (no chunking); appends (event, id, data, received_at)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    writer.write(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n{AUTH}\r\n".encode())
     await writer.drain()
     while (await reader.readline()) not in (b"\r\n", b"\n", b""):
         pass  # headers
@@ -144,7 +147,7 @@ async def idle_phase(port: int, seconds: float) -> None:
 async def snapshot_phase(port: int) -> tuple[float, int]:
     t0 = time.monotonic()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /events HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+    writer.write(f"GET /events HTTP/1.0\r\nHost: 127.0.0.1\r\n{AUTH}\r\n".encode())
     while not (line := await reader.readline()).startswith(b"data: "):
         pass
     writer.close()
@@ -179,7 +182,9 @@ def run(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
         fill(root, args.jobs)
         print(f"{args.jobs} jobs done in {time.monotonic() - t0:.1f} s", file=sys.stderr)
         time.sleep(args.idle_seconds)  # let the watcher settle after the burst
-        server = trainq("--root", str(root), "serve", "--port", "0", stdout=subprocess.PIPE, text=True)
+        server = trainq(
+            "--root", str(root), "serve", "--port", "0", "--token", TOKEN, stdout=subprocess.PIPE, text=True
+        )
         port = int(re.search(r":(\d+)/", server.stdout.readline()).group(1))
         sampler = Sampler(server.pid)
         sampler.start()

@@ -17,7 +17,8 @@ CHATTY = REPO / "tests" / "fake_trainers" / "chatty.py"
 
 
 class Server:
-    """``python -m trainq.watcher serve`` on 127.0.0.1; ``port`` read back from its first line."""
+    """``python -m trainq.watcher serve`` on 127.0.0.1; ``port``, ``token`` and ``url`` read back from its first
+    line. Requests carry the token (``Authorization: Bearer``) unless ``auth=False``."""
 
     def __init__(self, root: Path, *args: str, port: int = 0) -> None:
         argv = [sys.executable, "-m", "trainq.watcher", "--root", str(root), "serve", "--port", str(port), *args]
@@ -26,23 +27,32 @@ class Server:
             argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True
         )
         first = self.proc.stdout.readline()
-        found = re.search(r"http://127\.0\.0\.1:(\d+)/", first)
+        found = re.search(r"(http://127\.0\.0\.1:(\d+)/\?token=(\S+))", first)
         if not found:
             self.stop()
             raise AssertionError(f"trainq serve did not start: {first!r}\n{self.log.read_text()[-2000:]}")
-        self.port = int(found.group(1))
+        self.url, self.port, self.token = found.group(1), int(found.group(2)), found.group(3)
 
-    def get(self, path: str, headers: dict | None = None, method: str = "GET") -> tuple[int, dict, bytes]:
+    def headers(self, headers: dict | None, auth: bool) -> dict:
+        """``headers`` plus the bearer token (unless ``auth`` is False or they name Authorization)."""
+        given = dict(headers or {})
+        if auth and not any(k.lower() == "authorization" for k in given):
+            given["Authorization"] = f"Bearer {self.token}"
+        return given
+
+    def get(
+        self, path: str, headers: dict | None = None, method: str = "GET", auth: bool = True
+    ) -> tuple[int, dict, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         try:
-            conn.request(method, path, headers=headers or {})
+            conn.request(method, path, headers=self.headers(headers, auth))
             resp = conn.getresponse()
             return resp.status, dict(resp.getheaders()), resp.read()
         finally:
             conn.close()
 
-    def stream(self, path: str, headers: dict | None = None) -> SseReader:
-        return SseReader(self.port, path, headers or {})
+    def stream(self, path: str, headers: dict | None = None, auth: bool = True) -> SseReader:
+        return SseReader(self.port, path, self.headers(headers, auth))
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:

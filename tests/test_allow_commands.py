@@ -65,7 +65,7 @@ def test_env_path_is_refused(queue_dir, watcher, evil):
 
 
 def test_relative_echo_with_cwd_is_refused(queue_dir, watcher, evil):
-    w = watcher(allow_commands=["echo"])
+    w = watcher(allow_commands=["echo"], allow_cwd=[str(evil)])  # the cwd is allowed; its ./echo is not
     drop(queue_dir, "rel.yaml", f"approved: true\ncommand: [./echo]\ncwd: {evil}\n")
     run = rejected(queue_dir, w, "rel")
     assert f"resolves to {evil / 'echo'}" in run["error"]

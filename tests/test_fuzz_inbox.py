@@ -175,7 +175,7 @@ name_suffix = st.one_of(
 )
 
 
-def expected_to_stay(data: bytes, config: WatcherConfig) -> bool:
+def expected_to_stay(data: bytes, config: WatcherConfig, root: Path) -> bool:
     """What the watcher must do with ``data``, from the real validator in this process.
 
     Valid (allowed) but unapproved files stay in the inbox (awaiting approval); everything else
@@ -188,7 +188,8 @@ def expected_to_stay(data: bytes, config: WatcherConfig) -> bool:
         spec = parse_job_text(text, "inbox/x.yaml")
     except InvalidJobSpec:
         return False
-    return not spec.approved and check_command_allowed(spec, config) is None
+    values = {"job_dir": str(root / "pending" / "x"), "job_id": "x", "attempt": "1"}  # as at acceptance (allow_cwd)
+    return not spec.approved and check_command_allowed(spec, config, values) is None
 
 
 def inbox_names(root: Path) -> set[bytes]:
@@ -198,7 +199,9 @@ def inbox_names(root: Path) -> set[bytes]:
 
 def test_watcher_survives_thousands_of_generated_job_files(queue_dir: Path, watcher_process) -> None:
     (queue_dir / "watcher.yaml").write_text(
+        # allow_env '*': the generated env names are random (the allowlist is tested in test_default_deny.py)
         f'settle_s: 0.1\nrescan_s: 0.5\nstatus_s: 0.5\nmax_concurrent: 4\nallow_commands: ["true", {PY}]\n'
+        "allow_env: ['*']\n"
     )
     config = load_watcher_config(queue_dir, {})
     wp = watcher_process(env={"TRAINQ_SIMULATE_GPUS": ""})
@@ -236,7 +239,7 @@ def test_watcher_survives_thousands_of_generated_job_files(queue_dir: Path, watc
         name = f"{len(thrown):05d}".encode() + suffix + (b".yml" if yml else b".yaml")
         with open(staging + b"/" + name, "wb") as f:
             f.write(data)
-        if expected_to_stay(data, config) and name_problem(os.fsdecode(name)) is None:
+        if expected_to_stay(data, config, queue_dir) and name_problem(os.fsdecode(name)) is None:
             staying.add(name)
         os.rename(staging + b"/" + name, os.fsencode(queue_dir / "inbox") + b"/" + name)
         thrown.append(name)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
+from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.spec.jobspec import (
     DEFAULT_RETRY_ON,
     JOB_SCHEMA,
@@ -468,9 +469,7 @@ def test_train_job_launch() -> None:
     assert spec.is_train and spec.has_resume and spec.command is None
     assert spec.train["max_steps"] == 40
     assert spec.launch_argv(values, "/venv/bin/python", resume=False) == [
-        "/venv/bin/python",
-        "-m",
-        "trainq.trainer",
+        *safe_module_argv("/venv/bin/python", "trainq.trainer"),  # -P: the job's cwd is not on sys.path
         "/q/running/t",
     ]
     assert spec.launch_argv(values, "/venv/bin/python", resume=True)[-2:] == [

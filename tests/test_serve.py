@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -91,13 +93,59 @@ def test_with_a_token_every_request_must_carry_it(queue_dir: Path, tmp_path: Pat
         ({}, "/jobs/a/log"),
         ({}, "/status?token=nope"),
     ):
-        status, head, _ = server.get(path, headers)
+        status, head, _ = server.get(path, headers, auth=False)
         assert status == 401 and head.get("www-authenticate") == "Bearer", (headers, path, status)
+    assert server.token == TOKEN and not (queue_dir / ".trainq-serve.token").exists()
     assert server.get("/status", {"Authorization": f"Bearer {TOKEN}"})[0] == 200
-    assert server.get(f"/status?token={TOKEN}")[0] == 200  # for EventSource, which cannot send headers
+    status, head, _ = server.get(f"/status?token={TOKEN}", auth=False)  # for EventSource, which cannot send headers
+    assert status == 200 and head["set-cookie"].startswith(f"trainq-serve-{server.port}=")
+    cookie = head["set-cookie"].split(";")[0]
+    assert TOKEN not in cookie and "HttpOnly" in head["set-cookie"] and "SameSite=Strict" in head["set-cookie"]
+    assert server.get("/status", {"Cookie": cookie}, auth=False)[0] == 200  # the page's later requests
+    assert server.get("/status", {"Cookie": f"trainq-serve-{server.port}=forged"}, auth=False)[0] == 401
     events = server.stream("/events", {"Authorization": f"Bearer {TOKEN}"})
     assert events.status == 200 and events.next().kind == "snapshot"
     events.close()
+
+
+#: another local user's client: /usr/bin/python3 and urllib, printing the HTTP status it got
+PROBE = """import sys, urllib.error, urllib.request
+try:
+    print(urllib.request.urlopen(sys.argv[1], timeout=60).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+"""
+
+
+def test_the_default_loopback_server_answers_another_local_user_401(queue_dir: Path, serve) -> None:
+    """Issue 36, item 3: before, uid 65534 read a running job's output.log through the default loopback server,
+    while reading the 0700 folder directly gave "Permission denied"."""
+    if not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("setpriv or /usr/bin/python3 is not installed here")
+    job = queue_dir / "running" / "j"
+    job.mkdir(parents=True)
+    (job / "output.log").write_text("the owner's secret line\n")
+    server = serve()
+    base = f"http://127.0.0.1:{server.port}"
+
+    def as_nobody(url: str) -> str:
+        done = subprocess.run(
+            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3", "-c", PROBE, url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd="/",
+        )
+        return done.stdout.strip() or done.stderr.strip()
+
+    for path in ("/jobs/j/log", "/status", "/", "/events", "/jobs/j/log?token=guess-0123456789abcdef"):
+        assert as_nobody(base + path) == "401", path
+    token_file = queue_dir / ".trainq-serve.token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and token_file.read_text().strip() == server.token
+    log = server.stream("/jobs/j/log")  # the owner, with the token the printed URL carries
+    assert log.status == 200 and log.next().data == "the owner's secret line"
+    log.close()
+    assert server.get("/jobs/j/log", auth=False)[0] == 401
 
 
 def test_ids_are_checked_against_the_folders_and_nothing_changes_the_queue(
@@ -136,7 +184,11 @@ def test_ids_are_checked_against_the_folders_and_nothing_changes_the_queue(
     log = server.stream("/jobs/a/log")
     assert next((e.kind, e.id, e.data) for e in log.until(lambda e: e.kind == "end")) == ("message", "6", "hello")
     assert server.get("/jobs/a/log", {"Last-Event-ID": "6"})[0] == 204
-    assert _tree(queue_dir) == before
+    after = _tree(queue_dir)
+    after.pop(".trainq-serve.token")  # the one file it writes, at start: its token (mode 0600)
+    assert after == before
+    token_file = queue_dir / ".trainq-serve.token"
+    assert token_file.read_text() == server.token + "\n" and stat.S_IMODE(token_file.stat().st_mode) == 0o600
 
 
 @pytest.mark.parametrize("observer", ["inotify", "polling"])

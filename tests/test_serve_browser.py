@@ -59,12 +59,14 @@ return true;})()"""
 
 
 def test_eventsource_gets_every_line_in_order_across_a_drop_and_restarts(
-    queue_dir: Path, watcher_process, serve, browser: Browser
+    queue_dir: Path, tmp_path: Path, watcher_process, serve, browser: Browser
 ) -> None:
     watcher = watcher_process()
-    server = serve()
+    token_file = tmp_path / "token"  # the same token after the restart: the browser's cookie stays good
+    token_file.write_text(TOKEN + "\n")
+    server = serve("--token-file", str(token_file))
     port = server.port
-    _open_page(browser, f"http://127.0.0.1:{port}/status")
+    _open_page(browser, f"http://127.0.0.1:{port}/status?token={TOKEN}")  # sets the cookie EventSource then sends
     drop(
         queue_dir,
         "chat.yaml",
@@ -92,7 +94,7 @@ def test_eventsource_gets_every_line_in_order_across_a_drop_and_restarts(
     watcher.kill()
     wait_until(lambda: _js(browser, "es.readyState") == 0, 30, 0.05, "EventSource reconnecting")
     watcher_process()
-    serve(port=port)
+    serve("--token-file", str(token_file), port=port)
     (queue_dir / "running" / "chat" / "go-12").touch()
     wait_until(lambda: _js(browser, "es.readyState") == 2, 90, 0.1, "the stream ended and the reconnect got 204")
 
@@ -165,6 +167,7 @@ def test_the_served_status_page_follows_the_streams_instead_of_reloading(
         0.05,
         "the job at its first gate, in status.html",
     )
+    _open_page(browser, server.url.replace("/?", "/status?"))  # the printed URL's token: a cookie from now on
     _open_page(browser, f"http://127.0.0.1:{server.port}/")
     browser.evaluate("window.marker = 'first load'")
     first = _page_where(
@@ -205,11 +208,13 @@ def test_a_request_without_the_token_is_refused(queue_dir: Path, serve, browser:
     base = f"http://127.0.0.1:{server.port}"
     _open_page(browser, f"{base}/status")
     assert "missing or wrong token" in browser.evaluate("document.body.innerText")
+    # one after another: the token in a query sets a cookie, which the later bare fetch then carries
     browser.evaluate(f"""(function(){{window.r={{}};
-      fetch('/status').then(function(x){{r.bare=x.status;}});
-      fetch('/status',{{headers:{{Authorization:'Bearer {TOKEN}'}}}}).then(function(x){{r.bearer=x.status;}});
-      var a=new EventSource('/events');a.onerror=function(){{r.es_bare=a.readyState;}};
-      var b=new EventSource('/events?token={TOKEN}');b.addEventListener('snapshot',function(){{r.es_token='snapshot';b.close();}});
+      fetch('/status').then(function(x){{r.bare=x.status;
+        fetch('/status',{{headers:{{Authorization:'Bearer {TOKEN}'}}}}).then(function(x){{r.bearer=x.status;}});
+        var a=new EventSource('/events');a.onerror=function(){{r.es_bare=a.readyState;a.close();
+          var b=new EventSource('/events?token={TOKEN}');b.addEventListener('snapshot',function(){{
+            r.es_token='snapshot';b.close();fetch('/status').then(function(x){{r.cookie=x.status;}});}});}};}});
     }})()""")
-    wait_until(lambda: len(_js(browser, "r") or {}) == 4, 30, 0.05, "four answers")
-    assert _js(browser, "r") == {"bare": 401, "bearer": 200, "es_bare": 2, "es_token": "snapshot"}
+    wait_until(lambda: len(_js(browser, "r") or {}) == 5, 30, 0.05, "five answers")
+    assert _js(browser, "r") == {"bare": 401, "bearer": 200, "es_bare": 2, "es_token": "snapshot", "cookie": 200}

@@ -27,6 +27,7 @@ from trainq.trainer.metrics import MetricsWriter, read_records
 from trainq.trainer.plateau import LEARN_MARGIN, learning_verdict
 from trainq.watcher.spec.contract import ENV_ATTEMPT, ENV_METRICS, ENV_RESUME_FROM, ENV_STOP_FLAG, EXIT_FAILED, EXIT_OK
 from trainq.watcher.spec.fsutil import atomic_write_json
+from trainq.watcher.spec.interpreter import safe_module_argv
 
 #: smoke-run length: this many steps, or SMOKE_SHARE of the real run when fewer, never under SMOKE_MIN_STEPS
 SMOKE_STEPS = 20
@@ -71,7 +72,7 @@ def _run(job: Path, env: dict[str, str], stop_flag: Path) -> tuple[int, str]:
     """One trainer process on the smoke folder; (exit code, its last output line)."""
     with open(job / "output.log", "ab") as log:
         code = subprocess.call(
-            [sys.executable, "-m", "trainq.trainer", str(job)],
+            [*safe_module_argv(sys.executable, "trainq.trainer"), str(job)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**env, ENV_STOP_FLAG: str(stop_flag)},

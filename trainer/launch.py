@@ -136,6 +136,9 @@ def launch(plan: Plan, job_dir: Path, trainer_argv: list[str]) -> int:
     shutil.rmtree(log_dir, ignore_errors=True)
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_rank(plan.processes))
     os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_PREFIX_TEMPLATE
+    os.environ["PYTHONSAFEPATH"] = (
+        "1"  # the ranks run `python -u -m trainq.trainer` in the job's cwd: keep it off sys.path
+    )
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     for stream in (sys.stdout, sys.stderr):
         cast(io.TextIOWrapper, stream).reconfigure(

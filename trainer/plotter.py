@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trainq.watcher.spec.interpreter import safe_module_argv
+
 #: how long finish() waits for the helper's picture before drawing it itself (s)
 PLOT_TIMEOUT_S = 60
 
@@ -31,7 +33,7 @@ class LossPlotter:
     def start(self) -> LossPlotter:
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainq.trainer.plotter"],
+                safe_module_argv(sys.executable, "trainq.trainer.plotter"),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,

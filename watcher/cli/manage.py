@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write, read_json, remove_quietly, touch
+from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.spec.tombstones import prune_tombstones, record_removal
 
 #: the states a job folder can be in, in the order a lookup tries them
@@ -503,7 +504,7 @@ def run_module(module: str, args: list[str], prog: str | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     env = dict(os.environ, TRAINQ_PROG=prog) if prog else os.environ
-    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
+    os.execve(sys.executable, [*safe_module_argv(sys.executable, module), *args], env)
     return EXIT_ERROR  # not reached
 
 

@@ -16,6 +16,7 @@ from trainq.watcher import __version__
 from trainq.watcher.spec import events
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.jobspec import JobSpec
+from trainq.watcher.spec.text import redact_strings, redact_value
 from trainq.watcher.supervisor.snapshot import SnapshotRequest, redact
 
 #: the folder holding the trainq package (a git checkout for an editable install): a train job's code
@@ -64,15 +65,18 @@ def snapshot_request(
 
 
 def _resolved_config(spec: JobSpec, run: dict, argv: list[str], cwd: str, env: dict[str, str]) -> dict:
-    """The job after placeholders and defaults (durations in seconds); secret-looking env values redacted."""
+    """The job after placeholders and defaults (durations in seconds); secrets redacted by name and by value
+    (env values and command arguments wholly, credential shapes anywhere)."""
     config = spec.to_dict()
     config.update(cwd=cwd, env=redact(env), trainq_version=__version__)
     if not spec.is_train:
-        config["command"] = list(argv)
+        config["command"] = [redact_value(a) for a in argv]
     for key in ("sweep", "lineage"):
         if run.get(key):
             config[key] = run[key]
-    return config
+    redacted = redact_strings(config)
+    assert isinstance(redacted, dict)  # redact_strings keeps a value's shape
+    return redacted
 
 
 def _named_paths(argv: list[str], cwd: str) -> list[Path]:

@@ -14,8 +14,8 @@ from trainq.watcher.daemon.admission import Holding, Limits, Request, plan
 from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
 from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
 from trainq.watcher.daemon.records import gpu_facts, snapshot_request
-from trainq.watcher.spec.allow import command_problem, executable_for
-from trainq.watcher.spec.config import passed_through
+from trainq.watcher.spec.allow import executable_for
+from trainq.watcher.spec.config import check_command_allowed, passed_through
 from trainq.watcher.spec.contract import (
     ATTEMPT_BANNER_PREFIX,
     ENV_ATTEMPT,
@@ -287,12 +287,8 @@ class Starting:
             "resume_from": resume_from or "",
             **self.workflows.after_values(job),
         }
-        problem = command_problem(
-            job.known_spec,
-            self.state.config.allow_commands,
-            values,
-            job_path(self.state.env.get("PATH", "")),
-            self.state.config.allow_env,
+        problem = check_command_allowed(
+            job.known_spec, self.state.config, values, job_path(self.state.env.get("PATH", ""))
         )
         if problem is not None:
             self._refuse(job, problem, now)
@@ -463,6 +459,8 @@ class Starting:
             env[ENV_INIT_FROM] = os.path.join(str(paths.dir), os.path.expanduser(job.known_spec.from_checkpoint))
         if self.state.config.cost is not None:  # the trainer writes its attempt's cost into summary.json
             env[ENV_COST] = self.state.config.cost.to_env(len(decision.gpus))
+        if job.known_spec.is_train:  # torchrun's ranks (python -u -m) and the trainer's helpers: no cwd on sys.path
+            env["PYTHONSAFEPATH"] = "1"
         return env
 
 

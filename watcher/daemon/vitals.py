@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 from trainq.watcher.daemon.jobs import Job
 from trainq.watcher.spec.fsutil import touch
+from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.spec.lrschedule import lr_deviation
 from trainq.watcher.spec.records import append_record
 from trainq.watcher.spec.units import iso_utc
@@ -93,7 +94,11 @@ class Vitals:
             return
         self._stack_runners[job.id] = (
             subprocess.Popen(
-                [sys.executable, "-m", "trainq.watcher.supervisor.stacks", str(job.paths.dir), *map(str, pids)],
+                [
+                    *safe_module_argv(sys.executable, "trainq.watcher.supervisor.stacks"),
+                    str(job.paths.dir),
+                    *map(str, pids),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

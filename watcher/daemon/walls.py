@@ -23,6 +23,7 @@ from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, read_json, touch
 from trainq.watcher.spec.records import append_record
+from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.wall import Forecast, freeze_hold
 from trainq.watcher.supervisor.deliver import LOCK_NAME, RECORD_NAME, DeliveryQueue
@@ -264,8 +265,8 @@ class Walls:
         run = read_json(paths.run)
         if run is None:
             return
-        run["delivered"] = {k: record.get(k) for k in ("to", "at", "verified", "files", "tries", "error")}
-        atomic_write_json(paths.run, run)
+        run["delivered"] = {k: record.get(k) for k in ("to", "at", "verified", "files", "tries", "error", "skipped")}
+        atomic_write_json(paths.run, redact_strings(run))
         events.emit(
             paths,
             "delivered",

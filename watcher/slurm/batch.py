@@ -17,6 +17,7 @@ from pathlib import Path
 from trainq.watcher.slurm.ranks import RANK_EXIT_SH
 from trainq.watcher.slurm.state import EXIT_NOT_SHARED
 from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.interpreter import safe_module_argv
 
 #: seconds added to timeout + stop_grace + kill_after for --time, so trainq's own timeout path runs first
 TIME_LIMIT_MARGIN_S = 60.0
@@ -254,5 +255,5 @@ filesystem that the watcher's machine and every node mount at the same path (NFS
 fi
 PYTHONPATH={q(package_parent)}${{PYTHONPATH:+:$PYTHONPATH}}
 export PYTHONPATH
-exec {q(python)} -m trainq.watcher.slurm.node "$JOB_DIR" --attempt {attempt}{beat}
+exec {shlex.join(safe_module_argv(python, "trainq.watcher.slurm.node"))} "$JOB_DIR" --attempt {attempt}{beat}
 """

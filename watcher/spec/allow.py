@@ -1,20 +1,30 @@
-"""``allow_commands`` as a boundary (docs/settings.md): what a command job may start.
+"""``allow_commands`` as a boundary (docs/settings.md): what a command job may start, default-deny.
 
 After placeholders expand, a command's executable is resolved the way exec would find it (a
 path with a slash against the job's cwd; a bare name on the *watcher's* PATH) to a real path,
-which must be the real path of an allowed entry (resolved the same way). While the list is set
-a job's env may not set the variables that make an allowed program load or run other code
-(LOADER_VARIABLES: the search path, the dynamic loader, shells' start-up and tracing hooks, the
-interpreters' start-up options, OpenSSL's config, git's command hooks, ...), so the program checked is
-the program started and nothing else runs in it. ``allow_env`` (watcher.yaml) is the strict form: the
-job's env may only set the names it lists. The checks run at acceptance and again at start, where
-the checked real path is what the supervisor execs (``LaunchSpec.executable``).
+which must be the real path of an allowed entry (resolved the same way). While the list is set:
+
+- a job's ``env`` is an allowlist: ``allow_env`` (watcher.yaml) or, when that is absent,
+  DEFAULT_ALLOW_ENV, a short list of knobs that load nothing, whose values must be plain
+  (PLAIN_VALUE: no path can hide in them);
+- the variables that make an allowed program load or run other code (LOADER_FAMILIES: the search
+  path, the dynamic loader, shells' start-up and tracing hooks, the interpreters' start-up options,
+  OpenSSL's config, git's command hooks, tar/rsync/pip's options, $SHELL, ...) stay refused even
+  when allow_env lists them: a second layer, so a generous allow_env cannot reopen them;
+- a job's ``cwd`` must lie, real path against real path, inside the job folder or a folder of
+  ``allow_cwd``: a cwd is code too (git reads ``.git/config`` there, and ``core.fsmonitor`` runs a
+  command on ``git status``; interpreters import from it).
+
+So the program checked is the program started and nothing else runs in it. The checks run at
+acceptance and again at start, where the checked real path is what the supervisor execs
+(``LaunchSpec.executable``). ``allow_env`` set without ``allow_commands`` is an allowlist too.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 
@@ -132,9 +142,48 @@ LOADER_FAMILIES: dict[str, tuple[str, ...]] = {
         "KRB5_CONFIG",
         "SASL_PATH",
     ),
+    # programs a script calls that take commands or options from the environment: tar runs
+    # --checkpoint-action=exec=CMD from TAR_OPTIONS, rsync runs RSYNC_RSH / RSYNC_CONNECT_PROG, pip reads
+    # any option from PIP_* (an index, find-links or a config file: code it then builds), and flock -c,
+    # script -c, make's $(shell) and many others run $SHELL
+    "tools": ("TAR_OPTIONS", "RSYNC_RSH", "RSYNC_CONNECT_PROG", "PIP_*", "UV_*", "SHELL"),
 }
 #: every family's names in one tuple
 LOADER_VARIABLES = tuple(name for names in LOADER_FAMILIES.values() for name in names)
+
+
+#: what a job's env may set under allow_commands when watcher.yaml has no allow_env: knobs a training job
+#: sets that load nothing and name no file (docs/containment.md says why each is safe, and why HF_HOME,
+#: WANDB_DIR, TZ and the like are not here: each is a path some library reads code or config from)
+DEFAULT_ALLOW_ENV: tuple[str, ...] = (
+    "OMP_NUM_THREADS",  # thread-pool sizes (numbers)
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",  # true/false
+    "PYTHONUNBUFFERED",  # interpreter flags read as booleans or numbers; they import nothing
+    "PYTHONHASHSEED",
+    "PYTHONFAULTHANDLER",
+    "HF_HUB_OFFLINE",  # booleans that only forbid network access
+    "TRANSFORMERS_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "WANDB_MODE",  # online/offline/disabled
+    "CUBLAS_WORKSPACE_CONFIG",  # :4096:8 for deterministic cuBLAS
+    "PYTORCH_CUDA_ALLOC_CONF",  # the caching allocator's knobs (expandable_segments:True, ...)
+    "LANG",  # locale names (glibc loads a locale from a path when the name starts with '/': PLAIN_VALUE)
+    "LANGUAGE",
+    "LC_*",
+)
+#: the values DEFAULT_ALLOW_ENV's names may take: plain words, numbers and lists, no '/' (so no path)
+PLAIN_VALUE = re.compile(r"[A-Za-z0-9_.,:@=+-]*")
+
+
+def effective_allow_env(
+    allow_commands: Sequence[str] | None, allow_env: Sequence[str] | None
+) -> tuple[str, ...] | None:
+    """The env allowlist in force: ``allow_env`` when set, else DEFAULT_ALLOW_ENV under allow_commands, else None."""
+    if allow_env is not None:
+        return tuple(allow_env)
+    return DEFAULT_ALLOW_ENV if allow_commands is not None else None
 
 
 def is_loader_variable(name: str) -> bool:
@@ -179,17 +228,19 @@ def command_problem(
     values: Mapping[str, str],
     path_env: str | None,
     allow_env: Sequence[str] | None = None,
+    allow_cwd: Sequence[str] | None = None,
 ) -> Problem | None:
-    """Why ``spec`` may not start under ``allowed`` and ``allow_env`` (None: it may).
+    """Why ``spec`` may not start under ``allowed``, ``allow_env`` and ``allow_cwd`` (None: it may).
 
-    Train jobs are always allowed, but their env is held to the same rule (the trainer is python, and
-    PYTHONPATH or LD_PRELOAD would run other code in it); an ``on_finish`` hook is held to the list
-    like a command (it runs in the job folder).
+    Train jobs are always allowed, but their env and cwd are held to the same rules (the trainer is
+    python, and PYTHONPATH or LD_PRELOAD would run other code in it); an ``on_finish`` hook is held to
+    the list like a command (it runs in the job folder).
     """
-    problem = _allow_env_problem(spec, allow_env)
+    problem = _env_problem(spec) if allowed is not None else None
+    problem = problem or _allow_env_problem(spec, allow_env, effective_allow_env(allowed, allow_env))
     if allowed is None or problem is not None:
         return problem
-    problem = _env_problem(spec)
+    problem = cwd_problem(spec, values, allow_cwd)
     if problem is not None:
         return problem
     if spec.command and not spec.is_train:
@@ -258,16 +309,48 @@ def _env_problem(spec: JobSpec) -> Problem | None:
     )
 
 
-def _allow_env_problem(spec: JobSpec, allow_env: Sequence[str] | None) -> Problem | None:
+def _allow_env_problem(spec: JobSpec, written: Sequence[str] | None, allow_env: Sequence[str] | None) -> Problem | None:
+    """Names outside the allowlist; under the default list, also values that are not plain."""
     if allow_env is None:
         return None
     refused = [name for name in spec.env if not is_allowed_env(name, allow_env)]
-    if not refused:
-        return None
-    names = ", ".join(field_name(n) for n in refused)
     listed = ", ".join(allow_env) or "nothing"
+    if refused:
+        names = ", ".join(field_name(n) for n in refused)
+        whose = "watcher.yaml's allow_env lists" if written is not None else "allow_commands' default allow_env lists"
+        return Problem(
+            f"env.{field_name(refused[0])}",
+            f"{names} may not be set: {whose} the only variables a job may set "
+            f"(allowed: {listed}); ask whoever runs the queue to add it to allow_env, or drop it from env",
+        )
+    if written is not None:
+        return None
+    bent = [name for name, value in spec.env.items() if not PLAIN_VALUE.fullmatch(value)]
+    if not bent:
+        return None
     return Problem(
-        f"env.{field_name(refused[0])}",
-        f"{names} may not be set: watcher.yaml's allow_env lists the only variables a job may set "
-        f"(allowed: {listed}); ask whoever runs the queue to add it, or drop it from env",
+        f"env.{field_name(bent[0])}",
+        "its value is not plain (letters, digits and _.,:@=+- only, no '/'): "
+        "allow_commands' default allow_env takes no paths; ask whoever runs the queue to list it in allow_env",
     )
+
+
+def cwd_problem(spec: JobSpec, values: Mapping[str, str], allow_cwd: Sequence[str] | None) -> Problem | None:
+    """A ``cwd`` whose real path lies outside the job folder and every folder of ``allow_cwd`` (None: inside)."""
+    if spec.cwd is None or "job_dir" not in values:
+        return None
+    cwd = os.path.realpath(spec.launch_cwd(dict(values)) or values["job_dir"])
+    folders = [values["job_dir"], *(allow_cwd or ())]
+    if any(_is_within(cwd, os.path.realpath(os.path.expanduser(f))) for f in folders):
+        return None
+    listed = ", ".join(allow_cwd or ()) or "none but the job folder"
+    return Problem(
+        "cwd",
+        f"{field_name(spec.cwd)} resolves to {cwd}, outside the job folder and allow_cwd of watcher.yaml "
+        f"(allowed: {listed}): while allow_commands is set a job runs only in folders the queue trusts; "
+        "ask whoever runs the queue to add it to allow_cwd, or drop cwd",
+    )
+
+
+def _is_within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")

@@ -85,6 +85,8 @@ class WatcherConfig:
     cost: Cost | None = None
     #: names or globs a job's env may set (None: any name, within allow_commands' rules)
     allow_env: tuple[str, ...] | None = None
+    #: folders (absolute) a job's cwd may lie in under allow_commands, besides its own folder (docs/settings.md)
+    allow_cwd: tuple[str, ...] = ()
     pools: dict = field(default_factory=dict)  # pool name -> max_concurrent (docs/cli.md, pools)
 
     def pool_limits(self) -> dict[str, int]:
@@ -147,6 +149,8 @@ class WatcherConfig:
             }
         if self.allow_env is not None:
             out["allow_env"] = list(self.allow_env)
+        if self.allow_cwd:
+            out["allow_cwd"] = list(self.allow_cwd)
         if self.pools:
             out["pools"] = {name: {"max_concurrent": n} for name, n in self.pools.items()}
         return out
@@ -168,7 +172,7 @@ def _interval_problems(data: Mapping) -> list[Problem]:
 def _string_problems(data: Mapping) -> list[Problem]:
     """Control characters in the settings that become paths or argv."""
     strings = [("simulate_gpus", data.get("simulate_gpus"))]
-    for key in ("allow_commands", "env_passthrough", "allow_env"):
+    for key in ("allow_commands", "env_passthrough", "allow_env", "allow_cwd"):
         if isinstance(data.get(key), list):
             strings += [(f"{key}[{i}]", item) for i, item in enumerate(data[key])]
     slurm = data.get("slurm")
@@ -198,6 +202,7 @@ def _build(data: Mapping, root: Path | None) -> WatcherConfig:
         allow_commands=None if allowed is None else tuple(allowed),
         env_passthrough=None if passthrough is None else tuple(passthrough),
         allow_env=None if data.get("allow_env") is None else tuple(data["allow_env"]),
+        allow_cwd=tuple(str(_resolve(folder, root)) for folder in data.get("allow_cwd") or ()),
         keep_finished=int(data.get("keep_finished", defaults.keep_finished)),
         executor=data.get("executor", defaults.executor),
         slurm=slurm,
@@ -254,10 +259,10 @@ def passed_through(env: Mapping[str, str], patterns: tuple[str, ...] | None) -> 
 def check_command_allowed(
     spec: JobSpec, config: WatcherConfig, values: Mapping[str, str] | None = None, path_env: str | None = None
 ) -> Problem | None:
-    """A Problem when a command job may not start under ``allow_commands`` (allow.py); train jobs always may.
+    """A Problem when a job may not start under ``allow_commands``, ``allow_env`` and ``allow_cwd`` (allow.py).
 
     ``values`` are the placeholder values (job_dir, job_id, ...); ``path_env`` the watcher's PATH
     (default: this process's).
     """
     path_env = os.environ.get("PATH", os.defpath) if path_env is None else path_env
-    return command_problem(spec, config.allow_commands, values or {}, path_env, config.allow_env)
+    return command_problem(spec, config.allow_commands, values or {}, path_env, config.allow_env, config.allow_cwd)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.units import iso_utc
 
 #: every event name a record may carry, in the order a job usually meets them
@@ -47,7 +48,7 @@ def event(name: str, now: float | None = None, **fields: object) -> dict:
     if name not in EVENTS:
         raise ValueError(f"unknown event {name!r}; one of {', '.join(EVENTS)}")
     record: dict = {"time": iso_utc(time.time() if now is None else now), "event": name}
-    record.update({k: _bounded(v) for k, v in fields.items() if v is not None})
+    record.update({k: _bounded(redact_strings(v)) for k, v in fields.items() if v is not None})
     return record
 
 

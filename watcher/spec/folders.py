@@ -21,6 +21,7 @@ from pathlib import Path
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import IllegalTransition, JobFolderRemoved, QueueLayoutError
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json, same_filesystem
+from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.tombstones import clear_tombstone, remember_ids
 
 logger = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ class Folders:
         job_id, path = self._reserve_dir(state, inbox_file.name)
         paths = JobPaths(path)
         try:
-            atomic_write_json(paths.run, dict(run, id=job_id), durable=False)
+            atomic_write_json(paths.run, redact_strings(dict(run, id=job_id)), durable=False)
             _link_or_rename(inbox_file, paths.spec)
         except FileNotFoundError:
             self._undo_reservation(paths)

@@ -32,3 +32,19 @@ def resolved_program(argv0: str, path_env: str, cwd: str) -> str | None:
     if os.sep in argv0:
         return os.path.normpath(os.path.join(cwd, argv0))
     return shutil.which(argv0, path=path_env)
+
+
+#: Python 3.10 has no ``-P``: this bootstrap drops the script folder (``''``, the cwd) from sys.path, then runs
+#: the module as ``-m`` would
+_SAFE_BOOT = "import runpy,sys;del sys.path[0];runpy.run_module(sys.argv.pop(1),run_name='__main__',alter_sys=True)"
+
+
+def safe_module_argv(python: str, module: str) -> list[str]:
+    """``python -m module`` without the current folder on sys.path (``-P``; docs/containment.md).
+
+    ``python -m`` puts the cwd first on sys.path, so a job's cwd holding an ``argparse.py`` would run in
+    every Python process trainq starts there. ``python`` is the watcher's interpreter (same version).
+    """
+    if sys.version_info >= (3, 11):
+        return [python, "-P", "-m", module]
+    return [python, "-c", _SAFE_BOOT, module]

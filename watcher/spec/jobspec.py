@@ -22,6 +22,7 @@ from typing import cast
 
 from trainq.watcher.spec.contract import EXIT_CHECKPOINT
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
+from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.spec.ranks import rank_problems
 from trainq.watcher.spec.schema_errors import field_name, schema_problems, schema_validator, shown, sort_problems
 from trainq.watcher.spec.sweeps import workflow_problems
@@ -285,7 +286,7 @@ class JobSpec:
     def launch_argv(self, values: dict[str, str], python: str, resume: bool) -> list[str]:
         """The argv to start: the expanded command (+ resume_args when resuming), or the built-in trainer."""
         if self.is_train:
-            argv = [python, "-m", "trainq.trainer", values["job_dir"]]
+            argv = [*safe_module_argv(python, "trainq.trainer"), values["job_dir"]]
             return argv + (["--resume-from", values["resume_from"]] if resume else [])
         argv = [expand_placeholders(a, values) for a in self.command or ()]
         if resume and self.resume_args:

@@ -296,6 +296,8 @@ def target_problem(to: str) -> str | None:
     """Why a local delivery target cannot be written, or None (a remote target is checked when delivering)."""
     if not to.strip():
         return "must name a folder or an rsync target"
+    if to.startswith("-"):
+        return f"{to!r} starts with '-', which rsync would read as an option; name a folder or an rsync target"
     if is_remote_target(to):
         return None
     path = os.path.expanduser(to)

@@ -9,6 +9,13 @@ retried with backoff (``--checksum`` then re-sends exactly what differs), and ``
 after a verification passed. For a remote target (``host:/path``, ``rsync://``) the receiving side is
 checked by rsync itself: a ``--checksum --dry-run`` pass that would change nothing.
 
+Only regular files inside the job folder are sent (docs/wall.md): every file's real path must lie
+in the job folder's, so a ``checkpoints/ckpt_latest`` link, a link inside ``adapter/`` or a metrics
+``checkpoint`` record naming ``/etc`` sends nothing from there; what is skipped is listed in the record's
+``skipped`` with why. The scratch folder links each checked file by its real path (one link per file, so
+rsync's ``-L`` follows only links this runner made), and rsync gets ``--protect-args`` and ``--`` before
+its paths, so a target can never be read as an option.
+
 The watcher's side (``DeliveryQueue``) keeps one marker file per due delivery in ``ROOT/.trainq-deliveries/``,
 starts runners for markers without a live one, and copies each final ``delivery.json`` into run.json's
 ``delivered`` (daemon/walls.py).
@@ -21,8 +28,10 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -31,6 +40,7 @@ from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json, remove_quietly
+from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.spec.records import read_metrics_tail
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.spec.wall import DELIVERABLES, is_remote_target
@@ -47,6 +57,10 @@ RECORD_NAME, LOCK_NAME = "delivery.json", "delivery.lock"
 ENV_FAULTS = "TRAINQ_DELIVERY_FAULTS"
 #: where the watcher keeps one marker per due delivery (named by job id)
 DUE_DIR = ".trainq-deliveries"
+#: rsync's options before the paths: --protect-args (-s) sends names to the remote side unsplit and unexpanded
+RSYNC_OPTIONS = ("-rtLs", "--checksum")
+
+logger = logging.getLogger(__name__)
 
 
 def items_for(paths: JobPaths, what: list[str]) -> dict[str, Path]:
@@ -73,13 +87,66 @@ def items_for(paths: JobPaths, what: list[str]) -> dict[str, Path]:
 
 
 def _latest_recorded(paths: JobPaths) -> Path | None:
-    """A command job's newest ``checkpoint`` record in metrics.jsonl that still exists."""
+    """A command job's newest ``checkpoint`` record in metrics.jsonl that still exists (inside or not: the
+    files are checked one by one when the delivery is gathered)."""
     for record in reversed(read_metrics_tail(paths.metrics)):
         if record.get("type") == "checkpoint" and isinstance(record.get("path"), str):
             path = _in_job_folder(Path(record["path"]), paths.dir)
             if path is not None:
                 return path
     return None
+
+
+def regular_files(items: dict[str, Path], job_dir: Path) -> tuple[dict[str, Path], list[str]]:
+    """Relative path in the delivery → the real path of a regular file inside the job folder; and what was
+    skipped, one line each (a link out of the folder, a special file, a folder reached through a link)."""
+    inside = os.path.realpath(job_dir)
+    files: dict[str, Path] = {}
+    skipped: list[str] = []
+    for name, src in items.items():
+        real = os.path.realpath(src)
+        if not _is_within(real, inside):
+            skipped.append(f"{name}: {src} is outside the job folder (it resolves to {real})")
+        elif os.path.isdir(real):
+            _walk(name, real, inside, files, skipped)
+        else:
+            _add_file(name, real, inside, files, skipped)
+    for line in skipped:
+        logger.warning("job %s: delivery skips %s", job_dir.name, line)
+    return files, skipped
+
+
+def _walk(name: str, top: str, inside: str, files: dict[str, Path], skipped: list[str]) -> None:
+    for folder, dirs, names in os.walk(top, followlinks=False):
+        rel_dir = os.path.relpath(folder, top)
+        for d in dirs:
+            if os.path.islink(os.path.join(folder, d)):
+                skipped.append(f"{_rel(name, rel_dir, d)}: a link to a folder is not followed")
+        for n in sorted(names):
+            _add_file(_rel(name, rel_dir, n), os.path.realpath(os.path.join(folder, n)), inside, files, skipped)
+
+
+def _rel(name: str, rel_dir: str, leaf: str) -> str:
+    return "/".join(part for part in (name, "" if rel_dir == "." else rel_dir, leaf) if part)
+
+
+def _add_file(rel: str, real: str, inside: str, files: dict[str, Path], skipped: list[str]) -> None:
+    if not _is_within(real, inside):
+        skipped.append(f"{rel}: links out of the job folder (to {real})")
+        return
+    try:
+        mode = os.lstat(real).st_mode
+    except OSError as exc:
+        skipped.append(f"{rel}: cannot be read ({exc.strerror})")
+        return
+    if stat.S_ISREG(mode):
+        files[rel] = Path(real)
+    else:
+        skipped.append(f"{rel}: not a regular file")
+
+
+def _is_within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
 def _in_job_folder(path: Path, job_dir: Path) -> Path | None:
@@ -103,15 +170,9 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def manifest(items: dict[str, Path]) -> dict[str, dict]:
-    """Relative path in the delivery → {bytes, sha256} of every file sent."""
-    out = {}
-    for name, src in items.items():
-        files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
-        for f in files:
-            rel = name if f == src else f"{name}/{f.relative_to(src).as_posix()}"
-            out[rel] = {"bytes": f.stat().st_size, "sha256": sha256_of(f)}
-    return out
+def manifest(files: dict[str, Path]) -> dict[str, dict]:
+    """Relative path in the delivery → {bytes, sha256} of every file sent (``regular_files``' answer)."""
+    return {rel: {"bytes": f.stat().st_size, "sha256": sha256_of(f)} for rel, f in files.items()}
 
 
 def sums_problem(paths: JobPaths, sent: dict[str, dict]) -> str | None:
@@ -149,7 +210,7 @@ def send(stage: Path, dest: str) -> str | None:
     if not is_remote_target(dest):
         Path(dest).mkdir(parents=True, exist_ok=True)
     try:
-        done = _rsync(["-rtL", "--checksum", f"{stage}/", dest.rstrip("/") + "/"])
+        done = _rsync([*RSYNC_OPTIONS, "--", f"{stage}/", dest.rstrip("/") + "/"])
     except FileNotFoundError:
         return "rsync is not installed on this machine"
     except subprocess.TimeoutExpired:
@@ -162,7 +223,7 @@ def send(stage: Path, dest: str) -> str | None:
 def verify_remote(stage: Path, dest: str) -> str | None:
     """A checksum dry run that would change nothing means the receiving side holds exactly what was sent."""
     done = _rsync(
-        ["-rtL", "--checksum", "--dry-run", "--itemize-changes", "--out-format=%n", f"{stage}/", dest.rstrip("/") + "/"]
+        [*RSYNC_OPTIONS, "--dry-run", "--itemize-changes", "--out-format=%n", "--", f"{stage}/", dest.rstrip("/") + "/"]
     )
     if done.returncode != 0:
         return f"rsync (verify) exited {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1]}"
@@ -170,10 +231,12 @@ def verify_remote(stage: Path, dest: str) -> str | None:
     return f"{len(differ)} file(s) differ at {dest}, first {differ[0]}" if differ else None
 
 
-def _stage(items: dict[str, Path]) -> Path:
+def _stage(files: dict[str, Path]) -> Path:
+    """A scratch folder holding one link per checked file (its real path), at its place in the delivery."""
     stage = Path(tempfile.mkdtemp(prefix="trainq-deliver-"))
-    for name, src in items.items():
-        os.symlink(src, stage / name)
+    for rel, real in files.items():
+        (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(real, stage / rel)
     return stage
 
 
@@ -209,7 +272,9 @@ def deliver(job_dir: Path) -> int:
     faults = _faults()
     backoff = float(faults.get("backoff") or FIRST_BACKOFF_S)
     for tries in range(int(record.get("tries") or 0) + 1, MAX_TRIES + 1):
-        error, verified, sent = _one_try(paths, deliver_spec, dest, corrupt=tries == 1 and "corrupt_once" in faults)
+        error, verified, sent, skipped = _one_try(
+            paths, deliver_spec, dest, corrupt=tries == 1 and "corrupt_once" in faults
+        )
         record = {
             "to": dest,
             "at": iso_utc(time.time()),
@@ -218,6 +283,7 @@ def deliver(job_dir: Path) -> int:
             "bytes": sum(i["bytes"] for i in sent.values()),
             "tries": tries,
             "error": error,
+            "skipped": skipped,
             "state": "verified" if verified else "retrying" if tries < MAX_TRIES else "gave_up",
         }
         atomic_write_json(job_dir / RECORD_NAME, record)
@@ -229,27 +295,24 @@ def deliver(job_dir: Path) -> int:
     return 0
 
 
-def _one_try(paths: JobPaths, deliver_spec: dict, dest: str, corrupt: bool) -> tuple[str | None, bool, dict]:
-    items = items_for(paths, list(deliver_spec.get("what") or DELIVERABLES))
-    if not items:
-        return (
-            "nothing to deliver: none of " + ", ".join(deliver_spec.get("what") or DELIVERABLES) + " exists",
-            False,
-            {},
-        )
-    sent = manifest(items)
+def _one_try(paths: JobPaths, deliver_spec: dict, dest: str, corrupt: bool) -> tuple[str | None, bool, dict, list[str]]:
+    files, skipped = regular_files(items_for(paths, list(deliver_spec.get("what") or DELIVERABLES)), paths.dir)
+    if not files:
+        what = ", ".join(deliver_spec.get("what") or DELIVERABLES)
+        return f"nothing to deliver: none of {what} exists inside the job folder", False, {}, skipped
+    sent = manifest(files)
     problem = sums_problem(paths, sent)
     if problem:
-        return problem, False, sent
-    stage = _stage(items)
+        return problem, False, sent, skipped
+    stage = _stage(files)
     try:
         error = send(stage, dest)
         if error:
-            return error, False, sent
+            return error, False, sent, skipped
         if corrupt and not is_remote_target(dest):
             _corrupt_one(Path(dest), sent)
         error = verify_remote(stage, dest) if is_remote_target(dest) else verify_local(Path(dest), sent)
-        return error, error is None, sent
+        return error, error is None, sent, skipped
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
@@ -281,7 +344,7 @@ class DeliveryQueue:
         if proc is not None and proc.poll() is None:
             return
         self._runners[job_id] = subprocess.Popen(
-            [sys.executable, "-m", "trainq.watcher.supervisor.deliver", str(job_dir)],
+            [*safe_module_argv(sys.executable, "trainq.watcher.supervisor.deliver"), str(job_dir)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -30,6 +30,7 @@ import psutil
 from trainq.watcher.spec.contract import ENV_JOB_DIR, JobPaths
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
+from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.supervisor import cgroups
 from trainq.watcher.supervisor.hooks import (
@@ -109,7 +110,7 @@ class HookLauncher:
     def _start(self, job_id: str, job_dir: Path) -> None:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "trainq.watcher.supervisor.hooks", str(job_dir)],
+                [*safe_module_argv(sys.executable, "trainq.watcher.supervisor.hooks"), str(job_dir)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json
+from trainq.watcher.spec.text import redact_env
 
 #: largest code.diff kept (bytes); a larger diff is not written (a cut diff cannot be applied)
 MAX_DIFF_BYTES = 32 * 1024 * 1024
@@ -48,9 +49,6 @@ MAX_HASHED_MODEL_FILE_BYTES = 64 * 1024 * 1024
 MAX_FILES_PER_SOURCE = 1000
 #: how long one git command or the interpreter probe may take (seconds)
 COMMAND_TIMEOUT_S = 60.0
-#: environment variable names whose values are never written (config.json, environment.json)
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_?KEY|PRIVATE|CREDENTIAL|AUTH|COOKIE|SESSION", re.I)
-REDACTED = "<redacted>"
 #: every file an attempt's snapshot may hold (the previous attempt's are removed first)
 SNAPSHOT_FILES = (
     "code.json",
@@ -89,8 +87,8 @@ class SnapshotRequest:
 
 
 def redact(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with the values of secret-looking names replaced by ``<redacted>``."""
-    return {k: (REDACTED if SECRET_NAME.search(k) else v) for k, v in env.items()}
+    """``env`` with the values of secret-looking names, and secret-looking values, replaced by ``<redacted>``."""
+    return redact_env(env)
 
 
 def take(request: SnapshotRequest, job_dir: str, attempt: int, env: dict[str, str]) -> dict:

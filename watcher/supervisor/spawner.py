@@ -37,6 +37,7 @@ from typing import IO, cast
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import drain
+from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.supervisor import LaunchSpec, Supervisor, is_alive
 
 #: how long the watcher waits for the helper's answer to one launch before forking itself (seconds)
@@ -68,7 +69,7 @@ class Spawner:
         notices, notify = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # supervisors must never block on it
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "trainq.watcher.supervisor.spawner", "--notify-fd", str(notify)],
+                [*safe_module_argv(sys.executable, "trainq.watcher.supervisor.spawner"), "--notify-fd", str(notify)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 close_fds=True,

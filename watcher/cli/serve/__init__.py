@@ -1,14 +1,19 @@
 """``trainq serve``: a separate, read-only process that streams the queue's files over HTTP (server-sent events).
 
-The watcher neither starts nor knows it; it reads what the watcher and the jobs write. Loopback
-by default; any other address needs a token, which every request must then carry. The web
+The watcher neither starts nor knows it; it reads what the watcher and the jobs write. Every request
+carries a token (docs/serve.md): ``--token``/``--token-file``, or else a fresh one written to
+``ROOT/.trainq-serve.token`` (mode 0600: only the queue's owner reads it), and the URL it prints
+carries it. Loopback by default; any other address needs a token given on the command line. The web
 stack (starlette, uvicorn) is the optional ``serve`` extra, imported only when the command runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
+import os
+import secrets
 import socket
 import sys
 from collections.abc import Callable
@@ -20,6 +25,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 #: a token shorter than this is refused: it guards a network port
 MIN_TOKEN_CHARS = 16
+#: where a generated token is written, in the queue root (mode 0600)
+TOKEN_FILE = ".trainq-serve.token"
+#: bytes of randomness in a generated token (hex: twice as many characters)
+TOKEN_BYTES = 24
 
 
 class ServeRefused(Exception):
@@ -41,7 +50,9 @@ def add_serve_command(sub: argparse._SubParsersAction, root_of: Callable[[argpar
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
     token = p.add_mutually_exclusive_group()
     token.add_argument(
-        "--token", help="require Authorization: Bearer TOKEN on every request (visible in ps: prefer --token-file)"
+        "--token",
+        help="the token every request must carry (visible in ps: prefer --token-file); "
+        f"default: a fresh one in ROOT/{TOKEN_FILE}",
     )
     token.add_argument("--token-file", metavar="FILE", help="read the token from the first line of FILE")
     p.add_argument(
@@ -88,6 +99,13 @@ def cmd_serve(args: argparse.Namespace, root_of: Callable[[argparse.Namespace], 
     except OSError as exc:
         print(f"trainq serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR
+    if token is None:
+        try:
+            token = write_token(root)
+        except OSError as exc:
+            sock.close()
+            print(f"trainq serve: cannot write {root / TOKEN_FILE}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_ERROR
     app = create_app(
         root,
         token=token,
@@ -98,11 +116,7 @@ def cmd_serve(args: argparse.Namespace, root_of: Callable[[argparse.Namespace], 
     )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(
-        f"trainq serve: {root} on http://{shown}:{port}/ (read-only{', token required' if token else ''}); "
-        "Ctrl-C stops",
-        flush=True,
-    )
+    print(f"trainq serve: {root} on http://{shown}:{port}/?token={token} (read-only); Ctrl-C stops", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])
     return EXIT_OK
@@ -127,6 +141,24 @@ def read_token(token: str | None, token_file: str | None) -> str | None:
             f"(e.g. `openssl rand -hex 16`)"
         )
     return token.strip()
+
+
+def write_token(root: Path) -> str:
+    """A fresh token in ``root/.trainq-serve.token``, mode 0600 from its creation (never readable by others)."""
+    token = secrets.token_hex(TOKEN_BYTES)
+    path = root / TOKEN_FILE
+    tmp = root / f"{TOKEN_FILE}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a killed server that had this pid
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, (token + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return token
 
 
 def is_loopback(host: str) -> bool:

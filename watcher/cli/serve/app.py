@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 from collections.abc import AsyncIterator, Callable
@@ -21,7 +22,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trainq.watcher.cli.serve.feed import JobFeed
 from trainq.watcher.cli.serve.watch import QueueWatch
@@ -49,32 +50,69 @@ SHARED_READS = 256
 SHARED_READ_BYTES = 64 * 1024
 #: host names a loopback-bound server answers to (others are DNS rebinding from a web page)
 LOCAL_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
+#: how long the token's cookie lasts in the browser (seconds); a fresh token (a restart) invalidates it sooner
+COOKIE_MAX_AGE_S = 7 * 24 * 3600
 #: headers of every stream: no caching, no proxy buffering
 _SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 
 class _BearerToken:
-    """ASGI middleware: every request carries ``Authorization: Bearer T`` (or ``?token=T``, for EventSource)."""
+    """ASGI middleware: every request carries the token (docs/serve.md; Jupyter's token login is the model).
+
+    ``Authorization: Bearer T``; or ``?token=T`` (what the printed URL carries; EventSource cannot send
+    headers), which also sets a cookie (HttpOnly, SameSite=Strict; an HMAC of the token, never the token)
+    so the page opened from that URL, and a later visit to the bare address, need no token in the URL.
+    """
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app, self.token = app, token.encode()
+        self.cookie_value = hmac.new(self.token, b"trainq-serve-cookie", hashlib.sha256).hexdigest()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._allowed(Request(scope)):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        how = self._allowed(request)
+        if how is None:
             response = PlainTextResponse(
-                "trainq serve: missing or wrong token (send Authorization: Bearer TOKEN)\n",
+                "trainq serve: missing or wrong token (open the URL trainq serve printed, or send "
+                "Authorization: Bearer TOKEN; without --token it is in ROOT/.trainq-serve.token)\n",
                 status_code=401,
                 headers={"WWW-Authenticate": "Bearer"},
             )
             await response(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        if how != "query":
+            await self.app(scope, receive, send)
+            return
+        cookie = (
+            f"{_cookie_name(scope)}={self.cookie_value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={COOKIE_MAX_AGE_S}"
+        )
 
-    def _allowed(self, request: Request) -> bool:
+        async def send_with_cookie(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cookie)
+
+    def _allowed(self, request: Request) -> str | None:
+        """How the request proved it holds the token ("header", "query", "cookie"), or None."""
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            given = request.query_params.get("token", "")
-        return hmac.compare_digest(given.strip().encode(), self.token)
+        if scheme.lower() == "bearer":
+            return "header" if hmac.compare_digest(given.strip().encode(), self.token) else None
+        query = request.query_params.get("token")
+        if query is not None:
+            return "query" if hmac.compare_digest(query.strip().encode(), self.token) else None
+        cookie = request.cookies.get(_cookie_name(request.scope), "")
+        return "cookie" if hmac.compare_digest(cookie.encode(), self.cookie_value.encode()) else None
+
+
+def _cookie_name(scope: Scope) -> str:
+    """One cookie per port: browsers share cookies between the ports of a host."""
+    server = scope.get("server") or ("", 0)
+    return f"trainq-serve-{server[1]}"
 
 
 class ServeApp:
