@@ -3,7 +3,7 @@
 Shaped like test_allow_env.py: each finding first shows the REAL program subverted by the input (a
 marker file appears), then drops the same job into a queue whose allow_commands allows that program
 and expects it refused, naming the field, with nothing run. On the code before this change every one
-of these jobs was accepted, and the train job's planted ``argparse.py`` ran inside the trainer.
+of these jobs was accepted, and the train job's planted argparse module ran inside the trainer.
 """
 
 from __future__ import annotations
