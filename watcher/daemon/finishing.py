@@ -11,6 +11,8 @@ from trainq.watcher.daemon import records
 from trainq.watcher.daemon.jobs import (
     CHECKPOINTED,
     Job,
+    checkpoint_mark,
+    fold_attempts,
     judge_exit,
     load_job,
     resume_point,
@@ -142,6 +144,7 @@ class Finishing:
             # SIGTERM reached the job itself (the supervisor's own SIGTERM is recorded by the supervisor)
             events.emit(job.paths, "preempted", now, attempt=job.attempt, evidence=outcome.diagnosis.evidence)
         self.walls.account_attempt(job, attempt)
+        fold_attempts(job.run)  # run.json keeps the last MAX_ATTEMPTS_KEPT attempts in full, counts for the rest
         job.run["diagnosis"] = outcome.diagnosis.to_dict() if outcome.diagnosis else None
         job.run["error"] = record.get("spawn_error") or (outcome.diagnosis.evidence if outcome.diagnosis else None)
         if outcome.status == CHECKPOINTED:
@@ -219,6 +222,7 @@ class Finishing:
         """The job exited with its checkpoint_exit_code: the next attempt starts at once, resuming; no retry counted."""
         resume = resume_point(job)
         restarts = int(job.run.get("checkpoint_restarts") or 0) + 1
+        job.run["checkpoint_mark"] = checkpoint_mark(job.paths)  # the next checkpoint exit must leave a newer one
         job.run.update(
             status="pending",
             not_before=None,

@@ -170,6 +170,9 @@ class Walls:
             return
         attempt["cost"] = cost.of(end - start, len(attempt.get("gpus") or []))
         priced = [a["cost"] for a in job.run.get("attempts") or [] if isinstance(a.get("cost"), dict)]
+        folded = (job.run.get("attempts_earlier") or {}).get("cost")  # attempts older than run.json keeps
+        if isinstance(folded, dict) and folded.get("currency") == cost.currency:
+            priced.append(folded)
         job.run["cost"] = {
             "amount": round(sum(c["amount"] for c in priced), 6),
             "currency": cost.currency,

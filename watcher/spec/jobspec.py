@@ -46,6 +46,7 @@ FAILURE_KINDS = (
     "preempted",
     "unsatisfiable",
     "schedule",
+    "no_checkpoint",
     "unknown",
 )
 #: retried by default: every kind but nan, data and timeout (retrying those repeats the same failure)
