@@ -147,7 +147,7 @@ class Watcher:
         self._take_reserve()
         remove_quietly(self.root.stop_flag)
         events = InboxEvents(self.root.inbox, self.wake, flags=(self.root.stop_flag, self.root.pause_flag))
-        self.intake.inbox = Inbox(self.root.inbox, self.config.settle_s, events)
+        self.intake.inbox = Inbox(self.root.inbox, self.config.settle_s, events, self.config.inbox_settle_s)
         self._observer = start_observer(self.root.inbox, self.root.path, events, self.polling)
         if install_signals:
             self._signals = install_watcher_signal_handlers(self._wake_w)
