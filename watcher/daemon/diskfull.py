@@ -94,7 +94,8 @@ class DiskFullHandling:
 
     def problems(self) -> list[str]:
         """What is wrong with the watcher itself, one line each (status.json ``watcher.problems``)."""
-        return [self.disk_full.problem()] if self.disk_full is not None else []
+        lines = [self.disk_full.problem()] if self.disk_full is not None else []
+        return lines + self.wall_problems(time.time())
 
     def retry_after_disk_full(self, now: float, source: ReportSource, rebuild: Callable[[], None]) -> None:
         """Try status.json again (``source`` says what it holds); once it is written, ``rebuild`` the queue's

@@ -24,7 +24,7 @@ from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, read_json, touch
 from trainq.watcher.spec.records import append_record
 from trainq.watcher.spec.units import iso_utc, parse_iso
-from trainq.watcher.spec.wall import Forecast, freeze_hold
+from trainq.watcher.spec.wall import Forecast, freeze_hold, window_ended
 from trainq.watcher.supervisor.deliver import LOCK_NAME, RECORD_NAME, DeliveryQueue
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class Walls:
         self.deliveries = DeliveryQueue(state.root.path)
         self._cost_ledger = read_json(state.root.path / COST_LEDGER) or {}
         self._last_delivery_check = 0.0
+        self._window_end_said = False  # watcher.log has the "window ended" line (once per end)
 
     # -- each pass -----------------------------------------------------------------------------
     def keep_walls(self, now: float) -> None:
@@ -68,6 +69,17 @@ class Walls:
         if now - self._last_delivery_check >= DELIVERY_CHECK_S:
             self._last_delivery_check = now
             self._tend_deliveries()
+
+    def wall_problems(self, now: float) -> list[str]:
+        """status.json ``watcher.problems`` lines about walls: a window already ended freezes the whole queue."""
+        ended = window_ended(self.config.window, now)
+        if ended is None:
+            self._window_end_said = False
+            return []
+        if not self._window_end_said:
+            self._window_end_said = True
+            logger.warning("queue: %s", ended)
+        return [ended]
 
     def _face_wall(self, job: Job, now: float) -> None:
         deadline = job_deadline(job)
