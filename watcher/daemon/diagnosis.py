@@ -335,6 +335,8 @@ def _unknown(exit: dict, lines: list[str]) -> Diagnosis:
         if sum(len(t) + 1 for t in tail) + len(line) > UNKNOWN_EVIDENCE_MAX_CHARS:
             break
         tail.insert(0, line)
+    if not tail and lines:  # one line longer than the evidence: its end (a log that never wrote a newline)
+        return Diagnosis("unknown", advice_for("unknown"), "…" + lines[-1][-(UNKNOWN_EVIDENCE_MAX_CHARS - 1) :])
     if not tail:
         how = (
             f"signal {exit.get('signal_name') or exit.get('signal')}"
