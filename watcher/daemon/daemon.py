@@ -293,6 +293,7 @@ class Watcher:
         try:
             if self.disk.disk_full is None:
                 self.intake.admit_inbox(now)
+                self.workflows.continue_sweeps(now)  # a big sweep's jobs, a slice a pass (workflows.py)
                 self.keep_status_fresh()
             if self.disk.disk_full is None:
                 # before retiring: the next job need not wait for the last one's writes

@@ -210,6 +210,12 @@ class JobSpec:
             raise InvalidJobSpec(display, problems)
         return _build(data)
 
+    @classmethod
+    def from_checked(cls, data: dict) -> JobSpec:
+        """The spec of a mapping validated already: a sweep's variant, which the sweep file's validation checked
+        one by one (``sweeps.sweep_problems``); checking it again would double a big sweep's admission."""
+        return _build(data)
+
     def to_dict(self) -> dict:
         """A schema-valid job mapping (durations in seconds) that ``from_dict`` turns back into an equal spec."""
         out: dict = {} if "approved" not in self.raw else {"approved": self.raw["approved"]}
