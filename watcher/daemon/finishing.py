@@ -12,7 +12,6 @@ from trainq.watcher.daemon.jobs import (
     CHECKPOINTED,
     Job,
     checkpoint_mark,
-    fold_attempts,
     judge_exit,
     load_job,
     resume_point,
@@ -144,7 +143,6 @@ class Finishing:
             # SIGTERM reached the job itself (the supervisor's own SIGTERM is recorded by the supervisor)
             events.emit(job.paths, "preempted", now, attempt=job.attempt, evidence=outcome.diagnosis.evidence)
         self.walls.account_attempt(job, attempt)
-        fold_attempts(job.run)  # run.json keeps the last MAX_ATTEMPTS_KEPT attempts in full, counts for the rest
         job.run["diagnosis"] = outcome.diagnosis.to_dict() if outcome.diagnosis else None
         job.run["error"] = record.get("spawn_error") or (outcome.diagnosis.evidence if outcome.diagnosis else None)
         if outcome.status == CHECKPOINTED:

@@ -92,6 +92,7 @@ class Job:
 
     def save(self, durable: bool = True) -> None:
         """Write run.json atomically; JobFolderRemoved when the folder was removed by hand."""
+        fold_attempts(self.run)  # at most MAX_ATTEMPTS_KEPT attempts in full on disk, counts for the rest
         try:
             if self.run.get("status") in HOOK_STATUSES:
                 mark_due(self.paths, self.spec, self.run)  # the hook is on disk before the conclusion is
