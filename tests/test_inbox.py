@@ -125,7 +125,16 @@ def test_bad_files_are_rejected_one_line_each_and_disturb_nothing(queue_dir, wat
         os.rename(queue_dir / ".staging" / name, queue_dir / "inbox" / name)
     big = queue_dir / "inbox" / "big.yaml"
     big.write_bytes(b"approved: true\ncommand: ['true']\n# " + b"x" * (2 * 1024 * 1024) + b"\n")
-    tick_until(w, lambda: len(states(queue_dir)["failed"]) == len(BAD_FILES) + 1, 20)
+    # a claim makes the folder, then run.json, then links job.yaml in (folders.py); big.yaml, 2 MB, is read
+    # off the loop (daemon.py HEAVY_FILE_BYTES), so its folder may be seen before its run.json
+    tick_until(
+        w,
+        lambda: (
+            len(states(queue_dir)["failed"]) == len(BAD_FILES) + 1
+            and all((queue_dir / "failed" / j / "job.yaml").exists() for j in states(queue_dir)["failed"])
+        ),
+        20,
+    )
     for name, needle in [(n, v[1]) for n, v in BAD_FILES.items()] + [("big.yaml", "1 MiB")]:
         job_id = id_from_name(name)
         run = run_json(queue_dir, "failed", job_id)
