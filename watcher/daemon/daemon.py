@@ -117,7 +117,7 @@ class Watcher:
 
     def problems(self) -> list[str]:
         """What is wrong with the watcher itself, one line each (status.json ``watcher.problems``)."""
-        return self.disk.problems()
+        return self.disk.problems() + self.walls.wall_problems(time.time())
 
     def window_now(self, now: float) -> dict | None:
         """status.json's ``window`` (walls.py)."""

@@ -94,8 +94,7 @@ class DiskFullHandling:
 
     def problems(self) -> list[str]:
         """What is wrong with the watcher itself, one line each (status.json ``watcher.problems``)."""
-        lines = [self.disk_full.problem()] if self.disk_full is not None else []
-        return lines + self.wall_problems(time.time())
+        return [self.disk_full.problem()] if self.disk_full is not None else []
 
     def retry_after_disk_full(self, now: float, source: ReportSource, rebuild: Callable[[], None]) -> None:
         """Try status.json again (``source`` says what it holds); once it is written, ``rebuild`` the queue's

@@ -72,7 +72,7 @@ class Walls:
 
     def wall_problems(self, now: float) -> list[str]:
         """status.json ``watcher.problems`` lines about walls: a window already ended freezes the whole queue."""
-        ended = window_ended(self.config.window, now)
+        ended = window_ended(self.state.config.window, now)
         if ended is None:
             self._window_end_said = False
             return []
