@@ -6,7 +6,7 @@ Writes ``OUT/latest.md`` (the table) and ``OUT/latest.json`` (every raw figure);
 bench/results/. ``--quick`` shrinks every count; ``--count`` overrides the main count of each chosen
 section (drops, jobs, files, runs or seconds); ``--profile`` runs the queue sections' watchers under
 cProfile and writes ``OUT/profile-*.txt``. Sections: latency, throughput, burst, idle, help, stop,
-readopt, status, trainer, probes, sweep. Exit status 0 when every section ran (goals met or not), 1 otherwise.
+readopt, status, trainer, probes, sweep, widesweep. Exit status 0 when every section ran (goals met or not), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -220,6 +220,7 @@ SECTIONS = [
     Section("trainer", _bench_trainer, {"quick": False}, {"quick": True}),
     Section("probes", _bench_probes, {"seconds": 10.0, "calls": 1000}, {"seconds": 2.0, "calls": 200}),
     Section("sweep", bench_sweep.bench_sweep, {"variants": 1000, "seconds": 20.0}, {"variants": 200, "seconds": 3.0}),
+    Section("widesweep", bench_sweep.bench_wide_sweep, {"keys": 9000}, {"keys": 1000}),
 ]
 BY_NAME = {s.name: s for s in SECTIONS}
 

@@ -261,3 +261,27 @@ def test_read_kernel_log_returns_text_or_none() -> None:
     assert text is None or isinstance(text, str)
     if os.access("/dev/kmsg", os.R_OK):
         assert text, "a readable /dev/kmsg has at least the boot messages"
+
+
+def test_a_huge_log_without_a_newline_is_diagnosed_from_its_tail(tmp_path: Path) -> None:
+    """The finding: 100 MB and no newline read as "output.log is empty"."""
+    from trainq.watcher.daemon.jobs import attempt_log_tail
+    from trainq.watcher.spec.contract import JobPaths
+
+    paths = JobPaths(tmp_path)
+    with open(paths.log, "wb") as f:
+        f.write(b"trainq: attempt 1 started\n")
+        chunk = b"\r step 1/9 . . . " * 4096
+        for _ in range(100 * 2**20 // len(chunk)):
+            f.write(chunk)
+        f.write(b"\rRuntimeError: the last words of a progress bar")
+    assert paths.log.stat().st_size > 100 * 10**6
+    tail = attempt_log_tail(paths)
+    assert tail.endswith("RuntimeError: the last words of a progress bar")
+    d = diagnose({"exit_code": 1}, tail, [], train=False)
+    assert d.kind == "unknown" and d.evidence.endswith("RuntimeError: the last words of a progress bar"), d
+    assert "empty" not in d.evidence
+    (tmp_path / "one.log").write_bytes(b"x" * 200_000 + b" Segfault in the middle of nowhere")
+    d = diagnose({"exit_code": 139}, read_tail(tmp_path / "one.log"), [], train=False)
+    assert d.evidence.startswith("…") and d.evidence.endswith("Segfault in the middle of nowhere")
+    assert len(d.evidence) <= 400

@@ -6,6 +6,7 @@ import functools
 import json
 import operator
 import os
+import shlex
 import shutil
 import subprocess
 import threading
@@ -124,7 +125,16 @@ def test_bad_files_are_rejected_one_line_each_and_disturb_nothing(queue_dir, wat
         os.rename(queue_dir / ".staging" / name, queue_dir / "inbox" / name)
     big = queue_dir / "inbox" / "big.yaml"
     big.write_bytes(b"approved: true\ncommand: ['true']\n# " + b"x" * (2 * 1024 * 1024) + b"\n")
-    tick_until(w, lambda: len(states(queue_dir)["failed"]) == len(BAD_FILES) + 1, 20)
+    # a claim makes the folder, then run.json, then links job.yaml in (folders.py); big.yaml, 2 MB, is read
+    # off the loop (daemon.py HEAVY_FILE_BYTES), so its folder may be seen before its run.json
+    tick_until(
+        w,
+        lambda: (
+            len(states(queue_dir)["failed"]) == len(BAD_FILES) + 1
+            and all((queue_dir / "failed" / j / "job.yaml").exists() for j in states(queue_dir)["failed"])
+        ),
+        20,
+    )
     for name, needle in [(n, v[1]) for n, v in BAD_FILES.items()] + [("big.yaml", "1 MiB")]:
         job_id = id_from_name(name)
         run = run_json(queue_dir, "failed", job_id)
@@ -220,6 +230,61 @@ def test_file_written_in_two_halves_is_never_taken_half_written(queue_dir, watch
     writer_done.wait(5)
     tick_until(w, lambda: states(queue_dir)["done"] == ["slow"])
     assert run_json(queue_dir, "done", "slow")["name"] == "whole"
+
+
+#: a job file whose every prefix from line 3 on is a valid approved job: taken at its first valid prefix,
+#: it ran as ``command: [sh]`` (sh reads /dev/null and exits 0: recorded done) — issue 36's finding
+APPENDED_LINES = [
+    "approved: true",
+    "command:",
+    "  - sh",
+    "  - -c",
+    '  - echo "whole $0" > "$TRAINQ_JOB_DIR/ran.txt"',
+    "  - file",
+    "name: appended",
+    "priority: 3",
+]
+#: seconds between two appends, as the finding had them (0.05–0.5 s)
+APPEND_GAPS_S = [0.05, 0.5, 0.2, 0.05, 0.4, 0.1, 0.3]
+
+
+def test_a_file_appended_line_by_line_in_place_runs_whole(queue_dir, watcher):
+    """Real shell processes append with ``>>`` (each opens, writes and closes the file); the job that runs is
+    the whole file, and no file written in place is taken before it stood unchanged for inbox_settle_s."""
+    settle_s = 2.0  # 4x the longest gap, so a loaded machine's late sleep does not cut the file for real
+    w = watcher(inbox_settle_s=settle_s)
+    target = queue_dir / "inbox" / "app.yaml"
+    script = "".join(
+        f"printf '%s\\n' {shlex.quote(line)} >> {shlex.quote(str(target))}\n" + (f"sleep {gap}\n" if gap else "")
+        for line, gap in zip(APPENDED_LINES, [*APPEND_GAPS_S, 0], strict=True)
+    )
+    writer = subprocess.Popen(["sh", "-c", script])
+    try:
+        while writer.poll() is None or target.exists():
+            w.tick(time.time())
+            if target.exists():
+                last_write = target.stat().st_mtime
+            elif writer.poll() is None:
+                pytest.fail("the inbox took app.yaml while its writer was still appending")
+            else:
+                assert time.time() - last_write >= settle_s  # taken only once unchanged for inbox_settle_s
+            time.sleep(0.02)
+    finally:
+        writer.wait(30)
+    assert writer.returncode == 0
+    tick_until(w, lambda: states(queue_dir)["done"] == ["app"], 30, "the whole job to run")
+    done = queue_dir / "done" / "app"
+    assert (done / "job.yaml").read_text() == "".join(f"{line}\n" for line in APPENDED_LINES)
+    assert (done / "ran.txt").read_text() == "whole file\n"
+    assert run_json(queue_dir, "done", "app")["name"] == "appended"
+    assert states(queue_dir)["failed"] == [] and states(queue_dir)["pending"] == []
+
+
+def test_inbox_settle_s_defaults_to_one_second():
+    from trainq.watcher.spec.config import WatcherConfig
+
+    assert WatcherConfig().inbox_settle_s == 1.0 == WatcherConfig.from_dict({}).inbox_settle_s
+    assert WatcherConfig.from_dict({"inbox_settle_s": "500ms"}).inbox_settle_s == 0.5
 
 
 def test_file_present_at_startup_still_open_for_writing_waits(queue_dir, watcher):

@@ -250,7 +250,7 @@ def test_wrong_types_are_all_reported_sorted_by_path() -> None:
         (
             "retries.on[1]",
             "must be one of oom, nan, killed, data, timeout, stalled, preempted, unsatisfiable, "
-            "schedule, unknown (got \"nann\") (did you mean 'nan'?)",
+            "schedule, no_checkpoint, unknown (got \"nann\") (did you mean 'nan'?)",
         ),
     ]
 
@@ -488,7 +488,15 @@ def test_defaults() -> None:
     assert spec.resources == Resources(gpus=None, gpu_memory_gb=None, ram_gb=0.0, disk_gb=0.0, allow_battery=False)
     assert spec.timeout_s is None and spec.stall_after_s is None and spec.stop_grace_s == 120.0
     assert spec.retries == Retries(max=0, on=DEFAULT_RETRY_ON, backoff_s=30.0)
-    assert set(DEFAULT_RETRY_ON) == {"oom", "killed", "stalled", "preempted", "unsatisfiable", "unknown"}
+    assert set(DEFAULT_RETRY_ON) == {
+        "oom",
+        "killed",
+        "stalled",
+        "preempted",
+        "unsatisfiable",
+        "no_checkpoint",
+        "unknown",
+    }
     assert spec.resume_args is None and spec.slurm is None and spec.train is None
 
 

@@ -251,3 +251,47 @@ def test_the_trainer_exits_85_with_a_checkpoint_after_max_minutes_per_attempt(tm
     assert first["outcome"] == "sliced" and first["steps"] >= 1
     assert os.readlink(job / "checkpoints" / "ckpt_latest") == f"step-{first['steps']:06d}"
     assert first["steps"] < first["total_steps"]  # sliced before the end; the next attempt resumes from ckpt_latest
+
+
+def _hostile_tar(path: Path, outside: Path) -> None:
+    """A tar a hostile user left as snapshot/untracked.tar: a member climbing out of the checkout, one with
+    an absolute path, and a link out (each refused by tarfile's ``data`` filter)."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        ok = tarfile.TarInfo("helper.py")
+        ok.size = 6
+        tar.addfile(ok, io.BytesIO(b"X = 1\n"))
+        climb = tarfile.TarInfo(f"../../../../../../../..{outside}")
+        climb.size = 5
+        tar.addfile(climb, io.BytesIO(b"owned"))
+        link = tarfile.TarInfo("etc")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc"
+        tar.addfile(link)
+
+
+def test_rerun_at_snapshot_refuses_a_hostile_untracked_tar_in_one_line_and_leaves_no_worktree(
+    queue_dir, watcher, tmp_path
+):
+    repo = make_repo(tmp_path / "repo")
+    (repo / "helper.py").write_text("X = 1\n")  # untracked: the snapshot keeps it in untracked.tar
+    w = watcher()
+    drop(queue_dir, "exp.yaml", f"approved: true\ncommand: [{PY}, train.py]\ncwd: {repo}\n")
+    tick_until(w, lambda: (queue_dir / "done" / "exp").exists())
+    snap = queue_dir / "done" / "exp" / "snapshot"
+    assert (snap / "untracked.tar").exists()
+    outside = tmp_path / "escaped.txt"
+    for bad, needle in ((_hostile_tar, "unsafe member refused"), (None, "cannot be unpacked")):
+        if bad is None:
+            (snap / "untracked.tar").write_bytes(b"not a tar at all" * 64)
+        else:
+            bad(snap / "untracked.tar", outside)
+        out = trainq(queue_dir, "rerun", "exp", "--at-snapshot")
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert needle in out.stderr and "untracked.tar" in out.stderr, out.stderr
+        assert not outside.exists()
+        assert not list((queue_dir / "worktrees").iterdir())  # the scratch checkout is gone
+        assert len(git(repo, "worktree", "list").splitlines()) == 1  # and so is git's record of it
+        assert not list((queue_dir / "inbox").iterdir())

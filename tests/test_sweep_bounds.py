@@ -7,11 +7,13 @@ import os
 import subprocess
 from pathlib import Path
 
+import yaml
 from conftest import PY, REPO, drop, tick_until
 
 from trainq.watcher.faces.bounds import MAX_PARAMS, MAX_TEXT_CHARS
 from trainq.watcher.spec.jobspec import load_job_file
 from trainq.watcher.spec.sweeps import MAX_SWEEP_BYTES, apply_params, expand
+from trainq.watcher.spec.units import parse_iso
 
 
 def test_placeholders_are_filled_in_one_pass_and_values_stay_literal():
@@ -71,3 +73,44 @@ def test_status_json_and_html_stay_small_whatever_the_params_hold(queue_dir, wat
         timeout=60,
     )
     assert out.returncode == 0 and "wide-1" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_sweep_written_over_several_passes_ends_whole_in_order_and_holds_its_dependents(queue_dir, watcher):
+    """Issue 36 item 8b: the jobs of a big sweep are written a slice a pass (SWEEP_SLICE_S), so the loop stays
+    live; whatever the slicing, every job is written once, in grid order, and `after: [sweep]` waits for all."""
+    n = 150
+    (queue_dir / "pause.flag").touch()
+    w = watcher()
+    drop(
+        queue_dir,
+        "big.yaml",
+        json.dumps({"approved": True, "command": ["true", "{i}"], "sweep": {"i": list(range(n))}}),
+    )
+    tick_until(w, lambda: (queue_dir / "pending" / "big-1").exists(), what="the first slice")
+    drop(queue_dir, "then.yaml", json.dumps({"approved": True, "command": ["true"], "after": ["big"]}))
+    seen: list[int] = []
+
+    def step() -> bool:
+        written = [p for p in os.listdir(queue_dir / "pending") if p.startswith("big-")]
+        assert not seen or len(written) >= seen[-1]
+        seen.append(len(written))
+        return len(written) == n and not any(p.startswith(".sweep-") for p in os.listdir(queue_dir / "pending"))
+
+    tick_until(w, step, 60, "every job of the sweep written and its staging folder gone")
+    runs = [json.loads((queue_dir / "pending" / f"big-{i}" / "run.json").read_text()) for i in range(1, n + 1)]
+    assert [r["sweep"]["index"] for r in runs] == list(range(1, n + 1))
+    assert all(r["sweep"]["of"] == n and r["sweep"]["params"] == {"i": i - 1} for i, r in enumerate(runs, 1))
+    orders = [r["order"] for r in runs]
+    assert orders == sorted(orders) and len(set(orders)) == n  # acceptance order follows the grid
+    text = (queue_dir / "pending" / "big-7" / "job.yaml").read_text()
+    assert "sweep" not in yaml.safe_load(text) and yaml.safe_load(text)["command"] == ["true", "6"]
+    (queue_dir / "pause.flag").unlink()
+    then = lambda: json.loads((queue_dir / "done" / "then" / "run.json").read_text())  # noqa: E731
+    tick_until(w, lambda: (queue_dir / "done" / "then" / "run.json").exists(), 240, "the dependent to run")
+    assert len(os.listdir(queue_dir / "done")) == n + 1  # the dependent ran only after all n
+    last_member = max(
+        parse_iso(r["finished_at"])
+        for r in (json.loads((queue_dir / "done" / f"big-{i}" / "run.json").read_text()) for i in range(1, n + 1))
+    )
+    assert parse_iso(then()["started_at"]) >= last_member
+    print(f"{n} jobs written over {len(set(seen))} passes")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -176,6 +177,31 @@ def test_inside_the_freeze_only_a_job_that_fits_starts(queue_dir: Path, watcher)
         [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "why", "big"], capture_output=True, text=True, cwd=REPO
     )
     assert "HOLD window" in out.stdout and "expected_duration 1 h" in out.stdout
+
+
+def test_a_window_already_past_is_loud_in_status_and_why(queue_dir: Path, watcher, caplog) -> None:
+    """The finding: ends_at an hour ago froze the queue with "nothing starts before the wall", an hour after it."""
+    window = {"ends_at": iso_utc(time.time() - 3600)}
+    (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({"window": window}))  # what `trainq why` reads
+    w = watcher(window=window)
+    _job(queue_dir, "late", command=["true"], expected_duration="1s")
+    tick_until(w, lambda: "window ended" in (_entry(queue_dir, "late").get("waiting_for") or ""), 20)
+    w.write_status(time.time() + 10, force=True)
+    status = _status(queue_dir)
+    [problem] = [p for p in status["watcher"]["problems"] if "window" in p]
+    assert re.fullmatch(rf"the window ended at {window['ends_at']} \(1 h( \d+ min)? ago\): nothing starts .*", problem)
+    assert "window.ends_at in watcher.yaml" in problem
+    assert _entry(queue_dir, "late")["status"] == "pending"
+    assert "nothing starts before the wall" not in _entry(queue_dir, "late")["waiting_for"]
+    out = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "why", "late"], capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    assert re.search(rf"HOLD window +the window ended at {window['ends_at']} \(1 h( \d+ min)? ago\)", out.stdout), (
+        out.stdout
+    )
+    said = [r.getMessage() for r in caplog.records if "window ended" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("queue: the window ended at")  # once in watcher.log, not a tick
 
 
 def test_a_restarted_watcher_keeps_the_ladder_and_stops_a_job_at_the_final_mark(

@@ -96,7 +96,8 @@ def _from_metrics(path: Path) -> dict:
 
 
 def _runtime_s(run: dict) -> float | None:
-    total, seen = 0.0, False
+    folded = (run.get("attempts_earlier") or {}).get("runtime_s")  # attempts older than run.json keeps in full
+    total, seen = (float(folded), True) if isinstance(folded, (int, float)) else (0.0, False)
     for attempt in run.get("attempts") or []:
         start, end = parse_iso(attempt.get("started_at")), parse_iso(attempt.get("ended_at"))
         if start is not None and end is not None:

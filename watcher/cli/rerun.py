@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import tarfile
 import time
@@ -174,11 +175,31 @@ def at_snapshot(root: Path, job_id: str, job_dir: Path, code: dict) -> Path:
     snap = JobPaths(job_dir).snapshot
     if "git" in code:
         _git_checkout(Path(code["root"]), code["git"], snap, scratch)
-        _unpack(snap / "untracked.tar", scratch, code.get("archive"))
+        archive = snap / "untracked.tar"
     else:
         scratch.mkdir()
-        _unpack(snap / "files.tar", scratch, code.get("archive"))
+        archive = snap / "files.tar"
+    try:
+        _unpack(archive, scratch, code.get("archive"))
+    except RerunRefused:
+        _discard(scratch, Path(code["root"]) if "git" in code else None)
+        raise
     return scratch
+
+
+def _discard(scratch: Path, top: Path | None) -> None:
+    """Remove a scratch worktree a refused rerun made (and git's record of it), whatever it holds by now."""
+    if top is not None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+        subprocess.run(
+            ["git", "-C", str(top), "worktree", "remove", "--force", "--force", str(scratch)],
+            capture_output=True,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+    shutil.rmtree(scratch, ignore_errors=True)
+    if top is not None:
+        subprocess.run(["git", "-C", str(top), "worktree", "prune"], capture_output=True, stdin=subprocess.DEVNULL)
 
 
 def _git_checkout(top: Path, git: dict, snap: Path, scratch: Path) -> None:
@@ -214,8 +235,18 @@ def _unpack(tar_path: Path, into: Path, archive: dict | None) -> None:
         print(f"trainq: note: not in the snapshot (too large or not regular files): {names}")
     if not tar_path.exists():
         return
-    with tarfile.open(tar_path) as tar:
-        tar.extractall(into, filter="data")
+    try:
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(into, filter="data")  # refuses absolute paths, .., links out, devices (PEP 706)
+    except tarfile.FilterError as exc:
+        raise RerunRefused(
+            f"{tar_path}: unsafe member refused ({exc}); the saved code was not checked out (use --here)"
+        ) from None
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        why = "not a readable tar archive" if isinstance(exc, tarfile.ReadError) else " ".join(str(exc).split())
+        raise RerunRefused(
+            f"{tar_path}: cannot be unpacked ({why}); the saved code was not checked out (use --here)"
+        ) from None
 
 
 def _point_at(data: dict, code: dict, scratch: Path) -> None:

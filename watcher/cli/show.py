@@ -134,12 +134,20 @@ def _diagnosis(run: dict) -> list[str]:
     return lines
 
 
+#: attempts ``show`` lists one line each (the latest); older ones are counted on one line
+SHOWN_ATTEMPTS = 20
+
+
 def _attempts(run: dict, now: float) -> list[str]:
-    attempts = run.get("attempts") or []
+    attempts = [a for a in run.get("attempts") or [] if isinstance(a, dict)]
     if not attempts:
         return []
-    lines = [f"  attempts ({len(attempts)}):"]
-    for a in attempts:
+    total = max(int(run.get("attempt") or 0), len(attempts))
+    lines = [f"  attempts ({total}):"]
+    earlier = total - min(len(attempts), SHOWN_ATTEMPTS)
+    if earlier > 0:
+        lines.append(f"    {_earlier_words(run, attempts[: len(attempts) - SHOWN_ATTEMPTS], earlier)}")
+    for a in attempts[-SHOWN_ATTEMPTS:]:
         if a.get("ended_at"):
             end = f"ended {_clock(a.get('ended_at'))} after {_span(a.get('started_at'), a.get('ended_at'), now)}"
         else:
@@ -153,6 +161,25 @@ def _attempts(run: dict, now: float) -> list[str]:
         tail = " · ".join(x for x in [how, *extra] if x)
         lines.append(f"    #{a.get('n')} started {_clock(a.get('started_at'))}, {end}" + (f" · {tail}" if tail else ""))
     return lines
+
+
+def _earlier_words(run: dict, listed: list[dict], count: int) -> str:
+    """One line for the attempts not listed: how they ended, from run.json's ``attempts_earlier`` and the rest."""
+    from trainq.watcher.daemon.jobs import fold_attempts
+
+    folded: dict = {"attempts_earlier": dict(run.get("attempts_earlier") or {}), "attempts": [*listed, {}]}
+    fold_attempts(folded, keep=1)  # the kept-but-unlisted ones counted the same way as the folded ones
+    e = folded["attempts_earlier"]
+    ends = [f"exit {code} ×{n}" for code, n in sorted((e.get("exit_codes") or {}).items(), key=lambda kv: -kv[1])]
+    ends += [f"{sig} ×{n}" for sig, n in sorted((e.get("signals") or {}).items(), key=lambda kv: -kv[1])]
+    words = f"… {count} earlier attempt{'s' if count != 1 else ''}"
+    if e.get("checkpoint_exits"):
+        words += f", {e['checkpoint_exits']} of them checkpoint exits"
+    if ends:
+        words += ": " + ", ".join(ends[:6])
+    if e.get("runtime_s"):
+        words += f"; {format_eta(e['runtime_s'])} in all"
+    return words
 
 
 def _exit_words(attempt: dict) -> str:

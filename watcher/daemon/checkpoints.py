@@ -99,6 +99,15 @@ def find_checkpoint(paths: JobPaths, *, running: bool = False, now: float | None
     return Discovery(None, None, tuple(dict.fromkeys(skipped)))
 
 
+def checkpoint_mtime(path: str | os.PathLike) -> float | None:
+    """When a checkpoint (file or folder) was last written: its own mtime or its newest file's; None when gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _newest_mtime(Path(path), st.st_mtime)
+
+
 def latest_checkpoint(paths: JobPaths, running: bool = False) -> str | None:
     """The newest complete checkpoint's absolute path, or None (``running``: pass over ones still settling)."""
     return find_checkpoint(paths, running=running).path

@@ -119,7 +119,7 @@ class Watcher:
 
     def problems(self) -> list[str]:
         """What is wrong with the watcher itself, one line each (status.json ``watcher.problems``)."""
-        return self.disk.problems()
+        return self.disk.problems() + self.walls.wall_problems(time.time())
 
     def window_now(self, now: float) -> dict | None:
         """status.json's ``window`` (walls.py)."""
@@ -149,7 +149,7 @@ class Watcher:
         self._take_reserve()
         remove_quietly(self.root.stop_flag)
         events = InboxEvents(self.root.inbox, self.wake, flags=(self.root.stop_flag, self.root.pause_flag))
-        self.intake.inbox = Inbox(self.root.inbox, self.config.settle_s, events)
+        self.intake.inbox = Inbox(self.root.inbox, self.config.settle_s, events, self.config.inbox_settle_s)
         self._observer = start_observer(self.root.inbox, self.root.path, events, self.polling)
         if install_signals:
             self._signals = install_watcher_signal_handlers(self._wake_w)
@@ -295,6 +295,7 @@ class Watcher:
         try:
             if self.disk.disk_full is None:
                 self.intake.admit_inbox(now)
+                self.workflows.continue_sweeps(now)  # a big sweep's jobs, a slice a pass (workflows.py)
                 self.keep_status_fresh()
             if self.disk.disk_full is None:
                 # before retiring: the next job need not wait for the last one's writes

@@ -25,6 +25,7 @@ KINDS = (
     "unsatisfiable",
     "dependency",
     "schedule",
+    "no_checkpoint",
     "unknown",
 )
 
@@ -60,6 +61,10 @@ _ADVICE = {
     "schedule": "The learning rate applied left the configured schedule (evidence: the step, the expected and the "
     "applied value): look for code that sets the optimizer's lr, a scheduler changed on resume, or the "
     "warm-up settings; fix it, then touch retry.flag to resume from the last checkpoint.",
+    "no_checkpoint": 'The job exited with its checkpoint_exit_code ("saved, run me again") but left no checkpoint '
+    "newer than the one its attempt started from, so running it again would repeat the same slice: make it save "
+    "(and name the checkpoint) before it exits with that code, or exit with another code when it cannot go on, "
+    "then touch retry.flag.",
     "unknown": "Read the end of output.log (trainq logs ID) for the error, fix its cause, then touch retry.flag.",
 }
 
@@ -330,6 +335,8 @@ def _unknown(exit: dict, lines: list[str]) -> Diagnosis:
         if sum(len(t) + 1 for t in tail) + len(line) > UNKNOWN_EVIDENCE_MAX_CHARS:
             break
         tail.insert(0, line)
+    if not tail and lines:  # one line longer than the evidence: its end (a log that never wrote a newline)
+        return Diagnosis("unknown", advice_for("unknown"), "…" + lines[-1][-(UNKNOWN_EVIDENCE_MAX_CHARS - 1) :])
     if not tail:
         how = (
             f"signal {exit.get('signal_name') or exit.get('signal')}"

@@ -11,6 +11,7 @@ from trainq.watcher.daemon import records
 from trainq.watcher.daemon.jobs import (
     CHECKPOINTED,
     Job,
+    checkpoint_mark,
     judge_exit,
     load_job,
     resume_point,
@@ -225,6 +226,7 @@ class Finishing:
         """The job exited with its checkpoint_exit_code: the next attempt starts at once, resuming; no retry counted."""
         resume = resume_point(job)
         restarts = int(job.run.get("checkpoint_restarts") or 0) + 1
+        job.run["checkpoint_mark"] = checkpoint_mark(job.paths)  # the next checkpoint exit must leave a newer one
         job.run.update(
             status="pending",
             not_before=None,

@@ -1,10 +1,13 @@
 """The inbox: which names are candidates, and when a candidate is complete enough to take.
 
 Events are hints and the scan is the truth. watchdog's inotify events say when a file was
-closed after writing or renamed in (ready at once) and when it is being written (not ready,
-however long the writer pauses). Files seen without such events (present at start-up, events
-dropped, other platforms) are ready once size and mtime stood still for ``settle_s`` and no
-process holds them open for writing (looked up in ``/proc/*/fd``).
+renamed in (ready at once), closed after writing, or is being written (not ready, however long
+the writer pauses). A file written in place (closed after writing, or seen without events:
+present at start-up, events dropped, other platforms) is ready once it has been unchanged for
+``inbox_settle_s`` (docs/contract.md: a shell appending line by line with ``>>`` closes the file
+after every line, so a close alone says nothing about the next line) and no process holds it open
+for writing (looked up in ``/proc/*/fd``); files seen without events must also have kept the same
+size and mtime across scans for ``settle_s``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,11 +205,14 @@ class InboxEvents(FileSystemEventHandler):
 class Inbox:
     """Lists inbox candidates in drop order and decides which are complete."""
 
-    def __init__(self, inbox: Path, settle_s: float, events: InboxEvents | None = None):
+    def __init__(self, inbox: Path, settle_s: float, events: InboxEvents | None = None, written_settle_s: float = 1.0):
         self.path = inbox
         self.settle_s = settle_s
+        #: watcher.yaml ``inbox_settle_s``: how long a file written in place must stand unchanged
+        self.written_settle_s = written_settle_s
         self.events = events
         self._seen: dict[str, _Seen] = {}
+        self._due_at: float | None = None  # when the next file written in place will have stood long enough
         #: name -> inode of a file found unfinished just after a write (invalid, or valid but unapproved):
         #: a writer that appends in pieces. It is taken again only once it has stood still for settle_s.
         self._appending: dict[str, int] = {}
@@ -255,17 +262,24 @@ class Inbox:
         return found
 
     def ready(self, candidates: Iterable[Candidate], now: float) -> list[Candidate]:
-        """The candidates that are complete: closed or renamed in, or settled with no writer."""
+        """The candidates that are complete: renamed in, or written in place and unchanged for inbox_settle_s
+        with no writer left."""
         hints = self.events.hints() if self.events else {}
         self.moved_in = frozenset(name for name, hint in hints.items() if hint == MOVED_IN)
+        self._due_at = None
         ready, unsure = [], []
         for cand in candidates:
             hint = hints.get(cand.name)
             if self._appending.get(cand.name) == cand.ino and not self.is_still(cand, now):
                 continue  # an appending writer may not be done: wait until the file stands still
-            if hint in (READY, MOVED_IN) or cand.is_symlink:
+            if hint == MOVED_IN or cand.is_symlink:
                 ready.append(cand)
-            elif self._settled(cand, now, recheck_s=_WRITER_RECHECK_S if hint == WRITING else 0.0):
+            elif hint == READY:  # closed after a write in place: more lines may come (``>>`` closes each time)
+                if self._unchanged_for(cand, now, self.written_settle_s) and self._writer_check_due(cand, now):
+                    unsure.append(cand)
+            elif self._settled(cand, now, recheck_s=_WRITER_RECHECK_S if hint == WRITING else 0.0) and (
+                self._unchanged_for(cand, now, self.written_settle_s)
+            ):
                 unsure.append(cand)
         if unsure:
             busy = open_for_writing([c.path for c in unsure])
@@ -285,6 +299,24 @@ class Inbox:
             return False
         return now - seen.writer_checked_at >= max(recheck_s, self.settle_s)
 
+    def _unchanged_for(self, cand: Candidate, now: float, seconds: float) -> bool:
+        """True once ``cand`` was last written ``seconds`` ago by its mtime, or (a clock that disagrees with
+        ours: a network share) has kept its size, mtime and inode that long by ours; else note when it will."""
+        seen = self._seen.get(cand.name)
+        if seen is None or (seen.size, seen.mtime_ns, seen.ino) != (cand.size, cand.mtime_ns, cand.ino):
+            seen = self._seen[cand.name] = _Seen(cand.size, cand.mtime_ns, cand.ino, since=now)
+        still_s = max(now - cand.mtime_ns / 1e9, now - seen.since)
+        if still_s >= seconds:
+            return True
+        due = now + (seconds - still_s)
+        self._due_at = due if self._due_at is None else min(self._due_at, due)
+        return False
+
+    def _writer_check_due(self, cand: Candidate, now: float) -> bool:
+        """A closed file another process still holds open for writing is looked up in /proc again only
+        every _WRITER_RECHECK_S (a content change starts over at once)."""
+        return now - self._seen[cand.name].writer_checked_at >= _WRITER_RECHECK_S
+
     def is_still(self, cand: Candidate, now: float) -> bool:
         """True once the file was last written at least settle_s ago (an mtime in the future counts as still)."""
         age_s = now - cand.mtime_ns / 1e9
@@ -294,11 +326,12 @@ class Inbox:
         """``cand`` was found unfinished right after a write: take it again only once it stands still."""
         self._appending[cand.name] = cand.ino
 
-    def next_due_s(self) -> float | None:
-        """How soon the loop should look again for held-back files (None when none is held back)."""
-        if not self._appending:
-            return None
-        return self.settle_s
+    def next_due_s(self, now: float | None = None) -> float | None:
+        """How soon the loop should look again for held-back files and files settling (None when none waits)."""
+        waits = [self.settle_s] if self._appending else []
+        if self._due_at is not None:
+            waits.append(max(0.0, self._due_at - (time.time() if now is None else now)))
+        return min(waits) if waits else None
 
     def taken(self, name: str) -> None:
         """Forget what was known about a name that left the inbox."""

@@ -3,7 +3,9 @@
 
 Admitting: each complete inbox file is validated, then claimed into pending/ (accepted), into failed/
 (rejected, its problems in run.json), or left where it is while it awaits approval. A burst is validated
-and claimed on a small thread pool, in drop order, at most ``ADMIT_BATCH`` files a pass.
+and claimed on a small thread pool, in drop order, at most ``ADMIT_BATCH`` files a pass. A heavy file (a
+sweep, whose validation checks every combination, or one of ``HEAVY_FILE_BYTES`` or more) is validated on
+that pool while the loop goes on, and a later pass acts on the result.
 
 Editing: a pending job's job.yaml edited by any means (an editor, ``trainq edit``, ``trainq priority``) is
 read again. Valid: its new priority, name, command and resources are used from then on (the job keeps its
@@ -48,6 +50,11 @@ ADMIT_BATCH = 2000
 PARALLEL_VALIDATE_MIN = 16
 #: threads that validate and claim a burst
 ADMIT_THREADS = 2
+#: inbox files this big, or naming a sweep (whose validation checks every combination), are validated on a worker
+#: thread while the loop goes on (a 9,000-key sweep takes seconds); a later pass takes the result
+HEAVY_FILE_BYTES = 64 * 1024
+#: the word that makes an inbox file heavy whatever its size
+_SWEEP_WORD = b"sweep"
 #: most pending jobs whose job.yaml one rescan stats (a 10,000-job queue is covered in a few rescans)
 CHECK_BATCH = 2000
 
@@ -70,6 +77,7 @@ class Intake:
         self._awaiting: dict[str, tuple[tuple, dict]] = {}
         self._unclaimable: dict[str, tuple] = {}  # inbox files not even rejectable (a second fault): name -> signature
         self._pool: ThreadPoolExecutor | None = None
+        self._heavy: dict[str, tuple] = {}  # inbox name -> (candidate, future of _take) validating off the loop
 
     def close(self) -> None:
         """Stop the threads that validate a burst."""
@@ -96,24 +104,56 @@ class Intake:
         """Validate every complete inbox file: accept, reject, or leave it awaiting approval."""
         candidates = self._inbox.scan()
         self.state.report.inbox_seen(candidates, self._inbox.ignored)
-        todo = [c for c in self._inbox.ready(candidates, now) if not self._known_awaiting(c)]
+        self._collect_heavy(now)
+        todo = [
+            c for c in self._inbox.ready(candidates, now) if not self._known_awaiting(c) and c.name not in self._heavy
+        ]
+        for cand in [c for c in todo if _is_heavy(c)]:
+            self._validate_off_loop(cand, now)
+            todo.remove(cand)
         if len(todo) > ADMIT_BATCH:
             todo = todo[:ADMIT_BATCH]
             self.state.wake()  # the rest next pass, so status.json stays fresh during a burst
         for cand, taken in self._taken(todo, now):
-            if taken.disk_full is not None:
-                self.disk.note_disk_full(taken.disk_full, f"inbox/{cand.name}")
-                continue
-            try:
-                self._admit_one(cand, taken, now)
-            except Exception as exc:
-                self._contain_admitted(cand, taken, exc)
+            self._admit_taken(cand, taken, now)
         live = {c.name for c in candidates}
         for name in [n for n in self._awaiting if n not in live]:
             del self._awaiting[name]
         for name in [n for n in self._unclaimable if n not in live]:
             del self._unclaimable[name]
         self.state.report.awaiting(self._awaiting)
+
+    def _admit_taken(self, cand, taken: _Taken, now: float) -> None:
+        """What ``_take`` found, acted on (on the loop's thread): accepted, rejected, awaiting or held back."""
+        if taken.disk_full is not None:
+            self.disk.note_disk_full(taken.disk_full, f"inbox/{cand.name}")
+            return
+        try:
+            self._admit_one(cand, taken, now)
+        except Exception as exc:
+            self._contain_admitted(cand, taken, exc)
+
+    def _validate_off_loop(self, cand, now: float) -> None:
+        """Validate (and, a plain job, claim) a heavy inbox file on a worker thread; the loop goes on."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="trainq-admit")
+        future = self._pool.submit(self._take, cand, self.state.next_order(), now)
+        future.add_done_callback(lambda _done: self.state.wake())
+        self._heavy[cand.name] = (cand, future)
+        logger.debug("inbox/%s: validating off the loop (%d bytes)", printable_name(cand.name), cand.size)
+
+    def _collect_heavy(self, now: float) -> None:
+        """Act on heavy files whose validation ended; one changed since it was read is read again."""
+        for name, (cand, future) in list(self._heavy.items()):
+            if not future.done():
+                continue
+            del self._heavy[name]
+            if future.cancelled():
+                continue
+            taken = future.result()  # _take turns every exception into a result
+            if taken.claimed is None and taken.disk_full is None and _changed(cand):
+                continue  # unclaimed (a sweep, unapproved) and written again meanwhile: the next scan reads it
+            self._admit_taken(cand, taken, now)
 
     def _contain_admitted(self, cand, taken: _Taken, exc: Exception) -> None:
         if taken.claimed is None:
@@ -288,6 +328,33 @@ class _Taken:
     disk_full: OSError | None = None  # claiming it ran out of space (the file stays in the inbox)
     unclaimable: bool = False  # admitting it failed, and so did rejecting it
     unfinished: bool = False  # invalid, but written a moment ago: held back until it stands still
+
+
+def _is_heavy(cand) -> bool:
+    """A file whose validation may take long: big, or a sweep (every combination is checked)."""
+    if cand.is_symlink:
+        return False  # refused at once, unread
+    if cand.size >= HEAVY_FILE_BYTES:
+        return True
+    try:
+        fd = os.open(cand.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return _SWEEP_WORD in os.read(fd, HEAVY_FILE_BYTES)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _changed(cand) -> bool:
+    """The inbox file is not the one ``cand`` saw (written again, replaced or gone)."""
+    try:
+        st = os.stat(cand.path, follow_symlinks=False)
+    except OSError:
+        return True
+    return (st.st_size, st.st_mtime_ns, st.st_ino) != (cand.size, cand.mtime_ns, cand.ino)
 
 
 def _stem(file_name: str) -> str:

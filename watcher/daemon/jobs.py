@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from trainq.watcher.daemon.checkpoints import find_checkpoint, latest_checkpoint, note_skipped
+from trainq.watcher.daemon.checkpoints import checkpoint_mtime, find_checkpoint, latest_checkpoint, note_skipped, rebase
 from trainq.watcher.daemon.diagnosis import (
     SIGKILL,
     Diagnosis,
@@ -43,6 +43,9 @@ FINAL_STATUSES = ("done", "failed", "cancelled", "timeout", "rejected")
 LIVE_STATUSES = ("running", "stopping")
 #: an attempt's outcome (never a job's status) when it exited with the job's checkpoint_exit_code
 CHECKPOINTED = "checkpointed"
+#: attempts run.json keeps in full; older ones are folded into ``attempts_earlier`` (counts), so a job that
+#: restarts thousands of times (checkpoint exits) keeps a run.json of bounded size (docs/contract.md)
+MAX_ATTEMPTS_KEPT = 100
 
 
 class ProgressReaders(Protocol):
@@ -109,6 +112,7 @@ class Job:
 
     def save(self, durable: bool = True) -> None:
         """Write run.json atomically; JobFolderRemoved when the folder was removed by hand."""
+        fold_attempts(self.run)  # at most MAX_ATTEMPTS_KEPT attempts in full on disk, counts for the rest
         try:
             if self.run.get("status") in HOOK_STATUSES:
                 mark_due(self.paths, self.spec, self.run)  # the hook is on disk before the conclusion is
@@ -191,7 +195,10 @@ def judge_exit(run: dict, exit_record: dict, paths: JobPaths, spec: JobSpec | No
     if reason is None and exit_record.get("exit_code") == 0 and not exit_record.get("signal"):
         return Outcome("done", None)
     if reason is None and is_checkpoint_exit(exit_record, spec):
-        return Outcome(CHECKPOINTED, None)
+        stale = stale_checkpoint_exit(run, exit_record, paths)
+        if stale is None:
+            return Outcome(CHECKPOINTED, None)
+        return Outcome("failed", Diagnosis("no_checkpoint", advice_for("no_checkpoint"), stale))
     log_tail = attempt_log_tail(paths)
     diagnosis = diagnose(
         exit_record,
@@ -209,6 +216,86 @@ def is_checkpoint_exit(exit_record: dict, spec: JobSpec | None) -> bool:
     """The job exited with its ``checkpoint_exit_code``: "saved, run me again" (docs/records.md)."""
     code = spec.checkpoint_exit_code if spec is not None else None
     return code is not None and exit_record.get("exit_code") == code and not exit_record.get("signal")
+
+
+def checkpoint_mark(paths: JobPaths) -> dict | None:
+    """The job's latest checkpoint as a checkpoint exit leaves it: ``{path (relative to the job), mtime}``."""
+    found = latest_checkpoint(paths)
+    if found is None:
+        return None
+    return {"path": relative_to_job(found, paths), "mtime": checkpoint_mtime(found)}
+
+
+def stale_checkpoint_exit(run: dict, exit_record: dict, paths: JobPaths) -> str | None:
+    """Why a checkpoint exit made no new checkpoint (the evidence), or None when it made one.
+
+    New means: not the checkpoint the previous checkpoint exit left (run.json ``checkpoint_mark``: its
+    path and when it was written), or, for a job's first checkpoint exit, not the checkpoint the attempt
+    resumed from unless written again since the attempt started (a ``ckpt_latest`` saved in place).
+    """
+    code = exit_record.get("exit_code")
+    mark = checkpoint_mark(paths)
+    if mark is None:
+        return f"exit code {code} (its checkpoint_exit_code), but the job has no checkpoint to resume from"
+    before = run.get("checkpoint_mark")
+    if isinstance(before, dict):
+        if (before.get("path"), before.get("mtime")) != (mark["path"], mark["mtime"]):
+            return None
+    else:
+        attempt = ((run.get("attempts") or [{}])[-1]) or {}
+        resumed = attempt.get("resumed_from")
+        if not resumed or relative_to_job(str(rebase(Path(resumed), paths)), paths) != mark["path"]:
+            return None
+        started = parse_iso(attempt.get("started_at"))
+        if started is None or (mark["mtime"] or 0.0) >= started:
+            return None
+    return (
+        f"exit code {code} (its checkpoint_exit_code), but no new checkpoint since the previous one: "
+        f"the latest is still {mark['path']}"
+    )
+
+
+def fold_attempts(run: dict, keep: int = MAX_ATTEMPTS_KEPT) -> None:
+    """Keep the last ``keep`` attempts in run.json in full; fold older ones into ``attempts_earlier`` (counts)."""
+    attempts = run.get("attempts") or []
+    if len(attempts) <= keep:
+        return
+    found = run.get("attempts_earlier")
+    earlier: dict = found if isinstance(found, dict) else {}
+    for attempt in attempts[:-keep]:
+        _fold_one(earlier, attempt if isinstance(attempt, dict) else {})
+    run["attempts"] = attempts[-keep:]
+    run["attempts_earlier"] = earlier
+
+
+def _fold_one(earlier: dict, attempt: dict) -> None:
+    """Count one attempt into ``attempts_earlier`` (the shape run.schema.json documents)."""
+    earlier["count"] = int(earlier.get("count") or 0) + 1
+    n = attempt.get("n")
+    if isinstance(n, int):
+        earlier["first_n"] = min(n, earlier.get("first_n") or n)
+        earlier["last_n"] = max(n, earlier.get("last_n") or n)
+    earlier["first_started_at"] = earlier.get("first_started_at") or attempt.get("started_at")
+    earlier["last_ended_at"] = attempt.get("ended_at") or earlier.get("last_ended_at")
+    if attempt.get("checkpoint_exit"):
+        earlier["checkpoint_exits"] = int(earlier.get("checkpoint_exits") or 0) + 1
+    _count(earlier, "exit_codes", None if attempt.get("exit_code") is None else str(attempt["exit_code"]))
+    _count(earlier, "signals", attempt.get("signal_name") or (attempt.get("signal") and str(attempt["signal"])))
+    _count(earlier, "diagnoses", (attempt.get("diagnosis") or {}).get("kind"))
+    start, end = parse_iso(attempt.get("started_at")), parse_iso(attempt.get("ended_at"))
+    if start is not None and end is not None:
+        earlier["runtime_s"] = round(float(earlier.get("runtime_s") or 0.0) + max(0.0, end - start), 3)
+    cost = attempt.get("cost")
+    if isinstance(cost, dict) and isinstance(cost.get("amount"), (int, float)):
+        total = earlier.setdefault("cost", {"amount": 0.0, "currency": cost.get("currency"), "gpu_hours": 0.0})
+        total["amount"] = round(total["amount"] + cost["amount"], 6)
+        total["gpu_hours"] = round(total["gpu_hours"] + float(cost.get("gpu_hours") or 0.0), 6)
+
+
+def _count(earlier: dict, key: str, value: str | None) -> None:
+    if value:
+        counts = earlier.setdefault(key, {})
+        counts[value] = int(counts.get(value) or 0) + 1
 
 
 def retries_used(job: Job) -> int:

@@ -25,7 +25,7 @@ from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, read_json, 
 from trainq.watcher.spec.records import append_record
 from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.units import iso_utc, parse_iso
-from trainq.watcher.spec.wall import Forecast, freeze_hold
+from trainq.watcher.spec.wall import Forecast, freeze_hold, window_ended
 from trainq.watcher.supervisor.deliver import LOCK_NAME, RECORD_NAME, DeliveryQueue
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class Walls:
         self.deliveries = DeliveryQueue(state.root.path)
         self._cost_ledger = read_json(state.root.path / COST_LEDGER) or {}
         self._last_delivery_check = 0.0
+        self._window_end_said = False  # watcher.log has the "window ended" line (once per end)
 
     # -- each pass -----------------------------------------------------------------------------
     def keep_walls(self, now: float) -> None:
@@ -69,6 +70,17 @@ class Walls:
         if now - self._last_delivery_check >= DELIVERY_CHECK_S:
             self._last_delivery_check = now
             self._tend_deliveries()
+
+    def wall_problems(self, now: float) -> list[str]:
+        """status.json ``watcher.problems`` lines about walls: a window already ended freezes the whole queue."""
+        ended = window_ended(self.state.config.window, now)
+        if ended is None:
+            self._window_end_said = False
+            return []
+        if not self._window_end_said:
+            self._window_end_said = True
+            logger.warning("queue: %s", ended)
+        return [ended]
 
     def _face_wall(self, job: Job, now: float) -> None:
         deadline = job_deadline(job)
@@ -171,6 +183,9 @@ class Walls:
             return
         attempt["cost"] = cost.of(end - start, len(attempt.get("gpus") or []))
         priced = [a["cost"] for a in job.run.get("attempts") or [] if isinstance(a.get("cost"), dict)]
+        folded = (job.run.get("attempts_earlier") or {}).get("cost")  # attempts older than run.json keeps
+        if isinstance(folded, dict) and folded.get("currency") == cost.currency:
+            priced.append(folded)
         job.run["cost"] = {
             "amount": round(sum(c["amount"] for c in priced), 6),
             "currency": cost.currency,

@@ -11,13 +11,15 @@ same jobs again from their job.yaml.
 Sweeps: a sweep file is claimed into a hidden staging folder (``pending/.sweep-ID``), its
 variants are written as ordinary pending jobs ``ID-1`` ... ``ID-N``, then the staging folder is
 removed. A crash in between is finished by ``resume_sweeps`` at start-up (variants already there
-are kept).
+are kept). The variants are written a slice at a time (``SWEEP_SLICE_S`` of a pass, then the next
+pass goes on: ``continue_sweeps``), so a big sweep never holds the loop, its status and its heartbeat.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: prefix of a sweep's staging folder inside pending/ (hidden: never taken for a job)
 SWEEP_STAGING_PREFIX = ".sweep-"
+#: seconds of one pass spent writing a sweep's jobs; the rest are written on the next passes (the loop stays live)
+SWEEP_SLICE_S = 0.2
 #: dependencies named in one waiting_for before "and N more"
 _MAX_SHOWN = 4
 #: ancestors kept in lineage.parents
@@ -56,6 +60,17 @@ DEPENDENCY_ADVICE = (
     "A job this one runs after did not end done: fix and retry that job (trainq retry ID), then "
     "retry this one, or submit it with after_policy: any to run whatever their outcome."
 )
+
+
+@dataclass
+class _Expansion:
+    """A sweep whose jobs are being written: its variants, and the index of the next one to write."""
+
+    sweep_id: str
+    staging: Path
+    variants: list
+    base: str
+    next: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,12 +100,14 @@ class Workflows:
         self.hooks = HookLauncher(passed_through(state.env, state.config.env_passthrough))
         self._deps_queue: list[str] = []
         self._sweeps_unfinished = False  # a sweep's expansion failed (a full disk): retried on each rescan
+        self._expansions: list[_Expansion] = []  # sweeps whose jobs are still being written (continue_sweeps)
         self.deps_released = False  # a held job was released in this pass: start_pending runs again (daemon.py)
 
     def reset(self) -> None:
         """Forget what is held on what (rebuilt from job.yaml files by recover(), as at start-up)."""
         self.state.deps = DependencyBook()
         self._deps_queue = []
+        self._expansions = []  # recover() finishes them from their staging folders
 
     # -- accepting -----------------------------------------------------------------------------
     def admit_workflow(self, job: Job, now: float) -> None:
@@ -407,32 +424,71 @@ class Workflows:
         logger.info(
             "sweep %s: inbox/%s -> %d job(s) %s-1 ... %s-%d", sweep_id, cand.name, total, sweep_id, sweep_id, total
         )
-        try:
-            self.expand_staged(sweep_id, staging, now, name=_stem(cand.name))
-        except OSError as exc:  # its staging folder keeps the file; the jobs written so far stay
-            logger.warning("sweep %s: writing its jobs failed (%s); trying again on the next rescan", sweep_id, exc)
-            self._sweeps_unfinished = True
+        self.expand_staged(sweep_id, staging, now, name=_stem(cand.name), spec=spec)
 
-    def expand_staged(self, sweep_id: str, staging: Path, now: float, name: str | None = None) -> None:
-        """Write every variant of the staged sweep that is not in the queue yet, then drop the staging folder."""
-        try:
-            spec = load_job_file(staging / "job.yaml", f"pending/{staging.name}/job.yaml")
-        except (InvalidJobSpec, OSError) as exc:
-            logger.warning("sweep %s: staged file unreadable (%s); leaving %s", sweep_id, exc, staging)
-            return
+    def expand_staged(
+        self, sweep_id: str, staging: Path, now: float, name: str | None = None, spec: JobSpec | None = None
+    ) -> None:
+        """Write every variant of the staged sweep that is not in the queue yet, then drop the staging folder.
+
+        ``spec``: the staged file as the inbox just validated it (else it is read again: after a crash).
+        The first slice is written now, the rest on the next passes (``continue_sweeps``).
+        """
+        if any(e.sweep_id == sweep_id for e in self._expansions):
+            return  # being written already
+        if spec is None:
+            try:
+                spec = load_job_file(staging / "job.yaml", f"pending/{staging.name}/job.yaml")
+            except (InvalidJobSpec, OSError) as exc:
+                logger.warning("sweep %s: staged file unreadable (%s); leaving %s", sweep_id, exc, staging)
+                return
         variants = expand(spec.raw)
-        base = spec.name or name or sweep_id
         self.state.deps.sweeps[sweep_id] = [f"{sweep_id}-{v.index}" for v in variants]
-        for variant in variants:
-            job = self._write_variant(sweep_id, variant, len(variants), base, now)
+        self._expansions.append(_Expansion(sweep_id, staging, variants, spec.name or name or sweep_id))
+        self.continue_sweeps(now)
+
+    def continue_sweeps(self, now: float) -> None:
+        """Write sweeps' jobs for at most SWEEP_SLICE_S of this pass; wake the loop for the rest."""
+        deadline = time.monotonic() + SWEEP_SLICE_S
+        while self._expansions:
+            expansion = self._expansions[0]
+            try:
+                done = self._write_slice(expansion, deadline, now)
+            except OSError as exc:  # its staging folder keeps the file; the jobs written so far stay
+                logger.warning(
+                    "sweep %s: writing its jobs failed (%s); trying again on the next rescan", expansion.sweep_id, exc
+                )
+                self._expansions.pop(0)
+                self._sweeps_unfinished = True
+                continue
+            if not done:
+                self.state.wake()
+                return
+            self._expansions.pop(0)
+            self._expanded(expansion, now)
+
+    def _write_slice(self, expansion: _Expansion, deadline: float, now: float) -> bool:
+        """Write the expansion's next variants until ``deadline``; True once every variant is written."""
+        total = len(expansion.variants)
+        while expansion.next < total:
+            variant = expansion.variants[expansion.next]
+            job = self._write_variant(expansion.sweep_id, variant, total, expansion.base, now)
+            expansion.next += 1
             if job is not None:  # held on its dependencies before anything can start it
                 self.guard.guarded(job, "admit", self.admit_workflow, job, now)
-        remove_quietly(staging / "job.yaml")
+            if time.monotonic() >= deadline and expansion.next < total:
+                self.state.report.touch()
+                return False
+        return True
+
+    def _expanded(self, expansion: _Expansion, now: float) -> None:
+        """Every job of the sweep is written: drop its staging folder and tell its dependents."""
+        remove_quietly(expansion.staging / "job.yaml")
         try:
-            staging.rmdir()
+            expansion.staging.rmdir()
         except OSError:
-            logger.warning("sweep %s: could not remove its staging folder %s", sweep_id, staging)
-        self.deps_changed(sweep_id, now)
+            logger.warning("sweep %s: could not remove its staging folder %s", expansion.sweep_id, expansion.staging)
+        self.deps_changed(expansion.sweep_id, now)
         self.state.report.touch()
 
     def _write_variant(self, sweep_id: str, variant, total: int, base: str, now: float) -> Job | None:
@@ -441,7 +497,7 @@ class Workflows:
             return None  # written before a crash
         path = self.state.root.job_dir(JobState.PENDING, job_id)
         os.makedirs(path, mode=self.state.root.job_dir_mode(), exist_ok=True)
-        spec = JobSpec.from_dict(variant.data, f"pending/{job_id}/job.yaml")
+        spec = JobSpec.from_checked(variant.data)  # the sweep's validation checked every variant already
         run = new_run(spec, self.state.next_order(), now, name=f"{base}-{variant.index}")
         run.update(id=job_id, sweep={"id": sweep_id, "index": variant.index, "params": variant.params, "of": total})
         paths = JobPaths(path)

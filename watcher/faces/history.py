@@ -59,7 +59,7 @@ def record_of(job_id: str, state: str, run: dict, is_train: bool | None, pool: s
         "submitted_at": run.get("submitted_at"),
         "started_at": run.get("started_at"),
         "finished_at": run.get("finished_at"),
-        "attempts": len(attempts),
+        "attempts": max(int(run.get("attempt") or 0), len(attempts)),  # run.json keeps the last 100 in full
         "exit_code": last.get("exit_code"),
     }
 

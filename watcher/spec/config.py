@@ -37,7 +37,7 @@ WATCHER_SCHEMA = "watcher.schema.json"
 EXECUTORS = ("local", "slurm")
 #: settings that are durations and must be > 0 (a zero interval would spin the loop)
 _POSITIVE_DURATIONS = ("rescan_s", "status_s", "heartbeat_s")
-_DURATIONS = ("settle_s", "rescan_s", "status_s", "heartbeat_s", "kill_after_s")
+_DURATIONS = ("settle_s", "inbox_settle_s", "rescan_s", "status_s", "heartbeat_s", "kill_after_s")
 #: seconds between Slurm job-state polls
 DEFAULT_SLURM_POLL_S = 2.0
 #: seconds the watcher waits for a node's exit record after Slurm ended the job (NFS caches attributes 60 s)
@@ -72,6 +72,8 @@ class WatcherConfig:
     min_free_disk_gb: float = 0.0
     allow_commands: tuple[str, ...] | None = None
     settle_s: float = 0.3
+    #: a job file written in place in inbox/ is taken once closed and unchanged this long (docs/settings.md)
+    inbox_settle_s: float = 1.0
     rescan_s: float = 2.0
     status_s: float = 1.0
     heartbeat_s: float = 5.0

@@ -48,6 +48,7 @@ FAILURE_KINDS = (
     "preempted",
     "unsatisfiable",
     "schedule",
+    "no_checkpoint",
     "unknown",
 )
 #: retried by default: every kind but nan, data and timeout (retrying those repeats the same failure)
@@ -209,6 +210,12 @@ class JobSpec:
         problems = _job_problems(data)
         if problems:
             raise InvalidJobSpec(display, problems)
+        return _build(data)
+
+    @classmethod
+    def from_checked(cls, data: dict) -> JobSpec:
+        """The spec of a mapping validated already: a sweep's variant, which the sweep file's validation checked
+        one by one (``sweeps.sweep_problems``); checking it again would double a big sweep's admission."""
         return _build(data)
 
     def to_dict(self) -> dict:

@@ -23,7 +23,8 @@ def strip_ansi(text: str) -> str:
 
 
 def read_tail(path: str | os.PathLike, max_bytes: int = 65536) -> str:
-    """The last ``max_bytes`` of a log, decoded leniently, without ANSI codes or a cut first line."""
+    """The last ``max_bytes`` of a log, decoded leniently, without ANSI codes or a cut first line (unless that
+    line is all there is: the end of a log that never wrote a newline is still its end)."""
     try:
         with open_no_follow(path) as f:
             size = f.seek(0, os.SEEK_END)
@@ -31,7 +32,7 @@ def read_tail(path: str | os.PathLike, max_bytes: int = 65536) -> str:
             data = f.read(max_bytes)
     except OSError:  # gone, a folder, a symlink (never followed) or a FIFO (cannot seek)
         return ""
-    if size > max_bytes:
+    if size > max_bytes and b"\n" in data:
         data = data.partition(b"\n")[2]  # the first line was cut in the middle
     return strip_ansi(data.decode("utf-8", errors="replace"))
 

@@ -144,11 +144,24 @@ class Cost:
         return json.dumps({key: self.rate, "currency": self.currency, "gpus": gpus})
 
 
+def window_ended(window: Window | None, now: float) -> str | None:
+    """The loud line for a window whose end has passed (nothing starts until watcher.yaml changes), or None."""
+    if window is None or now < window.ends_at:
+        return None
+    return (
+        f"the window ended at {iso_utc(window.ends_at)} ({minutes(now - window.ends_at)} ago): nothing starts "
+        "until window.ends_at in watcher.yaml is moved later or the window is removed"
+    )
+
+
 def freeze_hold(window: Window | None, now: float, estimate_s: float | None, source: str) -> str | None:
     """Why the window holds a pending job now (in words), or None when it may start: inside the freeze a job
     starts only when ``estimate_s`` ends before the final-checkpoint mark; after that mark nothing starts."""
     if window is None or not window.is_frozen(now):
         return None
+    ended = window_ended(window, now)
+    if ended is not None:
+        return ended
     mark = window.final_checkpoint_at
     if window.is_final(now):
         return f"window: past the final-checkpoint mark ({iso_utc(mark)}); nothing starts before the wall"
