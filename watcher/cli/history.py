@@ -1,4 +1,4 @@
-"""``trainq history [--state S] [--since T] [--kind K] [--sweep S] [--json|--csv]``: every finished job.
+"""``trainq history [GLOB] [--state S] [--since T] [--kind K] [--sweep S] [--json|--csv]``: every finished job.
 
 Read from ``ROOT/history.jsonl`` (faces/history.py), which the watcher appends to at each conclusion,
 so it answers at once however many jobs finished (status.json keeps only the latest 50). A queue
@@ -9,6 +9,7 @@ Jobs now pending or running again (retried) are left out: they have not finished
 from __future__ import annotations
 
 import csv
+import fnmatch
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ from trainq.watcher.faces.history import FIELDS, read_records, record_of
 
 EXIT_OK, EXIT_INVALID = 0, 2
 #: the states and statuses --state takes
-STATES = ("done", "failed", "cancelled", "timeout", "rejected")
+STATES = ("done", "failed", "cancelled", "timeout", "rejected", "removed")
 
 
 class HistoryUsage(Exception):
@@ -34,10 +35,11 @@ def history(
     sweep: str | None = None,
     fmt: str = "table",
     now: float | None = None,
+    pattern: str | None = None,
 ) -> int:
     """Print the finished jobs that match, oldest conclusion first."""
     try:
-        records = select(root, state, since, kind, sweep, now)
+        records = select(root, state, since, kind, sweep, now, pattern)
     except HistoryUsage as exc:
         print(f"trainq: history: {exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -54,7 +56,13 @@ def history(
 
 
 def select(
-    root: Path, state: str | None, since: str | None, kind: str | None, sweep: str | None, now: float | None = None
+    root: Path,
+    state: str | None,
+    since: str | None,
+    kind: str | None,
+    sweep: str | None,
+    now: float | None = None,
+    pattern: str | None = None,
 ) -> list[dict]:
     """The matching records; HistoryUsage for a bad option value."""
     records = read_records(root)
@@ -63,7 +71,7 @@ def select(
     live = _live_ids(root)
     wanted = _states(state)
     cutoff = _since(since, time.time() if now is None else now)
-    if not (live or wanted or cutoff or kind or sweep):
+    if not (live or wanted or cutoff or kind or sweep or pattern):
         return list(records.values())
     out = []
     for record in records.values():
@@ -76,6 +84,8 @@ def select(
         if sweep and record.get("sweep") != sweep:
             continue
         if cutoff and (record.get("finished_at") or "") < cutoff:
+            continue
+        if pattern and not any(fnmatch.fnmatchcase(str(record.get(k) or ""), pattern) for k in ("id", "name")):
             continue
         out.append(record)
     return out
@@ -148,19 +158,43 @@ def _from_folders(root: Path) -> dict[str, dict]:
 
 
 def _table(records: list[dict]) -> str:
-    """One line a job: ID, STATUS (kind), TYPE, FINISHED, ATTEMPTS, NAME; and a count at the end."""
+    """One line a job: ID, STATUS (kind), REASON, TOOK, LOSS, EVAL, FINISHED, ATT, NAME; and a count at the end.
+
+    REASON is CONTRACT section 15's word (``-`` when the job ended by itself); LOSS and EVAL the last ones."""
     if not records:
         return "no finished job matches\n"
     width = min(max(len(r["id"]) for r in records), 40)
-    lines = [f"{'ID':<{width}}  {'STATUS':<22}  {'TYPE':<7}  {'FINISHED':<20}  {'ATT':>3}  NAME"]
+    lines = [
+        f"{'ID':<{width}}  {'STATUS':<20}  {'REASON':<8}  {'TOOK':>8}  {'LOSS':>7}  {'EVAL':>7}  "
+        f"{'FINISHED':<20}  {'ATT':>3}  NAME"
+    ]
     for r in records:
         status = r.get("status") or r.get("state") or "?"
         if r.get("kind"):
             status += f" ({r['kind']})"
         name = r.get("name") if r.get("name") != r["id"] else ""
         lines.append(
-            f"{r['id']:<{width}}  {status:<22}  {r.get('type') or '-':<7}  "
-            f"{(r.get('finished_at') or '-')[:19]:<20}  {r.get('attempts') or 0:>3}  {name or ''}"
+            f"{r['id']:<{width}}  {status:<20}  {r.get('reason') or '-':<8}  {_took(r.get('duration_s')):>8}  "
+            f"{_loss(r.get('final_loss')):>7}  {_loss(r.get('final_eval_loss')):>7}  "
+            f"{_finished_at(r.get('finished_at')):<20}  {r.get('attempts') or 0:>3}  {name or ''}"
         )
     lines.append(f"{len(records)} finished job(s)")
     return "\n".join(lines) + "\n"
+
+
+def _took(seconds: object) -> str:
+    from trainq.watcher.faces.html import format_eta
+
+    return format_eta(float(seconds)).replace(" ", "") if isinstance(seconds, (int, float)) else "-"
+
+
+def _loss(value: object) -> str:
+    from trainq.watcher.faces.view import short_number
+
+    return short_number(value, 7) if isinstance(value, (int, float)) else "-"
+
+
+def _finished_at(iso: object) -> str:
+    """The end time with its zone: the watcher writes UTC."""
+    text = str(iso or "")
+    return f"{text[:19].replace('T', ' ')} UTC" if text.endswith("Z") else (text[:19] or "-")

@@ -141,7 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from-checkpoint", action="store_true", help="start from ID's latest checkpoint (command jobs)")
     p.set_defaults(func=cmd_fork)
     p = sub.add_parser("history", help="every finished job (history.jsonl, kept by the watcher), oldest first")
-    p.add_argument("--state", metavar="S[,S]", help="only these: done, failed, cancelled, timeout, rejected")
+    p.add_argument("pattern", nargs="?", metavar="GLOB", help="only jobs whose id or name matches (e.g. 'lora-*')")
+    p.add_argument("--state", metavar="S[,S]", help="only these: done, failed, cancelled, timeout, rejected, removed")
     p.add_argument("--since", metavar="T", help="only jobs finished since T: an ISO date/time or an age (12h, 7d)")
     p.add_argument("--kind", metavar="K", help="only this job type (train, command) or diagnosis kind (oom, nan, ...)")
     p.add_argument("--sweep", metavar="ID", help="only the jobs of this sweep")
@@ -388,6 +389,10 @@ def cmd_why(args: argparse.Namespace) -> int:
     except AmbiguousName as exc:
         return _fail(str(exc), EXIT_INVALID)
     if lines is None:
+        from trainq.watcher.cli.why import removed_lines
+
+        lines = removed_lines(_root(args), args.id)
+    if lines is None:
         return _fail(
             f"{_root(args)}: no job with id {args.id!r} (not in inbox/, pending/, running/, done/ or failed/)",
             EXIT_INVALID,
@@ -426,4 +431,4 @@ def cmd_fork(args: argparse.Namespace) -> int:
 def cmd_history(args: argparse.Namespace) -> int:
     from trainq.watcher.cli.history import history
 
-    return history(_root(args), args.state, args.since, args.kind, args.sweep, args.fmt)
+    return history(_root(args), args.state, args.since, args.kind, args.sweep, args.fmt, pattern=args.pattern)

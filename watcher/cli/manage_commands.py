@@ -202,8 +202,13 @@ def _age_s(text: str | None) -> float | None:
 
 def _show(root: Path, job_id: str, as_json: bool) -> int:
     from trainq.watcher.cli.show import show_lines
+    from trainq.watcher.cli.why import removed_lines
     from trainq.watcher.spec.contract import JobPaths
 
+    gone = removed_lines(root, job_id) if manage.find_job(root, job_id) is None else None
+    if gone is not None and not as_json:
+        print("\n".join(gone))
+        return manage.EXIT_OK
     found = manage.require_job(root, job_id)
     if as_json:
         sys.stdout.write(JobPaths(found.path).run.read_text(encoding="utf-8"))

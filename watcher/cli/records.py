@@ -57,6 +57,7 @@ def _no_job(root: Path, job_id: str) -> int:
 
 
 def cmd_events(root: Path, job_id: str, as_json: bool) -> int:
+    from trainq.watcher.faces.story import event_words
     from trainq.watcher.spec import events
     from trainq.watcher.spec.contract import JobPaths
     from trainq.watcher.spec.text import printable
@@ -69,6 +70,8 @@ def cmd_events(root: Path, job_id: str, as_json: bool) -> int:
             print(json.dumps(record, ensure_ascii=False))
             continue
         rest = " ".join(f"{k}={_word(v)}" for k, v in record.items() if k not in ("time", "event"))
+        said = event_words(record)  # the story's words for a stop's reason (faces/story.py)
+        rest += f" ({said})" if said else ""
         print(printable(f"{record.get('time', '?')}  {record['event']:<10} {rest}".rstrip()))
     return EXIT_OK
 

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from trainq.watcher.cli.manage import Found, describe_end, job_exit_status
-from trainq.watcher.daemon.diagnosis import read_metrics_tail
 from trainq.watcher.faces.html import format_eta, format_number
+from trainq.watcher.faces.story import REASONS, JobStory, end_words, load
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.spec.units import parse_iso
@@ -36,17 +36,35 @@ def show_lines(root: Path, found: Found, now: float | None = None) -> list[str]:
     """Everything ``trainq show`` prints for one job."""
     now = time.time() if now is None else now
     run = found.run
+    story = job_story(root, found)
     lines = [
         headline(found, run),
+        *_story(story),
         *_times(run, now),
         *_waiting(root, found, run),
         *_errors(run),
-        *_diagnosis(run),
+        *_diagnosis(story),
         *_rerun(root, found, run),
         *_attempts(run, now),
-        *_progress(found),
+        *_progress(story),
         *_paths(found),
     ]
+    return lines
+
+
+def job_story(root: Path, found: Found) -> JobStory:
+    """The job's story (faces/story.py): status.json's where the watcher lists it, else from its folder."""
+    return load(found.path, found.state, found.run, status_entry(root, found.id))
+
+
+def _story(story: JobStory) -> list[str]:
+    """The story's line (how it ended, or why it stops) and, for a retry, how the attempt before it ended."""
+    lines = []
+    if story.headline and story.state != "pending":  # a pending job's words are its waiting_for, shown below
+        lines.append(f"  {story.headline}")
+    if story.previous:
+        lines.append(f"  attempt {story.attempt} {'running' if story.state == 'running' else 'next'}; {story.previous}")
+    lines += [f"  note: {note.words()}" for note in story.notes]
     return lines
 
 
@@ -123,14 +141,16 @@ def _errors(run: dict) -> list[str]:
     return lines
 
 
-def _diagnosis(run: dict) -> list[str]:
-    diagnosis = run.get("diagnosis") or {}
+def _diagnosis(story: JobStory) -> list[str]:
+    """The ended attempt's diagnosis: kind, evidence, and the advice fitted to where the job is now."""
+    diagnosis = story.diagnosis or {}
     if not diagnosis:
         return []
     lines = [f"  diagnosis: {diagnosis.get('kind')}"]
-    for i, line in enumerate(str(diagnosis.get("evidence") or "").splitlines() or ["–"]):
+    for i, line in enumerate(story.evidence.splitlines() or ["–"]):
         lines.append(f"    {'evidence: ' if i == 0 else '          '}{line}")
-    lines.append(f"    advice: {diagnosis.get('advice')}")
+    if story.advice:
+        lines.append(f"    advice: {story.advice}")
     return lines
 
 
@@ -183,29 +203,24 @@ def _earlier_words(run: dict, listed: list[dict], count: int) -> str:
 
 
 def _exit_words(attempt: dict) -> str:
+    stop = f" ({end_words('', attempt['reason'], None)})" if attempt.get("reason") in REASONS else ""
     if attempt.get("signal"):
-        return f"killed by {attempt.get('signal_name') or 'signal ' + str(attempt['signal'])}"
+        return f"killed by {attempt.get('signal_name') or 'signal ' + str(attempt['signal'])}{stop}"
     if attempt.get("exit_code") is not None:
-        stop = f" ({attempt['stop_reason']})" if attempt.get("stop_reason") else ""
         return f"exit {attempt['exit_code']}{stop}"
     return ""
 
 
-def _progress(found: Found) -> list[str]:
-    records = read_metrics_tail(JobPaths(found.path).metrics)
-    steps = [r for r in records if r.get("type") in (None, "step") and r.get("step") is not None]
-    evals = [r for r in records if r.get("type") == "eval" or r.get("eval_loss") is not None]
-    if not steps and not evals:
-        return []
-    last = steps[-1] if steps else {}
+def _progress(story: JobStory) -> list[str]:
+    last = story.progress or {}
     parts = []
     if last.get("step") is not None:
         total = f"/{last['total_steps']}" if last.get("total_steps") else ""
         parts.append(f"step {last['step']}{total}")
     if last.get("loss") is not None:
         parts.append(f"loss {format_number(last['loss'])}")
-    if evals and evals[-1].get("eval_loss") is not None:
-        parts.append(f"eval loss {format_number(evals[-1]['eval_loss'])}")
+    if last.get("eval_loss") is not None:
+        parts.append(f"eval loss {format_number(last['eval_loss'])}")
     if last.get("tokens_per_s") is not None:
         parts.append(f"{format_number(last['tokens_per_s'])} tok/s")
     return ["  progress: " + " · ".join(parts)] if parts else []

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainq.watcher.daemon.admission import Holding, Limits, Request, gate_report
+from trainq.watcher.faces.story import JobStory, load, removed
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import JobState
@@ -76,7 +77,27 @@ def explain(root: Path, job_id: str, now: float | None = None, machine=None) -> 
         return _pending(root, found, now, machine)
     if found.state == "running":
         return _running(root, found, now)
-    return _finished(found, now)
+    return _finished(root, found, now)
+
+
+def _story(root: Path, found: Found) -> JobStory:
+    """The job's story (faces/story.py): status.json's where the watcher lists it, else from its folder."""
+    status = read_json(root / "status.json") or {}
+    entry = next((j for j in status.get("jobs") or () if j.get("id") == found.job_id), None)
+    return load(found.path, found.state, found.run, entry)
+
+
+def removed_lines(root: Path, job_id: str) -> list[str] | None:
+    """``trainq why`` (and ``show``) of a job whose folder was removed: its tombstone's story, or None."""
+    stone = read_tombstone(root, job_id)
+    if stone is None:
+        return None
+    story = removed(job_id, stone)
+    return [
+        f"job {job_id}: {story.headline}",
+        f"  it was {removal_words(stone)}; its run.json and events.jsonl went with the folder "
+        "(trainq history keeps its line)",
+    ]
 
 
 # -- each state -----------------------------------------------------------------------------------
@@ -116,6 +137,9 @@ def _pending(root: Path, found: Found, now: float, machine) -> list[str]:
     if run.get("attempt"):
         head = f"job {found.job_id}: pending again after {run['attempt']} attempt(s)"
     lines = [head + (f", submitted {_ago(now - submitted)} ago" if submitted else "")]
+    previous = _story(root, found).previous
+    if previous:
+        lines.append(f"  {previous}")
     if spec is None:
         return [*lines, "  its job.yaml no longer validates: the watcher will fail it"]
     rows = [_watcher_row(root, now), *_dependency_rows(root, spec), _backoff_row(run, spec, now)]
@@ -154,8 +178,12 @@ def _running(root: Path, found: Found, now: float) -> list[str]:
         total = f"/{progress['total_steps']}" if progress.get("total_steps") else ""
         eta = f", about {_ago(progress['eta_s'])} left" if progress.get("eta_s") is not None else ""
         lines.append(f"  step {progress['step']}{total}, loss {progress.get('loss')}{eta}")
-    if run.get("status") == "stopping":
-        lines.append(f"  stopping since {run.get('stop_requested_at')}: waiting for it to checkpoint and exit")
+    story = _story(root, found)
+    if story.status == "stopping":
+        lines.append(f"  {story.headline} since {run.get('stop_requested_at')}: waiting for it to checkpoint and exit")
+    if story.previous:
+        lines.append(f"  {story.previous}")
+    lines += [f"  note: {note.words()}" for note in story.notes if note.kind == "health"]
     waiting = entry.get("waiting_for") if entry else run.get("waiting_for")  # status.json is the newer
     if waiting:
         lines.append(f"  {waiting}")
@@ -207,29 +235,28 @@ def stack_lines(root: Path, job_id: str) -> list[str]:
     return lines
 
 
-def _finished(found: Found, now: float) -> list[str]:
+def _finished(root: Path, found: Found, now: float) -> list[str]:
     run = found.run
-    status = run.get("status") or found.state
+    story = _story(root, found)
     ended = parse_iso(run.get("finished_at"))
     lines = [
-        f"job {found.job_id}: {status} ({found.state}/{found.job_id})"
+        f"job {found.job_id}: {story.status} ({found.state}/{found.job_id})"
         + (f", ended {_ago(now - ended)} ago" if ended else "")
         + f" after {run.get('attempt', 0)} attempt(s)"
     ]
+    if story.headline and not run.get("errors"):
+        lines.append(f"  {story.headline}")
     for problem in run.get("errors") or ():
         lines.append(f"  error: {problem.get('path') or 'file'}: {problem.get('message')}")
-    diagnosis = run.get("diagnosis") or {}
+    diagnosis = story.diagnosis or {}
     if diagnosis:
         lines.append(f"  diagnosis: {diagnosis.get('kind')}")
-        if diagnosis.get("evidence"):
-            lines.append(f"  evidence:  {diagnosis['evidence']}")
-        lines.append(f"  advice:    {diagnosis.get('advice')}")
+        if story.evidence:
+            lines.append(f"  evidence:  {story.evidence}")
+        if story.advice:
+            lines.append(f"  advice:    {story.advice}")
         if diagnosis.get("kind") == "dependency":
-            lines.append("  see the dependency itself: trainq why " + _dep_named(diagnosis.get("evidence") or ""))
-    elif run.get("error") and not run.get("errors"):
-        lines.append(f"  error: {run['error']}")
-    if run.get("reason") == "deadline":
-        lines.append("  stopped at its wall (its deadline, or the window's final-checkpoint mark) after a checkpoint")
+            lines.append("  see the dependency itself: trainq why " + _dep_named(story.evidence))
     from trainq.watcher.cli.again import rerun_line
 
     rerun = rerun_line(found.path.parent.parent, found.job_id, found.path, run, found.spec)

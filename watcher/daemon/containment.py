@@ -30,7 +30,7 @@ from trainq.watcher.daemon.diskfull import DISK_FULL_ERRNOS, is_disk_full  # noq
 from trainq.watcher.daemon.jobs import Job, load_job, new_run
 from trainq.watcher.spec.errors import JobFolderRemoved, WatcherError
 from trainq.watcher.spec.folders import JobState
-from trainq.watcher.spec.fsutil import atomic_write_json, read_json, touch
+from trainq.watcher.spec.fsutil import atomic_write_json, raise_flag, read_json
 from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.tombstones import ended_status, read_tombstone, record_removal
 from trainq.watcher.spec.units import iso_utc
@@ -213,6 +213,8 @@ class Containment:
         )
         self.state.plan_due = True
         self.state.report.touch()
+        if running:  # it ended for CONTRACT section 15's `removed`: history.jsonl keeps that (its folder cannot)
+            self.state.report.removed_while_running(job, time.time())
         self.note_removed(job.id, job.state.value, job.status, job.run.get("sweep"))
 
     def note_removed(self, job_id: str, state: str, status: str | None, sweep: dict | None = None) -> None:
@@ -315,12 +317,13 @@ class Containment:
             status="stopping",
             stop_requested_at=iso_utc(now),
             stop_requested_by=STOPPED_BY_INTERNAL_ERROR,
+            reason="watcher",
             error=error,
             diagnosis=diagnosis,
         )
         job.health = "stopping"
         job.save(durable=False)
-        touch(job.paths.stop_flag)
+        raise_flag(job.paths.stop_flag, "watcher")
         if job.id not in self.state.jobs:
             self.state.jobs.add(job)
         logger.info("job %s: stopping it (internal error); it ends failed", job.id)

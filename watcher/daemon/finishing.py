@@ -19,10 +19,11 @@ from trainq.watcher.daemon.jobs import (
     should_retry,
     supervisor_lost,
 )
+from trainq.watcher.faces.story import flag_reason, reason_for
 from trainq.watcher.spec import events
-from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.contract import REASON_PHRASES, REASON_STALLED, REASON_USER, JobPaths
 from trainq.watcher.spec.folders import JobState
-from trainq.watcher.spec.fsutil import remove_quietly, touch
+from trainq.watcher.spec.fsutil import raise_flag, remove_quietly
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
@@ -133,6 +134,11 @@ class Finishing:
     def _conclude(self, job: Job, outcome, record: dict, now: float) -> None:
         """Record how the attempt ended; retry it, or take the job out of the live index for retiring."""
         attempt = job.current_attempt()
+        reason = reason_for(job.run, record)  # CONTRACT section 15: one word, the same in every face
+        if reason:
+            job.run["reason"] = reason
+        else:
+            job.run.pop("reason", None)  # absent when the attempt ended by itself
         if attempt is not None:
             attempt.update(
                 job_pid=record.get("job_pid", attempt.get("job_pid")),
@@ -141,6 +147,7 @@ class Finishing:
                 signal=record.get("signal"),
                 signal_name=record.get("signal_name"),
                 stop_reason=record.get("stop_reason"),
+                reason=reason,
                 diagnosis=outcome.diagnosis.to_dict() if outcome.diagnosis else None,
             )
             if outcome.status == CHECKPOINTED:
@@ -195,7 +202,8 @@ class Finishing:
             retries_used=used,
             waiting_for=f"retry {used + 1} of {total} after {outcome.diagnosis.kind}, backoff {backoff_s:g}s",
         )
-        job.run.pop("stop_requested_by", None)
+        for key in ("stop_requested_by", "reason"):
+            job.run.pop(key, None)
         remove_quietly(job.paths.stop_flag)
         job.save()
         job.dir = self.state.folders.requeue(job.id, JobState.RUNNING)
@@ -238,6 +246,7 @@ class Finishing:
             diagnosis=None,
             error=None,
         )
+        job.run.pop("reason", None)
         job.save()
         job.dir = self.state.folders.requeue(job.id, JobState.RUNNING)
         self.state.jobs.move(job, JobState.PENDING)
@@ -286,7 +295,13 @@ class Finishing:
             self.guard.guarded_id(job_id, JobState.FAILED, "retry", self.retry_finished, job_id, JobState.FAILED, now)
 
     def cancel_pending(self, job: Job, now: float) -> None:
-        job.run.update(status="cancelled", finished_at=iso_utc(now), waiting_for=None, stop_requested_at=iso_utc(now))
+        job.run.update(
+            status="cancelled",
+            finished_at=iso_utc(now),
+            waiting_for=None,
+            stop_requested_at=iso_utc(now),
+            reason=REASON_USER,
+        )
         job.save()
         job.dir = self.state.folders.fail(job.id, JobState.PENDING)
         self.state.jobs.move(job, JobState.FAILED)
@@ -376,11 +391,15 @@ class Finishing:
             self._note_executor_wait(job)  # from memory (Slurm: once per poll for each job, spread over the polls)
             return
         if job.run.get("status") == "running" and job.paths.stop_flag.exists():
-            job.run.update(status="stopping", stop_requested_at=iso_utc(now))
+            reason = job.run.get("reason") or flag_reason(job.paths)  # the watcher's own stops set it first
+            job.run.update(status="stopping", stop_requested_at=iso_utc(now), reason=reason)
             job.health = "stopping"
             job.save(durable=False)
             logger.info(
-                "job %s: stop requested (stop.flag); grace %gs", job.id, job.spec.stop_grace_s if job.spec else 0
+                "job %s: stop requested %s (stop.flag); grace %gs",
+                job.id,
+                REASON_PHRASES.get(reason, reason),
+                job.spec.stop_grace_s if job.spec else 0,
             )
             self.state.report.touch()
         if job.run.get("status") == "stopping":
@@ -440,7 +459,7 @@ class Finishing:
             return
         if job.run.get("stop_after_stacks") and not self.vitals.stacks_pending(job):
             job.run.pop("stop_after_stacks")
-            touch(job.paths.stop_flag)
+            raise_flag(job.paths.stop_flag, REASON_STALLED)
         sig = tuple(_mtime(p) for p in (job.paths.log, job.paths.metrics))
         if sig != job.activity_sig:
             job.activity_sig, job.last_activity = sig, now
@@ -455,12 +474,12 @@ class Finishing:
         self.vitals.capture_stacks(job, f"stalled for {now - job.last_activity:.0f}s")
         self.state.report.touch()
         if "stalled" in job.known_spec.retries.on:  # the user opted in: end it (retried while attempts remain)
-            job.run.update(stop_requested_by="stalled", stall_after_s=stall_after)
+            job.run.update(stop_requested_by=REASON_STALLED, reason=REASON_STALLED, stall_after_s=stall_after)
             job.save(durable=False)
             if self.vitals.stacks_pending(job):
                 job.run["stop_after_stacks"] = True  # stopped once its stacks are recorded (vitals.py)
             else:
-                touch(job.paths.stop_flag)
+                raise_flag(job.paths.stop_flag, REASON_STALLED)
 
 
 def _mtime(path: Path) -> int:

@@ -176,4 +176,5 @@ def finished(paths: JobPaths, run: dict, now: float) -> None:
         attempts=run.get("attempt"),
         diagnosis=diagnosis.get("kind"),
         error=run.get("error"),
+        reason=run.get("reason"),
     )

@@ -22,6 +22,7 @@ from trainq.watcher.faces.html import CurveStore
 from trainq.watcher.faces.progress import PROGRESS_KEYS, MetricsTail, merge_progress, vitals_words
 from trainq.watcher.faces.progress_log import LogProgress
 from trainq.watcher.faces.status import StatusSnapshot, StatusWriter, job_entry
+from trainq.watcher.faces.story import JobStory, derive
 from trainq.watcher.faces.sweepview import workflow_entry
 from trainq.watcher.spec.folders import JobState, QueueRoot
 from trainq.watcher.spec.units import iso_utc, parse_iso
@@ -154,18 +155,19 @@ class Report:
 
     def finished(self, job: Job, now: float, count: bool = True) -> None:
         """A job reached done/ or failed/ (``count``: it was not on disk at the last recount)."""
-        if count:
-            self.counts[job.state.value] += 1
-            self._record_history(job)
         entry = _entry(job, self.root)
         entry["progress"] = final_progress(entry.get("progress"), job)
+        entry.update(story_of(job, entry["progress"]).to_entry())  # the final progress: N/N for a resumed job
+        if count:
+            self.counts[job.state.value] += 1
+            self._record_history(job, entry["progress"])
         self.recent[job.id] = entry
         self.recent.move_to_end(job.id)
         while len(self.recent) > self.config.keep_finished:
             self.recent.popitem(last=False)
         self.dirty = True
 
-    def _record_history(self, job: Job) -> None:
+    def _record_history(self, job: Job, progress: dict | None) -> None:
         """One line in history.jsonl for ``trainq history``; a write that fails costs that line, not the job."""
         spec = job.spec
         record = record_of(
@@ -174,6 +176,19 @@ class Report:
             job.run,
             None if spec is None else spec.is_train,
             spec.pool if spec is not None else None,
+            progress,
+        )
+        try:
+            append_record(self.root.path, record)
+        except OSError as exc:
+            logger.warning("job %s: could not add it to %s (%s)", job.id, HISTORY_FILE, exc.strerror)
+
+    def removed_while_running(self, job: Job, now: float) -> None:
+        """A running job's folder was removed: its history line says so (reason ``removed``)."""
+        run = dict(job.run, status="cancelled", reason="removed", finished_at=iso_utc(now))
+        spec = job.spec
+        record = record_of(
+            job.id, "removed", run, None if spec is None else spec.is_train, spec.pool if spec else None, None
         )
         try:
             append_record(self.root.path, record)
@@ -347,7 +362,21 @@ def _entry(job: Job, root: QueueRoot) -> dict:
         entry["vitals"] = vitals_words(vitals, thresholds)
     if job.run.get("lr_deviation"):
         entry["vitals"] = "; ".join(filter(None, [entry.get("vitals"), job.run["lr_deviation"].get("words")]))
+    entry.update(story_of(job, progress).to_entry())
     return entry
+
+
+def story_of(job: Job, progress: dict | None) -> JobStory:
+    """The job's story (faces/story.py) from its run.json and what the watcher knows live."""
+    waiting = job.run.get("waiting_for") if job.state in (JobState.PENDING, JobState.RUNNING) else None
+    return derive(
+        job.id,
+        job.state.value,
+        job.run,
+        progress=progress,
+        health=job.health if job.state is JobState.RUNNING else None,
+        waiting_for=waiting,
+    )
 
 
 def _wall_entry(job: Job) -> dict:

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, cast
 
 from trainq.watcher.daemon.jobs import Job
-from trainq.watcher.spec.fsutil import touch
+from trainq.watcher.spec.fsutil import raise_flag
 from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.spec.lrschedule import lr_deviation
 from trainq.watcher.spec.records import append_record
@@ -81,8 +81,8 @@ class Vitals:
             },
         )
         if job.known_spec.raw.get("abort_on_lr_deviation") is True and job.run.get("status") == "running":
-            job.run.update(stop_requested_by=STOPPED_BY_SCHEDULE)
-            touch(job.paths.stop_flag)
+            job.run.update(stop_requested_by=STOPPED_BY_SCHEDULE, reason="watcher")
+            raise_flag(job.paths.stop_flag, "watcher")
             logger.info("job %s: stopping it (abort_on_lr_deviation); it ends failed, diagnosis schedule", job.id)
         job.save(durable=False)
         self.report.touch()

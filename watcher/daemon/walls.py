@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from trainq.watcher.daemon.jobs import Job
 from trainq.watcher.faces.progress import merge_progress
 from trainq.watcher.spec import events
-from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.contract import REASON_DEADLINE, REASON_WINDOW, JobPaths
 from trainq.watcher.spec.folders import JobState
-from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, read_json, touch
+from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, raise_flag, read_json
 from trainq.watcher.spec.records import append_record
 from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.units import iso_utc, parse_iso
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: run.json's ``reason`` (and ``stop_requested_by``) for a job stopped at a wall
-REASON_DEADLINE = "deadline"
+#: run.json's ``reason`` (and ``stop_requested_by``) for a job stopped at its own deadline, or at the window's mark
+WALL_REASONS = (REASON_DEADLINE, REASON_WINDOW)
 #: the queue's cost ledger in the root (total of every concluded attempt)
 COST_LEDGER = ".trainq-cost.json"
 #: how often due deliveries are looked at, seconds
@@ -134,13 +134,14 @@ class Walls:
         job.save(durable=False)
 
     def _stop_at_wall(self, job: Job, wall_name: str, now: float) -> None:
-        """Stop it as a stop.flag would: it checkpoints, ends cancelled (reason deadline) and stays resumable."""
-        if job.run.get("stop_requested_by") == REASON_DEADLINE:
+        """Stop it as a stop.flag would: it checkpoints, ends cancelled (reason deadline or window), resumable."""
+        if job.run.get("stop_requested_by") in WALL_REASONS:
             return
-        job.run.update(stop_requested_by=REASON_DEADLINE, reason=REASON_DEADLINE)
+        reason = REASON_DEADLINE if wall_name == "deadline" else REASON_WINDOW
+        job.run.update(stop_requested_by=reason, reason=reason)
         job.save(durable=False)
-        touch(job.paths.stop_flag)
-        logger.info("job %s: stopping at the %s (checkpoint, then cancelled with reason deadline)", job.id, wall_name)
+        raise_flag(job.paths.stop_flag, reason)  # the supervisor's `stopping` record carries the word
+        logger.info("job %s: stopping at the %s (checkpoint, then cancelled with reason %s)", job.id, wall_name, reason)
 
     # -- admission -----------------------------------------------------------------------------
     def held_by_wall(self, job: Job, now: float) -> bool:
@@ -250,7 +251,7 @@ class Walls:
         if job.spec is None or not job.spec.deliver:
             return
         status = job.run.get("status")
-        if status == "done" or (status == "cancelled" and job.run.get("reason") == REASON_DEADLINE):
+        if status == "done" or (status == "cancelled" and job.run.get("reason") in WALL_REASONS):
             self.deliveries.add(job.id)
             logger.info("job %s: delivery to %s due", job.id, job.spec.deliver.get("to"))
 

@@ -9,7 +9,9 @@ readers never see half a record except at the very end, which they skip. ``train
 truncate the file to forget them.
 
 A record: ``{"id", "name", "state", "status", "type": "train"|"command", "kind": diagnosis kind or
-null, "sweep", "pool", "submitted_at", "started_at", "finished_at", "attempts", "exit_code"}``.
+null, "sweep", "pool", "submitted_at", "started_at", "finished_at", "attempts", "exit_code", "reason",
+"duration_s", "final_loss", "final_eval_loss"}``; ``reason`` is CONTRACT section 15's word (absent when
+the job ended by itself), ``duration_s`` the seconds from its first start to its end.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from trainq.watcher.faces.story import derive
+from trainq.watcher.spec.units import parse_iso
 
 #: the file's name at the queue root
 HISTORY_FILE = "history.jsonl"
@@ -35,6 +40,10 @@ FIELDS = (
     "finished_at",
     "attempts",
     "exit_code",
+    "reason",
+    "duration_s",
+    "final_loss",
+    "final_eval_loss",
 )
 
 
@@ -42,12 +51,16 @@ def history_path(root: Path) -> Path:
     return Path(root) / HISTORY_FILE
 
 
-def record_of(job_id: str, state: str, run: dict, is_train: bool | None, pool: str | None) -> dict:
-    """The history record of a job that just concluded, from its run.json."""
+def record_of(
+    job_id: str, state: str, run: dict, is_train: bool | None, pool: str | None, progress: dict | None = None
+) -> dict:
+    """The history record of a job that just concluded, from its run.json and its final progress."""
     attempts = run.get("attempts") or []
     last = attempts[-1] if attempts else {}
     diagnosis = run.get("diagnosis") or {}
-    return {
+    story = derive(job_id, state, run, progress=progress)
+    start, end = parse_iso(run.get("started_at")), parse_iso(run.get("finished_at"))
+    record = {
         "id": job_id,
         "name": run.get("name") or job_id,
         "state": state,
@@ -61,7 +74,13 @@ def record_of(job_id: str, state: str, run: dict, is_train: bool | None, pool: s
         "finished_at": run.get("finished_at"),
         "attempts": max(int(run.get("attempt") or 0), len(attempts)),  # run.json keeps the last 100 in full
         "exit_code": last.get("exit_code"),
+        "duration_s": round(end - start, 1) if start is not None and end is not None else None,
+        "final_loss": (story.progress or {}).get("loss"),
+        "final_eval_loss": (story.progress or {}).get("eval_loss"),
     }
+    if story.reason:
+        record["reason"] = story.reason
+    return record
 
 
 def append_record(root: Path, record: dict) -> None:

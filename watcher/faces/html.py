@@ -12,8 +12,10 @@ from html import escape
 from operator import itemgetter
 
 from trainq.watcher.faces.liveness import bounds
+from trainq.watcher.faces.story import JobStory, from_entry, short_evidence
 from trainq.watcher.faces.sweepview import sweep_html
 from trainq.watcher.spec.contract import RECORD_EVAL
+from trainq.watcher.spec.units import parse_iso
 
 #: most points kept per curve however long the run
 MAX_CURVE_POINTS = 300
@@ -191,17 +193,27 @@ def format_number(value: object, digits: int = 4) -> str:
 
 
 def _when(iso: object) -> str:
-    """A timestamp shortened for reading (2026-11-29 09:30:00), the full ISO form in its tooltip."""
+    """A timestamp shortened for reading with its zone (2026-11-29 09:30:00 UTC), the full ISO form in its tooltip."""
     if not iso:
         return "–"
-    short = str(iso).replace("T", " ")[:19]
+    text = str(iso)
+    short = text.replace("T", " ")[:19] + _zone(text)
     return f'<time datetime="{_e(iso)}" title="{_e(iso)}">{_e(short)}</time>'
 
 
+def _zone(iso: str) -> str:
+    """The zone an ISO-8601 time names: `` UTC`` for Z (every time the watcher writes), else its offset."""
+    if iso.endswith("Z") or iso.endswith("+00:00"):
+        return " UTC"
+    tail = iso[19:].lstrip("0123456789.")
+    return f" {tail}" if tail else ""
+
+
 def _label(job: dict) -> str:
+    """A job's title: its id (what every command takes), its name beside it when it has another."""
     name, job_id = job.get("name"), job.get("id")
     if name and name != job_id:
-        return f'{_e(name)} <span class="id">{_e(job_id)}</span>'
+        return f'{_e(job_id)} <span class="id">{_e(name)}</span>'
     return _e(job_id)
 
 
@@ -299,8 +311,9 @@ def _facts(pairs: list[tuple[str, str]], css: str = "") -> str:
 
 
 def _running_card(job: dict, curve: dict | None) -> str:
-    progress = job.get("progress") or {}
-    health = job.get("health") or job.get("status")
+    story = from_entry(job)
+    progress = story.progress or {}
+    health = "stalled" if story.state_word == "stalled" else job.get("health") or story.status
     usage = job.get("usage") or {}
     facts = [
         ("loss", format_number(progress.get("loss"))),
@@ -332,14 +345,24 @@ def _running_card(job: dict, curve: dict | None) -> str:
     return (
         f'<article class="job running" id="job-{_e(job.get("id"))}"><h3>{_label(job)} '
         f'<span class="badge {_e(health)}">{_e(health)}</span></h3>'
-        f'<div class="bar">{_progress_bar(progress)}</div>{_facts(facts)}{render_curve(curve)}{_warning_and_samples(progress)}'
+        f"{_story_lines(story)}"
+        f'<div class="bar">{_progress_bar(progress)}</div>{_facts(facts)}{render_curve(curve)}{_notes_and_samples(story)}'
         f'<div class="dir">{_e(job.get("dir"))} · started {_when(job.get("started_at"))}</div></article>'
     )
 
 
-def _warning_and_samples(progress: dict) -> str:
-    """The trainer's warning (a loss plateau) and its latest sample generations (eval_samples), when there are any."""
-    out = f'<p class="warning">{_e(progress["warning"])}</p>' if progress.get("warning") else ""
+def _story_lines(story: JobStory) -> str:
+    """What the running job does when it says more than its badge (stopping, and why), and a retry's previous end."""
+    out = f'<p class="why">{_e(story.headline)}</p>' if story.headline and story.headline != story.state_word else ""
+    if story.previous:
+        out += f'<p class="previous">attempt {_e(story.attempt)} running; {_e(story.previous)}</p>'
+    return out
+
+
+def _notes_and_samples(story: JobStory) -> str:
+    """The notes that still hold (a loss plateau until the loss leaves it) and the latest sample generations."""
+    progress = story.progress or {}
+    out = "".join(f'<p class="warning">{_e(note.words())}</p>' for note in story.notes)
     samples = [s for s in progress.get("samples") or () if isinstance(s, dict)]
     if samples:
         rows = "".join(f"<li><q>{_e(s.get('prompt'))}</q> → <q>{_e(s.get('completion'))}</q></li>" for s in samples)
@@ -398,14 +421,17 @@ def _ignored(snapshot: dict) -> str:
 
 
 def _outcome(job: dict) -> str:
-    diagnosis = job.get("diagnosis") or {}
-    parts = [f'<b class="status {_e(job.get("status"))}">{_e(job.get("status"))}</b>']
-    if diagnosis:
-        parts.append(f'<span class="kind">{_e(diagnosis.get("kind"))}</span>: {_e(diagnosis.get("advice"))}')
-        if diagnosis.get("evidence"):
-            parts.append(f'<code class="evidence">{_e(diagnosis.get("evidence"))}</code>')
-    if job.get("error"):
-        parts.append(f'<span class="error">{_e(job.get("error"))}</span>')
+    """Its status, the story's one line (how it ended), the advice, and the evidence once (only what the line
+    does not already say)."""
+    story = from_entry(job)
+    parts = [f'<b class="status {_e(story.status)}">{_e(story.status)}</b>']
+    if story.headline:
+        parts.append(f'<span class="why">{_e(story.headline)}</span>')
+    if story.advice:
+        parts.append(f'<span class="advice">{_e(story.advice)}</span>')
+    evidence = story.evidence.strip()
+    if evidence and short_evidence(evidence) != evidence:
+        parts.append(f'<code class="evidence">{_e(evidence)}</code>')
     return "<br>".join(parts)
 
 
@@ -419,13 +445,29 @@ def _outputs(job: dict) -> str:
 
 def _finished(snapshot: dict) -> str:
     rows = [
-        f'<tr class="{_e(j.get("state"))}"><td>{_label(j)}</td><td>{_outcome(j)}</td>'
+        f'<tr class="{_e(j.get("state"))}" id="job-{_e(j.get("id"))}"><td>{_label(j)}</td><td>{_outcome(j)}</td>'
+        f'<td class="n">{_final_loss(j)}</td><td class="t">{_took(j)}</td>'
         f'<td class="t">{_when(j.get("finished_at"))}</td><td>{_e(j.get("attempt"))}</td><td>{_outputs(j)}</td></tr>'
         for j in snapshot.get("jobs") or ()
         if j.get("state") in ("done", "failed")
     ]
-    heads = ("job", "outcome", "finished", "attempts", "outputs")
+    heads = ("job", "outcome", "final loss", "took", "finished", "attempts", "outputs")
     return _table("Recently finished", "finished", heads, rows, "No job has finished yet.")
+
+
+def _final_loss(job: dict) -> str:
+    """The last train loss, and the last eval loss when there is one."""
+    progress = job.get("progress") or {}
+    text = format_number(progress.get("loss"))
+    if progress.get("eval_loss") is not None:
+        text += f' <span class="id">eval {format_number(progress["eval_loss"])}</span>'
+    return text
+
+
+def _took(job: dict) -> str:
+    """How long the job ran, first start to end."""
+    start, end = parse_iso(job.get("started_at")), parse_iso(job.get("finished_at"))
+    return format_eta(end - start) if start is not None and end is not None else "–"
 
 
 def _gpu_card(gpu: dict) -> str:

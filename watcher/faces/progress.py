@@ -183,6 +183,8 @@ class Fields:
 
 #: trainer events copied into progress (absent until one is seen): event -> (progress key, record field)
 EVENT_FIELDS = {"plateau": ("warning", "message"), "eval_samples": ("samples", "samples")}
+#: progress keys set from events: those above, and where the warning was raised (the story ends it: story.py)
+EVENT_KEYS = (*(key for key, _ in EVENT_FIELDS.values()), "warning_at")
 #: record fields copied into progress when present and valid
 _PROGRESS_FIELDS = (
     ("total_steps", whole),
@@ -244,6 +246,14 @@ class MetricsTail:
             key, source = EVENT_FIELDS[record["event"]]
             if record.get(source) is not None:
                 fields.set(key, record[source], read_at)
+            if key == "warning":  # the note holds for this step on, in this attempt, while the loss stays there
+                this_attempt = self.attempt_started_at is None or at >= self.attempt_started_at
+                level = finite(record.get("uniform_loss"))
+                fields.set(
+                    "warning_at",
+                    {"step": whole(record.get("step")), "level": level, "this_attempt": this_attempt},
+                    read_at,
+                )
         for key, convert in _PROGRESS_FIELDS:
             if key in record:
                 value = convert(record[key])
@@ -322,7 +332,7 @@ def merge_progress(*sources: Fields) -> dict | None:
         merged[key] = best.values[key] if best else None
         if best:
             owner[key] = best
-    for key, _source in EVENT_FIELDS.values():
+    for key in EVENT_KEYS:
         having = [s for s in seen if key in s.read_at]
         if having:
             merged[key] = max(having, key=lambda s: s.read_at[key]).values[key]

@@ -159,6 +159,8 @@ class LogProgress:
             return False
         fields = self.fields
         fields.set("total_steps", whole(total), read_at)
+        if n == 0 and (fields.values.get("step") or 0) > 0:
+            return True  # the bar starts at 0 on every attempt, a resumed one too: 0 says nothing of the step
         fields.step(n, read_at, read_at)
         fields.remaining_s = _seconds(match["remaining"]) if match["remaining"] != "?" else None
         return True

@@ -11,7 +11,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from trainq.watcher.faces.liveness import (
     offset_words,
     watch_for,
 )
+from trainq.watcher.faces.story import JobStory, from_entry, short_evidence
 from trainq.watcher.faces.sweepview import sweep_lines
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.spec.text import printable_tree
@@ -66,9 +66,6 @@ _STATE_STYLE = {
 _ROW_ORDER = {"running": 0, "pending": 1, "awaiting_approval": 2, "failed": 3, "done": 3}
 #: which rows --follow hides first when the terminal is too short (highest first): done, then pending
 _HIDE_ORDER: dict[str | None, int] = {"done": 4, "pending": 3, "awaiting_approval": 2, "failed": 1, "running": 0}
-#: ``torch.cuda.OutOfMemoryError: …`` → ``OutOfMemoryError: …`` in the compact table: the words that matter first
-_MODULE_PREFIX = re.compile(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Z]\w*(?:Error|Exception|Warning)\b)")
-_ERRNO = re.compile(r"\[Errno \d+\] ")
 _STATE_ALIASES = {"awaiting": "awaiting_approval", "finished": "done,failed"}
 
 
@@ -167,14 +164,9 @@ def _ignored(snapshot: dict) -> list[Text]:
 
 # -- one row per job ----------------------------------------------------------------------------------------
 def _state_word(job: dict) -> str:
-    state, status = job.get("state"), job.get("status")
-    if state == "awaiting_approval":
-        return "awaiting"
-    if state == "running" and job.get("health") == "stalled":
+    if job.get("state") == "running" and job.get("health") == "stalled":
         return "stalled"
-    return str(
-        status if (status and status not in ("pending", "running", "done", "failed")) or state is None else state
-    )
+    return from_entry(job).state_word if job.get("state") else str(job.get("status"))
 
 
 def _progress(job: dict, percent: bool = True) -> str:
@@ -247,52 +239,60 @@ def _gpus(job: dict) -> str:
 
 
 def _reason(job: dict, wide: bool) -> Text:
-    """Why it waits, what it does, or why it failed (kind: evidence); --wide adds the advice."""
-    state = job.get("state")
-    diagnosis = job.get("diagnosis") or {}
-    if diagnosis:
-        # printable_tree wrote the evidence's line breaks as \n: its last line is what the table shows
-        evidence = str(diagnosis.get("evidence") or "").strip().replace("\\n", "\n")
-        lines = evidence.splitlines()
-        shown = evidence if wide else _ERRNO.sub("", _MODULE_PREFIX.sub("", lines[-1].strip() if lines else ""))
-        text = Text(f"{diagnosis.get('kind')}: ", style="bold red")
-        text.append(shown or "–")
-        if wide and diagnosis.get("advice"):
-            text.append(f"\nadvice: {diagnosis['advice']}", style="dim")
+    """The job's story in a cell: why it waits, what it does, or how it ended (kind: evidence); --wide adds
+    the advice. The words are the story's (faces/story.py); this only picks the style and the length."""
+    story = from_entry(job)
+    state = story.state
+    if story.diagnosis:
+        text = Text(f"{story.diagnosis.get('kind')}: ", style="bold red")
+        text.append((story.evidence.strip().replace("\\n", "\n") or "–") if wide else short_evidence(story.evidence))
+        if wide and story.advice:
+            text.append(f"\nadvice: {story.advice}", style="dim")
         return text
-    if job.get("error"):
-        error = str(job["error"])
-        if job.get("status") == "rejected" and not wide:  # the file is known: the row's id
-            error = error.split(": ", 1)[-1]
-        return Text(error, style="red")
-    if job.get("status") == "cancelled":
-        return Text("stopped on request (stop.flag)", style="yellow")
+    if state in ("done", "failed") and story.status != "done":
+        words = story.headline
+        if story.status == "rejected" and not wide:  # the file is known: the row's id
+            words = words.split(": ", 1)[-1]
+        return Text(words, style="yellow" if story.reason or story.status == "cancelled" else "red")
     if state == "pending":
-        return Text(str(job.get("waiting_for") or "next to start"), style="yellow")
+        return Text(story.headline, style="yellow")
     if state == "awaiting_approval":
         return Text(str(job.get("approval_hint") or f"set approved: true in {job.get('dir')}"), style="magenta")
     if state == "running" and job.get("waiting_for"):  # launched, not started yet (queued in Slurm)
         return Text(str(job["waiting_for"]), style="yellow")
     if state == "running":
-        p = job.get("progress") or {}
-        parts = [str(job.get("health") or job.get("status"))]
-        if job.get("fits") is False:
-            parts.append(f"MISSES its wall: {job.get('forecast')}")
-        if job.get("vitals"):
-            parts.append(f"health: {job['vitals']}")
-        if p.get("tokens_per_s") is not None:
-            parts.append(f"{format_number(p['tokens_per_s'])} tok/s")
-        if p.get("eval_loss") is not None:
-            parts.append(f"eval {format_number(p['eval_loss'])}")
-        return Text(" · ".join(parts))
+        return Text(" · ".join(_running_parts(job, story)))
     outputs = job.get("outputs") or {}
     if state == "done":
-        p = job.get("progress") or {}
+        p = story.progress or {}
         parts = [f"eval {format_number(p['eval_loss'])}"] if p.get("eval_loss") is not None else []
         if outputs.get("loss_png"):
             parts.append(f"loss plot: {outputs['loss_png']}")
         return Text(" · ".join(parts), style="dim")
     return Text("")
+
+
+def _running_parts(job: dict, story: JobStory) -> list[str]:
+    """A running job: its attempt when it is a retry, what it does (or why it stops), the notes that hold."""
+    p = story.progress or {}
+    parts = [f"attempt {story.attempt}"] if story.previous else []
+    parts.append(story.headline or str(job.get("health") or story.status))
+    if job.get("fits") is False:
+        parts.append(f"MISSES its wall: {job.get('forecast')}")
+    if job.get("vitals"):
+        parts.append(f"health: {job['vitals']}")
+    parts += [note.text for note in story.notes if note.kind == "health"]
+    if p.get("tokens_per_s") is not None:
+        parts.append(f"{format_number(p['tokens_per_s'])} tok/s")
+    if p.get("eval_loss") is not None:
+        parts.append(f"eval {format_number(p['eval_loss'])}")
+    return parts
+
+
+def _previous(job: dict) -> Text | None:
+    """The line below a retry's row: how its previous attempt ended."""
+    previous = from_entry(job).previous
+    return Text(f"  ↳ {previous}", style="dim", no_wrap=True, overflow="ellipsis") if previous else None
 
 
 #: widest each short column may get (characters); the reason gets what is left
@@ -370,10 +370,13 @@ def _table(jobs: list[dict], width: int, now: float, wide: bool) -> list[Rendera
     header = _line({n: Text(n) for n in rows[0]}, widths)
     header.stylize("bold")
     lines: list[RenderableType] = [header]
-    for row in rows:
+    for job, row in zip(jobs, rows, strict=True):
         lines.append(_line(row, widths))
         if wide and row["REASON"].plain:
             lines.append(Padding(row["REASON"], (0, 0, 0, 4)))
+        previous = _previous(job)
+        if previous is not None:
+            lines.append(previous)
     return lines
 
 
@@ -461,6 +464,7 @@ def render_status(
     if height is not None and not wide:
         fixed = sum(str(t).count("\n") + 1 for t in head) + len(machine) + 1  # + the table's header line
         room = height - fixed - 1  # the last line stays free for the cursor
+        room -= sum(1 for r in rows if r.get("state") == "running" and from_entry(r).previous)  # their ↳ lines
         rows, hidden = fit_rows(rows, room if len(rows) <= room else room - 1)  # - the "hidden" line
     if rows:
         body: list[RenderableType] = _table(rows, width, now, wide)

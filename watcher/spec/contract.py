@@ -59,6 +59,36 @@ RECORD_EVENT = "event"
 RECORD_DONE = "done"
 RECORD_TYPES = (RECORD_STEP, RECORD_EVAL, RECORD_CHECKPOINT, RECORD_EVENT, RECORD_DONE)
 
+# -- why an attempt stopped (CONTRACT section 15): one word in run.json, status.json, history.jsonl and events --
+REASON_USER = "user"  # stop.flag, `trainq stop`
+REASON_DEADLINE = "deadline"  # the job's own deadline
+REASON_WINDOW = "window"  # the window's final-checkpoint mark
+REASON_STALLED = "stalled"  # the stall detector
+REASON_TIMEOUT = "timeout"
+REASON_REMOVED = "removed"  # its folder was removed while it ran
+REASON_WATCHER = "watcher"  # a hook or runner limit: the watcher's own checks (lr schedule, an internal error)
+#: each reason word and how every face says it: "stopped <phrase>", "stopping <phrase>", "stop requested <phrase>"
+REASON_PHRASES = {
+    REASON_USER: "on request",
+    REASON_DEADLINE: "at its deadline",
+    REASON_WINDOW: "at the window's final-checkpoint mark",
+    REASON_STALLED: "by the stall detector",
+    REASON_TIMEOUT: "at its timeout",
+    REASON_REMOVED: "because its folder was removed",
+    REASON_WATCHER: "by the watcher",
+}
+#: the reasons a stop.flag may carry as its content (the watcher writes its own; a user's flag is empty, or ``now``)
+FLAG_REASONS = (REASON_DEADLINE, REASON_WINDOW, REASON_STALLED, REASON_WATCHER)
+
+
+def stop_flag_reason(content: bytes | str | None) -> str:
+    """The reason a stop.flag's content names: one of FLAG_REASONS, else ``user`` (empty, ``now``, anything else)."""
+    if isinstance(content, bytes):
+        content = content.decode("utf-8", "replace")
+    word = (content or "").strip().lower()
+    return word if word in FLAG_REASONS else REASON_USER
+
+
 #: how the one-line separator written to output.log before each attempt begins
 ATTEMPT_BANNER_PREFIX = "===== trainq: "
 

@@ -161,6 +161,17 @@ def touch(path: str | os.PathLike) -> None:
     os.close(fd)
 
 
+def raise_flag(path: str | os.PathLike, word: str) -> bool:
+    """Create the flag ``path`` holding ``word`` (whole, by rename) unless one is there: the first request wins.
+
+    True when this call raised it. The watcher's stop.flag says why it stops the job (CONTRACT section 15).
+    """
+    if os.path.lexists(path):
+        return False
+    atomic_write(path, word + "\n", durable=False)
+    return True
+
+
 def _unlink_quietly(path: str | os.PathLike) -> None:
     try:
         os.unlink(path)

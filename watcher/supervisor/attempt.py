@@ -25,7 +25,16 @@ from typing import cast
 
 import psutil
 
-from trainq.watcher.spec.contract import ENV_ATTEMPT, ENV_JOB_DIR, ENV_JOB_ID, ENV_METRICS, ENV_STOP_FLAG, JobPaths
+from trainq.watcher.spec.contract import (
+    ENV_ATTEMPT,
+    ENV_JOB_DIR,
+    ENV_JOB_ID,
+    ENV_METRICS,
+    ENV_STOP_FLAG,
+    REASON_PHRASES,
+    JobPaths,
+    stop_flag_reason,
+)
 from trainq.watcher.spec.fsutil import atomic_write_json, open_no_follow, remove_quietly, touch
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import cgroups, story
@@ -37,6 +46,7 @@ from trainq.watcher.supervisor.attempt_io import (
     _publish_exit,
     _record_spawn_error,
     _write_line,
+    reason_word,
 )
 from trainq.watcher.supervisor.cgroups import Containment
 from trainq.watcher.supervisor.leftovers import _descendants, boot_id
@@ -75,6 +85,7 @@ class _Attempt:
     dir_ino: int | None = None  # the job folder's inode: a folder removed and made again is another job's
     group: Path | None = None  # the attempt's cgroup (None: process-tree mode)
     mode: str = "process-tree"  # how the attempt is contained (cgroups.MODES)
+    flag_reason: str | None = None  # the CONTRACT section 15 word its stop.flag carried (user, deadline, ...)
     grace_s: float | None = None  # the stop's grace: the spec's stop_grace_s, or 0 for a stop.flag saying "now"
 
 
@@ -357,8 +368,15 @@ def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
     if stop_signal.received:
         _request_stop(a, "sigterm", now, "the supervisor got a stop signal; forwarding SIGTERM to the job")
     elif _exists(a.paths.stop_flag):
-        a.grace_s = 0.0 if _says_now(a.paths.stop_flag) else a.spec.stop_grace_s
-        _request_stop(a, "stop_flag", now, f"stop requested ({a.paths.stop_flag.name}); SIGTERM in {a.grace_s:g} s")
+        content = _flag_content(a.paths.stop_flag)
+        a.grace_s = 0.0 if content.strip().lower() == b"now" else a.spec.stop_grace_s
+        a.flag_reason = stop_flag_reason(content)
+        _request_stop(
+            a,
+            "stop_flag",
+            now,
+            f"stop requested {REASON_PHRASES[a.flag_reason]} ({a.paths.stop_flag.name}); SIGTERM in {a.grace_s:g} s",
+        )
     elif _inode(a.paths.dir) != a.dir_ino:  # rm -rf of the job folder: a stop, as stop.flag would do it
         _request_stop(
             a, "folder_removed", now, f"the job folder {a.paths.dir} was removed; SIGTERM in {a.spec.stop_grace_s:g} s"
@@ -385,6 +403,7 @@ def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:
         a.paths,
         a.spec.attempt,
         reason,
+        reason_word(a),
         a.stop_requested_at,
         a.grace_s if a.grace_s is not None else a.spec.stop_grace_s,
     )
@@ -460,8 +479,13 @@ def _inode(path: str | Path) -> int | None:
 
 def _says_now(stop_flag: Path) -> bool:
     """A stop.flag holding ``now`` (``trainq stop --now``) asks for no grace."""
+    return _flag_content(stop_flag).strip().lower() == b"now"
+
+
+def _flag_content(stop_flag: Path) -> bytes:
+    """The first bytes of a stop.flag: ``now``, a reason word the watcher wrote, or nothing."""
     try:
         with open_no_follow(stop_flag) as f:  # the job can make it a FIFO: never block on it
-            return (f.read(16) or b"").strip().lower() == b"now"
+            return f.read(16) or b""
     except OSError:
-        return False
+        return b""

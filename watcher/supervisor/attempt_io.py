@@ -47,6 +47,14 @@ class StopFacts(Protocol):
     stop_reason: str | None
     stop_requested_at: float | None
     signals_sent: list[str]
+    flag_reason: str | None  # the CONTRACT section 15 word its stop.flag carried
+
+
+def reason_word(attempt: StopFacts) -> str | None:
+    """Why the attempt stopped, as CONTRACT section 15 words it; None when the job ended by itself."""
+    if attempt.stop_reason == "stop_flag":
+        return attempt.flag_reason or "user"
+    return {"timeout": "timeout", "folder_removed": "removed"}.get(attempt.stop_reason or "")
 
 
 @dataclass(frozen=True)
@@ -248,6 +256,7 @@ def _exit_record(
         "started_at": iso_utc(started_at),
         "ended_at": iso_utc(time.time()),
         "stop_reason": attempt.stop_reason if attempt else None,
+        "reason": reason_word(attempt) if attempt else None,
         "stop_requested_at": iso_utc(attempt.stop_requested_at) if attempt else None,
         "signals_sent": list(attempt.signals_sent) if attempt else [],
         "spawn_error": spawn_error,

@@ -50,11 +50,15 @@ def started(paths: JobPaths, attempt: int, at: float, job_pid: int, env: dict[st
     )
 
 
-def stop_requested(paths: JobPaths, attempt: int, reason: str, at: float, grace_s: float) -> None:
-    """``preempted`` for the supervisor's own SIGTERM, ``stopping`` for stop.flag or the timeout."""
-    if reason == "sigterm":
+def stop_requested(paths: JobPaths, attempt: int, how: str, reason: str | None, at: float, grace_s: float) -> None:
+    """``preempted`` for the supervisor's own SIGTERM, ``stopping`` for stop.flag or the timeout.
+
+    ``how`` is the mechanism (stop_flag, timeout, sigterm, folder_removed); ``reason`` the CONTRACT section 15
+    word the ``stopping`` record carries (user, deadline, window, stalled, timeout, watcher).
+    """
+    if how == "sigterm":
         events.emit(paths, "preempted", at, attempt=attempt, by="a stop signal to the job's supervisor")
-    elif reason != "folder_removed":
+    elif how != "folder_removed":
         events.emit(paths, "stopping", at, attempt=attempt, reason=reason, grace_s=grace_s)
 
 
@@ -66,7 +70,9 @@ def exited(paths: JobPaths, record: dict) -> None:
         attempt=record["attempt"],
         code=record["exit_code"],
         signal=record["signal_name"],
-        stop_reason=record["stop_reason"],
+        # CONTRACT section 15's word where there is one (deadline, user, ...); else the mechanism (sigterm)
+        reason=record.get("reason"),
+        stop_reason=None if record.get("reason") else record["stop_reason"],
         spawn_error=record["spawn_error"],
     )
 

@@ -1,0 +1,394 @@
+"""One story per job (CONTRACT section 15): every way a job stops, told in the same words by every face.
+
+Real jobs under a real watcher process are stopped every way there is (stop.flag, `trainq stop`,
+`trainq stop --now`, their deadline, the window's final-checkpoint mark, the stall detector, their
+timeout, rm -rf of the running folder, a schedule deviation) or fail by themselves (a real MemoryError);
+then run.json, status.json, status.html, the `trainq serve` page, history.jsonl, events.jsonl and the
+output of `trainq status`, `show`, `why`, `history` and `events` are read, and each must carry the
+reason word and the story's words, and no face may say another reason's words.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import os
+import shutil
+import time
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import FAKE, PY, drop, run_json, tick_until, wait_until
+
+from trainq.watcher.cli.main import main as trainq_main
+from trainq.watcher.spec.contract import REASON_PHRASES
+from trainq.watcher.spec.units import iso_utc
+
+SLOW = str(FAKE / "slow_steps.py")
+#: a plain loop that writes step records and honours stop.flag: stopped by hand, at a wall or by the timeout
+STEPS = [PY, SLOW, "100000", "0.05", "20"]
+#: the words each way's story starts with (the status.json headline begins so), and its reason word
+WAYS = {
+    "flag": ("user", "stopped on request"),
+    "cli": ("user", "stopped on request"),
+    "now": ("user", "stopped on request"),
+    "dl": ("deadline", "stopped at its deadline"),
+    "stall": ("stalled", "stalled: "),
+    "to": ("timeout", "timeout: "),
+    "sched": ("watcher", "schedule: "),
+    "oom": (None, "oom: "),
+}
+#: words that belong to one reason only: no face may say them of a job stopped for another
+OWN_WORDS = {f"stopped {phrase}": reason for reason, phrase in REASON_PHRASES.items()} | {
+    "stop.flag": "user",
+    "stop_flag": "user",
+}
+
+
+def _job(root: Path, name: str, **fields) -> None:
+    fields.setdefault("approved", True)
+    fields.setdefault("stop_grace", "2s")
+    drop(root, f"{name}.yaml", yaml.safe_dump(fields, sort_keys=False))
+
+
+def _status(root: Path) -> dict:
+    try:
+        return json.loads((root / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _entry(root: Path, job_id: str) -> dict:
+    return next((j for j in _status(root).get("jobs", []) if j["id"] == job_id), {})
+
+
+def _trainq(root: Path, *args: str) -> str:
+    """The output of one trainq command, run in this process (its code is the real one; no process to start)."""
+    out = io.StringIO()
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "250"  # as wide as a wide terminal: rich cuts nothing
+    try:
+        with redirect_stdout(out), redirect_stderr(out):
+            trainq_main(["--root", str(root), *args])
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
+    return out.getvalue()
+
+
+def _schedule_writer(tmp_path: Path) -> str:
+    """A command job whose logged lr leaves its declared cosine schedule at step 7."""
+    script = tmp_path / "sched.py"
+    script.write_text(
+        "import json, math, os, sys, time\n"
+        "m = open(os.environ['TRAINQ_METRICS'], 'a', buffering=1)\n"
+        "for s in range(1, 4000):\n"
+        "    lr = 2e-4 * s / 10 if s < 10 else 2e-4 * 0.5 * (1 + math.cos(math.pi * (s - 10) / 990))\n"
+        "    lr = lr * 3 if s >= 7 else lr\n"
+        "    m.write(json.dumps({'type': 'step', 'step': s, 'lr': lr, 'loss': 1.0}) + '\\n')\n"
+        "    time.sleep(0.05)\n"
+        "    if os.path.exists(os.environ['TRAINQ_STOP_FLAG']): sys.exit(0)\n"
+    )
+    return str(script)
+
+
+def _running(root: Path, *ids: str) -> None:
+    wait_until(lambda: all((root / "running" / i / "metrics.jsonl").exists() for i in ids), 60, what=f"{ids} running")
+
+
+def _ended(root: Path, job_id: str) -> dict:
+    return wait_until(
+        lambda: (e := _entry(root, job_id)).get("state") in ("done", "failed") and e,
+        90,
+        what=f"{job_id} ended and listed in status.json",
+    )
+
+
+def _events(root: Path, job_id: str) -> list[dict]:
+    path = root / "failed" / job_id / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _history(root: Path) -> dict[str, dict]:
+    return {r["id"]: r for r in map(json.loads, (root / "history.jsonl").read_text().splitlines())}
+
+
+def _says_no_other_reason(text: str, reason: str | None, face: str) -> None:
+    for words, owner in OWN_WORDS.items():
+        assert owner == reason or words not in text, f"{face} says {words!r} of a job stopped for {reason}:\n{text}"
+
+
+def _assert_every_face(root: Path, job_id: str, reason: str | None, words: str, serve_page: str | None) -> None:
+    """run.json, status.json, status.html, the serve page, history, events, status, show, why: the same story."""
+    entry = _ended(root, job_id)
+    headline = entry["story"]["headline"]
+    assert headline.startswith(words), (job_id, headline)
+    assert entry.get("reason") == reason, (job_id, entry)
+    run = run_json(root, job_id)
+    assert run.get("reason") == reason and ("reason" in run) == (reason is not None), run
+    assert _history(root)[job_id].get("reason") == reason
+    finished = [e for e in _events(root, job_id) if e["event"] == "finished"]
+    assert finished[-1].get("reason") == reason, finished
+    stopping = [e for e in _events(root, job_id) if e["event"] == "stopping"]
+    if reason is not None:
+        assert stopping and {e.get("reason") for e in stopping} == {reason}, stopping
+    else:
+        assert not stopping, stopping
+    page = html.unescape((root / "status.html").read_text())
+    faces = {
+        "status.html": page,
+        "trainq status --wide": _trainq(root, "status", "--wide", job_id),
+        "trainq show": _trainq(root, "show", job_id),
+        "trainq why": _trainq(root, "why", job_id),
+    }
+    if serve_page is not None:
+        faces["the serve page"] = serve_page
+    for face, text in faces.items():
+        assert headline in " ".join(text.split()), f"{face} does not say {headline!r} of {job_id}:\n{text}"
+    for face, text in {**faces, "trainq events": _trainq(root, "events", job_id)}.items():
+        if face in ("status.html", "the serve page"):
+            text = _card(text, job_id)
+        _says_no_other_reason(text, reason, f"{face} ({job_id})")
+    history_row = next(line for line in _trainq(root, "history").splitlines() if line.startswith(job_id + " "))
+    assert (reason or "-") in history_row.split(), history_row
+    events_text = _trainq(root, "events", job_id)
+    if reason is not None:
+        assert f"reason={reason}" in events_text and f"stopped {REASON_PHRASES[reason]}" in events_text
+
+
+def _card(page: str, job_id: str) -> str:
+    """The part of status.html about one job (its row in the finished table)."""
+    start = page.find(f'id="job-{job_id}"')
+    assert start >= 0, f"status.html has no element for {job_id}"
+    end = page.find("</tr>", start)
+    return page[start:end]
+
+
+def test_every_way_a_job_stops_is_told_the_same_by_every_face(queue_dir: Path, watcher_process, tmp_path) -> None:
+    (queue_dir / "watcher.yaml").write_text(
+        yaml.safe_dump({"settle_s": 0.1, "rescan_s": 0.2, "status_s": 0.1, "kill_after_s": 1, "max_concurrent": 12})
+    )
+    watcher_process()
+    _job(queue_dir, "flag", command=STEPS, resume_args=[])
+    _job(queue_dir, "cli", command=STEPS, resume_args=[])
+    _job(queue_dir, "now", command=[PY, str(FAKE / "sleeps.py")], stop_grace="1h")
+    _job(queue_dir, "dl", command=STEPS, resume_args=[], deadline="3s")
+    _job(queue_dir, "stall", command=[PY, str(FAKE / "sleeps.py")], stall_after="3s", retries={"max": 0})
+    _job(queue_dir, "to", command=STEPS, resume_args=[], timeout="3s")
+    _job(queue_dir, "rm", command=[PY, str(FAKE / "sleeps.py")])
+    _job(queue_dir, "oom", command=[PY, str(FAKE / "oom.py")], retries={"max": 0})
+    plan = {"schedule": "cosine", "peak": 2e-4, "warmup_steps": 10, "total_steps": 1000}
+    _job(queue_dir, "sched", command=[PY, _schedule_writer(tmp_path)], expected_lr=plan, abort_on_lr_deviation=True)
+    wait_until(
+        lambda: all((queue_dir / "running" / i / "output.log").exists() for i in ("flag", "cli", "now", "rm")),
+        60,
+        what="the jobs to stop by hand running",
+    )
+    (queue_dir / "running/flag/stop.flag").touch()
+    assert "stop requested" in _trainq(queue_dir, "stop", "cli")
+    wait_until(lambda: "ready" in (queue_dir / "running/now/output.log").read_text(), 30, what="now ready")
+    _trainq(queue_dir, "stop", "--now", "now")
+    wait_until(lambda: "ready" in (queue_dir / "running/rm/output.log").read_text(), 30, what="rm ready")
+    shutil.rmtree(queue_dir / "running/rm")
+    server = _serve(queue_dir)
+    try:
+        for job_id in WAYS:
+            _ended(queue_dir, job_id)
+        page = html.unescape(server.get("/", {"Authorization": f"Bearer {_TOKEN}"})[2].decode())
+        for job_id, (reason, words) in WAYS.items():
+            _assert_every_face(queue_dir, job_id, reason, words, page)
+    finally:
+        server.stop()
+    _assert_removed(queue_dir, "rm")
+
+
+def _assert_removed(root: Path, job_id: str) -> None:
+    """rm -rf of a running job: run.json and events.jsonl went with the folder; the rest says ``removed``."""
+    record = wait_until(lambda: _history(root).get(job_id), 30, what="the removed job's history row")
+    assert record["reason"] == "removed", record
+    words = f"stopped {REASON_PHRASES['removed']}"
+    for face in ("why", "show"):
+        text = _trainq(root, face, job_id)
+        assert words in " ".join(text.split()), (face, text)
+    history_row = next(line for line in _trainq(root, "history").splitlines() if line.startswith(job_id + " "))
+    assert "removed" in history_row.split(), history_row
+    assert not _entry(root, job_id), "a removed job stays listed in status.json"
+
+
+def test_the_window_mark_is_its_own_reason(queue_dir: Path, watcher_process) -> None:
+    final_in_s, before_s = 6.0, 60.0
+    window = {
+        "ends_at": iso_utc(time.time() + final_in_s + before_s),
+        "final_checkpoint_before": f"{before_s}s",
+        "freeze_before": f"{before_s}s",
+    }
+    (queue_dir / "watcher.yaml").write_text(
+        yaml.safe_dump({"settle_s": 0.1, "rescan_s": 0.2, "status_s": 0.1, "kill_after_s": 1, "window": window})
+    )
+    watcher_process()
+    _job(queue_dir, "win", command=STEPS, resume_args=[])
+    _assert_every_face(queue_dir, "win", "window", "stopped at the window's final-checkpoint mark", None)
+    assert "stop requested at the window's final-checkpoint mark" in (queue_dir / "failed/win/output.log").read_text()
+
+
+_TOKEN = "story-test-token-0123456789"
+
+
+def _serve(root: Path):
+    pytest.importorskip("uvicorn", reason="trainq serve needs the serve extra (pip install -e '.[serve]')")
+    from serve_util import Server
+
+    token = root.parent / "serve.token"
+    token.write_text(_TOKEN + "\n")
+    return Server(root, "--token-file", str(token))
+
+
+def test_the_stall_detector_says_stalled_while_it_stops_the_job(queue_dir: Path, watcher_process) -> None:
+    """While the stall detector stops a job, the row says stalled (not stopping), and so do the log and events."""
+    (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({"settle_s": 0.1, "rescan_s": 0.2, "status_s": 0.1}))
+    watcher_process()
+    _job(queue_dir, "zz", command=[PY, str(FAKE / "sleeps.py")], stall_after="2s", stop_grace="1h", retries={"max": 0})
+    entry = wait_until(lambda: (e := _entry(queue_dir, "zz")).get("status") == "stopping" and e, 60, what="stopping")
+    assert entry["reason"] == "stalled" and entry["story"]["headline"] == "stopping by the stall detector"
+    row = _trainq(queue_dir, "status", "zz")
+    assert " stalled " in row and "stopping by the stall detector" in row and "stop.flag" not in row, row
+    log = (queue_dir / "running/zz/output.log").read_text()
+    assert "stop requested by the stall detector (stop.flag)" in log, log
+    events = [json.loads(x) for x in (queue_dir / "running/zz/events.jsonl").read_text().splitlines()]
+    assert [e["reason"] for e in events if e["event"] == "stopping"] == ["stalled"]
+    _trainq(queue_dir, "stop", "--now", "zz")  # ends it now; the stall detector asked first, so it stays stalled
+    ended = _ended(queue_dir, "zz")
+    assert ended["reason"] == "stalled" and ended["diagnosis"]["kind"] == "stalled", ended
+
+
+# -- notes end with their cause (issue 35, item 2) ---------------------------------------------------------------
+def _script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(body)
+    return str(path)
+
+
+def test_a_health_note_clears_once_the_loss_leaves_the_plateau(queue_dir: Path, watcher, tmp_path: Path) -> None:
+    """The trainer's plateau note (step 21: loss sat at ln V) is not shown at step 612 with the loss falling."""
+    go = tmp_path / "go"
+    script = _script(
+        tmp_path,
+        "plateau",
+        "import json, os, sys, time\n"
+        "m = open(os.environ['TRAINQ_METRICS'], 'a', buffering=1)\n"
+        "w = lambda r: m.write(json.dumps(dict(r, time=time.time())) + '\\n')\n"
+        "for s in range(1, 22):\n"
+        "    w({'type': 'step', 'step': s, 'total_steps': 700, 'loss': 6.9})\n"
+        "w({'type': 'event', 'event': 'plateau', 'step': 21, 'loss': 6.9, 'uniform_loss': 6.9078,\n"
+        "   'message': 'step 21: loss 6.9000 has sat at ln V = 6.9078 (a uniform prediction) for 20 steps: '\n"
+        "              'the run is not learning; lower lr or set max_grad_norm'})\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+        "for s in range(22, 613):\n"
+        "    w({'type': 'step', 'step': s, 'total_steps': 700, 'loss': 6.9 - 4.9 * (s - 21) / 591})\n"
+        "time.sleep(3600)\n",
+    )
+    w = watcher()
+    _job(queue_dir, "pl", command=[PY, script])
+    entry = tick_until(
+        w, lambda: (e := _entry(queue_dir, "pl")).get("story", {}).get("notes") and e, 30, what="the plateau note"
+    )
+    [note] = entry["story"]["notes"]
+    assert note["kind"] == "health" and note["from_step"] == 21 and note["attempt"] == 1, note
+    assert "not learning" in _trainq(queue_dir, "status", "pl") and "not learning" in _status_html(queue_dir)
+    go.touch()
+    entry = tick_until(
+        w, lambda: (e := _entry(queue_dir, "pl")).get("progress", {}).get("step") == 612 and e, 30, what="step 612"
+    )
+    assert "notes" not in entry["story"], entry["story"]
+    assert entry["progress"]["loss"] < 2.1
+    tick_until(w, lambda: "612 / 700" in _status_html(queue_dir), 30, what="status.html at step 612")
+    for face, text in (
+        ("status", _trainq(queue_dir, "status", "pl")),
+        ("status.html", _status_html(queue_dir)),
+        ("show", _trainq(queue_dir, "show", "pl")),
+        ("why", _trainq(queue_dir, "why", "pl")),
+    ):
+        assert "not learning" not in text, (face, text)
+    _trainq(queue_dir, "stop", "--now", "pl")
+    tick_until(w, lambda: _entry(queue_dir, "pl").get("state") == "failed", 30)
+
+
+def _status_html(root: Path) -> str:
+    return html.unescape((root / "status.html").read_text())
+
+
+def test_a_running_retry_shows_its_attempt_and_the_previous_end_below(queue_dir: Path, watcher, tmp_path) -> None:
+    """While attempt 2 runs, the row is attempt 2's, attempt 1's SIGKILL is one line below, and no face advises a
+    flag a running (or pending) job cannot use."""
+    script = _script(
+        tmp_path,
+        "second",
+        "import os, signal, time\n"
+        "if os.environ['TRAINQ_ATTEMPT'] == '1':\n"
+        "    print('about to be killed', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(3600)\n",
+    )
+    w = watcher()
+    _job(queue_dir, "again", command=[PY, script], retries={"max": 1, "backoff": "1s"})
+    _job(queue_dir, "later", command=[PY, script], retries={"max": 1, "backoff": "1h"})
+    entry = tick_until(
+        w,
+        lambda: (e := _entry(queue_dir, "again")).get("attempt") == 2 and e.get("state") == "running" and e,
+        30,
+        what="attempt 2 running",
+    )
+    assert entry["story"]["previous"].startswith("attempt 1 ended: killed: "), entry["story"]
+    assert not entry["story"]["headline"].startswith("killed"), entry["story"]
+    lines = _trainq(queue_dir, "status", "again").splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("again "))
+    assert "attempt 2" in lines[row] and "killed" not in lines[row], lines
+    assert lines[row + 1].strip().startswith("↳ attempt 1 ended: killed: "), lines
+    later = tick_until(w, lambda: (e := _entry(queue_dir, "later")).get("state") == "pending" and e, 30)
+    assert later["story"]["previous"].startswith("attempt 1 ended: killed: "), later
+    for job_id in ("again", "later"):
+        for face in ("show", "why"):
+            text = _trainq(queue_dir, face, job_id)
+            assert "attempt 1 ended: killed" in text, (face, text)
+            for flag in ("retry.flag", "trainq retry"):
+                assert flag not in text, (
+                    f"trainq {face} {job_id} ({_entry(queue_dir, job_id)['state']}) says {flag}:\n{text}"
+                )
+    _trainq(queue_dir, "stop", "--now", "again")
+    _trainq(queue_dir, "stop", "later")
+    tick_until(w, lambda: _entry(queue_dir, "again").get("state") == "failed", 30)
+
+
+def test_a_job_resumed_at_its_end_shows_n_of_n(queue_dir: Path, watcher, tmp_path: Path) -> None:
+    """Killed after its last checkpoint, resumed: the Trainer's bar starts at 0/300 again, the job is done 300/300."""
+    script = _script(
+        tmp_path,
+        "bar",
+        "import json, os, signal, sys, time\n"
+        "total = 300\n"
+        "if os.environ.get('TRAINQ_RESUME_FROM'):\n"
+        "    sys.stdout.write('  0%|          | 0/300 [00:00<?, ?it/s]\\r')\n"
+        "    print(\"{'train_runtime': 0.01, 'train_samples_per_second': 0.0, 'epoch': 3.0}\", flush=True)\n"
+        "    sys.exit(0)\n"
+        "for n in range(0, total + 1, 50):\n"
+        "    sys.stdout.write(f' {n * 100 // total:>2}%|#####     | {n}/{total} [00:0{n // 100}<00:01, 95.2it/s]\\r')\n"
+        "    sys.stdout.flush()\n"
+        "    time.sleep(0.05)\n"
+        "ckpt = os.path.join(os.environ['TRAINQ_JOB_DIR'], 'checkpoint-300')\n"
+        "os.makedirs(ckpt)\n"
+        "open(os.path.join(ckpt, 'trainer_state.json'), 'w').write('{}')\n"
+        "print(flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n",
+    )
+    w = watcher()
+    _job(queue_dir, "nn", command=[PY, script], resume_args=[], retries={"max": 1, "backoff": "1s"})
+    entry = tick_until(w, lambda: (e := _entry(queue_dir, "nn")).get("state") == "done" and e, 60, what="done")
+    assert run_json(queue_dir, "nn")["attempts"][-1]["resumed_from"].endswith("checkpoint-300")
+    assert (entry["progress"]["step"], entry["progress"]["total_steps"]) == (300, 300), entry["progress"]
+    assert "300/300" in _trainq(queue_dir, "status", "nn")
