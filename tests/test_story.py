@@ -13,7 +13,9 @@ from __future__ import annotations
 import html
 import io
 import json
+import math
 import os
+import re
 import shutil
 import time
 from contextlib import redirect_stderr, redirect_stdout
@@ -48,10 +50,10 @@ OWN_WORDS = {f"stopped {phrase}": reason for reason, phrase in REASON_PHRASES.it
 }
 
 
-def _job(root: Path, name: str, **fields) -> None:
+def _job(root: Path, job_id: str, **fields) -> None:
     fields.setdefault("approved", True)
     fields.setdefault("stop_grace", "2s")
-    drop(root, f"{name}.yaml", yaml.safe_dump(fields, sort_keys=False))
+    drop(root, f"{job_id}.yaml", yaml.safe_dump(fields, sort_keys=False))
 
 
 def _status(root: Path) -> dict:
@@ -392,3 +394,94 @@ def test_a_job_resumed_at_its_end_shows_n_of_n(queue_dir: Path, watcher, tmp_pat
     assert run_json(queue_dir, "nn")["attempts"][-1]["resumed_from"].endswith("checkpoint-300")
     assert (entry["progress"]["step"], entry["progress"]["total_steps"]) == (300, 300), entry["progress"]
     assert "300/300" in _trainq(queue_dir, "status", "nn")
+
+
+# -- the faces people look at (issue 35, item 6) -----------------------------------------------------------------
+def _quick(root: Path, job_id: str, steps: int, **fields) -> None:
+    _job(root, job_id, command=[PY, SLOW, str(steps), "0.01", "5"], resume_args=[], **fields)
+
+
+def test_history_has_duration_losses_reason_and_a_glob(queue_dir: Path, watcher) -> None:
+    w = watcher()
+    _quick(queue_dir, "lr-a", 20)
+    _quick(queue_dir, "lr-b", 20, name="second")
+    _job(queue_dir, "other", command=[PY, str(FAKE / "sleeps.py")])
+    tick_until(w, lambda: all(_entry(queue_dir, i).get("state") == "done" for i in ("lr-a", "lr-b")), 60)
+    tick_until(w, lambda: _entry(queue_dir, "other").get("state") == "running", 30)
+    _trainq(queue_dir, "stop", "--now", "other")
+    tick_until(w, lambda: _entry(queue_dir, "other").get("state") == "failed", 30)
+    table = _trainq(queue_dir, "history").splitlines()
+    assert table[0].split() == ["ID", "STATUS", "REASON", "TOOK", "LOSS", "EVAL", "FINISHED", "ATT", "NAME"], table[0]
+    rows = {line.split()[0]: line.split() for line in table[1:-1]}
+    assert rows["lr-a"][2] == "-" and rows["lr-a"][4] == "0.05" and rows["lr-a"][3].endswith("s"), rows["lr-a"]
+    assert rows["other"][:3] == ["other", "cancelled", "user"] and rows["other"][4] == "-", rows["other"]
+    assert rows["lr-a"][6] == "UTC" or "UTC" in table[1], table[1]  # the end time says its zone
+    records = {r["id"]: r for r in _history_records(queue_dir)}
+    assert records["lr-a"]["final_loss"] == 0.05 and records["lr-a"]["duration_s"] > 0
+    assert "reason" not in records["lr-a"] and records["other"]["reason"] == "user"
+    only = _trainq(queue_dir, "history", "lr-*").splitlines()
+    assert [line.split()[0] for line in only[1:-1]] == ["lr-a", "lr-b"], only
+    assert [line.split()[0] for line in _trainq(queue_dir, "history", "sec*").splitlines()[1:-1]] == ["lr-b"]
+    assert _trainq(queue_dir, "history", "nothing-*").startswith("no finished job matches")
+
+
+def _history_records(root: Path) -> list[dict]:
+    return [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
+
+
+def test_status_html_shows_final_loss_duration_zone_and_titles_by_id(queue_dir: Path, watcher) -> None:
+    w = watcher()
+    _quick(queue_dir, "fin", 20, name="a longer name")
+    _job(queue_dir, "boom", command=[PY, str(FAKE / "oom.py")], retries={"max": 0})
+    tick_until(w, lambda: all(_entry(queue_dir, i).get("state") in ("done", "failed") for i in ("fin", "boom")), 60)
+    page = tick_until(w, lambda: (p := _status_html(queue_dir)) and 'id="job-boom"' in p and p, 30)
+    row = _card(page, "fin")
+    assert '<td class="n">0.05</td>' in row, row  # final loss
+    assert re.search(r'<td class="t">\d+(\.\d)?s</td>', row), row  # how long it took
+    assert re.search(r">\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC</time>", row), row  # times with their zone
+    assert row.index(">fin <span") < row.index("a longer name")  # titled by id, the name beside it
+    boom = _card(page, "boom")
+    headline = _entry(queue_dir, "boom")["story"]["headline"]
+    assert headline.startswith("oom: ") and boom.count("MemoryError") == 1, boom  # the evidence once
+
+
+def test_status_html_does_not_overflow_420_px_and_links_the_serve_page(queue_dir: Path, watcher, browser) -> None:
+    w = watcher(max_concurrent=4)
+    long = "x" * 190
+    _quick(queue_dir, "narrow-" + "n" * 40, 10, name=long)
+    _job(queue_dir, "run", command=[PY, SLOW, "100000", "0.05", "20"], resume_args=[])
+    _job(queue_dir, "bad", command=[PY, "-c", f"import sys; print('{long}'); sys.exit(3)"], retries={"max": 0})
+    tick_until(w, lambda: _entry(queue_dir, "bad").get("state") == "failed", 60)
+    tick_until(w, lambda: (_entry(queue_dir, "run").get("progress") or {}).get("step"), 60)
+    server = _serve(queue_dir)
+    try:
+        url = tick_until(w, lambda: re.search(r'live page: <a href="([^"]+)"', _status_html(queue_dir)), 30)[1]
+        assert url == f"http://127.0.0.1:{server.port}/" and _TOKEN not in _status_html(queue_dir)
+        browser.call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 420, "height": 900, "deviceScaleFactor": 1, "mobile": True},
+            session=True,
+        )
+        browser.call("Page.navigate", {"url": (queue_dir / "status.html").as_uri()}, session=True)
+        wait_until(lambda: browser.evaluate("document.readyState") == "complete", 30, 0.05, "status.html loaded")
+        width = browser.evaluate("document.documentElement.scrollWidth")
+        assert width <= 420, f"status.html is {width} px wide in a 420 px window"
+    finally:
+        server.stop()
+    tick_until(w, lambda: "live page:" not in _status_html(queue_dir), 30, what="the link gone with the server")
+    _trainq(queue_dir, "stop", "--now", "run")
+    tick_until(w, lambda: _entry(queue_dir, "run").get("state") == "failed", 30)
+
+
+def test_a_sweep_draws_its_jobs_loss_curves_overlaid(queue_dir: Path) -> None:
+    from trainq.watcher.faces.html import CurveStore, render_html
+
+    store = CurveStore()
+    jobs = []
+    for i, rate in enumerate((30.0, 60.0, 90.0), start=1):
+        store.feed(f"sw-{i}", ({"type": "step", "step": s, "loss": 3 * math.exp(-s / rate) + 1} for s in range(1, 80)))
+        jobs.append({"id": f"sw-{i}", "state": "running", "status": "running", "sweep": "sw", "params": {"lr": i}})
+    page = render_html({"watcher": {}, "counts": {}, "jobs": jobs}, store.curves())
+    overlay = page[page.index('<section class="sweep-curves">') :]
+    assert overlay.count('<polyline class="overlay"') == 3 and all(f">sw-{i}</span>" in overlay for i in (1, 2, 3))
+    assert "Sweep sw: loss by step" in overlay

@@ -235,7 +235,7 @@ def test_a_restarted_watcher_keeps_the_ladder_and_stops_a_job_at_the_final_mark(
         40,
         what="the job stopped at the final-checkpoint mark",
     )
-    assert run["reason"] == "deadline" and run["attempts"][-1]["cost"]["currency"] == "USD"
+    assert run["reason"] == "window" and run["attempts"][-1]["cost"]["currency"] == "USD"
     assert run["cost"]["amount"] > 0
     checkpoints = sorted((queue_dir / "failed/steps/checkpoints").iterdir())
     assert checkpoints, "the stop left no checkpoint"
@@ -403,7 +403,7 @@ def test_a_train_job_is_stopped_at_the_final_mark_with_a_checkpoint_and_resumes(
         run = tick_until(second, lambda: (r := _run(queue_dir, "tr")).get("delivered") and r, 120)
     finally:
         second.close()
-    assert run["status"] == "cancelled" and run["reason"] == "deadline"
+    assert run["status"] == "cancelled" and run["reason"] == "window"
     job = queue_dir / "failed" / "tr"
     summary = json.loads((job / "summary.json").read_text())
     assert summary["outcome"] == "stopped" and summary["latest_checkpoint"]

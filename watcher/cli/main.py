@@ -150,6 +150,10 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json", dest="fmt", action="store_const", const="json", help="a JSON list of records")
     fmt.add_argument("--csv", dest="fmt", action="store_const", const="csv", help="CSV with a header line")
     p.set_defaults(func=cmd_history, fmt="table")
+    p = sub.add_parser("plot", help="one PNG of several jobs' loss curves overlaid (a sweep id: its jobs)")
+    p.add_argument("ids", nargs="+", metavar="ID", help="job ids (or names), or a sweep id")
+    p.add_argument("-o", "--output", type=Path, metavar="FILE", help="where to write it (default: ID-loss.png here)")
+    p.set_defaults(func=cmd_plot)
     add_commands(sub, _root)
     add_serve_command(sub, _root)
     add_record_commands(sub, _root)
@@ -426,6 +430,12 @@ def cmd_fork(args: argparse.Namespace) -> int:
     target = write_fork(root / "inbox", job_dir.name, data)
     print(fork_words(root, target, job_dir.name, data))
     return EXIT_OK
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from trainq.watcher.cli.plot import plot
+
+    return plot(_root(args), args.ids, args.output)
 
 
 def cmd_history(args: argparse.Namespace) -> int:

@@ -264,6 +264,52 @@ def render_curve(curve: dict | None) -> str:
     )
 
 
+#: colours of overlaid curves: matplotlib's tab10, the ones `trainq plot` draws the same jobs in
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+
+
+def render_overlay(curves_by_job: dict[str, dict | None], title: str) -> str:
+    """Inline SVG of several jobs' train loss by step, overlaid, one colour each, with its key; "" with no curve."""
+    series = {job_id: curve["loss"] for job_id, curve in curves_by_job.items() if (curve or {}).get("loss")}
+    if not series:
+        return ""
+    x0, x1, lo, hi = _bounds(series)
+    dx, dy = (x1 - x0) or 1.0, (hi - lo) or 1.0
+    pad = dy * 0.05
+    view = f"{x0:.10g} {-hi - pad:.6g} {dx:.10g} {dy + 2 * pad:.6g}"
+    colours = {job_id: PALETTE[i % len(PALETTE)] for i, job_id in enumerate(series)}
+    lines = "".join(
+        f'<polyline class="overlay" style="stroke:{colours[job_id]}" '
+        f'points="{_points(pts, ((curves_by_job[job_id] or {}).get("svg") or {}).get("loss"))}"/>'
+        for job_id, pts in series.items()
+    )
+    keys = "".join(
+        f'<span class="key"><i class="k" style="background:{c}"></i>{_e(job_id)}</span>'
+        for job_id, c in colours.items()
+    )
+    return (
+        f'<svg class="curve overlay" viewBox="{view}" preserveAspectRatio="none" role="img" '
+        f'aria-label="{_e(title)}">{lines}</svg>'
+        f'<div class="axis"><span>step {format_number(x0)}</span>'
+        f"<span>train loss {format_number(lo, 3)}–{format_number(hi, 3)}</span>"
+        f'<span>step {format_number(x1)}</span></div><div class="keys">{keys}</div>'
+    )
+
+
+def _sweep_curves(snapshot: dict, curves: dict[str, dict]) -> str:
+    """Each listed sweep's jobs' loss curves overlaid (the serve page shows the same, live)."""
+    by_sweep: dict[str, dict[str, dict | None]] = {}
+    for job in snapshot.get("jobs") or ():
+        if job.get("sweep"):
+            by_sweep.setdefault(str(job["sweep"]), {})[str(job.get("id"))] = curves.get(job.get("id"))
+    parts = []
+    for sweep_id, members in by_sweep.items():
+        svg = render_overlay(members, f"loss by step of sweep {sweep_id}")
+        if svg:
+            parts.append(f'<section class="sweep-curves"><h2>Sweep {_e(sweep_id)}: loss by step</h2>{svg}</section>')
+    return "".join(parts)
+
+
 # -- sections ------------------------------------------------------------------------------------
 
 
@@ -276,7 +322,7 @@ def _header(snapshot: dict, heartbeat_s: float = 5.0) -> str:
         f'v{_e(w.get("version"))} · <b class="wstate {_e(w.get("state"))}">{_e(w.get("state"))}</b> · '
         f'started {_when(w.get("started_at"))} · heartbeat <time id="hb" datetime="{_e(heartbeat)}" '
         f'data-stale-s="{stale_s:g}" data-confirm-s="{confirm_s:g}">'
-        f"{_e(str(heartbeat or '').replace('T', ' ')[:19])}</time></div></header>"
+        f"{_e(str(heartbeat or '').replace('T', ' ')[:19])} UTC</time></div></header>"
         '<div id="stale" class="banner" hidden><span id="stale-what">watcher not responding</span>: no heartbeat for '
         '<span id="age"></span>. Is <code>trainq watch</code> running?</div>'
         f'<noscript><div class="banner">JavaScript is off: if the heartbeat above is more than '
@@ -284,6 +330,12 @@ def _header(snapshot: dict, heartbeat_s: float = 5.0) -> str:
         + "".join(f'<div class="banner">{_e(problem)}</div>' for problem in w.get("problems") or ())
         + (f'<div class="meta wall">{_e(wall)}</div>' if (wall := wall_line(snapshot)) else "")
     )
+
+
+def _serve_link(url: str | None) -> str:
+    if not url:
+        return ""
+    return f'<div class="meta serve">live page: <a href="{_e(url)}">{_e(url)}</a> (trainq serve; it asks for its token)</div>'
 
 
 def _counts(snapshot: dict) -> str:
@@ -513,18 +565,20 @@ def _machine(snapshot: dict) -> str:
 
 
 _CSS = """
-body{font:14px/1.4 system-ui,sans-serif;margin:0 auto;max-width:1200px;padding:12px;color:#1d2330;background:#f6f7f9}
+body{font:14px/1.4 system-ui,sans-serif;margin:0 auto;max-width:1200px;padding:12px;color:#1d2330;background:#f6f7f9;
+overflow-wrap:anywhere}section{overflow-x:auto}
 header{display:flex;gap:16px;align-items:baseline;flex-wrap:wrap}h1{margin:0;font-size:22px}
 .meta{color:#556}.wstate.running{color:#17803d}.wstate.paused{color:#b26b00}.wstate.stopping{color:#b3261e}
 .banner{background:#b3261e;color:#fff;padding:8px 12px;border-radius:6px;margin:8px 0;font-weight:600}
 .counts{display:flex;gap:8px;margin:12px 0;flex-wrap:wrap}
 .count{background:#fff;border:1px solid #dde;border-radius:6px;padding:6px 12px;text-align:center;min-width:90px}
 .count b{display:block;font-size:22px}.count.failed b{color:#b3261e}.count.running b{color:#1d5fd6}
-h2{font-size:16px;margin:18px 0 6px}.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(470px,1fr));gap:10px}
+h2{font-size:16px;margin:18px 0 6px}.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(470px,100%),1fr));gap:10px}
 article{background:#fff;border:1px solid #dde;border-radius:8px;padding:10px}h3{margin:0 0 6px;font-size:15px}
 .id,.dir{color:#778;font-size:12px;font-weight:normal}.bar{display:flex;align-items:center;gap:8px}
 progress{flex:1;height:14px}meter{width:100%;height:14px}.steps{white-space:nowrap}
-dl{display:grid;grid-template-columns:repeat(3,minmax(0,1fr));gap:2px 10px;margin:6px 0}dl div{display:flex;gap:6px;white-space:nowrap}
+dl{display:grid;grid-template-columns:repeat(3,minmax(0,1fr));gap:2px 10px;margin:6px 0}dl div{display:flex;gap:6px;white-space:nowrap;overflow:hidden}
+@media (max-width:600px){dl{grid-template-columns:repeat(2,minmax(0,1fr))}.count{min-width:60px}}
 dt{color:#667}dd{margin:0;font-variant-numeric:tabular-nums;overflow:hidden;text-overflow:ellipsis}td.t{white-space:nowrap}
 .badge{font-size:11px;border-radius:10px;padding:1px 7px;background:#e3e6ec;font-weight:normal}
 .badge.healthy{background:#d8f0df}.badge.stalled{background:#ffe2b3}.badge.stopping{background:#f6d2cf}
@@ -535,7 +589,8 @@ polyline{fill:none;stroke-width:1.5;stroke-linecap:round;stroke-linejoin:round;v
 table{border-collapse:collapse;width:100%;background:#fff}th,td{border-bottom:1px solid #eef;padding:4px 6px;text-align:left;vertical-align:top}
 .status.done{color:#17803d}.status.failed,.status.timeout,.error{color:#b3261e}.status.cancelled{color:#b26b00}
 dl.two{grid-template-columns:repeat(2,minmax(0,1fr))}.banner code{background:rgba(255,255,255,.2);color:#fff}
-code{font-size:12px;background:#f0f1f4;padding:0 3px}.none{color:#778}.why{color:#8a4b00}
+code{font-size:12px;background:#f0f1f4;padding:0 3px;white-space:pre-wrap}.previous,.advice{color:#667}
+polyline.overlay{stroke-width:1.5}.keys{display:flex;flex-wrap:wrap;font-size:11px;color:#556}.none{color:#778}.why{color:#8a4b00}
 """
 
 # the page is a static file: only the browser can tell how old the heartbeat is now, and its clock need not
@@ -565,19 +620,23 @@ window.trainqHeartbeat=function(v){var hb=document.getElementById('hb'),t=Date.p
    'while it watched for '+words(watched);}
   else{what='watcher may not be responding';age=byClock(clock)+' by this browser\\'s clock, which may not agree '+
    'with the watcher\\'s; watching for a new one';}}
- hb.setAttribute('datetime',v);hb.textContent=v.replace('T',' ').slice(0,19)+' ('+note+')';
+ hb.setAttribute('datetime',v);hb.textContent=v.replace('T',' ').slice(0,19)+' UTC ('+note+')';
  var stale=document.getElementById('stale');if(!stale)return;stale.hidden=!what;
  if(what){document.getElementById('stale-what').textContent=what;document.getElementById('age').textContent=age;}};
 var hb=document.getElementById('hb');if(hb)trainqHeartbeat(hb.getAttribute('datetime'));})();
 """
 
 
-def render_html(snapshot: dict, curves: dict[str, dict], heartbeat_s: float = 5.0) -> str:
+def render_html(
+    snapshot: dict, curves: dict[str, dict], heartbeat_s: float = 5.0, *, serve_url: str | None = None
+) -> str:
     """The whole status page for a status.json object and CurveStore.curves(); ``heartbeat_s``: how often the
-    watcher rewrites its heartbeat (the page's stale bounds follow it)."""
+    watcher rewrites its heartbeat (the page's stale bounds follow it); ``serve_url``: the live page of a running
+    `trainq serve`, linked (without its token: the browser that has it asks for it)."""
     body = "".join(
         (
             _header(snapshot, heartbeat_s),
+            _serve_link(serve_url),
             _counts(snapshot),
             _running(snapshot, curves),
             _pending(snapshot),
@@ -585,6 +644,7 @@ def render_html(snapshot: dict, curves: dict[str, dict], heartbeat_s: float = 5.
             _ignored(snapshot),
             _finished(snapshot),
             sweep_html(list(snapshot.get("jobs") or ())),
+            _sweep_curves(snapshot, curves),
             _machine(snapshot),
         )
     )

@@ -10,6 +10,7 @@ import heapq
 import json
 import logging
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -184,6 +185,25 @@ def _dumps_lines(obj: dict, allow_nan: bool) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
+#: what a running `trainq serve` writes at the queue root (its URL, without the token; its pid); gone when it stops
+SERVE_RECORD = ".trainq-serve.json"
+
+
+def live_page_url(root: Path) -> str | None:
+    """The URL of the `trainq serve` page on this queue while one runs (status.html links it), else None."""
+    record = read_json(Path(root) / SERVE_RECORD) or {}
+    pid, url = record.get("pid"), record.get("url")
+    if type(pid) is not int or not isinstance(url, str) or not url.startswith("http"):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # a serve that died without removing it
+    except PermissionError:
+        pass  # alive, another user's
+    return url
+
+
 class StatusWriter:
     """Writes status.json (and status.html) when the snapshot changed or the heartbeat is due."""
 
@@ -260,8 +280,8 @@ class StatusWriter:
         if self.html_path is None or self._written_dict is None:
             return
         curves = self.curves.curves() if self.curves is not None else {}
-        # a view, rebuilt every second: not worth an fsync
-        atomic_write(self.html_path, render_html(self._written_dict, curves, self.heartbeat_s), durable=False)
+        page = render_html(self._written_dict, curves, self.heartbeat_s, serve_url=live_page_url(self.html_path.parent))
+        atomic_write(self.html_path, page, durable=False)  # a view, rebuilt every second: not worth an fsync
         self._html_at = now
         self._html_dirty = False
 

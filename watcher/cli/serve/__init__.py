@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from trainq.watcher.spec.fsutil import atomic_write_json, remove_quietly
+
 #: exit statuses (as cli/main.py)
 EXIT_OK, EXIT_ERROR, EXIT_INVALID = 0, 1, 2
 DEFAULT_HOST = "127.0.0.1"
@@ -118,8 +120,24 @@ def cmd_serve(args: argparse.Namespace, root_of: Callable[[argparse.Namespace], 
     shown = f"[{host}]" if ":" in host else host
     print(f"trainq serve: {root} on http://{shown}:{port}/?token={token} (read-only); Ctrl-C stops", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    record = announce(root, f"http://{shown}:{port}/")
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        remove_quietly(record)
     return EXIT_OK
+
+
+def announce(root: Path, url: str) -> Path:
+    """ROOT/.trainq-serve.json: the page's URL (never the token) and this pid, so status.html links the page."""
+    from trainq.watcher.faces.status import SERVE_RECORD
+
+    path = root / SERVE_RECORD
+    try:
+        atomic_write_json(path, {"url": url, "pid": os.getpid()}, durable=False)
+    except OSError:
+        pass  # a read-only queue: the page just is not linked
+    return path
 
 
 def read_token(token: str | None, token_file: str | None) -> str | None:
