@@ -106,6 +106,12 @@ def test_a_job_preempted_by_a_higher_priority_partition_is_retried_from_where_it
             "Slurm to preempt low and trainq to retry it",
         )
         stopped_at = _counted(queue_dir, "low")
+        retrying = tick_until(
+            w,
+            lambda: (e := _entry(queue_dir, "low")).get("story", {}).get("previous") and e,
+            60,
+            "the retry's story in status.json",
+        )
         done = tick_until(w, lambda: finished(queue_dir, "low"), 120, "attempt 2 to finish")
     finally:
         subprocess.run(["scancel", urgent_id], timeout=60)
@@ -118,6 +124,36 @@ def test_a_job_preempted_by_a_higher_priority_partition_is_retried_from_where_it
     assert "finished at" in log
     resumed_from = int(log.split("attempt 2 from ")[1].split()[0])
     assert resumed_from >= stopped_at - 1 > 0  # attempt 2 went on from attempt 1's last count, not from 0
+    _assert_preemption_story(queue_dir, done, retrying, w)
+
+
+def _entry(root, job_id: str) -> dict:
+    import json
+
+    try:
+        jobs = json.loads((root / "status.json").read_text()).get("jobs", [])
+    except (OSError, ValueError):
+        return {}
+    return next((j for j in jobs if j["id"] == job_id), {})
+
+
+def _assert_preemption_story(root, done, retrying: dict, w) -> None:
+    """CONTRACT section 15: trainq did not stop a preempted job, so no face gives it a reason; the retry's story
+    is attempt 2's, with attempt 1's preemption one line below, and nobody advises retry.flag meanwhile."""
+    import json
+
+    story = retrying["story"]
+    assert story["previous"].startswith("attempt 1 ended: preempted: "), story
+    assert not story["headline"].startswith("preempted") and "retry.flag" not in json.dumps(story), story
+    run = run_json(done)
+    assert "reason" not in run and all(a.get("reason") is None for a in run["attempts"]), run
+    events = [json.loads(x) for x in (done / "events.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "stopping"], events
+    assert all("reason" not in e for e in events if e["event"] in ("exited", "finished")), events
+    history = [json.loads(x) for x in (root / "history.jsonl").read_text().splitlines()]
+    assert "reason" not in [h for h in history if h["id"] == done.name][-1]
+    entry = tick_until(w, lambda: (e := _entry(root, done.name)).get("state") == "done" and e, 30, "done listed")
+    assert entry.get("reason") is None and entry["story"]["headline"] == "", entry
 
 
 def test_a_node_marked_down_under_a_running_job_is_node_fail_and_the_job_runs_again(queue_dir, watcher):
