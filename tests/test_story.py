@@ -141,7 +141,10 @@ def _assert_every_face(root: Path, job_id: str, reason: str | None, words: str, 
         assert stopping and {e.get("reason") for e in stopping} == {reason}, stopping
     else:
         assert not stopping, stopping
-    page = html.unescape((root / "status.html").read_text())
+    rows = [f'<tr class="{state}" id="job-{job_id}"' for state in ("done", "failed")]
+    page = wait_until(  # status.html follows status.json within html_every_s
+        lambda: (p := _status_html(root)) and any(r in p for r in rows) and p, 30, what=f"{job_id} in status.html"
+    )
     faces = {
         "status.html": page,
         "trainq status --wide": _trainq(root, "status", "--wide", job_id),

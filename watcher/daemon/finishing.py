@@ -473,7 +473,7 @@ class Finishing:
         logger.warning("job %s: stalled: no new output for %gs", job.id, now - job.last_activity)
         self.vitals.capture_stacks(job, f"stalled for {now - job.last_activity:.0f}s")
         self.state.report.touch()
-        if "stalled" in job.known_spec.retries.on:  # the user opted in: end it (retried while attempts remain)
+        if "stalled" in job.known_spec.retries.on and not job.paths.stop_flag.exists():  # opted in, not stopped already
             job.run.update(stop_requested_by=REASON_STALLED, reason=REASON_STALLED, stall_after_s=stall_after)
             job.save(durable=False)
             if self.vitals.stacks_pending(job):

@@ -135,8 +135,8 @@ class Walls:
 
     def _stop_at_wall(self, job: Job, wall_name: str, now: float) -> None:
         """Stop it as a stop.flag would: it checkpoints, ends cancelled (reason deadline or window), resumable."""
-        if job.run.get("stop_requested_by") in WALL_REASONS:
-            return
+        if job.run.get("stop_requested_by") in WALL_REASONS or job.paths.stop_flag.exists():
+            return  # asked already (a user's stop.flag came first: its reason stays `user`)
         reason = REASON_DEADLINE if wall_name == "deadline" else REASON_WINDOW
         job.run.update(stop_requested_by=reason, reason=reason)
         job.save(durable=False)
