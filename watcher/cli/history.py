@@ -183,15 +183,19 @@ def _table(records: list[dict]) -> str:
 
 
 def _took(seconds: object) -> str:
-    from trainq.watcher.faces.html import format_eta
-
-    return format_eta(float(seconds)).replace(" ", "") if isinstance(seconds, (int, float)) else "-"
+    """How long it ran: 42s, 6m25s, 2h03m."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "-"
+    s = round(seconds)
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _loss(value: object) -> str:
-    from trainq.watcher.faces.view import short_number
-
-    return short_number(value, 7) if isinstance(value, (int, float)) else "-"
+    """A loss in at most 7 characters, its magnitude kept: 2.134, 0.0012, 8.3e-05."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return "-"
+    text = f"{value:.4g}"
+    return text if len(text) <= 7 else f"{value:.1e}"
 
 
 def _finished_at(iso: object) -> str:
