@@ -488,3 +488,30 @@ def test_a_sweep_draws_its_jobs_loss_curves_overlaid(queue_dir: Path) -> None:
     overlay = page[page.index('<section class="sweep-curves">') :]
     assert overlay.count('<polyline class="overlay"') == 3 and all(f">sw-{i}</span>" in overlay for i in (1, 2, 3))
     assert "Sweep sw: loss by step" in overlay
+
+
+# -- the derivation itself, on run.json as old and new watchers wrote it ----------------------------------------
+def test_the_story_of_a_run_json_without_reasons_and_with_them() -> None:
+    from trainq.watcher.faces.story import derive, reason_for
+
+    legacy = {"status": "cancelled", "attempts": [{"n": 1, "ended_at": "x", "stop_reason": "stop_flag"}]}
+    assert derive("a", "failed", legacy).reason == "user"  # before CONTRACT section 15: the mechanism says it
+    by_slurm = {"status": "cancelled", "attempts": [{"n": 1, "stop_reason": "cancelled", "reason": None}]}
+    assert derive("b", "failed", by_slurm).reason is None  # concluded with no word: no face invents one
+    assert reason_for({"stop_requested_by": "stalled"}, {"stop_reason": "stop_flag", "reason": "stalled"}) == "stalled"
+    assert reason_for({"stop_requested_by": "stalled"}, {"stop_reason": "timeout"}) == "timeout"  # it stopped first
+    assert reason_for({}, {"stop_reason": "sigterm"}) is None  # preempted: nobody in trainq stopped it
+    assert reason_for({"stop_requested_by": "schedule"}, {"stop_reason": "stop_flag"}) == "watcher"
+    failed = {
+        "status": "failed",
+        "attempt": 1,
+        "diagnosis": {
+            "kind": "killed",
+            "evidence": "x",
+            "advice": "Check dmesg. Then touch retry.flag (trainq retry ID).",
+        },
+    }
+    assert "retry.flag" in derive("c", "failed", failed).advice
+    pending = dict(failed, status="pending", attempts=[{"n": 1, "ended_at": "x", "diagnosis": failed["diagnosis"]}])
+    story = derive("c", "pending", pending)
+    assert story.advice is None and story.diagnosis is None and story.previous == "attempt 1 ended: killed: x"

@@ -50,8 +50,6 @@ _FINISHED = ("done", "failed")
 #: ``torch.cuda.OutOfMemoryError: …`` → ``OutOfMemoryError: …`` in a headline: the words that matter first
 _MODULE_PREFIX = re.compile(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Z]\w*(?:Error|Exception|Warning)\b)")
 _ERRNO = re.compile(r"\[Errno \d+\] ")
-#: advice sentences that name a flag or command only a finished job can use
-_FINISHED_ONLY = re.compile(r"retry\.flag|trainq retry|trainq rerun|trainq edit", re.IGNORECASE)
 #: how much of metrics.jsonl ``load`` reads for a job's last progress (bytes)
 _METRICS_TAIL_BYTES = 16384
 
@@ -206,8 +204,10 @@ def _reason(run: dict, state: str, status: str, stopping: dict | None) -> str | 
         if status == "stopping" and stopping and stopping.get("reason") in REASONS:
             return stopping["reason"]
         return reason_for(run) if status == "stopping" else None
-    # a run.json from before CONTRACT section 15: its last attempt's exit says how it was stopped
     last = (run.get("attempts") or [{}])[-1] or {}
+    if "reason" in last:
+        return None  # the watcher concluded it with CONTRACT section 15 in hand: no word, it ended by itself
+    # a run.json from before CONTRACT section 15: its last attempt's exit says how it was stopped
     if status == "cancelled" or last.get("stop_reason") in _MECHANISM:
         return reason_for(run, last) or (REASON_USER if status == "cancelled" else None)
     return None
@@ -274,14 +274,11 @@ def _previous(run: dict, state: str) -> str | None:
 
 
 def _advice(state: str, diagnosis: dict | None) -> str | None:
-    """The diagnosis's advice where the state can act on it: retry.flag and friends only for a failed job."""
+    """The diagnosis's advice only where it can be acted on: a job in failed/ (retry.flag, `trainq retry`, `edit`).
+
+    A running or pending job's diagnosis belongs to its previous attempt (``previous``): no advice."""
     advice = (diagnosis or {}).get("advice")
-    if not advice:
-        return None
-    if state == "failed":
-        return str(advice)
-    kept = [s for s in re.split(r"(?<=[.;])\s+", str(advice)) if not _FINISHED_ONLY.search(s)]
-    return " ".join(kept) or None
+    return str(advice) if advice and state == "failed" else None
 
 
 def _notes(run: dict, state: str, attempt: int, progress: dict | None) -> tuple[Note, ...]:
