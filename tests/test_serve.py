@@ -159,8 +159,9 @@ def test_ids_are_checked_against_the_folders_and_nothing_changes_the_queue(
     (outside / "output.log").write_text("secret\n")
     os.symlink(outside, queue_dir / "done" / "linked")
     os.symlink(tmp_path / "outside" / "output.log", queue_dir / "done" / "a" / "metrics.jsonl")
-    before = _tree(queue_dir)
     server = serve()
+    # taken after the start: serve announces its URL in ROOT/.trainq-serve.json; no request changes anything
+    before = _tree(queue_dir)
     assert server.get("/status")[0] == 503 and server.get("/")[0] == 503  # no watcher has written them yet
     for path in (
         "/jobs/../log",

@@ -141,7 +141,7 @@ def _assert_every_face(root: Path, job_id: str, reason: str | None, words: str, 
         assert stopping and {e.get("reason") for e in stopping} == {reason}, stopping
     else:
         assert not stopping, stopping
-    rows = [f'<tr class="{state}" id="job-{job_id}"' for state in ("done", "failed")]
+    rows = [f'<tr class="{state}" id="ended-{job_id}"' for state in ("done", "failed")]
     page = wait_until(  # status.html follows status.json within html_every_s
         lambda: (p := _status_html(root)) and any(r in p for r in rows) and p, 30, what=f"{job_id} in status.html"
     )
@@ -168,8 +168,8 @@ def _assert_every_face(root: Path, job_id: str, reason: str | None, words: str, 
 
 def _card(page: str, job_id: str) -> str:
     """The part of status.html about one job (its row in the finished table)."""
-    start = page.find(f'id="job-{job_id}"')
-    assert start >= 0, f"status.html has no element for {job_id}"
+    start = page.find(f'id="ended-{job_id}"')
+    assert start >= 0, f"status.html has no row for {job_id}"
     end = page.find("</tr>", start)
     return page[start:end]
 
@@ -437,7 +437,7 @@ def test_status_html_shows_final_loss_duration_zone_and_titles_by_id(queue_dir: 
     _quick(queue_dir, "fin", 20, name="a longer name")
     _job(queue_dir, "boom", command=[PY, str(FAKE / "oom.py")], retries={"max": 0})
     tick_until(w, lambda: all(_entry(queue_dir, i).get("state") in ("done", "failed") for i in ("fin", "boom")), 60)
-    page = tick_until(w, lambda: (p := _status_html(queue_dir)) and 'id="job-boom"' in p and p, 30)
+    page = tick_until(w, lambda: (p := _status_html(queue_dir)) and 'id="ended-boom"' in p and p, 30)
     row = _card(page, "fin")
     assert '<td class="n">0.05</td>' in row, row  # final loss
     assert re.search(r'<td class="t">\d+(\.\d)?s</td>', row), row  # how long it took

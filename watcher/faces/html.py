@@ -497,7 +497,7 @@ def _outputs(job: dict) -> str:
 
 def _finished(snapshot: dict) -> str:
     rows = [
-        f'<tr class="{_e(j.get("state"))}" id="job-{_e(j.get("id"))}"><td>{_label(j)}</td><td>{_outcome(j)}</td>'
+        f'<tr class="{_e(j.get("state"))}" id="ended-{_e(j.get("id"))}"><td>{_label(j)}</td><td>{_outcome(j)}</td>'
         f'<td class="n">{_final_loss(j)}</td><td class="t">{_took(j)}</td>'
         f'<td class="t">{_when(j.get("finished_at"))}</td><td>{_e(j.get("attempt"))}</td><td>{_outputs(j)}</td></tr>'
         for j in snapshot.get("jobs") or ()
