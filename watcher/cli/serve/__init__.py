@@ -118,10 +118,10 @@ def cmd_serve(args: argparse.Namespace, root_of: Callable[[argparse.Namespace], 
     )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"trainq serve: {root} on http://{shown}:{port}/?token={token} (read-only); Ctrl-C stops", flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1, lifespan="on")
-    record = announce(root, f"http://{shown}:{port}/")
+    record = announce(root, f"http://{shown}:{port}/")  # before the URL is printed: whoever reads it finds the record
     try:
+        print(f"trainq serve: {root} on http://{shown}:{port}/?token={token} (read-only); Ctrl-C stops", flush=True)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1, lifespan="on")
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         remove_quietly(record)
