@@ -226,17 +226,20 @@ def _assert_removed(root: Path, job_id: str) -> None:
 
 
 def test_the_window_mark_is_its_own_reason(queue_dir: Path, watcher_process) -> None:
-    final_in_s, before_s = 6.0, 60.0
+    settings = {"settle_s": 0.1, "rescan_s": 0.2, "status_s": 0.1, "kill_after_s": 1}
+    (queue_dir / "watcher.yaml").write_text(yaml.safe_dump(settings))
+    first = watcher_process()
+    _job(queue_dir, "win", command=STEPS, resume_args=[])
+    _running(queue_dir, "win")
+    first.kill()  # the job runs on; the next watcher, whose window's final mark is in 2 s, adopts it
+    before_s = 60.0
     window = {
-        "ends_at": iso_utc(time.time() + final_in_s + before_s),
+        "ends_at": iso_utc(time.time() + 2 + before_s),
         "final_checkpoint_before": f"{before_s}s",
         "freeze_before": f"{before_s}s",
     }
-    (queue_dir / "watcher.yaml").write_text(
-        yaml.safe_dump({"settle_s": 0.1, "rescan_s": 0.2, "status_s": 0.1, "kill_after_s": 1, "window": window})
-    )
+    (queue_dir / "watcher.yaml").write_text(yaml.safe_dump({**settings, "window": window}))
     watcher_process()
-    _job(queue_dir, "win", command=STEPS, resume_args=[])
     _assert_every_face(queue_dir, "win", "window", "stopped at the window's final-checkpoint mark", None)
     assert "stop requested at the window's final-checkpoint mark" in (queue_dir / "failed/win/output.log").read_text()
 
@@ -262,10 +265,18 @@ def test_the_stall_detector_says_stalled_while_it_stops_the_job(queue_dir: Path,
     assert entry["reason"] == "stalled" and entry["story"]["headline"] == "stopping by the stall detector"
     row = _trainq(queue_dir, "status", "zz")
     assert " stalled " in row and "stopping by the stall detector" in row and "stop.flag" not in row, row
-    log = (queue_dir / "running/zz/output.log").read_text()
-    assert "stop requested by the stall detector (stop.flag)" in log, log
-    events = [json.loads(x) for x in (queue_dir / "running/zz/events.jsonl").read_text().splitlines()]
-    assert [e["reason"] for e in events if e["event"] == "stopping"] == ["stalled"]
+    said = "stop requested by the stall detector (stop.flag)"  # the supervisor's line, at its next look
+    wait_until(lambda: said in (queue_dir / "running/zz/output.log").read_text(), 30, what="the supervisor's line")
+    stopping = wait_until(
+        lambda: [
+            e
+            for e in map(json.loads, (queue_dir / "running/zz/events.jsonl").read_text().splitlines())
+            if e["event"] == "stopping"
+        ],
+        30,
+        what="the stopping record",
+    )
+    assert [e["reason"] for e in stopping] == ["stalled"]
     _trainq(queue_dir, "stop", "--now", "zz")  # ends it now; the stall detector asked first, so it stays stalled
     ended = _ended(queue_dir, "zz")
     assert ended["reason"] == "stalled" and ended["diagnosis"]["kind"] == "stalled", ended
