@@ -204,7 +204,15 @@ def test_every_way_a_job_stops_is_told_the_same_by_every_face(queue_dir: Path, w
     try:
         for job_id in WAYS:
             _ended(queue_dir, job_id)
-        page = html.unescape(server.get("/", {"Authorization": f"Bearer {_TOKEN}"})[2].decode())
+        page = wait_until(  # the served page is status.html, which follows status.json within html_every_s
+            lambda: (
+                (p := html.unescape(server.get("/", {"Authorization": f"Bearer {_TOKEN}"})[2].decode()))
+                and all(f'id="ended-{i}"' in p for i in WAYS)
+                and p
+            ),
+            30,
+            what="the serve page listing every job as ended",
+        )
         for job_id, (reason, words) in WAYS.items():
             _assert_every_face(queue_dir, job_id, reason, words, page)
     finally:
