@@ -138,7 +138,7 @@ def _entry(root, job_id: str) -> dict:
 
 
 def _assert_preemption_story(root, done, retrying: dict, w) -> None:
-    """CONTRACT section 15: trainq did not stop a preempted job, so no face gives it a reason; the retry's story
+    """The reason (docs/contract.md, why a job stopped): trainq did not stop a preempted job, so no face gives it a reason; the retry's story
     is attempt 2's, with attempt 1's preemption one line below, and nobody advises retry.flag meanwhile."""
     import json
 

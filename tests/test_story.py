@@ -1,4 +1,4 @@
-"""One story per job (CONTRACT section 15): every way a job stops, told in the same words by every face.
+"""One story per job (docs/contract.md, why a job stopped): every way a job stops, told in the same words by every face.
 
 Real jobs under a real watcher process are stopped every way there is (stop.flag, `trainq stop`,
 `trainq stop --now`, their deadline, the window's final-checkpoint mark, the stall detector, their
@@ -514,7 +514,7 @@ def test_the_story_of_a_run_json_without_reasons_and_with_them() -> None:
     from trainq.watcher.faces.story import derive, reason_for
 
     legacy = {"status": "cancelled", "attempts": [{"n": 1, "ended_at": "x", "stop_reason": "stop_flag"}]}
-    assert derive("a", "failed", legacy).reason == "user"  # before CONTRACT section 15: the mechanism says it
+    assert derive("a", "failed", legacy).reason == "user"  # before the reason words: the mechanism says it
     by_slurm = {"status": "cancelled", "attempts": [{"n": 1, "stop_reason": "cancelled", "reason": None}]}
     assert derive("b", "failed", by_slurm).reason is None  # concluded with no word: no face invents one
     assert reason_for({"stop_requested_by": "stalled"}, {"stop_reason": "stop_flag", "reason": "stalled"}) == "stalled"

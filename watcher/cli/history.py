@@ -160,7 +160,7 @@ def _from_folders(root: Path) -> dict[str, dict]:
 def _table(records: list[dict]) -> str:
     """One line a job: ID, STATUS (kind), REASON, TOOK, LOSS, EVAL, FINISHED, ATT, NAME; and a count at the end.
 
-    REASON is CONTRACT section 15's word (``-`` when the job ended by itself); LOSS and EVAL the last ones."""
+    REASON is the reason word (docs/contract.md, why a job stopped) (``-`` when the job ended by itself); LOSS and EVAL the last ones."""
     if not records:
         return "no finished job matches\n"
     width = min(max(len(r["id"]) for r in records), 40)

@@ -8,6 +8,7 @@ matplotlib is in the ``train`` extra; it is imported inside the command only (th
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def curves(job_dir: Path) -> dict[str, list[tuple[float, float]]]:
 
 
 def _number(value: object) -> bool:
-    return type(value) in (int, float) and value == value and abs(value) != float("inf")
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

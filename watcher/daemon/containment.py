@@ -213,7 +213,7 @@ class Containment:
         )
         self.state.plan_due = True
         self.state.report.touch()
-        if running:  # it ended for CONTRACT section 15's `removed`: history.jsonl keeps that (its folder cannot)
+        if running:  # it ended for the reason `removed` (docs/contract.md, why a job stopped): history.jsonl keeps that (its folder cannot)
             self.state.report.removed_while_running(job, time.time())
         self.note_removed(job.id, job.state.value, job.status, job.run.get("sweep"))
 

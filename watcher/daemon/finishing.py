@@ -134,7 +134,9 @@ class Finishing:
     def _conclude(self, job: Job, outcome, record: dict, now: float) -> None:
         """Record how the attempt ended; retry it, or take the job out of the live index for retiring."""
         attempt = job.current_attempt()
-        reason = reason_for(job.run, record)  # CONTRACT section 15: one word, the same in every face
+        reason = reason_for(
+            job.run, record
+        )  # The reason (docs/contract.md, why a job stopped): one word, the same in every face
         if reason:
             job.run["reason"] = reason
         else:

@@ -10,7 +10,7 @@ truncate the file to forget them.
 
 A record: ``{"id", "name", "state", "status", "type": "train"|"command", "kind": diagnosis kind or
 null, "sweep", "pool", "submitted_at", "started_at", "finished_at", "attempts", "exit_code", "reason",
-"duration_s", "final_loss", "final_eval_loss"}``; ``reason`` is CONTRACT section 15's word (absent when
+"duration_s", "final_loss", "final_eval_loss"}``; ``reason`` is the reason word (docs/contract.md, why a job stopped) (absent when
 the job ended by itself), ``duration_s`` the seconds from its first start to its end.
 """
 

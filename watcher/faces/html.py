@@ -270,7 +270,7 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 
 def render_overlay(curves_by_job: dict[str, dict | None], title: str) -> str:
     """Inline SVG of several jobs' train loss by step, overlaid, one colour each, with its key; "" with no curve."""
-    series = {job_id: curve["loss"] for job_id, curve in curves_by_job.items() if (curve or {}).get("loss")}
+    series = {job_id: c["loss"] for job_id, curve in curves_by_job.items() if (c := curve or {}).get("loss")}
     if not series:
         return ""
     x0, x1, lo, hi = _bounds(series)

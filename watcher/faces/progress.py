@@ -15,7 +15,7 @@ import stat
 import time
 from collections import deque
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from trainq.watcher.spec.contract import HEALTH_DEFAULTS, RECORD_CHECKPOINT, RECORD_EVAL, RECORD_EVENT
 from trainq.watcher.spec.fsutil import open_no_follow
@@ -249,11 +249,9 @@ class MetricsTail:
             if key == "warning":  # the note holds for this step on, in this attempt, while the loss stays there
                 this_attempt = self.attempt_started_at is None or at >= self.attempt_started_at
                 level = finite(record.get("uniform_loss"))
-                fields.set(
-                    "warning_at",
-                    {"step": whole(record.get("step")), "level": level, "this_attempt": this_attempt},
-                    read_at,
-                )
+                # an event's payload, as the warning text and the samples are (they come from a record: Any)
+                raised: Any = {"step": whole(record.get("step")), "level": level, "this_attempt": this_attempt}
+                fields.set("warning_at", raised, read_at)
         for key, convert in _PROGRESS_FIELDS:
             if key in record:
                 value = convert(record[key])

@@ -1,8 +1,8 @@
-"""One story per job (CONTRACT section 15): what every face says about a job, derived in one place.
+"""One story per job (docs/contract.md, why a job stopped): what every face says about a job, derived in one place.
 
 ``derive`` builds a ``JobStory`` from a job's run.json (with, where the watcher has them, its live
 progress and health): where it is, its status, why its attempt stopped (``reason``, one word of
-CONTRACT section 15), the attempt running now and how the one before it ended, its progress, the
+docs/contract.md, why a job stopped), the attempt running now and how the one before it ended, its progress, the
 advice that fits its state, and notes that each hold for an attempt and a step range. status.json
 carries each listed job's story (``reason``, ``story``); the faces that read status.json (the status
 row, status.html, the serve page) take it back with ``from_entry``, the faces that read a job folder
@@ -31,7 +31,7 @@ from trainq.watcher.spec.contract import (
 )
 from trainq.watcher.spec.fsutil import open_no_follow, read_json
 
-#: the reason words, in CONTRACT order
+#: the reason words, in docs/contract.md's order
 REASONS = tuple(REASON_PHRASES)
 #: run.json ``stop_requested_by`` (what the watcher asked a stop for) -> the reason word
 _REQUESTED_BY = {
@@ -94,7 +94,9 @@ class JobStory:
     id: str
     state: str  # where it is: awaiting_approval, pending, running, done, failed
     status: str  # run.json's status
-    reason: str | None = None  # why the attempt stopped (CONTRACT section 15), None when it ended by itself
+    reason: str | None = (
+        None  # why the attempt stopped (docs/contract.md, why a job stopped), None when it ended by itself
+    )
     attempt: int = 0  # the attempt running now, or the last one
     progress: dict | None = None
     headline: str = ""  # one line: why it is where it is ("" for a running or done job with nothing to say)
@@ -132,7 +134,7 @@ class JobStory:
 
 # -- the one derivation ---------------------------------------------------------------------------------------
 def reason_for(run: dict, exit_record: dict | None = None) -> str | None:
-    """Why the current attempt stopped, as one CONTRACT section 15 word; None when it ended by itself.
+    """Why the current attempt stopped, as one reason word (docs/contract.md, why a job stopped); None when it ended by itself.
 
     The supervisor's timeout wins (it stopped the job first); then what the watcher asked the stop for
     (``stop_requested_by``); then the word the supervisor read in the stop.flag; then the mechanism.
@@ -206,8 +208,8 @@ def _reason(run: dict, state: str, status: str, stopping: dict | None) -> str | 
         return reason_for(run) if status == "stopping" else None
     last = (run.get("attempts") or [{}])[-1] or {}
     if "reason" in last:
-        return None  # the watcher concluded it with CONTRACT section 15 in hand: no word, it ended by itself
-    # a run.json from before CONTRACT section 15: its last attempt's exit says how it was stopped
+        return None  # the watcher concluded it knowing the reason words: no word, it ended by itself
+    # a run.json from before the reason words: its last attempt's exit says how it was stopped
     if status == "cancelled" or last.get("stop_reason") in _MECHANISM:
         return reason_for(run, last) or (REASON_USER if status == "cancelled" else None)
     return None
@@ -309,7 +311,7 @@ def _recovered(progress: dict, at: dict) -> bool:
 def from_entry(entry: dict) -> JobStory:
     """The story status.json carries for a job (written by the watcher with ``to_entry``); nothing re-derived."""
     said = entry.get("story")
-    if not isinstance(said, dict):  # a status.json from before CONTRACT section 15: derive from what it holds
+    if not isinstance(said, dict):  # a status.json from before the reason words: derive from what it holds
         return derive(
             str(entry.get("id")),
             str(entry.get("state")),
@@ -395,8 +397,12 @@ def event_words(record: dict) -> str | None:
 
 
 def _int(value: object) -> int | None:
-    return int(value) if type(value) in (int, float) and math.isfinite(value) else None
+    number = _float(value)
+    return None if number is None else int(number)
 
 
 def _float(value: object) -> float | None:
-    return float(value) if type(value) in (int, float) and math.isfinite(value) else None
+    """A finite number as float (never a bool); None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)

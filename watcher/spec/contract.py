@@ -59,7 +59,7 @@ RECORD_EVENT = "event"
 RECORD_DONE = "done"
 RECORD_TYPES = (RECORD_STEP, RECORD_EVAL, RECORD_CHECKPOINT, RECORD_EVENT, RECORD_DONE)
 
-# -- why an attempt stopped (CONTRACT section 15): one word in run.json, status.json, history.jsonl and events --
+# -- why an attempt stopped (docs/contract.md, why a job stopped): one word in run.json, status.json, history.jsonl and events --
 REASON_USER = "user"  # stop.flag, `trainq stop`
 REASON_DEADLINE = "deadline"  # the job's own deadline
 REASON_WINDOW = "window"  # the window's final-checkpoint mark

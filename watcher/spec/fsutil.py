@@ -164,7 +164,7 @@ def touch(path: str | os.PathLike) -> None:
 def raise_flag(path: str | os.PathLike, word: str) -> bool:
     """Create the flag ``path`` holding ``word`` (whole, by rename) unless one is there: the first request wins.
 
-    True when this call raised it. The watcher's stop.flag says why it stops the job (CONTRACT section 15).
+    True when this call raised it. The watcher's stop.flag says why it stops the job (docs/contract.md, why a job stopped).
     """
     if os.path.lexists(path):
         return False

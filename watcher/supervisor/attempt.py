@@ -85,7 +85,9 @@ class _Attempt:
     dir_ino: int | None = None  # the job folder's inode: a folder removed and made again is another job's
     group: Path | None = None  # the attempt's cgroup (None: process-tree mode)
     mode: str = "process-tree"  # how the attempt is contained (cgroups.MODES)
-    flag_reason: str | None = None  # the CONTRACT section 15 word its stop.flag carried (user, deadline, ...)
+    flag_reason: str | None = (
+        None  # the reason word (docs/contract.md, why a job stopped) its stop.flag carried (user, deadline, ...)
+    )
     grace_s: float | None = None  # the stop's grace: the spec's stop_grace_s, or 0 for a stop.flag saying "now"
 
 

@@ -47,11 +47,11 @@ class StopFacts(Protocol):
     stop_reason: str | None
     stop_requested_at: float | None
     signals_sent: list[str]
-    flag_reason: str | None  # the CONTRACT section 15 word its stop.flag carried
+    flag_reason: str | None  # the reason word (docs/contract.md, why a job stopped) its stop.flag carried
 
 
 def reason_word(attempt: StopFacts) -> str | None:
-    """Why the attempt stopped, as CONTRACT section 15 words it; None when the job ended by itself."""
+    """Why the attempt stopped, in the words of docs/contract.md, why a job stopped; None when the job ended by itself."""
     if attempt.stop_reason == "stop_flag":
         return attempt.flag_reason or "user"
     return {"timeout": "timeout", "folder_removed": "removed"}.get(attempt.stop_reason or "")

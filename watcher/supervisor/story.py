@@ -53,7 +53,7 @@ def started(paths: JobPaths, attempt: int, at: float, job_pid: int, env: dict[st
 def stop_requested(paths: JobPaths, attempt: int, how: str, reason: str | None, at: float, grace_s: float) -> None:
     """``preempted`` for the supervisor's own SIGTERM, ``stopping`` for stop.flag or the timeout.
 
-    ``how`` is the mechanism (stop_flag, timeout, sigterm, folder_removed); ``reason`` the CONTRACT section 15
+    ``how`` is the mechanism (stop_flag, timeout, sigterm, folder_removed); ``reason`` the docs/contract.md, why a job stopped
     word the ``stopping`` record carries (user, deadline, window, stalled, timeout, watcher).
     """
     if how == "sigterm":
@@ -70,7 +70,7 @@ def exited(paths: JobPaths, record: dict) -> None:
         attempt=record["attempt"],
         code=record["exit_code"],
         signal=record["signal_name"],
-        # CONTRACT section 15's word where there is one (deadline, user, ...); else the mechanism (sigterm)
+        # the reason word (docs/contract.md, why a job stopped) where there is one (deadline, user, ...); else the mechanism (sigterm)
         reason=record.get("reason"),
         stop_reason=None if record.get("reason") else record["stop_reason"],
         spawn_error=record["spawn_error"],
