@@ -159,9 +159,8 @@ def test_ids_are_checked_against_the_folders_and_nothing_changes_the_queue(
     (outside / "output.log").write_text("secret\n")
     os.symlink(outside, queue_dir / "done" / "linked")
     os.symlink(tmp_path / "outside" / "output.log", queue_dir / "done" / "a" / "metrics.jsonl")
-    server = serve()
-    # taken after the start: serve announces its URL in ROOT/.trainq-serve.json; no request changes anything
     before = _tree(queue_dir)
+    server = serve()
     assert server.get("/status")[0] == 503 and server.get("/")[0] == 503  # no watcher has written them yet
     for path in (
         "/jobs/../log",
@@ -186,7 +185,8 @@ def test_ids_are_checked_against_the_folders_and_nothing_changes_the_queue(
     assert next((e.kind, e.id, e.data) for e in log.until(lambda e: e.kind == "end")) == ("message", "6", "hello")
     assert server.get("/jobs/a/log", {"Last-Event-ID": "6"})[0] == 204
     after = _tree(queue_dir)
-    after.pop(".trainq-serve.token")  # the one file it writes, at start: its token (mode 0600)
+    after.pop(".trainq-serve.token")  # the files it writes, at start: its token (mode 0600),
+    after.pop(".trainq-serve.json")  # and its URL (no token) and pid, so status.html links the page
     assert after == before
     token_file = queue_dir / ".trainq-serve.token"
     assert token_file.read_text() == server.token + "\n" and stat.S_IMODE(token_file.stat().st_mode) == 0o600
