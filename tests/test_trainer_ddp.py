@@ -130,6 +130,49 @@ def test_sigstopped_rank_fails_the_job_naming_it(tiny, tmp_path):
     assert not psutil.pid_exists(ranks[1].pid) or ranks[1].status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_rank_that_never_joins_is_named_at_startup_never_as_preempted(tiny, tmp_path):
+    """Issue 37: rank 1 starts late (the fault switch), past TRAINQ_RENDEZVOUS_TIMEOUT_S: the job exits 69 and the
+    rank_failed event names rank 1, stage startup, diagnosis startup; never 143 or "killed by SIGTERM"."""
+    from trainq.watcher.daemon.diagnosis import diagnose
+    from trainq.watcher.spec.contract import EXIT_STARTUP
+
+    job = write_job(tmp_path / "late", tiny, max_steps=2, eval_every=None, **RANKS)
+    code = run_trainer(
+        job,
+        timeout_s=HANG_GUARD_S,
+        TRAINQ_RENDEZVOUS_TIMEOUT_S="2",
+        TRAINQ_COLLECTIVE_TIMEOUT_S="600",  # the steps' timeout no longer bounds the start
+        TRAINQ_TRAINER_FAULTS="late_rank=1,late_join_s=120",
+    )
+    assert code == EXIT_STARTUP == 69, output(job)[-3000:]
+    [failed] = events(job, "rank_failed")
+    assert failed["rank"] == 1 and failed["stage"] == "startup" and failed["kind"] == "startup"
+    assert failed["evidence"].startswith("rank 1 never joined the group within 2 s of start-up")
+    assert "rank 0 gave up waiting" in failed["evidence"] and "joining 120 s late" in failed["evidence"]
+    [said] = [line for line in output(job).splitlines() if line.endswith("torchrun stopped the other ranks")]
+    assert said.startswith("trainq: rank 1 never joined") and "SIGTERM" not in said
+    found = diagnose({"exit_code": code}, output(job), records(job))
+    assert found.kind == "startup" and "TRAINQ_RENDEZVOUS_TIMEOUT_S" in found.advice
+
+
+def test_a_rank_ended_by_torchruns_sigterm_is_a_consequence_not_the_cause(tmp_path):
+    """torchrun stops the remaining ranks with SIGTERM once one fails: the other failure is the cause, and a
+    SIGTERM alone is never reported as the preemption code 143."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from trainq.trainer.launch import _root_cause, report_failure
+
+    crashed = ProcessFailure(local_rank=1, pid=2, exitcode=1, error_file="")
+    ended = ProcessFailure(local_rank=0, pid=1, exitcode=-signal.SIGTERM, error_file="")
+    ended.timestamp = crashed.timestamp - 1  # even when torchrun's SIGTERM is seen first
+    assert _root_cause({0: ended, 1: crashed})[0] == 1
+    (tmp_path / "logs").mkdir()
+    code = report_failure({0: ended}, tmp_path / "logs", tmp_path)
+    assert code == 1 and code != 128 + signal.SIGTERM
+    [failed] = events(tmp_path, "rank_failed")
+    assert failed["stage"] == "startup" and "ended by SIGTERM" in failed["evidence"]
+
+
 def test_a_nan_on_one_rank_rolls_every_rank_back_together(tiny, tmp_path):
     """The NaN guard decides from the loss reduced across ranks: rank 1's bad steps roll both ranks back to the
     same checkpoint (ranks that decided apart would hang in the next collective or drift)."""

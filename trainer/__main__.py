@@ -12,6 +12,7 @@ adapter/ (model/ for method: full), summary.json, loss.png, env.json, SHA256SUMS
 Environment (set by the watcher; all optional by hand): TRAINQ_STOP_FLAG, TRAINQ_METRICS, TRAINQ_ATTEMPT,
 TRAINQ_RESUME_FROM, TRAINQ_SIMULATE_GPUS (for preset: auto), TRAINQ_TRAINER_FAULTS (test switch: see trainer/faults.py).
 Exit codes: 0 done or stopped, 2 bad config/checkpoint, 65 bad data, 66 diverged (NaN), 67 out of memory,
+68 schedule deviation, 69 a rank never joined the group (several ranks),
 143 preempted by SIGTERM (after checkpointing).
 """
 

@@ -86,6 +86,7 @@ class TrainConfig:
     max_minutes_per_attempt: float | None = None  # then save and exit EXIT_CHECKPOINT (85): time-sliced training
     processes: int | None = None  # ranks per node; None: one per GPU given, 1 without GPUs (trainer/distributed.py)
     strategy: str = "ddp"  # ddp | fsdp
+    oversubscribe: bool = False  # allow more CPU ranks than usable cores (watcher/spec/capacity.py): one warning
     init_from: str | None = None  # a peft adapter folder or HF checkpoint: starting weights, fresh optimizer
     early_stopping_patience: int | None = None  # evals without an improvement of min_delta before stopping
     early_stopping_min_delta: float = 0.0

@@ -10,14 +10,27 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import time
 from dataclasses import dataclass
 
 from trainq.trainer.config import ConfigError, TrainConfig
+from trainq.watcher.spec.contract import EXIT_STARTUP
 
 #: seconds a collective (and so a rank) may wait for a peer before the job fails; TRAINQ_COLLECTIVE_TIMEOUT_S overrides.
 #: Long enough for rank 0 to write and hash a checkpoint of several GB while the others wait at the barrier.
 COLLECTIVE_TIMEOUT_S = 600.0
 ENV_COLLECTIVE_TIMEOUT = "TRAINQ_COLLECTIVE_TIMEOUT_S"
+#: seconds the ranks wait for each other to join the group at start-up; TRAINQ_RENDEZVOUS_TIMEOUT_S overrides.
+#: Long enough for every rank to import torch and transformers on a loaded machine (tens of seconds at load 10+).
+RENDEZVOUS_TIMEOUT_S = 300.0
+ENV_RENDEZVOUS_TIMEOUT = "TRAINQ_RENDEZVOUS_TIMEOUT_S"
+#: the last line a rank prints when the group did not form: launch.py reads the ranks that never joined from it
+#: the file a rank leaves in its torchrun log folder once it joined the group
+JOINED_MARK = "joined"
+NEVER_JOINED = re.compile(
+    r"the group did not form: ranks? (?P<ranks>[0-9, ]+) never joined within (?P<seconds>[0-9.]+) s"
+)
 #: what torchrun sets in each rank it starts (and srun's task wrapper does not)
 ENV_TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"
 
@@ -54,18 +67,34 @@ class World:
         )
 
 
-def collective_timeout_s() -> float:
-    """The process-group timeout: COLLECTIVE_TIMEOUT_S unless TRAINQ_COLLECTIVE_TIMEOUT_S says otherwise."""
-    text = os.environ.get(ENV_COLLECTIVE_TIMEOUT)
+def _seconds(name: str, default: float) -> float:
+    """A timeout from the environment variable ``name`` (seconds, > 0), else ``default``."""
+    text = os.environ.get(name)
     if not text:
-        return COLLECTIVE_TIMEOUT_S
+        return default
     try:
         value = float(text)
     except ValueError:
-        raise ConfigError(f"{ENV_COLLECTIVE_TIMEOUT}={text!r}: expected a number of seconds") from None
+        raise ConfigError(f"{name}={text!r}: expected a number of seconds") from None
     if not value > 0:
-        raise ConfigError(f"{ENV_COLLECTIVE_TIMEOUT}={text!r}: must be more than 0 seconds")
+        raise ConfigError(f"{name}={text!r}: must be more than 0 seconds")
     return value
+
+
+def collective_timeout_s() -> float:
+    """How long a collective of the training steps waits for a peer: TRAINQ_COLLECTIVE_TIMEOUT_S, default 600 s."""
+    return _seconds(ENV_COLLECTIVE_TIMEOUT, COLLECTIVE_TIMEOUT_S)
+
+
+def rendezvous_timeout_s() -> float:
+    """How long the ranks wait for each other to join at start-up: TRAINQ_RENDEZVOUS_TIMEOUT_S, default 300 s."""
+    return _seconds(ENV_RENDEZVOUS_TIMEOUT, RENDEZVOUS_TIMEOUT_S)
+
+
+class RanksDidNotJoin(Exception):
+    """Raised on a rank when the group did not form within the rendezvous timeout; names the ranks missing."""
+
+    exit_code = EXIT_STARTUP
 
 
 def visible_gpus() -> int:
@@ -123,8 +152,11 @@ def training_kwargs(config: TrainConfig, world: World, cpu: bool) -> dict:
     return kwargs
 
 
-def init(world: World, cpu: bool) -> None:
-    """Join the process group early (the Trainer then reuses it), with trainq's collective timeout."""
+def init(world: World, cpu: bool, late_join_s: float = 0.0) -> None:
+    """Join the process group early (the Trainer then reuses it): every rank must join within the rendezvous
+    timeout (else RanksDidNotJoin names who did not), then the steps' collectives get the collective timeout.
+
+    ``late_join_s``: the test switch's delay before this rank joins (faults ``late_rank``/``late_join_s``)."""
     if not world.is_distributed:
         return
     import torch
@@ -134,7 +166,64 @@ def init(world: World, cpu: bool) -> None:
         return
     if not cpu:
         torch.cuda.set_device(world.local_rank)
-    dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(seconds=collective_timeout_s()))
+    if late_join_s:
+        print(f"trainq: rank {world.rank}: joining {late_join_s:g} s late (TRAINQ_TRAINER_FAULTS)", flush=True)
+        time.sleep(late_join_s)
+    joining = rendezvous_timeout_s()
+    store = join(world, joining)
+    mark_joined()
+    collective = datetime.timedelta(seconds=collective_timeout_s())
+    store.set_timeout(collective)
+    dist.init_process_group(
+        "gloo" if cpu else "nccl",
+        store=dist.PrefixStore("default_pg", store),  # what init_process_group's own env:// path does
+        rank=world.rank,
+        world_size=world.world_size,
+        timeout=collective,
+    )
+
+
+def join(world: World, timeout_s: float):
+    """torchrun's store (env://), then every rank's mark in it within ``timeout_s``; returns the store."""
+    import torch.distributed as dist
+
+    started = time.monotonic()
+    try:
+        store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    except (RuntimeError, OSError) as exc:  # the store's host (rank 0, or torchrun) never answered
+        missing = [0] if world.rank != 0 else []
+        raise RanksDidNotJoin(_never_joined_line(world, missing, timeout_s, exc)) from None
+    marks = dist.PrefixStore("trainq_join", store)
+    marks.set(str(world.rank), str(os.getpid()))
+    keys = [str(r) for r in range(world.world_size)]
+    left = max(timeout_s - (time.monotonic() - started), 0.001)
+    try:
+        marks.wait(keys, datetime.timedelta(seconds=left))
+    except RuntimeError as exc:  # torch raises DistStoreError (a RuntimeError) on a timeout
+        missing = [r for r in range(world.world_size) if not marks.check([str(r)])]
+        raise RanksDidNotJoin(_never_joined_line(world, missing, timeout_s, exc)) from None
+    return store
+
+
+def mark_joined() -> None:
+    """Leave JOINED_MARK beside torchrun's error file of this rank: launch.py then tells a rank that failed while
+    starting (stage ``startup``) from one that failed while training."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            open(os.path.join(os.path.dirname(error_file), JOINED_MARK), "w").close()
+        except OSError:
+            pass  # the stage then reads startup: a report detail, never a reason to fail the run
+
+
+def _never_joined_line(world: World, missing: list[int], timeout_s: float, exc: BaseException) -> str:
+    """The line launch.py reads (NEVER_JOINED) and the diagnosis quotes."""
+    which = ", ".join(map(str, missing)) if missing else "unknown"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"rank {world.rank}: the group did not form: rank{'s' if len(missing) != 1 else ''} {which} never joined "
+        f"within {timeout_s:g} s ({ENV_RENDEZVOUS_TIMEOUT}) ({first})"
+    )
 
 
 def barrier(world: World) -> None:

@@ -13,6 +13,8 @@ Comma-separated ``key=value`` items; steps are 1-based optimizer steps, ``;`` or
   sigterm_at=4        send SIGTERM to this process after step 4 (a deterministic preemption)
   kill_in_save=4      SIGKILL this process halfway through writing the checkpoint of step 4
   lr_bug_at=5         multiply the optimizer's lr by 10 just before step 5 (a schedule bug for the lr check)
+  late_rank=1         with late_join_s: this rank joins the group late at start-up (several ranks)
+  late_join_s=10      seconds late_rank sleeps before joining (past TRAINQ_RENDEZVOUS_TIMEOUT_S: a rank that never joins)
 Nothing else in the trainer is simulated.
 """
 
@@ -24,8 +26,17 @@ from dataclasses import dataclass, field
 from trainq.watcher.spec.contract import ENV_TRAINER_FAULTS, EXIT_USAGE
 
 _INT_LIST_KEYS = ("nan_at", "nan_grad_at", "spike_at", "oom_at")
-_INT_KEYS = ("nan_after", "nan_rank", "oom_if_batch_over", "stop_at", "sigterm_at", "kill_in_save", "lr_bug_at")
-_FLOAT_KEYS = ("sleep_per_step",)
+_INT_KEYS = (
+    "nan_after",
+    "nan_rank",
+    "oom_if_batch_over",
+    "stop_at",
+    "sigterm_at",
+    "kill_in_save",
+    "lr_bug_at",
+    "late_rank",
+)
+_FLOAT_KEYS = ("sleep_per_step", "late_join_s")
 
 
 class FaultSpecError(ValueError):
@@ -50,11 +61,17 @@ class Faults:
     sigterm_at: int | None = None
     kill_in_save: int | None = None
     lr_bug_at: int | None = None
+    late_rank: int | None = None
+    late_join_s: float = 0.0
     raw: str = field(default="", compare=False)
 
     def is_nan(self, step: int) -> bool:
         """Whether step ``step`` is listed as non-finite (before consumption)."""
         return step in self.nan_at or (self.nan_after is not None and step >= self.nan_after)
+
+    def join_delay_s(self, rank: int) -> float:
+        """Seconds this rank waits before joining the group (late_rank/late_join_s; 0 for every other rank)."""
+        return self.late_join_s if self.late_rank == rank else 0.0
 
 
 def _split_items(text: str) -> list[tuple[str, str]]:

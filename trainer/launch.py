@@ -19,8 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from trainq.trainer.config import load_config
-from trainq.trainer.distributed import World, check_strategy, processes_per_node, visible_gpus
+from trainq.trainer.config import ConfigError, load_config
+from trainq.trainer.distributed import (
+    JOINED_MARK,
+    NEVER_JOINED,
+    World,
+    check_strategy,
+    processes_per_node,
+    visible_gpus,
+)
+from trainq.watcher.spec.capacity import CpuMachine, cpu_rank_problems
 from trainq.watcher.spec.contract import (
     ENV_METRICS,
     EXIT_DATA,
@@ -29,6 +37,7 @@ from trainq.watcher.spec.contract import (
     EXIT_OK,
     EXIT_OOM,
     EXIT_PREEMPTED,
+    EXIT_STARTUP,
     EXIT_USAGE,
     JobPaths,
 )
@@ -60,6 +69,7 @@ class Plan:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: str | None = None
+    oversubscribed: str | None = None  # the warning when CPU ranks outnumber the usable cores (oversubscribe: true)
 
     @property
     def world_size(self) -> int:
@@ -78,14 +88,38 @@ def plan(job_dir: Path) -> Plan | None:
     nodes = int(os.environ.get("NNODES") or os.environ.get("SLURM_NNODES") or 1)
     if processes == 1 and nodes == 1:
         return None
+    warning = None if gpus else check_cpu_ranks(config, processes, spec)
     if nodes == 1:
-        return Plan(processes)
+        return Plan(processes, oversubscribed=warning)
     return Plan(
         processes,
         nodes,
         int(os.environ.get("NODE_RANK") or os.environ.get("SLURM_NODEID") or 0),
         os.environ.get("MASTER_ADDR"),
         os.environ.get("MASTER_PORT"),
+        oversubscribed=warning,
+    )
+
+
+def check_cpu_ranks(config, processes: int, spec: str) -> str | None:
+    """CPU ranks within this machine's cores (unless train.oversubscribe) and RAM, as the watcher checks them at
+    acceptance (a run by hand, or another machine, gets the same refusal); the warning line when oversubscribed."""
+    block = {
+        "processes": processes,
+        "oversubscribe": config.oversubscribe,
+        "method": config.method,
+        "precision": config.precision,
+    }
+    machine = CpuMachine.probe()
+    problems = cpu_rank_problems(block, machine, Path(config.model))
+    if problems:
+        raise ConfigError(f"{spec}: {problems[0].path}: {problems[0].message}")
+    if processes <= machine.cores:
+        return None
+    return (
+        f"{processes} CPU ranks on {machine.cores} usable core{'s' if machine.cores != 1 else ''} "
+        f"({machine.cores_from}; train.oversubscribe: true): the ranks share cores, each step is slower than "
+        f"with {machine.cores} rank{'s' if machine.cores != 1 else ''}"
     )
 
 
@@ -149,6 +183,8 @@ def launch(plan: Plan, job_dir: Path, trainer_argv: list[str]) -> int:
         f"(world size {plan.world_size}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})",
         flush=True,
     )
+    if plan.oversubscribed:
+        warn_oversubscribed(plan.oversubscribed, job_dir)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -165,6 +201,16 @@ def launch(plan: Plan, job_dir: Path, trainer_argv: list[str]) -> int:
         shutil.rmtree(log_dir, ignore_errors=True)
         _remove_if_empty(log_dir.parent)
     return EXIT_OK
+
+
+def warn_oversubscribed(words: str, job_dir: Path) -> None:
+    """The one warning of an oversubscribed start: a line in output.log and an ``oversubscribe`` event."""
+    from trainq.trainer.metrics import MetricsWriter
+
+    print(f"trainq: warning: {words}", flush=True)
+    metrics = MetricsWriter(Path(os.environ.get(ENV_METRICS) or JobPaths(job_dir).metrics))
+    metrics.event("oversubscribe", words)
+    metrics.close()
 
 
 def _remove_if_empty(folder: Path) -> None:
@@ -195,14 +241,39 @@ def _honour_shutdown_timeout() -> None:
 
 def _root_cause(failures: dict) -> tuple[int, Any]:
     """The failure that explains the others: a rank killed by a signal, then one with a trainer exit code,
-    then the earliest; a rank that merely lost its peer (exit 1) is a consequence."""
+    then the earliest; a rank that merely lost its peer (exit 1) is a consequence, and so is one ended by SIGTERM
+    (torchrun stops the remaining ranks with SIGTERM once one has failed; a rank's own SIGTERM is exit 143)."""
 
     def weight(item: tuple[int, Any]) -> tuple:
         rank, failure = item
         code = failure.exitcode
-        return (0 if code < 0 else 1 if code in _TRAINER_CODES else 2, failure.timestamp, rank)
+        order = 3 if code == -signal.SIGTERM else 0 if code < 0 else 1 if code in _TRAINER_CODES else 2
+        return (order, failure.timestamp, rank)
 
     return min(failures.items(), key=weight)
+
+
+def never_joined(lines: dict[int, str | None]) -> tuple[list[int], str] | None:
+    """The ranks that never joined the group, and the evidence, from the ranks' last lines (distributed.join)."""
+    for rank in sorted(lines):
+        found = NEVER_JOINED.search(lines[rank] or "")
+        if not found:
+            continue
+        missing = [int(r) for r in found["ranks"].replace(",", " ").split()]
+        names = ", ".join(map(str, missing))
+        theirs = "; ".join(f"[rank {r}] {lines[r]}" for r in missing if lines.get(r))
+        evidence = (
+            f"rank{'s' if len(missing) != 1 else ''} {names} never joined the group within {found['seconds']} s "
+            f"of start-up (TRAINQ_RENDEZVOUS_TIMEOUT_S); rank {rank} gave up waiting"
+            + (f"; last line: {theirs}" if theirs else "")
+        )
+        return missing, evidence
+    return None
+
+
+def has_joined(log_dir: Path, local_rank: int) -> bool:
+    """Whether this node's rank ``local_rank`` joined the group (distributed.mark_joined)."""
+    return any(log_dir.glob(f"*/attempt_*/{local_rank}/{JOINED_MARK}"))
 
 
 def last_line(log_dir: Path, local_rank: int) -> str | None:
@@ -222,6 +293,8 @@ def describe(rank: int, failure: Any, line: str | None, timed_out: str | None = 
     said = f"; its last line: [rank {rank}] {line}" if line else ""
     if code == -signal.SIGKILL and timed_out:  # the hung rank: the others timed out, then torchrun killed it
         return "stalled", f"rank {rank} (pid {failure.pid}) stopped answering: {timed_out}; torchrun then killed it"
+    if code == -signal.SIGTERM:  # only when no other rank failed first: torchrun ends the rest with SIGTERM
+        return "unknown", f"rank {rank} (pid {failure.pid}) was ended by SIGTERM before it could checkpoint{said}"
     if code < 0:
         name = failure.signal_name()
         kind = "killed" if -code == signal.SIGKILL else "unknown"
@@ -241,28 +314,49 @@ def _is_timeout(line: str) -> bool:
 
 def report_failure(failures: dict, log_dir: Path, job_dir: Path) -> int:
     """One stderr line and one metrics event naming the failed rank; returns the job's exit code."""
-    rank, failure = _root_cause(failures)
     lines = {r: last_line(log_dir, f.local_rank) for r, f in failures.items()}
+    startup = never_joined(lines)
+    if startup is not None:  # the group never formed: name the rank that did not join, not the one that gave up
+        missing, evidence = startup
+        rank = missing[0] if missing else min(failures)
+        _rank_failed_event(job_dir, evidence, "startup", rank, EXIT_STARTUP, None, failures, stage="startup")
+        print(f"trainq: {evidence}; torchrun stopped the other ranks", file=sys.stderr, flush=True)
+        return EXIT_STARTUP
+    rank, failure = _root_cause(failures)
     timed_out = next((f"[rank {r}] {ln}" for r, ln in sorted(lines.items()) if ln and _is_timeout(ln)), None)
     kind, evidence = describe(rank, failure, lines[rank], timed_out)
+    stage = "training" if has_joined(log_dir, failure.local_rank) else "startup"
+    if stage == "startup":
+        evidence = evidence.replace(f"rank {rank} ", f"rank {rank} (before it joined the group) ", 1)
     code = failure.exitcode
-    others = sorted(r for r in failures if r != rank)
     if code not in _TRAINER_CODES:  # the trainer's own codes already wrote their event (oom, nan, data)
-        from trainq.trainer.metrics import MetricsWriter
-
-        metrics = MetricsWriter(Path(os.environ.get(ENV_METRICS) or JobPaths(job_dir).metrics))
-        metrics.event(
-            "rank_failed",
-            evidence,
-            kind=kind,
-            evidence=evidence,
-            rank=rank,
-            exit_code=code,
-            signal=failure.signal_name() if code < 0 else None,
-            other_failed_ranks=others,
-        )
-        metrics.close()
+        signal_name = failure.signal_name() if code < 0 else None
+        _rank_failed_event(job_dir, evidence, kind, rank, code, signal_name, failures, stage=stage)
     print(f"trainq: {evidence}; torchrun stopped the other ranks", file=sys.stderr, flush=True)
+    if code == -signal.SIGTERM:
+        return EXIT_FAILED  # 143 is the preemption code: the agent's own SIGTERM (SignalException) alone exits 143
     if code < 0:
         return 128 - code
     return code if code else EXIT_FAILED
+
+
+def _rank_failed_event(
+    job_dir: Path, evidence: str, kind: str, rank: int, code: int, signal_name: str | None, failures: dict, stage: str
+) -> None:
+    """The ``rank_failed`` event the watcher's diagnosis reads (``kind``, ``evidence``), with the ``stage``:
+    ``startup`` (the failed rank had not joined the group) or ``training`` (it had)."""
+    from trainq.trainer.metrics import MetricsWriter
+
+    metrics = MetricsWriter(Path(os.environ.get(ENV_METRICS) or JobPaths(job_dir).metrics))
+    metrics.event(
+        "rank_failed",
+        evidence,
+        kind=kind,
+        evidence=evidence,
+        rank=rank,
+        stage=stage,
+        exit_code=code,
+        signal=signal_name,
+        other_failed_ranks=sorted(r for r in failures if r != rank),
+    )
+    metrics.close()

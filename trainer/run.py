@@ -582,7 +582,8 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     inv = Invocation.from_args(job_dir, resume_arg)
     config = load_config(inv.job_dir)
     world = distributed.World.from_env()
-    distributed.init(world, cpu=not torch.cuda.is_available())
+    faults = parse_faults(os.environ.get(ENV_TRAINER_FAULTS))
+    distributed.init(world, cpu=not torch.cuda.is_available(), late_join_s=faults.join_delay_s(world.rank))
     if world.is_distributed:
         print(
             f"trainq: rank {world.rank} of {world.world_size} (local rank {world.local_rank}, "
@@ -592,7 +593,6 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     check_reporters(config, inv.job_dir)
     if config.report_to:
         os.environ["TENSORBOARD_LOGGING_DIR"] = str(inv.job_dir / "tensorboard")  # read by transformers' callback
-    faults = parse_faults(os.environ.get(ENV_TRAINER_FAULTS))
     metrics = MetricsWriter(inv.metrics if world.is_main else Path(os.devnull))  # rank 0 alone writes records
     data = load_data(config.train_sources, config.eval_file, config.eval_fraction, config.max_bad_rows)
     report_data(data, metrics)

@@ -11,7 +11,15 @@ import os
 import re
 from dataclasses import dataclass
 
-from trainq.watcher.spec.contract import EXIT_DATA, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, EXIT_SCHEDULE, RECORD_EVENT
+from trainq.watcher.spec.contract import (
+    EXIT_DATA,
+    EXIT_NAN,
+    EXIT_OOM,
+    EXIT_PREEMPTED,
+    EXIT_SCHEDULE,
+    EXIT_STARTUP,
+    RECORD_EVENT,
+)
 from trainq.watcher.spec.records import parse_records, read_metrics_tail, read_tail, strip_ansi  # noqa: F401 (re-exported)
 
 KINDS = (
@@ -26,6 +34,7 @@ KINDS = (
     "dependency",
     "schedule",
     "no_checkpoint",
+    "startup",
     "unknown",
 )
 
@@ -65,6 +74,9 @@ _ADVICE = {
     "newer than the one its attempt started from, so running it again would repeat the same slice: make it save "
     "(and name the checkpoint) before it exits with that code, or exit with another code when it cannot go on, "
     "then touch retry.flag.",
+    "startup": "A rank never joined the others at start-up within TRAINQ_RENDEZVOUS_TIMEOUT_S (evidence: which rank "
+    "and its last line): on a loaded machine raise TRAINQ_RENDEZVOUS_TIMEOUT_S in the job's env: or lower "
+    "train.processes; otherwise read that rank's lines in output.log ([rank N]), then touch retry.flag.",
     "unknown": "Read the end of output.log (trainq logs ID) for the error, fix its cause, then touch retry.flag.",
 }
 
@@ -296,6 +308,7 @@ def _from_stop_or_code(exit: dict, lines: list[str]) -> Diagnosis | None:
         EXIT_DATA: "data",
         EXIT_PREEMPTED: "preempted",
         EXIT_SCHEDULE: "schedule",
+        EXIT_STARTUP: "startup",
     }
     if code in by_code:
         kind = by_code[code]

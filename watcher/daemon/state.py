@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trainq.watcher.daemon.jobs import Job, JobIndex, Outcome
+from trainq.watcher.spec.capacity import acceptance_problems
 from trainq.watcher.spec.config import check_command_allowed
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
@@ -82,14 +83,19 @@ class LoopState:
 
     def check_allowed(self, spec: JobSpec, display: str, file_name: str) -> None:
         """allow_commands at acceptance, placeholders expanded as they will be (job_dir's depth is every state's);
-        also what needs the executor: several nodes only with Slurm."""
+        also what needs the executor or the machine: several nodes only with Slurm, CPU ranks within the cores and
+        RAM of a machine without GPUs (spec/capacity.py)."""
         nodes = nodes_problem(spec.raw, self.config.executor)
         if nodes is not None:
             raise InvalidJobSpec(display, [nodes])
+        job_id = id_from_name(file_name)
+        job_dir = self.root.job_dir(JobState.PENDING, job_id)
+        ranks = acceptance_problems(spec.raw, lambda: bool(self.probe.gpus()[0]), self.config.executor, job_dir)
+        if ranks:
+            raise InvalidJobSpec(display, ranks)
         if self.config.allow_commands is None and self.config.allow_env is None:
             return
-        job_id = id_from_name(file_name)
-        values = {"job_dir": str(self.root.job_dir(JobState.PENDING, job_id)), "job_id": job_id, "attempt": "1"}
+        values = {"job_dir": str(job_dir), "job_id": job_id, "attempt": "1"}
         problem = check_command_allowed(spec, self.config, values, job_path(self.env.get("PATH", "")))
         if problem is not None:
             raise InvalidJobSpec(display, [problem])

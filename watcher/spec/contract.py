@@ -28,6 +28,9 @@ EXIT_PREEMPTED = 143
 HEALTH_DEFAULTS = {"clip_fraction": 0.05, "update_ratio": 0.1}
 #: the trainer stopped because the lr it applied left the configured schedule (diagnosis ``schedule``)
 EXIT_SCHEDULE = 68
+#: a rank of a several-rank train job gave up at start-up: the others did not all join the group within
+#: TRAINQ_RENDEZVOUS_TIMEOUT_S (sysexits EX_UNAVAILABLE); the diagnosis (``startup``) names the ranks that never joined
+EXIT_STARTUP = 69
 #: "I saved a checkpoint, run me again" (HTCondor's checkpoint_exit_code): the built-in trainer's exit at
 #: ``train.max_minutes_per_attempt``, and the usual value of a job's ``checkpoint_exit_code``
 EXIT_CHECKPOINT = 85

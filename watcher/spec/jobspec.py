@@ -49,6 +49,7 @@ FAILURE_KINDS = (
     "unsatisfiable",
     "schedule",
     "no_checkpoint",
+    "startup",
     "unknown",
 )
 #: retried by default: every kind but nan, data and timeout (retrying those repeats the same failure)
