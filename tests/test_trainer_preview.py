@@ -85,3 +85,38 @@ def test_preview_shows_labels_per_token_and_skipped_rows(tmp_path):
         timeout=300,
     )
     assert run.returncode == EXIT_USAGE and f"{job}: train.seq_len" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_preview_counts_bad_rows_and_says_whether_the_gate_passes(tmp_path):
+    """Issue 37: preview reads and tokenizes every row, as the trainer does, and says what data.max_bad_rows does."""
+    build_tiny(tmp_path / "tiny")
+    data = tmp_path / "rows.jsonl"
+    good = [json.dumps({"prompt": f"q{i}", "completion": " a."}) for i in range(4)]
+    no_answer = json.dumps({"messages": [{"role": "user", "content": "hello"}]})  # fails only when tokenizing
+    data.write_text("\n".join([*good, "{not json", no_answer]) + "\n")
+    job = tmp_path / "job.yaml"
+
+    def preview_with(max_bad_rows: float) -> list[str]:
+        train = {"model": str(tmp_path / "tiny" / "model"), "max_steps": 4, "seq_len": 32, "eval_fraction": 0}
+        train["data"] = {"train": str(data), "max_bad_rows": max_bad_rows}
+        job.write_text(yaml.safe_dump({"approved": True, "train": train}))
+        run = subprocess.run(
+            [sys.executable, "-m", "trainq.trainer.preview", str(job), "-n", "1"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=trainer_env(),
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr
+        return run.stdout.splitlines()
+
+    lines = preview_with(0)
+    assert lines[-2] == (
+        f"bad rows: {data}: 2 of 6 (1 not JSON, 1 no assistant turn); data.max_bad_rows 0 allows 0: over the limit: "
+        "REFUSED"
+    )
+    assert lines[-1].startswith(f"gate: the trainer would refuse this data (exit 65): {data}: 2 bad rows of 6")
+    lines = preview_with(2)
+    assert lines[-2].endswith("data.max_bad_rows 2 allows 2: within the limit: the trainer skips them")
+    assert lines[-1] == "gate: passes; the trainer would train on these rows"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer_util import build_tiny, output, records, run_trainer, write_job
+from tests.trainer_util import build_tiny, events, output, records, run_trainer, write_job
 from trainq.trainer.checkpoints import CheckpointError, read_state
 from trainq.trainer.config import TrainConfig
 from trainq.trainer.resume_knobs import check_resume_knobs
@@ -95,3 +95,6 @@ def test_allowed_lr_and_weight_decay_changes_are_applied_and_recorded(stopped, t
     recorded = json.loads((job / "env.json").read_text())["config"]
     assert recorded["lr"] == 0.001 and recorded["weight_decay"] == 0.1
     assert read_state(job / "checkpoints" / "step-000008")["config"]["weight_decay"] == 0.1
+    changes = {e["knob"]: (e["old"], e["new"], e["step"]) for e in events(job, "resume_change")}
+    assert changes == {"lr": (0.005, 0.001, 4), "weight_decay": (0.0, 0.1, 4)}
+    assert "trainq: resume from step-000004: lr 0.005 -> 0.001 (allowed; applied from step 5)" in output(job)

@@ -83,6 +83,7 @@ class RunState:
     tokens_before: int = 0  # tokens of earlier attempts (from the resumed checkpoint)
     resumed_step: int = 0
     resumed_from: Path | None = None  # the step-N folder this attempt resumed from
+    finish_from: Path | None = None  # a checkpoint at the run's last step: write the outputs from it, train nothing
     data_files: tuple = ()
     plotter: LossPlotter | None = None  # warmed up while training runs
     step_vitals: dict = field(default_factory=dict)  # this step's clip and update_ratio (vitals.py)

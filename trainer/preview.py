@@ -3,7 +3,9 @@ will see them, every token with its label state, the way ``axolotl preprocess --
 
 Each token prints as ``text(label)``: the label is the token id when the token is trained on, ``-100`` when it is
 masked (a prompt, a user turn, a system prompt). On a terminal, trained tokens are green and masked ones grey.
-Rows the trainer would skip are listed with their line and reason. Nothing is trained and nothing is written.
+Rows the trainer would skip are listed with their line and reason; the last lines count every file's bad rows
+(reading and tokenizing all rows, as the trainer does) and say whether the ``data.max_bad_rows`` gate would pass
+or refuse the data. Nothing is trained and nothing is written.
 ``method: dpo`` rows print the prompt (masked) followed by the chosen and the rejected answer (trained).
 """
 
@@ -88,7 +90,7 @@ def preview(path: Path, count: int, color: bool) -> str:
     from trainq.trainer.sources import load_data
 
     config = load_job_file(path)
-    data = load_data(config.train_sources, config.eval_file, config.eval_fraction, config.max_bad_rows)
+    data = load_data(config.train_sources, config.eval_file, config.eval_fraction, sys.maxsize)  # gated below
     tokenizer = load_tokenizer(config.model, config.chat_template)
     lines = [
         f"{path}: {config.method}, seq_len {config.seq_len}, train_on {config.train_on}, "
@@ -98,7 +100,48 @@ def preview(path: Path, count: int, color: bool) -> str:
     render = _dpo_lines if config.method == "dpo" else _sft_lines
     for row in data.train[:count]:
         lines += render(row, tokenizer, config, color)
-    return "\n".join(lines)
+    return "\n".join([*lines, *gate_lines(data, tokenizer, config)])
+
+
+def gate_lines(data, tokenizer, config) -> list[str]:
+    """Each file's bad rows (reading and, for SFT, tokenizing every row, as the trainer does) and the verdict of
+    the ``data.max_bad_rows`` gate: whether the trainer would skip them and train, or refuse the data (exit 65)."""
+    from trainq.trainer.data import DataError, counts_text, tokenize
+    from trainq.trainer.sources import bad_row_limit, check_encoded
+
+    encoded = []
+    if config.method != "dpo":  # dpo rows are checked while reading (TRL pads the pairs)
+        train_set = tokenize(data.train, tokenizer, config.seq_len, config.train_on)
+        eval_set = tokenize(data.eval, tokenizer, config.seq_len, config.train_on) if data.eval else None
+        encoded = train_set.bad + (eval_set.bad if eval_set is not None else [])
+    lines = []
+    for info in data.files:
+        bad = [b for b in data.bad + encoded if b.file == info.path]
+        total = info.rows + info.bad_rows
+        limit = bad_row_limit(config.max_bad_rows, total)
+        verdict = "within the limit: the trainer skips them" if len(bad) <= limit else "over the limit: REFUSED"
+        lines.append(
+            f"bad rows: {info.path}: {len(bad)} of {total}"
+            + (f" ({counts_text(bad)})" if bad else "")
+            + f"; data.max_bad_rows {config.max_bad_rows:g} allows {limit}: {verdict}"
+        )
+    try:
+        if config.method != "dpo":
+            check_encoded(data, train_set, eval_set, config.max_bad_rows)
+        else:
+            _check_read_gate(data, config.max_bad_rows)
+    except DataError as exc:
+        return [*lines, f"gate: the trainer would refuse this data (exit {exc.exit_code}): {exc}"]
+    return [*lines, "gate: passes; the trainer would train on these rows"]
+
+
+def _check_read_gate(data, max_bad_rows: float) -> None:
+    """The reading stage's gate alone (method: dpo), file by file, as the trainer applies it."""
+    from trainq.trainer.sources import check_bad_rows
+
+    for info in data.files:
+        bad = [b for b in data.bad if b.file == info.path]
+        check_bad_rows(info.path, [None] * info.rows, bad, max_bad_rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,3 +100,32 @@ def apply_to_optimizer(
                 group["initial_lr"] *= factor
     if optimizer.param_groups:
         optimizer.param_groups[0]["weight_decay"] = config.weight_decay  # group 0: the Trainer's decayed parameters
+
+
+#: knobs an allowed resume may change (allow_changed_schedule / allow_changed_data), each recorded by
+#: ``applied_changes`` as an ``event`` naming the knob, the checkpoint's value and the value now applied
+_ALLOWED = {
+    "max_steps": (lambda c: c.max_steps, lambda d: d.get("max_steps")),
+    "epochs": (lambda c: c.epochs, lambda d: d.get("epochs")),
+    "batch_size": (lambda c: c.batch_size, lambda d: d.get("batch_size")),
+    "grad_accum": (lambda c: c.grad_accum, lambda d: d.get("grad_accum")),
+    "seq_len": (lambda c: c.seq_len, lambda d: d.get("seq_len")),
+    "lr": (lambda c: c.lr, lambda d: d.get("lr")),
+    "scheduler": (lambda c: c.scheduler, lambda d: d.get("scheduler")),
+    "warmup_ratio": (lambda c: c.warmup_ratio, lambda d: d.get("warmup_ratio")),
+    "lora.dropout": (lambda c: c.lora.dropout, lambda d: d.get("lora", {}).get("dropout")),
+    **_OPTIMIZER,
+    **_DATA,
+}
+
+
+def applied_changes(config: TrainConfig, saved: dict) -> list[tuple[str, object, object]]:
+    """(knob, old, new) for each allowed knob whose value differs from the checkpoint's config ``saved`` (call it
+    after the checks: every change left is one the job allowed and this run applies)."""
+    out = []
+    for name, (new, old) in _ALLOWED.items():
+        if _SAVED_KEY.get(name, name.split(".")[0]) not in saved:
+            continue
+        if old(saved) != new(config):
+            out.append((name, old(saved), new(config)))
+    return out

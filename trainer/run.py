@@ -29,7 +29,7 @@ from trainq.trainer.plateau import PlateauWatch, uniform_loss
 from trainq.trainer.plotter import LossPlotter
 from trainq.trainer.preflight import check_startup
 from trainq.trainer.presets import Knobs, ModelShape, choose, free_gpu_mb
-from trainq.trainer.resume_knobs import check_resume_knobs
+from trainq.trainer.resume_knobs import applied_changes, check_resume_knobs
 from trainq.trainer.sources import LoadedData, changed_files, check_encoded, load_data, tokenize_cached
 from trainq.trainer.vitals import OUTCOME_SCHEDULE, VitalsCallback
 from trainq.watcher.spec.contract import (
@@ -382,12 +382,30 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
         saved = checkpoints.read_state(resume)
         run.resumed_fingerprint, run.resumed_lr_scale = saved["trainable_fingerprint"], saved["lr_scale"]
         run.resumed_lr = saved["config"]["lr"]
+    if run.finish_from is not None:
+        return finish_only(trainer, run, config)
     started, cpu_started = time.perf_counter(), time.process_time()
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     finally:
         run.train_s += time.perf_counter() - started  # the trainer.train() window, as bench/ times the plain Trainer
         run.train_cpu_s += time.process_time() - cpu_started
+    return trainer
+
+
+def finish_only(trainer, run: RunState, config: TrainConfig):
+    """A checkpoint at the run's last step whose outputs were never written (stopped while finishing): load its
+    weights and let ``finish`` write them, training nothing (the Trainer would take a step past the end)."""
+    checkpoints.load_initial_weights(trainer.model, run.finish_from, full=config.method == "full")
+    trainer.state.global_step = trainer.state.max_steps = run.resumed_step
+    steps = [r for r in read_records(run.metrics.path) if r.get("type") == "step" and r["step"] <= run.resumed_step]
+    run.last_loss = steps[-1].get("loss") if steps else None
+    if run.world.is_main:
+        print(
+            f"trainq: {run.finish_from.name} is the run's last step ({run.resumed_step}): writing the final "
+            "outputs from it, no training",
+            flush=True,
+        )
     return trainer
 
 
@@ -570,7 +588,57 @@ def settle_config(config: TrainConfig, inv: Invocation, metrics: MetricsWriter, 
         check_schedule(config, saved["config"], laddered, resume)
         check_resume_knobs(config, saved["config"], resume)
         check_data(config, saved, data, resume, metrics)
+        record_changes(config, saved, resume, metrics)
     return config, resume, saved, preset_info
+
+
+def record_changes(config: TrainConfig, saved: dict, resume: Path, metrics: MetricsWriter) -> None:
+    """One ``event`` per knob an allowed resume changes (``resume_change``: knob, old, new), and a line each."""
+    for knob, old, new in applied_changes(config, saved["config"]):
+        words = f"resume from {resume.name}: {knob} {old} -> {new} (allowed; applied from step {saved['step'] + 1})"
+        metrics.event("resume_change", words, knob=knob, old=old, new=new, step=saved["step"])
+        print(f"trainq: {words}", flush=True)
+
+
+def clear_stale_stop_flag(stop_flag: Path, world: distributed.World) -> None:
+    """A stop.flag older than this attempt's start was meant for an earlier attempt (a hand-run resume would
+    otherwise train one step and stop): rank 0 removes it and says so. The attempt started when this process
+    did, or its torchrun agent (the parent) with several ranks: a stop asked while the ranks import is kept."""
+    if not world.is_main:
+        return
+    try:
+        written = stop_flag.stat().st_mtime
+    except FileNotFoundError:
+        return
+    import psutil
+
+    started = psutil.Process(os.getppid() if world.is_distributed else os.getpid()).create_time()
+    if written >= started:
+        return
+    stop_flag.unlink(missing_ok=True)
+    print(
+        f"trainq: removed a stale {stop_flag.name} written at {iso_utc(written)}, before this attempt started "
+        f"({iso_utc(started)}); touch it again to stop this attempt",
+        flush=True,
+    )
+
+
+def finished_at(config: TrainConfig, resume: Path, saved: dict) -> int | None:
+    """The last step of the run when the checkpoint ``resume`` already reached it (else None): the configured
+    max_steps, or the Trainer's own count of an epochs run saved in the checkpoint (same epochs)."""
+    planned = config.max_steps
+    if planned is None and saved["config"].get("epochs") == config.epochs:
+        planned = json.loads((resume / "trainer_state.json").read_text()).get("max_steps")
+    return saved["step"] if planned and saved["step"] >= planned else None
+
+
+def outputs_written(job_dir: Path, config: TrainConfig) -> bool:
+    """summary.json says done and the final adapter/ (or model/) is there."""
+    try:
+        done = json.loads((job_dir / "summary.json").read_text()).get("outcome") == "done"
+    except (OSError, ValueError):
+        return False
+    return done and (job_dir / ("model" if config.method == "full" else "adapter")).is_dir()
 
 
 def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None = None) -> int:
@@ -583,6 +651,7 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     config = load_config(inv.job_dir)
     world = distributed.World.from_env()
     faults = parse_faults(os.environ.get(ENV_TRAINER_FAULTS))
+    clear_stale_stop_flag(inv.stop_flag, world)
     distributed.init(world, cpu=not torch.cuda.is_available(), late_join_s=faults.join_delay_s(world.rank))
     if world.is_distributed:
         print(
@@ -595,8 +664,17 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
         os.environ["TENSORBOARD_LOGGING_DIR"] = str(inv.job_dir / "tensorboard")  # read by transformers' callback
     metrics = MetricsWriter(inv.metrics if world.is_main else Path(os.devnull))  # rank 0 alone writes records
     data = load_data(config.train_sources, config.eval_file, config.eval_fraction, config.max_bad_rows)
-    report_data(data, metrics)
     config, resume, saved, preset_info = settle_config(config, inv, metrics, data, world.world_size)
+    end = finished_at(config, resume, saved) if saved else None
+    if end is not None and outputs_written(inv.job_dir, config):
+        if world.is_main:
+            print(
+                f"trainq: {resume.name} is step {end} of {end}: this run is finished (summary.json says done); "
+                "nothing to train, nothing written",
+                flush=True,
+            )
+        return EXIT_OK
+    report_data(data, metrics)
     check_startup(
         config, inv.job_dir / "job.yaml"
     )  # model, weights, tokenizer, target modules, template: before any (smoke) training
@@ -665,6 +743,7 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
         run.best_eval_loss, run.best_step = saved["best_eval_loss"], saved["best_step"]
         run.tokens_before, run.resumed_step = saved.get("tokens_seen", 0), saved["step"]
         run.early_stop = dict(saved.get("early_stop") or {})
+        run.finish_from = resume if end is not None else None  # trained to the end; the outputs were not written
     run.plateau = PlateauWatch(uniform_loss(len(tokenizer)))
     signal.signal(signal.SIGTERM, run.on_sigterm)
     run.plotter = plotter or LossPlotter().start()  # imports matplotlib on another core while the model trains
