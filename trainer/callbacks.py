@@ -11,7 +11,6 @@ import math
 import os
 import resource
 import signal
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,6 +46,8 @@ SPIKE_WINDOW = 100
 SPIKE_MIN_HISTORY = 20
 #: what the spike fault adds to a step's loss
 SPIKE_FAULT_LOSS = 50.0
+#: accelerate setups whose gradient clipping is torch's clip_grad_norm_ after unscaling (TrainqTrainer._clip_grad_norm)
+_PLAIN_CLIP = ("NO", "MULTI_CPU", "MULTI_GPU")
 
 
 @dataclass
@@ -115,6 +116,8 @@ class TrainqTrainer(Trainer):
         self.step_loss = torch.zeros(())
         self.step_tokens = 0
         self.last_grad_norm: float | None = None
+        self._flop_params: int | None = None  # floating_point_ops' parameter count, taken once
+        self._trained_params: list | None = None  # what _clip_grad_norm clips, listed once
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One micro-batch; also sums the raw loss and tokens of the current optimizer step."""
@@ -161,6 +164,29 @@ class TrainqTrainer(Trainer):
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory. Tried to allocate 2.00 GiB (simulated by TRAINQ_TRAINER_FAULTS at step {step}, batch {batch_size})"
             )
+
+    def floating_point_ops(self, inputs) -> int:
+        """The Trainer's flos estimate (6 x tokens x parameters without embeddings) with the parameter count taken
+        once: transformers counts it again at every micro-step, a walk over every module (~2 ms a step on the
+        small benchmark model, a few % of its step) for a number that cannot change during training."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        if self._flop_params is None:
+            self._flop_params = self.model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main_input].numel() * self._flop_params
+
+    def _clip_grad_norm(self, model):
+        """Clip as accelerate does for one process or DDP (unscale, then torch's clip over the gradients), over the
+        trained parameters listed once: accelerate lists ``model.parameters()`` anew at every step. Other setups
+        (FSDP, DeepSpeed, sharded grads) go through the Trainer's own path."""
+        accelerator = self.accelerator
+        if accelerator.distributed_type not in _PLAIN_CLIP or self._has_mixed_mesh_grads(model):
+            return super()._clip_grad_norm(model)
+        if self._trained_params is None:
+            self._trained_params = [p for p in model.parameters() if p.requires_grad]
+        accelerator.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(self._trained_params, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
         value = super()._get_grad_norm(model, grad_norm)
@@ -252,6 +278,13 @@ def _grads_nonfinite(model) -> bool:
     """Any non-finite gradient (DDP without clipping, where no global gradient norm is computed)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+
+def _mean_sigma(values) -> tuple[float, float]:
+    """Mean and population standard deviation in floats (statistics.pstdev is exact, in fractions: ~0.3 ms for
+    100 losses at every step, for a threshold that needs no such precision)."""
+    mean = math.fsum(values) / len(values)
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
 
 
 def _finite(value: float | None) -> bool:
@@ -407,7 +440,7 @@ class TrainqCallback(TrainerCallback):
     def _check_spike(self, state, loss: float) -> None:
         history = self.run.losses
         if len(history) >= SPIKE_MIN_HISTORY:
-            mean, sigma = statistics.fmean(history), statistics.pstdev(history)
+            mean, sigma = _mean_sigma(history)
             threshold = mean + SPIKE_SIGMAS * sigma
             if loss > threshold:
                 self.run.metrics.event(
