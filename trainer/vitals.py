@@ -1,12 +1,17 @@
-"""A run's vital signs at every optimizer step (issue 30): clipped or not, the update's size against the weights,
+"""A run's vital signs (issue 30, made cheap in issue 37): clipped or not, the update's size against the weights,
 and the learning rate checked against the schedule the trainer configured.
 
-- ``clip``: the gradient norm before clipping exceeded ``max_grad_norm``.
-- ``update_ratio``: ‖Δθ‖ / ‖θ‖ over the trained parameters for this optimizer step. One copy of the trained
-  parameters is kept (foreach copies into buffers allocated once); with more than ``RATIO_MAX_VALUES``
-  trained values (a large full fine-tune) a fixed sample of whole tensors up to that many values is used.
-- thresholds (``train.health: {clip_fraction: 0.05, update_ratio: 0.1}``): crossing one writes an ``event``
-  record (``event: health``) once per crossing; they never stop a run.
+- ``clip``: the gradient norm before clipping exceeded ``max_grad_norm`` (every step: the Trainer computes the
+  norm anyway, so the flag is free).
+- ``update_ratio``: ‖Δθ‖ / ‖θ‖ over the trained parameters for one optimizer step, measured on step 1 and every
+  ``health.update_ratio_every`` steps (default 10; 0: never), and on a step the schedule check stops. Measuring
+  copies the trained parameters before the step and compares after (into buffers allocated once): a few % of a
+  step on the tiny model when done at every step, ~0.3 % at one in ten. A record between carries no
+  ``update_ratio``; one that carries it holds that step's exact value, not an average. With more than
+  ``RATIO_MAX_VALUES`` trained values (a large full fine-tune) a fixed sample of whole tensors is used.
+- thresholds (``train.health: {clip_fraction: 0.5, update_ratio: 0.1}``): crossing one writes an ``event``
+  record (``event: health``) once per crossing; they never stop a run. The clip fraction alerts when most
+  steps (more than half of the last 50) are clipped: a healthy run clips now and then, early on especially.
 - the schedule: the lr the optimizer applies at step s must equal ``learning_rate × λ(s)`` of a reference
   schedule built from the same scheduler name and warm-up (stateless in s, so a resume or a rollback's
   lr halving raises nothing); a deviation beyond ``LR_RTOL`` ends the run with diagnosis ``schedule``.
@@ -22,9 +27,11 @@ from transformers import TrainerCallback, get_scheduler
 
 from trainq.watcher.spec.contract import HEALTH_DEFAULTS
 
-#: the runbooks' thresholds: clipped on more than 5 % of steps, updates above a tenth of the weights
+#: the thresholds: clipped on most (more than half) of the recent steps, updates above a tenth of the weights
 DEFAULT_CLIP_FRACTION = HEALTH_DEFAULTS["clip_fraction"]
 DEFAULT_UPDATE_RATIO = HEALTH_DEFAULTS["update_ratio"]
+#: optimizer steps between two update-ratio measurements (train.health.update_ratio_every)
+DEFAULT_RATIO_EVERY = 10
 #: steps the clip fraction is taken over, and the fewest before it is judged
 CLIP_WINDOW = 50
 CLIP_MIN_STEPS = 10
@@ -106,9 +113,16 @@ class VitalsCallback(TrainerCallback):
         health = dict(getattr(run.config, "health", None) or {})
         self.clip_threshold = float(health.get("clip_fraction", DEFAULT_CLIP_FRACTION))
         self.ratio_threshold = float(health.get("update_ratio", DEFAULT_UPDATE_RATIO))
+        self.ratio_every = int(health.get("update_ratio_every", DEFAULT_RATIO_EVERY))
+        self.measuring = False  # this optimizer step's update ratio is being measured
+
+    def measures(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) gets an update ratio: the first, then every ratio_every."""
+        return self.ratio_every > 0 and (step == 1 or step % self.ratio_every == 0)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.ratio = UpdateRatio([p for p in model.parameters() if p.requires_grad])
+        if self.ratio_every > 0:
+            self.ratio = UpdateRatio([p for p in model.parameters() if p.requires_grad])
         self.reference = ReferenceSchedule(
             str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
             args.get_warmup_steps(state.max_steps),
@@ -128,8 +142,9 @@ class VitalsCallback(TrainerCallback):
         if self.lr_bug_at == state.global_step + 1:  # the test switch: a schedule bug at this step
             for group in optimizer.param_groups:
                 group["lr"] *= 10.0
-        self._check_lr(args, state, control, optimizer, model)
-        if self.ratio is not None:
+        stopped = self._check_lr(args, state, control, optimizer, model)
+        self.measuring = self.ratio is not None and (stopped or self.measures(state.global_step + 1))
+        if self.measuring:
             self.ratio.snapshot()
         return control
 
@@ -139,19 +154,22 @@ class VitalsCallback(TrainerCallback):
             args.max_grad_norm and grad_norm is not None and math.isfinite(grad_norm) and grad_norm > args.max_grad_norm
         )
         self.clips.append(clipped)
-        ratio = self.ratio.ratio() if self.ratio is not None else None
-        self.run.step_vitals = {"clip": clipped, "update_ratio": ratio}
+        self.run.step_vitals = {"clip": clipped}
+        ratio = None
+        if self.measuring:
+            ratio = self.run.step_vitals["update_ratio"] = self.ratio.ratio()
         self._judge(state.global_step + 1, ratio)
         return control
 
-    def _check_lr(self, args, state, control, optimizer, model) -> None:
+    def _check_lr(self, args, state, control, optimizer, model) -> bool:
+        """Stop the run (this step not applied) when the lr left the schedule; True when it did."""
         if self.reference is None or self.run.stop_reason is not None:
-            return
+            return False
         step = state.global_step  # the scheduler has stepped this many times before this optimizer step
         expected = self.reference.expected(args.learning_rate, step)
         applied = float(optimizer.param_groups[0]["lr"])
         if expected is None or math.isclose(applied, expected, rel_tol=LR_RTOL, abs_tol=LR_ATOL):
-            return
+            return False
         words = (
             f"step {step + 1}: lr {applied:.6g} applied, the schedule says {expected:.6g} "
             f"({self.reference.name}, {self.reference.warmup_steps} warm-up steps of {self.reference.total_steps}, "
@@ -172,18 +190,12 @@ class VitalsCallback(TrainerCallback):
         control.should_training_stop = True
         for param in model.parameters():  # this step is not applied
             param.grad = None
+        return True
 
     def _judge(self, step: int, ratio: float | None) -> None:
         """Threshold crossings become one event each (and clear when back under)."""
         fraction = sum(self.clips) / len(self.clips) if len(self.clips) >= CLIP_MIN_STEPS else None
-        self._crossing(
-            "clip_fraction",
-            fraction,
-            self.clip_threshold,
-            step,
-            f"clip fraction {fraction or 0:.2f} over the last {len(self.clips)} steps (threshold "
-            f"{self.clip_threshold:g}): gradients are clipped on most steps; lower lr or raise max_grad_norm",
-        )
+        self._crossing("clip_fraction", fraction, self.clip_threshold, step, self.clip_words(fraction, len(self.clips)))
         self._crossing(
             "update_ratio",
             ratio,
@@ -191,6 +203,15 @@ class VitalsCallback(TrainerCallback):
             step,
             f"update ratio {ratio or 0:.3g} (threshold {self.ratio_threshold:g}): each step moves the weights "
             "by a large fraction of their size; lower lr",
+        )
+
+    def clip_words(self, fraction: float | None, steps: int) -> str:
+        """The clip alert in words: how many of the recent steps were clipped, and "most" only when it is so."""
+        share = fraction or 0.0
+        how = "most steps are clipped" if share > 0.5 else "more steps are clipped than the threshold allows"
+        return (
+            f"gradients clipped on {share:.0%} of the last {steps} steps (threshold {self.clip_threshold:.0%}): "
+            f"{how}; lower lr or raise max_grad_norm"
         )
 
     def _crossing(self, name: str, value: float | None, threshold: float, step: int, message: str) -> None:

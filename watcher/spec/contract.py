@@ -24,8 +24,8 @@ EXIT_NAN = 66
 EXIT_OOM = 67
 #: stopped by SIGTERM from outside trainq (preemption), after checkpointing: 128 + SIGTERM
 EXIT_PREEMPTED = 143
-#: the vital signs' thresholds (train.health), from the runbooks: clipped on > 5 % of steps, updates > 0.1 of the weights
-HEALTH_DEFAULTS = {"clip_fraction": 0.05, "update_ratio": 0.1}
+#: the vital signs' thresholds (train.health): clipped on most (> half) of the recent steps, updates > 0.1 of the weights
+HEALTH_DEFAULTS = {"clip_fraction": 0.5, "update_ratio": 0.1}
 #: the trainer stopped because the lr it applied left the configured schedule (diagnosis ``schedule``)
 EXIT_SCHEDULE = 68
 #: a rank of a several-rank train job gave up at start-up: the others did not all join the group within
