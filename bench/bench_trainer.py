@@ -13,7 +13,13 @@ dropout): real (non-pad) tokens/s, time to the epoch, and the largest step-loss 
 
 Stop latency: stop.flag touched -> process exited with a complete checkpoint.
 
+Loop (issue 37): on the medium model (``trainq.trainer.tiny --size medium``, ~26 M parameters), packing off so every
+runner computes the same padded batches, interleaved: trainq with its defaults against a plain Trainer script (CPU
+per step, goal <= 1.00x), trainq with vitals off and with the update ratio at every step, and 2 ranks x batch 2
+against 1 rank x batch 4 (wall time).
+
     .venv/bin/python bench/bench_trainer.py [--quick] [--steps N] [--repeats N] [--packing-rows N]
+        [--loop-steps N] [--loop-repeats N] [--no-loop]
 """
 
 from __future__ import annotations
@@ -117,21 +123,78 @@ def env() -> dict[str, str]:
     return out
 
 
-def build_model(work: Path) -> Path:
-    """The small benchmark model and data."""
+def build_model(work: Path, size: str = "small") -> Path:
+    """The benchmark model and data of ``size`` (small: a few M parameters; medium: ~26 M)."""
+    folder = work / ("tiny" if size == "small" else size)
     subprocess.run(
-        [sys.executable, "-m", "trainq.trainer.tiny", str(work / "tiny"), "--size", "small"],
+        [sys.executable, "-m", "trainq.trainer.tiny", str(folder), "--size", size],
         check=True,
         cwd=REPO,
         env=env(),
         capture_output=True,
     )
-    return work / "tiny"
+    return folder
 
 
-def write_job(job: Path, tiny: Path, steps: int, settings: dict = SETTINGS, packing: bool | None = None) -> Path:
+#: the loop section's runners on the medium model: (name, packing, extra train: knobs); plain Trainer is its own
+LOOP_TRAINQ = (
+    ("loop: trainq, packing off (defaults)", {}),
+    ("loop: trainq, packing off, vitals off (update_ratio_every: 0)", {"health": {"update_ratio_every": 0}}),
+    ("loop: trainq, packing off, update ratio every step", {"health": {"update_ratio_every": 1}}),
+    ("loop: trainq, 2 ranks x batch 2, packing off", {"processes": 2, "batch_size": 2}),
+)
+LOOP_PLAIN = "loop: plain Trainer, padded"
+
+
+def loop_comparison(work: Path, medium: Path, steps: int, repeats: int) -> dict[str, list[dict]]:
+    """The loop against a plain Trainer on a >= 20 M-parameter model, same padded batches (packing off), interleaved:
+    trainq with its defaults, with vitals off and with the update ratio at every step, 2 ranks x batch 2 (the same
+    global batch), and the plain Trainer script."""
+    results: dict[str, list[dict]] = {name: [] for name, _ in LOOP_TRAINQ}
+    results[LOOP_PLAIN] = []
+    for i in range(repeats):
+        for n, (name, extra) in enumerate(LOOP_TRAINQ):
+            results[name].append(run_trainq(work, medium, steps, f"loop{n}-{i}", packing=False, extra=extra))
+        results[LOOP_PLAIN].append(run_script(PLAIN_TRAINER, medium, steps))
+    return results
+
+
+def print_loop(results: dict[str, list[dict]], steps: int, repeats: int, before: str, after: str) -> None:
+    """The loop table: CPU per step against the plain Trainer's, wall time, tokens per second."""
+    med = {
+        k: {f: statistics.median(r[f] for r in v) for f in ("train_s", "cpu_s", "whole_s", "tokens")}
+        for k, v in results.items()
+    }
+    plain = med[LOOP_PLAIN]["cpu_s"]
+    print(
+        f"\nLoop: {steps} LoRA steps on the medium model (~26 M parameters), batch 4 x seq_len 64, packing off "
+        f"(the same padded batches for every runner), median of {repeats}, interleaved; OMP_NUM_THREADS=1; load "
+        f"average {before} before, {after} after. CPU is the trainer.train() window's (rank 0's with 2 ranks)\n"
+    )
+    print(
+        "| loop runner | train s | train CPU s | CPU ms per step | CPU per step vs plain Trainer | real tokens/s (wall) | whole process s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, row in med.items():
+        print(
+            f"| {name} | {row['train_s']:.2f} | {row['cpu_s']:.2f} | {1000 * row['cpu_s'] / steps:.1f} | "
+            f"{row['cpu_s'] / plain:.3f}x | {row['tokens'] / row['train_s']:.0f} | {row['whole_s']:.2f} |"
+        )
+    ours = med[LOOP_TRAINQ[0][0]]
+    print(
+        f"\n| loop vs plain Trainer (CPU per step; goal <= 1.00x) | {ours['cpu_s'] / plain:.3f}x |"
+        f"\n| vitals cost (defaults vs vitals off, CPU per step) | "
+        f"{100 * (ours['cpu_s'] / med[LOOP_TRAINQ[1][0]]['cpu_s'] - 1):+.1f} % |"
+        f"\n| 2 ranks vs 1 (same global batch, wall time of train()) | "
+        f"{ours['train_s'] / med[LOOP_TRAINQ[3][0]]['train_s']:.2f}x faster |"
+    )
+
+
+def write_job(
+    job: Path, tiny: Path, steps: int, settings: dict = SETTINGS, packing: bool | None = None, extra: dict | None = None
+) -> Path:
     """A trainq job with the shared settings (no eval, no checkpoint during the run); steps 0 means one epoch;
-    packing None leaves the default (on where the model's attention allows it)."""
+    packing None leaves the default (on where the model's attention allows it); ``extra``: more train: knobs."""
     job.mkdir(parents=True, exist_ok=True)
     length = {"max_steps": steps} if steps > 0 else {"epochs": 1}
     train = {
@@ -149,16 +212,24 @@ def write_job(job: Path, tiny: Path, steps: int, settings: dict = SETTINGS, pack
         "checkpoint": {"every_minutes": 600, "keep": 1},
         "data_cache": False,
         **({} if packing is None else {"packing": packing}),
+        **(extra or {}),
     }
     (job / "job.yaml").write_text(yaml.safe_dump({"approved": True, "train": train}))
     return job
 
 
 def run_trainq(
-    work: Path, tiny: Path, steps: int, tag: str, settings: dict = SETTINGS, packing: bool | None = None
+    work: Path,
+    tiny: Path,
+    steps: int,
+    tag: str,
+    settings: dict = SETTINGS,
+    packing: bool | None = None,
+    extra: dict | None = None,
 ) -> dict:
-    """train_s (the trainer.train() window), its CPU seconds, whole_s, tokens (real), losses of `python -m trainq.trainer`."""
-    job = write_job(work / f"job-{tag}", tiny, steps, settings, packing)
+    """train_s (the trainer.train() window), its CPU seconds (rank 0's with several ranks), whole_s, tokens (real,
+    every rank's), losses of `python -m trainq.trainer`."""
+    job = write_job(work / f"job-{tag}", tiny, steps, settings, packing, extra)
     start = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "trainq.trainer", str(job)], check=True, cwd=REPO, env=env(), capture_output=True
@@ -297,8 +368,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--packing-rows", type=int, default=160, help="rows of the variable-length packing set")
+    parser.add_argument("--loop-steps", type=int, default=40, help="steps of each loop run on the medium model")
+    parser.add_argument("--loop-repeats", type=int, default=3)
+    parser.add_argument("--no-loop", action="store_true", help="skip the medium-model loop section")
     args = parser.parse_args()
     steps, repeats, packing_rows = (40, 1, 48) if args.quick else (args.steps, args.repeats, args.packing_rows)
+    loop_steps, loop_repeats = (10, 1) if args.quick else (args.loop_steps, args.loop_repeats)
+    print(
+        f"{' '.join(['bench/bench_trainer.py', *sys.argv[1:]])} at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+        f"on {os.cpu_count()} cores; load average {load_average()} at the start"
+    )
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
@@ -318,7 +397,11 @@ def main() -> int:
                 results[name].append(run(i))
         latency, complete = stop_latency(work, tiny)
         pack = packing_comparison(work, tiny, packing_rows)
-    load_after = load_average()
+        load_after = load_average()
+        if not args.no_loop:
+            medium = build_model(work, "medium")
+            loop = loop_comparison(work, medium, loop_steps, loop_repeats)
+            loop_after = load_average()
     med = {
         k: {f: statistics.median(r[f] for r in v) for f in ("train_s", "cpu_s", "whole_s", "tokens")}
         for k, v in results.items()
@@ -357,6 +440,8 @@ def main() -> int:
             f"{cpu_rate(r):.0f} | {cpu_rate(pack['packed']) / cpu_rate(r):.2f}x | {r['whole_s']:.2f} |"
         )
     print(f"\n| max step-loss difference, trainq packed vs plain Trainer padded | {pack['loss_diff']:.1e} |")
+    if not args.no_loop:
+        print_loop(loop, loop_steps, loop_repeats, load_after, loop_after)
     return 0
 
 
