@@ -250,7 +250,7 @@ def test_wrong_types_are_all_reported_sorted_by_path() -> None:
         (
             "retries.on[1]",
             "must be one of oom, nan, killed, data, timeout, stalled, preempted, unsatisfiable, "
-            "schedule, no_checkpoint, unknown (got \"nann\") (did you mean 'nan'?)",
+            "schedule, no_checkpoint, startup, unknown (got \"nann\") (did you mean 'nan'?)",
         ),
     ]
 
@@ -495,6 +495,7 @@ def test_defaults() -> None:
         "preempted",
         "unsatisfiable",
         "no_checkpoint",
+        "startup",
         "unknown",
     }
     assert spec.resume_args is None and spec.slurm is None and spec.train is None
