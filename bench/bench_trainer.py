@@ -167,7 +167,7 @@ def print_loop(results: dict[str, list[dict]], steps: int, repeats: int, before:
     }
     plain = med[LOOP_PLAIN]["cpu_s"]
     print(
-        f"\nLoop: {steps} LoRA steps on the medium model (~26 M parameters), batch 4 x seq_len 64, packing off "
+        f"\nLoop: {steps} optimizer steps (LoRA) on the medium model (~26 M parameters), batch 4 x seq_len 64, packing off "
         f"(the same padded batches for every runner), median of {repeats}, interleaved; OMP_NUM_THREADS=1; load "
         f"average {before} before, {after} after. CPU is the trainer.train() window's (rank 0's with 2 ranks)\n"
     )
@@ -362,6 +362,55 @@ def _row(name: str, r: dict, base: dict | None = None) -> str:
     )
 
 
+def print_overhead(results: dict[str, list[dict]], steps: int, repeats: int, before: str, after: str) -> None:
+    """The small-model overhead table (the runners' real tokens per CPU-second against trainq's defaults)."""
+    med = {
+        k: {f: statistics.median(r[f] for r in v) for f in ("train_s", "cpu_s", "whole_s", "tokens")}
+        for k, v in results.items()
+    }
+    first = next(iter(med))
+    print(
+        f"\n{steps} LoRA steps on the small tiny model (median of {repeats}; OMP_NUM_THREADS=1; "
+        f"load average {before} before, {after} after)\n"
+    )
+    print(
+        "| runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | vs trainq | whole process s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, row in med.items():
+        rate, base = row["tokens"] / row["cpu_s"], med[first]["tokens"] / med[first]["cpu_s"]
+        print(
+            f"| {name} | {row['tokens']:.0f} | {row['train_s']:.2f} | {row['cpu_s']:.2f} | "
+            f"{row['tokens'] / row['train_s']:.0f} | {rate:.0f} | {rate / base:.2f}x | {row['whole_s']:.2f} |",
+            flush=True,
+        )
+
+
+def print_packing(pack: dict, before: str, after: str) -> None:
+    """The packing table: trainq packed against the plain Trainer with flattening and with padding."""
+    st = pack["stats"]
+    print(
+        f"\nPacking: 1 epoch of {st['rows']} rows, {st['min']}-{st['max']} tokens (median {st['median']}, mean "
+        f"{st['mean']:.0f}), seq_len 1024, batch {SETTINGS['batch_size']}, {pack['steps']} steps, LoRA without "
+        f"dropout; load average {before} before, {after} after\n"
+    )
+    print(
+        "| packing runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | trainq packed vs it | whole process s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    print(_row("trainq, packed", pack["packed"]))
+    cpu_rate = lambda r: r["tokens"] / r["cpu_s"]  # noqa: E731
+    for name, key in (("plain Trainer + DataCollatorWithFlattening", "flattened"), ("plain Trainer, padded", "padded")):
+        r = pack[key]
+        print(
+            f"| {name} | {r['tokens']} | {r['train_s']:.2f} | {r['cpu_s']:.2f} | {r['tokens'] / r['train_s']:.0f} | "
+            f"{cpu_rate(r):.0f} | {cpu_rate(pack['packed']) / cpu_rate(r):.2f}x | {r['whole_s']:.2f} |"
+        )
+    print(
+        f"\n| max step-loss difference, trainq packed vs plain Trainer padded | {pack['loss_diff']:.1e} |", flush=True
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="40 steps, one repeat")
@@ -376,11 +425,15 @@ def main() -> int:
     loop_steps, loop_repeats = (10, 1) if args.quick else (args.loop_steps, args.loop_repeats)
     print(
         f"{' '.join(['bench/bench_trainer.py', *sys.argv[1:]])} at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
-        f"on {os.cpu_count()} cores; load average {load_average()} at the start"
+        f"on {os.cpu_count()} cores; load average {load_average()} at the start (each section prints when measured)",
+        flush=True,
     )
-    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
+        if not args.no_loop:  # first: the section issue 37 asks about
+            before = load_average()
+            loop = loop_comparison(work, build_model(work, "medium"), loop_steps, loop_repeats)
+            print_loop(loop, loop_steps, loop_repeats, before, load_average())
         tiny = build_model(work)
         runners = {
             "trainq (defaults: packing on)": lambda i: run_trainq(work, tiny, steps, str(i)),
@@ -391,57 +444,20 @@ def main() -> int:
             "trainq, packing off": lambda i: run_trainq(work, tiny, steps, f"off{i}", packing=False),
             "bare loop, padded": lambda i: run_script(BARE_LOOP, tiny, steps),
         }
+        before = load_average()
         results: dict[str, list[dict]] = {name: [] for name in runners}
         for i in range(repeats):  # interleaved so load changes hit every contender alike
             for name, run in runners.items():
                 results[name].append(run(i))
+        print_overhead(results, steps, repeats, before, load_average())
         latency, complete = stop_latency(work, tiny)
+        print(
+            f"\n| stop latency (flag touched -> exited) | {latency:.2f} s | checkpoint complete: {complete} |",
+            flush=True,
+        )
+        before = load_average()
         pack = packing_comparison(work, tiny, packing_rows)
-        load_after = load_average()
-        if not args.no_loop:
-            medium = build_model(work, "medium")
-            loop = loop_comparison(work, medium, loop_steps, loop_repeats)
-            loop_after = load_average()
-    med = {
-        k: {f: statistics.median(r[f] for r in v) for f in ("train_s", "cpu_s", "whole_s", "tokens")}
-        for k, v in results.items()
-    }
-    first = next(iter(med))
-    print(
-        f"\n{steps} LoRA steps on the small tiny model (median of {repeats}; OMP_NUM_THREADS=1; "
-        f"load average {load_before} before, {load_after} after)\n"
-    )
-    print(
-        "| runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | vs trainq | whole process s |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, row in med.items():
-        rate, base = row["tokens"] / row["cpu_s"], med[first]["tokens"] / med[first]["cpu_s"]
-        print(
-            f"| {name} | {row['tokens']:.0f} | {row['train_s']:.2f} | {row['cpu_s']:.2f} | "
-            f"{row['tokens'] / row['train_s']:.0f} | {rate:.0f} | {rate / base:.2f}x | {row['whole_s']:.2f} |"
-        )
-    print(f"\n| stop latency (flag touched -> exited) | {latency:.2f} s | checkpoint complete: {complete} |")
-    st = pack["stats"]
-    print(
-        f"\nPacking: 1 epoch of {st['rows']} rows, {st['min']}-{st['max']} tokens (median {st['median']}, mean "
-        f"{st['mean']:.0f}), seq_len 1024, batch {SETTINGS['batch_size']}, {pack['steps']} steps, LoRA without dropout\n"
-    )
-    print(
-        "| packing runner | real tokens | train s | train CPU s | real tokens/s (wall) | real tokens per CPU-s | trainq packed vs it | whole process s |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    print(_row("trainq, packed", pack["packed"]).replace(" | 1.00x", " | 1.00x"))
-    cpu_rate = lambda r: r["tokens"] / r["cpu_s"]  # noqa: E731
-    for name, key in (("plain Trainer + DataCollatorWithFlattening", "flattened"), ("plain Trainer, padded", "padded")):
-        r = pack[key]
-        print(
-            f"| {name} | {r['tokens']} | {r['train_s']:.2f} | {r['cpu_s']:.2f} | {r['tokens'] / r['train_s']:.0f} | "
-            f"{cpu_rate(r):.0f} | {cpu_rate(pack['packed']) / cpu_rate(r):.2f}x | {r['whole_s']:.2f} |"
-        )
-    print(f"\n| max step-loss difference, trainq packed vs plain Trainer padded | {pack['loss_diff']:.1e} |")
-    if not args.no_loop:
-        print_loop(loop, loop_steps, loop_repeats, load_after, loop_after)
+        print_packing(pack, before, load_average())
     return 0
 
 
