@@ -396,6 +396,7 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
 def finish_only(trainer, run: RunState, config: TrainConfig):
     """A checkpoint at the run's last step whose outputs were never written (stopped while finishing): load its
     weights and let ``finish`` write them, training nothing (the Trainer would take a step past the end)."""
+    assert run.finish_from is not None  # set whenever finish_only is chosen
     checkpoints.load_initial_weights(trainer.model, run.finish_from, full=config.method == "full")
     trainer.state.global_step = trainer.state.max_steps = run.resumed_step
     steps = [r for r in read_records(run.metrics.path) if r.get("type") == "step" and r["step"] <= run.resumed_step]

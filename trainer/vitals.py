@@ -144,7 +144,7 @@ class VitalsCallback(TrainerCallback):
                 group["lr"] *= 10.0
         stopped = self._check_lr(args, state, control, optimizer, model)
         self.measuring = self.ratio is not None and (stopped or self.measures(state.global_step + 1))
-        if self.measuring:
+        if self.measuring and self.ratio is not None:
             self.ratio.snapshot()
         return control
 
@@ -156,7 +156,7 @@ class VitalsCallback(TrainerCallback):
         self.clips.append(clipped)
         self.run.step_vitals = {"clip": clipped}
         ratio = None
-        if self.measuring:
+        if self.measuring and self.ratio is not None:
             ratio = self.run.step_vitals["update_ratio"] = self.ratio.ratio()
         self._judge(state.global_step + 1, ratio)
         return control

@@ -143,9 +143,9 @@ def cgroup_cpu_quota(proc: Path = Path("/proc/self")) -> float | None:
             quota, _, period = v2.partition(" ")
             quotas.append(int(quota) / int(period or 100000))
         v1 = _read(folder / "cpu.cfs_quota_us")
-        period = _read(folder / "cpu.cfs_period_us")
-        if v1 and period and int(v1) > 0:
-            quotas.append(int(v1) / int(period))
+        v1_period = _read(folder / "cpu.cfs_period_us")
+        if v1 and v1_period and int(v1) > 0:
+            quotas.append(int(v1) / int(v1_period))
     return min(quotas) if quotas else None
 
 
@@ -295,7 +295,8 @@ def acceptance_problems(raw: dict, machine_has_gpus: Callable[[], bool], executo
     train = raw.get("train")
     if not isinstance(train, dict) or (_int(train.get("processes")) or 1) <= 1 or executor == "slurm":
         return []
-    resources = raw.get("resources") if isinstance(raw.get("resources"), dict) else {}
+    found = raw.get("resources")
+    resources: dict = found if isinstance(found, dict) else {}
     if (_int(resources.get("gpus")) or 0) > 0 or machine_has_gpus():
         return []
     cwd = raw.get("cwd")
