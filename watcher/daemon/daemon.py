@@ -39,11 +39,10 @@ from trainq.watcher.daemon.state import LoopState
 from trainq.watcher.daemon.vitals import Vitals
 from trainq.watcher.daemon.walls import Walls
 from trainq.watcher.daemon.workflows import Workflows
-from trainq.watcher.spec.config import WatcherConfig
+from trainq.watcher.spec.config import WatcherConfig, paused_pools
 from trainq.watcher.spec.errors import QueueLayoutError, QueueLocked
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot
 from trainq.watcher.spec.fsutil import drain, remove_quietly
-from trainq.watcher.spec.pools import paused_pools
 from trainq.watcher.supervisor.signals import WatcherSignals, install_watcher_signal_handlers
 
 logger = logging.getLogger(__name__)

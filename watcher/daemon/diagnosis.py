@@ -26,6 +26,7 @@ KINDS = (
     "dependency",
     "schedule",
     "no_checkpoint",
+    "config",
     "unknown",
 )
 
@@ -65,6 +66,9 @@ _ADVICE = {
     "newer than the one its attempt started from, so running it again would repeat the same slice: make it save "
     "(and name the checkpoint) before it exits with that code, or exit with another code when it cannot go on, "
     "then touch retry.flag.",
+    "config": "A path or value in the job file does not hold on this machine (evidence above; a file moved or was "
+    "removed after submit): fix the job file with trainq edit ID (checked, then run again under the same id); a "
+    "retry without an edit would fail the same way.",
     "unknown": "Read the end of output.log (trainq logs ID) for the error, fix its cause, then touch retry.flag.",
 }
 
@@ -106,6 +110,15 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
             r"|No such file or directory:?\s*['\"]?[^'\"\s]*\.(?:jsonl?|csv|tsv|txt|parquet|arrow)\b"
             r"|trainq: data error",
             re.IGNORECASE,
+        ),
+    ),
+    (
+        "config",
+        re.compile(
+            # the trainer's ConfigError line names the job file and the field; python and the shells name a script
+            r"job\.yaml: (?:train\.[\w.\[\]]+|cwd|command)\S*: "
+            r"|can't open file .*\[Errno 2\] No such file or directory"
+            r"|^(?:ba|da|z|k)?sh: (?:\d+: )?(?:cannot open |Can't open )?\S+: (?:No such file or directory|cannot open)"
         ),
     ),
 )
@@ -279,8 +292,9 @@ def _from_spawn_error(exit: dict) -> Diagnosis | None:
     if not exit.get("spawn_error"):
         return None
     return Diagnosis(
-        "unknown",
-        "The command could not be started: fix command or cwd in the job file, then submit it again.",
+        "config",
+        "The command could not be started (evidence above): fix command or cwd with trainq edit ID (checked, then "
+        "run again under the same id); a retry without an edit would fail the same way.",
         _clip(exit["spawn_error"]),
     )
 
