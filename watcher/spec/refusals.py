@@ -81,11 +81,19 @@ def knowable_problems(
     return found
 
 
+#: the largest sweep whose jobs are checked one by one (each is validated: ~ms); a bigger one is checked as
+#: written, its placeholders unexpanded (never refused)
+MAX_VARIANTS_CHECKED = 100
+
+
 def _variants(spec: JobSpec) -> list[JobSpec]:
     """The spec itself, or each job of its sweep (their dotted keys may change train paths)."""
     if not spec.sweep:
         return [spec]
-    from trainq.watcher.spec.sweeps import expand
+    from trainq.watcher.spec.sweeps import combinations, expand
+
+    if combinations(spec.sweep) > MAX_VARIANTS_CHECKED:
+        return [spec]
 
     out = []
     for variant in expand(spec.raw):
