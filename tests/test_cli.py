@@ -217,6 +217,7 @@ def _listed(queue_dir: Path) -> set[str]:
 def test_stop_with_a_sweep_id_stops_every_pending_and_running_job_of_the_sweep(queue_dir, watcher_process):
     (queue_dir / "watcher.yaml").write_text(FAST + "max_concurrent: 2\n")
     watcher_process()
+    wait_until(lambda: (queue_dir / "status.json").exists(), 30)  # else submit waits 2 s, not 10
     grid = _job(queue_dir, "grid", "echo {x}; sleep 60", "sweep: {x: [1, 2, 3, 4]}\n")
     assert trainq("submit", str(grid), root=queue_dir, check_rc=0).stdout.strip() == "sweep grid: jobs grid-1 … grid-4"
     wait_until(lambda: _where(queue_dir, "grid-2") == "running", 30, what="two of the sweep running")
@@ -353,6 +354,7 @@ def test_pause_resume_wait_show_clean_and_the_messages(queue_dir, watcher_proces
     for name in ("ok", "bad", "broken"):
         os.rename(drop_dir / f"{name}.yaml", queue_dir / "inbox" / f"{name}.yaml")
     watcher_process()
+    wait_until(lambda: (queue_dir / "status.json").exists(), 30)  # else submit waits 2 s, not 10
     out = trainq("logs", "ok", root=queue_dir, check_rc=0)
     assert "pending: it has not started" in out.stdout and "paused" in out.stdout, out.stdout
     assert "ok" in trainq("status", root=queue_dir, check_rc=0).stdout
@@ -486,6 +488,7 @@ def test_an_edited_after_holds_and_releases_a_pending_job(queue_dir, watcher, wr
 def test_stop_now_on_a_job_already_stopping_skips_the_rest_of_the_grace(queue_dir, watcher_process):
     (queue_dir / "watcher.yaml").write_text(FAST)
     watcher_process()
+    wait_until(lambda: (queue_dir / "status.json").exists(), 30)  # else submit waits 2 s, not 10
     src = _job(queue_dir, "stubborn", "trap '' TERM; echo up; sleep 120", "stop_grace: 120s\n")
     assert trainq("submit", str(src), root=queue_dir, check_rc=0).stdout.strip() == "job stubborn"
     wait_until(lambda: _where(queue_dir, "stubborn") == "running", 30, what="running")
