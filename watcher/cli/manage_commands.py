@@ -144,12 +144,14 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p.set_defaults(func=bind(lambda a: _edit_with(lambda: _edit_module().priority(root_of(a), a.id, a.value))))
 
     p = sub.add_parser("pause", help="start no new job (creates pause.flag); running jobs go on")
-    p.add_argument(
+    pool = p.add_argument(
         "--pool", metavar="P", help="pause only pool P, one watcher.yaml names (creates pause.P.flag)"
-    ).completer = pool_names  # type: ignore[attr-defined]
+    )
+    pool.completer = pool_names
     p.set_defaults(func=bind(lambda a: manage.pause(root_of(a), a.pool)))
     p = sub.add_parser("resume", help="start jobs again (removes pause.flag)")
-    p.add_argument("--pool", metavar="P", help="resume only pool P (removes pause.P.flag)").completer = pool_names  # type: ignore[attr-defined]
+    pool = p.add_argument("--pool", metavar="P", help="resume only pool P (removes pause.P.flag)")
+    pool.completer = pool_names
     p.set_defaults(func=bind(lambda a: manage.resume(root_of(a), a.pool)))
 
     p = sub.add_parser("clean", help="remove finished job folders (done/ and failed/, or only the ids named)")

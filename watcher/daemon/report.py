@@ -121,8 +121,9 @@ class Report:
     def apply(self, config: WatcherConfig) -> None:
         """watcher.yaml changed (spec/config.py): its intervals and keep_finished count from now on."""
         self.config = config
-        self.writer.status_s, self.writer.heartbeat_s = config.status_s, config.heartbeat_s
-        self.writer.keep_finished = config.keep_finished
+        if self.writer is not None:
+            self.writer.status_s, self.writer.heartbeat_s = config.status_s, config.heartbeat_s
+            self.writer.keep_finished = config.keep_finished
         while len(self.recent) > config.keep_finished:
             self.recent.popitem(last=False)
 
