@@ -1,4 +1,4 @@
-"""watcher.yaml is live (issue 35 item 5, CONTRACT section 15).
+"""watcher.yaml is live (issue 35 item 5, docs/settings.md).
 
 The watcher re-reads watcher.yaml when it changes: pools and limits apply without a restart, status.json
 says when it was loaded (``watcher.config_loaded_at``), a change that cannot apply while running is named

@@ -287,7 +287,7 @@ class Watcher:
         self.write_status(now)
 
     def reload_settings(self, now: float) -> None:
-        """watcher.yaml changed: apply what it says now, or say why not (spec/config.py, CONTRACT section 15)."""
+        """watcher.yaml changed: apply what it says now, or say why not (spec/config.py, docs/settings.md)."""
         problems = list(self.settings.problems)
         config = self.settings.check(now)
         if config is not None:
