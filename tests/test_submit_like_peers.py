@@ -76,7 +76,7 @@ def test_submit_dash_dash_runs_where_it_was_called_with_cwd_and_env(queue_dir, w
 
 
 def test_a_job_refused_on_arrival_exits_2(queue_dir, watcher_process, tmp_path):
-    (queue_dir / "watcher.yaml").write_text("allow_commands: [python3]\nrescan_s: 0.2\n")
+    (queue_dir / "watcher.yaml").write_text(f"allow_commands: [python3]\nallow_cwd: [{tmp_path}]\nrescan_s: 0.2\n")
     watcher_process()
     wait_until(lambda: (queue_dir / "status.json").exists(), 30)
     out = trainq(queue_dir, "submit", "--", "true", cwd=tmp_path)  # only the watcher knows its allow list
