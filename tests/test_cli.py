@@ -51,7 +51,9 @@ def test_submit_approve_renames_in_atomically_and_never_clobbers(queue_dir, tmp_
     trainq("submit", str(src), root=queue_dir, check_rc=0)
     inbox = sorted(p.name for p in (queue_dir / "inbox").iterdir())
     assert inbox == ["job-2.yaml", "job.yaml"]
-    assert (queue_dir / "inbox" / "job.yaml").read_text() == "# mine\napproved: true\ncommand: [echo, hi]\n"
+    # every byte kept; added: approved, and the folder relative paths resolve against (docs/contract.md)
+    added = f"submitted_from: {json.dumps(str(tmp_path))}\n"
+    assert (queue_dir / "inbox" / "job.yaml").read_text() == "# mine\napproved: true\ncommand: [echo, hi]\n" + added
     assert "approved: false" in (queue_dir / "inbox" / "job-2.yaml").read_text()
     assert src.read_text().startswith("# mine\napproved: false")  # the user's file is untouched
 
@@ -59,11 +61,14 @@ def test_submit_approve_renames_in_atomically_and_never_clobbers(queue_dir, tmp_
 def test_submit_debug_adds_train_debug_and_keeps_every_other_byte(queue_dir, tmp_path):
     from trainq.watcher.spec.jobspec import parse_job_text
 
+    (tmp_path / "m").mkdir()  # the model and data exist: submit refuses missing paths (docs/contract.md)
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
     block = (
-        "# mine\napproved: false  # not yet\ntrain:\n    # the base\n    model: /models/m\n"
+        f"# mine\napproved: false  # not yet\ntrain:\n    # the base\n    model: {tmp_path}/m\n"
         "    max_steps: 3\n    data: {train: d.jsonl}\nname: sft\n"
     )
-    flow = "train: {model: /models/m, max_steps: 3, data: {train: d.jsonl}, debug: false}\n"
+    flow = f"train: {{model: {tmp_path}/m, max_steps: 3, data: {{train: d.jsonl}}, debug: false}}\n"
+    added = f"submitted_from: {json.dumps(str(tmp_path))}\n"
     (tmp_path / "block.yaml").write_text(block)
     (tmp_path / "flow.yaml").write_text(flow)
     trainq("submit", "--debug", str(tmp_path / "block.yaml"), root=queue_dir, check_rc=0)
@@ -71,8 +76,8 @@ def test_submit_debug_adds_train_debug_and_keeps_every_other_byte(queue_dir, tmp
     inbox = queue_dir / "inbox"
     assert sorted(p.name for p in inbox.iterdir()) == ["block.yaml", "flow.yaml"]  # no temp file left behind
     got = (inbox / "block.yaml").read_text()
-    assert got == block.replace("    model:", "    debug: true\n    model:")
-    assert (inbox / "flow.yaml").read_text() == flow.replace("debug: false", "debug: true")
+    assert got == block.replace("    model:", "    debug: true\n    model:") + added
+    assert (inbox / "flow.yaml").read_text() == flow.replace("debug: false", "debug: true") + added
     for name in ("block.yaml", "flow.yaml"):
         spec = parse_job_text((inbox / name).read_text(), name)
         assert spec.is_train and spec.train["debug"] is True and not spec.approved
@@ -90,6 +95,7 @@ def test_submit_of_a_sweep_prints_its_jobs_at_once(queue_dir, watcher_process):
     sweep as soon as the watcher expanded it, instead of waiting out its 10 s and printing a guess."""
     (queue_dir / "watcher.yaml").write_text(FAST)
     watcher_process()
+    wait_until(lambda: (queue_dir / "status.json").exists(), 30)  # else submit waits 2 s, not 10, at load 15
     src = _job(queue_dir, "grid", "echo {lr}", 'sweep: {lr: ["1e-4", "2e-4", "3e-4"]}\n')
     started = time.monotonic()
     out = trainq("submit", str(src), root=queue_dir, check_rc=0).stdout.strip()
@@ -211,6 +217,7 @@ def _listed(queue_dir: Path) -> set[str]:
 def test_stop_with_a_sweep_id_stops_every_pending_and_running_job_of_the_sweep(queue_dir, watcher_process):
     (queue_dir / "watcher.yaml").write_text(FAST + "max_concurrent: 2\n")
     watcher_process()
+    wait_until(lambda: (queue_dir / "status.json").exists(), 30)  # else submit waits 2 s, not 10
     grid = _job(queue_dir, "grid", "echo {x}; sleep 60", "sweep: {x: [1, 2, 3, 4]}\n")
     assert trainq("submit", str(grid), root=queue_dir, check_rc=0).stdout.strip() == "sweep grid: jobs grid-1 … grid-4"
     wait_until(lambda: _where(queue_dir, "grid-2") == "running", 30, what="two of the sweep running")
@@ -227,6 +234,7 @@ def test_stop_with_a_sweep_id_stops_every_pending_and_running_job_of_the_sweep(q
 def test_submit_prints_the_job_id_and_rm_removes_pending_running_and_finished(queue_dir, watcher_process):
     (queue_dir / "watcher.yaml").write_text(FAST + "max_concurrent: 1\n")
     watcher_process()
+    wait_until(lambda: (queue_dir / "status.json").exists(), 30)  # else submit waits 2 s, not 10, at load 15
     long = _job(queue_dir, "long", "echo started; sleep 60", "stop_grace: 60s\n")
     assert trainq("submit", str(long), root=queue_dir, check_rc=0).stdout.strip() == "job long"
     assert trainq("submit", str(long), root=queue_dir, check_rc=0).stdout.strip() == "job long-2"
@@ -346,6 +354,7 @@ def test_pause_resume_wait_show_clean_and_the_messages(queue_dir, watcher_proces
     for name in ("ok", "bad", "broken"):
         os.rename(drop_dir / f"{name}.yaml", queue_dir / "inbox" / f"{name}.yaml")
     watcher_process()
+    wait_until(lambda: (queue_dir / "status.json").exists(), 30)  # else submit waits 2 s, not 10
     out = trainq("logs", "ok", root=queue_dir, check_rc=0)
     assert "pending: it has not started" in out.stdout and "paused" in out.stdout, out.stdout
     assert "ok" in trainq("status", root=queue_dir, check_rc=0).stdout
@@ -479,6 +488,7 @@ def test_an_edited_after_holds_and_releases_a_pending_job(queue_dir, watcher, wr
 def test_stop_now_on_a_job_already_stopping_skips_the_rest_of_the_grace(queue_dir, watcher_process):
     (queue_dir / "watcher.yaml").write_text(FAST)
     watcher_process()
+    wait_until(lambda: (queue_dir / "status.json").exists(), 30)  # else submit waits 2 s, not 10
     src = _job(queue_dir, "stubborn", "trap '' TERM; echo up; sleep 120", "stop_grace: 120s\n")
     assert trainq("submit", str(src), root=queue_dir, check_rc=0).stdout.strip() == "job stubborn"
     wait_until(lambda: _where(queue_dir, "stubborn") == "running", 30, what="running")

@@ -26,7 +26,8 @@ def _cli(root: Path, *args: str, cwd: Path = REPO, env: dict | None = None) -> s
     )
 
 
-def test_submit_dash_dash_writes_a_valid_job_with_every_option(queue_dir):
+def test_submit_dash_dash_writes_a_valid_job_with_every_option(queue_dir, tmp_path):
+    (queue_dir / "watcher.yaml").write_text("pools: {cpu: {max_concurrent: 2}}\n")
     out = _cli(
         queue_dir,
         "submit",
@@ -56,7 +57,9 @@ def test_submit_dash_dash_writes_a_valid_job_with_every_option(queue_dir):
     assert spec.command == (PY, "-c", "print('hi --there')")
     assert spec.resources.gpus == 0 and spec.resources.ram_gb == 0.5 and spec.timeout_s == 7200 and spec.pool == "cpu"
 
-    out = _cli(queue_dir, "submit", "--", "python3", "tools/train.py", "--lr", "1e-4")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "train.py").write_text("print('training')\n")
+    out = _cli(queue_dir, "submit", "--", "python3", "tools/train.py", "--lr", "1e-4", cwd=tmp_path)
     assert "it becomes job train" in out.stdout, out.stdout  # named after the script, not the interpreter
     bad = _cli(queue_dir, "submit", "--ram", "lots", "--", "true")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "resources.ram_gb" in bad.stderr

@@ -124,7 +124,8 @@ def test_real_success_and_user_stop_have_no_diagnosis(runner: Runner) -> None:
 def test_real_spawn_error_names_the_missing_command(runner: Runner) -> None:
     paths = runner.start("succeeds.py", argv=("no-such-trainer-cmd",))
     d = runner.finish(paths)
-    assert d.kind == "unknown" and "no-such-trainer-cmd" in d.evidence and "command" in d.advice
+    assert d.kind == "config" and "no-such-trainer-cmd" in d.evidence and "trainq edit ID" in d.advice
+    assert "retry.flag" not in d.advice  # a retry cannot help: only an edit can
 
 
 # ---------------------------------------------------------------- the table, unit by unit

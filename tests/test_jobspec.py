@@ -250,7 +250,7 @@ def test_wrong_types_are_all_reported_sorted_by_path() -> None:
         (
             "retries.on[1]",
             "must be one of oom, nan, killed, data, timeout, stalled, preempted, unsatisfiable, "
-            "schedule, no_checkpoint, startup, unknown (got \"nann\") (did you mean 'nan'?)",
+            "schedule, no_checkpoint, startup, config, unknown (got \"nann\") (did you mean 'nan'?)",
         ),
     ]
 
@@ -451,7 +451,7 @@ def test_command_job_launch_with_and_without_resume() -> None:
     assert spec.launch_argv(values, "/usr/bin/python3", resume=False) == base
     assert spec.launch_argv(values, "/usr/bin/python3", resume=True) == [*base, "--resume", "/q/running/sweep/ck"]
     assert spec.launch_env(values)["RUN_TAG"] == "sweep-a2"
-    assert spec.launch_cwd(values) == "/q/running/sweep/work"
+    assert spec.launch_cwd(values) == "/q/work"  # relative to the queue root: the file names no submitted_from
     assert spec.has_resume and not spec.is_train
 
 
@@ -600,6 +600,7 @@ def test_job_schema_lists_every_jobspec_field() -> None:
         "rerun_of",
         "checkpoint_exit_code",
         "snapshot",
+        "submitted_from",  # round four: where relative paths resolve (docs/contract.md)
     }  # run records (issue 29)
 
 

@@ -239,14 +239,34 @@ def read_job(job_dir: Path) -> tuple[dict, dict]:
 
 
 def base_dirs_for(job: dict, job_dir: Path) -> tuple[Path, ...]:
-    """Where relative paths resolve, in order: the job's cwd (relative to the job folder), then the job folder."""
+    """Where relative paths resolve, in order: the job's cwd, the folder it was submitted from, the job folder.
+
+    The submitted-from folder (docs/contract.md) is job.yaml's ``submitted_from``, else the one the watcher
+    recorded in run.json, else the queue root holding the job folder; a relative cwd resolves against it too.
+    """
+    base = _submitted_from(job, job_dir)
     bases = []
     cwd = job.get("cwd")
     if isinstance(cwd, str) and cwd:
         cwd = cwd.replace("{job_dir}", str(job_dir)).replace("{job_id}", job_dir.name)
-        bases.append((job_dir / os.path.expanduser(cwd)).resolve())
-    bases.append(job_dir.resolve())
-    return tuple(bases)
+        bases.append((base / os.path.expanduser(cwd)).resolve())
+    bases += [base.resolve(), job_dir.resolve()]
+    return tuple(dict.fromkeys(bases))
+
+
+def _submitted_from(job: dict, job_dir: Path) -> Path:
+    """job.yaml's ``submitted_from``, else run.json's, else the queue root holding a job folder
+    (``ROOT/<state>/<id>``), else the folder itself (a job.yaml run by hand or previewed where it lies)."""
+    given = job.get("submitted_from")
+    if not isinstance(given, str) or not given:
+        try:
+            given = json.loads((job_dir / "run.json").read_text(encoding="utf-8")).get("submitted_from")
+        except (OSError, ValueError, AttributeError):
+            given = None
+    if isinstance(given, str) and os.path.isabs(given):
+        return Path(given)
+    folder = job_dir.resolve()
+    return folder.parent.parent if folder.parent.name in ("pending", "running", "done", "failed") else folder
 
 
 def load_config(job_dir: Path) -> TrainConfig:

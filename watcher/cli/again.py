@@ -55,6 +55,11 @@ def rerun_line(root: Path, job_id: str, path: Path, run: dict, spec: JobSpec | N
             f"  to run it again: first `trainq retry {dep}` (its dependency, which ended {dep_status}); "
             f"then `trainq retry {job_id}`"
         )
+    if ((run.get("diagnosis") or {}).get("kind")) == "config":
+        return (
+            f"  to run it: fix the job file with `trainq edit {job_id}` (it is checked, then runs under the same "
+            "id); a retry without an edit would fail the same way"
+        )
     if ((run.get("diagnosis") or {}).get("kind")) == "unsatisfiable":
         return (
             f"  to run it: lower its resources to what this machine has with `trainq edit {job_id}` "

@@ -70,8 +70,10 @@ def edit(root: Path, job_id: str, editor: str | None = None) -> int:
     import subprocess
     import tempfile
 
+    from trainq.watcher.cli.submit import pools_now
     from trainq.watcher.spec.errors import InvalidJobSpec
     from trainq.watcher.spec.jobspec import parse_job_text
+    from trainq.watcher.spec.refusals import check_knowable
 
     found = require_job(root, job_id)
     job_id = found.id
@@ -100,7 +102,10 @@ def edit(root: Path, job_id: str, editor: str | None = None) -> int:
                 say(f"job {job_id}: unchanged")
                 return EXIT_OK
             try:
-                parse_job_text(text, f"{found.state}/{job_id}/job.yaml")
+                display = f"{found.state}/{job_id}/job.yaml"
+                edited = parse_job_text(text, display)
+                base = Path(found.run.get("submitted_from") or root)  # a missing path is refused as at submit
+                check_knowable(edited, display, base, pools_now(root), str(found.path.resolve()))
             except InvalidJobSpec as exc:
                 for line in exc.lines():
                     print(line, file=sys.stderr)
@@ -166,10 +171,11 @@ def _rerun_edited(root: Path, found: Found, text: str) -> None:
     tmp = found.path / f".job.yaml.{os.getpid()}.tmp"
     atomic_write(tmp, text)
     os.replace(tmp, paths.spec)
+    words = resume_words(found.path, spec)  # before the flag: a watcher may move the folder at once
     touch(paths.retry_flag)
     say(
         f"job {found.id}: job.yaml updated (the old one is {previous.name}); it runs again as attempt "
-        f"{attempts + 1} under the same id, {resume_words(found.path, spec)} (retry.flag)"
+        f"{attempts + 1} under the same id, {words} (retry.flag)"
     )
 
 

@@ -90,18 +90,28 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("validate", help="check job files; print every problem (exit 2 if any)")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument(
+        "files",
+        nargs="+",
+        metavar="FILE",
+        help="job files; relative paths in each resolve against its folder, as trainq submit FILE would",
+    )
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser(
         "submit",
         help="validate a job file and drop a copy into the inbox atomically; "
         "or `submit [OPTIONS] -- CMD ARGS...`: a command job written for you",
-        usage="trainq submit FILE [--approve] [--debug]\n"
+        usage="trainq submit FILE [--approve] [--debug] [--parsable]\n"
         "       trainq submit [--name N] [--priority P] [--after ID] [--gpus G] [--ram 8G] "
-        "[--timeout 2h] [--pool P] -- CMD ARGS...",
+        "[--timeout 2h] [--pool P] [--cwd DIR] [--env K=V]... [--parsable] -- CMD ARGS...",
     )
-    p.add_argument("file", metavar="FILE", nargs="?")
+    p.add_argument(
+        "file",
+        metavar="FILE",
+        nargs="?",
+        help="a job file (its relative paths resolve against its folder); or give a command after --",
+    )
     add_command_options(p)
     p.add_argument("--approve", action="store_true", help="submit it with approved: true")
     p.add_argument(
@@ -171,6 +181,14 @@ def _id_argument(p: argparse.ArgumentParser, help: str = "a job id (or a job's n
 def _root(args: argparse.Namespace, must_exist: bool = True) -> Path:
     """--root, else $TRAINQ_ROOT, else ./queue, else the user config's root (locate.py); RootNotFound if none."""
     return locate_root(args.root, must_exist=must_exist).path
+
+
+def _root_or_none(args: argparse.Namespace) -> Path | None:
+    """The queue root when there is one (for its watcher.yaml), else None."""
+    try:
+        return _root(args)
+    except (RootNotFound, BadUserConfig):
+        return None
 
 
 def _fail(message: str, code: int = EXIT_ERROR) -> int:
@@ -282,14 +300,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from trainq.watcher.cli.submit import check_before_submit, submit_base
     from trainq.watcher.spec.errors import InvalidJobSpec
-    from trainq.watcher.spec.jobspec import check_submission, load_job_file
+    from trainq.watcher.spec.folders import id_from_name
+    from trainq.watcher.spec.jobspec import load_job_file
 
+    root = _root_or_none(args)  # its watcher.yaml names the pools; validating needs no queue otherwise
     worst = EXIT_OK
     for name in args.files:
         try:
             spec = load_job_file(Path(name), name)
-            check_submission(spec, name, time.time())
+            check_before_submit(spec, name, submit_base(Path(name)), root, time.time(), id_from_name(Path(name).name))
         except InvalidJobSpec as exc:
             for line in exc.lines():
                 print(line)
@@ -312,9 +333,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from trainq.watcher.cli.submit import approve_text, debug_text, inbox_name, read_job_text
+    from trainq.watcher.cli.submit import (
+        approve_text,
+        check_before_submit,
+        debug_text,
+        read_job_text,
+        submit_base,
+        with_submitted_from,
+    )
     from trainq.watcher.spec.errors import InvalidJobSpec
-    from trainq.watcher.spec.fsutil import atomic_write
+    from trainq.watcher.spec.folders import id_from_name
     from trainq.watcher.spec.jobspec import parse_job_text
 
     if args.command_argv is not None or args.file is None:
@@ -331,6 +359,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             ("--ram", args.ram),
             ("--timeout", args.timeout),
             ("--pool", args.pool),
+            ("--cwd", args.cwd),
+            ("--env", args.env),
         )
         if v not in (None, [])
     ]
@@ -341,6 +371,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             EXIT_INVALID,
         )
     source = Path(args.file)
+    root = _root(args)
     try:
         text = read_job_text(source)
         if args.debug:
@@ -348,27 +379,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
             text = debug_text(text, str(source))
         if args.approve:
             text = approve_text(text)
+        parse_job_text(text, str(source))
+        text = with_submitted_from(text, submit_base(source), str(source))
         spec = parse_job_text(text, str(source))
+        check_before_submit(spec, str(source), submit_base(source), root, time.time(), id_from_name(source.name))
     except InvalidJobSpec as exc:
         for line in exc.lines():
             print(line, file=sys.stderr)
         return EXIT_INVALID
-    inbox = _root(args) / "inbox"
-    if not inbox.is_dir():
-        return _fail(f"{inbox}: no inbox; create the queue with `trainq init {_root(args)}`")
-    target = inbox_name(inbox, source.name)
-    atomic_write(inbox / f".{target.name}.tmp", text)  # hidden temp name: the watcher ignores it
-    ino = os.stat(inbox / f".{target.name}.tmp").st_ino  # before the rename: a watcher may take it at once
-    from trainq.watcher.cli.manage import claimed_id, sweeps_of
-    from trainq.watcher.spec.folders import id_from_name
+    from trainq.watcher.cli.submit_command import drop_and_report
 
-    sweeps_before = sweeps_of(_root(args), id_from_name(target.name)) if spec.raw.get("sweep") else None
-    os.replace(inbox / f".{target.name}.tmp", target)
-    if not spec.approved:
-        print(f"{target}: submitted, awaiting approval (set approved: true in it to start it)")
-        return EXIT_OK
-    print(claimed_id(_root(args), target, ino, sweeps_before))
-    return EXIT_OK
+    return drop_and_report(root, source.name, text, spec, args.parsable)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

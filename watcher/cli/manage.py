@@ -115,10 +115,27 @@ def wait_for_claim(root: Path, job_id: str, timeout_s: float = 10.0) -> Found | 
     return find_job(root, job_id, by_name=False)
 
 
+@dataclass(frozen=True)
+class Claimed:
+    """What became of a file ``trainq submit`` (or rerun, fork) put into the inbox."""
+
+    words: str  # the line submit prints
+    job_id: str | None = None  # the job's id (or the sweep's), once a watcher took it; else the id it will get
+    rejected: str | None = None  # the watcher's error line when it refused the file on arrival
+    taken: bool = False  # a watcher took it within the wait
+
+
 def claimed_id(
     root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, int] | None = None, timeout_s: float = 10.0
 ) -> str:
     """``job ID`` once a watcher took ``inbox_file`` (inode ``ino``: a claim hard-links it), else what will happen."""
+    return claim_of(root, inbox_file, ino, sweeps_before, timeout_s).words
+
+
+def claim_of(
+    root: Path, inbox_file: Path, ino: int, sweeps_before: dict[str, int] | None = None, timeout_s: float = 10.0
+) -> Claimed:
+    """Wait (up to ``timeout_s``, 2 s without a live watcher) for a watcher to take ``inbox_file``; say what became of it."""
     from trainq.watcher.spec.folders import id_from_name
 
     deadline = time.monotonic() + (timeout_s if watcher_alive(root) else min(timeout_s, 2.0))
@@ -128,21 +145,34 @@ def claimed_id(
             job_id = _job_with_inode(root, base, ino)
             if job_id is not None:
                 found = find_job(root, job_id, by_name=False)
-                if found is not None and found.run.get("status") == "rejected":
-                    return f"job {job_id} (rejected: {found.run.get('error')})"
-                return f"job {job_id}"
+                error = found.run.get("error") if found is not None and found.run.get("status") == "rejected" else None
+                words = f"job {job_id}" + (f" (rejected: {error})" if error else "")
+                return Claimed(words, job_id, error or None, taken=True)
             # a sweep file becomes new files ID-1 … ID-N, none with our inode: a sweep not there before is ours
             new_sweeps = () if sweeps_before is None else sweeps_of(root, base).items() - sweeps_before.items()
             if new_sweeps:
                 sweep_id, count = min(new_sweeps)
-                return f"sweep {sweep_id}: jobs {sweep_id}-1" + (f" … {sweep_id}-{count}" if count > 1 else "")
+                words = f"sweep {sweep_id}: jobs {sweep_id}-1" + (f" … {sweep_id}-{count}" if count > 1 else "")
+                return Claimed(words, sweep_id, taken=True)
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    return (
+    words = (
         f"inbox/{inbox_file.name}: submitted; it becomes job {base} (or {base}-2, … if taken) "
         f"when a watcher takes it ({watcher_words(root)})"
     )
+    return Claimed(words, next_free_id(root, base))
+
+
+def next_free_id(root: Path, base: str) -> str:
+    """The id a file of stem ``base`` gets if it is taken now: ``base``, else the first free ``base-N``."""
+    from trainq.watcher.spec.folders import _with_suffix
+
+    for n in range(1, 10_000):
+        job_id = base if n == 1 else _with_suffix(base, n)
+        if not any(os.path.lexists(root / state / job_id) for state in STATES):
+            return job_id
+    return base
 
 
 def sweeps_of(root: Path, base: str) -> dict[str, int]:
@@ -242,7 +272,7 @@ def rm(root: Path, ids: list[str], now: bool = False, timeout_s: float | None = 
     it is removed only with ``--force`` or after a yes on a terminal.
     """
     worst = EXIT_OK
-    for job_id in ids:
+    for job_id in with_sweep_members(root, ids):
         try:
             found = require_job(root, job_id)
             if found.state == "running" and not force and not _confirm_running(found):
@@ -258,6 +288,37 @@ def rm(root: Path, ids: list[str], now: bool = False, timeout_s: float | None = 
             print(f"trainq: {exc}", file=sys.stderr)
             worst = max(worst, EXIT_ERROR)
     return worst
+
+
+def with_sweep_members(root: Path, ids: list[str]) -> list[str]:
+    """``ids`` with each sweep id (one that names no job) replaced by the ids of its jobs still in the queue."""
+    out: list[str] = []
+    for job_id in ids:
+        members = sweep_members(root, job_id) if find_job(root, job_id, by_name=False) is None else []
+        if members:
+            say(
+                f"sweep {job_id}: {len(members)} job(s) ({members[0]}{' … ' + members[-1] if len(members) > 1 else ''})"
+            )
+        out += members or [job_id]
+    return list(dict.fromkeys(out))
+
+
+def sweep_members(root: Path, sweep_id: str) -> list[str]:
+    """The jobs of sweep ``sweep_id`` in the queue now (``ID-1`` … by index), by their run.json ``sweep.id``."""
+    found: dict[int, str] = {}
+    prefix = f"{sweep_id}-"
+    for state in STATES:
+        try:
+            names = os.listdir(root / state)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            if not (name.startswith(prefix) and name[len(prefix) :].isdigit()):
+                continue
+            record = Found(state, root / state / name).run.get("sweep") or {}
+            if record.get("id") == sweep_id:
+                found[int(name[len(prefix) :])] = name
+    return [found[i] for i in sorted(found)]
 
 
 def _confirm_running(found: Found) -> bool:
@@ -337,7 +398,7 @@ def pause(root: Path, pool: str | None = None) -> int:
 
 def resume(root: Path, pool: str | None = None) -> int:
     if pool is not None:
-        from trainq.watcher.spec.pools import pool_pause_flag
+        from trainq.watcher.spec.config import pool_pause_flag
 
         flag = pool_pause_flag(root, _pool_name(pool))
         was = remove_quietly(flag)
@@ -349,18 +410,30 @@ def resume(root: Path, pool: str | None = None) -> int:
 
 
 def _pool_name(pool: str) -> str:
-    from trainq.watcher.spec.pools import POOL_NAME
+    from trainq.watcher.spec.config import POOL_NAME
 
     if not POOL_NAME.match(pool):
         raise UsageError(f"--pool {pool!r}: a pool name is 1-64 letters, digits, '_' or '-'")
     return pool
 
 
+def _known_pool(root: Path, pool: str) -> None:
+    """UsageError when ROOT/watcher.yaml (read now, as the watcher reads it) names no pool ``pool``."""
+    from trainq.watcher.cli.submit import pools_now
+    from trainq.watcher.spec.config import unknown_pool_words
+
+    pools = pools_now(root)
+    words = unknown_pool_words(pool, pools) if pools is not None else None
+    if words is not None:
+        raise UsageError(f"{root / 'watcher.yaml'}: pools: {words}; nothing paused")
+
+
 def _pause_pool(root: Path, pool: str) -> int:
     """``pause --pool P``: ROOT/pause.P.flag; only that pool's jobs wait (running ones go on)."""
-    from trainq.watcher.spec.pools import pool_pause_flag
+    from trainq.watcher.spec.config import pool_pause_flag
 
-    flag = pool_pause_flag(root, _pool_name(pool))
+    _known_pool(root, _pool_name(pool))
+    flag = pool_pause_flag(root, pool)
     touch(flag)
     say(
         f"{root}: pool {pool} paused ({flag.name}): none of its jobs starts; running ones go on. "

@@ -67,6 +67,17 @@ def job_ids(prefix: str, parsed_args: argparse.Namespace, **_kw) -> list[str]:
     return sorted(set(ids))
 
 
+def pool_names(prefix: str, parsed_args: argparse.Namespace, **_kw) -> list[str]:
+    """Shell completion for pool names: ``default`` and the pools ROOT/watcher.yaml names now."""
+    try:
+        from trainq.watcher.cli.submit import pools_now
+
+        pools = pools_now(manage_root(parsed_args)) or {"default": 1}
+    except Exception:  # completion must never print a traceback into the shell
+        return []
+    return sorted(name for name in pools if name.startswith(prefix))
+
+
 def manage_root(args: argparse.Namespace) -> Path:
     from trainq.watcher.cli.locate import locate_root
 
@@ -105,8 +116,10 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p.add_argument("--json", action="store_true", help="print run.json as it is")
     p.set_defaults(func=bind(lambda a: _show(root_of(a), a.id, a.json)))
 
-    p = sub.add_parser("rm", help="remove jobs: pending or finished at once; running ones are stopped first")
-    _ids(p, "+")
+    p = sub.add_parser(
+        "rm", help="remove jobs (or a sweep's jobs): pending or finished at once; running ones are stopped first"
+    )
+    _ids(p, "+", help="job ids (or names), or a sweep id for every job of that sweep")
     p.add_argument("--now", action="store_true", help="stop running jobs without their stop grace")
     p.add_argument(
         "-f",
@@ -131,10 +144,14 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p.set_defaults(func=bind(lambda a: _edit_with(lambda: _edit_module().priority(root_of(a), a.id, a.value))))
 
     p = sub.add_parser("pause", help="start no new job (creates pause.flag); running jobs go on")
-    p.add_argument("--pool", metavar="P", help="pause only pool P (creates pause.P.flag)")
+    pool = p.add_argument(
+        "--pool", metavar="P", help="pause only pool P, one watcher.yaml names (creates pause.P.flag)"
+    )
+    pool.completer = pool_names
     p.set_defaults(func=bind(lambda a: manage.pause(root_of(a), a.pool)))
     p = sub.add_parser("resume", help="start jobs again (removes pause.flag)")
-    p.add_argument("--pool", metavar="P", help="resume only pool P (removes pause.P.flag)")
+    pool = p.add_argument("--pool", metavar="P", help="resume only pool P (removes pause.P.flag)")
+    pool.completer = pool_names
     p.set_defaults(func=bind(lambda a: manage.resume(root_of(a), a.pool)))
 
     p = sub.add_parser("clean", help="remove finished job folders (done/ and failed/, or only the ids named)")
@@ -156,17 +173,28 @@ def add_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Na
     p = sub.add_parser(
         "train", help="run the built-in trainer on a folder holding a job.yaml (python -m trainq.trainer)"
     )
-    p.add_argument("args", nargs=argparse.REMAINDER, metavar="JOB_DIR [--resume-from DIR]")
+    p.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        metavar="JOB_DIR [--resume-from DIR]",
+        help="the job folder (holding job.yaml) and the trainer's own options",
+    )
     p.set_defaults(func=lambda a: manage.run_module("trainq.trainer", a.args))
 
     p = sub.add_parser(
         "tiny", help="build a tiny model and data in DIR for trying trainq (python -m trainq.trainer.tiny)"
     )
-    p.add_argument("args", nargs=argparse.REMAINDER, metavar="DIR")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="DIR", help="where to build the model and data")
     p.set_defaults(func=lambda a: manage.run_module("trainq.trainer.tiny", a.args))
 
     p = sub.add_parser("schema", help="print the absolute path of a JSON Schema (for an editor's $schema line)")
-    p.add_argument("name", nargs="?", default="job", choices=("job", "train", "run", "status", "watcher"))
+    p.add_argument(
+        "name",
+        nargs="?",
+        default="job",
+        choices=("job", "train", "run", "status", "watcher"),
+        help="which schema (default: job)",
+    )
     p.add_argument("--path", action="store_true", help="print the path (the default)")
     p.set_defaults(func=lambda a: _schema(a.name))
 

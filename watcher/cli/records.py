@@ -15,12 +15,14 @@ EXIT_OK, EXIT_ERROR, EXIT_INVALID = 0, 1, 2
 def add_record_commands(sub: argparse._SubParsersAction, root_of: Callable[[argparse.Namespace], Path]) -> None:
     """Register events, rerun and diff; ``root_of`` resolves the queue root as main.py does."""
     p = sub.add_parser("events", help="print a job's events.jsonl: its story from submission to the end")
-    p.add_argument("id")
+    _id(p, "id", "a job id (or a job's name)")
     p.add_argument("--json", action="store_true", help="the records as they are, one JSON object a line")
     p.set_defaults(func=lambda args: cmd_events(root_of(args), args.id, args.json))
 
-    p = sub.add_parser("rerun", help="submit a job again from its snapshot (same config, same code), rerun_of: ID")
-    p.add_argument("id")
+    p = sub.add_parser(
+        "rerun", help="submit a job again from its snapshot (same config, same code), rerun_of: ID; prints the new id"
+    )
+    _id(p, "id", "the job to run again (its id, or its name)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--here", action="store_true", help="run today's code even though it differs from the snapshot")
     how.add_argument(
@@ -35,10 +37,17 @@ def add_record_commands(sub: argparse._SubParsersAction, root_of: Callable[[argp
     )
 
     p = sub.add_parser("diff", help="what differs between two jobs: params, config, code, data, environment, results")
-    p.add_argument("a", metavar="A")
-    p.add_argument("b", metavar="B")
+    _id(p, "a", "the first job's id", metavar="A")
+    _id(p, "b", "the second job's id", metavar="B")
     p.add_argument("--json", action="store_true", help="both jobs' records and the differing rows as JSON")
     p.set_defaults(func=lambda args: cmd_diff(root_of(args), args.a, args.b, args.json))
+
+
+def _id(p: argparse.ArgumentParser, dest: str, help: str, metavar: str = "ID") -> None:
+    """A job-id argument with its help and shell completion of the ids in the queue."""
+    from trainq.watcher.cli.manage_commands import job_ids
+
+    p.add_argument(dest, metavar=metavar, help=help).completer = job_ids  # type: ignore[attr-defined]
 
 
 def _fail(message: str, code: int) -> int:
@@ -96,10 +105,18 @@ def cmd_rerun(root: Path, job_id: str, mode: str | None) -> int:
         for line in exc.lines():
             print(line, file=sys.stderr)
         return EXIT_INVALID
-    target = write_rerun(root / "inbox", job_id, data)
+    target, ino = write_rerun(root / "inbox", job_id, data)
     for note in notes:
         print(f"trainq: {note}")
-    print(f"{target}: rerun of {job_id} submitted{'' if data.get('approved') is True else ' (awaiting approval)'}")
+    if data.get("approved") is not True:
+        print(f"{target}: rerun of {job_id} submitted (awaiting approval)")
+        return EXIT_OK
+    from trainq.watcher.cli.manage import claim_of
+
+    claim = claim_of(root, target, ino)
+    if claim.rejected:
+        return _fail(f"job {claim.job_id} (rerun of {job_id}) refused: {claim.rejected}", EXIT_INVALID)
+    print(f"{claim.words} (rerun of {job_id})")
     return EXIT_OK
 
 

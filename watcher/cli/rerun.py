@@ -82,14 +82,15 @@ def _job_mapping(job_dir: Path) -> dict:
     return data
 
 
-def write_rerun(inbox: Path, job_id: str, data: dict) -> Path:
-    """Write the rerun into the inbox atomically (hidden temp name, then rename); returns its path."""
+def write_rerun(inbox: Path, job_id: str, data: dict) -> tuple[Path, int]:
+    """Write the rerun into the inbox atomically (hidden temp name, then rename); its path and inode."""
     target = inbox_name(inbox, f"{job_id}-rerun.yaml")
     text = f"# rerun by trainq of {job_id}\n" + json.dumps(data, indent=2, ensure_ascii=False) + "\n"
     tmp = inbox / f".{target.name}.tmp"
     atomic_write(tmp, text)
+    ino = os.stat(tmp).st_ino  # before the rename: a watcher may take it at once
     os.replace(tmp, target)
-    return target
+    return target, ino
 
 
 # ---------------------------------------------------------------- is today's code the snapshot's?

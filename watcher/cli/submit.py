@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 from typing import cast
@@ -93,3 +95,63 @@ def inbox_name(inbox: Path, file_name: str) -> Path:
         candidate = inbox / f"{stem}-{n}.{suffix}"
         n += 1
     return candidate
+
+
+def pools_now(root: Path | None) -> dict[str, int] | None:
+    """The pools ROOT/watcher.yaml names now (read live, as the watcher will); None when it cannot be read."""
+    if root is None or not Path(root).is_dir():
+        return None
+    from trainq.watcher.spec.config import load_watcher_config
+
+    try:
+        return load_watcher_config(Path(root), {}).pool_limits()
+    except (InvalidJobSpec, OSError):
+        return None  # the watcher keeps its last good settings; acceptance checks against those
+
+
+def submit_base(path: Path) -> Path:
+    """The folder a job file's relative paths resolve against: its own, or the queue root for an inbox file."""
+    folder = Path(os.path.abspath(path)).parent
+    if folder.name == "inbox" and (folder.parent / "pending").is_dir():
+        return folder.parent
+    return folder
+
+
+def with_submitted_from(text: str, folder: Path, display: str) -> str:
+    """The text with ``submitted_from: FOLDER`` added at its end (docs/contract.md), unless it names one.
+
+    Only that line is added, so comments and layout stay; the result is parsed again and must equal the
+    original plus the key (a file in flow style cannot take a line: InvalidJobSpec says what to do).
+    """
+    data = load_yaml12(text)
+    if not isinstance(data, dict) or "submitted_from" in data:
+        return text
+    new = set_top_level(text, "submitted_from", json.dumps(str(folder), ensure_ascii=False))
+    try:
+        same = load_yaml12(new) == dict(data, submitted_from=str(folder))
+    except Exception:
+        same = False
+    if not same:
+        raise InvalidJobSpec(
+            display,
+            [
+                Problem(
+                    "submitted_from",
+                    f"could not add submitted_from: {folder} to this file's layout; add that line yourself",
+                )
+            ],
+        )
+    return new
+
+
+def check_before_submit(spec, display: str, base: Path, root: Path | None, now: float, stem: str = "job") -> None:
+    """What acceptance would refuse, refused now (docs/contract.md): InvalidJobSpec listing each problem.
+
+    ``stem``: the job's id to be; its folder will be ``ROOT/pending/<stem>`` (its depth is what counts).
+    """
+    from trainq.watcher.spec.jobspec import check_submission
+    from trainq.watcher.spec.refusals import check_knowable
+
+    check_submission(spec, display, now)
+    job_dir = str(Path(root).resolve() / "pending" / stem) if root is not None else None
+    check_knowable(spec, display, base, pools_now(root), job_dir)

@@ -1,18 +1,21 @@
-"""``trainq submit [--name N] [--priority P] [--after ID] [--gpus G] [--ram 8G] [--timeout 2h] [--pool P] -- CMD ARGS...``
+"""``trainq submit [--name N] [--priority P] [--after ID] [--gpus G] [--ram 8G] [--timeout 2h] [--pool P]
+[--cwd DIR] [--env K=V]... [--parsable] -- CMD ARGS...``
 
-The bare-command submit pueue (``pueue add -- cmd``) and Slurm (``sbatch --wrap``) users expect: the
-options and the command become a job file (``approved: true``), validated exactly as the watcher
-will, written into the inbox under a hidden name and renamed in, and the job id is printed. The
+The bare-command submit pueue (``pueue add -- cmd``), nq, task-spooler and Slurm (``sbatch --wrap``) users
+expect: the job runs in the directory it was submitted from (``--cwd DIR`` for another), the options and the
+command become a YAML job file (``approved: true``, ``cwd``, ``submitted_from``), validated and checked
+exactly as the watcher will (docs/contract.md), written into the inbox under a hidden name and renamed in,
+and the job id is printed (``--parsable``: the id alone). A job the watcher refuses on arrival exits 2. The
 file stays the interface: ``inbox/N.yaml`` is what a user could have written by hand.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
@@ -44,17 +47,33 @@ def add_command_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, metavar="G", help="GPUs the job needs (default 1 where the machine has GPUs)")
     p.add_argument("--ram", metavar="SIZE", help="RAM the job needs: 8G, 512M (G when no unit)")
     p.add_argument("--timeout", metavar="AGE", help="stop it after this long: 90s, 10m, 2h")
-    p.add_argument("--pool", metavar="P", help="the pool it runs in (watcher.yaml pools:)")
+    from trainq.watcher.cli.manage_commands import pool_names
+
+    p.add_argument("--pool", metavar="P", help="the pool it runs in (watcher.yaml pools:)").completer = pool_names  # type: ignore[attr-defined]
+    p.add_argument("--cwd", metavar="DIR", help="run it in DIR (default: the directory you submit from)")
+    p.add_argument(
+        "--env", action="append", default=[], metavar="K=V", help="set an environment variable for it (repeatable)"
+    )
+    p.add_argument(
+        "--parsable",
+        action="store_true",
+        help="print only the job id (for scripts: id=$(trainq submit --parsable ...))",
+    )
 
 
-def command_job(argv: list[str], args: argparse.Namespace) -> dict:
-    """The job mapping ``submit -- CMD`` writes; InvalidJobSpec naming the option when one is wrong."""
+def command_job(argv: list[str], args: argparse.Namespace, here: str) -> dict:
+    """The job mapping ``submit -- CMD`` writes, run in ``here`` (or --cwd, resolved against it); InvalidJobSpec
+    naming the option when one is wrong."""
     data: dict = {"approved": True}
     if args.name:
         data["name"] = args.name
     if args.priority is not None:
         data["priority"] = args.priority
     data["command"] = list(argv)
+    data["cwd"] = os.path.normpath(os.path.join(here, os.path.expanduser(args.cwd))) if args.cwd else here
+    env = env_pairs(args.env or [])
+    if env:
+        data["env"] = env
     if args.after:
         data["after"] = list(args.after)
     resources = {}
@@ -68,7 +87,21 @@ def command_job(argv: list[str], args: argparse.Namespace) -> dict:
         data["timeout"] = args.timeout
     if args.pool is not None:
         data["pool"] = args.pool
+    data["submitted_from"] = here
     return data
+
+
+def env_pairs(items: list[str]) -> dict[str, str]:
+    """``--env K=V`` options as a mapping (a later K wins); InvalidJobSpec for one without ``=`` or a name."""
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+            raise InvalidJobSpec(
+                "trainq submit --env", [Problem("env", f"expected NAME=VALUE with a variable name (got {item!r})")]
+            )
+        env[key] = value
+    return env
 
 
 def ram_gb(text: str) -> float:
@@ -106,10 +139,9 @@ def _script_of(args: list[str]) -> str | None:
 
 def submit_command(args: argparse.Namespace, root: Path) -> int:
     """Write the job file for ``submit -- CMD`` into ``root``'s inbox and print the job id."""
-    from trainq.watcher.cli.manage import claimed_id
-    from trainq.watcher.cli.submit import inbox_name
-    from trainq.watcher.spec.fsutil import atomic_write
+    from trainq.watcher.cli.submit import check_before_submit
     from trainq.watcher.spec.jobspec import parse_job_text
+    from trainq.watcher.spec.yaml12 import dump_yaml12
 
     argv = args.command_argv
     if not argv:
@@ -123,23 +155,57 @@ def submit_command(args: argparse.Namespace, root: Path) -> int:
             f"trainq: submit: give either a job FILE ({args.file}) or a command after `--`, not both", file=sys.stderr
         )
         return EXIT_INVALID
-    stem = file_stem(argv, args.name)
     try:
-        data = command_job(argv, args)
-        text = "# written by trainq submit -- CMD\n" + json.dumps(data, indent=2, ensure_ascii=False) + "\n"
-        parse_job_text(text, f"inbox/{stem}.yaml")  # the watcher's own validation, before anything is written
+        here = os.getcwd()
+    except FileNotFoundError:
+        print("trainq: submit: the current directory was removed; cd somewhere that exists", file=sys.stderr)
+        return EXIT_INVALID
+    stem = file_stem(argv, args.name)
+    display = f"trainq submit -- {argv[0]}"
+    try:
+        data = command_job(argv, args, here)
+        text = f"# written by trainq submit -- CMD, from {here}\n" + dump_yaml12(data)
+        spec = parse_job_text(text, display)  # the watcher's own validation, before anything is written
+        check_before_submit(spec, display, Path(here), root, time.time(), stem)
     except InvalidJobSpec as exc:
         for line in exc.lines():
             print(line, file=sys.stderr)
         return EXIT_INVALID
+    return drop_and_report(root, f"{stem}.yaml", text, spec, args.parsable)
+
+
+def drop_and_report(root: Path, file_name: str, text: str, spec, parsable: bool) -> int:
+    """Write ``text`` into the inbox (hidden temp name, then rename), wait for a watcher to take it, say the id.
+
+    Exit 2 when the watcher refuses it on arrival (its one line goes to stderr); ``parsable``: stdout holds only
+    the job id (the sweep id for a sweep; the id it will get when no watcher took it yet).
+    """
+    from trainq.watcher.cli.manage import claim_of, next_free_id, sweeps_of
+    from trainq.watcher.cli.submit import inbox_name
+    from trainq.watcher.spec.folders import id_from_name
+    from trainq.watcher.spec.fsutil import atomic_write
+
     inbox = root / "inbox"
     if not inbox.is_dir():
         print(f"trainq: {inbox}: no inbox; create the queue with `trainq init {root}`", file=sys.stderr)
         return EXIT_INVALID
-    target = inbox_name(inbox, f"{stem}.yaml")
+    target = inbox_name(inbox, file_name)
     tmp = inbox / f".{target.name}.tmp"  # hidden: the watcher ignores it until the rename
     atomic_write(tmp, text)
-    ino = os.stat(tmp).st_ino
+    ino = os.stat(tmp).st_ino  # before the rename: a watcher may take it at once
+    sweeps_before = sweeps_of(root, id_from_name(target.name)) if spec.raw.get("sweep") else None
     os.replace(tmp, target)
-    print(claimed_id(root, target, ino))
+    if not spec.approved:
+        if parsable:
+            print(next_free_id(root, id_from_name(target.name)))
+        else:
+            print(f"{target}: submitted, awaiting approval (set approved: true in it to start it)")
+        return EXIT_OK
+    claim = claim_of(root, target, ino, sweeps_before)
+    if claim.rejected:
+        if parsable:
+            print(claim.job_id)
+        print(f"trainq: job {claim.job_id} refused: {claim.rejected}", file=sys.stderr)
+        return EXIT_INVALID
+    print(claim.job_id if parsable else claim.words)
     return EXIT_OK

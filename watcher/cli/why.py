@@ -17,12 +17,12 @@ from pathlib import Path
 
 from trainq.watcher.daemon.admission import Holding, Limits, Request, gate_report
 from trainq.watcher.faces.story import JobStory, load, removed
+from trainq.watcher.spec.config import paused_pools
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.spec.jobspec import JobSpec, load_job_file
-from trainq.watcher.spec.pools import paused_pools
 from trainq.watcher.spec.tombstones import ended_status, read_tombstone, removal_words
 from trainq.watcher.spec.units import iso_utc, parse_iso
 

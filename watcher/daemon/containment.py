@@ -52,13 +52,16 @@ STEPS = ("admit", "plan", "start", "watch", "finish", "retry", "recover")
 ENV_WATCHER_CRASH = "TRAINQ_WATCHER_CRASH"
 #: the exit status of a watcher ended by a crash point (tests tell it from a real failure)
 CRASH_EXIT_CODE = 86
-#: the named points, in the order a retry.flag is honoured (finishing.py) and a job starts (starting.py)
+#: the named points, in the order a retry.flag is honoured (finishing.py), a job starts (starting.py) and an
+#: inbox file is claimed (spec/folders.py)
 POINTS = (
     "retry-saved",  # run.json says pending, the folder is still in failed/ with its retry.flag
     "retry-moved",  # the folder is in pending/, its retry.flag not yet removed
     "retry-done",  # retry.flag removed; only in-memory bookkeeping remained
     "start-moved",  # the folder is in running/, no supervisor forked yet
     "concluded",  # an attempt's end is known in memory; run.json and the folder move not yet written
+    "claim-staged",  # a claim's folder is whole in .claiming/, not yet renamed into place (folders.py)
+    "claim-placed",  # the claimed folder is in place; the inbox file's name not yet removed
 )
 #: run.json's ``stop_requested_by`` for a live attempt stopped because the watcher failed on it
 STOPPED_BY_INTERNAL_ERROR = "internal_error"

@@ -39,11 +39,10 @@ from trainq.watcher.daemon.state import LoopState
 from trainq.watcher.daemon.vitals import Vitals
 from trainq.watcher.daemon.walls import Walls
 from trainq.watcher.daemon.workflows import Workflows
-from trainq.watcher.spec.config import WatcherConfig
+from trainq.watcher.spec.config import LiveSettings, WatcherConfig, paused_pools
 from trainq.watcher.spec.errors import QueueLayoutError, QueueLocked
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot
 from trainq.watcher.spec.fsutil import drain, remove_quietly
-from trainq.watcher.spec.pools import paused_pools
 from trainq.watcher.supervisor.signals import WatcherSignals, install_watcher_signal_handlers
 
 logger = logging.getLogger(__name__)
@@ -60,12 +59,13 @@ class Watcher:
         self.config = config
         self.polling = polling
         self.env = dict(os.environ if env is None else env)
-        folders = Folders(self.root)
+        crashes = CrashPoints.parse(self.env.get(ENV_WATCHER_CRASH))  # a test switch (docs/reliability.md)
+        folders = Folders(self.root, reached=crashes.reached)
         executor = make_executor(config, self.root.path)
         probe = ResourceProbe(simulate_gpus=config.simulate_gpus, env=self.env)
         faults = Faults.parse(self.env.get(ENV_WATCHER_FAULTS))  # a test switch (README, "Switches")
-        crashes = CrashPoints.parse(self.env.get(ENV_WATCHER_CRASH))  # a test switch (docs/reliability.md)
         self.report = Report(self.root, config, started_at=time.time())
+        self.settings = LiveSettings(self.root.path, config, self.env, time.time())  # watcher.yaml is live
         self.state = LoopState(self.root, config, self.env, folders, executor, probe, self.report, self.wake)
         self.stopping = False
         self._loop_errors: dict[str, int] = {}  # errors outside any job's guard, by text: how often
@@ -118,8 +118,9 @@ class Watcher:
         return self.intake.inbox
 
     def problems(self) -> list[str]:
-        """What is wrong with the watcher itself, one line each (status.json ``watcher.problems``)."""
-        return self.disk.problems() + self.walls.wall_problems(time.time())
+        """What is wrong with the watcher itself, one line each (status.json ``watcher.problems``): a full disk, a
+        window already past, watcher.yaml settings not applied."""
+        return self.disk.problems() + self.walls.wall_problems(time.time()) + self.settings.problems
 
     def window_now(self, now: float) -> dict | None:
         """status.json's ``window`` (walls.py)."""
@@ -274,6 +275,7 @@ class Watcher:
         """One pass over the queue; with a full disk only watching, and retrying until space frees."""
         self.executor.reap()
         self.check_layout()
+        self.reload_settings(now)
         self.honor_root_flags()
         if self.disk.disk_full is not None:
             self.disk.retry_after_disk_full(now, self, self.rebuild_from_disk)
@@ -283,6 +285,19 @@ class Watcher:
             self.finishing.watch_running(now)
         self.workflows.hooks.reap()
         self.write_status(now)
+
+    def reload_settings(self, now: float) -> None:
+        """watcher.yaml changed: apply what it says now, or say why not (spec/config.py, docs/settings.md)."""
+        problems = list(self.settings.problems)
+        config = self.settings.check(now)
+        if config is not None:
+            self.config = self.state.config = config
+            self.report.apply(config)
+            if self.inbox is not None:
+                self.inbox.settle_s, self.inbox.written_settle_s = config.settle_s, config.inbox_settle_s
+            self.state.plan_due = True  # new limits or pools may start a job now
+        if config is not None or self.settings.problems != problems:
+            self.report.touch()
 
     def _work(self, now: float) -> None:
         self.finishing.reap_finished(now)

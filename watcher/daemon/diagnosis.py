@@ -35,6 +35,7 @@ KINDS = (
     "schedule",
     "no_checkpoint",
     "startup",
+    "config",
     "unknown",
 )
 
@@ -77,6 +78,9 @@ _ADVICE = {
     "startup": "A rank never joined the others at start-up within TRAINQ_RENDEZVOUS_TIMEOUT_S (evidence: which rank "
     "and its last line): on a loaded machine raise TRAINQ_RENDEZVOUS_TIMEOUT_S in the job's env: or lower "
     "train.processes; otherwise read that rank's lines in output.log ([rank N]), then touch retry.flag.",
+    "config": "A path or value in the job file does not hold on this machine (evidence above; a file moved or was "
+    "removed after submit): fix the job file with trainq edit ID (checked, then run again under the same id); a "
+    "retry without an edit would fail the same way.",
     "unknown": "Read the end of output.log (trainq logs ID) for the error, fix its cause, then touch retry.flag.",
 }
 
@@ -118,6 +122,15 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
             r"|No such file or directory:?\s*['\"]?[^'\"\s]*\.(?:jsonl?|csv|tsv|txt|parquet|arrow)\b"
             r"|trainq: data error",
             re.IGNORECASE,
+        ),
+    ),
+    (
+        "config",
+        re.compile(
+            # the trainer's ConfigError line names the job file and the field; python and the shells name a script
+            r"job\.yaml: (?:train\.[\w.\[\]]+|cwd|command)\S*: "
+            r"|can't open file .*\[Errno 2\] No such file or directory"
+            r"|^(?:ba|da|z|k)?sh: (?:\d+: )?(?:cannot open |Can't open )?\S+: (?:No such file or directory|cannot open)"
         ),
     ),
 )
@@ -291,8 +304,9 @@ def _from_spawn_error(exit: dict) -> Diagnosis | None:
     if not exit.get("spawn_error"):
         return None
     return Diagnosis(
-        "unknown",
-        "The command could not be started: fix command or cwd in the job file, then submit it again.",
+        "config",
+        "The command could not be started (evidence above): fix command or cwd with trainq edit ID (checked, then "
+        "run again under the same id); a retry without an edit would fail the same way.",
         _clip(exit["spawn_error"]),
     )
 

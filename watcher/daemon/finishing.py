@@ -368,7 +368,7 @@ class Finishing:
             if job.spec is None or job.spec.sweep:
                 raise InvalidJobSpec(display, [])
             self.state.check_allowed(job.spec, display, f"{job.id}.yaml")
-            self.state.check_pool(job.spec, display)
+            self.state.check_pool(job.spec, display, job.dir)
         except InvalidJobSpec:
             logger.warning(
                 "job %s: retry.flag ignored: its job.yaml is still invalid (or a sweep); fix it "

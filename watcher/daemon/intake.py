@@ -34,6 +34,7 @@ from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.folders import JobState, id_from_name
 from trainq.watcher.spec.jobspec import JobSpec, check_submission, load_job_file
+from trainq.watcher.spec.refusals import base_of
 from trainq.watcher.spec.units import iso_utc
 
 if TYPE_CHECKING:
@@ -238,6 +239,7 @@ class Intake:
             )
             return _Taken(result, run, self.state.folders.claim(cand.path, JobState.FAILED, run))
         run = new_run(result, order, now, name=_stem(printable_name(cand.name)))
+        run["submitted_from"] = base_of(result, self.state.root.path)
         if result.fork_of:
             run["lineage"] = self.workflows.lineage_of(result.fork_of)
         if result.rerun_of:
@@ -254,7 +256,7 @@ class Intake:
             spec = load_job_file(cand.path, display)
             self.state.check_allowed(spec, display, cand.name)
             check_submission(spec, display, time.time())
-            self.state.check_pool(spec, display)
+            self.state.check_pool(spec, display, self.state.root.job_dir(JobState.PENDING, id_from_name(cand.name)))
         except InvalidJobSpec as exc:
             return exc
         except FileNotFoundError:

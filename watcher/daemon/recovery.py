@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from trainq.watcher.daemon.jobs import FINAL_STATUSES, Job, judge_exit, load_job, new_run
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec
-from trainq.watcher.spec.folders import JobState
+from trainq.watcher.spec.folders import CLAIM_PREFIX, JobState, remove_tree, return_to_inbox
 from trainq.watcher.spec.fsutil import atomic_write_json, remove_quietly, remove_stale_temps
 from trainq.watcher.spec.jobspec import load_job_file
 from trainq.watcher.spec.tombstones import prune_tombstones, settle_known_ids
@@ -41,6 +41,7 @@ def recover(loop: LoopState, guard: Containment, workflows: Workflows, finishing
     holds pending jobs again and resumes sweeps and hooks; ``finishing`` ends attempts that ended unseen.
     """
     now = time.time()
+    _clear_staging(loop)  # before any id is read: a half-built folder was never a job
     found = loop.folders.load_ids()
     _unlink_claimed_inbox_names(loop, found)
     prune_tombstones(loop.root.path)
@@ -190,6 +191,31 @@ def _remove_stale_temp_files(loop: LoopState, found: dict) -> None:
         removed += remove_stale_temps(root.job_dir(JobState.RUNNING, job_id), ("run.json",))
     if removed:
         logger.info("queue: removed %d temp file(s) left by an interrupted write", removed)
+
+
+def _clear_staging(loop: LoopState) -> None:
+    """Folders a killed watcher left half built in ``.claiming/`` (folders.py): none was ever visible as a job.
+
+    A claim's job.yaml is the inbox file's second name until the folder is in place, so removing the staging
+    folder leaves the file in the inbox to be claimed again; where it is the only name (a filesystem without
+    hard links) it goes back into the inbox first. A job the watcher was writing (a sweep's) is written again
+    from its sweep by ``resume_sweeps``.
+    """
+    staging = loop.root.claiming
+    try:
+        entries = sorted(os.listdir(staging))
+    except FileNotFoundError:
+        return
+    for name in entries:
+        folder = staging / name
+        spec = JobPaths(folder).spec
+        try:
+            if name.startswith(CLAIM_PREFIX) and os.stat(spec, follow_symlinks=False).st_nlink == 1:
+                return_to_inbox(spec, loop.root.inbox, name[len(CLAIM_PREFIX) :])
+        except FileNotFoundError:
+            pass
+        remove_tree(folder)
+        logger.info("queue: removed %s/%s, a job folder a stopped watcher left half built", staging.name, name)
 
 
 def _remove_abandoned_claim(paths: JobPaths) -> None:

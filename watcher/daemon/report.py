@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from trainq.watcher.daemon.executor import Executor
     from trainq.watcher.daemon.jobs import Job, JobIndex
     from trainq.watcher.daemon.resources import ResourceProbe
-    from trainq.watcher.spec.config import WatcherConfig
+    from trainq.watcher.spec.config import LiveSettings, WatcherConfig
 
 
 class ReportSource(Protocol):
@@ -50,6 +50,8 @@ class ReportSource(Protocol):
     def stopping(self) -> bool: ...
     @property
     def disk_full(self) -> object: ...  # None while the disk has room
+    @property
+    def settings(self) -> LiveSettings: ...  # watcher.yaml as applied (spec/config.py)
 
     def problems(self) -> list[str]: ...
     def window_now(self, now: float) -> dict | None: ...
@@ -116,6 +118,15 @@ class Report:
     def touch(self) -> None:
         """Something visible changed."""
         self.dirty = True
+
+    def apply(self, config: WatcherConfig) -> None:
+        """watcher.yaml changed (spec/config.py): its intervals and keep_finished count from now on."""
+        self.config = config
+        if self.writer is not None:
+            self.writer.status_s, self.writer.heartbeat_s = config.status_s, config.heartbeat_s
+            self.writer.keep_finished = config.keep_finished
+        while len(self.recent) > config.keep_finished:
+            self.recent.popitem(last=False)
 
     # -- what the daemon reports ---------------------------------------------------------------
     def inbox_seen(self, candidates: list, ignored: list | None = None) -> None:
@@ -295,6 +306,7 @@ class Report:
                 "state": state or ("stopping" if watcher.stopping else "paused" if watcher.paused else "running"),
                 "started_at": iso_utc(self.started_at),
                 "heartbeat_at": iso_utc(now),
+                "config_loaded_at": iso_utc(watcher.settings.loaded_at),
                 "disk_full": watcher.disk_full is not None,
                 "problems": watcher.problems(),
                 **_containment(watcher.executor),

@@ -10,16 +10,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainq.watcher.daemon.jobs import Job, JobIndex, Outcome
 from trainq.watcher.spec.capacity import acceptance_problems
 from trainq.watcher.spec.config import check_command_allowed
-from trainq.watcher.spec.errors import InvalidJobSpec, Problem
+from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
 from trainq.watcher.spec.interpreter import job_path
-from trainq.watcher.spec.pools import unknown_pool_words
 from trainq.watcher.spec.ranks import nodes_problem
+from trainq.watcher.spec.refusals import check_knowable
 
 if TYPE_CHECKING:
     from trainq.watcher.daemon.executor import Executor
@@ -100,8 +101,8 @@ class LoopState:
         if problem is not None:
             raise InvalidJobSpec(display, [problem])
 
-    def check_pool(self, spec: JobSpec, display: str) -> None:
-        """A job's pool must be one watcher.yaml names (or the default pool)."""
-        words = unknown_pool_words(spec.pool, self.config.pool_limits())
-        if words is not None:
-            raise InvalidJobSpec(display, [Problem("pool", words + "; fix pool: or add it to watcher.yaml")])
+    def check_pool(self, spec: JobSpec, display: str, job_dir: Path) -> None:
+        """What acceptance refuses that a run would only find later (docs/contract.md): an unknown pool, a
+        missing path (relative ones against submitted_from, else the queue root), shell syntax in a one-string
+        command. ``job_dir``: the job's folder, or where it will be (its depth is every state's)."""
+        check_knowable(spec, display, self.root.path, self.config.pool_limits(), str(job_dir))

@@ -34,8 +34,9 @@ from trainq.watcher.spec.config import passed_through
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.folders import JobState
-from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json, remove_quietly
+from trainq.watcher.spec.fsutil import read_json, remove_quietly
 from trainq.watcher.spec.jobspec import JobSpec, load_job_file
+from trainq.watcher.spec.refusals import base_of
 from trainq.watcher.spec.sweeps import after_refs, combinations, expand, variant_text
 from trainq.watcher.spec.tombstones import REMOVED, ended_status, read_tombstone, record_removal, removal_words
 from trainq.watcher.spec.units import iso_utc
@@ -495,14 +496,13 @@ class Workflows:
         job_id = f"{sweep_id}-{variant.index}"
         if any((self.state.root.job_dir(s, job_id) / "job.yaml").exists() for s in JobState):
             return None  # written before a crash
-        path = self.state.root.job_dir(JobState.PENDING, job_id)
-        os.makedirs(path, mode=self.state.root.job_dir_mode(), exist_ok=True)
         spec = JobSpec.from_checked(variant.data)  # the sweep's validation checked every variant already
         run = new_run(spec, self.state.next_order(), now, name=f"{base}-{variant.index}")
+        run["submitted_from"] = base_of(spec, self.state.root.path)
         run.update(id=job_id, sweep={"id": sweep_id, "index": variant.index, "params": variant.params, "of": total})
+        text = variant_text(variant.data, sweep_id, variant.index, total)
+        path = self.state.folders.write_job(job_id, {"run.json": run, "job.yaml": text})  # appears whole (issue 35)
         paths = JobPaths(path)
-        atomic_write_json(paths.run, run, durable=False)
-        atomic_write(paths.spec, variant_text(variant.data, sweep_id, variant.index, total), durable=False)
         records.accepted(paths, run, f"sweep {sweep_id}", None, now)
         st = os.stat(paths.spec)
         job = Job(job_id, JobState.PENDING, path, run, spec, spec_sig=(st.st_size, st.st_mtime_ns, st.st_ino))

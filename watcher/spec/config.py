@@ -1,6 +1,9 @@
 """The watcher's own settings: ``ROOT/watcher.yaml`` checked against schemas/watcher.schema.json.
 
-Built once (by the ``trainq`` command, watcher/cli/main.py) and passed down; a bad file stops start-up with one line per problem.
+Built once (by the ``trainq`` command, watcher/cli/main.py) and passed down; a bad file stops start-up with
+one line per problem. While the watcher runs, ``LiveSettings`` re-reads the file when it changes
+(docs/settings.md). Pools (docs/cli.md) live here too: watcher.yaml names them, and ``ROOT/pause.POOL.flag``
+pauses one.
 """
 
 from __future__ import annotations
@@ -8,13 +11,14 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainq.watcher.spec.allow import command_problem
 from trainq.watcher.spec.contract import ENV_SIMULATE_GPUS
-from trainq.watcher.spec.errors import InvalidWatcherConfig, Problem
+from trainq.watcher.spec.errors import InvalidJobSpec, InvalidWatcherConfig, Problem
 from trainq.watcher.spec.jobspec import (
     SCHEMAS_DIR,
     JobSpec,
@@ -268,3 +272,104 @@ def check_command_allowed(
     """
     path_env = os.environ.get("PATH", os.defpath) if path_env is None else path_env
     return command_problem(spec, config.allow_commands, values or {}, path_env, config.allow_env, config.allow_cwd)
+
+
+# -- pools (docs/cli.md): like pueue groups or Slurm partitions --
+
+#: a pool's name: also part of its pause flag's file name
+POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_FLAG = re.compile(r"^pause\.([A-Za-z0-9_-]{1,64})\.flag$")
+
+
+def pool_pause_flag(root: Path, pool: str) -> Path:
+    """``ROOT/pause.POOL.flag``: present, no job of POOL starts."""
+    return Path(root) / f"pause.{pool}.flag"
+
+
+def paused_pools(root: Path) -> set[str]:
+    """The pools whose pause flag is present at the root."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return set()
+    return {m.group(1) for m in map(_FLAG.match, names) if m}
+
+
+def unknown_pool_words(pool: str, limits: dict[str, int]) -> str | None:
+    """Why a job's pool cannot run here (None: watcher.yaml has it, or it is the default pool)."""
+    if pool in limits:
+        return None
+    return f"pool {pool!r} is not in watcher.yaml pools (known: {', '.join(sorted(limits))})"
+
+
+# -- watcher.yaml is live (docs/settings.md) --
+
+#: settings held by parts built at start-up, which a running watcher cannot swap: the executor (and so
+#: its Slurm options), the GPU probe that reads simulate_gpus, and the hook runner's environment
+#: (env_passthrough: jobs and hooks get the same variables, so both wait for the restart)
+RESTART_ONLY = ("executor", "slurm", "simulate_gpus", "env_passthrough")
+#: more of them with executor: slurm, whose executor copies this when it is built
+RESTART_ONLY_SLURM = ("kill_after_s",)
+
+
+class LiveSettings:
+    """The watcher's settings as watcher.yaml says now, within what a running watcher can apply."""
+
+    def __init__(self, root: Path, config: WatcherConfig, env: Mapping[str, str], now: float):
+        self.path = Path(root) / WATCHER_FILE
+        self.root = Path(root)
+        self.env = dict(env)
+        self.started = config  # the start-up values of the restart-only settings
+        self.config = config
+        self.loaded_at = now
+        self.problems: list[str] = []
+        self._seen = _signature(self.path)
+
+    def check(self, now: float) -> WatcherConfig | None:
+        """The new settings when watcher.yaml changed and is valid (apply them); None otherwise."""
+        seen = _signature(self.path)
+        if seen == self._seen:
+            return None
+        self._seen = seen
+        try:
+            loaded = load_watcher_config(self.root, self.env)
+        except InvalidJobSpec as exc:
+            first = exc.lines()[0] if exc.problems else str(exc)
+            self.problems = [
+                f"{WATCHER_FILE} is invalid, so the settings loaded at {iso_utc(self.loaded_at)} stay in force: "
+                f"{first}" + (f" (and {len(exc.problems) - 1} more)" if len(exc.problems) > 1 else "")
+            ]
+            logger.warning("watcher: %s changed but is invalid; keeping the settings in force: %s", WATCHER_FILE, first)
+            return None
+        held = [name for name in self._restart_only() if getattr(loaded, name) != getattr(self.started, name)]
+        self.config = replace(loaded, **{name: getattr(self.started, name) for name in held})
+        self.problems = [
+            f"restart to apply: {name} (running with {_shown(getattr(self.started, name))}, "
+            f"{WATCHER_FILE} says {_shown(getattr(loaded, name))})"
+            for name in held
+        ]
+        self.loaded_at = now
+        logger.info(
+            "watcher: %s re-read and applied%s", WATCHER_FILE, f"; restart to apply: {', '.join(held)}" if held else ""
+        )
+        return self.config
+
+    def _restart_only(self) -> tuple[str, ...]:
+        return RESTART_ONLY + (RESTART_ONLY_SLURM if self.started.executor == "slurm" else ())
+
+
+def _signature(path: Path) -> tuple | None:
+    """What tells a changed file: inode, size, mtime and ctime (None when there is no file)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(str, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items() if v not in (None, [], {})) + "}"
+    return str(value)

@@ -12,24 +12,33 @@ import errno
 import logging
 import os
 import re
+import shutil
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import IllegalTransition, JobFolderRemoved, QueueLayoutError
-from trainq.watcher.spec.fsutil import atomic_write_json, read_json, same_filesystem
+from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json, remove_quietly, same_filesystem
 from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.tombstones import clear_tombstone, remember_ids
 
 logger = logging.getLogger(__name__)
 
+#: the folder in the queue root where a job folder is built before it is renamed into its state's folder
+CLAIMING_DIR = ".claiming"
+#: staging names inside CLAIMING_DIR: an inbox claim (its job.yaml is the inbox file's second name until the
+#: folder is in place) and a job the watcher writes itself (a sweep's; rewritten from the sweep if lost)
+CLAIM_PREFIX, WRITE_PREFIX = "claim-", "write-"
 #: longest job id, suffix included (docs/contract.md, the inbox)
 MAX_ID_LEN = 64
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _YAML_SUFFIX = re.compile(r"\.ya?ml$", re.IGNORECASE)
+#: how many ids a claim tries when folders of its ids keep appearing under it
+MAX_PLACE_TRIES = 100
 
 
 class JobState(str, Enum):
@@ -113,6 +122,11 @@ class QueueRoot:
         return self.path / ".trainq-reserve"
 
     @property
+    def claiming(self) -> Path:
+        """Where job folders are built before they are renamed into place whole (hidden; same filesystem)."""
+        return self.path / CLAIMING_DIR
+
+    @property
     def lock_file(self) -> Path:
         """Held (flock) by the one watcher running on this root; holds its pid."""
         return self.path / ".watcher.lock"
@@ -137,7 +151,8 @@ class QueueRoot:
 
     def check_single_filesystem(self) -> None:
         """Refuse a root whose folders span filesystems: moving a job must be one atomic rename."""
-        if not same_filesystem(self.path, *self.folders()):
+        extra = [self.claiming] if self.claiming.is_dir() else []
+        if not same_filesystem(self.path, *self.folders(), *extra):
             raise QueueLayoutError(
                 f"{self.path}: the queue folders are on different filesystems, so moving a job would not be "
                 "atomic; keep inbox/ pending/ running/ done/ failed/ on one filesystem (no mount points inside)"
@@ -158,10 +173,12 @@ def _with_suffix(base: str, n: int) -> str:
 class Folders:
     """The state machine's verbs: ``claim``, ``start``, ``finish``, ``fail``, ``requeue``."""
 
-    def __init__(self, root: QueueRoot):
+    def __init__(self, root: QueueRoot, reached: Callable[[str, str], None] | None = None):
         self.root = root
         self._known_ids: set[str] = set()
         self._ids_lock = threading.Lock()
+        #: called with (step, job id) after each step of a claim: the daemon's crash points (a test switch)
+        self.reached = reached or (lambda _point, _job_id: None)
 
     def load_ids(self) -> dict[JobState, list[str]]:
         """List every job folder by state (hidden and temporary names skipped) and remember the ids."""
@@ -187,7 +204,7 @@ class Folders:
         self._known_ids.discard(job_id)
 
     def _reserve_dir(self, state: JobState, file_name: str) -> tuple[str, Path]:
-        """Create an empty folder under a fresh id (mkdir is the atomic reservation).
+        """Pick a fresh id and create its empty staging folder in ``.claiming/``; (id, staging folder).
 
         Ids in use are known from ``load_ids`` at start-up plus every id handed out since, so
         no folder of any state is looked up per claim (a 10,000-file burst must stay fast).
@@ -195,6 +212,7 @@ class Folders:
         """
         base = id_from_name(file_name)
         n = 1
+        staging_root = self.staging_root()
         while True:
             with self._ids_lock:
                 while True:
@@ -203,14 +221,37 @@ class Folders:
                     if job_id not in self._known_ids and not self._is_sweep_id(job_id):
                         self._known_ids.add(job_id)
                         break
-            path = self.root.job_dir(state, job_id)
-            try:
-                os.mkdir(path, self.root.job_dir_mode())
-            except FileExistsError:
+            if os.path.lexists(self.root.job_dir(state, job_id)):
                 continue  # a folder nobody told us about: it stays known, try the next suffix
-            clear_tombstone(self.root.path, job_id)  # a removed job's id, taken again (tombstones.py)
-            remember_ids(self.root.path, [job_id], "failed" if state is JobState.FAILED else None)
-            return job_id, path
+            staging = staging_root / f"{CLAIM_PREFIX}{job_id}"
+            try:
+                os.mkdir(staging, self.root.job_dir_mode())
+            except FileExistsError:
+                continue  # a leftover recover() has not seen: leave it, take the next suffix
+            return job_id, staging
+
+    def staging_root(self) -> Path:
+        """``ROOT/.claiming``, created when missing."""
+        try:
+            os.mkdir(self.root.claiming, 0o700)
+        except FileExistsError:
+            pass
+        return self.root.claiming
+
+    def place(self, staging: Path, state: JobState, job_id: str) -> Path:
+        """Rename a whole staging folder into ``state/job_id`` (one atomic step); IllegalTransition if taken."""
+        target = self.root.job_dir(state, job_id)
+        if os.path.lexists(target):  # rename(2) would replace an empty folder someone made meanwhile
+            raise IllegalTransition(f"job {job_id}: {state.value}/{job_id} already exists")
+        try:
+            os.rename(staging, target)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise IllegalTransition(f"job {job_id}: {state.value}/{job_id} already exists") from None
+            raise
+        clear_tombstone(self.root.path, job_id)  # a removed job's id, taken again (tombstones.py)
+        remember_ids(self.root.path, [job_id], "failed" if state is JobState.FAILED else None)
+        return target
 
     def _is_sweep_id(self, job_id: str) -> bool:
         """Whether ``job_id`` names a sweep of an earlier watcher (its jobs ``ID-1`` … exist; it has no folder)."""
@@ -228,25 +269,56 @@ class Folders:
     def claim(self, inbox_file: Path, state: JobState, run: dict) -> tuple[str, Path] | None:
         """Take ``inbox_file`` into a new ``state`` folder as ``job.yaml``; None if it vanished meanwhile.
 
-        run.json is written first, then the file is hard-linked in and unlinked from the inbox
-        (not renamed: an unpaired rename out of a watched folder stalls watchdog's inotify queue
-        for 0.5 s). A crash leaves either a folder with run.json and no job.yaml (removed by
-        recover) or one file with two names (recover unlinks the inbox name).
+        The folder is built whole in ``.claiming/claim-<id>`` (run.json written, the file hard-linked in as
+        job.yaml), renamed into ``state/<id>`` in one step, and only then is the inbox name unlinked (not a
+        rename: an unpaired rename out of a watched folder stalls watchdog's inotify queue for 0.5 s). So no
+        reader ever finds a job folder without its run.json, and a crash leaves either a staging folder
+        while the inbox still holds the file (recover removes it; the file is claimed again) or one file
+        with two names (recover unlinks the inbox name).
         """
         if state not in (JobState.PENDING, JobState.FAILED):
             raise IllegalTransition(f"{inbox_file.name}: cannot claim an inbox file straight into {state.value}/")
-        job_id, path = self._reserve_dir(state, inbox_file.name)
-        paths = JobPaths(path)
+        for _ in range(MAX_PLACE_TRIES):
+            job_id, staging = self._reserve_dir(state, inbox_file.name)
+            paths = JobPaths(staging)
+            try:
+                atomic_write_json(paths.run, redact_strings(dict(run, id=job_id)), durable=False)
+                moved = _link_in(inbox_file, paths.spec)
+                self.reached("claim-staged", job_id)
+                path = self.place(staging, state, job_id)
+            except FileNotFoundError:
+                self._undo_reservation(paths, job_id)
+                return None
+            except IllegalTransition:  # a folder of that id appeared meanwhile: build under the next id
+                self._undo_reservation(paths, job_id, keep_id=True)
+                if not inbox_file.exists() and not os.path.lexists(paths.spec):
+                    return None
+                continue
+            except BaseException:  # a full disk, most often: nothing may stay half-made
+                self._undo_reservation(paths, job_id)
+                raise
+            self.reached("claim-placed", job_id)
+            if not moved:
+                remove_quietly(inbox_file)
+            return job_id, path
+        raise IllegalTransition(f"{inbox_file.name}: no free job id after {MAX_PLACE_TRIES} tries")
+
+    def write_job(self, job_id: str, files: dict[str, bytes | str | dict]) -> Path:
+        """Create ``pending/<job_id>`` holding ``files`` (run.json as a mapping), built whole in ``.claiming/``."""
+        staging = self.staging_root() / f"{WRITE_PREFIX}{job_id}"
+        if staging.exists():
+            remove_tree(staging)  # a leftover of a crash: this write starts over
+        os.mkdir(staging, self.root.job_dir_mode())
         try:
-            atomic_write_json(paths.run, redact_strings(dict(run, id=job_id)), durable=False)
-            _link_or_rename(inbox_file, paths.spec)
-        except FileNotFoundError:
-            self._undo_reservation(paths)
-            return None
-        except BaseException:  # a full disk, most often: no folder may stay in pending/ without its job
-            self._undo_reservation(paths)
+            for name, data in files.items():
+                if isinstance(data, dict):
+                    atomic_write_json(staging / name, data, durable=False)
+                else:
+                    atomic_write(staging / name, data, durable=False)
+            return self.place(staging, JobState.PENDING, job_id)
+        except BaseException:
+            remove_tree(staging)
             raise
-        return job_id, path
 
     def claim_sweep(self, inbox_file: Path, total: int, staging_prefix: str) -> tuple[str, Path] | None:
         """Take a sweep file into ``pending/<staging_prefix><id>/job.yaml``; None if it vanished meanwhile.
@@ -280,18 +352,16 @@ class Folders:
             return None
         return sweep_id, staging
 
-    def _undo_reservation(self, paths: JobPaths) -> None:
-        for leftover in (paths.run,):
-            try:
-                leftover.unlink()
-            except FileNotFoundError:
-                pass
+    def _undo_reservation(self, paths: JobPaths, job_id: str, keep_id: bool = False) -> None:
+        """Remove a staging folder whose claim failed; a job.yaml that is the file's only name goes back first."""
         try:
-            paths.dir.rmdir()
-        except OSError:
-            logger.warning("%s: could not remove an abandoned claim folder", paths.dir)
-            return
-        self.forget(paths.dir.name)
+            if os.stat(paths.spec, follow_symlinks=False).st_nlink == 1:
+                return_to_inbox(paths.spec, self.root.inbox, job_id)
+        except FileNotFoundError:
+            pass
+        remove_tree(paths.dir)
+        if not keep_id:
+            self.forget(job_id)
 
     def move(self, job_id: str, src: JobState, dst: JobState) -> Path:
         """Rename the job folder from ``src`` to ``dst`` (one atomic step)."""
@@ -323,6 +393,37 @@ class Folders:
 
     def requeue(self, job_id: str, src: JobState) -> Path:
         return self.move(job_id, src, JobState.PENDING)
+
+
+def _link_in(src: Path, dst: Path) -> bool:
+    """Give ``src`` the second name ``dst`` (the caller drops ``src`` later); True when it had to move instead."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        os.rename(src, dst)  # filesystems without hard links
+        return True
+    return False
+
+
+def return_to_inbox(spec: Path, inbox: Path, job_id: str) -> Path:
+    """Put a half-claimed job file (its only name in a staging folder) back into the inbox as a new file."""
+    target = inbox / f"{job_id}.yaml"
+    n = 2
+    while os.path.lexists(target):
+        target = inbox / f"{job_id}-returned-{n}.yaml"
+        n += 1
+    os.rename(spec, target)
+    logger.warning("queue: %s was half claimed; it is back in the inbox as %s", spec.parent.name, target.name)
+    return target
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a staging folder and what it holds (never a symlink's target); quiet when it is gone."""
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _link_or_rename(src: Path, dst: Path) -> None:

@@ -50,10 +50,12 @@ FAILURE_KINDS = (
     "schedule",
     "no_checkpoint",
     "startup",
+    "config",
     "unknown",
 )
-#: retried by default: every kind but nan, data and timeout (retrying those repeats the same failure)
-DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout", "schedule"))
+#: retried by default: every kind but nan, data, timeout and schedule (retrying those repeats the same failure)
+#: and config (a path or value only editing the file cures: ``trainq edit ID``)
+DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout", "schedule", "config"))
 #: seconds a stopped job may take to checkpoint and exit before its tree is terminated
 DEFAULT_STOP_GRACE_S = 120.0
 #: seconds a failed job waits before its retry
@@ -204,6 +206,8 @@ class JobSpec:
     snapshot: bool = True
     declared_checkpoint_exit_code: int | None = None
     pool: str = "default"  # watcher.yaml pools: (docs/cli.md, pools)
+    #: the folder relative paths resolve against (docs/contract.md, "Submitted from"); None: the queue root
+    submitted_from: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict, display: str = "<job>") -> JobSpec:
@@ -243,6 +247,8 @@ class JobSpec:
         out.update({k: v for k, v in records.items() if v is not None})
         if self.pool != DEFAULT_POOL:
             out["pool"] = self.pool
+        if self.submitted_from is not None:
+            out["submitted_from"] = self.submitted_from
         out.update(
             priority=self.priority,
             env=dict(self.env),
@@ -306,13 +312,21 @@ class JobSpec:
         return {key: expand_placeholders(value, values) for key, value in self.env.items()}
 
     def launch_cwd(self, values: dict[str, str]) -> str | None:
-        """Expanded cwd (~ expanded; relative to the job folder); None means the job folder."""
+        """Expanded cwd (~ expanded; a relative one against ``base_dir``); None means the job folder."""
         if self.cwd is None:
             return None
         cwd = os.path.expanduser(expand_placeholders(self.cwd, values))
-        if not os.path.isabs(cwd) and "job_dir" in values:
-            cwd = os.path.join(values["job_dir"], cwd)
+        base = self.base_dir(values.get("job_dir"))
+        if not os.path.isabs(cwd) and base is not None:
+            cwd = os.path.join(base, cwd)
         return cwd
+
+    def base_dir(self, job_dir: str | None) -> str | None:
+        """Where relative paths resolve (docs/contract.md): ``submitted_from``, else the queue root that
+        holds ``job_dir`` (``ROOT/<state>/<id>``); None when neither is known."""
+        if self.submitted_from:
+            return self.submitted_from
+        return os.path.dirname(os.path.dirname(os.path.abspath(job_dir))) if job_dir else None
 
 
 def _build(data: dict) -> JobSpec:
@@ -337,6 +351,7 @@ def _build(data: dict) -> JobSpec:
         resume_args=None if resume_args is None else tuple(_argv_item(a) for a in resume_args),
         slurm=data.get("slurm"),
         pool=data.get("pool", DEFAULT_POOL),
+        submitted_from=data.get("submitted_from"),
         raw=data,
         **_workflow_fields(data),
         **_wall_fields(data),

@@ -138,3 +138,31 @@ def load_yaml12(text: str) -> object:
     if len(docs) > 1:
         raise YamlError(f"expected one YAML document, found {len(docs)} (remove the extra '---')")
     return docs[0] if docs else None
+
+
+class _Resolver12(yaml.resolver.BaseResolver):
+    """The loader's YAML 1.2 plain-scalar rules, usable without a stream (the dumper asks them)."""
+
+
+_Resolver12.yaml_implicit_resolvers = Yaml12Loader.yaml_implicit_resolvers
+_RESOLVER = _Resolver12()
+
+
+class _Yaml12Dumper(yaml.SafeDumper):
+    """Safe dumper whose strings read back as strings under YAML 1.2 and 1.1 alike."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    # quoted where a YAML 1.2 reader would take the plain form for a number, boolean or null (``1e-4``, ``0o7``);
+    # PyYAML quotes what YAML 1.1 would misread (``yes``, ``on``) by itself
+    tag = _RESOLVER.resolve(yaml.ScalarNode, value, (True, False))
+    style = '"' if tag != "tag:yaml.org,2002:str" or "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Yaml12Dumper.add_representer(str, _represent_str)
+
+
+def dump_yaml12(data: object) -> str:
+    """``data`` as block-style YAML that ``load_yaml12`` reads back equal (keys in their given order)."""
+    return yaml.dump(data, Dumper=_Yaml12Dumper, sort_keys=False, allow_unicode=True, width=1_000_000)

@@ -256,6 +256,16 @@ def _corrupt_one(dest: Path, sent: dict[str, dict]) -> None:
             return
 
 
+def _target(to: str, submitted_from: str | None, job_dir: Path) -> str:
+    """``deliver.to`` with a relative local path resolved against the submitted-from folder (docs/contract.md),
+    else the queue root holding the job folder; remote targets (``host:/path``, ``rsync://``) stay as written."""
+    to = os.path.expanduser(to)
+    if is_remote_target(to) or os.path.isabs(to):
+        return to
+    base = submitted_from if submitted_from and os.path.isabs(submitted_from) else str(job_dir.resolve().parent.parent)
+    return os.path.join(base, to)
+
+
 def deliver(job_dir: Path) -> int:
     """The runner's work: every try recorded in delivery.json, until verified or MAX_TRIES."""
     paths = JobPaths(job_dir)
@@ -266,9 +276,13 @@ def deliver(job_dir: Path) -> int:
         return 0  # another runner delivers this job
     from trainq.watcher.spec.jobspec import load_job_file
 
-    deliver_spec = load_job_file(paths.spec).deliver or {}
+    spec = load_job_file(paths.spec)
+    deliver_spec = spec.deliver or {}
     record = read_json(job_dir / RECORD_NAME) or {}
-    dest = deliver_spec["to"].rstrip("/") + "/" + job_dir.name
+    dest = _target(
+        deliver_spec["to"], spec.submitted_from or (read_json(paths.run) or {}).get("submitted_from"), job_dir
+    )
+    dest = dest.rstrip("/") + "/" + job_dir.name
     faults = _faults()
     backoff = float(faults.get("backoff") or FIRST_BACKOFF_S)
     for tries in range(int(record.get("tries") or 0) + 1, MAX_TRIES + 1):
