@@ -40,7 +40,10 @@ def fake_model(folder: Path, params: int) -> Path:
 
 
 def train_job(model: Path, **train: object) -> str:
-    block = {"model": str(model), "data": "/nowhere/train.jsonl", "max_steps": 2, **train}
+    """A train job on ``model`` whose data file exists (a missing one is refused at submit, before any rank rule)."""
+    data = model.parent / "train.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    block = {"model": str(model), "data": str(data), "max_steps": 2, **train}
     return yaml.safe_dump({"approved": True, "train": block})
 
 

@@ -254,9 +254,9 @@ def test_fsdp_full_fine_tuning_on_two_gpus(tiny, tmp_path):
 
 
 def test_validation_names_the_field():
+    from trainq.watcher.spec.capacity import nodes_problem
     from trainq.watcher.spec.errors import InvalidJobSpec
     from trainq.watcher.spec.jobspec import JobSpec
-    from trainq.watcher.spec.ranks import nodes_problem
 
     train = {"model": "/m", "data": "/d.jsonl", "max_steps": 1}
     cases = {

@@ -15,6 +15,7 @@ from trainq.watcher.daemon.diagnosis import Diagnosis, unsatisfiable_diagnosis
 from trainq.watcher.daemon.jobs import Job, Outcome, resume_checkpoint
 from trainq.watcher.daemon.records import gpu_facts, snapshot_request
 from trainq.watcher.spec.allow import executable_for
+from trainq.watcher.spec.capacity import default_gpus
 from trainq.watcher.spec.config import check_command_allowed, passed_through
 from trainq.watcher.spec.contract import (
     ATTEMPT_BANNER_PREFIX,
@@ -29,7 +30,6 @@ from trainq.watcher.spec.contract import (
 from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.interpreter import job_path, resolved_program
-from trainq.watcher.spec.ranks import default_gpus
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.wall import ENV_COST
 from trainq.watcher.supervisor import LaunchSpec

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainq.watcher.daemon.jobs import Job, JobIndex, Outcome
-from trainq.watcher.spec.capacity import acceptance_problems
+from trainq.watcher.spec.capacity import acceptance_problems, nodes_problem
 from trainq.watcher.spec.config import check_command_allowed
 from trainq.watcher.spec.errors import InvalidJobSpec
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot, id_from_name
 from trainq.watcher.spec.interpreter import job_path
-from trainq.watcher.spec.ranks import nodes_problem
 from trainq.watcher.spec.refusals import check_knowable
 
 if TYPE_CHECKING:

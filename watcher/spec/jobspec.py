@@ -20,10 +20,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import cast
 
+from trainq.watcher.spec.capacity import rank_problems
 from trainq.watcher.spec.contract import EXIT_CHECKPOINT
 from trainq.watcher.spec.errors import InvalidJobSpec, Problem
 from trainq.watcher.spec.interpreter import safe_module_argv
-from trainq.watcher.spec.ranks import rank_problems
 from trainq.watcher.spec.schema_errors import field_name, schema_problems, schema_validator, shown, sort_problems
 from trainq.watcher.spec.sweeps import workflow_problems
 from trainq.watcher.spec.units import DURATION_PATTERN, MAX_DURATION_TEXT, is_zero_duration, parse_duration_s
