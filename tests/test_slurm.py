@@ -43,9 +43,15 @@ def _sh(script: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+#: the cluster a module gets unless its fixture asks for another: one node, no accounting (a module that asked for
+#: more switched the cluster; the next one's start.sh switches it back)
+DEFAULT_CLUSTER = {"TRAINQ_SLURM_NODES": "1", "TRAINQ_SLURM_ACCOUNTING": "0"}
+
+
 def use_cluster(env: dict[str, str] | None = None):
-    """Bring up the repository's one-node cluster (``env``: extra variables for start.sh) for a module, as a
-    generator for its fixture; skip, saying why, when it cannot be.
+    """Bring up the repository's cluster (``env``: variables for start.sh over DEFAULT_CLUSTER, such as
+    ``TRAINQ_SLURM_NODES`` or ``TRAINQ_SLURM_ACCOUNTING``) for a module, as a generator for its fixture; skip,
+    saying why, when it cannot be.
 
     Several test runs on one machine share the cluster: each holds a shared flock on users.lock while it runs,
     and the last one out (the one that gets it exclusively) stops the daemons.
@@ -58,7 +64,7 @@ def use_cluster(env: dict[str, str] | None = None):
         text=True,
         timeout=600,
         stdin=subprocess.DEVNULL,
-        env=dict(os.environ, **(env or {})),
+        env={**os.environ, **DEFAULT_CLUSTER, **(env or {})},
     )
     if started.returncode == EXIT_NOT_INSTALLED:
         pytest.skip(started.stderr.strip().splitlines()[-1])
