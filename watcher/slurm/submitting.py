@@ -23,6 +23,7 @@ from trainq.watcher.slurm.batch import (
     signal_lead_s,
     srun_argv,
     time_limit_min,
+    time_limit_source,
 )
 from trainq.watcher.slurm.node import HEARTBEAT_S
 from trainq.watcher.slurm.records import (
@@ -106,6 +107,7 @@ class Submitting(SlurmParts):
             "requeue": options.requeue,
             "submitted_at": iso_utc(time.time()),
             "sbatch": argv,
+            "time_limit": options.time_from,
         }
         atomic_write_json(paths.slurm_record, record)  # before sbatch: a crash right after it can still find the job
         self._hand_over(Inflight(paths, attempt, options.comment, argv))
@@ -143,6 +145,7 @@ class Submitting(SlurmParts):
                 "requeue": options.requeue,
                 "submitted_at": submitted_at,
                 "sbatch": argv,
+                "time_limit": options.time_from,
             }
             atomic_write_json(member.paths.slurm_record, record)
         self._hand_over(Inflight(first.paths, first.attempt, tag, argv, members))
@@ -263,7 +266,8 @@ class Submitting(SlurmParts):
         gpus = int(resources.get("gpus_per_node") or resources.get("gpus") or 0)
         ram_gb = resources.get("ram_gb")
         time_min = time_limit_min(spec.timeout_s, spec.stop_grace_s, spec.kill_after_s)
-        extra = self.sbatch_args + tuple(str(a) for a in job_slurm.get("sbatch_args") or ())
+        job_args = tuple(str(a) for a in job_slurm.get("sbatch_args") or ())
+        extra = self.sbatch_args + job_args
         return SlurmOptions(
             job_name=job_name,
             partition=job_slurm.get("partition") or self.partition,
@@ -279,6 +283,7 @@ class Submitting(SlurmParts):
             nodes=nodes,
             tasks_per_node=int(resources.get("tasks_per_node") or 1),
             node_env=self.node_env,
+            time_from=time_limit_source(time_min, spec.timeout_s, self.sbatch_args, job_args),
         )
 
     # -- talking to Slurm ------------------------------------------------------------------------
