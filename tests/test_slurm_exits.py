@@ -178,7 +178,9 @@ def test_one_rank_failing_gives_its_own_exit_code_not_sruns(queue_dir, watcher):
     attempt = run["attempts"][-1]
     assert len(run["attempts"]) == 1 and attempt["exit_code"] == 7, run
     assert run["diagnosis"]["kind"] == "unknown" and "rank 1 exited 7" in run["diagnosis"]["evidence"]
-    assert json.loads((done / "exit.json").read_text())["exit_code"] != 7  # srun's own status stays in the record
+    assert attempt["failed_rank"] == 1 and attempt["srun_exit_code"] not in (None, 7), attempt
+    record = json.loads((done / "exit.json").read_text())  # the exit record says it too: srun's status beside it
+    assert (record["exit_code"], record["failed_rank"], record["srun_exit_code"]) == (7, 1, attempt["srun_exit_code"])
 
 
 def test_a_submit_limit_makes_the_job_wait_then_submits_it_again(queue_dir, watcher, tmp_path, monkeypatch):
