@@ -54,22 +54,33 @@ def use_cluster(env: dict[str, str] | None = None):
     saying why, when it cannot be.
 
     Several test runs on one machine share the cluster: each holds a shared flock on users.lock while it runs,
-    and the last one out (the one that gets it exclusively) stops the daemons.
+    and the last one out (the one that gets it exclusively) stops the daemons. A module that needs another cluster
+    (a switch restarts Slurm, ending every job on it) first waits until no other run uses the current one.
     """
     if os.geteuid() != 0:
-        pytest.skip("the one-node Slurm of tests/slurm/start.sh needs root")
+        pytest.skip("the Slurm of tests/slurm/start.sh needs root")
+    wanted = {**DEFAULT_CLUSTER, **(env or {})}
+    mode = " ".join(f"{k}={v}" for k, v in sorted(wanted.items()))
+    CLUSTER_DIR.mkdir(parents=True, exist_ok=True)
+    users = open(CLUSTER_DIR / "users.lock", "a")
+    mode_file = CLUSTER_DIR / "mode"
+    if not mode_file.exists() or mode_file.read_text() != mode:
+        fcntl.flock(users, fcntl.LOCK_EX)  # blocks while another test run uses the cluster as it is
     started = subprocess.run(
         ["bash", str(SLURM_DIR / "start.sh")],
         capture_output=True,
         text=True,
         timeout=600,
         stdin=subprocess.DEVNULL,
-        env={**os.environ, **DEFAULT_CLUSTER, **(env or {})},
+        env={**os.environ, **wanted},
     )
     if started.returncode == EXIT_NOT_INSTALLED:
+        users.close()
         pytest.skip(started.stderr.strip().splitlines()[-1])
+    if started.returncode != 0:
+        users.close()
     assert started.returncode == 0, f"tests/slurm/start.sh failed:\n{started.stderr[-3000:]}"
-    users = open(CLUSTER_DIR / "users.lock", "a")
+    mode_file.write_text(mode)
     fcntl.flock(users, fcntl.LOCK_SH)
     conf = started.stdout.strip().splitlines()[-1].partition("=")[2]
     previous = os.environ.get("SLURM_CONF")
@@ -477,6 +488,17 @@ def test_slurm_refusing_the_job_rejects_it_with_slurms_words_and_never_retries(
     assert done.parent.name == "failed" and run["status"] == "rejected", run
     assert "Slurm refused the job" in run["error"] and "Invalid partition name specified" in run["error"]
     assert len(run["attempts"]) == 1 and len(sbatch.read_text().splitlines()) == 1
+    assert "running/" not in run["error"] and "running/" not in run["diagnosis"]["evidence"]  # it is in failed/ now
+
+
+def test_a_job_asking_for_more_gpus_than_a_node_has_is_told_to_lower_resources_gpus(queue_dir, watcher):
+    """The test cluster's node has 2 (fake) GPUs: --gres=gpu:3 is refused, and the advice names the job's own field."""
+    w = watcher(**SLURM)
+    drop(queue_dir, "greedy.yaml", job_file(command=["true"], resources={"gpus": 3}))
+    done = tick_until(w, lambda: finished(queue_dir, "greedy"), 60, "greedy to be rejected")
+    run = run_json(done)
+    assert run["status"] == "rejected" and "Requested node configuration is not available" in run["error"], run
+    assert "resources.gpus" in run["diagnosis"]["advice"] and "sbatch_args" not in run["diagnosis"]["advice"], run
 
 
 def test_job_folder_the_node_cannot_see_is_diagnosed(queue_dir, watcher):
@@ -872,6 +894,7 @@ def test_slurms_time_limit_warning_checkpoints_and_ends_as_timeout(queue_dir, wa
     log = (done / "output.log").read_text()
     assert "time limit is near: its warning (SIGUSR1) came" in log and "checkpoint written" in log
     assert run["status"] == "timeout" and run["diagnosis"]["kind"] == "timeout", run
+    assert "may be stopped as a timeout at once; ask for at least --time=2" in log  # warned at submit
     # the limit is Slurm's --time, and the evidence says where it came from (not "raise timeout in the job file")
     assert "--time=1 from the job file's slurm.sbatch_args" in run["diagnosis"]["evidence"], run["diagnosis"]
     assert "raise --time" in run["diagnosis"]["advice"] and "timeout in the job file" not in run["diagnosis"]["advice"]

@@ -31,7 +31,7 @@ from test_slurm import (  # noqa: F401  (the cluster fixtures are used by name)
     status_job,
 )
 
-from trainq.watcher.slurm.batch import effective_time_min, signal_lead_s
+from trainq.watcher.slurm.batch import effective_time_min, short_limit_warning, signal_lead_s
 from trainq.watcher.slurm.state import decode_status, parse_sacct, parse_squeue
 
 pytestmark = pytest.mark.slurm
@@ -79,6 +79,10 @@ def test_the_time_limit_warning_takes_at_most_half_of_a_short_limit():
     assert signal_lead_s(120, 5, effective_time_min(9, ("-t", "1"))) == 30
     assert signal_lead_s(120, 5, effective_time_min(9, ("--time=1-0",))) == 125
     assert effective_time_min(9, ("--time=1:30",)) == 1.5 and effective_time_min(4, ("--time=UNLIMITED",)) is None
+    # a limit of at most the lead + 60 s: Slurm's early warning may come at once, and the submission says so
+    assert "at least --time=2" in short_limit_warning("--time=1 from the job file's slurm.sbatch_args", 1, 30)
+    assert short_limit_warning("x", 3, 125) and short_limit_warning("x", 4, 125) is None
+    assert short_limit_warning("x", None, 125) is None
 
 
 # -- every way out of Slurm ---------------------------------------------------------------------------

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import drop, tick_until
 from test_slurm import (  # noqa: F401  (the autouse clean-up fixture is used by name)
     SLURM,
+    SLURM_DIR,
     finished,
     job_file,
     no_leftover_slurm_jobs,
@@ -22,7 +27,7 @@ from test_slurm import (  # noqa: F401  (the autouse clean-up fixture is used by
     use_cluster,
 )
 from test_slurm_nodes import NODES
-from trainer_util import BASE_TRAIN, build_tiny, output, run_trainer, summary, write_job
+from trainer_util import BASE_TRAIN, build_tiny, output, records, run_trainer, summary, write_job
 
 pytestmark = pytest.mark.slurm
 pytest.importorskip("torch", reason="the training stack (pip install -e '.[train]') is not installed")
@@ -88,3 +93,114 @@ def test_two_nodes_train_one_world_to_done_bitwise_equal_to_one_machine(one_mach
 
 def got_host(job_dir: Path) -> str:
     return json.loads((job_dir / "env.json").read_text())["hosts"][0]
+
+
+# -- faults across nodes ------------------------------------------------------------------------------------------
+
+#: slow steps (the faults below strike mid-run) that change nothing in the numbers
+SLOW = {"TRAINQ_TRAINER_FAULTS": "sleep_per_step=0.5"}
+
+
+def last_step(job_dir: Path) -> int:
+    steps = [r.get("step") or 0 for r in records(job_dir, "step")]
+    return max(steps, default=0)
+
+
+def checkpointed(job_dir: Path, step: int) -> bool:
+    return (job_dir / "checkpoints" / f"step-{step:06d}" / "manifest.json").is_file()
+
+
+def rank_process(job_dir: Path, rank: int) -> psutil.Process | None:
+    """The rank's trainer process (torchrun's child), wherever its node's namespace is: one process table here."""
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+            line = " ".join(proc.cmdline())
+            if env.get("TORCHELASTIC_RUN_ID") and env.get("RANK") == str(rank) and str(job_dir.name) in line:
+                return proc
+        except (psutil.Error, KeyError):
+            continue
+    return None
+
+
+def started(w, queue_dir: Path, name: str, what) -> Path:
+    folder = queue_dir / "running" / name
+    tick_until(w, lambda: folder.is_dir() and what(folder), HANG_GUARD_S, f"{name} to get going")
+    return folder
+
+
+def test_stop_flag_across_nodes_checkpoints_every_node_exits_0_and_resumes_bitwise(
+    one_machine, tiny, queue_dir, watcher
+):
+    w = watcher(**SLURM)
+    drop(queue_dir, "halt.yaml", train_job(tiny, env=SLOW))
+    folder = started(w, queue_dir, "halt", lambda f: last_step(f) >= 2)
+    (folder / "stop.flag").touch()
+    stopped = tick_until(w, lambda: finished(queue_dir, "halt"), HANG_GUARD_S, "halt to stop")
+    run = run_json(stopped)
+    assert run["status"] == "cancelled" and run["attempts"][-1]["exit_code"] == 0, run
+    latest = stopped / "checkpoints" / "ckpt_latest"
+    # one complete checkpoint, with the part each node's rank wrote (rank 1 ran on node2)
+    assert {"manifest.json", "rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in latest.iterdir()}
+    assert summary(stopped)["outcome"] == "stopped" and summary(stopped)["hosts"] == ["node1", "node2"]
+    (stopped / "retry.flag").touch()
+    done = tick_until(w, lambda: (queue_dir / "done" / "halt" / "run.json").exists(), HANG_GUARD_S, "halt to resume")
+    assert summary(done)["outcome"] == "done" and summary(done)["resumed_from"].startswith("checkpoints/step-")
+    assert weights_sha256(done) == weights_sha256(one_machine)
+
+
+def test_a_node_set_down_under_a_train_job_is_preempted_retried_and_resumed(one_machine, tiny, queue_dir, watcher):
+    w = watcher(**SLURM)
+    retries = {"max": 1, "on": ["preempted"], "backoff": "1s"}
+    drop(queue_dir, "downed.yaml", train_job(tiny, env=SLOW, retries=retries))
+    folder = started(w, queue_dir, "downed", lambda f: checkpointed(f, 4))
+    try:
+        subprocess.run(["scontrol", "update", "NodeName=node2", "State=DOWN", "Reason=trainq-test"], check=True)
+        done = tick_until(w, lambda: finished(queue_dir, "downed"), HANG_GUARD_S, "downed to be retried to its end")
+    finally:
+        subprocess.run(["scontrol", "update", "NodeName=node2", "State=RESUME"], check=False)
+    run = run_json(done)
+    assert done.parent.name == "done" and len(run["attempts"]) == 2, (run, output(done)[-3000:])
+    first = run["attempts"][0]["diagnosis"]
+    assert first["kind"] == "preempted" and "node2" in first["evidence"], first
+    assert summary(done)["hosts"] == ["node1", "node3"]  # the retry ran where Slurm still had nodes
+    assert summary(done)["resumed_from"].startswith("checkpoints/step-")
+    assert weights_sha256(done) == weights_sha256(one_machine)
+    assert folder.name == "downed"
+
+
+def test_a_rank_killed_on_the_second_node_fails_the_job_naming_node_and_rank(tiny, queue_dir, watcher):
+    w = watcher(**SLURM)
+    drop(queue_dir, "shot.yaml", train_job(tiny, env=SLOW))
+    folder = started(w, queue_dir, "shot", lambda f: last_step(f) >= 2)
+    victim = rank_process(folder, 1)
+    assert victim is not None
+    victim.kill()
+    done = tick_until(w, lambda: finished(queue_dir, "shot"), HANG_GUARD_S, "shot to fail")
+    run = run_json(done)
+    assert run["status"] == "failed" and run["diagnosis"]["kind"] == "killed", run
+    assert f"rank 1 (pid {victim.pid} on node2) was killed by SIGKILL" in run["diagnosis"]["evidence"]
+    failed = [r for r in records(done, "event") if r.get("event") == "rank_failed"]
+    assert failed and failed[0]["rank"] == 1, failed
+
+
+def test_the_slurmd_of_a_node_killed_under_a_train_job_leaves_the_job_running_to_done(tiny, queue_dir, watcher):
+    """slurmd only starts and signals steps: the running step's slurmstepd keeps the ranks of node2 going."""
+    w = watcher(**SLURM)
+    drop(queue_dir, "orphan.yaml", train_job(tiny, env=SLOW))
+    started(w, queue_dir, "orphan", lambda f: last_step(f) >= 2)
+    pid_file = Path(os.environ.get("TRAINQ_SLURM_DIR", "/run/trainq-test-slurm")) / "slurmd-node2.pid"
+    try:
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        done = tick_until(w, lambda: finished(queue_dir, "orphan"), HANG_GUARD_S, "orphan to finish")
+    finally:
+        again = subprocess.run(
+            ["bash", str(SLURM_DIR / "start.sh")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, TRAINQ_SLURM_NODES=str(NODES), TRAINQ_SLURM_ACCOUNTING="0"),
+        )
+    assert again.returncode == 0, again.stderr
+    assert done.parent.name == "done", output(done)[-3000:]
+    assert summary(done)["hosts"] == ["node1", "node2"]

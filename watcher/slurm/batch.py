@@ -26,6 +26,8 @@ SIGNAL_MIN_LEAD_S = 60
 #: the largest share of the time limit the warning may take: --time=2 with a 125 s lead would stop every attempt at
 #: once; capped at half, the job runs at least half its limit (1 minute of --time=2) before it is warned
 SIGNAL_MAX_LEAD_FRACTION = 0.5
+#: how much earlier than --signal's lead Slurm may send the warning (s): measured 7.5-23.8 s into a 60 s job
+SIGNAL_EARLY_S = 60
 #: the signal Slurm sends the batch job's supervisor before the time limit (it stops the job like a timeout)
 TIME_LIMIT_SIGNAL = "USR1"
 #: set by slurm.sh's first line when the time-limit warning came while the shell still ran (before the supervisor
@@ -165,6 +167,19 @@ def signal_lead_s(stop_grace_s: float, kill_after_s: float, time_min: float | No
     if time_min:
         lead = min(lead, max(1, math.floor(time_min * 60 * SIGNAL_MAX_LEAD_FRACTION)))
     return lead
+
+
+def short_limit_warning(time_from: str, limit_min: float | None, lead_s: int) -> str | None:
+    """A line for output.log when Slurm's time limit is so short that its warning may come at once (the limit is at
+    most the lead plus SIGNAL_EARLY_S); None otherwise."""
+    if not limit_min or limit_min * 60 > lead_s + SIGNAL_EARLY_S:
+        return None
+    enough = math.floor((lead_s + SIGNAL_EARLY_S) / 60) + 1
+    return (
+        f"trainq: Slurm's time limit ({time_from}) is {limit_min * 60:g} s, and Slurm may send its warning "
+        f"(--signal=B:{TIME_LIMIT_SIGNAL}@{lead_s}) up to {SIGNAL_EARLY_S} s early: from the job's first second on, "
+        f"so it may be stopped as a timeout at once; ask for at least --time={enough} for a run of any length"
+    )
 
 
 def effective_time_min(time_min: int | None, extra: tuple[str, ...]) -> float | None:

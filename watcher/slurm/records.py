@@ -68,6 +68,10 @@ class SlurmRejected(SpawnFailed):
 
     rejected = True
 
+    def __init__(self, message: str, advice: str | None = None):
+        super().__init__(message)
+        self.advice = advice  # what to change, when Slurm's words point at the job's own resources
+
 
 @dataclass
 class Held:

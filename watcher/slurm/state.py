@@ -80,6 +80,14 @@ NO_ANSWER = re.compile(
 #: QOSMaxSubmitJobPerUserLimit, QOSGrpSubmitJobsLimit, ...; then "Job violates accounting/QOS policy (job submit
 #: limit, ...)"): the count goes down as jobs end, so the job waits and is submitted again later
 LIMITED = re.compile(r"Submit\w*Limit|violates accounting/QOS policy", re.IGNORECASE)
+#: sbatch's refusal when no node of the partition has what the job asks for (GPUs, memory, CPUs, nodes)
+NODE_CONFIG = re.compile(r"Requested node configuration is not available|Node count specification invalid", re.I)
+#: the advice for that refusal: the job's own resources are what trainq turns into --gres, --mem and --nodes
+RESOURCES_ADVICE = (
+    "No node of the partition has what the job asks for: lower resources.gpus (or gpus_per_node), "
+    "resources.ram_gb or resources.nodes in the job file (trainq passes them to sbatch as --gres, --mem and "
+    "--nodes), or choose a partition whose nodes have them (slurm.partition); then submit it again."
+)
 #: ... unless the limit named is one the job itself breaks (its size or time): that never changes, it is refused
 PER_JOB_LIMIT = re.compile(r"PerJob|MaxWall|Wall\w*Limit|MinTRES|MinCpu|MinNode", re.IGNORECASE)
 #: scontrol's answer for an id it no longer knows: purged after MinJobAge, or a cancelled array task that never
