@@ -84,8 +84,9 @@ def test_two_nodes_train_one_world_to_done_bitwise_equal_to_one_machine(one_mach
     assert "[rank 0] trainq: rank 0 of 2" in log and "[rank 1] trainq: rank 1 of 2" in log
     got = summary(done)
     assert got["outcome"] == "done" and got["world_size"] == 2 and got["steps"] == TRAIN["max_steps"]
-    assert got["hosts"] == ["node1", "node2"], got
-    assert json.loads((done / "env.json").read_text())["hosts"] == ["node1", "node2"]
+    hosts = got["hosts"]
+    assert len(hosts) == 2 and all(h.startswith("node") for h in hosts), got  # two hosts, not this machine
+    assert json.loads((done / "env.json").read_text())["hosts"] == hosts
     assert summary(one_machine)["hosts"] == [got_host(one_machine)]
     assert weights_sha256(done) == weights_sha256(one_machine)
     assert run_json(done)["slurm_job_id"]
@@ -129,6 +130,16 @@ def started(w, queue_dir: Path, name: str, what) -> Path:
     return folder
 
 
+def job_hosts(w, name: str) -> list[str]:
+    """The nodes Slurm gave the job's current attempt, first (the batch host, rank 0's) first."""
+    slurm_id = w.jobs[name].run["slurm_job_id"]
+    listed = subprocess.run(["squeue", "-h", "-j", slurm_id, "-o", "%N"], capture_output=True, text=True, timeout=60)
+    names = subprocess.run(
+        ["scontrol", "show", "hostnames", listed.stdout.strip()], capture_output=True, text=True, timeout=60
+    )
+    return names.stdout.split()
+
+
 def test_stop_flag_across_nodes_checkpoints_every_node_exits_0_and_resumes_bitwise(
     one_machine, tiny, queue_dir, watcher
 ):
@@ -142,9 +153,10 @@ def test_stop_flag_across_nodes_checkpoints_every_node_exits_0_and_resumes_bitwi
     latest = stopped / "checkpoints" / "ckpt_latest"
     # one complete checkpoint, with the part each node's rank wrote (rank 1 ran on node2)
     assert {"manifest.json", "rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in latest.iterdir()}
-    assert summary(stopped)["outcome"] == "stopped" and summary(stopped)["hosts"] == ["node1", "node2"]
+    assert summary(stopped)["outcome"] == "stopped" and len(summary(stopped)["hosts"]) == 2
     (stopped / "retry.flag").touch()
-    done = tick_until(w, lambda: (queue_dir / "done" / "halt" / "run.json").exists(), HANG_GUARD_S, "halt to resume")
+    done = queue_dir / "done" / "halt"
+    tick_until(w, lambda: (done / "run.json").exists(), HANG_GUARD_S, "halt to resume")
     assert summary(done)["outcome"] == "done" and summary(done)["resumed_from"].startswith("checkpoints/step-")
     assert weights_sha256(done) == weights_sha256(one_machine)
 
@@ -154,16 +166,17 @@ def test_a_node_set_down_under_a_train_job_is_preempted_retried_and_resumed(one_
     retries = {"max": 1, "on": ["preempted"], "backoff": "1s"}
     drop(queue_dir, "downed.yaml", train_job(tiny, env=SLOW, retries=retries))
     folder = started(w, queue_dir, "downed", lambda f: checkpointed(f, 4))
+    second = job_hosts(w, "downed")[1]  # not the batch host, which squeue names
     try:
-        subprocess.run(["scontrol", "update", "NodeName=node2", "State=DOWN", "Reason=trainq-test"], check=True)
+        subprocess.run(["scontrol", "update", f"NodeName={second}", "State=DOWN", "Reason=trainq-test"], check=True)
         done = tick_until(w, lambda: finished(queue_dir, "downed"), HANG_GUARD_S, "downed to be retried to its end")
     finally:
-        subprocess.run(["scontrol", "update", "NodeName=node2", "State=RESUME"], check=False)
+        subprocess.run(["scontrol", "update", f"NodeName={second}", "State=RESUME"], check=False)
     run = run_json(done)
     assert done.parent.name == "done" and len(run["attempts"]) == 2, (run, output(done)[-3000:])
     first = run["attempts"][0]["diagnosis"]
-    assert first["kind"] == "preempted" and "node2" in first["evidence"], first
-    assert summary(done)["hosts"] == ["node1", "node3"]  # the retry ran where Slurm still had nodes
+    assert first["kind"] == "preempted" and f"Slurm node {second} failed" in first["evidence"], first
+    assert second not in summary(done)["hosts"]  # the retry ran where Slurm still had nodes
     assert summary(done)["resumed_from"].startswith("checkpoints/step-")
     assert weights_sha256(done) == weights_sha256(one_machine)
     assert folder.name == "downed"
@@ -173,13 +186,14 @@ def test_a_rank_killed_on_the_second_node_fails_the_job_naming_node_and_rank(tin
     w = watcher(**SLURM)
     drop(queue_dir, "shot.yaml", train_job(tiny, env=SLOW))
     folder = started(w, queue_dir, "shot", lambda f: last_step(f) >= 2)
+    second = job_hosts(w, "shot")[1]
     victim = rank_process(folder, 1)
     assert victim is not None
     victim.kill()
     done = tick_until(w, lambda: finished(queue_dir, "shot"), HANG_GUARD_S, "shot to fail")
     run = run_json(done)
     assert run["status"] == "failed" and run["diagnosis"]["kind"] == "killed", run
-    assert f"rank 1 (pid {victim.pid} on node2) was killed by SIGKILL" in run["diagnosis"]["evidence"]
+    assert f"rank 1 (pid {victim.pid} on {second}) was killed by SIGKILL" in run["diagnosis"]["evidence"], run
     failed = [r for r in records(done, "event") if r.get("event") == "rank_failed"]
     assert failed and failed[0]["rank"] == 1, failed
 
@@ -189,7 +203,8 @@ def test_the_slurmd_of_a_node_killed_under_a_train_job_leaves_the_job_running_to
     w = watcher(**SLURM)
     drop(queue_dir, "orphan.yaml", train_job(tiny, env=SLOW))
     started(w, queue_dir, "orphan", lambda f: last_step(f) >= 2)
-    pid_file = Path(os.environ.get("TRAINQ_SLURM_DIR", "/run/trainq-test-slurm")) / "slurmd-node2.pid"
+    second = job_hosts(w, "orphan")[1]
+    pid_file = Path(os.environ.get("TRAINQ_SLURM_DIR", "/run/trainq-test-slurm")) / f"slurmd-{second}.pid"
     try:
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
         done = tick_until(w, lambda: finished(queue_dir, "orphan"), HANG_GUARD_S, "orphan to finish")
@@ -203,4 +218,25 @@ def test_the_slurmd_of_a_node_killed_under_a_train_job_leaves_the_job_running_to
         )
     assert again.returncode == 0, again.stderr
     assert done.parent.name == "done", output(done)[-3000:]
-    assert summary(done)["hosts"] == ["node1", "node2"]
+    assert second in summary(done)["hosts"]
+
+
+def test_the_link_of_a_node_cut_ends_the_job_naming_the_silent_node(tiny, queue_dir, watcher):
+    """node2's veth down: its rank can no longer answer, rank 0's collective times out (TRAINQ_COLLECTIVE_TIMEOUT_S)
+    and the job ends instead of hanging, naming what went silent."""
+    w = watcher(**SLURM)
+    quick = {**SLOW, "TRAINQ_COLLECTIVE_TIMEOUT_S": "20", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"}
+    drop(queue_dir, "cut.yaml", train_job(tiny, env=quick))
+    started(w, queue_dir, "cut", lambda f: last_step(f) >= 2)
+    second = job_hosts(w, "cut")[1]
+    link = f"trainq-v{second.removeprefix('node')}"
+    try:
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        done = tick_until(w, lambda: finished(queue_dir, "cut"), HANG_GUARD_S, "cut to end")
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=False)
+        subprocess.run(["scontrol", "update", f"NodeName={second}", "State=RESUME"], check=False)
+    run = run_json(done)
+    evidence = run["diagnosis"]["evidence"]
+    assert run["status"] == "failed" and "rank" in evidence, (run, output(done)[-3000:])
+    assert "stopped answering" in evidence or "gave up waiting" in evidence, evidence

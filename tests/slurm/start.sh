@@ -97,6 +97,10 @@ field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" <<<"$hw"; }
 REAL_CPUS=$(field CPUs); MEM=$(( $(field RealMemory) * 9 / 10 ))
 CPUS=${SLURM_CPUS:-8}
 HOST=$(hostname -s)
+# a node set DOWN by hand comes back by itself with one node (ReturnToService=2), so tests need not resume it;
+# with several it stays DOWN until resumed (1: only a node that stopped answering returns), as on a real cluster,
+# so a test sees which node is down while a job fails over to the others
+RETURN_TO_SERVICE=2
 if [ "$NODES" = 1 ]; then   # the machine itself, as before there were several
   NODE_NAMES=("$HOST"); CTL_ADDR=127.0.0.1; GRES_NODES=$HOST
   SLURMD_FILES="SlurmdSpoolDir=$BASE/spool
@@ -104,7 +108,7 @@ SlurmdPidFile=$BASE/slurmd.pid
 SlurmdLogFile=$BASE/log/slurmd.log"
 else                        # node1..nodeN in their namespaces; the controller on the bridge's host side
   NODE_NAMES=(); for ((k = 1; k <= NODES; k++)); do NODE_NAMES+=("node$k"); done
-  CTL_ADDR=$NET.254; GRES_NODES="node[1-$NODES]"
+  CTL_ADDR=$NET.254; GRES_NODES="node[1-$NODES]"; RETURN_TO_SERVICE=1
   SLURMD_FILES="SlurmdSpoolDir=$BASE/spool/%n
 SlurmdPidFile=$BASE/slurmd-%n.pid
 SlurmdLogFile=$BASE/log/slurmd-%n.log"
@@ -152,7 +156,7 @@ JobAcctGatherParams=OverMemoryKill
 $accounting
 JobCompType=jobcomp/filetxt
 JobCompLoc=$BASE/log/jobcomp.txt
-ReturnToService=2
+ReturnToService=$RETURN_TO_SERVICE
 MinJobAge=$min_job_age
 KillWait=5
 SchedulerParameters=sched_min_interval=100000

@@ -18,6 +18,7 @@ from trainq.watcher.slurm.state import (
     TIME_LIMIT_ADVICE,
     SlurmJob,
     cancelled_evidence,
+    failed_node,
     killed_for_memory,
     oom_evidence,
     taken_by_slurm,
@@ -126,7 +127,8 @@ def with_slurm_view(
             },
         )
     elif by_signal and job.state in ("PREEMPTED", "NODE_FAIL", "BOOT_FAIL"):
-        record["executor_diagnosis"] = {"kind": "preempted", "evidence": taken_by_slurm(job.state, job.node)}
+        node = failed_node(slurm_id, job) if job.state == "NODE_FAIL" else job.node
+        record["executor_diagnosis"] = {"kind": "preempted", "evidence": taken_by_slurm(job.state, node)}
     return record
 
 

@@ -329,6 +329,28 @@ def run(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) ->
     )
 
 
+#: how long the look at which node of a NODE_FAIL job failed may take (two Slurm commands, once per such job)
+FAILED_NODE_TIMEOUT_S = 10.0
+
+
+def failed_node(slurm_id: str, job: SlurmJob) -> str:
+    """The node that failed under a NODE_FAIL job: those of its nodes Slurm now holds down, drained or not
+    responding (squeue names only the batch host, the first node, which need not be the one that failed); the
+    batch host when none is down any more or Slurm does not say."""
+    try:
+        shown = run(["scontrol", "-o", "show", "job", slurm_id], FAILED_NODE_TIMEOUT_S)
+        nodes = re.search(r"\bNodeList=(\S+)", shown.stdout or "")
+        if shown.returncode != 0 or not nodes or nodes[1] == "(null)":
+            return job.node
+        down = run(
+            ["sinfo", "-h", "-N", "-n", nodes[1], "-t", "down,drain,fail,no_respond", "-o", "%N"], FAILED_NODE_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return job.node
+    named = sorted(set(down.stdout.split())) if down.returncode == 0 else []
+    return ",".join(named) or job.node
+
+
 def taken_by_slurm(state: str, node: str | None) -> str:
     """The evidence for a job Slurm itself took away (a preemption, a failed node), in Slurm's terms."""
     on = f" on node {node}" if node and node != "(null)" else ""
@@ -391,11 +413,12 @@ def ended_outcome(
     by_state = {
         "CANCELLED": (None, SIGTERM, stopped, "preempted", f"Slurm cancelled the job{node} (scancel)"),
         "PREEMPTED": (None, SIGTERM, None, "preempted", taken_by_slurm(job.state, job.node)),
-        "NODE_FAIL": (None, SIGKILL, None, "preempted", taken_by_slurm(job.state, job.node)),
         "BOOT_FAIL": (None, SIGKILL, None, "preempted", taken_by_slurm(job.state, job.node)),
         "OUT_OF_MEMORY": (None, SIGKILL, None, "oom", oom_evidence(node)),
         "DEADLINE": (None, SIGKILL, "timeout", "timeout", f"Slurm's deadline ended the job{node}"),
     }
+    if job.state == "NODE_FAIL":
+        return _outcome(None, SIGKILL, None, "preempted", taken_by_slurm(job.state, failed_node(slurm_id, job)))
     if job.state == "TIMEOUT":
         evidence = time_limit_evidence(paths, f"ended the job{node}")
         return _outcome(None, SIGKILL, "timeout", "timeout", evidence, TIME_LIMIT_ADVICE)
