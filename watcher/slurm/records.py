@@ -136,11 +136,10 @@ def warned_diagnosis(record: dict, paths: JobPaths) -> dict:
     """A job stopped by Slurm's time-limit warning (USR1): the limit, where it came from and when the warning came,
     which on Slurm may be up to 60 s before the lead asked for (--signal=B:USR1@lead)."""
     when = ""
-    try:
-        after = parse_iso(record["time_limit_warned_at"]) - parse_iso(record["started_at"])
+    warned, started = parse_iso(record.get("time_limit_warned_at")), parse_iso(record.get("started_at"))
+    if warned is not None and started is not None:
+        after = warned - started
         when = f" {after:.1f} s after the job started" if after >= 0 else " before the job started"
-    except (KeyError, TypeError, ValueError):
-        pass
     lead = next(
         (
             a.rpartition("@")[2]
