@@ -101,6 +101,9 @@ HOST=$(hostname -s)
 # with several it stays DOWN until resumed (1: only a node that stopped answering returns), as on a real cluster,
 # so a test sees which node is down while a job fails over to the others
 RETURN_TO_SERVICE=2
+# how long a node's slurmd may stay silent before Slurm marks it DOWN (Slurm's default 300 s; 120 s with several
+# nodes, so a test that cuts a node's link sees the end within minutes)
+SLURMD_TIMEOUT=300
 if [ "$NODES" = 1 ]; then   # the machine itself, as before there were several
   NODE_NAMES=("$HOST"); CTL_ADDR=127.0.0.1; GRES_NODES=$HOST
   SLURMD_FILES="SlurmdSpoolDir=$BASE/spool
@@ -108,7 +111,7 @@ SlurmdPidFile=$BASE/slurmd.pid
 SlurmdLogFile=$BASE/log/slurmd.log"
 else                        # node1..nodeN in their namespaces; the controller on the bridge's host side
   NODE_NAMES=(); for ((k = 1; k <= NODES; k++)); do NODE_NAMES+=("node$k"); done
-  CTL_ADDR=$NET.254; GRES_NODES="node[1-$NODES]"; RETURN_TO_SERVICE=1
+  CTL_ADDR=$NET.254; GRES_NODES="node[1-$NODES]"; RETURN_TO_SERVICE=1; SLURMD_TIMEOUT=120
   SLURMD_FILES="SlurmdSpoolDir=$BASE/spool/%n
 SlurmdPidFile=$BASE/slurmd-%n.pid
 SlurmdLogFile=$BASE/log/slurmd-%n.log"
@@ -157,6 +160,7 @@ $accounting
 JobCompType=jobcomp/filetxt
 JobCompLoc=$BASE/log/jobcomp.txt
 ReturnToService=$RETURN_TO_SERVICE
+SlurmdTimeout=$SLURMD_TIMEOUT
 MinJobAge=$min_job_age
 KillWait=5
 SchedulerParameters=sched_min_interval=100000
