@@ -18,6 +18,10 @@ alive() {   # alive NAME [COMM]: the process whose pid is in $BASE/NAME.pid runs
   [[ "$pid" =~ ^[0-9]+$ ]] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "${2:-$1}" ]
 }
 
+running() {   # running PID: the process exists and is not a zombie (a daemon's parent, init, may reap it late)
+  [ -d "/proc/$1" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null
+}
+
 # every slurmd start.sh started: slurmd.pid (one node) or slurmd-nodeK.pid (several)
 slurmds=()
 for f in "$BASE"/slurmd*.pid; do [ -e "$f" ] && slurmds+=("$(basename "$f" .pid)"); done
@@ -41,10 +45,11 @@ for d in "${daemons[@]}"; do
   pid=$(cat "$BASE/$d.pid")
   kill -CONT "$pid" 2>/dev/null   # a test may have left it SIGSTOPped
   kill -TERM "$pid" 2>/dev/null
-  for _ in $(seq 100); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
-  if [ -d "/proc/$pid" ]; then
-    kill -KILL "$pid" 2>/dev/null; sleep 0.3
-    [ -d "/proc/$pid" ] && { echo "tests/slurm/stop.sh: $d ($pid) is still alive" >&2; rc=1; continue; }
+  for _ in $(seq 100); do running "$pid" || break; sleep 0.1; done
+  if running "$pid"; then
+    kill -KILL "$pid" 2>/dev/null
+    for _ in $(seq 50); do running "$pid" || break; sleep 0.1; done
+    running "$pid" && { echo "tests/slurm/stop.sh: $d ($pid) is still alive" >&2; rc=1; continue; }
   fi
   rm -f "$BASE/$d.pid"
 done
