@@ -20,7 +20,7 @@ import pytest
 import yaml
 from conftest import FAKE, PY, REPO, drop, tick_until, wait_until
 
-from trainq.watcher.slurm.batch import sbatch_env
+from trainq.watcher.slurm.batch import EARLY_WARNING_ENV, sbatch_env
 from trainq.watcher.slurm.executor import EXIT_NOT_SHARED, SlurmExecutor, batch_env, batch_script, time_limit_min
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.supervisor import LaunchSpec
@@ -43,27 +43,44 @@ def _sh(script: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+#: the cluster a module gets unless its fixture asks for another: one node, no accounting (a module that asked for
+#: more switched the cluster; the next one's start.sh switches it back)
+DEFAULT_CLUSTER = {"TRAINQ_SLURM_NODES": "1", "TRAINQ_SLURM_ACCOUNTING": "0"}
+
+
 def use_cluster(env: dict[str, str] | None = None):
-    """Bring up the repository's one-node cluster (``env``: extra variables for start.sh) for a module, as a
-    generator for its fixture; skip, saying why, when it cannot be.
+    """Bring up the repository's cluster (``env``: variables for start.sh over DEFAULT_CLUSTER, such as
+    ``TRAINQ_SLURM_NODES`` or ``TRAINQ_SLURM_ACCOUNTING``) for a module, as a generator for its fixture; skip,
+    saying why, when it cannot be.
 
     Several test runs on one machine share the cluster: each holds a shared flock on users.lock while it runs,
-    and the last one out (the one that gets it exclusively) stops the daemons.
+    and the last one out (the one that gets it exclusively) stops the daemons. A module that needs another cluster
+    (a switch restarts Slurm, ending every job on it) first waits until no other run uses the current one.
     """
     if os.geteuid() != 0:
-        pytest.skip("the one-node Slurm of tests/slurm/start.sh needs root")
+        pytest.skip("the Slurm of tests/slurm/start.sh needs root")
+    wanted = {**DEFAULT_CLUSTER, **(env or {})}
+    mode = " ".join(f"{k}={v}" for k, v in sorted(wanted.items()))
+    CLUSTER_DIR.mkdir(parents=True, exist_ok=True)
+    users = open(CLUSTER_DIR / "users.lock", "a")
+    mode_file = CLUSTER_DIR / "mode"
+    if not mode_file.exists() or mode_file.read_text() != mode:
+        fcntl.flock(users, fcntl.LOCK_EX)  # blocks while another test run uses the cluster as it is
     started = subprocess.run(
         ["bash", str(SLURM_DIR / "start.sh")],
         capture_output=True,
         text=True,
         timeout=600,
         stdin=subprocess.DEVNULL,
-        env=dict(os.environ, **(env or {})),
+        env={**os.environ, **wanted},
     )
     if started.returncode == EXIT_NOT_INSTALLED:
+        users.close()
         pytest.skip(started.stderr.strip().splitlines()[-1])
+    if started.returncode != 0:
+        users.close()
     assert started.returncode == 0, f"tests/slurm/start.sh failed:\n{started.stderr[-3000:]}"
-    users = open(CLUSTER_DIR / "users.lock", "a")
+    mode_file.write_text(mode)
     fcntl.flock(users, fcntl.LOCK_SH)
     conf = started.stdout.strip().splitlines()[-1].partition("=")[2]
     previous = os.environ.get("SLURM_CONF")
@@ -231,6 +248,35 @@ def test_sbatch_runs_with_the_base_only_when_its_environment_is_the_batch_jobs()
         spec = LaunchSpec(job_dir="/q/running/j", argv=("true",), env={}, cwd="/q/running/j", attempt=1)
         assert export in ex.options_for(spec, "j", {}, {}).argv(script)
         ex.close()
+
+
+def test_the_batch_scripts_first_line_catches_the_time_limit_warning_and_hands_it_on(tmp_path):
+    """A USR1 that comes while slurm.sh runs is caught by its first line, not fatal; the node side then stops the
+    job as a timeout at once (the warning may come the moment Slurm starts the job)."""
+    first = batch_script(JobPaths(tmp_path), 1, ["sbatch"], sys.executable, str(REPO)).splitlines()[1]
+    caught = subprocess.run(
+        ["sh", "-c", f'{first}\nkill -USR1 $$\necho "warned at ${{{EARLY_WARNING_ENV}:-never}}"'],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert caught.returncode == 0 and caught.stdout.startswith("warned at 1"), caught
+    job = tmp_path / "job"
+    job.mkdir()
+    spec = LaunchSpec(job_dir=str(job), argv=(PY, str(FAKE / "cooperative.py")), env={}, cwd=str(job), attempt=1)
+    (job / "launch.json").write_text(json.dumps(spec.to_dict()))
+    env = {**os.environ, EARLY_WARNING_ENV: f"{time.time() - 0.5:.6f}", "SLURM_JOB_ID": "4242", "PYTHONPATH": str(REPO)}
+    node = subprocess.run(
+        [sys.executable, "-m", "trainq.watcher.slurm.node", str(job), "--attempt", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    record = json.loads((job / "exit.json").read_text())
+    log = (job / "output.log").read_text()
+    assert node.returncode == 0 and record["stop_reason"] == "timeout" and record["time_limit_warned_at"], (node, log)
+    assert "its warning (SIGUSR1) came" in log and "before the job started" in log and "checkpoint written" in log
 
 
 def test_batch_script_refuses_a_job_folder_it_cannot_see(tmp_path):
@@ -442,6 +488,17 @@ def test_slurm_refusing_the_job_rejects_it_with_slurms_words_and_never_retries(
     assert done.parent.name == "failed" and run["status"] == "rejected", run
     assert "Slurm refused the job" in run["error"] and "Invalid partition name specified" in run["error"]
     assert len(run["attempts"]) == 1 and len(sbatch.read_text().splitlines()) == 1
+    assert "running/" not in run["error"] and "running/" not in run["diagnosis"]["evidence"]  # it is in failed/ now
+
+
+def test_a_job_asking_for_more_gpus_than_a_node_has_is_told_to_lower_resources_gpus(queue_dir, watcher):
+    """The test cluster's node has 2 (fake) GPUs: --gres=gpu:3 is refused, and the advice names the job's own field."""
+    w = watcher(**SLURM)
+    drop(queue_dir, "greedy.yaml", job_file(command=["true"], resources={"gpus": 3}))
+    done = tick_until(w, lambda: finished(queue_dir, "greedy"), 60, "greedy to be rejected")
+    run = run_json(done)
+    assert run["status"] == "rejected" and "Requested node configuration is not available" in run["error"], run
+    assert "resources.gpus" in run["diagnosis"]["advice"] and "sbatch_args" not in run["diagnosis"]["advice"], run
 
 
 def test_job_folder_the_node_cannot_see_is_diagnosed(queue_dir, watcher):
@@ -835,11 +892,60 @@ def test_slurms_time_limit_warning_checkpoints_and_ends_as_timeout(queue_dir, wa
     sbatch = json.loads((done / "slurm.json").read_text())["sbatch"]
     assert "--signal=B:USR1@30" in sbatch and "--time=1" in sbatch  # the lead: at most half of a short limit
     log = (done / "output.log").read_text()
-    assert "time limit is near (SIGUSR1)" in log and "checkpoint written" in log
+    assert "time limit is near: its warning (SIGUSR1) came" in log and "checkpoint written" in log
     assert run["status"] == "timeout" and run["diagnosis"]["kind"] == "timeout", run
+    assert "may be stopped as a timeout at once; ask for at least --time=2" in log  # warned at submit
+    # the limit is Slurm's --time, and the evidence says where it came from (not "raise timeout in the job file")
+    assert "--time=1 from the job file's slurm.sbatch_args" in run["diagnosis"]["evidence"], run["diagnosis"]
+    assert "raise --time" in run["diagnosis"]["advice"] and "timeout in the job file" not in run["diagnosis"]["advice"]
     assert (done / "checkpoints" / "step-1" / "state.txt").exists()
     assert not (done / "stop.flag").exists()  # the supervisor's own flag, removed so a retry does not start stopped
     assert slurm_state(run["slurm_job_id"]) == "COMPLETED"  # ended by trainq before Slurm's kill
+
+
+def test_a_time_limit_warning_sent_the_moment_the_job_runs_is_held_until_the_supervisor_handles_it(queue_dir, watcher):
+    """Slurm may send --signal's warning up to 60 s early, so at once: USR1 the moment squeue says RUNNING (before
+    the node side exists) must neither kill the batch job (FAILED/JobLaunchFailure) nor be lost."""
+    w = watcher(**SLURM)
+    drop(
+        queue_dir,
+        "early.yaml",
+        job_file(command=[PY, str(FAKE / "cooperative.py")], stop_grace="30s", slurm={"sbatch_args": ["--time=10"]}),
+    )
+    tick_until(w, lambda: "early" in w.jobs and w.jobs["early"].run.get("slurm_job_id"), 60, "early to be submitted")
+    slurm_id = w.jobs["early"].run["slurm_job_id"]
+
+    def running() -> bool:
+        state = subprocess.run(["squeue", "-h", "-j", slurm_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
+        return state.stdout.strip() == "RUNNING"
+
+    wait_until(running, 60, 0.005, f"Slurm job {slurm_id} to run")
+    subprocess.run(["scancel", "-s", "USR1", "-b", slurm_id], check=True, timeout=60)
+    folder = queue_dir / "running" / "early"
+    try:
+        done = tick_until(w, lambda: finished(queue_dir, "early"), 20, "the early warning to stop early")
+    except pytest.fail.Exception:
+        # Slurm itself drops a signal that reaches slurmd before the batch step's slurmstepd exists (measured:
+        # REQUEST_KILL_JOB 9 ms after "Launching batch job", nothing delivered, the job ran on): then nothing of
+        # the job saw it. The running supervisor must still be stopped by the next one.
+        assert (folder / "supervisor.json").exists() and not (folder / "stop.flag").exists()
+        subprocess.run(["scancel", "-s", "USR1", "-b", slurm_id], check=True, timeout=60)
+        done = tick_until(w, lambda: finished(queue_dir, "early"), 120, "the early warning to stop early")
+    run = run_json(done)
+    log = (done / "output.log").read_text()
+    assert run["status"] == "timeout" and run["diagnosis"]["kind"] == "timeout", (run, log)
+    evidence = run["diagnosis"]["evidence"]
+    assert "--time=10 from the job file's slurm.sbatch_args" in evidence and "warning (USR1) came" in evidence, evidence
+    record = json.loads((done / "exit.json").read_text())
+    if record.get("written_by") == "watcher":
+        # it came while slurmstepd still launched the script, before its first line: nothing of trainq ran, and
+        # the watcher says so at once (no exit grace: no supervisor can have a record on its way)
+        assert slurm_state(slurm_id) == "FAILED" and record["signal"] == 10, record
+        assert "while Slurm was still starting the batch script" in evidence, evidence
+    else:  # held by slurm.sh's first line or blocked for Python: the supervisor stopped the job as a timeout
+        assert "time limit is near: its warning (SIGUSR1) came" in log and "checkpoint written" in log, log
+        assert record["time_limit_warned_at"]
+        assert slurm_state(slurm_id) == "COMPLETED"
 
 
 # -- multi-node (srun) -------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from test_slurm import (  # noqa: F401  (the cluster fixtures are used by name)
     status_job,
 )
 
-from trainq.watcher.slurm.batch import effective_time_min, signal_lead_s
+from trainq.watcher.slurm.batch import effective_time_min, short_limit_warning, signal_lead_s
 from trainq.watcher.slurm.state import decode_status, parse_sacct, parse_squeue
 
 pytestmark = pytest.mark.slurm
@@ -79,6 +79,10 @@ def test_the_time_limit_warning_takes_at_most_half_of_a_short_limit():
     assert signal_lead_s(120, 5, effective_time_min(9, ("-t", "1"))) == 30
     assert signal_lead_s(120, 5, effective_time_min(9, ("--time=1-0",))) == 125
     assert effective_time_min(9, ("--time=1:30",)) == 1.5 and effective_time_min(4, ("--time=UNLIMITED",)) is None
+    # a limit of at most the lead + 60 s: Slurm's early warning may come at once, and the submission says so
+    assert "at least --time=2" in short_limit_warning("--time=1 from the job file's slurm.sbatch_args", 1, 30)
+    assert short_limit_warning("x", 3, 125) and short_limit_warning("x", 4, 125) is None
+    assert short_limit_warning("x", None, 125) is None
 
 
 # -- every way out of Slurm ---------------------------------------------------------------------------
@@ -178,7 +182,9 @@ def test_one_rank_failing_gives_its_own_exit_code_not_sruns(queue_dir, watcher):
     attempt = run["attempts"][-1]
     assert len(run["attempts"]) == 1 and attempt["exit_code"] == 7, run
     assert run["diagnosis"]["kind"] == "unknown" and "rank 1 exited 7" in run["diagnosis"]["evidence"]
-    assert json.loads((done / "exit.json").read_text())["exit_code"] != 7  # srun's own status stays in the record
+    assert attempt["failed_rank"] == 1 and attempt["srun_exit_code"] not in (None, 7), attempt
+    record = json.loads((done / "exit.json").read_text())  # the exit record says it too: srun's status beside it
+    assert (record["exit_code"], record["failed_rank"], record["srun_exit_code"]) == (7, 1, attempt["srun_exit_code"])
 
 
 def test_a_submit_limit_makes_the_job_wait_then_submits_it_again(queue_dir, watcher, tmp_path, monkeypatch):

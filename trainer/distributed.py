@@ -43,6 +43,7 @@ class World:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
+    hosts: tuple[str, ...] = ()  # each rank's host name, by rank (``with_hosts``; empty until then)
 
     @property
     def is_main(self) -> bool:
@@ -224,6 +225,22 @@ def _never_joined_line(world: World, missing: list[int], timeout_s: float, exc: 
         f"rank {world.rank}: the group did not form: rank{'s' if len(missing) != 1 else ''} {which} never joined "
         f"within {timeout_s:g} s ({ENV_RENDEZVOUS_TIMEOUT}) ({first})"
     )
+
+
+def with_hosts(world: World) -> World:
+    """The world with every rank's host name, by rank (one collective at start-up; this host alone for one
+    process): summary.json and env.json name them, so a run across Slurm nodes says where its ranks ran."""
+    import dataclasses
+    import socket
+
+    here = socket.gethostname()
+    if not world.is_distributed:
+        return dataclasses.replace(world, hosts=(here,))
+    import torch.distributed as dist
+
+    names: list[object] = [None] * world.world_size
+    dist.all_gather_object(names, here)
+    return dataclasses.replace(world, hosts=tuple(str(name) for name in names))
 
 
 def barrier(world: World) -> None:

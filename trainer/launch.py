@@ -14,6 +14,7 @@ import io
 import os
 import shutil
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,19 +292,18 @@ def describe(rank: int, failure: Any, line: str | None, timed_out: str | None = 
     """(diagnosis kind, evidence) of a failed rank; ``timed_out``: another rank's line saying it gave up waiting."""
     code = failure.exitcode
     said = f"; its last line: [rank {rank}] {line}" if line else ""
+    who = f"rank {rank} (pid {failure.pid} on {socket.gethostname()})"  # the node: several share one job folder
     if code == -signal.SIGKILL and timed_out:  # the hung rank: the others timed out, then torchrun killed it
-        return "stalled", f"rank {rank} (pid {failure.pid}) stopped answering: {timed_out}; torchrun then killed it"
+        return "stalled", f"{who} stopped answering: {timed_out}; torchrun then killed it"
     if code == -signal.SIGTERM:  # only when no other rank failed first: torchrun ends the rest with SIGTERM
-        return "unknown", f"rank {rank} (pid {failure.pid}) was ended by SIGTERM before it could checkpoint{said}"
+        return "unknown", f"{who} was ended by SIGTERM before it could checkpoint{said}"
     if code < 0:
         name = failure.signal_name()
         kind = "killed" if -code == signal.SIGKILL else "unknown"
-        return kind, f"rank {rank} (pid {failure.pid}) was killed by {name}{said}"
+        return kind, f"{who} was killed by {name}{said}"
     if line and _is_timeout(line):
-        return "stalled", (
-            f"rank {rank} gave up waiting for the other ranks in a collective (a rank stopped answering){said}"
-        )
-    return _TRAINER_CODES.get(code, "unknown"), f"rank {rank} exited with code {code}{said}"
+        return "stalled", f"{who} gave up waiting for the other ranks in a collective (a rank stopped answering){said}"
+    return _TRAINER_CODES.get(code, "unknown"), f"{who} exited with code {code}{said}"
 
 
 def _is_timeout(line: str) -> bool:

@@ -473,9 +473,10 @@ def _relative(path: Path | None, job_dir: Path) -> str | None:
 
 
 def world_info(config: TrainConfig, world: distributed.World) -> dict:
-    """What env.json and summary.json say about the ranks."""
+    """What env.json and summary.json say about the ranks (``hosts``: where they ran, each host once, in rank order)."""
     return {
         "world_size": world.world_size,
+        "hosts": list(dict.fromkeys(world.hosts)),
         "processes": world.local_world_size,
         "strategy": config.strategy if world.is_distributed else None,
     }
@@ -654,6 +655,7 @@ def main_run(job_dir: Path, resume_arg: str | None, plotter: LossPlotter | None 
     faults = parse_faults(os.environ.get(ENV_TRAINER_FAULTS))
     clear_stale_stop_flag(inv.stop_flag, world)
     distributed.init(world, cpu=not torch.cuda.is_available(), late_join_s=faults.join_delay_s(world.rank))
+    world = distributed.with_hosts(world)
     if world.is_distributed:
         print(
             f"trainq: rank {world.rank} of {world.world_size} (local rank {world.local_rank}, "

@@ -11,6 +11,11 @@
 #   SLURM_CPUS=N       CPUs the node advertises (default 8, more than a small VM has, so several test jobs
 #                      run at once; above the real count Slurm needs SlurmdParameters=config_overrides)
 #   SLURM_READY_TIMEOUT seconds to wait for the node to be idle (default 60)
+#   TRAINQ_SLURM_NODES=N  N slurmd (default 1). N=1 is one node named after this machine at 127.0.0.1. N>=2 starts
+#                      node1..nodeN, each in its own network and UTS namespace (`trainq-nodeK`, its own host name)
+#                      with the address 10.213.0.K on a bridge (trainq-br0, the controller's side 10.213.0.254),
+#                      sharing the filesystem and munge; /etc/hosts gets one line per node (marked, stop.sh removes
+#                      them) so every node resolves every other. A start with another N restarts the cluster.
 #   TRAINQ_SLURM_ACCOUNTING=1  also run slurmdbd on a private MariaDB (Debian's `slurmdbd mariadb-server`; exit 3
 #                      without them), so sacct answers, and purge finished jobs from slurmctld after MinJobAge=2 s
 #                      (every 10 s): the cluster of a site with accounting, whose squeue soon forgets ended jobs.
@@ -25,13 +30,17 @@ CONF=$BASE/slurm.conf
 if [ "${1:-}" = --env ]; then echo "SLURM_CONF=$CONF"; exit 0; fi
 FAKE_GPUS=${SLURM_FAKE_GPUS:-2}
 ACCOUNTING=${TRAINQ_SLURM_ACCOUNTING:-0}
+NODES=${TRAINQ_SLURM_NODES:-1}
+NET=10.213.0      # the multi-node cluster's private /24: only on trainq-br0 and in the nodes' namespaces
+BRIDGE=trainq-br0
+HOSTS_MARK="# trainq tests/slurm/start.sh"   # ends every /etc/hosts line this script adds
 DB_PORT=3307      # the private MariaDB's TCP port on 127.0.0.1 (not 3306: a site's own database may use it)
 DBD_PORT=6819
 READY_TIMEOUT=${SLURM_READY_TIMEOUT:-60}
 log() { printf '[tests/slurm/start %s] %s\n' "$(date +%T)" "$*" >&2; }
 die() {
   printf 'tests/slurm/start.sh: %s\n' "$*" >&2
-  for f in "$BASE/log/slurmctld.log" "$BASE/log/slurmd.log"; do
+  for f in "$BASE/log/slurmctld.log" "$BASE"/log/slurmd*.log; do
     [ -f "$f" ] && { echo "---- tail $f" >&2; tail -n 8 "$f" >&2; }
   done
   exit 1
@@ -44,13 +53,24 @@ if [ "$ACCOUNTING" = 1 ]; then
     command -v "$tool" >/dev/null 2>&1 || { echo "tests/slurm/start.sh: $tool not installed (apt-get install slurmdbd mariadb-server)" >&2; exit 3; }
   done
 fi
+[[ "$NODES" =~ ^[1-9][0-9]?$ ]] && [ "$NODES" -le 50 ] || die "TRAINQ_SLURM_NODES must be a whole number from 1 to 50 (got '$NODES')"
 [ "$(id -u)" = 0 ] || die "needs root (slurmd runs jobs as their users)"
+if [ "$NODES" -gt 1 ]; then
+  for tool in ip nsenter unshare; do
+    command -v "$tool" >/dev/null 2>&1 || { echo "tests/slurm/start.sh: $tool not installed (apt-get install iproute2 util-linux), needed for TRAINQ_SLURM_NODES=$NODES" >&2; exit 3; }
+  done
+fi
 export SLURM_CONF=$CONF
 
-alive() {   # alive NAME: the daemon whose pid file is $BASE/NAME.pid runs
+alive() {   # alive NAME [COMM]: the process whose pid is in $BASE/NAME.pid runs and is called COMM (default NAME)
   local pid
   pid=$(cat "$BASE/$1.pid" 2>/dev/null) || return 1
-  [[ "$pid" =~ ^[0-9]+$ ]] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ]
+  [[ "$pid" =~ ^[0-9]+$ ]] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "${2:-$1}" ]
+}
+any_slurmd() {   # one of the slurmd this script started (any mode) runs
+  local f
+  for f in "$BASE"/slurmd*.pid; do [ -e "$f" ] && alive "$(basename "$f" .pid)" slurmd && return 0; done
+  return 1
 }
 
 mkdir -p "$BASE"/{state,spool,log,fakegpu}
@@ -77,6 +97,25 @@ field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" <<<"$hw"; }
 REAL_CPUS=$(field CPUs); MEM=$(( $(field RealMemory) * 9 / 10 ))
 CPUS=${SLURM_CPUS:-8}
 HOST=$(hostname -s)
+# a node set DOWN by hand comes back by itself with one node (ReturnToService=2), so tests need not resume it;
+# with several it stays DOWN until resumed (1: only a node that stopped answering returns), as on a real cluster,
+# so a test sees which node is down while a job fails over to the others
+RETURN_TO_SERVICE=2
+# how long a node's slurmd may stay silent before Slurm marks it DOWN (Slurm's default 300 s; 120 s with several
+# nodes, so a test that cuts a node's link sees the end within minutes)
+SLURMD_TIMEOUT=300
+if [ "$NODES" = 1 ]; then   # the machine itself, as before there were several
+  NODE_NAMES=("$HOST"); CTL_ADDR=127.0.0.1; GRES_NODES=$HOST
+  SLURMD_FILES="SlurmdSpoolDir=$BASE/spool
+SlurmdPidFile=$BASE/slurmd.pid
+SlurmdLogFile=$BASE/log/slurmd.log"
+else                        # node1..nodeN in their namespaces; the controller on the bridge's host side
+  NODE_NAMES=(); for ((k = 1; k <= NODES; k++)); do NODE_NAMES+=("node$k"); done
+  CTL_ADDR=$NET.254; GRES_NODES="node[1-$NODES]"; RETURN_TO_SERVICE=1; SLURMD_TIMEOUT=120
+  SLURMD_FILES="SlurmdSpoolDir=$BASE/spool/%n
+SlurmdPidFile=$BASE/slurmd-%n.pid
+SlurmdLogFile=$BASE/log/slurmd-%n.log"
+fi
 gres_node=""; gres_types=""; overrides=""
 accounting="AccountingStorageType=accounting_storage/none"; min_job_age=3600
 if [ "$ACCOUNTING" = 1 ]; then
@@ -96,10 +135,15 @@ fi
 # --mem is enforced without cgroups: jobacct_gather/linux samples every second and OverMemoryKill kills a job
 # over its --mem (it ends FAILED with "exceeded memory limit" in its output; with cgroups it would be
 # OUT_OF_MEMORY). DefMemPerCPU shares the node's memory among its CPUs, so 8 default jobs still fit.
-conf="# written by trainq's tests/slurm/start.sh: one node, no slurmdbd, no cgroups; a job in partition urgent
+node_lines=""
+for ((k = 1; k <= NODES; k++)); do
+  addr=127.0.0.1; [ "$NODES" = 1 ] || addr=$NET.$k
+  node_lines+="NodeName=${NODE_NAMES[k - 1]} NodeAddr=$addr CPUs=$CPUS RealMemory=$MEM $gres_node State=UNKNOWN"$'\n'
+done
+conf="# written by trainq's tests/slurm/start.sh: $NODES node(s), no cgroups; a job in partition urgent
 # preempts (cancels: SIGTERM, SIGKILL after KillWait) the debug jobs in its way
 ClusterName=trainqtest
-SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldHost=$HOST($CTL_ADDR)
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
@@ -115,30 +159,29 @@ JobAcctGatherParams=OverMemoryKill
 $accounting
 JobCompType=jobcomp/filetxt
 JobCompLoc=$BASE/log/jobcomp.txt
-ReturnToService=2
+ReturnToService=$RETURN_TO_SERVICE
+SlurmdTimeout=$SLURMD_TIMEOUT
 MinJobAge=$min_job_age
 KillWait=5
 SchedulerParameters=sched_min_interval=100000
 StateSaveLocation=$BASE/state
-SlurmdSpoolDir=$BASE/spool
 SlurmctldPidFile=$BASE/slurmctld.pid
-SlurmdPidFile=$BASE/slurmd.pid
 SlurmctldLogFile=$BASE/log/slurmctld.log
-SlurmdLogFile=$BASE/log/slurmd.log
+$SLURMD_FILES
 $gres_types
 $overrides
 PreemptType=preempt/partition_prio
 PreemptMode=CANCEL
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM $gres_node State=UNKNOWN
+$node_lines
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1
 PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF"
 gres="AutoDetect=off"
-[ "$FAKE_GPUS" -gt 0 ] && gres+=$'\n'"NodeName=$HOST Name=gpu File=$BASE/fakegpu/gpu[0-$((FAKE_GPUS - 1))]"
+[ "$FAKE_GPUS" -gt 0 ] && gres+=$'\n'"NodeName=$GRES_NODES Name=gpu File=$BASE/fakegpu/gpu[0-$((FAKE_GPUS - 1))]"
 
 changed=0
 [ "$(cat "$CONF" 2>/dev/null)" = "$conf" ] || { printf '%s\n' "$conf" >"$CONF"; changed=1; }
 [ "$(cat "$BASE/gres.conf" 2>/dev/null)" = "$gres" ] || { printf '%s\n' "$gres" >"$BASE/gres.conf"; changed=1; }
-if [ $changed = 1 ] && { alive slurmctld || alive slurmd; }; then
+if [ $changed = 1 ] && { alive slurmctld || any_slurmd; }; then
   log "configuration changed: restarting slurmd and slurmctld"
   "$(dirname "$0")/stop.sh" --keep-munge >&2
 fi
@@ -194,27 +237,75 @@ LogFile=$BASE/log/slurmdbd.log"
   sacctmgr -n list user format=user 2>/dev/null | grep -qw root \
     || sacctmgr -i add user root Account=trainq DefaultAccount=trainq >/dev/null || die "sacctmgr could not add root"
 fi
+if [ "$NODES" -gt 1 ]; then
+  # the nodes' network: a bridge with the controller's address, and per node a namespace holding one end of a veth
+  # pair (eth0, $NET.K) whose other end is on the bridge. Every step is skipped when already done, and a link a
+  # test cut (ip link set trainq-vK down) comes back up.
+  if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    ip link add "$BRIDGE" type bridge || die "cannot create the bridge $BRIDGE"
+    ip addr add "$CTL_ADDR/24" dev "$BRIDGE" || die "cannot give $BRIDGE the address $CTL_ADDR"
+  fi
+  ip link set "$BRIDGE" up
+  for ((k = 1; k <= NODES; k++)); do
+    ns=trainq-node$k
+    if [ ! -e "/run/netns/$ns" ]; then
+      ip link del "trainq-v$k" >/dev/null 2>&1 || true
+      ip netns add "$ns" || die "cannot create the network namespace $ns"
+      ip link add "trainq-v$k" type veth peer name "trainq-p$k" || die "cannot create the veth pair of node$k"
+      ip link set "trainq-p$k" netns "$ns"
+      ip -n "$ns" link set "trainq-p$k" name eth0
+      ip -n "$ns" addr add "$NET.$k/24" dev eth0
+      ip -n "$ns" link set lo up
+      ip -n "$ns" link set eth0 up
+      ip link set "trainq-v$k" master "$BRIDGE"
+    fi
+    ip link set "trainq-v$k" up
+  done
+  # every node (and this machine) resolves every node's name; written to a temporary file, then renamed
+  hosts=$(grep -v -F "$HOSTS_MARK" /etc/hosts || true)
+  for ((k = 1; k <= NODES; k++)); do hosts+=$'\n'"$NET.$k node$k $HOSTS_MARK"; done
+  if [ "$(cat /etc/hosts)" != "$hosts" ]; then
+    printf '%s\n' "$hosts" >/etc/hosts.trainq-tmp && chmod 0644 /etc/hosts.trainq-tmp && mv /etc/hosts.trainq-tmp /etc/hosts \
+      || die "cannot add the nodes to /etc/hosts"
+  fi
+fi
 if ! alive slurmctld; then
   busy 6817 && die "port 6817 is taken by a slurmctld this script did not start (ss -ltnp | grep 6817)"
   slurmctld -f "$CONF" || die "slurmctld did not start"
 fi
-if ! alive slurmd; then
-  busy 6818 && die "port 6818 is taken by a slurmd this script did not start (ss -ltnp | grep 6818)"
-  slurmd -f "$CONF" || die "slurmd did not start"
+if [ "$NODES" = 1 ]; then
+  if ! alive slurmd; then
+    busy 6818 && die "port 6818 is taken by a slurmd this script did not start (ss -ltnp | grep 6818)"
+    slurmd -f "$CONF" || die "slurmd did not start"
+  fi
+else
+  mkdir -p "$BASE/spool"
+  for ((k = 1; k <= NODES; k++)); do
+    alive "slurmd-node$k" slurmd && continue
+    # nsenter, not `ip netns exec`: that remounts /sys, and slurmd then finds no cgroup mount and fails to start
+    nsenter --net="/run/netns/trainq-node$k" unshare --uts \
+      sh -c "hostname node$k && exec slurmd -f '$CONF' -N node$k" || die "slurmd of node$k did not start"
+  done
 fi
 
-deadline=$(( $(date +%s) + READY_TIMEOUT )); resumed=0; state=""
-while :; do
-  state=$(sinfo -h -n "$HOST" -o %T 2>/dev/null || true)
-  case "$state" in
-    idle|mixed|allocated|completing) break ;;
-    down*|drain*|fail*)
-      [ $resumed = 1 ] || { scontrol update NodeName="$HOST" State=RESUME >/dev/null 2>&1 || true; resumed=1; } ;;
-  esac
-  [ "$(date +%s)" -lt "$deadline" ] || die "node $HOST not ready after ${READY_TIMEOUT}s (state '${state:-no answer}')"
-  alive slurmctld || die "slurmctld died"
-  alive slurmd || die "slurmd died"
-  sleep 0.2
+slurmd_alive() {   # the slurmd of node NAME runs
+  if [ "$NODES" = 1 ]; then alive slurmd; else alive "slurmd-$1" slurmd; fi
+}
+deadline=$(( $(date +%s) + READY_TIMEOUT )); resumed=" "
+for node in "${NODE_NAMES[@]}"; do
+  while :; do
+    state=$(sinfo -h -n "$node" -o %T 2>/dev/null || true)
+    case "$state" in
+      idle|mixed|allocated|completing) break ;;
+      down*|drain*|fail*)
+        [[ "$resumed" == *" $node "* ]] || {
+          scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true; resumed+="$node "; } ;;
+    esac
+    [ "$(date +%s)" -lt "$deadline" ] || die "node $node not ready after ${READY_TIMEOUT}s (state '${state:-no answer}')"
+    alive slurmctld || die "slurmctld died"
+    slurmd_alive "$node" || die "the slurmd of $node died"
+    sleep 0.2
+  done
 done
-log "node $HOST is $state (CPUs=$CPUS, ${MEM} MB, $FAKE_GPUS fake GPUs)"
+log "$NODES node(s) ${NODE_NAMES[*]} ready (each: CPUs=$CPUS, ${MEM} MB, $FAKE_GPUS fake GPUs)"
 echo "SLURM_CONF=$CONF"

@@ -266,6 +266,9 @@ def _classify(exit: dict, log_tail: str, metrics_tail: list[dict] | None, kernel
         return None
     lines = [ln.strip() for ln in strip_ansi(log_tail or "").splitlines() if ln.strip()]
     if stop_reason == "timeout":
+        said = _from_executor(exit)  # a batch system's time limit (Slurm's --time) names itself and its source
+        if said is not None and said.kind == "timeout":
+            return said
         return _make("timeout", f"stopped at the timeout ({exit.get('stop_requested_at') or 'time unknown'})")
     return (
         _from_trainer(metrics_tail)

@@ -152,6 +152,9 @@ class Finishing:
                 reason=reason,
                 diagnosis=outcome.diagnosis.to_dict() if outcome.diagnosis else None,
             )
+            for key in ("failed_rank", "srun_exit_code"):  # which srun rank failed first (watcher/slurm/ranks.py)
+                if record.get(key) is not None:
+                    attempt[key] = record[key]
             if outcome.status == CHECKPOINTED:
                 attempt["checkpoint_exit"] = True
         if outcome.diagnosis and outcome.diagnosis.kind == "preempted" and record.get("stop_reason") != "sigterm":

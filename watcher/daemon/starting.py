@@ -478,8 +478,9 @@ def _spawn_outcome(error: Exception) -> Outcome:
             "rejected",
             Diagnosis(
                 "unknown",
-                "Slurm refused the job as it is: fix the job file's slurm "
-                "options (or watcher.yaml's), then submit it again.",
+                getattr(error, "advice", None)
+                or "Slurm refused the job as it is: fix the job file's slurm options (or watcher.yaml's), then "
+                "submit it again.",
                 str(error),
             ),
         )

@@ -26,8 +26,16 @@ SIGNAL_MIN_LEAD_S = 60
 #: the largest share of the time limit the warning may take: --time=2 with a 125 s lead would stop every attempt at
 #: once; capped at half, the job runs at least half its limit (1 minute of --time=2) before it is warned
 SIGNAL_MAX_LEAD_FRACTION = 0.5
+#: how much earlier than --signal's lead Slurm may send the warning (s): measured 7.5-23.8 s into a 60 s job
+SIGNAL_EARLY_S = 60
 #: the signal Slurm sends the batch job's supervisor before the time limit (it stops the job like a timeout)
 TIME_LIMIT_SIGNAL = "USR1"
+#: set by slurm.sh's first line when the time-limit warning came while the shell still ran (before the supervisor
+#: existed): the time it came (epoch seconds); the node side hands it on to the supervisor's handler
+EARLY_WARNING_ENV = "TRAINQ_SLURM_WARNED_AT"
+#: slurm.sh's first line: Slurm may send the warning (--signal=B:USR1@lead) up to 60 s early, so at once; USR1's
+#: default action would kill the batch job before the supervisor's handler exists (Slurm: FAILED/JobLaunchFailure)
+EARLY_WARNING_TRAP = f"unset {EARLY_WARNING_ENV}; trap 'export {EARLY_WARNING_ENV}=$(date +%s.%N)' {TIME_LIMIT_SIGNAL}"
 #: variables trainq itself sets for every job (GPU numbering that matches NVML's)
 TRAINQ_OWNED_ENV = ("CUDA_DEVICE_ORDER",)
 #: variables Slurm sets on the node for the job's allocation: the watcher's values never replace them
@@ -79,6 +87,7 @@ class SlurmOptions:
     tasks_per_node: int = 1
     array: str | None = None
     node_env: str = "clean"
+    time_from: str = ""  # where the time limit comes from, in words (time_limit_source), for a timeout's evidence
 
     def argv(self, script: Path) -> list[str]:
         """``sbatch --parsable ...`` for ``script``; extra args last, so watcher.yaml and job file win."""
@@ -160,21 +169,53 @@ def signal_lead_s(stop_grace_s: float, kill_after_s: float, time_min: float | No
     return lead
 
 
+def short_limit_warning(time_from: str, limit_min: float | None, lead_s: int) -> str | None:
+    """A line for output.log when Slurm's time limit is so short that its warning may come at once (the limit is at
+    most the lead plus SIGNAL_EARLY_S); None otherwise."""
+    if not limit_min or limit_min * 60 > lead_s + SIGNAL_EARLY_S:
+        return None
+    enough = math.floor((lead_s + SIGNAL_EARLY_S) / 60) + 1
+    return (
+        f"trainq: Slurm's time limit ({time_from}) is {limit_min * 60:g} s, and Slurm may send its warning "
+        f"(--signal=B:{TIME_LIMIT_SIGNAL}@{lead_s}) up to {SIGNAL_EARLY_S} s early: from the job's first second on, "
+        f"so it may be stopped as a timeout at once; ask for at least --time={enough} for a run of any length"
+    )
+
+
 def effective_time_min(time_min: int | None, extra: tuple[str, ...]) -> float | None:
     """The time limit sbatch will apply, in minutes: the last ``--time``/``-t`` in ``extra`` (watcher.yaml's and
     the job's sbatch_args come after trainq's own), else ``time_min``."""
-    limit: float | None = time_min
-    for i, arg in enumerate(extra):
-        value = None
+    value = last_time_arg(extra)
+    return time_min if value is None else slurm_minutes(value)
+
+
+def last_time_arg(args: tuple[str, ...]) -> str | None:
+    """The value of the last ``--time``/``-t`` in ``args`` (what sbatch applies), or None."""
+    found = None
+    for i, arg in enumerate(args):
         if arg.startswith("--time="):
-            value = arg.partition("=")[2]
-        elif arg in ("--time", "-t") and i + 1 < len(extra):
-            value = extra[i + 1]
+            found = arg.partition("=")[2]
+        elif arg in ("--time", "-t") and i + 1 < len(args):
+            found = args[i + 1]
         elif arg.startswith("-t") and len(arg) > 2:
-            value = arg[2:]
+            found = arg[2:]
+    return found
+
+
+def time_limit_source(
+    time_min: int | None, timeout_s: float | None, watcher_args: tuple[str, ...], job_args: tuple[str, ...]
+) -> str:
+    """Where the Slurm time limit of a submission comes from, in words a timeout's evidence can quote."""
+    for args, where in (
+        (job_args, "the job file's slurm.sbatch_args"),
+        (watcher_args, "watcher.yaml's slurm.sbatch_args"),
+    ):
+        value = last_time_arg(args)
         if value is not None:
-            limit = slurm_minutes(value)
-    return limit
+            return f"--time={value} from {where}"
+    if time_min:
+        return f"--time={time_min} that trainq derived from the job's timeout ({timeout_s:g} s, plus stop_grace and a margin)"
+    return "the partition's default time limit (no --time in sbatch's options; scontrol show partition says it)"
 
 
 def slurm_minutes(value: str) -> float | None:
@@ -216,6 +257,7 @@ def batch_script(
 ) -> str:
     """slurm.sh: check the job folder is visible on the node, then exec the node side of the attempt."""
     return f"""#!/bin/sh
+{EARLY_WARNING_TRAP}
 # trainq job {paths.dir.name}, attempt {attempt}: written by the watcher and submitted with
 #   {shlex.join(argv)}
 # It runs the attempt's supervisor, which writes output.log, supervisor.json, heartbeat.json and exit.json in the
@@ -235,6 +277,7 @@ def array_script(
 ) -> str:
     """The script of a sweep's job array: task ``i`` runs attempt ``attempt`` of job ``<sweep>-i``."""
     return f"""#!/bin/sh
+{EARLY_WARNING_TRAP}
 # trainq sweep {sweep_id}, attempt {attempt} of its jobs as one Slurm job array: written by the watcher and
 # submitted with
 #   {shlex.join(argv)}
@@ -248,6 +291,7 @@ def _node_side(attempt: int, python: str, package_parent: str, heartbeat_s: floa
     """The part of slurm.sh after JOB_DIR: the shared-filesystem check, then the node side of the attempt."""
     q = shlex.quote
     beat = f" --heartbeat-s {heartbeat_s:g}" if heartbeat_s else ""
+    node_side = shlex.join(safe_module_argv(python, "trainq.watcher.slurm.node"))
     return f"""if [ ! -r "$JOB_DIR/{JobPaths(Path()).launch_spec.name}" ]; then
   echo "trainq: job folder $JOB_DIR is not visible on Slurm node $(hostname): the queue root must be on a shared \\
 filesystem that the watcher's machine and every node mount at the same path (NFS, Lustre, ...)" >&2
@@ -255,5 +299,14 @@ filesystem that the watcher's machine and every node mount at the same path (NFS
 fi
 PYTHONPATH={q(package_parent)}${{PYTHONPATH:+:$PYTHONPATH}}
 export PYTHONPATH
-exec {shlex.join(safe_module_argv(python, "trainq.watcher.slurm.node"))} "$JOB_DIR" --attempt {attempt}{beat}
+# the trap holds the warning up to exec; env (coreutils 8.31+) then blocks it for Python, so one that comes before
+# the supervisor's handler exists waits for it (only in env's first instructions would it still end the job, as
+# in slurmstepd's launch: the watcher then records the warning as what it is)
+if env --block-signal={TIME_LIMIT_SIGNAL} true 2>/dev/null; then
+  exec env --block-signal={TIME_LIMIT_SIGNAL} {node_side} "$JOB_DIR" --attempt {attempt}{beat}
+fi
+# an older env: ignored instead (an ignored signal stays ignored across exec), so one during Python's start-up is
+# lost rather than fatal, and Slurm's own limit ends the job later
+trap '' {TIME_LIMIT_SIGNAL}
+exec {node_side} "$JOB_DIR" --attempt {attempt}{beat}
 """

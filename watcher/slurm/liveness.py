@@ -17,6 +17,7 @@ from trainq.watcher.slurm.state import (
     SLURM_OUTPUT,
     SlurmJob,
     ended_outcome,
+    is_warned_at_launch,
 )
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
@@ -143,8 +144,8 @@ class Liveness(SlurmParts):
         if first is None:
             return False
         job = self._jobs.get(slurm_id)
-        if job is not None and job.exit_code in (EXIT_NOT_SHARED, *EXIT_NO_PYTHON):
-            return False  # slurm.sh stopped before the supervisor: nothing can be on its way
+        if job is not None and (job.exit_code in (EXIT_NOT_SHARED, *EXIT_NO_PYTHON) or is_warned_at_launch(job)):
+            return False  # slurm.sh stopped (or never began) before the supervisor: nothing can be on its way
         if time.monotonic() - first >= self.exit_grace_s:
             return False
         return slurm_id in self._running_at or self._node_side_seen(paths, slurm_id)

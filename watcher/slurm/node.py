@@ -27,11 +27,13 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from trainq.watcher.slurm.batch import EARLY_WARNING_ENV
 from trainq.watcher.spec.contract import EXIT_USAGE, JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import LaunchSpec, run_in_foreground, shell_status
+from trainq.watcher.supervisor.attempt import hold_time_limit_warning
 
 #: seconds between two writes of heartbeat.json by a live node-side supervisor
 HEARTBEAT_S = 10.0
@@ -110,7 +112,19 @@ def own_slurm_id(env: Mapping[str, str]) -> str:
     return f"{array}_{index}" if array and index else env.get("SLURM_JOB_ID", "")
 
 
+def early_warning(env: dict[str, str] | os._Environ) -> float | None:
+    """When slurm.sh caught Slurm's time-limit warning (its first line traps it), the time it came; the variable
+    goes, so the job never sees it."""
+    text = env.pop(EARLY_WARNING_ENV, None)
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    hold_time_limit_warning()  # first: Slurm may send it at once, and its default action ends the batch job
+    warned_at = early_warning(os.environ)
     parser = argparse.ArgumentParser(
         prog="python -m trainq.watcher.slurm.node",
         description="Run one attempt of a trainq job inside a Slurm batch job.",
@@ -149,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NOT_MINE
     heartbeat = Heartbeat(paths, spec.attempt, slurm_job_id, max(0.1, args.heartbeat_s)).start()
     try:
-        record = run_in_foreground(spec, lock_required=False)
+        record = run_in_foreground(spec, lock_required=False, warned_at=warned_at)
     except SpawnFailed as exc:
         print(exc, file=sys.stderr)
         return 1

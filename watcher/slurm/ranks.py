@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.fsutil import atomic_write_json
 
 #: what each srun task runs after its rendezvous variables are set: the command, then its record (never exec'd,
 #: so the wrapper outlives the command to write it)
@@ -55,7 +56,7 @@ def real_rank_exit(record: dict, paths: JobPaths) -> dict:
     _, rank, status = failed[0]
     srun = record.get("exit_code") if record.get("exit_code") is not None else 128 + int(record.get("signal") or 0)
     _note(paths.log, f"trainq: rank {rank} exited {status} first; srun then ended the others (srun's status {srun})")
-    return dict(
+    amended = dict(
         record,
         exit_code=status,
         signal=None,
@@ -64,6 +65,11 @@ def real_rank_exit(record: dict, paths: JobPaths) -> dict:
         srun_exit_code=srun,
         stop_reason=None if record.get("stop_reason") == "sigterm" else record.get("stop_reason"),
     )
+    try:  # the exit record itself says so too, not only run.json: srun's status next to the rank's own
+        atomic_write_json(paths.exit_record, amended)
+    except OSError:
+        pass  # run.json's attempt still gets both fields
+    return amended
 
 
 def _note(log: Path, line: str) -> None:

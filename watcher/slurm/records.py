@@ -15,15 +15,19 @@ from trainq.watcher.slurm.state import (
     CANCELLED_OUTSIDE,
     SIGKILL,
     SIGTERM,
+    TIME_LIMIT_ADVICE,
     SlurmJob,
     cancelled_evidence,
+    failed_node,
     killed_for_memory,
     oom_evidence,
     taken_by_slurm,
+    time_limit_evidence,
 )
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
 from trainq.watcher.spec.fsutil import read_json
+from trainq.watcher.spec.units import parse_iso
 
 #: how long a job refused by a QOS/association submit limit waits before it is submitted again (s)
 LIMIT_RETRY_S = 30.0
@@ -65,6 +69,10 @@ class SlurmRejected(SpawnFailed):
 
     rejected = True
 
+    def __init__(self, message: str, advice: str | None = None):
+        super().__init__(message)
+        self.advice = advice  # what to change, when Slurm's words point at the job's own resources
+
 
 @dataclass
 class Held:
@@ -97,6 +105,8 @@ def with_slurm_view(
     if job is not None and job.has_ended:
         record.setdefault("slurm_state", job.state)
     record = real_rank_exit(record, paths)
+    if record.get("stop_reason") == "timeout" and record.get("time_limit_warned_at"):
+        record.setdefault("executor_diagnosis", warned_diagnosis(record, paths))
     if job is None or record.get("executor_diagnosis"):
         return record
     node = f" on node {job.node}" if job.node else ""
@@ -117,8 +127,32 @@ def with_slurm_view(
             },
         )
     elif by_signal and job.state in ("PREEMPTED", "NODE_FAIL", "BOOT_FAIL"):
-        record["executor_diagnosis"] = {"kind": "preempted", "evidence": taken_by_slurm(job.state, job.node)}
+        node = failed_node(slurm_id, job) if job.state == "NODE_FAIL" else job.node
+        record["executor_diagnosis"] = {"kind": "preempted", "evidence": taken_by_slurm(job.state, node)}
     return record
+
+
+def warned_diagnosis(record: dict, paths: JobPaths) -> dict:
+    """A job stopped by Slurm's time-limit warning (USR1): the limit, where it came from and when the warning came,
+    which on Slurm may be up to 60 s before the lead asked for (--signal=B:USR1@lead)."""
+    when = ""
+    warned, started = parse_iso(record.get("time_limit_warned_at")), parse_iso(record.get("started_at"))
+    if warned is not None and started is not None:
+        after = warned - started
+        when = f" {after:.1f} s after the job started" if after >= 0 else " before the job started"
+    lead = next(
+        (
+            a.rpartition("@")[2]
+            for a in (read_json(paths.slurm_record) or {}).get("sbatch") or []
+            if str(a).startswith("--signal=")
+        ),
+        "",
+    )
+    asked = (
+        f"; --signal asked for it {lead} s before the limit, and Slurm may send it up to 60 s earlier" if lead else ""
+    )
+    evidence = time_limit_evidence(paths, f"is near: Slurm's warning (USR1) came{when}{asked}")
+    return {"kind": "timeout", "evidence": evidence, "advice": TIME_LIMIT_ADVICE}
 
 
 def was_sigkilled(record: dict) -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.spec.fsutil import open_no_follow
+from trainq.watcher.spec.fsutil import open_no_follow, read_json
 
 #: Slurm states in which a batch job is queued or still has processes
 LIVE_STATES = frozenset(
@@ -80,6 +80,14 @@ NO_ANSWER = re.compile(
 #: QOSMaxSubmitJobPerUserLimit, QOSGrpSubmitJobsLimit, ...; then "Job violates accounting/QOS policy (job submit
 #: limit, ...)"): the count goes down as jobs end, so the job waits and is submitted again later
 LIMITED = re.compile(r"Submit\w*Limit|violates accounting/QOS policy", re.IGNORECASE)
+#: sbatch's refusal when no node of the partition has what the job asks for (GPUs, memory, CPUs, nodes)
+NODE_CONFIG = re.compile(r"Requested node configuration is not available|Node count specification invalid", re.I)
+#: the advice for that refusal: the job's own resources are what trainq turns into --gres, --mem and --nodes
+RESOURCES_ADVICE = (
+    "No node of the partition has what the job asks for: lower resources.gpus (or gpus_per_node), "
+    "resources.ram_gb or resources.nodes in the job file (trainq passes them to sbatch as --gres, --mem and "
+    "--nodes), or choose a partition whose nodes have them (slurm.partition); then submit it again."
+)
 #: ... unless the limit named is one the job itself breaks (its size or time): that never changes, it is refused
 PER_JOB_LIMIT = re.compile(r"PerJob|MaxWall|Wall\w*Limit|MinTRES|MinCpu|MinNode", re.IGNORECASE)
 #: scontrol's answer for an id it no longer knows: purged after MinJobAge, or a cancelled array task that never
@@ -90,7 +98,10 @@ NO_SUCH_JOB = re.compile(r"Invalid job id|^Job \S+ not found", re.MULTILINE)
 MEMORY_KILL = re.compile(r"exceeded (?:job )?memory limit|oom[-_ ]kill", re.IGNORECASE)
 #: signal numbers on Linux (slurm_state does not import ``signal``: the supervisor package owns it)
 SIGKILL, SIGTERM = 9, 15
-SIGNAL_NAMES = MappingProxyType({SIGKILL: "SIGKILL", SIGTERM: "SIGTERM"})
+#: the time-limit warning (--signal=B:USR1@lead); a batch job killed by it died before slurm.sh's first line trapped
+#: it, while slurmstepd still launched the script: Slurm shows FAILED/JobLaunchFailure, and no supervisor ran
+SIGUSR1 = 10
+SIGNAL_NAMES = MappingProxyType({SIGKILL: "SIGKILL", SIGTERM: "SIGTERM", SIGUSR1: "SIGUSR1"})
 
 NOT_SHARED_ADVICE = (
     "Put the queue root on a filesystem that the watcher's machine and every Slurm node mount at "
@@ -116,6 +127,11 @@ class SlurmJob:
     @property
     def has_ended(self) -> bool:
         return self.state not in LIVE_STATES and self.state != GONE
+
+
+def is_warned_at_launch(job: SlurmJob) -> bool:
+    """Slurm's time-limit warning killed the batch job before slurm.sh could trap it (nothing of trainq ran)."""
+    return job.has_ended and job.exit_signal == SIGUSR1
 
 
 def queue_key(root: Path) -> str:
@@ -313,6 +329,28 @@ def run(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) ->
     )
 
 
+#: how long the look at which node of a NODE_FAIL job failed may take (two Slurm commands, once per such job)
+FAILED_NODE_TIMEOUT_S = 10.0
+
+
+def failed_node(slurm_id: str, job: SlurmJob) -> str:
+    """The node that failed under a NODE_FAIL job: those of its nodes Slurm now holds down, drained or not
+    responding (squeue names only the batch host, the first node, which need not be the one that failed); the
+    batch host when none is down any more or Slurm does not say."""
+    try:
+        shown = run(["scontrol", "-o", "show", "job", slurm_id], FAILED_NODE_TIMEOUT_S)
+        nodes = re.search(r"\bNodeList=(\S+)", shown.stdout or "")
+        if shown.returncode != 0 or not nodes or nodes[1] == "(null)":
+            return job.node
+        down = run(
+            ["sinfo", "-h", "-N", "-n", nodes[1], "-t", "down,drain,fail,no_respond", "-o", "%N"], FAILED_NODE_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return job.node
+    named = sorted(set(down.stdout.split())) if down.returncode == 0 else []
+    return ",".join(named) or job.node
+
+
 def taken_by_slurm(state: str, node: str | None) -> str:
     """The evidence for a job Slurm itself took away (a preemption, a failed node), in Slurm's terms."""
     on = f" on node {node}" if node and node != "(null)" else ""
@@ -375,18 +413,43 @@ def ended_outcome(
     by_state = {
         "CANCELLED": (None, SIGTERM, stopped, "preempted", f"Slurm cancelled the job{node} (scancel)"),
         "PREEMPTED": (None, SIGTERM, None, "preempted", taken_by_slurm(job.state, job.node)),
-        "NODE_FAIL": (None, SIGKILL, None, "preempted", taken_by_slurm(job.state, job.node)),
         "BOOT_FAIL": (None, SIGKILL, None, "preempted", taken_by_slurm(job.state, job.node)),
         "OUT_OF_MEMORY": (None, SIGKILL, None, "oom", oom_evidence(node)),
-        "TIMEOUT": (None, SIGKILL, "timeout", "timeout", f"Slurm's time limit ended the job{node}"),
         "DEADLINE": (None, SIGKILL, "timeout", "timeout", f"Slurm's deadline ended the job{node}"),
     }
+    if job.state == "NODE_FAIL":
+        return _outcome(None, SIGKILL, None, "preempted", taken_by_slurm(job.state, failed_node(slurm_id, job)))
+    if job.state == "TIMEOUT":
+        evidence = time_limit_evidence(paths, f"ended the job{node}")
+        return _outcome(None, SIGKILL, "timeout", "timeout", evidence, TIME_LIMIT_ADVICE)
+    if is_warned_at_launch(job):
+        evidence = time_limit_evidence(
+            paths,
+            f"is near: Slurm's warning (USR1) came while Slurm was still starting the batch script{node}, before "
+            "its first line could hold it, and ended it (Slurm: "
+            f"{job.state}/{job.reason or 'JobLaunchFailure'}, signal {SIGUSR1}); Slurm may send the warning up "
+            "to 60 s before --signal's lead, so a limit that short leaves no room",
+        )
+        return _outcome(None, SIGUSR1, "timeout", "timeout", evidence, TIME_LIMIT_ADVICE)
     if job.state in by_state:
         exit_code, signal, stop_reason, kind, evidence = by_state[job.state]
         return _outcome(exit_code, signal, stop_reason, None if stop_reason else kind, evidence)
     if job.state == "COMPLETED":  # slurm.sh exits with the job's status, so 0 means the job succeeded
         return _outcome(0, None, stopped, None, f"Slurm reports COMPLETED{node}")
     return _failed_outcome(code, sig, paths, slurm_id, python, node)
+
+
+#: advice for an attempt Slurm's own time limit ended or warned: the limit is --time, not the job file's timeout
+TIME_LIMIT_ADVICE = (
+    "Slurm's time limit ended the job, not trainq's timeout: raise --time where the evidence says it comes from "
+    "(or make the job do less), then touch retry.flag to resume from the latest checkpoint."
+)
+
+
+def time_limit_evidence(paths: JobPaths, what: str) -> str:
+    """``Slurm's time limit (<where it comes from>) <what>``: slurm.json says where the submission's limit came from."""
+    source = (read_json(paths.slurm_record) or {}).get("time_limit")
+    return f"Slurm's time limit ({source}) {what}" if source else f"Slurm's time limit {what}"
 
 
 #: stop_reason of an attempt that someone outside trainq cancelled in Slurm (scancel): the job ends ``cancelled``

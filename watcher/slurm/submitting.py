@@ -20,9 +20,11 @@ from trainq.watcher.slurm.batch import (
     batch_env,
     batch_script,
     effective_time_min,
+    short_limit_warning,
     signal_lead_s,
     srun_argv,
     time_limit_min,
+    time_limit_source,
 )
 from trainq.watcher.slurm.node import HEARTBEAT_S
 from trainq.watcher.slurm.records import (
@@ -32,14 +34,17 @@ from trainq.watcher.slurm.records import (
     SlurmRejected,
     SubmitLimited,
     Unconfirmed,
+    append_note,
     job_file,
     json_text,
 )
 from trainq.watcher.slurm.state import (
     LIMITED,
     NO_ANSWER,
+    NODE_CONFIG,
     PER_JOB_LIMIT,
     REFUSED,
+    RESOURCES_ADVICE,
     SLURM_OUTPUT,
     SlurmJob,
     array_spec,
@@ -88,6 +93,10 @@ class Submitting(SlurmParts):
         options = self.options_for(spec, job_name, job_slurm, resources)
         if options.nodes > 1 or options.tasks_per_node > 1:
             spec = dataclasses.replace(spec, argv=srun_argv(spec.argv, options.nodes * options.tasks_per_node))
+        limit = effective_time_min(options.time_min, options.extra)
+        if warning := short_limit_warning(options.time_from, limit, options.signal_lead_s):
+            append_note(paths.log, warning)
+            logger.warning("job %s: %s", paths.dir.name, warning.removeprefix("trainq: "))
         atomic_write(paths.launch_spec, json_text(spec.to_dict()), mode=0o600)  # it holds the job's environment
         return paths, spec, options
 
@@ -106,6 +115,7 @@ class Submitting(SlurmParts):
             "requeue": options.requeue,
             "submitted_at": iso_utc(time.time()),
             "sbatch": argv,
+            "time_limit": options.time_from,
         }
         atomic_write_json(paths.slurm_record, record)  # before sbatch: a crash right after it can still find the job
         self._hand_over(Inflight(paths, attempt, options.comment, argv))
@@ -143,6 +153,7 @@ class Submitting(SlurmParts):
                 "requeue": options.requeue,
                 "submitted_at": submitted_at,
                 "sbatch": argv,
+                "time_limit": options.time_from,
             }
             atomic_write_json(member.paths.slurm_record, record)
         self._hand_over(Inflight(first.paths, first.attempt, tag, argv, members))
@@ -263,7 +274,8 @@ class Submitting(SlurmParts):
         gpus = int(resources.get("gpus_per_node") or resources.get("gpus") or 0)
         ram_gb = resources.get("ram_gb")
         time_min = time_limit_min(spec.timeout_s, spec.stop_grace_s, spec.kill_after_s)
-        extra = self.sbatch_args + tuple(str(a) for a in job_slurm.get("sbatch_args") or ())
+        job_args = tuple(str(a) for a in job_slurm.get("sbatch_args") or ())
+        extra = self.sbatch_args + job_args
         return SlurmOptions(
             job_name=job_name,
             partition=job_slurm.get("partition") or self.partition,
@@ -279,6 +291,7 @@ class Submitting(SlurmParts):
             nodes=nodes,
             tasks_per_node=int(resources.get("tasks_per_node") or 1),
             node_env=self.node_env,
+            time_from=time_limit_source(time_min, spec.timeout_s, self.sbatch_args, job_args),
         )
 
     # -- talking to Slurm ------------------------------------------------------------------------
@@ -312,9 +325,12 @@ class Submitting(SlurmParts):
         )
         if LIMITED.search(done.stderr) and not PER_JOB_LIMIT.search(done.stderr):
             raise SubmitLimited(f"Slurm: {said}; submitting again in {self.limit_retry_s:g} s", self.limit_retry_s)
+        # no path in the words: the job leaves running/ for failed/ with them (run.json says whose they are)
+        if NODE_CONFIG.search(done.stderr):
+            raise SlurmRejected(f"Slurm refused the job: {said}", RESOURCES_ADVICE)
         raise SlurmRejected(
-            f"{paths.dir}: Slurm refused the job: {said}; fix slurm.partition / slurm.sbatch_args "
-            "in the job file or watcher.yaml, then submit it again"
+            f"Slurm refused the job: {said}; fix slurm.partition / slurm.sbatch_args in the job file or watcher.yaml, "
+            "then submit it again"
         )
 
     def _confirm(self, paths: JobPaths, record: dict, slurm_id: str) -> None:

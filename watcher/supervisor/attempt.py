@@ -89,6 +89,7 @@ class _Attempt:
         None  # the reason word (docs/contract.md, why a job stopped) its stop.flag carried (user, deadline, ...)
     )
     grace_s: float | None = None  # the stop's grace: the spec's stop_grace_s, or 0 for a stop.flag saying "now"
+    warned_at: float | None = None  # when the batch system's time-limit warning came (epoch seconds), if it did
 
 
 class _StopSignal:
@@ -97,6 +98,8 @@ class _StopSignal:
     received = False
     #: SIGUSR1: the batch system's time limit is near (Slurm's --signal=B:USR1@lead); stop like a timeout
     time_limit = False
+    #: when that warning came (epoch seconds): the first one, even if it came before this process ran
+    time_limit_at: float | None = None
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -109,8 +112,16 @@ def _load_prctl() -> Callable[..., int] | None:
 # ---------------------------------------------------------------- inside the supervisor process
 
 
-def _reset_signals() -> None:
-    """Default disposition for every signal, empty mask, SIGPIPE ignored (a dead reader must not kill us)."""
+def hold_time_limit_warning() -> None:
+    """Block TIME_LIMIT_SIGNAL until the supervisor's handler exists (``_install_stop_handlers`` unblocks it): a
+    warning that comes before then waits instead of killing the process (SIGUSR1's default action). Slurm's node
+    side calls it first thing, because Slurm may send the warning the moment the batch job starts."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {TIME_LIMIT_SIGNAL})
+
+
+def _reset_signals(hold: tuple[int, ...] = ()) -> None:
+    """Default disposition for every signal, a mask of only ``hold``, SIGPIPE ignored (a dead reader must not kill
+    us)."""
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP) or signal.getsignal(sig) is signal.SIG_DFL:
             continue  # getsignal is cheap; a sigaction for each of 64 signals is not free
@@ -118,7 +129,7 @@ def _reset_signals() -> None:
             signal.signal(sig, signal.SIG_DFL)
         except (OSError, ValueError):
             pass  # signals reserved by libc
-    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    signal.pthread_sigmask(signal.SIG_SETMASK, hold)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # Popen restores the default for the job
 
 
@@ -141,13 +152,14 @@ def _supervise(
     prctl: Callable[..., int] | None,
     ended: Callable[[], None] = lambda: None,
     containment: Containment | None = None,
+    warned_at: float | None = None,
 ) -> dict:
     """Run one attempt to the end of its whole process tree; returns the exit record it wrote.
 
     ``ended`` is called once the exit record can be read, before it is synced to disk. With a cgroup
     ``containment`` the job starts inside a cgroup of its own, and "the tree" is that group.
     """
-    stop_signal = _install_stop_handlers()
+    stop_signal = _install_stop_handlers(warned_at)
     _become_subreaper(prctl, log_fd)
     if spec.banner:
         _write_line(log_fd, spec.banner.splitlines()[0])
@@ -182,19 +194,24 @@ def _supervise(
     return _write_exit(attempt, ended)
 
 
-def _install_stop_handlers() -> _StopSignal:
-    """SIGTERM/SIGINT/SIGHUP only set a flag; the loop forwards SIGTERM to the job tree."""
+def _install_stop_handlers(warned_at: float | None = None) -> _StopSignal:
+    """SIGTERM/SIGINT/SIGHUP only set a flag; the loop forwards SIGTERM to the job tree. ``warned_at``: the time a
+    time-limit warning came before this process could handle it (Slurm's batch script caught it)."""
     stop_signal = _StopSignal()
+    if warned_at is not None:
+        stop_signal.time_limit, stop_signal.time_limit_at = True, warned_at
 
     def on_stop(_signum: int, _frame: object) -> None:
         stop_signal.received = True
 
     def on_time_limit(_signum: int, _frame: object) -> None:
         stop_signal.time_limit = True
+        stop_signal.time_limit_at = stop_signal.time_limit_at or time.time()
 
     for sig in SUPERVISOR_STOP_SIGNALS:
         signal.signal(sig, on_stop)
     signal.signal(TIME_LIMIT_SIGNAL, on_time_limit)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {TIME_LIMIT_SIGNAL})  # a warning held until now comes in here
     return stop_signal
 
 
@@ -386,14 +403,20 @@ def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
     elif stop_signal.time_limit or (a.spec.timeout_s is not None and now - a.started_mono >= a.spec.timeout_s):
         a.created_stop_flag = not _exists(a.paths.stop_flag)
         touch(a.paths.stop_flag)  # lets the job checkpoint before it is terminated
-        why = (
-            "the batch system's time limit is near (SIGUSR1)"
-            if stop_signal.time_limit
-            else f"timeout after {a.spec.timeout_s:g} s"
-        )
+        a.warned_at = stop_signal.time_limit_at if stop_signal.time_limit else None
+        why = _time_limit_words(a) if stop_signal.time_limit else f"timeout after {a.spec.timeout_s:g} s"
         _request_stop(
             a, "timeout", now, f"{why}; created {a.paths.stop_flag.name}; SIGTERM in {a.spec.stop_grace_s:g} s"
         )
+
+
+def _time_limit_words(a: _Attempt) -> str:
+    """The time-limit warning as what it is, with when it came: Slurm may send it up to 60 s before its lead."""
+    if a.warned_at is None:
+        return "the batch system's time limit is near (SIGUSR1)"
+    after = a.warned_at - a.started_at
+    when = f"{after:.1f} s after the job started" if after >= 0 else f"{-after:.1f} s before the job started"
+    return f"the batch system's time limit is near: its warning (SIGUSR1) came {when}"
 
 
 def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:

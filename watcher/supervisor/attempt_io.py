@@ -47,6 +47,7 @@ class StopFacts(Protocol):
     stop_reason: str | None
     stop_requested_at: float | None
     signals_sent: list[str]
+    warned_at: float | None  # when a batch system's time-limit warning came (epoch seconds), if it did
     flag_reason: str | None  # the reason word (docs/contract.md, why a job stopped) its stop.flag carried
 
 
@@ -247,7 +248,7 @@ def _exit_record(
         sig = os.WTERMSIG(raw_status)
     elif raw_status is not None:
         code = os.WEXITSTATUS(raw_status)
-    return {
+    record = {
         "attempt": spec.attempt,
         "job_pid": job_pid,
         "exit_code": code,
@@ -261,6 +262,9 @@ def _exit_record(
         "signals_sent": list(attempt.signals_sent) if attempt else [],
         "spawn_error": spawn_error,
     }
+    if attempt is not None and attempt.warned_at is not None:
+        record["time_limit_warned_at"] = iso_utc(attempt.warned_at)
+    return record
 
 
 def _exists(path: Path) -> bool:

@@ -15,21 +15,29 @@ from pathlib import Path
 from trainq.watcher.spec.contract import EXIT_FAILED, EXIT_USAGE, JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import remove_quietly
-from trainq.watcher.supervisor.attempt import _die_reporting, _load_prctl, _reset_signals, _supervise
+from trainq.watcher.supervisor.attempt import (
+    TIME_LIMIT_SIGNAL,
+    _die_reporting,
+    _load_prctl,
+    _reset_signals,
+    _supervise,
+)
 from trainq.watcher.supervisor.attempt_io import LaunchSpec, _note, _take_lock, open_job_log
 
 
-def run_in_foreground(spec: LaunchSpec, *, lock_required: bool = True) -> dict:
+def run_in_foreground(spec: LaunchSpec, *, lock_required: bool = True, warned_at: float | None = None) -> dict:
     """Take the lock and supervise in this process (Slurm, by hand); returns the exit record.
 
     ``lock_required=False`` (a Slurm node) runs on, with a note in output.log, where flock does not work.
+    A time-limit warning stays blocked until the supervisor's handler exists; ``warned_at``: one that came even
+    before this process ran (Slurm's batch script caught it).
     """
     spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir))
     paths = JobPaths(Path(spec.job_dir))
     lock_fd, unlocked = _take_lock(paths, spec.attempt, required=lock_required)
     remove_quietly(paths.exit_record)
     remove_quietly(paths.started)
-    _reset_signals()
+    _reset_signals(hold=(TIME_LIMIT_SIGNAL,))
     log_fd = open_job_log(paths.log)
     if unlocked:
         _note(
@@ -38,7 +46,7 @@ def run_in_foreground(spec: LaunchSpec, *, lock_required: bool = True) -> dict:
             f"{paths.heartbeat.name} tell the watcher this attempt is alive)",
         )
     try:
-        return _supervise(spec, log_fd, _load_prctl())
+        return _supervise(spec, log_fd, _load_prctl(), warned_at=warned_at)
     except BaseException:
         _die_reporting(log_fd)
         raise
