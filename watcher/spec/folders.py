@@ -428,14 +428,7 @@ def remove_tree(path: Path) -> None:
 
 def _link_or_rename(src: Path, dst: Path) -> None:
     """Give ``src`` the name ``dst`` and drop the old name; a symlink moves as the link itself."""
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-            raise
-        os.rename(src, dst)  # filesystems without hard links
+    if _link_in(src, dst):
         return
     try:
         os.unlink(src)
