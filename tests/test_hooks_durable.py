@@ -8,6 +8,7 @@ runner (``kill -9 $PPID``) escaped its 60 s limit.
 from __future__ import annotations
 
 import collections
+import fcntl
 import os
 import signal
 from pathlib import Path
@@ -99,3 +100,93 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# -- a retry.flag and the due hook of the failure it retries (the soak's finding, docs/reliability.md) --------
+# Before: retry.flag was honoured at once, so a failure whose hook was still due (waiting behind the runner
+# cap, or its runner not yet past hook.lock, as after a watcher SIGKILL on a loaded machine) lost its hook:
+# the retry removed hook.json and moved the folder, and the conclusion's on_finish never ran.
+
+#: job f: waits for ``go`` in its folder, fails on its first attempt, succeeds on the retry
+FAIL_ONCE = "while [ ! -e go ]; do sleep 0.05; done; if [ -e second ]; then exit 0; fi; touch second; exit 3"
+
+
+def _fail_once_job(queue_dir: Path, ran: Path) -> None:
+    drop(
+        queue_dir,
+        "f.yaml",
+        f"approved: true\ncommand: [sh, -c, '{FAIL_ONCE}']\n"
+        f"on_finish: [sh, -c, 'echo \"$TRAINQ_STATUS $TRAINQ_JOB_DIR\" >> {ran}']\n",
+    )
+
+
+def _hooks_ran(ran: Path) -> list[str]:
+    return ran.read_text().splitlines() if ran.exists() else []
+
+
+def _marker_done(queue_dir: Path, name: str) -> None:
+    """A job dropped now and seen done: the watcher has since passed over every retry.flag at least once."""
+    drop(queue_dir, f"{name}.yaml", "approved: true\ncommand: ['true']\n")
+    wait_until(lambda: (queue_dir / "done" / name).is_dir(), 60, what=f"the marker job {name} to end")
+
+
+def _both_conclusions_hooked(queue_dir: Path, ran: Path) -> None:
+    wait_until(
+        lambda: hook_state(queue_dir, "done", "f").get("state") == "ended", 120, what="the retried job's hook to end"
+    )
+    assert _hooks_ran(ran) == [f"failed {queue_dir / 'failed' / 'f'}", f"done {queue_dir / 'done' / 'f'}"], (
+        "one hook per conclusion, each with the folder it concluded in"
+    )
+
+
+def test_a_retry_waits_for_the_failures_hook_queued_behind_the_runner_cap(queue_dir, watcher_process):
+    """Eight hooks hold every runner slot until ``release`` exists; f's failure hook waits in the queue."""
+    (queue_dir / "watcher.yaml").write_text("settle_s: 0.1\nrescan_s: 0.2\nmax_concurrent: 10\n")
+    ran, release = queue_dir / "hooks-ran.txt", queue_dir / "release"
+    watcher_process()
+    drop(
+        queue_dir,
+        "block.yaml",
+        f"approved: true\ncommand: ['true', '{{i}}']\nsweep: {{i: [1, 2, 3, 4, 5, 6, 7, 8]}}\n"
+        f"on_finish: [sh, -c, 'while [ ! -e {release} ]; do sleep 0.05; done']\n",
+    )
+    blockers = [f"block-{i}" for i in range(1, 9)]
+    wait_until(
+        lambda: all(hook_state(queue_dir, "done", j).get("state") == "running" for j in blockers),
+        90,
+        what="eight hooks to hold every runner slot",
+    )
+    _fail_once_job(queue_dir, ran)
+    wait_until(lambda: (queue_dir / "running" / "f").is_dir(), 60, what="f to start")
+    (queue_dir / "running" / "f" / "go").touch()
+    wait_until(lambda: hook_state(queue_dir, "failed", "f").get("state") == "due", 60, what="f to fail, hook due")
+    (queue_dir / "failed" / "f" / "retry.flag").touch()
+    _marker_done(queue_dir, "marker")
+    release.touch()
+    _both_conclusions_hooked(queue_dir, ran)
+
+
+def test_a_retry_after_a_watcher_sigkill_does_not_overtake_the_failures_hook(queue_dir, watcher_process):
+    """The soak's case: f failed, its hook due, the watcher SIGKILLed; retry.flag is touched, a watcher starts.
+
+    The test holds f's hook.lock (a runner alive, not yet past it: "lock held" means "runner alive",
+    hooks.py) from before f fails until the restarted watcher has passed over retry.flags; so the window
+    between "a runner started" and "the hook is running" is as wide as the soak's ~33 s, every time.
+    """
+    (queue_dir / "watcher.yaml").write_text("settle_s: 0.1\nrescan_s: 0.2\n")
+    ran = queue_dir / "hooks-ran.txt"
+    wp = watcher_process()
+    _fail_once_job(queue_dir, ran)
+    wait_until(lambda: (queue_dir / "running" / "f").is_dir(), 60, what="f to start")
+    lock_fd = os.open(queue_dir / "running" / "f" / "hook.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # the lock is on the file: it stays held as the folder moves
+        (queue_dir / "running" / "f" / "go").touch()
+        wait_until(lambda: hook_state(queue_dir, "failed", "f").get("state") == "due", 60, what="f to fail")
+        wp.kill()  # SIGKILL
+        (queue_dir / "failed" / "f" / "retry.flag").touch()
+        watcher_process()
+        _marker_done(queue_dir, "marker")
+    finally:
+        os.close(lock_fd)
+    _both_conclusions_hooked(queue_dir, ran)

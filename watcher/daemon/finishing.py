@@ -69,6 +69,7 @@ class Finishing:
         self.vitals = vitals
         self.crashes = crashes
         self._last_running_poll = 0.0
+        self._retry_waits: set[str] = set()  # ids whose retry.flag waits for a hook (logged once each)
 
     # -- finishing ---------------------------------------------------------------------------
     def reap_finished(self, now: float) -> None:
@@ -320,6 +321,10 @@ class Finishing:
         the folder moves to pending/, then the flag is removed. A crash before the move leaves the
         flag in failed/ (the next watcher honours it again); after it, a pending job whose stray
         flag recovery removes. The old stop.flag goes first: left behind, it would cancel the retry.
+
+        The failure's on_finish hook comes first (docs/workflows.md: once per conclusion): while it is
+        due or running the flag waits (a due one is started now), since the move and hook.json's removal
+        would drop it.
         """
         paths = JobPaths(self.state.root.job_dir(state, job_id))
         remove_quietly(paths.stop_flag)
@@ -331,6 +336,10 @@ class Finishing:
         if job.run.get("status") == "rejected" and not self._fixed(job):
             remove_quietly(paths.retry_flag)
             return
+        if self.workflows.hook_unfinished(job):
+            self._note_retry_waits(job_id)  # the flag stays: honoured on a later pass, once the hook has ended
+            return
+        self._retry_waits.discard(job_id)
         resume = resume_point(job)
         job.run.update(
             status="pending",
@@ -361,6 +370,11 @@ class Finishing:
             state.value,
             f" (resume from {resume})" if resume else "",
         )
+
+    def _note_retry_waits(self, job_id: str) -> None:
+        if job_id not in self._retry_waits:
+            self._retry_waits.add(job_id)
+            logger.info("job %s: retry.flag waits for the on_finish hook of its failure to end", job_id)
 
     def _fixed(self, job: Job) -> bool:
         """A rejected job whose job.yaml was fixed in place (``trainq edit ID``) may run under its id."""

@@ -41,7 +41,7 @@ from trainq.watcher.spec.sweeps import after_refs, combinations, expand, variant
 from trainq.watcher.spec.tombstones import REMOVED, ended_status, read_tombstone, record_removal, removal_words
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor.hook_launcher import HookLauncher
-from trainq.watcher.supervisor.hooks import hook_due
+from trainq.watcher.supervisor.hooks import has_hook, hook_due
 
 if TYPE_CHECKING:
     from trainq.watcher.daemon.containment import Containment
@@ -401,6 +401,14 @@ class Workflows:
         if hook_due(job.paths, job.spec, job.status):
             self.hooks.launch(job.id, job.dir)
         self.deps_changed(job.id, now)
+
+    def hook_unfinished(self, job: Job) -> bool:
+        """Whether the on_finish hook of the job's current conclusion has yet to end (started now when due).
+
+        A retry.flag waits for it (finishing.py): the retry removes hook.json and moves the folder, so a
+        hook not yet taken would never run, and one running would lose its TRAINQ_JOB_DIR and its record.
+        """
+        return has_hook(job.spec, job.status) and self.hooks.unfinished(job.id, job.dir)
 
     def workflow_requeued(self, job: Job, now: float) -> None:
         """A finished job is pending again (retry.flag): its conclusion is undone, its next one gets a hook."""

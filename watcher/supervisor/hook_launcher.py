@@ -47,6 +47,8 @@ from trainq.watcher.supervisor.hooks import (
 logger = logging.getLogger(__name__)
 #: a live runner this long past its hook's limit (and the kill that follows it) is stuck: killed (s)
 STUCK_AFTER_S = 10.0
+#: runners started for a due hook a retry.flag waits on before the retry goes ahead without it
+RETRY_LAUNCHES = 3
 
 
 @dataclass
@@ -70,6 +72,7 @@ class HookLauncher:
         self._active: dict[Path, _Active] = {}
         self._waiting: deque[tuple[str, Path]] = deque()
         self._queued: set[Path] = set()
+        self._retry_launches: dict[Path, int] = {}  # runners started for a hook a retry waits on
 
     def launch(self, job_id: str, job_dir: Path) -> None:
         """Start the runner for ``job_dir`` (a concluded job's final folder), or queue it while MAX_HOOK_RUNNERS run."""
@@ -139,6 +142,40 @@ class HookLauncher:
 
     def running(self) -> int:
         return len(self._active)
+
+    def unfinished(self, job_id: str, job_dir: Path) -> bool:
+        """Whether the hook of ``job_dir``'s conclusion (which has one) has yet to end: a retry waits for it.
+
+        Due and not yet taken: started now (or queued behind the cap), and waited for. Taken (``running``,
+        or its lock held by a runner about to take it): waited for; the hook ends within its limit, or the
+        watcher ends it (reap). Ended: not waited for. A hook still due after RETRY_LAUNCHES runners started
+        here ended without taking it is not waited for: a retry is never held for ever.
+        """
+        job_dir = Path(job_dir)
+        paths = JobPaths(job_dir)
+        record = read_json(paths.hook_record)
+        if record is None and not os.path.lexists(paths.hook_record):
+            record = {"state": DUE}  # none yet: a folder concluded before hook.json came first
+        state = (record or {}).get("state")  # unreadable: not waited for
+        if state == RUNNING:
+            return True
+        if state != DUE:
+            self._retry_launches.pop(job_dir, None)
+            return False
+        if runner_alive(paths) or job_dir in self._active or job_dir in self._queued:
+            return True
+        launches = self._retry_launches.get(job_dir, 0)
+        if launches >= RETRY_LAUNCHES:
+            del self._retry_launches[job_dir]
+            logger.warning(
+                "job %s: its on_finish hook is still due after %d runners; its retry goes ahead without it",
+                job_id,
+                launches,
+            )
+            return False
+        self._retry_launches[job_dir] = launches + 1
+        self.launch(job_id, job_dir)
+        return True
 
     def close(self) -> None:
         """The watcher stops: hooks whose runner is gone are ended now; live runners end within their limit."""

@@ -8,8 +8,8 @@ The runner (``python -m trainq.watcher.supervisor.hooks JOB_DIR``) takes ``hook.
 held" means "runner alive"), and under it turns ``due`` into ``running`` (fsynced) before it starts the
 hook: whoever makes that change runs the hook, every other runner exits at once. So a watcher killed
 before the hook runs has it run by the next watcher, and one killed while it runs does not run it again
-(the runner lives in its own session and finishes). A retry (retry.flag) removes ``hook.json``: its next
-conclusion is a new one.
+(the runner lives in its own session and finishes). A retry (retry.flag) waits for the hook to end
+(hook_launcher.py, ``unfinished``), then removes ``hook.json``: its next conclusion is a new one.
 
 The hook runs in a cgroup of its own where the machine has one (cgroups.py; ``<job id>.hook``), so
 ``kill -9 $PPID`` from the hook frees nothing: its processes stay in the group, the watcher sees the
