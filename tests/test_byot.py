@@ -199,7 +199,7 @@ def test_plain_hf_script_resumes_after_stop_retry_and_sigkill(queue_dir, watcher
     assert stopped["status"] == "cancelled"
     failed = queue_dir / "failed" / "hf"
     log = (failed / "output.log").read_bytes().decode()  # bytes: tqdm's \r must not pass for a newline
-    assert "\ntrainq: stop requested (stop.flag); SIGTERM in 1 s\n" in log
+    assert "\ntrainq: stop requested by the user (stop.flag); SIGTERM in 1 s\n" in log
     assert "\ntrainq: sent SIGTERM to the job's process tree" in log
     newest = _checkpoints(failed)[-1]
     said = _cli(queue_dir, "retry", "hf")

@@ -32,6 +32,7 @@ from trainq.watcher.spec.contract import (
     ENV_METRICS,
     ENV_STOP_FLAG,
     REASON_PHRASES,
+    REASON_USER,
     JobPaths,
     stop_flag_reason,
 )
@@ -394,7 +395,7 @@ def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
             a,
             "stop_flag",
             now,
-            f"stop requested {REASON_PHRASES[a.flag_reason]} ({a.paths.stop_flag.name}); SIGTERM in {a.grace_s:g} s",
+            f"stop requested {_requested_by(a.flag_reason)} ({a.paths.stop_flag.name}); SIGTERM in {a.grace_s:g} s",
         )
     elif _inode(a.paths.dir) != a.dir_ino:  # rm -rf of the job folder: a stop, as stop.flag would do it
         _request_stop(
@@ -417,6 +418,11 @@ def _time_limit_words(a: _Attempt) -> str:
     after = a.warned_at - a.started_at
     when = f"{after:.1f} s after the job started" if after >= 0 else f"{-after:.1f} s before the job started"
     return f"the batch system's time limit is near: its warning (SIGUSR1) came {when}"
+
+
+def _requested_by(reason: str) -> str:
+    """How the log's "stop requested ..." line names who asked ("on request" would read twice)."""
+    return "by the user" if reason == REASON_USER else REASON_PHRASES[reason]
 
 
 def _request_stop(a: _Attempt, reason: str, now: float, message: str) -> None:
