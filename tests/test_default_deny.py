@@ -150,7 +150,7 @@ def test_a_cwd_in_a_repository_with_core_fsmonitor(queue_dir, watcher, marks):
     job = {"approved": True, "command": ["bash", str(status)], "cwd": str(repo), "env": {"LANG": "C"}}
     drop(queue_dir, "fsmonitor.yaml", yaml.safe_dump(job))
     drop(queue_dir, "escape.yaml", yaml.safe_dump({**job, "cwd": "../../.."}))
-    drop(queue_dir, "inside.yaml", yaml.safe_dump({**job, "command": ["true"], "cwd": "."}))
+    drop(queue_dir, "inside.yaml", yaml.safe_dump({**job, "command": ["true"], "cwd": "{job_dir}"}))
     tick_until(
         w,
         lambda: (
