@@ -323,7 +323,8 @@ def test_a_health_note_clears_once_the_loss_leaves_the_plateau(queue_dir: Path, 
     )
     [note] = entry["story"]["notes"]
     assert note["kind"] == "health" and note["from_step"] == 21 and note["attempt"] == 1, note
-    assert "not learning" in _trainq(queue_dir, "status", "pl") and "not learning" in _status_html(queue_dir)
+    assert "not learning" in _trainq(queue_dir, "status", "pl")
+    tick_until(w, lambda: "not learning" in _status_html(queue_dir), 30, what="status.html with the note")
     go.touch()
     entry = tick_until(
         w, lambda: (e := _entry(queue_dir, "pl")).get("progress", {}).get("step") == 612 and e, 30, what="step 612"
