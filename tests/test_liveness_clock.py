@@ -217,7 +217,7 @@ def test_served_live_page_watches_the_heartbeat_change(queue_dir, watcher_proces
     wp = _start(queue_dir, watcher_process, write_job, -SKEW_S)
     server = Server(queue_dir)  # this machine's clock: only the watcher's is off
     try:
-        _page_alive_then_frozen(browser, wp, f"http://127.0.0.1:{server.port}/")
+        _page_alive_then_frozen(browser, wp, server.url)
     finally:
         server.stop()
 
