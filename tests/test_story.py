@@ -419,6 +419,28 @@ def test_a_job_resumed_at_its_end_shows_n_of_n(queue_dir: Path, watcher, tmp_pat
     assert "300/300" in _trainq(queue_dir, "status", "nn")
 
 
+def test_a_job_over_before_it_was_looked_at_shows_its_last_bar_even_after_a_long_log(
+    queue_dir: Path, watcher, tmp_path: Path
+) -> None:
+    """A script that prints 200 KB and then its bar, and is gone at once: the finished entry still has 7/7 (the
+    watcher reads the end of output.log once the job is over, not only while it runs)."""
+    script = _script(
+        tmp_path,
+        "quick",
+        "import sys\n"
+        "for i in range(2000):\n"
+        "    print('x' * 99)\n"
+        "for n in range(8):\n"
+        "    sys.stdout.write(f'{n * 100 // 7:>3}%|#####     | {n}/7 [00:00<00:00, 99.0it/s]\\r')\n"
+        "print(flush=True)\n",
+    )
+    w = watcher()
+    _job(queue_dir, "quick", command=[PY, script])
+    entry = tick_until(w, lambda: (e := _entry(queue_dir, "quick")).get("state") == "done" and e, 60, what="done")
+    assert entry["progress"] is not None, entry
+    assert (entry["progress"]["step"], entry["progress"]["total_steps"]) == (7, 7), entry["progress"]
+
+
 # -- the faces people look at (issue 35, item 6) -----------------------------------------------------------------
 def _quick(root: Path, job_id: str, steps: int, **fields) -> None:
     _job(root, job_id, command=[PY, SLOW, str(steps), "0.01", "5"], resume_args=[], **fields)

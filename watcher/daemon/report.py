@@ -166,6 +166,7 @@ class Report:
 
     def finished(self, job: Job, now: float, count: bool = True) -> None:
         """A job reached done/ or failed/ (``count``: it was not on disk at the last recount)."""
+        _last_look(job)
         entry = _entry(job, self.root)
         entry["progress"] = final_progress(entry.get("progress"), job)
         entry.update(story_of(job, entry["progress"]).to_entry())  # the final progress: N/N for a resumed job
@@ -407,6 +408,23 @@ def _wall_entry(job: Job) -> dict:
 
 #: how much of a finished job's metrics.jsonl is read for its final progress (bytes)
 FINAL_METRICS_BYTES = 16384
+
+
+#: how much of the end of a never-polled finished job's output.log is read for its bars (bytes)
+FINAL_LOG_BYTES = 65536
+
+
+def _last_look(job: Job) -> None:
+    """Read a finished job's output.log to its end: an attempt shorter than the first poll (a resumed one that found
+    its work done, a trivial script) printed its progress bar where only this read sees it."""
+    readers = job.readers
+    if readers is None:
+        started = parse_iso((job.current_attempt() or {}).get("started_at"))
+        log = LogProgress(job.paths.log, tail_bytes=FINAL_LOG_BYTES)
+        readers = job.readers = _Readers(MetricsTail(job.paths.metrics, started), log)
+    elif readers.log.path != job.paths.log:
+        readers.log.follow(job.paths.log)
+    readers.log.poll()
 
 
 def final_progress(progress: dict | None, job: Job) -> dict | None:

@@ -45,7 +45,18 @@ class LineReader:
         self._offset = 0
         self._inode: tuple[int, int] | None = None
         self._partial = b""
+        self._mid_line = False  # started inside the file (start_near_end): the first fragment is no line
         self.restarted = False
+
+    def start_near_end(self, keep: int) -> None:
+        """Read only the last ``keep`` bytes from here on (a finished job's log never polled: its end is its
+        progress); the line cut at that point is dropped."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return
+        if self._inode is None and st.st_size > keep:
+            self._inode, self._offset, self._mid_line = (st.st_dev, st.st_ino), st.st_size - keep, True
 
     def read_lines(self, separators: bytes = b"\n") -> list[bytes]:
         """New complete lines (without separators); sets ``restarted`` when the file started over."""
@@ -93,6 +104,9 @@ class LineReader:
         for sep in separators[1:]:
             data = data.replace(bytes([sep]), separators[:1])
         lines = data.split(separators[:1])
+        if self._mid_line and len(lines) > 1:
+            self._mid_line = False
+            lines.pop(0)
         self._partial = lines.pop()
         if len(self._partial) > MAX_LINE_BYTES:
             self._partial = b""

@@ -97,15 +97,22 @@ def hf_dicts(text: str) -> list[dict]:
 class LogProgress:
     """Follows one job's output.log for the log dicts and progress bars its trainer prints."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tail_bytes: int | None = None) -> None:
+        """``tail_bytes``: read only the file's last bytes (a finished job looked at once)."""
         self.path = Path(path)
         self._reader = LineReader(self.path)
+        if tail_bytes is not None:
+            self._reader.start_near_end(tail_bytes)
         self._reset()
 
     def _reset(self) -> None:
         self.fields = _BarFields()
         self._bar_total: int | None = None  # the training bar's total, from the attempt's first bar
         self._last_partial = b""
+
+    def follow(self, path: Path) -> None:
+        """The job's folder moved (running/ -> done/): the same file under its new name, read on from where it was."""
+        self.path = self._reader.path = Path(path)
 
     def poll(self, now: float | None = None) -> bool:
         """Read what was appended since the last call (at ``now``, default the clock); True if progress changed."""
