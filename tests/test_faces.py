@@ -448,15 +448,20 @@ def test_thirty_mixed_jobs_fit_the_terminal_in_tmux(tmp_path, tmux_session, size
 
 
 def _mixed_real_jobs(queue_dir: Path) -> None:
-    """30 real job files: 3 running, a waiting sweep, awaiting, rejected, six kinds of failure, done jobs with loss."""
+    """30 real job files: 3 running, a waiting sweep, awaiting, rejected, six kinds of failure, done jobs with loss.
+
+    The short jobs are dropped first and have ended before the three long runners arrive: dropped together, a watcher
+    that claimed a long runner before the rest landed would start it, and the three would hold every slot for good."""
     from conftest import FAKE
 
     def job(name: str, command: list[str], **extra: object) -> None:
         fields = {"approved": True, "command": command, **extra}
         drop(queue_dir, f"{name}.yaml", json.dumps(fields))
 
-    for i in range(3):
-        job(f"train-{i}", [PY, str(FAKE / "metrics_then_sleep.py")], stop_grace="1s")
+    def counts() -> dict:
+        status = json.loads((queue_dir / "status.json").read_text()) if (queue_dir / "status.json").exists() else {}
+        return status.get("counts") or {}
+
     for name, script in (
         ("oom", "oom.py"),
         ("nan", "nan.py"),
@@ -472,6 +477,9 @@ def _mixed_real_jobs(queue_dir: Path) -> None:
     loss = "import json,os; open(os.environ['TRAINQ_METRICS'],'a').write(json.dumps({'type':'step','step':5,'total_steps':5,'loss':0.25})+'\\n')"
     for i in range(11):
         job(f"ok-{i}", [PY, "-c", loss], priority=5)
+    wait_until(lambda: counts().get("failed") == 8 and counts().get("done") == 11, 90, 0.2, "8 failed, 11 done")
+    for i in range(3):
+        job(f"train-{i}", [PY, str(FAKE / "metrics_then_sleep.py")], stop_grace="1s")
     job("lrs", ["echo", "{lr}"], sweep={"lr": [f"{i}e-4" for i in range(1, 8)]}, after=["train-0"])
 
 
@@ -479,9 +487,10 @@ def _mixed_real_jobs(queue_dir: Path) -> None:
 def test_thirty_real_jobs_under_a_real_watcher_fit_the_terminal(
     queue_dir, watcher_process, tmux_session, tmp_path, size
 ):
-    (queue_dir / "watcher.yaml").write_text("max_concurrent: 3\nsettle_s: 0.1\nrescan_s: 0.2\nstatus_s: 0.2\n")
+    (queue_dir / "watcher.yaml").write_text(
+        "max_concurrent: 3\nsettle_s: 0.1\ninbox_settle_s: 0.1\nrescan_s: 0.2\nstatus_s: 0.2\n"
+    )
     watcher_process()
-    # the failures and done jobs first (priority), then the three long runners hold the three slots
     _mixed_real_jobs(queue_dir)
 
     def settled() -> bool:
