@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -20,7 +21,7 @@ from conftest import PY, REPO, drop, tick_until
 from test_allow_env import marks, needs, refused, subverted  # noqa: F401 (marks is a fixture)
 
 from trainq.watcher.spec.allow import DEFAULT_ALLOW_ENV, LOADER_FAMILIES, is_allowed_env, is_loader_variable
-from trainq.watcher.spec.interpreter import safe_module_argv
+from trainq.watcher.spec.interpreter import SAFE_BOOT, safe_module_argv
 
 PY3 = "/usr/bin/python3"
 
@@ -232,6 +233,34 @@ def test_python_m_puts_the_cwd_first_and_safe_module_argv_does_not(tmp_path, mod
 
     assert run([PY, "-m", module], tmp_path / "old"), "python -m did not import the cwd's trainq/"
     assert not run(safe_module_argv(PY, module), tmp_path / "new"), f"{module} imported the cwd's trainq/"
+
+
+def _python_3_10() -> str | None:
+    """A Python 3.10 on this machine (PATH, or pyenv's folder), for the bootstrap 3.10 gets instead of -P."""
+    found = shutil.which("python3.10")
+    if found and subprocess.run([found, "-c", ""], capture_output=True).returncode == 0:
+        return found
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    return next((str(p) for p in sorted(pyenv.glob("3.10*/bin/python3.10")) if p.exists()), None)
+
+
+def test_python_3_10_gets_a_bootstrap_that_drops_the_cwd_as_minus_p_does(tmp_path):
+    """Python 3.10 has no -P: trainq runs its modules through ``-c SAFE_BOOT module``; a planted argparse.py in the
+    cwd hijacks ``python3.10 -m json.tool`` and not the bootstrap, which still runs the module with its arguments."""
+    python = _python_3_10()
+    if python is None:
+        pytest.skip("no Python 3.10 on this machine (PATH or ~/.pyenv/versions/3.10*)")
+    (tmp_path / "argparse.py").write_text("print('HIJACKED')\nraise SystemExit(9)\n")
+    (tmp_path / "x.json").write_text('{"a": 1}')
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    plain = run([python, "-m", "json.tool", "x.json"])
+    assert (plain.returncode, plain.stdout.strip()) == (9, "HIJACKED"), plain
+    safe = run([python, "-c", SAFE_BOOT, "json.tool", "x.json"])
+    assert safe.returncode == 0 and json.loads(safe.stdout) == {"a": 1}, safe
 
 
 @pytest.fixture(scope="module")

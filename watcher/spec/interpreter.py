@@ -36,7 +36,7 @@ def resolved_program(argv0: str, path_env: str, cwd: str) -> str | None:
 
 #: Python 3.10 has no ``-P``: this bootstrap drops the script folder (``''``, the cwd) from sys.path, then runs
 #: the module as ``-m`` would
-_SAFE_BOOT = "import runpy,sys;del sys.path[0];runpy.run_module(sys.argv.pop(1),run_name='__main__',alter_sys=True)"
+SAFE_BOOT = "import runpy,sys;del sys.path[0];runpy.run_module(sys.argv.pop(1),run_name='__main__',alter_sys=True)"
 
 
 def safe_module_argv(python: str, module: str) -> list[str]:
@@ -47,4 +47,4 @@ def safe_module_argv(python: str, module: str) -> list[str]:
     """
     if sys.version_info >= (3, 11):
         return [python, "-P", "-m", module]
-    return [python, "-c", _SAFE_BOOT, module]
+    return [python, "-c", SAFE_BOOT, module]
