@@ -90,6 +90,12 @@ def test_lora_job_reaches_done_with_artifacts_and_rising_progress(queue_dir, wat
     assert (job_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     final = wait_until(lambda: job_entry(queue_dir, "lora").get("state") == "done" and job_entry(queue_dir, "lora"), 10)
     assert (final.get("outputs") or {}).get("loss_png", "").endswith("loss.png")
+    # two throughputs, told apart: the last step's, and the whole run's (evaluations and checkpoints included)
+    whole = json.loads((job_dir / "summary.json").read_text())["tokens_per_s"]
+    shown = subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(queue_dir), "show", "lora"], capture_output=True, text=True
+    ).stdout
+    assert "tok/s stepping" in shown and f"{whole:.4g} tok/s over the run (summary.json)" in shown, shown
 
 
 def test_stop_then_retry_resumes_and_matches_an_uninterrupted_run(queue_dir, watcher_process, tiny):

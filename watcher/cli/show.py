@@ -46,7 +46,7 @@ def show_lines(root: Path, found: Found, now: float | None = None) -> list[str]:
         *_diagnosis(story),
         *_rerun(root, found, run),
         *_attempts(run, now),
-        *_progress(story),
+        *_progress(story, JobPaths(found.path)),
         *_paths(found),
     ]
     return lines
@@ -211,7 +211,9 @@ def _exit_words(attempt: dict) -> str:
     return ""
 
 
-def _progress(story: JobStory) -> list[str]:
+def _progress(story: JobStory, paths: JobPaths) -> list[str]:
+    """The last step's figures; a finished train job adds the whole run's rate from summary.json (evaluations and
+    checkpoints included), so the two throughputs a user sees are told apart."""
     last = story.progress or {}
     parts = []
     if last.get("step") is not None:
@@ -222,7 +224,10 @@ def _progress(story: JobStory) -> list[str]:
     if last.get("eval_loss") is not None:
         parts.append(f"eval loss {format_number(last['eval_loss'])}")
     if last.get("tokens_per_s") is not None:
-        parts.append(f"{format_number(last['tokens_per_s'])} tok/s")
+        parts.append(f"{format_number(last['tokens_per_s'])} tok/s stepping")
+    whole = (read_json(paths.summary) or {}).get("tokens_per_s") if story.state in ("done", "failed") else None
+    if isinstance(whole, (int, float)):
+        parts.append(f"{format_number(whole)} tok/s over the run (summary.json)")
     return ["  progress: " + " · ".join(parts)] if parts else []
 
 
