@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ from trainq.watcher.daemon.diagnosis import (
     unsatisfiable_diagnosis,
 )
 from trainq.watcher.spec.contract import EXIT_DATA, EXIT_FAILED, EXIT_NAN, EXIT_OOM, EXIT_PREEMPTED, JobPaths
+from trainq.watcher.spec.jobspec import DEFAULT_RETRY_ON, RETRYABLE_KINDS, SCHEMAS_DIR
 
 
 class Runner(Jobs):
@@ -238,6 +240,15 @@ def test_every_kind_has_advice_and_round_trips() -> None:
         assert d.advice and d.advice.endswith(".") and Diagnosis.from_dict(d.to_dict()) == d
     with pytest.raises(ValueError, match="diagnosis kind"):
         Diagnosis("cosmic-rays", "", "")
+
+
+def test_the_schemas_list_the_same_kinds_as_the_code() -> None:
+    """One list of kinds (spec/jobspec.py): run.json and status.json allow each, retries.on all but dependency."""
+    for name in ("run.schema.json", "status.schema.json"):
+        schema = json.loads((SCHEMAS_DIR / name).read_text())
+        assert schema["$defs"]["diagnosis"]["properties"]["kind"]["enum"] == list(KINDS), name
+    on = json.loads((SCHEMAS_DIR / "job.schema.json").read_text())["properties"]["retries"]["properties"]["on"]
+    assert on["items"]["enum"] == list(RETRYABLE_KINDS) and on["default"] == list(DEFAULT_RETRY_ON)
 
 
 def test_read_tail_strips_ansi_and_the_cut_line(tmp_path: Path) -> None:

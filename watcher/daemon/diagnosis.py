@@ -20,24 +20,8 @@ from trainq.watcher.spec.contract import (
     EXIT_STARTUP,
     RECORD_EVENT,
 )
+from trainq.watcher.spec.jobspec import DIAGNOSIS_KINDS as KINDS  # the one list, beside retries.on's
 from trainq.watcher.spec.records import parse_records, read_metrics_tail, read_tail, strip_ansi  # noqa: F401 (re-exported)
-
-KINDS = (
-    "oom",
-    "nan",
-    "killed",
-    "data",
-    "timeout",
-    "stalled",
-    "preempted",
-    "unsatisfiable",
-    "dependency",
-    "schedule",
-    "no_checkpoint",
-    "startup",
-    "config",
-    "unknown",
-)
 
 #: longest evidence line kept (characters)
 EVIDENCE_MAX_CHARS = 300

@@ -37,8 +37,9 @@ SCHEMAS_DIR = Path(__file__).resolve().parent.parent.parent / "schemas"
 
 #: largest job file accepted, in bytes (docs/contract.md, the inbox)
 MAX_JOB_FILE_BYTES = 1024 * 1024
-#: diagnosis kinds a failure can carry (docs/contract.md, statuses and diagnoses)
-FAILURE_KINDS = (
+#: every kind a failure's diagnosis can carry, in the order of run.json's and status.json's schemas (docs/contract.md,
+#: statuses and diagnoses); daemon/diagnosis.py gives each its advice
+DIAGNOSIS_KINDS = (
     "oom",
     "nan",
     "killed",
@@ -47,15 +48,19 @@ FAILURE_KINDS = (
     "stalled",
     "preempted",
     "unsatisfiable",
+    "dependency",
     "schedule",
     "no_checkpoint",
     "startup",
     "config",
     "unknown",
 )
+#: the kinds retries.on may name: all but dependency (a job this one runs after ended other than done: that job is the
+#: one to retry)
+RETRYABLE_KINDS = tuple(k for k in DIAGNOSIS_KINDS if k != "dependency")
 #: retried by default: every kind but nan, data, timeout and schedule (retrying those repeats the same failure)
 #: and config (a path or value only editing the file cures: ``trainq edit ID``)
-DEFAULT_RETRY_ON = tuple(k for k in FAILURE_KINDS if k not in ("nan", "data", "timeout", "schedule", "config"))
+DEFAULT_RETRY_ON = tuple(k for k in RETRYABLE_KINDS if k not in ("nan", "data", "timeout", "schedule", "config"))
 #: seconds a stopped job may take to checkpoint and exit before its tree is terminated
 DEFAULT_STOP_GRACE_S = 120.0
 #: seconds a failed job waits before its retry
