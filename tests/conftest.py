@@ -49,6 +49,20 @@ def run_json(root: Path, job_id: str) -> dict:
     return {}
 
 
+def trainq(root: str | Path, *args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``trainq --root ROOT ARGS`` run as a user runs it (a new process in ``cwd``, no stdin), output captured;
+    ``env`` is laid over this process's environment (a PYTHONPATH there replaces the repository's)."""
+    return subprocess.run(
+        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
+
+
 @pytest.fixture
 def queue_dir(tmp_path: Path) -> Path:
     """A queue root with its five folders."""

@@ -7,20 +7,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PY, REPO, wait_until
+from conftest import PY, trainq, wait_until
 from test_workflows import _entry, _job, _where
-
-
-def _cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-        env=dict(os.environ, **(env or {})),
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def test_loss_column_keeps_the_magnitude_of_small_losses():
@@ -33,7 +21,7 @@ def test_loss_column_keeps_the_magnitude_of_small_losses():
 def test_validate_counts_a_sweeps_jobs_and_env_keys_sweep(tmp_path):
     sweep = tmp_path / "grid.yaml"
     sweep.write_text("approved: true\ncommand: [echo, '{lr}']\nsweep: {lr: [1, 2, 3], env.SEED: [1, 2]}\n")
-    out = _cli(tmp_path, "validate", str(sweep))
+    out = trainq(tmp_path, "validate", str(sweep))
     assert (
         out.returncode == 0
         and out.stdout.strip() == f"{sweep}: ok, approved; a sweep: it becomes 6 jobs (lr, env.SEED)"
@@ -51,7 +39,7 @@ def test_validate_counts_a_sweeps_jobs_and_env_keys_sweep(tmp_path):
 def test_report_to_tensorboard_without_the_package_is_refused_at_validation(tmp_path):
     job = tmp_path / "tb.yaml"
     job.write_text("approved: true\ntrain: {model: /m, data: /d.jsonl, max_steps: 2, report_to: [tensorboard]}\n")
-    out = _cli(tmp_path, "validate", str(job))
+    out = trainq(tmp_path, "validate", str(job))
     assert out.returncode == 2 and out.stdout.strip() == (
         f"{job}: train.report_to: tensorboard needs the tensorboard package beside trainq "
         "(pip install 'trainq[tensorboard]'); install it, or remove tensorboard"
@@ -78,18 +66,18 @@ def test_command_sweep_ranked_by_eval_loss_and_cli_frictions(queue_dir, watcher_
     wait_until(lambda: (_entry(queue_dir, "grid-2") or {}).get("best_eval_loss") is not None, 20)
     assert {_entry(queue_dir, f"grid-{i}")["best_eval_loss"] for i in (1, 2)} == {0.5, 0.25}
 
-    rm = _cli(queue_dir, "rm", "long")
+    rm = trainq(queue_dir, "rm", "long")
     assert rm.returncode == 2 and "can resume: rm would delete its checkpoints too" in rm.stderr
     assert _where(queue_dir, "long") == "running"
-    stop = _cli(queue_dir, "stop", "long")
+    stop = trainq(queue_dir, "stop", "long")
     assert "it shows `stopping` for up to its stop_grace (45s)" in stop.stdout, stop.stdout
-    assert _cli(queue_dir, "stop", "--now", "long").returncode == 0
-    waited = _cli(queue_dir, "wait", "long")
+    assert trainq(queue_dir, "stop", "--now", "long").returncode == 0
+    waited = trainq(queue_dir, "wait", "long")
     assert waited.returncode == 1 and "cancelled" in waited.stdout  # not 143: a stop is no failure of the job's
 
-    refused = _cli(queue_dir, "clean", "grid-1", "nope")
+    refused = trainq(queue_dir, "clean", "grid-1", "nope")
     assert refused.returncode == 2 and "no job with id 'nope'" in refused.stderr and _where(queue_dir, "grid-1")
-    cleaned = _cli(queue_dir, "clean", "grid-1")
+    cleaned = trainq(queue_dir, "clean", "grid-1")
     assert cleaned.returncode == 0 and "removed 1 finished job(s): done/grid-1" in cleaned.stdout
     assert _where(queue_dir, "grid-1") is None and _where(queue_dir, "grid-2") == "done"
 

@@ -5,24 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-from pathlib import Path
 
-from conftest import PY, REPO, wait_until
+from conftest import PY, trainq, wait_until
 from test_workflows import _job, _run, _where
-
-
-def _cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-        env=dict(os.environ, **(env or {})),
-        stdin=subprocess.DEVNULL,
-    )
-
 
 #: a resumable script: saves step-N folders; crashes at step 3 unless --steps says fewer; prints where it resumed
 SCRIPT = """
@@ -52,13 +37,13 @@ def test_edit_a_failed_job_runs_it_again_under_the_same_id_from_its_checkpoint(q
         resources={"gpus": 0},
     )
     wait_until(lambda: (_run(queue_dir, "steps", "failed") or {}).get("status") == "failed", 30)
-    why = _cli(queue_dir, "why", "steps").stdout
+    why = trainq(queue_dir, "why", "steps").stdout
     assert "to run it again (resuming from step-2): trainq retry steps; to change it first: trainq edit steps" in why
 
     editor = tmp_path / "fix.sh"
     editor.write_text('#!/bin/sh\nsed -i \'s/"3"/"99"/; s/, 3]/, 99]/\' "$1"\n')
     editor.chmod(0o755)
-    out = _cli(queue_dir, "edit", "steps", env={"EDITOR": str(editor)})
+    out = trainq(queue_dir, "edit", "steps", env={"EDITOR": str(editor)})
     assert out.returncode == 0, out.stderr
     assert "it runs again as attempt 2 under the same id, resuming from step-2 (retry.flag)" in out.stdout, out.stdout
     wait_until(lambda: _where(queue_dir, "steps") == "done", 30, what="the edited job ends done")
@@ -76,11 +61,11 @@ def test_a_rejected_job_is_fixed_with_edit_and_runs_under_its_id(queue_dir, watc
     watcher_process()
     _job(queue_dir, "typo", command=["true"], priority="high", resources={"gpus": 0})
     wait_until(lambda: (_run(queue_dir, "typo", "failed") or {}).get("status") == "rejected", 30)
-    assert "trainq edit typo" in _cli(queue_dir, "retry", "typo").stderr
+    assert "trainq edit typo" in trainq(queue_dir, "retry", "typo").stderr
     editor = tmp_path / "fix.sh"
     editor.write_text('#!/bin/sh\nsed -i \'s/"high"/1/\' "$1"\n')
     editor.chmod(0o755)
-    out = _cli(queue_dir, "edit", "typo", env={"EDITOR": str(editor)})
+    out = trainq(queue_dir, "edit", "typo", env={"EDITOR": str(editor)})
     assert out.returncode == 0 and "runs it under the same id" in out.stdout, out.stdout + out.stderr
     wait_until(lambda: _where(queue_dir, "typo") == "done", 30)
 
@@ -90,14 +75,14 @@ def test_retry_of_a_dependent_names_the_failed_dependency_and_does_nothing(queue
     _job(queue_dir, "prep", command=[PY, "-c", "raise SystemExit(2)"], resources={"gpus": 0})
     _job(queue_dir, "train", after=["prep"], command=["true"], resources={"gpus": 0})
     wait_until(lambda: (_run(queue_dir, "train", "failed") or {}).get("status") == "failed", 30)
-    out = _cli(queue_dir, "retry", "train")
+    out = trainq(queue_dir, "retry", "train")
     assert out.returncode == 2 and out.stderr.strip() == (
         "trainq: job train runs after prep, which ended failed: retry that first (`trainq retry prep`), "
         "then this one; nothing done"
     )
     assert not (queue_dir / "failed" / "train" / "retry.flag").exists()
-    assert "first `trainq retry prep`" in _cli(queue_dir, "why", "train").stdout
-    assert "first `trainq retry prep`" in _cli(queue_dir, "show", "train").stdout
+    assert "first `trainq retry prep`" in trainq(queue_dir, "why", "train").stdout
+    assert "first `trainq retry prep`" in trainq(queue_dir, "show", "train").stdout
 
 
 def test_advice_names_only_what_applies(queue_dir, watcher_process):
@@ -107,7 +92,7 @@ def test_advice_names_only_what_applies(queue_dir, watcher_process):
     wait_until(lambda: all(_where(queue_dir, j) == "failed" for j in ("plain", "nomod")), 30)
     plain = _run(queue_dir, "plain", "failed")["diagnosis"]
     assert "checkpoint" not in plain["advice"] and "from the start" in plain["advice"], plain
-    why = _cli(queue_dir, "why", "plain").stdout
+    why = trainq(queue_dir, "why", "plain").stdout
     assert "resuming" not in why and "to run it again (from the start (the job declares no resume_args))" in why
 
     nomod = _run(queue_dir, "nomod", "failed")

@@ -10,25 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PY, REPO, drop, run_json, tick_until
+from conftest import PY, drop, run_json, tick_until, trainq
 
 from trainq.watcher.daemon.diagnosis import diagnose
-
-
-def trainq(root: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-    )
 
 
 def queue_listing(root: Path) -> dict[str, list[str]]:

@@ -9,24 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-from pathlib import Path
 
-from conftest import PY, REPO, drop, run_json, tick_until, wait_until
+from conftest import drop, run_json, tick_until, trainq, wait_until
 
 from trainq.watcher.spec.yaml12 import load_yaml12
-
-
-def trainq(root: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-    )
 
 
 def test_submit_dash_dash_runs_where_it_was_called_with_cwd_and_env(queue_dir, watcher_process, tmp_path):
