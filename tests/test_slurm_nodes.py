@@ -42,6 +42,13 @@ def _sh(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env=env)
 
 
+def restart_nodes(nodes: int = NODES) -> subprocess.CompletedProcess:
+    """tests/slurm/start.sh again, for ``nodes`` nodes without accounting: a test that switched or broke the
+    cluster puts it back this way."""
+    env = dict(os.environ, TRAINQ_SLURM_NODES=str(nodes), TRAINQ_SLURM_ACCOUNTING="0")
+    return _sh("bash", str(SLURM_DIR / "start.sh"), env=env)
+
+
 def _node_lines(log: str, prefix: str) -> list[str]:
     return sorted(line for line in log.splitlines() if line.startswith(prefix))
 
@@ -95,9 +102,8 @@ def test_a_command_job_on_three_nodes_reaches_its_master_from_every_node(queue_d
 
 def test_switching_the_node_count_leaves_nothing_of_the_old_cluster_behind():
     """Down to two nodes, then stopped, then back to three: namespaces, links, bridge and /etc/hosts follow."""
-    env = dict(os.environ, TRAINQ_SLURM_NODES="2", TRAINQ_SLURM_ACCOUNTING="0")
     try:
-        started = _sh("bash", str(SLURM_DIR / "start.sh"), env=env)
+        started = restart_nodes(2)
         assert started.returncode == 0, started.stderr
         assert _sh("sinfo", "-h", "-N", "-p", "debug", "-o", "%N").stdout.split() == ["node1", "node2"]
         assert sorted(p.name for p in Path("/run/netns").glob("trainq-node*")) == ["trainq-node1", "trainq-node2"]
@@ -110,7 +116,6 @@ def test_switching_the_node_count_leaves_nothing_of_the_old_cluster_behind():
         assert "trainq tests/slurm/start.sh" not in Path("/etc/hosts").read_text()
         assert not list(Path(os.environ.get("TRAINQ_SLURM_DIR", "/run/trainq-test-slurm")).glob("slurmd*.pid"))
     finally:
-        env["TRAINQ_SLURM_NODES"] = str(NODES)
-        again = _sh("bash", str(SLURM_DIR / "start.sh"), env=env)
+        again = restart_nodes()
     assert again.returncode == 0, again.stderr
     assert len(_sh("sinfo", "-h", "-N", "-p", "debug", "-o", "%N").stdout.split()) == NODES

@@ -19,14 +19,12 @@ import pytest
 from conftest import drop, tick_until
 from test_slurm import (  # noqa: F401  (the autouse clean-up fixture is used by name)
     SLURM,
-    SLURM_DIR,
     finished,
     job_file,
     no_leftover_slurm_jobs,
     run_json,
-    use_cluster,
 )
-from test_slurm_nodes import NODES
+from test_slurm_nodes import nodes_cluster, restart_nodes  # noqa: F401  (the module's cluster fixture, by name)
 from trainer_util import BASE_TRAIN, build_tiny, output, records, run_trainer, summary, write_job
 
 pytestmark = pytest.mark.slurm
@@ -39,11 +37,6 @@ TRAIN = {**BASE_TRAIN, "max_steps": 12, "eval_every": 4, "log_every": 4, "checkp
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 #: a guard against a hang, never a timing assertion (the machine is shared and loaded)
 HANG_GUARD_S = 600
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nodes_cluster():
-    yield from use_cluster({"TRAINQ_SLURM_NODES": str(NODES)})
 
 
 @pytest.fixture(scope="module")
@@ -209,13 +202,7 @@ def test_the_slurmd_of_a_node_killed_under_a_train_job_leaves_the_job_running_to
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
         done = tick_until(w, lambda: finished(queue_dir, "orphan"), HANG_GUARD_S, "orphan to finish")
     finally:
-        again = subprocess.run(
-            ["bash", str(SLURM_DIR / "start.sh")],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=dict(os.environ, TRAINQ_SLURM_NODES=str(NODES), TRAINQ_SLURM_ACCOUNTING="0"),
-        )
+        again = restart_nodes()
     assert again.returncode == 0, again.stderr
     assert done.parent.name == "done", output(done)[-3000:]
     assert second in summary(done)["hosts"]
