@@ -4,31 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-from pathlib import Path
 
-from conftest import PY, REPO, wait_until
+from conftest import PY, trainq, wait_until
 from test_workflows import _job, _run, _where
 
 from trainq.watcher.spec.jobspec import parse_job_text
 
 
-def _cli(root: Path, *args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    return subprocess.run(
-        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=60,
-        env=dict(os.environ, **(env or {})),
-    )
-
-
 def test_submit_dash_dash_writes_a_valid_job_with_every_option(queue_dir, tmp_path):
     (queue_dir / "watcher.yaml").write_text("pools: {cpu: {max_concurrent: 2}}\n")
-    out = _cli(
+    out = trainq(
         queue_dir,
         "submit",
         "--name",
@@ -59,11 +44,11 @@ def test_submit_dash_dash_writes_a_valid_job_with_every_option(queue_dir, tmp_pa
 
     (tmp_path / "tools").mkdir()
     (tmp_path / "tools" / "train.py").write_text("print('training')\n")
-    out = _cli(queue_dir, "submit", "--", "python3", "tools/train.py", "--lr", "1e-4", cwd=tmp_path)
+    out = trainq(queue_dir, "submit", "--", "python3", "tools/train.py", "--lr", "1e-4", cwd=tmp_path)
     assert "it becomes job train" in out.stdout, out.stdout  # named after the script, not the interpreter
-    bad = _cli(queue_dir, "submit", "--ram", "lots", "--", "true")
+    bad = trainq(queue_dir, "submit", "--ram", "lots", "--", "true")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "resources.ram_gb" in bad.stderr
-    both = _cli(queue_dir, "submit", "x.yaml", "--name", "n")
+    both = trainq(queue_dir, "submit", "x.yaml", "--name", "n")
     assert both.returncode == 2 and "--name is for `trainq submit [OPTIONS] -- CMD ARGS...`" in both.stderr
     assert sorted(p.name for p in (queue_dir / "inbox").iterdir()) == ["hello.yaml", "train.yaml"]
 
@@ -71,10 +56,12 @@ def test_submit_dash_dash_writes_a_valid_job_with_every_option(queue_dir, tmp_pa
 def test_submit_dash_dash_prints_the_id_and_the_job_runs(queue_dir, watcher_process):
     watcher_process()
     wait_until(lambda: (queue_dir / "status.json").exists(), 30)
-    out = _cli(queue_dir, "submit", "--gpus", "0", "--", PY, "-c", "print('\\n'.join(f'line {i}' for i in range(50)))")
+    out = trainq(
+        queue_dir, "submit", "--gpus", "0", "--", PY, "-c", "print('\\n'.join(f'line {i}' for i in range(50)))"
+    )
     assert out.returncode == 0 and out.stdout.strip() == "job python", out.stdout + out.stderr
     wait_until(lambda: _where(queue_dir, "python") == "done", 30)
-    tail = _cli(queue_dir, "logs", "python", "--tail", "3")
+    tail = trainq(queue_dir, "logs", "python", "--tail", "3")
     assert tail.returncode == 0 and tail.stdout.splitlines() == ["line 47", "line 48", "line 49"], tail.stdout
 
 
@@ -118,22 +105,22 @@ def test_history_lists_every_finished_job_with_filters(queue_dir, watcher_proces
     status = json.loads((queue_dir / "status.json").read_text())
     assert len([j for j in status["jobs"] if j["state"] in ("done", "failed")]) <= 2  # status.json keeps 2
 
-    listed = json.loads(_cli(queue_dir, "history", "--json").stdout)
+    listed = json.loads(trainq(queue_dir, "history", "--json").stdout)
     assert sorted(r["id"] for r in listed) == sorted(ids)
     bad = next(r for r in listed if r["id"] == "bad")
     assert bad["status"] == "failed" and bad["type"] == "command" and bad["exit_code"] == 3 and bad["attempts"] == 1
-    failed = _cli(queue_dir, "history", "--state", "failed,rejected", "--csv").stdout.splitlines()
+    failed = trainq(queue_dir, "history", "--state", "failed,rejected", "--csv").stdout.splitlines()
     assert failed[0].startswith("id,name,state,status") and sorted(line.split(",")[0] for line in failed[1:]) == [
         "bad",
         "typo",
     ]
-    assert [r["id"] for r in json.loads(_cli(queue_dir, "history", "--kind", "unknown", "--json").stdout)] == ["bad"]
-    assert json.loads(_cli(queue_dir, "history", "--since", "2999-01-01", "--json").stdout) == []
-    table = _cli(queue_dir, "history", "--since", "1h").stdout
+    assert [r["id"] for r in json.loads(trainq(queue_dir, "history", "--kind", "unknown", "--json").stdout)] == ["bad"]
+    assert json.loads(trainq(queue_dir, "history", "--since", "2999-01-01", "--json").stdout) == []
+    table = trainq(queue_dir, "history", "--since", "1h").stdout
     assert "6 finished job(s)" in table and "failed (unknown)" in table
-    assert _cli(queue_dir, "history", "--since", "yesterday").returncode == 2
+    assert trainq(queue_dir, "history", "--since", "yesterday").returncode == 2
 
     (queue_dir / "failed" / "bad" / "retry.flag").touch()  # retried: not finished while it runs again
     wait_until(lambda: _run(queue_dir, "bad", "failed") and _run(queue_dir, "bad", "failed")["attempt"] == 2, 30)
-    again = json.loads(_cli(queue_dir, "history", "--json").stdout)
+    again = json.loads(trainq(queue_dir, "history", "--json").stdout)
     assert next(r for r in again if r["id"] == "bad")["attempts"] == 2 and len(again) == 6

@@ -11,20 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FAKE, PY, REPO, drop, tick_until
+from conftest import FAKE, PY, REPO, drop, tick_until, trainq
 
 SLOW = str(FAKE / "slow_steps.py")
-
-
-def _cli(root: Path, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-    )
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -45,14 +34,14 @@ def test_plot_overlays_the_curves_of_jobs_and_of_a_sweep(queue_dir: Path, watche
     sweep = {"approved": True, "command": [PY, SLOW, "{steps}", "0.01", "10"], "sweep": {"steps": [10, 20]}}
     drop(queue_dir, "sw.yaml", yaml.safe_dump(sweep))
     _done(queue_dir, w, "a", "b", "sw-1", "sw-2")
-    out = _cli(queue_dir, "plot", "a", "b", "-o", str(tmp_path / "ab.png"), cwd=tmp_path)
+    out = trainq(queue_dir, "plot", "a", "b", "-o", str(tmp_path / "ab.png"), cwd=tmp_path)
     assert out.returncode == 0 and "loss curves of 2 job(s) (a, b)" in out.stdout, out.stderr
     width, height = _png_size(tmp_path / "ab.png")
     assert width > 500 and height > 300
-    out = _cli(queue_dir, "plot", "sw", cwd=tmp_path)
+    out = trainq(queue_dir, "plot", "sw", cwd=tmp_path)
     assert out.returncode == 0 and "(sw-1, sw-2)" in out.stdout, out.stderr
     assert _png_size(tmp_path / "sw-loss.png")[0] > 500
-    out = _cli(queue_dir, "plot", "nope", cwd=tmp_path)
+    out = trainq(queue_dir, "plot", "nope", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.strip().endswith("no job or sweep with id 'nope'"), out.stderr
 
 
@@ -63,7 +52,7 @@ def test_without_matplotlib_plot_says_what_to_install(queue_dir: Path, watcher, 
     blocker = tmp_path / "no-matplotlib"
     (blocker / "matplotlib").mkdir(parents=True)
     (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
-    out = _cli(queue_dir, "plot", "a", cwd=tmp_path, env={"PYTHONPATH": f"{blocker}{os.pathsep}{REPO}"})
+    out = trainq(queue_dir, "plot", "a", cwd=tmp_path, env={"PYTHONPATH": f"{blocker}{os.pathsep}{REPO}"})
     assert (
         out.returncode == 1
         and out.stderr == "trainq: plot: needs matplotlib (the train extra): pip install 'trainq[train]'\n"

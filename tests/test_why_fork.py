@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
 
 import psutil
-from conftest import PY, REPO, wait_until
+from conftest import PY, trainq, wait_until
 from test_workflows import _entry, _job, _run, _where
 
 from trainq.watcher.cli.why import explain
 from trainq.watcher.daemon.resources import GpuInfo, MachineState
-
-
-def _cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    return subprocess.run(
-        [PY, "-m", "trainq.watcher", "--root", str(root), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-        env=dict(os.environ, **(env or {})),
-    )
 
 
 def _holds(out: str) -> dict[str, str]:
@@ -47,7 +32,7 @@ def test_why_names_every_gate_that_holds_a_job(queue_dir, watcher_process, tmp_p
     (queue_dir / "watcher.yaml").write_text(f"max_concurrent: 1\nmin_free_disk_gb: {free_gb - 1.0:.2f}\n")
     env = {"TRAINQ_SIMULATE_GPUS": str(gpus), "TRAINQ_SIMULATE_BATTERY": str(battery)}
 
-    out = _cli(queue_dir, "why", "nothing-here")
+    out = trainq(queue_dir, "why", "nothing-here")
     assert out.returncode == 2 and "no job with id 'nothing-here'" in out.stderr
 
     watcher_process(env=env)
@@ -70,22 +55,22 @@ def test_why_names_every_gate_that_holds_a_job(queue_dir, watcher_process, tmp_p
     _job(queue_dir, "held", after=["flaky", "later"], resources={"gpus": 1, "disk_gb": 3})
     wait_until(lambda: (_entry(queue_dir, "held") or {}).get("waiting_for"), 20)
 
-    holds = _holds(_cli(queue_dir, "why", "held", env=env).stdout)
+    holds = _holds(trainq(queue_dir, "why", "held", env=env).stdout)
     assert "flaky is pending" in holds["after flaky"]
     assert "no such job yet" in holds["after later"]
     assert holds["max_concurrent"] == "max_concurrent 1 reached (running: hog)"
     assert "on battery (41%)" in holds["battery"]
     assert "GPU 0 held by job hog" in holds["GPUs"]
     assert "job needs 3 GB + min_free_disk_gb" in holds["disk"]
-    flaky = _cli(queue_dir, "why", "flaky", env=env).stdout
+    flaky = trainq(queue_dir, "why", "flaky", env=env).stdout
     assert "retry 2 of 2 may start in" in _holds(flaky)["backoff"], flaky
 
     (queue_dir / "pause.flag").touch()
     wait_until(lambda: json.loads((queue_dir / "status.json").read_text())["watcher"]["state"] == "paused", 10)
-    assert "pause.flag is present" in _holds(_cli(queue_dir, "why", "held", env=env).stdout)["pause"]
+    assert "pause.flag is present" in _holds(trainq(queue_dir, "why", "held", env=env).stdout)["pause"]
     (queue_dir / "stop.flag").touch()
     wait_until(lambda: json.loads((queue_dir / "status.json").read_text())["watcher"]["state"] == "stopped", 10)
-    assert "no watcher is running" in _holds(_cli(queue_dir, "why", "held", env=env).stdout)["watcher"]
+    assert "no watcher is running" in _holds(trainq(queue_dir, "why", "held", env=env).stdout)["watcher"]
     (queue_dir / "running" / "hog" / "stop.flag").touch()
     (queue_dir / "pause.flag").unlink()
     watcher_process(env=env)
@@ -117,9 +102,9 @@ def test_why_explains_a_failure_with_evidence_and_advice(queue_dir, watcher_proc
     )
     _job(queue_dir, "after-it", after=["dep"])
     wait_until(lambda: _where(queue_dir, "after-it") == "failed", 30)
-    out = _cli(queue_dir, "why", "dep").stdout
+    out = trainq(queue_dir, "why", "dep").stdout
     assert "diagnosis: oom" in out and "CUDA out of memory" in out and "advice:" in out and "batch_size" in out
-    out = _cli(queue_dir, "why", "after-it").stdout
+    out = trainq(queue_dir, "why", "after-it").stdout
     assert "diagnosis: dependency" in out and "dependency dep ended failed (oom)" in out
     assert "trainq why dep" in out
 
@@ -128,19 +113,19 @@ def test_fork_writes_a_valid_job_with_lineage(queue_dir, watcher_process):
     watcher_process()
     _job(queue_dir, "base", command=[PY, "-c", "import os; print('lr', os.environ.get('LR'))"], env={"LR": "1"})
     wait_until(lambda: _where(queue_dir, "base") == "done", 20)
-    bad = _cli(queue_dir, "fork", "base", "--set", "resources.ram=4")
+    bad = trainq(queue_dir, "fork", "base", "--set", "resources.ram=4")
     assert bad.returncode == 2 and "resources.ram: unknown key 'ram' (did you mean 'ram_gb'?)" in bad.stderr
-    bad = _cli(queue_dir, "fork", "base", "--set", "priority=high")
+    bad = trainq(queue_dir, "fork", "base", "--set", "priority=high")
     assert bad.returncode == 2 and "priority: must be an integer" in bad.stderr
     assert not [p for p in (queue_dir / "inbox").iterdir()]
-    assert _cli(queue_dir, "fork", "nope").returncode == 2
+    assert trainq(queue_dir, "fork", "nope").returncode == 2
 
-    ok = _cli(queue_dir, "fork", "base", "--set", "env.LR=2", "--set", "priority=3")
+    ok = trainq(queue_dir, "fork", "base", "--set", "env.LR=2", "--set", "priority=3")
     assert ok.returncode == 0, ok.stderr
     wait_until(lambda: _where(queue_dir, "base-fork") == "done", 20)
     assert "lr 2" in (queue_dir / "done" / "base-fork" / "output.log").read_text()
     assert _run(queue_dir, "base-fork")["lineage"] == {"fork_of": "base", "parents": ["base"]}
-    assert _cli(queue_dir, "fork", "base-fork").returncode == 0
+    assert trainq(queue_dir, "fork", "base-fork").returncode == 0
     wait_until(lambda: _where(queue_dir, "base-fork-fork") == "done", 20)
     assert _run(queue_dir, "base-fork-fork")["lineage"] == {"fork_of": "base-fork", "parents": ["base-fork", "base"]}
 
@@ -158,7 +143,7 @@ def test_fork_from_checkpoint_gives_a_command_job_its_parent_checkpoint(queue_di
     )
     wait_until(lambda: _where(queue_dir, "ck") == "done", 20)
     assert (
-        _cli(
+        trainq(
             queue_dir,
             "fork",
             "ck",
