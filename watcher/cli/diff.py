@@ -18,6 +18,7 @@ from trainq.watcher.spec.errors import Problem
 from trainq.watcher.spec.fsutil import read_json
 from trainq.watcher.spec.jobspec import parse_mapping, read_spec_text
 from trainq.watcher.spec.units import parse_iso
+from trainq.watcher.supervisor.snapshot import read_sources
 
 #: config keys that always differ between two jobs and say nothing about what they ran
 _NOISE = {"attempt", "lineage", "rerun_of", "fork_of", "name", "sweep", "approved"}
@@ -37,7 +38,7 @@ def describe(job_dir: Path) -> dict:
         "params": (run.get("sweep") or {}).get("params"),
         "config": read_json(snap / "config.json") or _job_yaml(paths),
         "code": read_json(snap / "code.json"),
-        "sources": _read_list(snap / "sources.json"),
+        "sources": read_sources(snap),
         "environment": read_json(snap / "environment.json"),
         "results": results(paths, run),
     }
@@ -47,14 +48,6 @@ def _job_yaml(paths: JobPaths) -> dict:
     text = read_spec_text(paths.spec)
     data = text if isinstance(text, Problem) else parse_mapping(text)
     return {} if isinstance(data, Problem) else data
-
-
-def _read_list(path: Path) -> list:
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return []
-    return data if isinstance(data, list) else []
 
 
 def results(paths: JobPaths, run: dict) -> dict:

@@ -95,7 +95,7 @@ def take(request: SnapshotRequest, job_dir: str, attempt: int, env: dict[str, st
     """Write snapshot/ for this attempt; returns the code summary the ``started`` event carries."""
     out = Path(job_dir) / "snapshot"
     out.mkdir(exist_ok=True)
-    previous = _read_list(out / "sources.json")  # its hashes are reused where size and mtime did not change
+    previous = read_sources(out)  # its hashes are reused where size and mtime did not change
     for name in SNAPSHOT_FILES:  # a rename over an old file makes ext4 flush it first (auto_da_alloc): ~5 ms each
         (out / name).unlink(missing_ok=True)
     code = code_record(request, out)
@@ -239,10 +239,10 @@ def _archive(tar_path: Path, members: list[tuple[Path, str]]) -> dict | None:
 # ---------------------------------------------------------------- sources
 
 
-def _read_list(path: Path) -> list:
-    """A JSON list from ``path``; [] when absent or not a list."""
+def read_sources(snapshot_dir: Path) -> list:
+    """The list in ``snapshot_dir``'s sources.json; [] when absent or not a list."""
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads((snapshot_dir / "sources.json").read_bytes())
     except (OSError, ValueError):
         return []
     return data if isinstance(data, list) else []
