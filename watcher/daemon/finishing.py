@@ -211,11 +211,7 @@ class Finishing:
         for key in ("stop_requested_by", "reason"):
             job.run.pop(key, None)
         remove_quietly(job.paths.stop_flag)
-        job.save()
-        job.dir = self.state.folders.requeue(job.id, JobState.RUNNING)
-        self.state.jobs.move(job, JobState.PENDING)
-        job.readers = None
-        self.state.plan_due = True
+        self._back_to_pending(job)
         logger.info(
             "job %s: running -> pending, retry after %s in %gs%s",
             job.id,
@@ -253,11 +249,7 @@ class Finishing:
             error=None,
         )
         job.run.pop("reason", None)
-        job.save()
-        job.dir = self.state.folders.requeue(job.id, JobState.RUNNING)
-        self.state.jobs.move(job, JobState.PENDING)
-        job.readers = None
-        self.state.plan_due = True
+        self._back_to_pending(job)
         logger.info(
             "job %s: running -> pending, checkpoint exit %s: next attempt at once%s",
             job.id,
@@ -275,6 +267,14 @@ class Finishing:
             counted=False,
         )
         self.state.report.touch()
+
+    def _back_to_pending(self, job: Job) -> None:
+        """Save a running job's run.json and move its folder back to pending/, for the next plan to start it."""
+        job.save()
+        job.dir = self.state.folders.requeue(job.id, JobState.RUNNING)
+        self.state.jobs.move(job, JobState.PENDING)
+        job.readers = None  # the report makes new readers when the job runs again
+        self.state.plan_due = True
 
     def retire(self, job: Job, now: float) -> None:
         """A job reached done/ or failed/: it leaves the live index, the report keeps it as recent."""
