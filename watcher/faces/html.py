@@ -229,6 +229,14 @@ def _bounds(series: dict[str, list]) -> tuple[float, float, float, float]:
     return x0, x1, lo, hi
 
 
+def _view_box(x0: float, x1: float, lo: float, hi: float) -> str:
+    """The viewBox over steps x0..x1 and values lo..hi (5 % room above and below): it maps data coordinates
+    (step, -loss) onto the plot, so points need no per-render scaling."""
+    dx, dy = (x1 - x0) or 1.0, (hi - lo) or 1.0
+    pad = dy * 0.05
+    return f"{x0:.10g} {-hi - pad:.6g} {dx:.10g} {dy + 2 * pad:.6g}"
+
+
 def _points(pts: list, preformatted: str | None) -> str:
     """A polyline's points attribute."""
     text = preformatted or " ".join(map(_svg_xy, pts))
@@ -247,10 +255,7 @@ def render_curve(curve: dict | None) -> str:
     if not series:
         return ""
     x0, x1, lo, hi = _bounds(series)
-    dx, dy = (x1 - x0) or 1.0, (hi - lo) or 1.0
-    pad = dy * 0.05
-    # the viewBox maps data coordinates (step, -loss) onto the plot, so points need no per-render scaling
-    view = f"{x0:.10g} {-hi - pad:.6g} {dx:.10g} {dy + 2 * pad:.6g}"
+    view = _view_box(x0, x1, lo, hi)
     svg = curve.get("svg") or {}
     lines = "".join(f'<polyline class="{k}" points="{_points(pts, svg.get(k))}"/>' for k, pts in series.items())
     # a key only for the curves drawn: before the first eval there is no eval line to point at
@@ -274,9 +279,7 @@ def render_overlay(curves_by_job: dict[str, dict | None], title: str) -> str:
     if not series:
         return ""
     x0, x1, lo, hi = _bounds(series)
-    dx, dy = (x1 - x0) or 1.0, (hi - lo) or 1.0
-    pad = dy * 0.05
-    view = f"{x0:.10g} {-hi - pad:.6g} {dx:.10g} {dy + 2 * pad:.6g}"
+    view = _view_box(x0, x1, lo, hi)
     colours = {job_id: PALETTE[i % len(PALETTE)] for i, job_id in enumerate(series)}
     lines = "".join(
         f'<polyline class="overlay" style="stroke:{colours[job_id]}" '
