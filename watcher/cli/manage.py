@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,22 +176,28 @@ def next_free_id(root: Path, base: str) -> str:
     return base
 
 
-def sweeps_of(root: Path, base: str) -> dict[str, int]:
-    """The sweeps ``base`` or ``base-N`` in the queue (by their first variant's run.json), with their sizes.
-    A sweep's id skips every id taken, so ``grid-5`` may follow ``grid``: each ``*-1`` folder is looked at."""
-    sweeps: dict[str, int] = {}
+def _folder_names(root: Path) -> Iterator[tuple[str, str]]:
+    """(state, name) of each entry in the four job folders, in STATES order; a missing folder has none."""
     for state in STATES:
         try:
             names = os.listdir(root / state)
         except FileNotFoundError:
             continue
         for name in names:
-            sweep_id = name[:-2]
-            if not name.endswith("-1") or not (sweep_id == base or sweep_id.rpartition("-")[0] == base):
-                continue
-            record = Found(state, root / state / name).run.get("sweep") or {}
-            if record.get("id") == sweep_id:
-                sweeps[sweep_id] = int(record.get("of") or 1)
+            yield state, name
+
+
+def sweeps_of(root: Path, base: str) -> dict[str, int]:
+    """The sweeps ``base`` or ``base-N`` in the queue (by their first variant's run.json), with their sizes.
+    A sweep's id skips every id taken, so ``grid-5`` may follow ``grid``: each ``*-1`` folder is looked at."""
+    sweeps: dict[str, int] = {}
+    for state, name in _folder_names(root):
+        sweep_id = name[:-2]
+        if not name.endswith("-1") or not (sweep_id == base or sweep_id.rpartition("-")[0] == base):
+            continue
+        record = Found(state, root / state / name).run.get("sweep") or {}
+        if record.get("id") == sweep_id:
+            sweeps[sweep_id] = int(record.get("of") or 1)
     return sweeps
 
 
@@ -307,17 +314,12 @@ def sweep_members(root: Path, sweep_id: str) -> list[str]:
     """The jobs of sweep ``sweep_id`` in the queue now (``ID-1`` … by index), by their run.json ``sweep.id``."""
     found: dict[int, str] = {}
     prefix = f"{sweep_id}-"
-    for state in STATES:
-        try:
-            names = os.listdir(root / state)
-        except FileNotFoundError:
+    for state, name in _folder_names(root):
+        if not (name.startswith(prefix) and name[len(prefix) :].isdigit()):
             continue
-        for name in names:
-            if not (name.startswith(prefix) and name[len(prefix) :].isdigit()):
-                continue
-            record = Found(state, root / state / name).run.get("sweep") or {}
-            if record.get("id") == sweep_id:
-                found[int(name[len(prefix) :])] = name
+        record = Found(state, root / state / name).run.get("sweep") or {}
+        if record.get("id") == sweep_id:
+            found[int(name[len(prefix) :])] = name
     return [found[i] for i in sorted(found)]
 
 
