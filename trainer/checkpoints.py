@@ -6,7 +6,6 @@ the folder. ``ckpt_latest`` and ``ckpt_best`` are relative symlinks to ``step-N`
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -15,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from trainq.watcher.spec.contract import CHECKPOINT_PREFIX, CKPT_BEST, CKPT_LATEST, EXIT_USAGE
-from trainq.watcher.spec.fsutil import atomic_write_json
+from trainq.watcher.spec.fsutil import atomic_write_json, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +41,6 @@ def step_of(path: Path) -> int | None:
     """The step number of a ``step-N`` folder name, else None."""
     match = _STEP_DIR.match(path.name)
     return int(match.group(1)) if match else None
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_file(path: Path) -> None:

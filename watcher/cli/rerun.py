@@ -24,7 +24,7 @@ from pathlib import Path
 from trainq.watcher.cli.submit import inbox_name
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import Problem
-from trainq.watcher.spec.fsutil import atomic_write, read_json
+from trainq.watcher.spec.fsutil import atomic_write, read_json, sha256_file
 from trainq.watcher.spec.jobspec import JobSpec, parse_mapping, read_spec_text
 
 #: where --at-snapshot checks saved code out (one folder per rerun), under the queue root
@@ -153,11 +153,7 @@ def _capped(items: list[str]) -> list[str]:
 
 def _sha256(path: Path) -> str | None:
     try:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        return digest.hexdigest()
+        return sha256_file(path)
     except OSError:
         return None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -112,6 +113,15 @@ def _mode_beside(path: str | os.PathLike) -> int:
     except OSError:
         return 0o644
     return 0o600 if not folder_mode & 0o077 else 0o644
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks (checkpoints and deliveries may be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_json(path: str | os.PathLike) -> dict | None:

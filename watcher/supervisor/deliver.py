@@ -27,7 +27,6 @@ before verification (the retry must detect and re-send it); ``backoff=S`` sets t
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import shutil
@@ -39,7 +38,7 @@ import time
 from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.spec.fsutil import atomic_write_json, read_json, remove_quietly
+from trainq.watcher.spec.fsutil import atomic_write_json, read_json, remove_quietly, sha256_file
 from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.spec.records import read_metrics_tail
 from trainq.watcher.spec.units import iso_utc
@@ -162,17 +161,9 @@ def _in_job_folder(path: Path, job_dir: Path) -> Path | None:
     return None
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def manifest(files: dict[str, Path]) -> dict[str, dict]:
     """Relative path in the delivery → {bytes, sha256} of every file sent (``regular_files``' answer)."""
-    return {rel: {"bytes": f.stat().st_size, "sha256": sha256_of(f)} for rel, f in files.items()}
+    return {rel: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for rel, f in files.items()}
 
 
 def sums_problem(paths: JobPaths, sent: dict[str, dict]) -> str | None:
@@ -194,7 +185,7 @@ def verify_local(dest: Path, sent: dict[str, dict]) -> str | None:
         copy = dest / rel
         if not copy.is_file():
             return f"{rel} is missing at {dest}"
-        if sha256_of(copy) != info["sha256"]:
+        if sha256_file(copy) != info["sha256"]:
             return f"{rel} at {dest} does not match what was sent (sha256 differs)"
     return None
 

@@ -30,7 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any, cast
 
-from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json
+from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json, sha256_file
 from trainq.watcher.spec.text import redact_env
 
 #: largest code.diff kept (bytes); a larger diff is not written (a cut diff cannot be applied)
@@ -59,7 +59,6 @@ SNAPSHOT_FILES = (
     "sources.json",
     "environment.json",
 )
-_HASH_CHUNK = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -287,11 +286,7 @@ def _file_record(path: Path, known: dict, max_hashed: int) -> dict:
 @lru_cache(maxsize=4096)
 def _sha256(path: str, _dev: int, _ino: int, _size: int, _mtime_ns: int) -> str:
     """sha256 of a file, memoised per (file identity, size, mtime) for a pooled supervisor's later attempts."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_file(path)
 
 
 # ---------------------------------------------------------------- environment
