@@ -3,16 +3,23 @@
 Every function takes the folder to make its temp workspace in, its counts, and an optional folder for
 cProfile output of the watcher; it returns table rows. Peers (an inotifywait loop, nq, task-spooler)
 run in the same call on the same jobs. ``bench/run_all.py`` calls these; run one alone with
-``.venv/bin/python bench/run_all.py --only NAME``.
+``.venv/bin/python bench/run_all.py --only NAME``. Run as a script, this file prints issue 38's rows
+(latency against the inotify floor, throughput and CPU per job beside nq and task-spooler, the
+10,000-file burst, idle) in one run, with the load average at each section's start and at the end:
+
+    .venv/bin/python bench/bench_queue.py            # run_all.py's options also apply (--quick, --profile, ...)
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: bench/ importable
 
 from bench._common import (
     PY,
@@ -36,6 +45,7 @@ from bench._common import (
     percentile,
     read_status,
     running_watcher,
+    strays,
     wait_until,
     workspace,
 )
@@ -46,8 +56,16 @@ logger = logging.getLogger(__name__)
 #: drop→start goals (s)
 LATENCY_MEDIAN_GOAL_S = 0.015
 LATENCY_P95_GOAL_S = 0.050
+#: drop→start median against the inotifywait floor (issue 38): at most this many times the floor
+LATENCY_FLOOR_RATIO_GOAL = 2.0
 #: serial trivial jobs per second
 THROUGHPUT_GOAL = 100.0
+#: issue 38: trainq's serial throughput at least nq's and at least this share of task-spooler's
+THROUGHPUT_TSP_SHARE_GOAL = 0.5
+#: issue 38: CPU of the watcher and its helper tree (spawner, pooled supervisors) per trivial job (s)
+CPU_PER_JOB_GOAL_S = 0.002
+#: Linux prctl option: orphans reparent to us (nq's runners, task-spooler's server), so their CPU is ours to count
+PR_SET_CHILD_SUBREAPER = 36
 #: burst: all files in pending/ (s), watcher peak RSS (MB), status.json size (KB)
 BURST_GOAL_S = 20.0
 BURST_RSS_GOAL_MB = 150.0
@@ -108,6 +126,7 @@ def bench_latency(base: Path, drops: int, profile_dir: Path | None = None) -> li
         floor = _inotify_latencies(work, drops)
     values = {"drops": drops, "trainq_s": ours, "floor_s": floor}
     med, p95 = median(ours), percentile(ours, 95)
+    ratio = med / median(floor)
     return [
         Row(
             "latency",
@@ -125,6 +144,14 @@ def bench_latency(base: Path, drops: int, profile_dir: Path | None = None) -> li
             f"inotifywait loop {fmt_ms(percentile(floor, 95))}",
             f"≤ {LATENCY_P95_GOAL_S * 1000:g} ms",
             p95 <= LATENCY_P95_GOAL_S,
+        ),
+        Row(
+            "latency",
+            "1. drop→start latency, median against the inotify floor",
+            f"{ratio:.2f}× the floor",
+            f"inotifywait loop {fmt_ms(median(floor))}",
+            f"≤ {LATENCY_FLOOR_RATIO_GOAL:g}×",
+            ratio <= LATENCY_FLOOR_RATIO_GOAL,
         ),
     ]
 
@@ -182,16 +209,29 @@ def _read(path: Path) -> str:
 
 # -- 2. throughput ---------------------------------------------------------------------------------
 def bench_throughput(base: Path, jobs: int, runs: int, profile_dir: Path | None = None) -> list[Row]:
-    """Serial trivial jobs per second, drop → all done, against nq and task-spooler; median of ``runs``."""
+    """Serial trivial jobs per second, drop → all done, against nq and task-spooler; median of ``runs``.
+
+    Each run also counts the CPU each queue spent per job (user + system seconds): trainq's watcher with its
+    helper tree (spawner, pooled supervisors; the jobs' own ``true`` apart), every ``nq`` process (the clients and
+    the runners they leave behind, which reparent to this process), task-spooler's server and clients.
+    """
     rates: dict[str, list[float]] = {"trainq": [], "nq": [], "tsp": []}
-    with workspace(base, "throughput") as work:
+    cpu: dict[str, list[float]] = {"trainq": [], "trainq_jobs": [], "nq": [], "tsp": []}
+    with _subreaper(), workspace(base, "throughput") as work:
         for run in range(runs):  # interleaved, so a change in machine load hits every tool alike
             profile_to = _profile(profile_dir, "throughput") if run == 0 else None
-            rates["trainq"].append(jobs / _trainq_serial(work / f"trainq-{run}", jobs, profile_to))
-            rates["nq"].append(jobs / _nq_serial(work / f"nq-{run}", jobs))
-            rates["tsp"].append(jobs / _tsp_serial(work / f"tsp-{run}", jobs))
-    ours = median(rates["trainq"])
-    peers = f"nq {median(rates['nq']):.0f}/s, tsp {median(rates['tsp']):.0f}/s"
+            elapsed, helpers_s, jobs_s = _trainq_serial(work / f"trainq-{run}", jobs, profile_to)
+            rates["trainq"].append(jobs / elapsed)
+            cpu["trainq"].append(helpers_s / jobs)
+            cpu["trainq_jobs"].append(jobs_s / jobs)
+            for tool, serial in (("nq", _nq_serial), ("tsp", _tsp_serial)):
+                elapsed, cpu_s = serial(work / f"{tool}-{run}", jobs)
+                rates[tool].append(jobs / elapsed)
+                cpu[tool].append(cpu_s / jobs)
+    ours, nq_rate, tsp_rate = median(rates["trainq"]), median(rates["nq"]), median(rates["tsp"])
+    peers = f"nq {nq_rate:.0f}/s, tsp {tsp_rate:.0f}/s"
+    ours_cpu = median(cpu["trainq"])
+    values = {"jobs": jobs, "runs": runs, "jobs_per_s": rates, "cpu_s_per_job": cpu}
     return [
         Row(
             "throughput",
@@ -200,17 +240,89 @@ def bench_throughput(base: Path, jobs: int, runs: int, profile_dir: Path | None 
             peers,
             f"≥ {THROUGHPUT_GOAL:g} jobs/s",
             ours >= THROUGHPUT_GOAL,
-            {"jobs": jobs, "runs": runs, "jobs_per_s": rates},
-        )
+            values,
+        ),
+        Row(
+            "throughput",
+            "2. throughput against nq and task-spooler, same run",
+            f"{ours / nq_rate:.2f}× nq, {ours / tsp_rate:.2f}× tsp",
+            peers,
+            f"≥ 1× nq and ≥ {THROUGHPUT_TSP_SHARE_GOAL:g}× tsp",
+            ours >= nq_rate and ours >= THROUGHPUT_TSP_SHARE_GOAL * tsp_rate,
+        ),
+        Row(
+            "throughput",
+            "2. CPU per trivial job: watcher + spawner + pooled supervisors (median of runs)",
+            f"{fmt_ms(ours_cpu)} (+ {fmt_ms(median(cpu['trainq_jobs']))} the jobs' own `true`)",
+            f"nq {fmt_ms(median(cpu['nq']))}, tsp {fmt_ms(median(cpu['tsp']))} (each with its jobs)",
+            f"≤ {fmt_ms(CPU_PER_JOB_GOAL_S)}",
+            ours_cpu <= CPU_PER_JOB_GOAL_S,
+        ),
     ]
 
 
-def _trainq_serial(work: Path, jobs: int, profile_to: Path | None) -> float:
+@contextmanager
+def _subreaper() -> Iterator[None]:
+    """While inside: orphans of the processes this one starts reparent to it (Linux), so reaping them counts their
+    CPU; on the way out, the orphans left are reaped and the setting is undone."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+    if prctl is not None:
+        prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    try:
+        yield
+    finally:
+        if prctl is not None:
+            prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        _reap_orphans()
+
+
+def _reap_orphans() -> None:
+    """Reap every exited child, ours or reparented to us (their CPU then shows in RUSAGE_CHILDREN)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _children_cpu() -> float:
+    """User + system seconds of every child reaped so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _tree_cpu(pid: int) -> tuple[float, float]:
+    """(the helpers' own CPU, the jobs' CPU) of a watcher's live tree: every process's user + system seconds, and
+    what each has reaped; what the supervisors (depth 2 and deeper) reaped is the jobs'."""
+    helpers = jobs = 0.0
+    todo = [(psutil.Process(pid), 0)]
+    while todo:
+        proc, depth = todo.pop()
+        try:
+            t = proc.cpu_times()
+            kids = proc.children()
+        except psutil.Error:
+            continue
+        helpers += t.user + t.system
+        if depth >= 2:
+            jobs += t.children_user + t.children_system
+        else:
+            helpers += t.children_user + t.children_system  # helpers that exited (a surplus supervisor)
+        todo += [(k, depth + 1) for k in kids]
+    return helpers, jobs
+
+
+def _trainq_serial(work: Path, jobs: int, profile_to: Path | None) -> tuple[float, float, float]:
+    """(seconds from the first drop to all done, the helper tree's CPU seconds, the jobs' CPU seconds)."""
     q = Queue.create(work, {"max_concurrent": 1})
     names = [f"t-{i:04d}.yaml" for i in range(jobs)]
     for name in names:
         q.stage(name, job_yaml(["true"]))
-    with running_watcher(q.root, profile_to):
+    with running_watcher(q.root, profile_to) as watcher:
+        wait_until(lambda: len(psutil.Process(watcher.pid).children(recursive=True)) >= 2, 30, what="a warm pool")
+        helpers0, jobs0 = _tree_cpu(watcher.pid)
         start = time.monotonic()
         for name in names:
             q.drop_staged(name)
@@ -218,16 +330,22 @@ def _trainq_serial(work: Path, jobs: int, profile_to: Path | None) -> float:
             lambda: q.count("done") + q.count("failed") >= jobs, 600, interval_s=0.02, what=f"{jobs} jobs to finish"
         )
         elapsed = time.monotonic() - start
+        helpers1, jobs1 = _tree_cpu(watcher.pid)
+        helpers = psutil.Process(watcher.pid).children(recursive=True)
+    # the spawner and pooled supervisors leave after the watcher (reparented to us): gone before a peer's CPU counts
+    wait_until(lambda: _reap_orphans() or not any(p.is_running() for p in helpers), 30, what="trainq's helpers to exit")
     if q.count("failed"):
         raise BenchError(f"throughput: {q.count('failed')} of {jobs} trivial jobs failed; see {q.root}/failed")
-    return elapsed
+    return elapsed, helpers1 - helpers0, jobs1 - jobs0
 
 
-def _nq_serial(work: Path, jobs: int) -> float:
-    """nq: enqueue ``jobs`` × ``nq true`` in a fresh NQDIR, then ``nq -w`` until all finished."""
+def _nq_serial(work: Path, jobs: int) -> tuple[float, float]:
+    """nq: enqueue ``jobs`` × ``nq true`` in a fresh NQDIR, then ``nq -w`` until all finished; (seconds, CPU s)."""
     work.mkdir(parents=True)
     env = bench_env(NQDIR=str(work))
     script = f"for i in $(seq {jobs}); do nq -q true; done; nq -w"
+    _reap_orphans()
+    cpu0 = _children_cpu()
     start = time.monotonic()
     subprocess.run(
         ["bash", "-c", script],
@@ -239,17 +357,22 @@ def _nq_serial(work: Path, jobs: int) -> float:
         stderr=subprocess.DEVNULL,
     )
     elapsed = time.monotonic() - start
+    wait_until(lambda: _reap_orphans() or not strays(work), 30, what="nq's runners to exit")
+    cpu_s = _children_cpu() - cpu0
     logs = [n for n in os.listdir(work) if n.startswith(",")]
     if len(logs) != jobs:
         raise BenchError(f"nq: expected {jobs} job logs in {work}, found {len(logs)}")
-    return elapsed
+    return elapsed, cpu_s
 
 
-def _tsp_serial(work: Path, jobs: int) -> float:
-    """task-spooler on a private socket, one slot: enqueue ``jobs`` × ``tsp true``, wait for the last."""
+def _tsp_serial(work: Path, jobs: int) -> tuple[float, float]:
+    """task-spooler on a private socket, one slot: enqueue ``jobs`` × ``tsp true``, wait for the last; (seconds,
+    CPU s of the clients and the server with its jobs, the server's idle start-up and shutdown included)."""
     work.mkdir(parents=True)
     env = bench_env(TS_SOCKET=str(work / "ts.sock"), TS_MAXFINISHED=str(jobs + 10), TMPDIR=str(work))
     quiet = {"env": env, "cwd": work, "timeout": 600, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    _reap_orphans()
+    cpu0 = _children_cpu()
     subprocess.run(["tsp", "-S", "1"], check=True, **quiet)  # starts the server with one slot
     try:
         start = time.monotonic()
@@ -259,9 +382,10 @@ def _tsp_serial(work: Path, jobs: int) -> float:
         finished = sum(1 for line in listing.splitlines() if " finished " in line)
         if finished != jobs:
             raise BenchError(f"tsp: expected {jobs} finished jobs, `tsp -l` lists {finished}")
-        return elapsed
     finally:
         subprocess.run(["tsp", "-K"], **quiet)
+    wait_until(lambda: _reap_orphans() or not strays(work), 30, what="task-spooler's server to exit")
+    return elapsed, _children_cpu() - cpu0
 
 
 # -- 3. burst --------------------------------------------------------------------------------------
@@ -632,3 +756,21 @@ def _stop_everything(q: Queue, jobs: int) -> float:
         what=f"{2 * jobs} jobs in failed/",
     )
     return time.monotonic() - start
+
+
+#: what ``python bench/bench_queue.py`` runs without ``--only``: issue 38's rows
+QUEUE_SECTIONS = "latency,throughput,burst,idle"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """run_all.py over QUEUE_SECTIONS (or ``--only``): one table, peers from the same run, the load beside it."""
+    from bench import run_all  # here, not at the top: run_all imports this module
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--only" or a.startswith("--only=") for a in args):
+        args += ["--only", QUEUE_SECTIONS]
+    return run_all.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -302,14 +302,22 @@ def render(rows: list[Row], meta: dict) -> str:
     lines = [
         f"Measured {meta['date']} on {meta['cpus']} CPU(s), Python {meta['python']}, mode {meta['mode']}; "
         f"load average (1/5/15 min) {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f} at start, "
-        f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f} at end (other work on the machine disturbs the figures). "
-        f"Command: `{meta['command']}`.",
+        f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f} at end (other work on the machine disturbs the figures)"
+        + _section_loads(meta.get("section_loads") or {})
+        + f". Command: `{meta['command']}`.",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
     ]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row.cells()) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def _section_loads(loads: dict[str, float]) -> str:
+    """``; 1-min load at each section's start: latency 0.41, throughput 0.52`` (empty without sections)."""
+    if not loads:
+        return ""
+    return "; 1-min load at each section's start: " + ", ".join(f"{name} {load:.2f}" for name, load in loads.items())
 
 
 def write_profiles(out: Path) -> None:
@@ -343,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         remove_workspaces()
         shutil.rmtree(args.tmp, ignore_errors=True)
     meta["load_end"] = load_average()
+    meta["section_loads"] = {name: f["load_at_start"][0] for name, f in facts.items()}
     table = render(rows, meta)
     print(table)
     atomic_write(args.out / "latest.md", table)
