@@ -164,14 +164,13 @@ def _supervise(
     _become_subreaper(prctl, log_fd)
     if spec.banner:
         _write_line(log_fd, spec.banner.splitlines()[0])
-    code = story.take_snapshot(
-        spec.snapshot, spec.job_dir, spec.attempt, _job_env(spec), lambda message: _note(log_fd, message)
-    )
+    env = _job_env(spec)  # built once: the snapshot, the job and its ``started`` event read the same
+    code = story.take_snapshot(spec.snapshot, spec.job_dir, spec.attempt, env, lambda message: _note(log_fd, message))
     checkpoints = story.CheckpointWatch.from_now(JobPaths(Path(spec.job_dir)), spec.attempt)
     started_at, started_mono = time.time(), time.monotonic()
     group = containment.group_for(spec.job_dir, str(spec.attempt)) if containment else None
     try:
-        job, group = _spawn_contained(spec, log_fd, group, containment)
+        job, group = _spawn_contained(spec, env, log_fd, group, containment)
     except OSError as exc:
         _drop_group(group)
         return _record_spawn_error(spec, log_fd, exc, started_at, ended)
@@ -188,7 +187,7 @@ def _supervise(
         checkpoints=checkpoints,
     )
     _write_started(attempt)
-    story.started(attempt.paths, spec.attempt, started_at, job.pid, _job_env(spec), code)
+    story.started(attempt.paths, spec.attempt, started_at, job.pid, env, code)
     _watch(attempt, stop_signal)
     # we reaped it (_watch returns once the main child is): Popen must not wait or warn
     job.returncode = os.waitstatus_to_exitcode(cast(int, attempt.status))
@@ -246,7 +245,7 @@ def _job_env(spec: LaunchSpec) -> dict[str, str]:
 
 
 def _spawn_contained(
-    spec: LaunchSpec, log_fd: int, group: Path | None, containment: Containment | None
+    spec: LaunchSpec, env: dict[str, str], log_fd: int, group: Path | None, containment: Containment | None
 ) -> tuple[subprocess.Popen, Path | None]:
     """Start the job inside ``group``; where joining it is refused, without it (a note says so).
 
@@ -254,15 +253,15 @@ def _spawn_contained(
     nothing it runs is ever outside), and steps out again before anything else happens.
     """
     if group is None or containment is None:
-        return _spawn(spec, log_fd), None
+        return _spawn(spec, env, log_fd), None
     try:
-        home = cgroups.enter(group, containment.mode)
+        home = cgroups.enter(group, containment.mode, containment.home)
     except OSError as exc:
         _note(log_fd, f"cannot enter {group} ({exc.strerror}); contained by its process tree instead")
         _drop_group(group)
-        return _spawn(spec, log_fd), None
+        return _spawn(spec, env, log_fd), None
     try:
-        return _spawn(spec, log_fd), group
+        return _spawn(spec, env, log_fd), group
     finally:
         _leave(home, group, containment)
 
@@ -285,13 +284,13 @@ def _drop_group(group: Path | None) -> None:
         cgroups.remove(group)
 
 
-def _spawn(spec: LaunchSpec, log_fd: int) -> subprocess.Popen:
+def _spawn(spec: LaunchSpec, env: dict[str, str], log_fd: int) -> subprocess.Popen:
     """Start the job in its own process group; it inherits only stdin=/dev/null and output.log."""
     return subprocess.Popen(
         list(spec.argv),
         executable=spec.executable,
         cwd=spec.cwd,
-        env=_job_env(spec),
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=log_fd,
         stderr=subprocess.STDOUT,

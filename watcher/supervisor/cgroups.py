@@ -27,7 +27,7 @@ import hashlib
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 #: env variable that forces a mode: auto (default), cgroup-v2, cgroup-v1 or process-tree
@@ -53,6 +53,9 @@ class Containment:
     mode: str
     base: Path | None = None
     why: str = ""
+    #: the cgroup ``detect`` found its caller in: where a supervisor forked from it goes back after each start
+    #: (read once, not from /proc at every attempt; ``enter`` reads it afresh when it is None)
+    home: Path | None = field(default=None, compare=False)
 
     @property
     def is_cgroup(self) -> bool:
@@ -97,7 +100,7 @@ def detect(preference: str | None = None, probe: bool = True) -> Containment:
             continue
         base, why = _usable_base(mode, probe)
         if base is not None:
-            return Containment(mode, base, why)
+            return Containment(mode, base, why, _own_dir(mode))
         reasons.append(why)
     return Containment("process-tree", why="; ".join(reasons))
 
@@ -111,14 +114,15 @@ def join(group: Path, mode: str) -> None:
         os.close(fd)
 
 
-def enter(group: Path, mode: str) -> Path:
-    """Move the calling process into ``group``; returns the cgroup.procs file of the group it left.
+def enter(group: Path, mode: str, home: Path | None = None) -> Path:
+    """Move the calling process into ``group``; returns the cgroup.procs file of the group to go back to: ``home``
+    (the caller's group as ``detect`` found it), else the group it is in now.
 
     A supervisor enters the attempt's group, starts the job (which is born inside it: the fast
     vfork path, no window in which it could fork outside), then ``leave``s. Moving one's own
     process costs microseconds; a fork instead of a vfork to join from the child costs milliseconds.
     """
-    home = _own_dir(mode)
+    home = home or _own_dir(mode)
     if home is None:
         raise OSError(errno.ENOENT, f"cannot tell which {mode} cgroup this process is in")
     _join_procs(group / "cgroup.procs")
