@@ -56,14 +56,17 @@ class SweepGroup:
 
 
 def workflow_entry(job: JobView) -> dict:
-    """status.json entry fields for sweeps: ``sweep``, ``params``, and a finished job's ``best_eval_loss``."""
+    """status.json entry fields for sweeps: ``sweep``, ``params``, and a finished train job's or sweep member's
+    ``best_eval_loss`` (docs/contract.md, status.json)."""
     sweep = job.run.get("sweep") or {}
     out: dict = {}
     if sweep:
         out.update(sweep=sweep.get("id"), params=sweep.get("params"))
     if job.state.value in ("done", "failed") and job.spec is not None and job.spec.is_train:
         out["best_eval_loss"] = best_eval_loss(job.paths.metrics, job.paths.summary)
-    elif job.state.value in ("done", "failed") and job.spec is not None:
+    elif sweep and job.state.value in ("done", "failed") and job.spec is not None:
+        # a sweep member's row compares it with its siblings; a lone command job's entry has no such row, and
+        # reading its log's tail at every finish costs the loop two reads and a regex pass per job
         out["best_eval_loss"] = best_logged_eval_loss(job.paths.metrics, job.paths.log)
     return out
 
