@@ -228,6 +228,9 @@ class StatusWriter:
         self._written_dict: dict | None = None
         self._html_at: float | None = None
         self._html_dirty = False
+        #: id(entry) -> (entry, its bounded form) for the entries of the last write: a finished job's entry is the
+        #: same dict from write to write (the report keeps it), so it is walked for its bounds once, not every second
+        self._bounded_seen: dict[int, tuple[dict, dict]] = {}
 
     def maybe_write(self, snapshot: StatusSnapshot, now: float) -> bool:
         """Write status.json if it changed (at most every status_s) or the heartbeat is due; True if written."""
@@ -266,8 +269,14 @@ class StatusWriter:
         jobs = snapshot.jobs
         if _has_excess(jobs, self.keep_finished):
             jobs = select_jobs(jobs, keep_finished=self.keep_finished)
-        jobs = tuple(bounded_entry(job) for job in jobs)
-        return replace(snapshot, jobs=jobs)  # window and cost go through as they are
+        seen, self._bounded_seen = self._bounded_seen, {}
+        out = []
+        for job in jobs:
+            hit = seen.get(id(job))
+            bounded = hit[1] if hit is not None and hit[0] is job else bounded_entry(job)
+            self._bounded_seen[id(job)] = (job, bounded)  # holding the entry keeps its id from being reused
+            out.append(bounded)
+        return replace(snapshot, jobs=tuple(out))  # window and cost go through as they are
 
     def _maybe_write_html(self, now: float) -> None:
         if not self._html_dirty or self.html_path is None:
