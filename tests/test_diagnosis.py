@@ -209,6 +209,20 @@ def test_the_trainers_event_wins() -> None:
     assert diagnose(_exit(0), "", metrics) is None, "a clean success stays clean"
 
 
+def test_a_node_that_went_silent_outranks_the_ranks_that_gave_up_waiting_for_it() -> None:
+    """Under srun the ranks of a cut node's peers give up waiting (their torchrun writes a rank_failed event); the
+    node side ended srun because a node went silent (watcher/slurm/silent.py): that node is the cause."""
+    gave_up = "rank 0 (pid 7 on node1) gave up waiting for the other ranks in a collective (a rank stopped answering)"
+    metrics = [{"type": "event", "event": "rank_failed", "kind": "stalled", "evidence": gave_up}]
+    said = f"node node2 went silent: rank 0 (on node1) exited 1 ...; the ranks said: {gave_up}"
+    exit_record = {**_exit(1), "silent_nodes": ["node2"], "executor_diagnosis": {"kind": "preempted", "evidence": said}}
+    d = diagnose(exit_record, "", metrics)
+    assert d is not None and d.kind == "preempted" and d.evidence.startswith("node node2 went silent"), d
+    assert gave_up in d.evidence
+    without = {k: v for k, v in exit_record.items() if k != "silent_nodes"}
+    assert diagnose(without, "", metrics).kind == "stalled", "otherwise the trainer's event still wins"
+
+
 def test_the_last_matching_line_wins_and_evidence_is_clipped() -> None:
     log = (
         "warning: loss is nan at step 2, rolled back\n"

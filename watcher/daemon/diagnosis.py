@@ -255,7 +255,8 @@ def _classify(exit: dict, log_tail: str, metrics_tail: list[dict] | None, kernel
             return said
         return _make("timeout", f"stopped at the timeout ({exit.get('stop_requested_at') or 'time unknown'})")
     return (
-        _from_trainer(metrics_tail)
+        _from_silent_node(exit)
+        or _from_trainer(metrics_tail)
         or _from_executor(exit)
         or _from_spawn_error(exit)
         or _from_stop_or_code(exit, lines)
@@ -274,6 +275,12 @@ def _from_trainer(metrics_tail: list[dict] | None) -> Diagnosis | None:
                 record["kind"], str(record.get("advice") or advice_for(record["kind"])), _clip(str(evidence))
             )
     return None
+
+
+def _from_silent_node(exit: dict) -> Diagnosis | None:
+    """A node that went silent under srun (watcher/slurm/silent.py) is the cause; the ranks that then gave up waiting
+    for it only followed (their words are in the evidence)."""
+    return _from_executor(exit) if exit.get("silent_nodes") else None
 
 
 def _from_executor(exit: dict) -> Diagnosis | None:

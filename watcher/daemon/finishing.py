@@ -153,7 +153,8 @@ class Finishing:
                 reason=reason,
                 diagnosis=outcome.diagnosis.to_dict() if outcome.diagnosis else None,
             )
-            for key in ("failed_rank", "srun_exit_code"):  # which srun rank failed first (watcher/slurm/ranks.py)
+            # which srun rank failed first (watcher/slurm/ranks.py), and the nodes that went silent (silent.py)
+            for key in ("failed_rank", "srun_exit_code", "silent_nodes"):
                 if record.get(key) is not None:
                     attempt[key] = record[key]
             if outcome.status == CHECKPOINTED:

@@ -9,10 +9,13 @@ slurm.sh execs this as the batch job's main process. It
    running anything; Slurm requeueing the *same* job id goes on;
 2. rewrites ``heartbeat.json`` every HEARTBEAT_S seconds while the attempt lives, so the watcher can tell a
    live node-side supervisor from a dead one without flock;
-3. runs the attempt's supervisor in the foreground (``supervisor.run_in_foreground``) with flock as an
+3. under srun, watches for a node that went silent after a rank failed (silent.py), so the attempt ends within
+   seconds of the collective timeout rather than at Slurm's SlurmdTimeout;
+4. runs the attempt's supervisor in the foreground (``supervisor.run_in_foreground``) with flock as an
    extra signal only: where flock fails the attempt runs on and output.log says so.
 
-It never talks to Slurm; the watcher's squeue is the other half of liveness (polling.py, liveness.py).
+It asks Slurm nothing but, once a rank failed under srun, the addresses of the job's nodes (silent.py); the
+watcher's squeue is the other half of liveness (polling.py, liveness.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from trainq.watcher.slurm.batch import EARLY_WARNING_ENV
+from trainq.watcher.slurm.silent import SilentNodeWatch
 from trainq.watcher.spec.contract import EXIT_USAGE, JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
@@ -122,6 +126,11 @@ def early_warning(env: dict[str, str] | os._Environ) -> float | None:
         return None
 
 
+def runs_srun(spec: LaunchSpec) -> bool:
+    """Whether the attempt's command is srun over several tasks (``resources.nodes`` > 1, ``tasks_per_node`` > 1)."""
+    return bool(spec.argv) and os.path.basename(spec.argv[0]) == "srun"
+
+
 def main(argv: list[str] | None = None) -> int:
     hold_time_limit_warning()  # first: Slurm may send it at once, and its default action ends the batch job
     warned_at = early_warning(os.environ)
@@ -162,13 +171,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_NOT_MINE
     heartbeat = Heartbeat(paths, spec.attempt, slurm_job_id, max(0.1, args.heartbeat_s)).start()
+    silent = SilentNodeWatch(paths, spec.attempt, os.environ).start() if runs_srun(spec) else None
     try:
-        record = run_in_foreground(spec, lock_required=False, warned_at=warned_at)
+        record = run_in_foreground(
+            spec, lock_required=False, warned_at=warned_at, amend=silent.amend if silent else None
+        )
     except SpawnFailed as exc:
         print(exc, file=sys.stderr)
         return 1
     finally:
         heartbeat.stop()
+        if silent is not None:
+            silent.stop()
     return shell_status(record)
 
 

@@ -91,6 +91,7 @@ class _Attempt:
     )
     grace_s: float | None = None  # the stop's grace: the spec's stop_grace_s, or 0 for a stop.flag saying "now"
     warned_at: float | None = None  # when the batch system's time-limit warning came (epoch seconds), if it did
+    amend: Callable[[dict], dict] | None = None  # what the caller adds to the exit record (a Slurm node's watches)
 
 
 class _StopSignal:
@@ -154,11 +155,13 @@ def _supervise(
     ended: Callable[[], None] = lambda: None,
     containment: Containment | None = None,
     warned_at: float | None = None,
+    amend: Callable[[dict], dict] | None = None,
 ) -> dict:
     """Run one attempt to the end of its whole process tree; returns the exit record it wrote.
 
     ``ended`` is called once the exit record can be read, before it is synced to disk. With a cgroup
-    ``containment`` the job starts inside a cgroup of its own, and "the tree" is that group.
+    ``containment`` the job starts inside a cgroup of its own, and "the tree" is that group. ``amend`` turns the
+    exit record into the one written (a Slurm node's watch of srun adds what it knows).
     """
     stop_signal = _install_stop_handlers(warned_at)
     _become_subreaper(prctl, log_fd)
@@ -185,6 +188,7 @@ def _supervise(
         group=group,
         mode=containment.mode if group is not None and containment is not None else "process-tree",
         checkpoints=checkpoints,
+        amend=amend,
     )
     _write_started(attempt)
     story.started(attempt.paths, spec.attempt, started_at, job.pid, env, code)
@@ -490,6 +494,8 @@ def _write_exit(a: _Attempt, ended: Callable[[], None]) -> dict:
     if a.created_stop_flag:
         remove_quietly(a.paths.stop_flag)  # ours, from the timeout: a retry must not start out stopped
     record = _exit_record(a.spec, a.job_pid, a.started_at, raw_status=a.status, attempt=a)
+    if a.amend is not None:
+        record = a.amend(record)
     if a.stop_reason == "folder_removed":
         ended()  # no record: the folder it would go to is gone (or is a new job's under the same id)
         return record

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from trainq.watcher.spec.contract import EXIT_FAILED, EXIT_USAGE, JobPaths
@@ -25,12 +26,18 @@ from trainq.watcher.supervisor.attempt import (
 from trainq.watcher.supervisor.attempt_io import LaunchSpec, _note, _take_lock, open_job_log
 
 
-def run_in_foreground(spec: LaunchSpec, *, lock_required: bool = True, warned_at: float | None = None) -> dict:
+def run_in_foreground(
+    spec: LaunchSpec,
+    *,
+    lock_required: bool = True,
+    warned_at: float | None = None,
+    amend: Callable[[dict], dict] | None = None,
+) -> dict:
     """Take the lock and supervise in this process (Slurm, by hand); returns the exit record.
 
     ``lock_required=False`` (a Slurm node) runs on, with a note in output.log, where flock does not work.
     A time-limit warning stays blocked until the supervisor's handler exists; ``warned_at``: one that came even
-    before this process ran (Slurm's batch script caught it).
+    before this process ran (Slurm's batch script caught it). ``amend`` turns the exit record into the one written.
     """
     spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir))
     paths = JobPaths(Path(spec.job_dir))
@@ -46,7 +53,7 @@ def run_in_foreground(spec: LaunchSpec, *, lock_required: bool = True, warned_at
             f"{paths.heartbeat.name} tell the watcher this attempt is alive)",
         )
     try:
-        return _supervise(spec, log_fd, _load_prctl(), warned_at=warned_at)
+        return _supervise(spec, log_fd, _load_prctl(), warned_at=warned_at, amend=amend)
     except BaseException:
         _die_reporting(log_fd)
         raise
