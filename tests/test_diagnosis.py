@@ -223,6 +223,22 @@ def test_a_node_that_went_silent_outranks_the_ranks_that_gave_up_waiting_for_it(
     assert diagnose(without, "", metrics).kind == "stalled", "otherwise the trainer's event still wins"
 
 
+def test_a_rank_that_only_lost_its_peer_on_another_node_does_not_outrank_the_one_killed_there() -> None:
+    """Each node's torchrun writes a rank_failed: node2's says its rank was SIGKILLed, node1's (later) only that its
+    rank exited 1 (the peer's connection was reset)."""
+    killed = "rank 1 (pid 8 on node2) was killed by SIGKILL"
+    lost = "rank 0 (pid 7 on node1) exited with code 1; its last line: ... Connection reset by peer"
+    metrics = [
+        {"type": "step", "step": 3, "loss": 1.0},
+        {"type": "event", "event": "rank_failed", "kind": "killed", "evidence": killed},
+        {"type": "event", "event": "rank_failed", "kind": "unknown", "evidence": lost},
+    ]
+    d = diagnose(_exit(137), "", metrics)
+    assert d is not None and (d.kind, d.evidence) == ("killed", killed), d
+    alone = diagnose(_exit(1), "", [metrics[0], metrics[2]])
+    assert alone is not None and alone.kind == "unknown", "with nothing better said, the rank's own words stand"
+
+
 def test_the_last_matching_line_wins_and_evidence_is_clipped() -> None:
     log = (
         "warning: loss is nan at step 2, rolled back\n"

@@ -130,6 +130,10 @@ _KERNEL_OOM = re.compile(
 )
 
 
+#: the event each node's torchrun agent writes for the rank that failed there (trainer/launch.py)
+RANK_FAILED = "rank_failed"
+
+
 @dataclass(frozen=True)
 class Diagnosis:
     """One failure: its kind (one of KINDS), what to do about it, and the log line that shows it."""
@@ -267,13 +271,30 @@ def _classify(exit: dict, log_tail: str, metrics_tail: list[dict] | None, kernel
 
 
 def _from_trainer(metrics_tail: list[dict] | None) -> Diagnosis | None:
-    """The last trainer ``event`` record naming a failure kind wins: the trainer knows best."""
-    for record in reversed(metrics_tail or []):
+    """The last trainer ``event`` record naming a failure kind wins: the trainer knows best. Across Slurm nodes each
+    node's torchrun writes its own ``rank_failed``: one that only saw its rank exit (``unknown``: it lost its peer on
+    another node) never outranks the one just before it that says what happened (killed, oom, ...)."""
+    tail = metrics_tail or []
+    for i in range(len(tail) - 1, -1, -1):
+        record = tail[i]
         if record.get("type") == RECORD_EVENT and record.get("kind") in KINDS:
+            if record.get("event") == RANK_FAILED and record.get("kind") == "unknown":
+                record = _told_rank_failure(tail[:i]) or record
             evidence = record.get("evidence") or record.get("message") or json.dumps(record, ensure_ascii=False)
             return Diagnosis(
                 record["kind"], str(record.get("advice") or advice_for(record["kind"])), _clip(str(evidence))
             )
+    return None
+
+
+def _told_rank_failure(earlier: list[dict]) -> dict | None:
+    """The latest ``rank_failed`` with a kind other than ``unknown`` among the ``rank_failed`` events that end
+    ``earlier`` (the other nodes' reports of the same failure), or None."""
+    for record in reversed(earlier):
+        if record.get("type") != RECORD_EVENT or record.get("event") != RANK_FAILED:
+            return None
+        if record.get("kind") in KINDS and record.get("kind") != "unknown":
+            return record
     return None
 
 
