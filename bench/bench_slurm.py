@@ -24,12 +24,18 @@ worst age of status.json while they are submitted (the loop must not wait on sba
 counts slurmctld's RPCs by message type over ``--window`` s with ``sdiag -r``/``sdiag``, next to the same window
 without the watcher (other users of the cluster). Run it with another checkout's Python (``/other/.venv/bin/python
 bench/bench_slurm.py --rpc 1000``) to measure that checkout's watcher: the watcher is ``sys.executable -m trainq``.
+
+``--status-burst 300`` drops 300 trivial jobs at once into a queue with ``executor: slurm`` and ``max_concurrent``
+``--slots`` (default 8) and reads status.json every 20 ms for ``--first`` s (default 20): the longest gap between
+two successive ``heartbeat_at`` values (the contract promises a rewrite every ``status_s``, 1 s, while anything
+changes, and ``heartbeat_at`` at least every 5 s), with the load, ``--runs`` times.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -377,6 +383,61 @@ def rpc(n: int, window_s: float, settle_s: float) -> None:
     print(f"| time to submit all {n} (s) | {submit_s:.1f} | |", flush=True)
 
 
+def heartbeat_gaps(root: Path, first_s: float, until) -> tuple[float, float, int]:
+    """(the longest gap between two successive ``heartbeat_at`` values of status.json, the longest time status.json
+    went unrewritten by its mtime, writes seen), status.json read every 20 ms for ``first_s`` s or until ``until()``."""
+    from trainq.watcher.spec.units import parse_iso
+
+    beats: list[float] = []
+    worst_age, t0 = 0.0, time.monotonic()
+    while time.monotonic() - t0 < first_s and not until():
+        path = root / "status.json"
+        try:
+            worst_age = max(worst_age, time.time() - path.stat().st_mtime)
+            beat = parse_iso(json.loads(path.read_text()).get("watcher", {}).get("heartbeat_at"))
+        except (OSError, ValueError, AttributeError):
+            beat = None
+        if beat is not None and (not beats or beat != beats[-1]):
+            beats.append(beat)
+        time.sleep(0.02)
+    gaps = [b - a for a, b in itertools.pairwise(beats)]
+    return max(gaps, default=float("nan")), worst_age, len(beats) - 1
+
+
+def status_burst(n: int, slots: int, first_s: float, runs: int) -> None:
+    """``n`` trivial jobs dropped at once into a queue with ``executor: slurm`` and ``max_concurrent: slots``:
+    the longest gap between status.json's ``heartbeat_at`` values in the first ``first_s`` s (the contract: a
+    rewrite at least every ``status_s``, 1 s, while anything changes, and ``heartbeat_at`` at least every 5 s)."""
+    print(
+        f"| {n} × `true` dropped at once, executor: slurm, max_concurrent {slots}: first {first_s:g} s "
+        "| longest heartbeat_at gap (s) | longest status.json age (s) | writes seen | load |"
+    )
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="bench-slurm-status-") as tmp:
+        for run in range(runs):
+            root = Path(tmp) / f"q{run}"
+            proc = launch_watcher(root, f"executor: slurm\nmax_concurrent: {slots}\n")
+            try:
+                deadline = time.monotonic() + 30
+                while not (root / "status.json").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(2)  # the watcher's first passes are behind it
+                staging = root / "staging"
+                staging.mkdir()
+                for i in range(n):
+                    (staging / f"t{i}.yaml").write_text('approved: true\ncommand: ["true"]\n')
+                load = open("/proc/loadavg").read().split()[0]
+                for i in range(n):  # one rename each: as close to "at once" as a user's mv gets
+                    os.rename(staging / f"t{i}.yaml", root / "inbox" / f"t{i}.yaml")
+                gap, age, writes = heartbeat_gaps(root, first_s, lambda: False)
+                load += "–" + open("/proc/loadavg").read().split()[0]
+                print(f"| run {run + 1} | {gap:.2f} | {age:.2f} | {writes} | {load} |", flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+                cancel_queue_jobs(root)
+
+
 def bursts(n: int, runs: int) -> None:
     """A burst of ``n`` trivial jobs, bare ``sbatch --wrap`` then trainq, ``runs`` times: seconds until the last
     one is done, and the ratio of the medians."""
@@ -418,6 +479,16 @@ def main() -> None:
         metavar="RUNS",
         help="only the burst of --jobs, bare and trainq alternately, RUNS times each",
     )
+    parser.add_argument(
+        "--status-burst",
+        type=int,
+        metavar="N",
+        help="N trivial jobs dropped at once (max_concurrent --slots): the longest gap between status.json's "
+        "heartbeat_at values in the first --first seconds",
+    )
+    parser.add_argument("--slots", type=int, default=8, help="max_concurrent for --status-burst (default 8)")
+    parser.add_argument("--first", type=float, default=20.0, help="seconds --status-burst watches (default 20)")
+    parser.add_argument("--runs", type=int, default=3, help="runs of --status-burst (default 3)")
     args = parser.parse_args()
     POLL["s"] = args.poll
     started = subprocess.run(["bash", str(SLURM_DIR / "start.sh")], check=True, capture_output=True, text=True)
@@ -435,6 +506,9 @@ def main() -> None:
         return
     if args.rpc:
         rpc(args.rpc, args.window, args.settle)
+        return
+    if args.status_burst:
+        status_burst(args.status_burst, args.slots, args.first, args.runs)
         return
     if args.burst_only:
         bursts(args.jobs, args.burst_only)
