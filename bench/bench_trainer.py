@@ -19,7 +19,7 @@ per step, goal <= 1.00x), trainq with vitals off and with the update ratio at ev
 against 1 rank x batch 4 (wall time).
 
     .venv/bin/python bench/bench_trainer.py [--quick] [--steps N] [--repeats N] [--packing-rows N]
-        [--loop-steps N] [--loop-repeats N] [--no-loop]
+        [--loop-steps N] [--loop-repeats N] [--no-loop | --loop-only]
 """
 
 from __future__ import annotations
@@ -420,6 +420,7 @@ def main() -> int:
     parser.add_argument("--loop-steps", type=int, default=40, help="steps of each loop run on the medium model")
     parser.add_argument("--loop-repeats", type=int, default=3)
     parser.add_argument("--no-loop", action="store_true", help="skip the medium-model loop section")
+    parser.add_argument("--loop-only", action="store_true", help="only the medium-model loop section")
     args = parser.parse_args()
     steps, repeats, packing_rows = (40, 1, 48) if args.quick else (args.steps, args.repeats, args.packing_rows)
     loop_steps, loop_repeats = (10, 1) if args.quick else (args.loop_steps, args.loop_repeats)
@@ -434,6 +435,8 @@ def main() -> int:
             before = load_average()
             loop = loop_comparison(work, build_model(work, "medium"), loop_steps, loop_repeats)
             print_loop(loop, loop_steps, loop_repeats, before, load_average())
+            if args.loop_only:
+                return 0
         tiny = build_model(work)
         runners = {
             "trainq (defaults: packing on)": lambda i: run_trainq(work, tiny, steps, str(i)),

@@ -57,6 +57,7 @@ def test_a_too_high_lr_is_clipped_on_nearly_every_step_and_raises_one_health_eve
     steps = records(job, "step")
     assert len(steps) == 14 and all("clip" in r for r in steps)
     assert [r["step"] for r in steps if "update_ratio" in r] == [1, 10]  # measured on step 1 and every 10th
+    assert not any("update_ratio_sample" in r for r in steps)  # the tiny model's weights are measured whole
     assert sum(r["clip"] for r in steps) >= 12, [r["grad_norm"] for r in steps]
     health = events(job, "health")
     assert [e["signal"] for e in health].count("clip_fraction") == 1, health  # once per crossing, not every step
@@ -97,7 +98,8 @@ def test_the_clip_alert_means_most_steps_and_a_healthy_run_stays_quiet(tmp_path:
 
     run = SimpleNamespace(config=SimpleNamespace(health=None), metrics=MetricsWriter(tmp_path / "metrics.jsonl"))
     vitals = VitalsCallback(run)
-    vitals.clips.extend([True] * clipped + [False] * (CLIP_WINDOW - clipped))
+    for flag in [False] * 7 + [True] * clipped + [False] * (CLIP_WINDOW - clipped):  # the first 7 leave the window
+        vitals.note_clip(flag)
     vitals._judge(CLIP_WINDOW, None)
     raised = events(tmp_path, "health")
     assert bool(raised) == alert, raised
@@ -106,6 +108,85 @@ def test_the_clip_alert_means_most_steps_and_a_healthy_run_stays_quiet(tmp_path:
             f"step 50: gradients clipped on {clipped * 2}% of the last 50 steps (threshold 50%): most steps are "
             "clipped; lower lr or raise max_grad_norm"
         )
+
+
+def _full_model_step(tiny: Path):
+    """The tiny model (full fine-tuning), its AdamW, and one optimizer step to run between snapshot and ratio."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    ids = torch.arange(48).reshape(2, 24) % model.config.vocab_size
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, optimizer, step
+
+
+def test_the_update_ratio_is_the_steps_own_and_a_sample_is_fixed_and_said(tmp_path: Path, tiny: Path) -> None:
+    """Issue 37: the update ratio is ||theta_after - theta_before|| / ||theta_after|| of that optimizer step, computed
+    by hand here over what it measures; past its budget it measures a fixed sample of whole tensors (the same at every
+    measurement) and says which share of the trained values that is."""
+    import torch
+
+    from trainq.trainer.vitals import UpdateRatio, sample_tensors
+
+    model, _, step = _full_model_step(tiny)
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params)
+    for budget in (total, total // 3):
+        ratio = UpdateRatio(params, max_values=budget)
+        measured = sum(p.numel() for p in ratio.params)
+        assert (len(ratio.params) == len(params)) == (budget == total) and measured <= budget
+        assert ratio.share == pytest.approx(measured / total) and (ratio.share < 1) == (budget < total)
+        assert [id(p) for p in sample_tensors(params, budget)] == [id(p) for p in ratio.params]  # fixed
+        for _ in range(2):  # the buffers are reused: a second measurement is as exact as the first
+            before = [p.detach().clone() for p in ratio.params]
+            ratio.snapshot()
+            step()
+            delta = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(ratio.params, before, strict=True)))
+            weight = torch.sqrt(sum((p.detach() ** 2).sum() for p in ratio.params))
+            assert ratio.ratio() == pytest.approx(float(delta / weight), rel=1e-5)
+
+
+def test_a_sampled_update_ratio_is_labelled_in_the_step_record(tmp_path: Path, tiny: Path) -> None:
+    """The trainer's own hooks around real optimizer steps: with the whole set measured the record carries no label;
+    with a sample, update_ratio_sample is the share of trained values it covers."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from trainq.trainer.metrics import MetricsWriter
+    from trainq.trainer.vitals import VitalsCallback
+
+    model, optimizer, step = _full_model_step(tiny)
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    args = TrainingArguments(output_dir=str(tmp_path / "args"), use_cpu=True, report_to="none", learning_rate=1e-2)
+    for budget in (total, total // 3):
+        run = SimpleNamespace(
+            config=SimpleNamespace(health=None),
+            metrics=MetricsWriter(tmp_path / "metrics.jsonl"),
+            trainer=SimpleNamespace(last_grad_norm=0.5),
+            stop_reason=None,
+            step_vitals={},
+        )
+        vitals = VitalsCallback(run, ratio_max_values=budget)
+        state, control = TrainerState(max_steps=10), TrainerControl()
+        vitals.on_train_begin(args, state, control, model=model)  # linear, no warm-up: step 0 applies the full lr
+        vitals.on_pre_optimizer_step(args, state, control, optimizer=optimizer, model=model)
+        step()
+        vitals.on_optimizer_step(args, state, control)
+        assert run.step_vitals["clip"] is False and run.step_vitals["update_ratio"] > 0
+        if budget == total:
+            assert "update_ratio_sample" not in run.step_vitals
+        else:
+            share = run.step_vitals["update_ratio_sample"]
+            assert share == pytest.approx(vitals.ratio.share, abs=1e-4) and 0 < share < 1
 
 
 def test_a_schedule_bug_stops_the_run_at_the_first_deviating_step(tmp_path: Path, tiny: Path) -> None:

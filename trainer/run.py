@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -384,12 +385,18 @@ def run_segment(config, precision, datasets, tokenizer, run: RunState, resume: P
         run.resumed_lr = saved["config"]["lr"]
     if run.finish_from is not None:
         return finish_only(trainer, run, config)
+    if run.rollbacks:  # the abandoned segment's Trainer and model (reference cycles) go before the freeze keeps them
+        gc.collect()
+    # what set-up built (modules, data rows, the model's Python side: ~1 M objects) leaves the collector's walks:
+    # the Trainer's gc.collect() as train() starts and each full collection during it skip them (issue 37, item 3)
+    gc.freeze()
     started, cpu_started = time.perf_counter(), time.process_time()
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     finally:
         run.train_s += time.perf_counter() - started  # the trainer.train() window, as bench/ times the plain Trainer
         run.train_cpu_s += time.process_time() - cpu_started
+        gc.unfreeze()
     return trainer
 
 
@@ -422,6 +429,7 @@ def train_with_rollbacks(config, precision, datasets, tokenizer, run: RunState, 
             run.stop_reason = "nan"
             return trainer
         run.rollbacks += 1  # counts rollbacks carried out (summary.json and the final message agree)
+        trainer = None  # run.trainer keeps the abandoned segment's Trainer until the next one replaces it
         resume = checkpoints.newest_complete(run.ckpt_dir)
         run.lr_scale /= 2
         target = resume.name if resume else "the start"
