@@ -110,9 +110,13 @@ def load_average() -> tuple[float, float, float]:
 
 
 def bench_env(**extra: str) -> dict[str, str]:
-    """The environment for watchers and tools: ours without TRAINQ_* leftovers, the repo importable."""
+    """The environment for watchers and tools: ours without TRAINQ_* leftovers, the repo importable.
+
+    A PYTHONPATH given to the bench comes first, so one bench measures another checkout's package (a
+    folder holding ``trainq/`` linked to that checkout's watcher, trainer and schemas) beside this one.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINQ_")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
     env.update(extra)
     return env
 
