@@ -39,11 +39,10 @@ def _env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_job(base: Path, name: str, model_dir: Path, processes: int, batch: int, steps: int, threads: int) -> dict:
-    """One trainer run; its summary.json plus the wall time and the median step interval (s)."""
-    job = base / name
-    job.mkdir()
-    train = {
+def lora_train(model_dir: Path, processes: int, batch: int, steps: int) -> dict:
+    """The ``train:`` block every rank-layout bench runs (this one, bench_nodes.py): LoRA, no packing, no eval,
+    one log line and no checkpoint inside the run."""
+    return {
         "model": str(model_dir / "model"),
         "data": str(model_dir / "train.jsonl"),
         "method": "lora",
@@ -57,6 +56,13 @@ def run_job(base: Path, name: str, model_dir: Path, processes: int, batch: int, 
         "checkpoint": {"every_steps": steps * 10, "keep": 1},
         "processes": processes,
     }
+
+
+def run_job(base: Path, name: str, model_dir: Path, processes: int, batch: int, steps: int, threads: int) -> dict:
+    """One trainer run; its summary.json plus the wall time and the median step interval (s)."""
+    job = base / name
+    job.mkdir()
+    train = lora_train(model_dir, processes, batch, steps)
     (job / "job.yaml").write_text(yaml.safe_dump({"approved": True, "train": train}))
     started = time.perf_counter()
     with open(job / "output.log", "wb") as log:

@@ -40,6 +40,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_ddp import lora_train
 from bench.bench_slurm import cancel_queue_jobs, launch_watcher
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,20 +69,8 @@ def start_cluster() -> None:
 
 
 def train_job(model_dir: Path, nodes: int, processes: int, steps: int, batch: int) -> str:
-    train = {
-        "model": str(model_dir / "model"),
-        "data": str(model_dir / "train.jsonl"),
-        "method": "lora",
-        "max_steps": steps,
-        "batch_size": batch,
-        "seq_len": 128,
-        "lr": 1e-3,
-        "packing": False,
-        "log_every": steps,
-        "eval_fraction": 0,
-        "checkpoint": {"every_steps": steps * 10, "keep": 1},
-        "processes": processes,
-    }
+    """bench_ddp.py's run, on ``nodes`` Slurm nodes."""
+    train = lora_train(model_dir, processes, batch, steps)
     return yaml.safe_dump(
         {"approved": True, "train": train, "resources": {"nodes": nodes}, "env": {"OMP_NUM_THREADS": "1"}}
     )
