@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -340,3 +341,18 @@ def fmt_ms(seconds: float) -> str:
 def fmt_s(seconds: float) -> str:
     """Seconds shown with two decimals."""
     return f"{seconds:.2f} s"
+
+
+def tree_cpu_by_depth(pid: int) -> Iterator[tuple[int, Any]]:
+    """(depth, psutil cpu_times) of ``pid`` (depth 0) and every live descendant; a process gone meanwhile is passed
+    over. The queue benches split a watcher's CPU by depth: the watcher, its spawner, the pooled supervisors."""
+    todo = [(psutil.Process(pid), 0)]
+    while todo:
+        proc, depth = todo.pop()
+        try:
+            times = proc.cpu_times()
+            kids = proc.children()
+        except psutil.Error:
+            continue
+        yield depth, times
+        todo += [(kid, depth + 1) for kid in kids]

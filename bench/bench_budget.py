@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psutil
 
-from bench._common import Queue, bench_env, job_yaml, running_watcher, wait_until
+from bench._common import Queue, bench_env, job_yaml, running_watcher, tree_cpu_by_depth, wait_until
 
 #: seconds of idle queue before the first drop and after the last job finishes
 IDLE_S = 1.0
@@ -192,18 +192,9 @@ def _tree_cpu_split(pid: int) -> Counter:
     """User+system seconds by depth in the tree: 0 the watcher (all threads), 1 its children (the spawner), 2 and
     deeper (pooled supervisors); "reaped" is what every process has reaped (the jobs, exited helpers)."""
     out: Counter = Counter()
-    root = psutil.Process(pid)
-    todo = [(root, 0)]
-    while todo:
-        proc, depth = todo.pop()
-        try:
-            t = proc.cpu_times()
-            kids = proc.children()
-        except psutil.Error:
-            continue
+    for depth, t in tree_cpu_by_depth(pid):
         out[f"depth {min(depth, 2)}"] += t.user + t.system
         out["reaped"] += t.children_user + t.children_system
-        todo += [(k, depth + 1) for k in kids]
     return out
 
 

@@ -46,6 +46,7 @@ from bench._common import (
     read_status,
     running_watcher,
     strays,
+    tree_cpu_by_depth,
     wait_until,
     workspace,
 )
@@ -297,20 +298,12 @@ def _tree_cpu(pid: int) -> tuple[float, float]:
     """(the helpers' own CPU, the jobs' CPU) of a watcher's live tree: every process's user + system seconds, and
     what each has reaped; what the supervisors (depth 2 and deeper) reaped is the jobs'."""
     helpers = jobs = 0.0
-    todo = [(psutil.Process(pid), 0)]
-    while todo:
-        proc, depth = todo.pop()
-        try:
-            t = proc.cpu_times()
-            kids = proc.children()
-        except psutil.Error:
-            continue
+    for depth, t in tree_cpu_by_depth(pid):
         helpers += t.user + t.system
         if depth >= 2:
             jobs += t.children_user + t.children_system
         else:
             helpers += t.children_user + t.children_system  # helpers that exited (a surplus supervisor)
-        todo += [(k, depth + 1) for k in kids]
     return helpers, jobs
 
 
