@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +64,26 @@ def test_a_stale_stop_flag_is_cleared_with_a_line_and_the_resume_trains_to_the_e
     assert run_trainer(job, "--resume-from", str(job / "checkpoints" / "ckpt_latest")) == EXIT_OK
     assert "trainq: removed a stale stop.flag written at " in output(job)
     assert summary(job)["outcome"] == "done" and summary(job)["steps"] == 8 and not flag.exists()
+
+
+def test_a_stop_flag_written_just_before_the_attempt_started_is_stale(tmp_path):
+    """0.15 s before the process starts is before it: psutil's create_time (boot time in whole seconds) read the
+    start up to 1 s early and kept such a flag, so a quick resume after a stop trained nothing (seen in a run)."""
+    flag = tmp_path / "stop.flag"
+    code = (
+        "import sys; from pathlib import Path; from trainq.trainer.distributed import World; "
+        "from trainq.trainer.run import clear_stale_stop_flag, process_started_at; import os, time; "
+        "print(round(time.time() - process_started_at(os.getpid()), 3)); "
+        "clear_stale_stop_flag(Path(sys.argv[1]), World())"
+    )
+    for _ in range(3):
+        flag.touch()
+        time.sleep(0.15)
+        done = subprocess.run([sys.executable, "-c", code, str(flag)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        age = float(done.stdout.splitlines()[0])
+        assert 0 <= age < 60, done.stdout  # the process's own age, as read: never in the future
+        assert not flag.exists() and "removed a stale stop.flag" in done.stdout, done.stdout
 
 
 def test_a_stop_flag_newer_than_the_attempt_is_kept(tmp_path, capsys):

@@ -610,6 +610,22 @@ def record_changes(config: TrainConfig, saved: dict, resume: Path, metrics: Metr
         print(f"trainq: {words}", flush=True)
 
 
+def process_started_at(pid: int) -> float:
+    """When ``pid`` started, on the wall clock, to a clock tick (10 ms): its start in ticks after boot
+    (``/proc/PID/stat``) set against the uptime now. psutil's ``create_time`` adds the boot time in whole seconds
+    and reads up to 1 s early (0.4 s here), so a stop.flag written just before a resume looked newer than it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime (fields after comm from 3)
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def clear_stale_stop_flag(stop_flag: Path, world: distributed.World) -> None:
     """A stop.flag older than this attempt's start was meant for an earlier attempt (a hand-run resume would
     otherwise train one step and stop): rank 0 removes it and says so. The attempt started when this process
@@ -620,9 +636,7 @@ def clear_stale_stop_flag(stop_flag: Path, world: distributed.World) -> None:
         written = stop_flag.stat().st_mtime
     except FileNotFoundError:
         return
-    import psutil
-
-    started = psutil.Process(os.getppid() if world.is_distributed else os.getpid()).create_time()
+    started = process_started_at(os.getppid() if world.is_distributed else os.getpid())
     if written >= started:
         return
     stop_flag.unlink(missing_ok=True)
