@@ -32,6 +32,7 @@ from trainq.trainer.distributed import (
 from trainq.watcher.spec.capacity import CpuMachine, cpu_rank_problems
 from trainq.watcher.spec.contract import (
     ENV_METRICS,
+    EVENT_RANK_FAILED,
     EXIT_DATA,
     EXIT_FAILED,
     EXIT_NAN,
@@ -349,7 +350,7 @@ def _rank_failed_event(
 
     metrics = MetricsWriter(Path(os.environ.get(ENV_METRICS) or JobPaths(job_dir).metrics))
     metrics.event(
-        "rank_failed",
+        EVENT_RANK_FAILED,
         evidence,
         kind=kind,
         evidence=evidence,

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from trainq.watcher.spec.contract import (
+    EVENT_RANK_FAILED,
     EXIT_DATA,
     EXIT_NAN,
     EXIT_OOM,
@@ -128,10 +129,6 @@ _KERNEL_OOM = re.compile(
     r"(?P<pid>\d+)",
     re.IGNORECASE,
 )
-
-
-#: the event each node's torchrun agent writes for the rank that failed there (trainer/launch.py)
-RANK_FAILED = "rank_failed"
 
 
 @dataclass(frozen=True)
@@ -278,7 +275,7 @@ def _from_trainer(metrics_tail: list[dict] | None) -> Diagnosis | None:
     for i in range(len(tail) - 1, -1, -1):
         record = tail[i]
         if record.get("type") == RECORD_EVENT and record.get("kind") in KINDS:
-            if record.get("event") == RANK_FAILED and record.get("kind") == "unknown":
+            if record.get("event") == EVENT_RANK_FAILED and record.get("kind") == "unknown":
                 record = _told_rank_failure(tail[:i]) or record
             evidence = record.get("evidence") or record.get("message") or json.dumps(record, ensure_ascii=False)
             return Diagnosis(
@@ -291,7 +288,7 @@ def _told_rank_failure(earlier: list[dict]) -> dict | None:
     """The latest ``rank_failed`` with a kind other than ``unknown`` among the ``rank_failed`` events that end
     ``earlier`` (the other nodes' reports of the same failure), or None."""
     for record in reversed(earlier):
-        if record.get("type") != RECORD_EVENT or record.get("event") != RANK_FAILED:
+        if record.get("type") != RECORD_EVENT or record.get("event") != EVENT_RANK_FAILED:
             return None
         if record.get("kind") in KINDS and record.get("kind") != "unknown":
             return record

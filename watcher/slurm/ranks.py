@@ -9,10 +9,8 @@ first record with a non-zero status names the rank that failed; ``real_rank_exit
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.spec.fsutil import atomic_write_json
+from trainq.watcher.spec.fsutil import append_line, atomic_write_json
 
 #: what each srun task runs after its rendezvous variables are set: the command, then its record (never exec'd,
 #: so the wrapper outlives the command to write it)
@@ -62,7 +60,9 @@ def real_rank_exit(record: dict, paths: JobPaths) -> dict:
     _, rank, status = failed[0]
     amended = amended_by_rank(record, rank, status)
     srun = amended["srun_exit_code"]
-    _note(paths.log, f"trainq: rank {rank} exited {status} first; srun then ended the others (srun's status {srun})")
+    append_line(
+        paths.log, f"trainq: rank {rank} exited {status} first; srun then ended the others (srun's status {srun})"
+    )
     try:  # the exit record itself says so too, not only run.json: srun's status next to the rank's own
         atomic_write_json(paths.exit_record, amended)
     except OSError:
@@ -82,11 +82,3 @@ def amended_by_rank(record: dict, rank: int, status: int) -> dict:
         srun_exit_code=srun,
         stop_reason=None if record.get("stop_reason") == "sigterm" else record.get("stop_reason"),
     )
-
-
-def _note(log: Path, line: str) -> None:
-    try:
-        with open(log, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-    except OSError:
-        pass

@@ -26,7 +26,7 @@ from trainq.watcher.slurm.state import (
 )
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
-from trainq.watcher.spec.fsutil import read_json
+from trainq.watcher.spec.fsutil import append_line, read_json
 from trainq.watcher.spec.units import parse_iso
 
 #: how long a job refused by a QOS/association submit limit waits before it is submitted again (s)
@@ -200,8 +200,4 @@ def refresh_listing(folder: Path) -> None:
 
 def append_note(log: Path, line: str) -> None:
     """A ``trainq:`` line in output.log, where the user reads the job's story (nobody else writes it now)."""
-    try:
-        with open(log, "a", encoding="utf-8") as f:
-            f.write(line.rstrip("\n") + "\n")
-    except OSError:
-        pass
+    append_line(log, line)

@@ -14,7 +14,6 @@ Where every node answers, srun is left to finish its own clean-up, and the probe
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -28,7 +27,9 @@ from pathlib import Path
 import psutil
 
 from trainq.watcher.slurm.ranks import amended_by_rank, rank_records_with_hosts
-from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.contract import EVENT_RANK_FAILED, JobPaths
+from trainq.watcher.spec.fsutil import append_line
+from trainq.watcher.spec.records import read_metrics_tail
 from trainq.watcher.spec.units import iso_utc
 
 #: seconds srun gets to end the other ranks after one rank recorded a failure before the nodes are probed
@@ -189,28 +190,16 @@ def no_answer(addr: str, port: int) -> str | None:
 def last_rank_event(metrics: Path, silent: set[str]) -> str | None:
     """The evidence of the last ``rank_failed`` event in metrics.jsonl (what the ranks' torchrun agents said),
     preferring one written on a node that still answers (it names its host: "rank 0 (pid N on node1)")."""
-    try:
-        with open(metrics, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
-            lines = f.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-    said = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") == "rank_failed" and record.get("evidence"):
-            said.append(str(record["evidence"]))
+    said = [
+        str(record["evidence"])
+        for record in read_metrics_tail(metrics, 64 * 1024)
+        if record.get("event") == EVENT_RANK_FAILED and record.get("evidence")
+    ]
     answering = [e for e in said if not any(f" on {name})" in e for name in silent)]
     chosen = answering or said
     return chosen[-1] if chosen else None
 
 
 def note(log: Path, line: str) -> None:
-    try:
-        with open(log, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-    except OSError as exc:
-        print(f"trainq: cannot write {log}: {exc.strerror}", file=sys.stderr)
+    if not append_line(log, line):
+        print(f"trainq: cannot write {log}", file=sys.stderr)

@@ -61,6 +61,8 @@ RECORD_CHECKPOINT = "checkpoint"
 RECORD_EVENT = "event"
 RECORD_DONE = "done"
 RECORD_TYPES = (RECORD_STEP, RECORD_EVAL, RECORD_CHECKPOINT, RECORD_EVENT, RECORD_DONE)
+#: the event each node's torchrun agent writes for the rank that failed there (trainer/launch.py)
+EVENT_RANK_FAILED = "rank_failed"
 
 # -- why an attempt stopped (docs/contract.md, why a job stopped): one word in run.json, status.json, history.jsonl and events --
 REASON_USER = "user"  # stop.flag, `trainq stop`

@@ -124,6 +124,16 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def append_line(path: str | os.PathLike, line: str) -> bool:
+    """Append ``line`` (one newline at its end) to a text file, creating it; False when the write failed."""
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line.rstrip("\n") + "\n")
+    except OSError:
+        return False
+    return True
+
+
 def read_json(path: str | os.PathLike) -> dict | None:
     """Return the JSON object in ``path``, or None when it is missing, a symlink, or not a JSON object."""
     try:
