@@ -47,9 +47,7 @@ logger = logging.getLogger(__name__)
 
 #: how many inbox files one tick takes at most, so status stays fresh during a 10,000-file burst
 ADMIT_BATCH = 2000
-#: from this many ready files on, validation and claims run on a small thread pool
-PARALLEL_VALIDATE_MIN = 16
-#: threads that validate and claim a burst
+#: threads that validate heavy files off the loop
 ADMIT_THREADS = 2
 #: inbox files this big, or naming a sweep (whose validation checks every combination), are validated on a worker
 #: thread while the loop goes on (a 9,000-key sweep takes seconds); a later pass takes the result
@@ -176,17 +174,14 @@ class Intake:
     def _taken(self, cands: list, now: float):
         """(candidate, _Taken) in drop order: each file validated and, unless it awaits approval, claimed.
 
-        Acceptance order is fixed here, in drop order, before any work starts. A burst is then
-        validated and claimed on ADMIT_THREADS threads: claims are filesystem calls (mkdir,
-        create, link, unlink) that release the GIL, so they overlap with the next file's
-        validation. The index, the report and the inbox's bookkeeping stay on the loop's thread.
+        Acceptance order is fixed here, in drop order, before any work starts; then one file at a time, on the
+        loop's thread. Two threads used to validate and claim a burst, so that claims (filesystem calls that
+        release the GIL) overlapped the next file's validation; on two cores the hand-offs cost more than the
+        overlap gave: a 10,000-file burst took 14.9 s with them and 9.8 s without, and a trivial job 0.5 ms
+        more of the watcher's CPU (docs/benchmarks.md).
         """
         orders = [self.state.next_order() for _ in cands]
-        if len(cands) < PARALLEL_VALIDATE_MIN:
-            return ((c, self._take(c, order, now)) for c, order in zip(cands, orders, strict=False))
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="trainq-admit")
-        return zip(cands, self._pool.map(self._take, cands, orders, [now] * len(cands)), strict=False)
+        return ((c, self._take(c, order, now)) for c, order in zip(cands, orders, strict=False))
 
     def _take(self, cand, order: int, now: float) -> _Taken:
         """Validate one inbox file and claim it into pending/ (or failed/ when invalid); any thread.
