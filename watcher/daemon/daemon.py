@@ -333,17 +333,21 @@ class Watcher:
 
     def keep_status_fresh(self) -> None:
         """status.json between the steps of a long pass (a burst admitted, a thousand sbatch answers taken), so
-        its heartbeat is never a whole pass old; a no-op unless a write is due (status_s, heartbeat_s)."""
+        its heartbeat is never a whole pass old; a no-op unless the heartbeat is due (heartbeat_s). A change alone
+        (status_s) waits for the pass's end: written here, between a job's acceptance and its start, it put a
+        status.json and status.html write (and the fsync) into every drop→start."""
         if self.disk.disk_full is None:
             try:
-                self.write_status(time.time())
+                self.write_status(time.time(), heartbeat_only=True)
             except Exception:
                 logger.debug("status.json between steps could not be written", exc_info=True)
 
-    def write_status(self, now: float, *, force: bool = False, state: str | None = None) -> None:
+    def write_status(
+        self, now: float, *, force: bool = False, state: str | None = None, heartbeat_only: bool = False
+    ) -> None:
         """status.json and status.html; a full disk is noted, not raised."""
         try:
-            self.report.write(self, now, force=force, state=state)
+            self.report.write(self, now, force=force, state=state, heartbeat_only=heartbeat_only)
         except OSError as exc:
             if not is_disk_full(exc):
                 raise

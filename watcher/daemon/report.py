@@ -258,12 +258,21 @@ class Report:
                 self.dirty = True
 
     # -- writing -------------------------------------------------------------------------------
-    def write(self, watcher: ReportSource, now: float, force: bool = False, state: str | None = None) -> None:
+    def write(
+        self,
+        watcher: ReportSource,
+        now: float,
+        force: bool = False,
+        state: str | None = None,
+        heartbeat_only: bool = False,
+    ) -> None:
+        """Write status.json (and status.html) when due: the heartbeat (heartbeat_s), or a change status_s after the
+        last write (not with ``heartbeat_only``), or ``force``."""
         if now - self.last_recount >= RECOUNT_EVERY_S:
             self.last_recount = now
             self.recount()
         since = now - self.last_write
-        due = since >= self.config.heartbeat_s or (self.dirty and since >= self.config.status_s)
+        due = since >= self.config.heartbeat_s or (self.dirty and not heartbeat_only and since >= self.config.status_s)
         if not (due or force):
             return  # building a snapshot costs ms: only when it may be written
         snapshot = self.snapshot(watcher, now, state)
