@@ -103,10 +103,10 @@ def _rename_over(tmp: str, path: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: object, *, durable: bool = True) -> None:
     """Serialise ``obj`` as indented JSON and write it atomically; 0600 inside a private (0700) folder, else 0644."""
-    atomic_write(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n", durable=durable, mode=_mode_beside(path))
+    atomic_write(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n", durable=durable, mode=mode_beside(path))
 
 
-def _mode_beside(path: str | os.PathLike) -> int:
+def mode_beside(path: str | os.PathLike) -> int:
     """A file is as private as its folder: 0600 where the folder grants nothing to group and others."""
     try:
         folder_mode = os.stat(os.path.dirname(os.fspath(path)) or ".").st_mode

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
-import psutil
-
 from trainq.watcher.spec.contract import (
     ENV_ATTEMPT,
     ENV_JOB_DIR,
@@ -50,7 +48,7 @@ from trainq.watcher.supervisor.attempt_io import (
     reason_word,
 )
 from trainq.watcher.supervisor.cgroups import Containment
-from trainq.watcher.supervisor.leftovers import _descendants, boot_id
+from trainq.watcher.supervisor.leftovers import _descendants, boot_id, machine_boot_time, process_create_time
 
 #: how long the supervisor sleeps between looks at stop.flag, the timeout and its process tree (ms)
 POLL_INTERVAL_MS = 50
@@ -306,10 +304,7 @@ def _spawn(spec: LaunchSpec, env: dict[str, str], log_fd: int) -> subprocess.Pop
 
 def _write_started(a: _Attempt) -> None:
     """The start record: enough to recognise the job's processes later without trusting a bare pid."""
-    try:
-        create_time = psutil.Process(a.job_pid).create_time()
-    except psutil.Error:
-        create_time = None
+    create_time = process_create_time(a.job_pid)
     try:
         atomic_write_json(
             a.paths.started,
@@ -320,7 +315,7 @@ def _write_started(a: _Attempt) -> None:
                 "pgid": a.job_pid,
                 "started_at": iso_utc(a.started_at),
                 "job_create_time": create_time,
-                "boot_time": psutil.boot_time(),
+                "boot_time": machine_boot_time(),
                 "boot_id": boot_id(),
                 "containment": a.mode,
                 "cgroup": str(a.group) if a.group else None,

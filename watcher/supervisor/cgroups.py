@@ -70,17 +70,26 @@ class Containment:
         for attempt in range(10):
             group = folder / (name + (f"-{attempt}" if attempt else ""))
             try:
-                folder.mkdir(parents=True, exist_ok=True)
-                group.mkdir()
+                _make_group(group)
                 return group
             except FileExistsError:
                 if not is_populated(group, self.mode):  # left by a supervisor that died (same pid, reused)
                     return group
             except FileNotFoundError:
-                continue  # the queue's folder was removed (its last group ended) between the two mkdirs
+                continue  # the queue's folder was removed by hand between the two mkdirs
             except OSError:
                 return None
         return None
+
+
+def _make_group(group: Path) -> None:
+    """mkdir ``group``; its queue's folder first when it is missing (it is kept between jobs, so one mkdir is the
+    usual case)."""
+    try:
+        group.mkdir()
+    except FileNotFoundError:
+        group.parent.mkdir(parents=True, exist_ok=True)
+        group.mkdir()
 
 
 def detect(preference: str | None = None, probe: bool = True) -> Containment:
@@ -200,7 +209,9 @@ def kill(group: Path, mode: str, wait_s: float = KILL_WAIT_S) -> bool:
 
 
 def remove(group: Path) -> bool:
-    """Remove an empty group (groups a job made below it first) and its queue folder when that is empty."""
+    """Remove an empty group (groups a job made below it first). The queue's folder above it stays: removing it
+    with its last group and making it again for the next job cost a cgroup rmdir and mkdir per job of a serial
+    queue; an empty group holds nothing."""
     for folder in reversed(list(_walk(group))):
         try:
             folder.rmdir()
@@ -208,10 +219,6 @@ def remove(group: Path) -> bool:
             continue
         except OSError:
             return False
-    try:
-        group.parent.rmdir()  # the queue's folder, once its last group is gone
-    except OSError:
-        pass
     return True
 
 
@@ -349,14 +356,29 @@ def _queue_key(root: Path) -> str:
     return "q" + hashlib.sha256(real.encode(errors="surrogateescape")).hexdigest()[:12]
 
 
+#: how long this process trusts the mount table it read (seconds): cgroup hierarchies are mounted at boot, and the
+#: watcher asked at every job's end (``is_owned``), parsing all of /proc/self/mountinfo twice each time
+MOUNTS_CACHE_S = 5.0
+_mount_table: tuple[float, list[str]] | None = None
+
+
+def _mount_lines() -> list[str]:
+    """The lines of /proc/self/mountinfo, read again once MOUNTS_CACHE_S old (empty when unreadable)."""
+    global _mount_table
+    now = time.monotonic()
+    if _mount_table is None or now - _mount_table[0] >= MOUNTS_CACHE_S:
+        try:
+            lines = MOUNTINFO.read_text().splitlines()
+        except OSError:
+            lines = []
+        _mount_table = (now, lines)
+    return _mount_table[1]
+
+
 def _mounts(fstype: str, option: str | None = None) -> list[tuple[Path, str]]:
     """(mount point, mount root) of each mount of ``fstype`` (v1: with ``option`` among its super options)."""
     found = []
-    try:
-        lines = MOUNTINFO.read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
+    for line in _mount_lines():
         left, sep, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
         if not sep or len(fields) < 5 or len(tail) < 3 or tail[0] != fstype:

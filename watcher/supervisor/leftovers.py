@@ -12,6 +12,7 @@ This module imports nothing else of the supervisor package but cgroups.py.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import signal
@@ -204,12 +205,39 @@ def _leftovers(paths: JobPaths) -> tuple[set[int], set[int]]:
     return found, whole - {os.getpgrp()}
 
 
+@functools.cache
 def boot_id() -> str | None:
-    """This boot's id (Linux), or None where there is none."""
+    """This boot's id (Linux), or None where there is none; read once per process (it cannot change under one)."""
     try:
         return BOOT_ID_PATH.read_text().strip() or None
     except OSError:
         return None
+
+
+@functools.cache
+def machine_boot_time() -> float:
+    """When this machine booted (epoch seconds), read once per process: psutil reads /proc/stat at every call,
+    and a pooled supervisor asked twice per attempt."""
+    return psutil.boot_time()
+
+
+def process_create_time(pid: int) -> float | None:
+    """``psutil.Process(pid).create_time()``, the same number (start ticks over the clock rate, plus the boot time),
+    from one read of /proc/PID/stat where psutil read it twice and built a Process; None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime (fields after comm from 3)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, IndexError):  # no /proc (not Linux), or a layout we do not know
+        try:
+            return psutil.Process(pid).create_time()
+        except psutil.Error:
+            return None
+    return ticks / _CLOCK_TICKS + machine_boot_time()
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def is_this_boot(started: dict) -> bool:
@@ -219,7 +247,7 @@ def is_this_boot(started: dict) -> bool:
         return recorded == current
     boot_time = started.get("boot_time")
     if isinstance(boot_time, (int, float)):
-        return abs(boot_time - psutil.boot_time()) <= BOOT_TIME_TOLERANCE_S
+        return abs(boot_time - machine_boot_time()) <= BOOT_TIME_TOLERANCE_S
     return True
 
 

@@ -25,12 +25,13 @@ import re
 import socket
 import subprocess
 import tarfile
+import time
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any, cast
 
-from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json, sha256_file
+from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, mode_beside, read_json, sha256_file
 from trainq.watcher.spec.text import redact_env
 
 #: largest code.diff kept (bytes); a larger diff is not written (a cut diff cannot be applied)
@@ -102,12 +103,13 @@ def take(request: SnapshotRequest, job_dir: str, attempt: int, env: dict[str, st
     previous = _clear_previous(out)
     code = code_record(request, out)
     code["attempt"] = attempt
-    atomic_write_json(out / "code.json", code, durable=False)
-    atomic_write_json(out / "config.json", {**request.config, "attempt": attempt}, durable=False)
+    mode = mode_beside(out / "code.json")
+    _write_new(out / "code.json", code, mode)
+    _write_new(out / "config.json", {**request.config, "attempt": attempt}, mode)
     found = [s for p in request.sources for s in source_records(p, previous)]
     found += [s for p in request.models for s in source_records(p, previous, MAX_HASHED_MODEL_FILE_BYTES)]
-    atomic_write_json(out / "sources.json", found, durable=False)
-    atomic_write_json(out / "environment.json", environment(request, attempt, env), durable=False)
+    _write_new(out / "sources.json", found, mode)
+    _write_new(out / "environment.json", environment(request, attempt, env), mode)
     git = code.get("git") or {}
     return {
         k: v
@@ -118,6 +120,25 @@ def take(request: SnapshotRequest, job_dir: str, attempt: int, env: dict[str, st
         }.items()
         if v is not None
     }
+
+
+def _write_new(path: Path, obj: object, mode: int) -> None:
+    """Write one snapshot file straight under its name: ``_clear_previous`` removed every old one, so this is a
+    create, not a replace, and a temp file plus a rename would only add a rename (four per attempt). A reader
+    racing the write finds no file or JSON it cannot parse yet, both of which it takes as "not recorded"."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    data = (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode()
+    try:
+        fd = os.open(path, flags, mode)
+    except FileExistsError:  # made meanwhile by someone else: replace it whole, as before
+        atomic_write_json(path, obj, durable=False)
+        return
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def _clear_previous(out: Path) -> list:
@@ -339,8 +360,22 @@ def _os_name() -> str:
     return f"{u.sysname}-{u.release}-{u.machine}"
 
 
+#: how long a pooled supervisor reuses the NVIDIA driver version it read (seconds): a driver is only replaced
+#: with no job on the GPUs, and a snapshot a minute late to see it is still the version the job loaded
+DRIVER_CACHE_S = 60.0
+_driver_seen: tuple[float, str | None] | None = None
+
+
 def nvidia_driver() -> str | None:
-    """The NVIDIA kernel module's version from /proc (no NVML call), or None."""
+    """The NVIDIA kernel module's version from /proc (no NVML call), or None; read at most once a DRIVER_CACHE_S."""
+    global _driver_seen
+    now = time.monotonic()
+    if _driver_seen is None or now - _driver_seen[0] >= DRIVER_CACHE_S:
+        _driver_seen = (now, _read_nvidia_driver())
+    return _driver_seen[1]
+
+
+def _read_nvidia_driver() -> str | None:
     try:
         text = Path("/proc/driver/nvidia/version").read_text(errors="replace")
     except OSError:
