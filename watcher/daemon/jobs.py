@@ -77,10 +77,14 @@ class Job:
     contained: str | None = None  # the step whose internal error failed this job (containment.py)
     spec_sig: tuple | None = None  # (size, mtime_ns, inode) of the job.yaml the spec was read from
     spec_change: tuple | None = None  # (new sig, first seen at) of an edit not yet re-read (intake.py)
+    _paths: JobPaths | None = field(default=None, repr=False, compare=False)
 
     @property
     def paths(self) -> JobPaths:
-        return JobPaths(self.dir)
+        """The paths in the job's folder where it is now (made again only when the folder moved)."""
+        if self._paths is None or self._paths.dir is not self.dir:
+            self._paths = JobPaths(self.dir)
+        return self._paths
 
     @property
     def status(self) -> str:

@@ -7,6 +7,7 @@ Every filename inside a job folder is owned by ``JobPaths``; no other module spe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 # -- exit codes (one place; the trainer exits with these and diagnosis reads them) --
@@ -105,90 +106,91 @@ CKPT_BEST = "ckpt_best"
 
 @dataclass(frozen=True)
 class JobPaths:
-    """Every path inside one job folder."""
+    """Every path inside one job folder; each is joined once per JobPaths (a job's paths are asked for dozens of
+    times per job, and a pathlib join costs microseconds)."""
 
     dir: Path
 
-    @property
+    @cached_property
     def spec(self) -> Path:
         return self.dir / "job.yaml"
 
-    @property
+    @cached_property
     def run(self) -> Path:
         return self.dir / "run.json"
 
-    @property
+    @cached_property
     def log(self) -> Path:
         return self.dir / "output.log"
 
-    @property
+    @cached_property
     def metrics(self) -> Path:
         return self.dir / "metrics.jsonl"
 
-    @property
+    @cached_property
     def stop_flag(self) -> Path:
         return self.dir / "stop.flag"
 
-    @property
+    @cached_property
     def retry_flag(self) -> Path:
         return self.dir / "retry.flag"
 
-    @property
+    @cached_property
     def checkpoints(self) -> Path:
         return self.dir / "checkpoints"
 
-    @property
+    @cached_property
     def ckpt_latest(self) -> Path:
         return self.checkpoints / CKPT_LATEST
 
-    @property
+    @cached_property
     def ckpt_best(self) -> Path:
         return self.checkpoints / CKPT_BEST
 
-    @property
+    @cached_property
     def hook_log(self) -> Path:
         """Output of the job's on_finish hook (docs/workflows.md)."""
         return self.dir / "hook.log"
 
-    @property
+    @cached_property
     def hook_record(self) -> Path:
         """The conclusion's hook: "due" (written before the final run.json), "running" (the one runner took it,
         under hook.lock), then "ended" with its outcome: runs the hook exactly once."""
         return self.dir / "hook.json"
 
-    @property
+    @cached_property
     def summary(self) -> Path:
         return self.dir / "summary.json"
 
-    @property
+    @cached_property
     def loss_png(self) -> Path:
         return self.dir / "loss.png"
 
-    @property
+    @cached_property
     def lock(self) -> Path:
         """Held (flock) by the job's supervisor for as long as the attempt lives."""
         return self.dir / "supervisor.lock"
 
-    @property
+    @cached_property
     def started(self) -> Path:
         """Start record the supervisor writes: pids, process start time, attempt."""
         return self.dir / "supervisor.json"
 
-    @property
+    @cached_property
     def exit_record(self) -> Path:
         """Exit record the supervisor writes atomically when the attempt's process tree is gone."""
         return self.dir / "exit.json"
 
-    @property
+    @cached_property
     def slurm_script(self) -> Path:
         return self.dir / "slurm.sh"
 
-    @property
+    @cached_property
     def launch_spec(self) -> Path:
         """The attempt's LaunchSpec as JSON, for a supervisor started outside the watcher (Slurm)."""
         return self.dir / "launch.json"
 
-    @property
+    @cached_property
     def heartbeat(self) -> Path:
         """Rewritten by the node-side supervisor every few seconds while a Slurm attempt lives (watcher/node.py)."""
         return self.dir / "heartbeat.json"
@@ -197,27 +199,27 @@ class JobPaths:
         """Created (O_EXCL) by the first Slurm job that starts attempt ``attempt``; a duplicate submission finds it."""
         return self.dir / f"slurm-attempt-{attempt}.claim"
 
-    @property
+    @cached_property
     def rank_exits(self) -> Path:
         """Under srun, each task writes ``<attempt>.<rank>`` here when its command exits: its own exit code."""
         return self.dir / "ranks"
 
-    @property
+    @cached_property
     def events(self) -> Path:
         """The job's story, one JSON record a line, appended by the watcher and the supervisor (docs/records.md)."""
         return self.dir / "events.jsonl"
 
-    @property
+    @cached_property
     def events_rotated(self) -> Path:
         """The older part of ``events`` once it outgrew its bound (one generation is kept)."""
         return self.dir / "events.1.jsonl"
 
-    @property
+    @cached_property
     def snapshot(self) -> Path:
         """What the latest attempt ran: code, resolved config, sources, environment (docs/records.md)."""
         return self.dir / "snapshot"
 
-    @property
+    @cached_property
     def slurm_record(self) -> Path:
         """What the watcher submitted to Slurm for the current attempt (its Slurm job id, sbatch argv)."""
         return self.dir / "slurm.json"

@@ -123,10 +123,15 @@ WORDY = re.compile(r"[a-z]{6}")
 SEPARATOR = re.compile(r"[/_-]")
 
 
+#: the markers as one pattern: one scan in C per string (``any(m in text ...)`` cost ~1.5 µs a string, and every
+#: string of every run.json and event passes here)
+_ANY_MARKER = re.compile("|".join(re.escape(marker) for marker in _MARKERS))
+
+
 def redact_text(text: str) -> str:
     """``text`` with every credential shape and URL password replaced by ``<redacted>``."""
-    if not text or not any(marker in text for marker in _MARKERS):
-        return text  # most strings a record holds (times, paths, states): a few substring scans, no regex
+    if not text or _ANY_MARKER.search(text) is None:
+        return text  # most strings a record holds (times, paths, states): one scan, no credential regex
     text = CREDENTIAL.sub(REDACTED, text)
     return URL_PASSWORD.sub(lambda m: m.group(1) + REDACTED + m.group(3), text)
 
