@@ -280,3 +280,23 @@ def test_start_up_removes_empty_groups_a_killed_supervisor_left(queue_dir: Path,
     assert not stale.exists()
     assert young.is_dir(), "a group made a moment ago was removed before its owner could join it"
     young.rmdir()
+
+
+def test_the_queues_group_folder_stays_between_jobs_and_goes_with_the_watcher(
+    queue_dir: Path, watcher, monkeypatch, write_job
+) -> None:
+    containment = containment_or_skip("cgroup-v2")
+    monkeypatch.setenv(cgroups.ENV_CONTAINMENT, "cgroup-v2")
+    write_job("one", command=["true"])
+    w = watcher()
+    tick_until(w, lambda: (queue_dir / "done" / "one").exists(), timeout_s=30, what="the first job")
+    started = json.loads(JobPaths(queue_dir / "done" / "one").started.read_text())
+    group = Path(started["cgroup"])
+    assert not group.exists(), "the attempt's group outlived its attempt"
+    assert group.parent.is_dir(), "the queue's folder went with its last group: the next job would make it again"
+    write_job("two", command=["true"])
+    tick_until(w, lambda: (queue_dir / "done" / "two").exists(), timeout_s=30, what="the second job")
+    second = Path(json.loads(JobPaths(queue_dir / "done" / "two").started.read_text())["cgroup"])
+    assert second.parent == group.parent and containment.base is not None
+    w.close()
+    assert not group.parent.exists(), "the queue's empty folder of groups outlived its watcher"

@@ -31,7 +31,7 @@ from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
 from trainq.watcher.daemon.inbox import Inbox, InboxEvents, schedule, start_observer
 from trainq.watcher.daemon.intake import Intake, PendingEdits
 from trainq.watcher.daemon.jobs import Job, JobIndex
-from trainq.watcher.daemon.recovery import recover
+from trainq.watcher.daemon.recovery import local_containment, recover
 from trainq.watcher.daemon.report import Report
 from trainq.watcher.daemon.resources import ResourceProbe
 from trainq.watcher.daemon.starting import Starting
@@ -43,6 +43,7 @@ from trainq.watcher.spec.config import LiveSettings, WatcherConfig, paused_pools
 from trainq.watcher.spec.errors import QueueLayoutError, QueueLocked
 from trainq.watcher.spec.folders import Folders, JobState, QueueRoot
 from trainq.watcher.spec.fsutil import drain, remove_quietly
+from trainq.watcher.supervisor import cgroups
 from trainq.watcher.supervisor.signals import WatcherSignals, install_watcher_signal_handlers
 
 logger = logging.getLogger(__name__)
@@ -176,8 +177,11 @@ class Watcher:
             logger.error("watcher: could not write the final status.json: %s", exc)
         self.probe.close()
         self.workflows.hooks.close()
+        containment = local_containment(self.state)
         self.executor.close()
         self.intake.close()
+        if containment is not None:
+            cgroups.remove_queue_folder(containment, self.root.path)  # kept between jobs, not after the last one
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -255,9 +255,14 @@ def _unlink_claimed_inbox_names(loop: LoopState, found: dict) -> None:
 
 def _remove_empty_cgroups(loop: LoopState) -> None:
     """Groups a killed supervisor or hook runner left empty (live attempts' groups are never empty)."""
-    containment = getattr(getattr(loop.executor, "supervisor", None), "containment", None)
+    containment = local_containment(loop)
     if containment is not None and cgroups.remove_empty_groups(containment, loop.root.path):
         logger.info("queue: removed empty cgroups left by killed supervisors")
+
+
+def local_containment(loop: LoopState) -> cgroups.Containment | None:
+    """How this machine's attempts are contained, when they run here (None on an executor without one)."""
+    return getattr(getattr(loop.executor, "supervisor", None), "containment", None)
 
 
 def _seed_recent(loop: LoopState, workflows: Workflows) -> None:

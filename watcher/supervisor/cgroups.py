@@ -249,6 +249,18 @@ def _under(path: Path, folder: Path) -> bool:
 EMPTY_GROUP_GRACE_S = 30.0
 
 
+def remove_queue_folder(containment: Containment, root: str | os.PathLike) -> bool:
+    """Remove the queue's folder of groups if no group is left in it (a watcher leaving: the folder is kept between
+    jobs, not after the queue's last watcher). A running attempt's or hook's group keeps it; True if removed."""
+    if containment.base is None:
+        return False
+    try:
+        (containment.base / _queue_key(Path(root))).rmdir()
+    except OSError:
+        return False
+    return True
+
+
 def remove_empty_groups(containment: Containment, root: str | os.PathLike) -> int:
     """Remove the queue's groups that are empty (a supervisor killed between its job's end and its rmdir), but
     none made in the last EMPTY_GROUP_GRACE_S (a starting watcher removed a hook runner's group before the
