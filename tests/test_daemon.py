@@ -232,3 +232,32 @@ def test_bad_watcher_yaml_stops_startup_with_a_clear_error(queue_dir):
     assert proc.returncode == 2
     assert "watcher.yaml" in proc.stderr and "max_concurrent" in proc.stderr
     assert "settle" in proc.stderr
+
+
+def test_a_job_accepted_and_started_in_one_pass_is_shown_started(queue_dir, watcher, monkeypatch):
+    """A status write between a job's acceptance and its start put a status.json and a status.html write (with an
+    fsync) into every drop→start, and the pass's own write then waited status_s: status.json showed a running job
+    as pending. A short pass now writes once, at its end (any pass counts as short here: a loaded machine may take
+    longer than SHORT_PASS_S over one)."""
+    from trainq.watcher.daemon import daemon
+
+    monkeypatch.setattr(daemon, "SHORT_PASS_S", 60.0)
+    w = watcher(status_s=0.5, heartbeat_s=30)
+    w.tick(time.time())
+    staged = queue_dir / ".staging" / "quick.yaml"
+    staged.parent.mkdir(exist_ok=True)
+    staged.write_text("approved: true\ncommand: [sleep, '30']\nstop_grace: 0.2s\n")
+    past = time.time() - 60
+    os.utime(staged, (past, past))  # written long ago: ready to start the moment it is accepted
+    time.sleep(0.6)  # a status write is due at the next change
+    os.rename(staged, queue_dir / "inbox" / "quick.yaml")
+    time.sleep(0.3)  # the inbox's inotify event is in
+    try:
+        w.tick(time.time())  # one pass: accepted, started, then status.json
+        assert (queue_dir / "running" / "quick").is_dir(), "not accepted and started in one pass"
+        entries = {e["id"]: e for e in json.loads((queue_dir / "status.json").read_text())["jobs"]}
+        assert entries.get("quick", {}).get("state") == "running", entries
+    finally:
+        tick_until(w, lambda: w.jobs.get("quick") is not None, what="the job to be known")
+        (w.jobs["quick"].dir / "stop.flag").touch()
+        tick_until(w, lambda: (queue_dir / "failed" / "quick").is_dir(), timeout_s=30, what="the stop")

@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 #: pause after an error no job's guard caught, so a repeating one does not spin the CPU, seconds
 LOOP_ERROR_PAUSE_S = 0.5
+#: a pass younger than this writes status.json between its steps only for a due heartbeat (seconds); a longer one
+#: (a burst, a thousand sbatch answers) keeps status_s's cadence between its steps too
+SHORT_PASS_S = 0.05
 
 
 class Watcher:
@@ -71,6 +74,7 @@ class Watcher:
         self.stopping = False
         self._loop_errors: dict[str, int] = {}  # errors outside any job's guard, by text: how often
         self._lock_fd: int | None = None
+        self._pass_started = 0.0  # when the running pass began (keep_status_fresh)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._observer: BaseObserver | None = None
         self._signals: WatcherSignals | None = None
@@ -304,6 +308,7 @@ class Watcher:
             self.report.touch()
 
     def _work(self, now: float) -> None:
+        self._pass_started = now
         self.finishing.reap_finished(now)
         rescan = now - self._last_rescan >= self.config.rescan_s
         if rescan and self.disk.disk_full is None:
@@ -336,13 +341,15 @@ class Watcher:
             self.finishing.retire_concluded(now)
 
     def keep_status_fresh(self) -> None:
-        """status.json between the steps of a long pass (a burst admitted, a thousand sbatch answers taken), so
-        its heartbeat is never a whole pass old; a no-op unless the heartbeat is due (heartbeat_s). A change alone
-        (status_s) waits for the pass's end: written here, between a job's acceptance and its start, it put a
-        status.json and status.html write (and the fsync) into every drop→start."""
+        """status.json between the steps of a long pass (a burst admitted, a thousand sbatch answers taken), so it
+        is never a whole pass old; a no-op unless a write is due (status_s, heartbeat_s). In a pass younger than
+        SHORT_PASS_S only a due heartbeat is written: the pass's end comes within milliseconds, and a write here,
+        between a job's acceptance and its start, put a status.json and status.html write (and the fsync) into
+        every drop→start."""
         if self.disk.disk_full is None:
+            now = time.time()
             try:
-                self.write_status(time.time(), heartbeat_only=True)
+                self.write_status(now, heartbeat_only=now - self._pass_started < SHORT_PASS_S)
             except Exception:
                 logger.debug("status.json between steps could not be written", exc_info=True)
 
