@@ -49,6 +49,7 @@ from trainq.watcher.spec.contract import (
     RECORD_DONE,
     JobPaths,
 )
+from trainq.watcher.spec.fsutil import process_start_ticks
 from trainq.watcher.spec.units import iso_utc
 
 if TYPE_CHECKING:
@@ -615,8 +616,7 @@ def process_started_at(pid: int) -> float:
     (``/proc/PID/stat``) set against the uptime now. psutil's ``create_time`` adds the boot time in whole seconds
     and reads up to 1 s early (0.4 s here), so a stop.flag written just before a resume looked newer than it."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime (fields after comm from 3)
+        ticks = process_start_ticks(pid)
         with open("/proc/uptime", "rb") as f:
             uptime = float(f.read().split()[0])
     except (OSError, ValueError, IndexError):

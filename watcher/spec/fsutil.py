@@ -56,14 +56,28 @@ def _temp_holding(path: str, data: bytes, mode: int) -> tuple[str, int]:
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_all(fd, data)
     except BaseException:  # a full disk, most often: the temp file must not stay behind
         os.close(fd)
         _unlink_quietly(tmp)
         raise
     return tmp, fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_new(path: str | os.PathLike, data: str | bytes, mode: int = 0o644) -> None:
+    """Create ``path`` (never following a link) holding ``data``: for a file that cannot exist yet, where a temp file
+    and a rename would only add the rename. A reader racing it may find it short. FileExistsError if it exists."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        _write_all(fd, data.encode() if isinstance(data, str) else data)
+    finally:
+        os.close(fd)
 
 
 def remove_stale_temps(folder: str | os.PathLike[str], names: tuple[str, ...]) -> int:
@@ -103,7 +117,12 @@ def _rename_over(tmp: str, path: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: object, *, durable: bool = True) -> None:
     """Serialise ``obj`` as indented JSON and write it atomically; 0600 inside a private (0700) folder, else 0644."""
-    atomic_write(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n", durable=durable, mode=mode_beside(path))
+    atomic_write(path, json_text(obj), durable=durable, mode=mode_beside(path))
+
+
+def json_text(obj: object) -> str:
+    """``obj`` as the indented JSON every record file holds, ending in a newline."""
+    return json.dumps(obj, indent=1, ensure_ascii=False) + "\n"
 
 
 def mode_beside(path: str | os.PathLike) -> int:
@@ -122,6 +141,14 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def process_start_ticks(pid: int) -> int:
+    """When ``pid`` started, in clock ticks after boot: field 22 of /proc/PID/stat (the fields after the command's
+    closing parenthesis count from field 3). OSError, ValueError or IndexError where there is no such file or it
+    reads otherwise."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[19])
 
 
 def append_line(path: str | os.PathLike, line: str) -> bool:

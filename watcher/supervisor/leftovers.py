@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 from trainq.watcher.spec.contract import ENV_JOB_DIR, JobPaths
-from trainq.watcher.spec.fsutil import read_json
+from trainq.watcher.spec.fsutil import process_start_ticks, read_json
 from trainq.watcher.supervisor import cgroups
 
 logger = logging.getLogger(__name__)
@@ -225,8 +225,7 @@ def process_create_time(pid: int) -> float | None:
     """``psutil.Process(pid).create_time()``, the same number (start ticks over the clock rate, plus the boot time),
     from one read of /proc/PID/stat where psutil read it twice and built a Process; None once the process is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime (fields after comm from 3)
+        ticks = process_start_ticks(pid)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, IndexError):  # no /proc (not Linux), or a layout we do not know

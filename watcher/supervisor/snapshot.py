@@ -31,7 +31,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any, cast
 
-from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, mode_beside, read_json, sha256_file
+from trainq.watcher.spec.fsutil import (
+    atomic_write,
+    atomic_write_json,
+    json_text,
+    mode_beside,
+    read_json,
+    sha256_file,
+    write_new,
+)
 from trainq.watcher.spec.text import redact_env
 
 #: largest code.diff kept (bytes); a larger diff is not written (a cut diff cannot be applied)
@@ -126,19 +134,10 @@ def _write_new(path: Path, obj: object, mode: int) -> None:
     """Write one snapshot file straight under its name: ``_clear_previous`` removed every old one, so this is a
     create, not a replace, and a temp file plus a rename would only add a rename (four per attempt). A reader
     racing the write finds no file or JSON it cannot parse yet, both of which it takes as "not recorded"."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    data = (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode()
     try:
-        fd = os.open(path, flags, mode)
+        write_new(path, json_text(obj), mode)
     except FileExistsError:  # made meanwhile by someone else: replace it whole, as before
         atomic_write_json(path, obj, durable=False)
-        return
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
 
 
 def _clear_previous(out: Path) -> list:
