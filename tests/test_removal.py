@@ -75,7 +75,9 @@ def test_a_removal_the_watcher_saw_is_remembered_after_a_restart(queue_dir, watc
     (queue_dir / "pause.flag").touch()
     wp = watcher_process()
     drop(queue_dir, "dep.yaml", "approved: true\ncommand: ['true']\n")
-    wait_until(lambda: (queue_dir / "pending" / "dep" / "job.yaml").exists(), 20)  # the claim complete
+    # the claim complete: its last write is the accepted event (an rm -rf racing that write fails "not empty")
+    accepted = queue_dir / "pending" / "dep" / "events.jsonl"
+    wait_until(lambda: accepted.exists() and '"accepted"' in accepted.read_text(), 20)
     shutil.rmtree(queue_dir / "pending" / "dep")
     wait_until(lambda: (queue_dir / ".removed" / "dep.json").exists(), 20, what="the watcher's tombstone")
     wp.kill()
