@@ -87,6 +87,36 @@ def test_a_dirty_tree_is_rerun_exactly_after_it_changed(queue_dir, watcher, tmp_
     assert "'v3'" in train.read_text()  # the user's tree was left alone
 
 
+def test_the_snapshot_is_the_tree_before_the_job_ran_though_its_records_are_written_as_it_starts(
+    queue_dir, watcher, tmp_path
+):
+    """snapshot/'s records are written while the job starts (issue 38: the start does not wait for them); what they
+    say is read before it: a job that edits its own code and leaves a file at once is recorded as it was."""
+    repo = make_repo(tmp_path / "repo")
+    (repo / "edit.py").write_text(
+        "import pathlib\np = pathlib.Path('train.py')\np.write_text(p.read_text() + '# edited by the job\\n')\n"
+        "pathlib.Path('left.txt').write_text('x')\n"
+    )
+    git(repo, "add", "edit.py")
+    git(repo, "commit", "-qm", "edit")
+    w = watcher()
+    drop(queue_dir, "self.yaml", f"approved: true\ncommand: [{PY}, edit.py]\ncwd: {repo}\n")
+    tick_until(w, lambda: (queue_dir / "done" / "self").exists())
+    assert "edited by the job" in (repo / "train.py").read_text() and (repo / "left.txt").exists()
+    snapshot = queue_dir / "done" / "self" / "snapshot"
+    code = json.loads((snapshot / "code.json").read_text())
+    assert code["git"]["dirty"] is False and code["git"]["untracked"] == []
+    assert not (snapshot / "code.diff").exists()
+    assert sorted(p.name for p in snapshot.glob("*.json")) == [
+        "code.json",
+        "config.json",
+        "environment.json",
+        "sources.json",
+    ]
+    started = [r for r in events.read(JobPaths(queue_dir / "done" / "self")) if r["event"] == "started"]
+    assert started[-1]["code"]["dirty"] is False
+
+
 def test_diff_of_two_sweep_members_shows_params_and_results(queue_dir, watcher):
     script = (
         "import json, os\nlr = float(os.environ['LR'])\n"

@@ -166,7 +166,7 @@ def _supervise(
     if spec.banner:
         _write_line(log_fd, spec.banner.splitlines()[0])
     env = _job_env(spec)  # built once: the snapshot, the job and its ``started`` event read the same
-    code = story.take_snapshot(spec.snapshot, spec.job_dir, spec.attempt, env, lambda message: _note(log_fd, message))
+    snapshot = story.read_snapshot(spec.snapshot, spec.job_dir, spec.attempt, env, lambda m: _note(log_fd, m))
     checkpoints = story.CheckpointWatch.from_now(JobPaths(Path(spec.job_dir)), spec.attempt)
     started_at, started_mono = time.time(), time.monotonic()
     group = containment.group_for(spec.job_dir, str(spec.attempt)) if containment else None
@@ -174,6 +174,7 @@ def _supervise(
         job, group = _spawn_contained(spec, env, log_fd, group, containment)
     except OSError as exc:
         _drop_group(group)
+        story.write_snapshot(snapshot, lambda message: _note(log_fd, message))  # what would have run
         return _record_spawn_error(spec, log_fd, exc, started_at, ended)
     attempt = _Attempt(
         spec,
@@ -188,6 +189,7 @@ def _supervise(
         checkpoints=checkpoints,
         amend=amend,
     )
+    code = story.write_snapshot(snapshot, lambda message: _note(log_fd, message))  # read before the job started
     _write_started(attempt)
     story.started(attempt.paths, spec.attempt, started_at, job.pid, env, code)
     _watch(attempt, stop_signal)
@@ -347,14 +349,19 @@ def _watch(a: _Attempt, stop_signal: _StopSignal) -> None:
                 pidfd = None
             if a.status is None and a.stop_mono is None:
                 continue  # the usual case: the job runs and nobody asked anything
-            tree = _tree(a)
-            if a.status is not None and not tree and not (a.group and cgroups.is_populated(a.group, a.mode)):
+            if a.status is not None and _all_gone(a):
                 _drop_group(a.group)
                 return
-            _escalate(a, tree, now, stop_signal.received)
+            _escalate(a, _tree(a), now, stop_signal.received)
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+def _all_gone(a: _Attempt) -> bool:
+    """No descendant of ours is left and the attempt's group is empty: ``_tree`` would be empty, found with one read
+    of cgroup.events where a v2 group is (the members' walk is for when something is left to signal)."""
+    return not _descendants(os.getpid()) and not (a.group and cgroups.is_populated(a.group, a.mode))
 
 
 def _tree(a: _Attempt) -> list[int]:

@@ -1,4 +1,6 @@
-"""The attempt's snapshot: what ran, written into ``snapshot/`` by the supervisor just before it starts the job.
+"""The attempt's snapshot: what ran, read by the supervisor just before it starts the job, written into ``snapshot/``
+as the job starts (``read`` settles every record first; ``write`` then writes the four JSON files, so the job's start
+does not wait for them).
 
 The watcher's loop only describes what to record (``SnapshotRequest``, plain data in the LaunchSpec);
 the reading, hashing and ``git`` calls happen here, in the job's own supervisor, so a slow disk or a
@@ -105,29 +107,49 @@ def redact(env: dict[str, str]) -> dict[str, str]:
     return redact_env(env)
 
 
+@dataclass
+class Taken:
+    """A snapshot read before the job starts, its four records not written yet (``write`` does that)."""
+
+    folder: Path
+    records: dict[str, object]
+    #: the code summary the ``started`` event carries
+    code: dict
+
+
 def take(request: SnapshotRequest, job_dir: str, attempt: int, env: dict[str, str]) -> dict:
     """Write snapshot/ for this attempt; returns the code summary the ``started`` event carries."""
+    taken = read(request, job_dir, attempt, env)
+    write(taken)
+    return taken.code
+
+
+def read(request: SnapshotRequest, job_dir: str, attempt: int, env: dict[str, str]) -> Taken:
+    """Everything the snapshot says, read before the job starts: the code (git's state, with code.diff and the
+    archives written beside it now), the sources' hashes, the environment. ``write`` then writes the four records
+    while the job starts: what they hold was settled before it ran, and the job starts without waiting for them."""
     out = Path(job_dir) / "snapshot"
     previous = _clear_previous(out)
     code = code_record(request, out)
     code["attempt"] = attempt
-    mode = mode_beside(out / "code.json")
-    _write_new(out / "code.json", code, mode)
-    _write_new(out / "config.json", {**request.config, "attempt": attempt}, mode)
     found = [s for p in request.sources for s in source_records(p, previous)]
     found += [s for p in request.models for s in source_records(p, previous, MAX_HASHED_MODEL_FILE_BYTES)]
-    _write_new(out / "sources.json", found, mode)
-    _write_new(out / "environment.json", environment(request, attempt, env), mode)
-    git = code.get("git") or {}
-    return {
-        k: v
-        for k, v in {
-            "commit": git.get("commit"),
-            "dirty": git.get("dirty"),
-            "diff_sha256": git.get("diff_sha256"),
-        }.items()
-        if v is not None
+    records: dict[str, object] = {
+        "code.json": code,
+        "config.json": {**request.config, "attempt": attempt},
+        "sources.json": found,
+        "environment.json": environment(request, attempt, env),
     }
+    git = code.get("git") or {}
+    summary = {"commit": git.get("commit"), "dirty": git.get("dirty"), "diff_sha256": git.get("diff_sha256")}
+    return Taken(out, records, {k: v for k, v in summary.items() if v is not None})
+
+
+def write(taken: Taken) -> None:
+    """Write the four records ``read`` settled."""
+    mode = mode_beside(taken.folder / "code.json")
+    for name, record in taken.records.items():
+        _write_new(taken.folder / name, record, mode)
 
 
 def _write_new(path: Path, obj: object, mode: int) -> None:

@@ -20,17 +20,29 @@ from trainq.watcher.supervisor import snapshot as snapshots
 CHECKPOINT_LOOK_S = 1.0
 
 
-def take_snapshot(
+def read_snapshot(
     request: dict | None, job_dir: str, attempt: int, env: dict[str, str], note: Callable[[str], None]
-) -> dict:
-    """snapshot/ for this attempt; the code summary for ``started`` ({} when off or when it failed, noted)."""
+) -> snapshots.Taken | None:
+    """What snapshot/ will say for this attempt, read before the job starts (None when off or when it failed,
+    noted); ``write_snapshot`` writes it as the job starts."""
     if request is None:
-        return {}
+        return None
     try:
-        return snapshots.take(snapshots.SnapshotRequest.from_dict(request), job_dir, attempt, env)
+        return snapshots.read(snapshots.SnapshotRequest.from_dict(request), job_dir, attempt, env)
     except Exception as exc:
         note(f"snapshot incomplete: {type(exc).__name__}: {exc}")
+        return None
+
+
+def write_snapshot(taken: snapshots.Taken | None, note: Callable[[str], None]) -> dict:
+    """snapshot/'s records; the code summary for ``started`` ({} when off or when it failed, noted)."""
+    if taken is None:
         return {}
+    try:
+        snapshots.write(taken)
+    except Exception as exc:
+        note(f"snapshot incomplete: {type(exc).__name__}: {exc}")
+    return taken.code
 
 
 def started(paths: JobPaths, attempt: int, at: float, job_pid: int, env: dict[str, str], code: dict) -> None:
