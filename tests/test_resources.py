@@ -14,7 +14,7 @@ import psutil
 import pytest
 from conftest import wait_until
 
-from trainq.watcher.daemon.resources import ENV_SIMULATE_BATTERY, GpuInfo, ResourceProbe
+from trainq.watcher.daemon.resources import ENV_SIMULATE_BATTERY, GpuInfo, ResourceProbe, ram_bytes
 from trainq.watcher.spec.contract import ENV_SIMULATE_GPUS
 
 TWO_GPUS = [
@@ -257,3 +257,13 @@ def test_real_nvml_reports_every_gpu_with_memory_and_our_own_processes() -> None
             user.wait()
     finally:
         probe.close()
+
+
+def test_ram_is_read_from_meminfo_as_psutil_reads_it():
+    """Issue 38: each plan read RAM through psutil.virtual_memory (all of /proc/meminfo parsed); ram_bytes reads
+    the two numbers it needs. Total is the same number; available is live, so it is compared within a margin."""
+    total, available = ram_bytes()
+    vm = psutil.virtual_memory()
+    assert total == vm.total
+    assert 0 < available <= total
+    assert abs(available - vm.available) < 256 * 1024**2
