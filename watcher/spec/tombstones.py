@@ -12,6 +12,7 @@ oldest go first), so the folder stays small however many jobs are removed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -116,11 +117,16 @@ KNOWN_IDS = "known-ids"
 def remember_ids(root: Path, ids: list[str], status: str | None = None) -> None:
     """Append ``ids`` (with their final ``status``, once ended) to the known-ids file. Best effort: a lost
     line only means the next start-up rewrite records that id (its folder exists until then)."""
-    folder = Path(root) / TOMBSTONES_DIR
+    folder = os.path.join(root, TOMBSTONES_DIR)
     tail = f"\t{status}\n" if status else "\n"
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        folder.mkdir(exist_ok=True)
-        fd = os.open(folder / KNOWN_IDS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fd = os.open(os.path.join(folder, KNOWN_IDS), flags, 0o644)
+        except FileNotFoundError:  # the folder first (two calls a job made it, each finding it there)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder)  # not the root's parents: a removed root is not made again here
+            fd = os.open(os.path.join(folder, KNOWN_IDS), flags, 0o644)
     except OSError:
         return
     try:
