@@ -282,9 +282,10 @@ class Watcher:
     def tick(self, now: float) -> None:
         """One pass over the queue; with a full disk only watching, and retrying until space frees."""
         self.executor.reap()
-        self.check_layout()
+        top = self.root.top()  # one listing of the root for the folder and flag checks
+        self.check_layout(top)
         self.reload_settings(now)
-        self.honor_root_flags()
+        self.honor_root_flags(top)
         if self.disk.disk_full is not None:
             self.disk.retry_after_disk_full(now, self, self.rebuild_from_disk)
         if self.disk.disk_full is None:
@@ -373,9 +374,9 @@ class Watcher:
         self.state.plan_due = True
         self._recover()
 
-    def check_layout(self) -> None:
-        """Recreate queue folders a user deleted, instead of crash-looping."""
-        created = self.root.ensure_layout(create=True)
+    def check_layout(self, top: dict[str, bool] | None = None) -> None:
+        """Recreate queue folders a user deleted, instead of crash-looping (``top``: the root's listing)."""
+        created = self.root.ensure_layout(create=True, top=top)
         for folder in created:
             logger.warning("queue: %s was missing; recreated it", folder)
         inbox = self.inbox
@@ -391,19 +392,24 @@ class Watcher:
                 logger.warning("job %s: its folder %s vanished; forgetting it", job.id, job.dir)
                 self.finishing.drop(job)
 
-    def honor_root_flags(self) -> None:
-        """``stop.flag`` at the root: exit (jobs keep running); ``pause.flag``: start nothing new."""
-        if self.root.stop_flag.exists():
+    def honor_root_flags(self, top: dict[str, bool] | None = None) -> None:
+        """``stop.flag`` at the root: exit (jobs keep running); ``pause.flag``: start nothing new (``top``: the root's
+        listing, where a flag is a name)."""
+        if top is None:  # the root could not be listed: ask for each flag
+            top = {f.name: False for f in (self.root.stop_flag, self.root.pause_flag) if f.exists()}
+            pools = paused_pools(self.root.path)
+        else:
+            pools = paused_pools(self.root.path, top)
+        if self.root.stop_flag.name in top:
             remove_quietly(self.root.stop_flag)
             logger.info("watcher %d: stop.flag found; exiting, running jobs keep running", os.getpid())
             self.stopping = True
-        paused = self.root.pause_flag.exists()
+        paused = self.root.pause_flag.name in top
         if paused != self.state.paused:
             logger.info("watcher %d: %s", os.getpid(), "paused (pause.flag)" if paused else "resumed")
             self.state.paused = paused
             self.state.plan_due = True
             self.report.touch()
-        pools = paused_pools(self.root.path)
         if pools != self.state.paused_pools:
             logger.info("watcher %d: paused pools: %s", os.getpid(), ", ".join(sorted(pools)) or "none")
             self.state.paused_pools = pools

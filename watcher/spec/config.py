@@ -12,7 +12,7 @@ import fnmatch
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -286,12 +286,13 @@ def pool_pause_flag(root: Path, pool: str) -> Path:
     return Path(root) / f"pause.{pool}.flag"
 
 
-def paused_pools(root: Path) -> set[str]:
-    """The pools whose pause flag is present at the root."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return set()
+def paused_pools(root: Path, names: Iterable[str] | None = None) -> set[str]:
+    """The pools whose pause flag is present at the root (``names``: the root's listing, when read already)."""
+    if names is None:
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return set()
     return {m.group(1) for m in map(_FLAG.match, names) if m}
 
 

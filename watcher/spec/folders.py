@@ -134,11 +134,21 @@ class QueueRoot:
     def folders(self) -> list[Path]:
         return [self.inbox] + [self.state_dir(s) for s in JobState]
 
-    def ensure_layout(self, create: bool = True) -> list[Path]:
-        """Create missing folders (returns those created); QueueLayoutError if that is impossible."""
+    def top(self) -> dict[str, bool] | None:
+        """What the root holds, name -> is a folder, from one listing (the loop's pass asks it once for its folder
+        and flag checks: five stats, two exists and a listdir a pass before). None when the root cannot be listed."""
+        try:
+            with os.scandir(self.path) as entries:
+                return {e.name: _is_dir(e) for e in entries}
+        except OSError:
+            return None
+
+    def ensure_layout(self, create: bool = True, top: dict[str, bool] | None = None) -> list[Path]:
+        """Create missing folders (returns those created); QueueLayoutError if that is impossible. ``top``: the
+        root's listing (``top()``), read instead of a stat per folder."""
         created = []
         for folder in self.folders():
-            if folder.is_dir():
+            if top.get(folder.name, False) if top is not None else folder.is_dir():
                 continue
             if not create:
                 raise QueueLayoutError(f"{folder}: missing; run `trainq init {self.path}` to create the queue")
@@ -393,6 +403,13 @@ class Folders:
 
     def requeue(self, job_id: str, src: JobState) -> Path:
         return self.move(job_id, src, JobState.PENDING)
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()  # follows a symlink, as Path.is_dir does
+    except OSError:
+        return False
 
 
 def _link_in(src: Path, dst: Path) -> bool:
