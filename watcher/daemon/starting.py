@@ -325,7 +325,7 @@ class Starting:
             "started_at": iso_utc(now),
             "resumed_from": resume_from,
             "gpus": list(decision.gpus),
-            "program": spec.executable or resolved_program(spec.argv[0], spec.env.get("PATH", ""), spec.cwd),
+            "program": spec.executable,  # else looked up on PATH once the launch is out (below)
         }
         sweep = job.run.get("sweep") or {}
         group = (sweep["id"], sweep["index"]) if sweep.get("id") and isinstance(sweep.get("index"), int) else None
@@ -339,10 +339,10 @@ class Starting:
             self._unlaunch(job, str(exc), getattr(exc, "retry_after_s", None), now)
             return
         except SpawnFailed as exc:
-            job.run["attempts"].append(record)
+            job.run["attempts"].append(_with_program(record, spec))
             self.finishing.finish(job, _spawn_outcome(exc), {"spawn_error": str(exc)}, now)
             return
-        job.run["attempts"].append(record)
+        job.run["attempts"].append(_with_program(record, spec))
         job.run["executor"] = self.state.executor.name
         ref_field = self.state.executor.job_ref_field
         if ref_field and record.get(ref_field):
@@ -462,6 +462,14 @@ class Starting:
         if job.known_spec.is_train:  # torchrun's ranks (python -u -m) and the trainer's helpers: no cwd on sys.path
             env["PYTHONSAFEPATH"] = "1"
         return env
+
+
+def _with_program(record: dict, spec: LaunchSpec) -> dict:
+    """The attempt record with what ``argv[0]`` runs as: for the record (and a "not found" diagnosis) only, so it is
+    looked up on PATH once the launch is out and the job's start does not wait for that walk."""
+    if record["program"] is None:
+        record["program"] = resolved_program(spec.argv[0], spec.env.get("PATH", ""), spec.cwd)
+    return record
 
 
 def _banner(job_id: str, attempt: int, now: float, resume_from: str | None) -> str:
