@@ -365,3 +365,35 @@ def test_ten_thousand_files_at_once(queue_dir, watcher):
     assert size < 200_000, size
     assert os.listdir(queue_dir / "inbox") == []
     print(f"10,000 files accepted in {elapsed:.1f}s; status.json {size} bytes")
+
+
+def test_the_loop_reads_the_inbox_s_inotify_itself_and_its_own_root_writes_do_not_wake_it(queue_dir, watcher, tmp_path):
+    """Issue 38: watchdog's observer passed each event across four threads (0.7 ms from a rename into the inbox to
+    the loop's wake-up on the bench VM); the loop now waits on the inotify fd itself. A rename into the inbox ends
+    its wait with the file's hint set; the watcher's own status.json writes in the root do not end it."""
+    w = watcher()
+    assert w._loop_watch is not None and w._observer is None
+    staged = tmp_path / "later.yaml"
+    staged.write_text("approved: true\ncommand: ['true']\n")
+    timer = threading.Timer(0.3, os.rename, (staged, queue_dir / "inbox" / "later.yaml"))
+    started = time.monotonic()
+    timer.start()
+    w._wait(30.0)
+    timer.join()
+    assert time.monotonic() - started < 25.0  # woken by the rename, not by the end of the wait
+    assert w.intake.inbox.events.hints() == {"later.yaml": "moved_in"}
+
+    w.write_status(time.time(), force=True)  # our own write in the root: an event the wait must not end on
+    started = time.monotonic()
+    w._wait(0.5)
+    assert time.monotonic() - started >= 0.45
+
+
+def test_an_inbox_removed_and_made_again_is_watched_again(queue_dir, watcher):
+    w = watcher()
+    shutil.rmtree(queue_dir / "inbox")
+    w.tick(time.time())  # check_layout makes it again and the loop's watch follows
+    assert (queue_dir / "inbox").is_dir()
+    drop(queue_dir, "again.yaml", "approved: true\ncommand: ['true']\n")
+    w._loop_watch.read()
+    assert w.intake.inbox.events.hints().get("again.yaml") == "moved_in"

@@ -28,7 +28,7 @@ from trainq.watcher.daemon.containment import ENV_WATCHER_CRASH, ENV_WATCHER_FAU
 from trainq.watcher.daemon.diskfull import DISK_FULL_RETRY_S, DiskFull, DiskFullHandling, is_disk_full, take_reserve
 from trainq.watcher.daemon.executor import Executor, make_executor
 from trainq.watcher.daemon.finishing import RUNNING_POLL_S, Finishing
-from trainq.watcher.daemon.inbox import Inbox, InboxEvents, schedule, start_observer
+from trainq.watcher.daemon.inbox import Inbox, InboxEvents, LoopWatch, schedule, start_observer
 from trainq.watcher.daemon.intake import Intake, PendingEdits
 from trainq.watcher.daemon.jobs import Job, JobIndex
 from trainq.watcher.daemon.recovery import local_containment, recover
@@ -77,6 +77,8 @@ class Watcher:
         self._pass_started = 0.0  # when the running pass began (keep_status_fresh)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._observer: BaseObserver | None = None
+        #: the inbox's inotify watch read by the loop itself (inbox.py), else watchdog's observer (polling, no inotify)
+        self._loop_watch: LoopWatch | None = None
         self._signals: WatcherSignals | None = None
         self._last_rescan = 0.0
         self.disk = DiskFullHandling(self.root, self.report)
@@ -156,12 +158,24 @@ class Watcher:
         remove_quietly(self.root.stop_flag)
         events = InboxEvents(self.root.inbox, self.wake, flags=(self.root.stop_flag, self.root.pause_flag))
         self.intake.inbox = Inbox(self.root.inbox, self.config.settle_s, events, self.config.inbox_settle_s)
-        self._observer = start_observer(self.root.inbox, self.root.path, events, self.polling)
+        self._watch_inbox(events)
         if install_signals:
             self._signals = install_watcher_signal_handlers(self._wake_w)
         self.executor.start()
         self._recover()
         logger.info("watcher %d: watching %s (trainq %s)", os.getpid(), self.root.path, __version__)
+
+    def _watch_inbox(self, events: InboxEvents) -> None:
+        """inotify read by the loop (no thread hops); watchdog's observer when polling or where inotify is refused."""
+        if not self.polling:
+            try:
+                self._loop_watch = LoopWatch(self.root.inbox, self.root.path, events)
+                return
+            except (OSError, ImportError) as exc:
+                logger.info(
+                    "watcher %d: inotify in the loop refused (%s); watchdog's observer watches", os.getpid(), exc
+                )
+        self._observer = start_observer(self.root.inbox, self.root.path, events, self.polling)
 
     def _recover(self) -> None:
         recover(self.state, self.guard, self.workflows, self.finishing)
@@ -172,6 +186,9 @@ class Watcher:
             self._observer.stop()
             self._observer.join(timeout=2)
             self._observer = None
+        if self._loop_watch is not None:
+            self._loop_watch.close()
+            self._loop_watch = None
         if self.disk.disk_full is None:  # else the next watcher's recover() finishes from the folders
             self.finishing.retire_concluded(time.time())
             self.finishing.save_started(time.time(), all_now=True)
@@ -230,10 +247,21 @@ class Watcher:
             pass
 
     def _wait(self, timeout_s: float) -> None:
-        wake_fds = [self._wake_r, *self.executor.wake_fds()]  # the spawner helper says when a job ended
-        readable, _, _ = select.select(wake_fds, [], [], max(0.0, timeout_s))
-        if self._wake_r in readable:
-            drain(self._wake_r)
+        """Until the next pass is due, something woke us, a job ended, or the inbox or a root flag changed (events of
+        our own writes in the root, status.json's, only end the wait when the pass is due anyway)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            wake_fds = [self._wake_r, *self.executor.wake_fds()]  # the spawner helper says when a job ended
+            watch = self._loop_watch
+            if watch is not None:
+                wake_fds.append(watch.fileno())
+            readable, _, _ = select.select(wake_fds, [], [], max(0.0, deadline - time.monotonic()))
+            if self._wake_r in readable:
+                drain(self._wake_r)
+            if watch is None or watch.fileno() not in readable or len(readable) > 1 or watch.read():
+                return
+            if time.monotonic() >= deadline:
+                return
 
     def _next_wait_s(self) -> float:
         wait = min(self.config.rescan_s, self.config.status_s, DISK_FULL_RETRY_S)
@@ -282,6 +310,8 @@ class Watcher:
     def tick(self, now: float) -> None:
         """One pass over the queue; with a full disk only watching, and retrying until space frees."""
         self.executor.reap()
+        if self._loop_watch is not None:
+            self._loop_watch.read()  # the inbox's hints are current for this pass (tests call tick() alone)
         top = self.root.top()  # one listing of the root for the folder and flag checks
         self.check_layout(top)
         self.reload_settings(now)
@@ -380,6 +410,8 @@ class Watcher:
         for folder in created:
             logger.warning("queue: %s was missing; recreated it", folder)
         inbox = self.inbox
+        if self.root.inbox in created and self._loop_watch is not None:
+            self._loop_watch.rewatch()
         if self.root.inbox in created and self._observer is not None and inbox is not None and inbox.events is not None:
             self._observer.unschedule_all()  # started: start() made the inbox with its events and the observer
             schedule(self._observer, self.root.inbox, self.root.path, inbox.events)

@@ -12,9 +12,11 @@ size and mtime across scans for ``settle_s``.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -138,6 +140,7 @@ class InboxEvents(FileSystemEventHandler):
         self.inbox = str(inbox)
         self._wake = wake
         self._flags = {str(p) for p in flags}  # the root's stop.flag / pause.flag: act on them at once
+        self._flag_names = {p.name for p in flags}
         self._lock = threading.Lock()
         self._hints: dict[str, str] = {}
         self._set_at: dict[str, int] = {}  # name -> generation of its latest hint
@@ -150,7 +153,7 @@ class InboxEvents(FileSystemEventHandler):
         name = os.path.basename(path)
         return name if is_candidate_name(name) else None
 
-    def _set(self, name: str | None, hint: str | None) -> None:
+    def _set(self, name: str | None, hint: str | None, wake: bool = True) -> None:
         if name is None:
             return
         with self._lock:
@@ -161,8 +164,25 @@ class InboxEvents(FileSystemEventHandler):
             else:
                 self._hints[name] = hint
                 self._set_at[name] = self._generation
-        if hint is not None:  # a file that left the inbox (often our own claim) gives the loop nothing to do
+        if hint is not None and wake:  # a file that left the inbox (often our own claim) gives the loop nothing to do
             self._wake()
+
+    def on_raw(self, name: str, mask: int, in_inbox: bool) -> bool:
+        """One inotify event read by the loop itself (``LoopWatch``): the hint ``on_any_event`` would set, without a
+        wake-up (the loop is awake). True when the loop has something to do: a candidate arrived or is being written,
+        or a root flag came or went (not our own status.json and watcher.log writes in the root)."""
+        if mask & _IN_ISDIR:
+            return False
+        if not in_inbox:
+            return name in self._flag_names or name.endswith(_POOL_FLAG_SUFFIX)
+        if not is_candidate_name(name):
+            return False
+        if mask & _IN_MOVED_FROM:
+            self._set(name, None, wake=False)
+            return False
+        hint = MOVED_IN if mask & _IN_MOVED_TO else READY if mask & _IN_CLOSE_WRITE else WRITING
+        self._set(name, hint, wake=False)
+        return True
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.is_directory:
@@ -391,6 +411,101 @@ _INOTIFY_MASKS = {
     FileMovedEvent: "IN_MOVE",
     FileDeletedEvent: "IN_DELETE",
 }
+
+
+# inotify(7)'s event bits (linux/inotify.h) and its event header: wd, mask, cookie, length of the name that follows
+_IN_MODIFY, _IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO = 0x2, 0x8, 0x40, 0x80
+_IN_CREATE, _IN_DELETE, _IN_DELETE_SELF, _IN_MOVE_SELF = 0x100, 0x200, 0x400, 0x800
+_IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR = 0x4000, 0x8000, 0x40000000
+_EVENT_HEADER = struct.Struct("iIII")
+#: the inbox's watch: files arriving (created, moved in or out), written, closed after writing; not opens, reads and
+#: deletions (our own claims read, link and unlink); its own removal or move (the loop makes it again)
+LOOP_INBOX_MASK = (
+    _IN_CREATE | _IN_MODIFY | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_DELETE_SELF | _IN_MOVE_SELF
+)
+#: the root's watch: stop.flag and the pause flags appearing and going
+LOOP_ROOT_MASK = _IN_CREATE | _IN_DELETE | _IN_MOVED_FROM | _IN_MOVED_TO
+#: a pool's pause flag is ``pause.POOL.flag`` (config.pool_pause_flag)
+_POOL_FLAG_SUFFIX = ".flag"
+
+
+class LoopWatch:
+    """The inbox's and the root's inotify watches, read by the watcher's loop itself (its ``select`` waits on
+    ``fileno()``), through watchdog's inotify bindings.
+
+    watchdog's observer hands each event across four threads (its reader, its dispatcher, the emitter and the
+    observer's own dispatcher) before the loop hears of it: 0.7 ms from a rename into the inbox to the loop's
+    wake-up on this VM, against 0.2 ms for a read in the loop (issue 38; docs/benchmarks.md). Events stay hints
+    and the scan the truth (a lost or overflowed event only means the scan's settle rule decides). watchdog's
+    observer remains for platforms without inotify and for ``polling`` (network filesystems).
+    """
+
+    def __init__(self, inbox: Path, root: Path, handler: InboxEvents):
+        from watchdog.observers.inotify_c import inotify_init
+
+        self.inbox, self.root, self.handler = inbox, root, handler
+        fd = inotify_init()
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), f"inotify_init: {os.strerror(ctypes.get_errno())}")
+        os.set_blocking(fd, False)
+        os.set_inheritable(fd, False)
+        self._fd = fd
+        self._inbox_wd: int | None = None
+        self._root_wd: int | None = None
+        try:
+            self.rewatch()
+        except OSError:
+            self.close()
+            raise
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def rewatch(self) -> None:
+        """(Re)add both watches: at start, and after the inbox was removed and made again."""
+        from watchdog.observers.inotify_c import WatchDescriptor, inotify_add_watch, inotify_rm_watch
+
+        for wd in (self._inbox_wd, self._root_wd):
+            if wd is not None:
+                inotify_rm_watch(self._fd, WatchDescriptor(wd))  # gone already when its folder was removed: harmless
+        self._inbox_wd = self._root_wd = None
+        for path, mask in ((self.inbox, LOOP_INBOX_MASK), (self.root, LOOP_ROOT_MASK)):
+            wd = inotify_add_watch(self._fd, os.fsencode(path), mask)
+            if wd < 0:
+                errno_ = ctypes.get_errno()
+                raise OSError(errno_, f"inotify_add_watch {path}: {os.strerror(errno_)}")
+            if path == self.inbox:
+                self._inbox_wd = wd
+            else:
+                self._root_wd = wd
+
+    def read(self) -> bool:
+        """Take every event waiting (never blocks); True when one gives the loop something to do."""
+        relevant = False
+        while True:
+            try:
+                data = os.read(self._fd, 65536)
+            except BlockingIOError:
+                return relevant
+            except OSError:
+                return True  # the fd is broken: a pass (its scan) is the safe answer
+            offset = 0
+            while offset + _EVENT_HEADER.size <= len(data):
+                wd, mask, _cookie, length = _EVENT_HEADER.unpack_from(data, offset)
+                start = offset + _EVENT_HEADER.size
+                name = os.fsdecode(data[start : start + length].rstrip(b"\0"))
+                offset = start + length
+                if mask & _IN_Q_OVERFLOW:
+                    relevant = True  # hints were lost: the scan decides
+                elif mask & (_IN_IGNORED | _IN_DELETE_SELF | _IN_MOVE_SELF):
+                    relevant = True  # the inbox (or the root) went: check_layout makes it again and rewatches
+                elif wd == self._inbox_wd or wd == self._root_wd:
+                    relevant = self.handler.on_raw(name, mask, wd == self._inbox_wd) or relevant
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def start_observer(inbox: Path, root: Path, handler: FileSystemEventHandler, polling: bool) -> BaseObserver:
