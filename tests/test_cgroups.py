@@ -300,3 +300,30 @@ def test_the_queues_group_folder_stays_between_jobs_and_goes_with_the_watcher(
     assert second.parent == group.parent and containment.base is not None
     w.close()
     assert not group.parent.exists(), "the queue's empty folder of groups outlived its watcher"
+
+
+def test_a_killed_watchers_empty_queue_folder_is_removed_by_the_next_watcher(
+    queue_dir: Path, watcher, monkeypatch
+) -> None:
+    """A watcher killed with SIGKILL cannot remove its queue's folder of groups, and a root that is gone leaves it
+    for good (a test suite's run left dozens under trainq/). A starting watcher removes every such folder that is
+    empty and a while old; one holding a group stays."""
+    containment = containment_or_skip("cgroup-v2")
+    monkeypatch.setenv(cgroups.ENV_CONTAINMENT, "cgroup-v2")
+    assert containment.base is not None
+    leftover = containment.base / ("q" + f"{os.getpid():012x}"[-12:])
+    busy = containment.base / ("q" + f"{os.getpid() + 1:012x}"[-12:])
+    recent = containment.base / ("q" + f"{os.getpid() + 2:012x}"[-12:])
+    for folder in (leftover, busy, recent):
+        folder.mkdir()
+    (busy / "job@1@1").mkdir()
+    try:
+        for folder in (leftover, busy):
+            os.utime(folder, (1, 1))  # long ago
+        watcher()
+        assert not leftover.exists(), "an empty queue folder a killed watcher left stayed"
+        assert busy.is_dir() and recent.is_dir(), "a folder holding a group, or one just made, was removed"
+    finally:
+        for folder in (busy / "job@1@1", busy, recent, leftover):
+            if folder.is_dir():
+                folder.rmdir()

@@ -258,6 +258,8 @@ def _remove_empty_cgroups(loop: LoopState) -> None:
     containment = local_containment(loop)
     if containment is not None and cgroups.remove_empty_groups(containment, loop.root.path):
         logger.info("queue: removed empty cgroups left by killed supervisors")
+    if containment is not None and (gone := cgroups.remove_empty_queue_folders(containment)):
+        logger.info("queue: removed %d empty queue folders of cgroups left by killed watchers", gone)
 
 
 def local_containment(loop: LoopState) -> cgroups.Containment | None:

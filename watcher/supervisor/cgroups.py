@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -261,6 +262,28 @@ def remove_queue_folder(containment: Containment, root: str | os.PathLike) -> bo
     return True
 
 
+def remove_empty_queue_folders(containment: Containment) -> int:
+    """Remove every queue's folder of groups that holds no group and was not touched for EMPTY_GROUP_GRACE_S: a
+    watcher killed with SIGKILL cannot remove its own (``remove_queue_folder``), and a queue root that is gone
+    leaves it for good (the test suite left dozens). A live queue's empty folder may go too: its next attempt makes
+    it again (``_make_group``), and rmdir never removes a folder holding a group. How many were removed."""
+    if containment.base is None:
+        return 0
+    try:
+        folders = [Path(e.path) for e in os.scandir(containment.base) if _QUEUE_FOLDER.fullmatch(e.name)]
+    except OSError:
+        return 0
+    removed, now = 0, time.time()
+    for folder in folders:
+        try:
+            if now - folder.stat().st_mtime >= EMPTY_GROUP_GRACE_S:
+                folder.rmdir()  # EBUSY / ENOTEMPTY while a group is in it
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 def remove_empty_groups(containment: Containment, root: str | os.PathLike) -> int:
     """Remove the queue's groups that are empty (a supervisor killed between its job's end and its rmdir), but
     none made in the last EMPTY_GROUP_GRACE_S (a starting watcher removed a hook runner's group before the
@@ -366,6 +389,10 @@ def _queue_key(root: Path) -> str:
     """A short name for a queue root, so two queues' job ids never share a group."""
     real = os.path.realpath(root)
     return "q" + hashlib.sha256(real.encode(errors="surrogateescape")).hexdigest()[:12]
+
+
+#: a queue's folder of groups, as ``_queue_key`` names it
+_QUEUE_FOLDER = re.compile(r"q[0-9a-f]{12}")
 
 
 #: how long this process trusts the mount table it read (seconds): cgroup hierarchies are mounted at boot, and the
