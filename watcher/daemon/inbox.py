@@ -167,22 +167,18 @@ class InboxEvents(FileSystemEventHandler):
         if hint is not None and wake:  # a file that left the inbox (often our own claim) gives the loop nothing to do
             self._wake()
 
-    def on_raw(self, name: str, mask: int, in_inbox: bool) -> bool:
-        """One inotify event read by the loop itself (``LoopWatch``): the hint ``on_any_event`` would set, without a
-        wake-up (the loop is awake). True when the loop has something to do: a candidate arrived or is being written,
-        or a root flag came or went (not our own status.json and watcher.log writes in the root)."""
-        if mask & _IN_ISDIR:
-            return False
-        if not in_inbox:
-            return name in self._flag_names or name.endswith(_POOL_FLAG_SUFFIX)
+    def hint(self, name: str, hint: str | None) -> bool:
+        """A hint from the loop's own inotify read (``LoopWatch``), set without a wake-up (the loop is awake). True
+        when the loop has something to do: ``name`` is a candidate that arrived or is being written."""
         if not is_candidate_name(name):
             return False
-        if mask & _IN_MOVED_FROM:
-            self._set(name, None, wake=False)
-            return False
-        hint = MOVED_IN if mask & _IN_MOVED_TO else READY if mask & _IN_CLOSE_WRITE else WRITING
         self._set(name, hint, wake=False)
-        return True
+        return hint is not None
+
+    def is_flag(self, name: str) -> bool:
+        """Whether a name in the root is one of its flags (stop.flag, pause.flag, ``pause.POOL.flag``), not one of
+        our own status.json and watcher.log writes."""
+        return name in self._flag_names or name.endswith(_POOL_FLAG_SUFFIX)
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.is_directory:
@@ -413,18 +409,8 @@ _INOTIFY_MASKS = {
 }
 
 
-# inotify(7)'s event bits (linux/inotify.h) and its event header: wd, mask, cookie, length of the name that follows
-_IN_MODIFY, _IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO = 0x2, 0x8, 0x40, 0x80
-_IN_CREATE, _IN_DELETE, _IN_DELETE_SELF, _IN_MOVE_SELF = 0x100, 0x200, 0x400, 0x800
-_IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR = 0x4000, 0x8000, 0x40000000
+#: inotify(7)'s event header: wd, mask, cookie, length of the name that follows
 _EVENT_HEADER = struct.Struct("iIII")
-#: the inbox's watch: files arriving (created, moved in or out), written, closed after writing; not opens, reads and
-#: deletions (our own claims read, link and unlink); its own removal or move (the loop makes it again)
-LOOP_INBOX_MASK = (
-    _IN_CREATE | _IN_MODIFY | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_DELETE_SELF | _IN_MOVE_SELF
-)
-#: the root's watch: stop.flag and the pause flags appearing and going
-LOOP_ROOT_MASK = _IN_CREATE | _IN_DELETE | _IN_MOVED_FROM | _IN_MOVED_TO
 #: a pool's pause flag is ``pause.POOL.flag`` (config.pool_pause_flag)
 _POOL_FLAG_SUFFIX = ".flag"
 
@@ -441,9 +427,15 @@ class LoopWatch:
     """
 
     def __init__(self, inbox: Path, root: Path, handler: InboxEvents):
-        from watchdog.observers.inotify_c import inotify_init
+        from watchdog.observers.inotify_c import InotifyConstants, inotify_init
 
         self.inbox, self.root, self.handler = inbox, root, handler
+        self._in = c = InotifyConstants  # imported here: watchdog's inotify module refuses to import off Linux
+        #: the inbox: files arriving (created, moved in or out), written, closed after writing; not opens, reads and
+        #: deletions (our own claims read, link and unlink); its own removal or move (the loop makes it again)
+        self._inbox_mask = c.IN_CREATE | c.IN_MODIFY | c.IN_CLOSE_WRITE | c.IN_MOVE | c.IN_DELETE_SELF | c.IN_MOVE_SELF
+        #: the root: stop.flag and the pause flags appearing and going
+        self._root_mask = c.IN_CREATE | c.IN_DELETE | c.IN_MOVE
         fd = inotify_init()
         if fd < 0:
             raise OSError(ctypes.get_errno(), f"inotify_init: {os.strerror(ctypes.get_errno())}")
@@ -469,7 +461,7 @@ class LoopWatch:
             if wd is not None:
                 inotify_rm_watch(self._fd, WatchDescriptor(wd))  # gone already when its folder was removed: harmless
         self._inbox_wd = self._root_wd = None
-        for path, mask in ((self.inbox, LOOP_INBOX_MASK), (self.root, LOOP_ROOT_MASK)):
+        for path, mask in ((self.inbox, self._inbox_mask), (self.root, self._root_mask)):
             wd = inotify_add_watch(self._fd, os.fsencode(path), mask)
             if wd < 0:
                 errno_ = ctypes.get_errno()
@@ -481,7 +473,7 @@ class LoopWatch:
 
     def read(self) -> bool:
         """Take every event waiting (never blocks); True when one gives the loop something to do."""
-        relevant = False
+        c, relevant = self._in, False
         while True:
             try:
                 data = os.read(self._fd, 65536)
@@ -495,12 +487,23 @@ class LoopWatch:
                 start = offset + _EVENT_HEADER.size
                 name = os.fsdecode(data[start : start + length].rstrip(b"\0"))
                 offset = start + length
-                if mask & _IN_Q_OVERFLOW:
+                if mask & c.IN_Q_OVERFLOW:
                     relevant = True  # hints were lost: the scan decides
-                elif mask & (_IN_IGNORED | _IN_DELETE_SELF | _IN_MOVE_SELF):
+                elif mask & (c.IN_IGNORED | c.IN_DELETE_SELF | c.IN_MOVE_SELF):
                     relevant = True  # the inbox (or the root) went: check_layout makes it again and rewatches
-                elif wd == self._inbox_wd or wd == self._root_wd:
-                    relevant = self.handler.on_raw(name, mask, wd == self._inbox_wd) or relevant
+                elif mask & c.IN_ISDIR:
+                    continue
+                elif wd == self._inbox_wd:
+                    relevant = self.handler.hint(name, self._hint(mask)) or relevant
+                elif wd == self._root_wd:
+                    relevant = self.handler.is_flag(name) or relevant
+
+    def _hint(self, mask: int) -> str | None:
+        """The hint an inbox event gives (``InboxEvents.on_any_event`` gives the same for watchdog's events)."""
+        c = self._in
+        if mask & c.IN_MOVED_FROM:
+            return None  # gone from the inbox
+        return MOVED_IN if mask & c.IN_MOVED_TO else READY if mask & c.IN_CLOSE_WRITE else WRITING
 
     def close(self) -> None:
         if self._fd >= 0:
