@@ -11,6 +11,7 @@ the job's lock, the notes in output.log, the exit record and how it is published
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import select
 import signal
@@ -166,7 +167,8 @@ def _supervise(
     if spec.banner:
         _write_line(log_fd, spec.banner.splitlines()[0])
     env = _job_env(spec)  # built once: the snapshot, the job and its ``started`` event read the same
-    snapshot = story.read_snapshot(spec.snapshot, spec.job_dir, spec.attempt, env, lambda m: _note(log_fd, m))
+    note = functools.partial(_note, log_fd)  # the snapshot's problems go to output.log
+    snapshot = story.read_snapshot(spec.snapshot, spec.job_dir, spec.attempt, env, note)
     checkpoints = story.CheckpointWatch.from_now(JobPaths(Path(spec.job_dir)), spec.attempt)
     started_at, started_mono = time.time(), time.monotonic()
     group = containment.group_for(spec.job_dir, str(spec.attempt)) if containment else None
@@ -174,7 +176,7 @@ def _supervise(
         job, group = _spawn_contained(spec, env, log_fd, group, containment)
     except OSError as exc:
         _drop_group(group)
-        story.write_snapshot(snapshot, lambda message: _note(log_fd, message))  # what would have run
+        story.write_snapshot(snapshot, note)  # what would have run
         return _record_spawn_error(spec, log_fd, exc, started_at, ended)
     attempt = _Attempt(
         spec,
@@ -189,7 +191,7 @@ def _supervise(
         checkpoints=checkpoints,
         amend=amend,
     )
-    code = story.write_snapshot(snapshot, lambda message: _note(log_fd, message))  # read before the job started
+    code = story.write_snapshot(snapshot, note)  # read before the job started
     _write_started(attempt)
     story.started(attempt.paths, spec.attempt, started_at, job.pid, env, code)
     _watch(attempt, stop_signal)
