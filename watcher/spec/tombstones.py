@@ -118,15 +118,16 @@ def remember_ids(root: Path, ids: list[str], status: str | None = None) -> None:
     """Append ``ids`` (with their final ``status``, once ended) to the known-ids file. Best effort: a lost
     line only means the next start-up rewrite records that id (its folder exists until then)."""
     folder = os.path.join(root, TOMBSTONES_DIR)
+    path = os.path.join(folder, KNOWN_IDS)
     tail = f"\t{status}\n" if status else "\n"
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         try:
-            fd = os.open(os.path.join(folder, KNOWN_IDS), flags, 0o644)
+            fd = os.open(path, flags, 0o644)
         except FileNotFoundError:  # the folder first (two calls a job made it, each finding it there)
             with contextlib.suppress(FileExistsError):
                 os.mkdir(folder)  # not the root's parents: a removed root is not made again here
-            fd = os.open(os.path.join(folder, KNOWN_IDS), flags, 0o644)
+            fd = os.open(path, flags, 0o644)
     except OSError:
         return
     try:
