@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -356,3 +357,13 @@ def tree_cpu_by_depth(pid: int) -> Iterator[tuple[int, Any]]:
             continue
         yield depth, times
         todo += [(kid, depth + 1) for kid in kids]
+
+
+def tree_cpu_split(pid: int) -> Counter:
+    """User+system seconds by depth in the tree: 0 the watcher (all threads), 1 its children (the spawner), 2 and
+    deeper (pooled supervisors); "reaped" is what every process has reaped (the jobs, exited helpers)."""
+    out: Counter = Counter()
+    for depth, t in tree_cpu_by_depth(pid):
+        out[f"depth {min(depth, 2)}"] += t.user + t.system
+        out["reaped"] += t.children_user + t.children_system
+    return out

@@ -26,9 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: bench/ importable
 
-from bench._common import PY, REPO, Queue, job_yaml, median, percentile, running_watcher, tree_cpu_by_depth, wait_until
+from bench._common import PY, REPO, Queue, job_yaml, median, percentile, running_watcher, tree_cpu_split, wait_until
 
 #: the per-round numbers printed and summarised
 FIELDS = ("jobs_s", "watcher_ms", "spawner_ms", "supervisors_ms", "cpu_ms", "latency_ms", "latency_p95_ms")
@@ -41,7 +43,7 @@ def _serial(base: Path, jobs: int) -> dict:
     for name in names:
         q.stage(name, job_yaml(["true"]))
     with running_watcher(q.root) as watcher:
-        wait_until(lambda: len(_tree(watcher.pid)) >= 3, 30, what="the spawner and a pooled supervisor")
+        wait_until(lambda: len(psutil.Process(watcher.pid).children(recursive=True)) >= 2, 30, what="a warm pool")
         time.sleep(0.3)
         before, start = _cpu(watcher.pid), time.monotonic()
         for name in names:
@@ -60,16 +62,10 @@ def _serial(base: Path, jobs: int) -> dict:
     }
 
 
-def _tree(pid: int) -> list:
-    return list(tree_cpu_by_depth(pid))
-
-
 def _cpu(pid: int) -> list[float]:
     """User + system seconds of the watcher (depth 0), its spawner (1) and the pooled supervisors (2 and below)."""
-    out = [0.0, 0.0, 0.0]
-    for depth, times in tree_cpu_by_depth(pid):
-        out[min(depth, 2)] += times.user + times.system
-    return out
+    split = tree_cpu_split(pid)
+    return [split["depth 0"], split["depth 1"], split["depth 2"]]
 
 
 def _latency(base: Path, drops: int) -> dict:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psutil
 
-from bench._common import Queue, bench_env, job_yaml, running_watcher, tree_cpu_by_depth, wait_until
+from bench._common import Queue, bench_env, job_yaml, running_watcher, tree_cpu_split, wait_until
 
 #: seconds of idle queue before the first drop and after the last job finishes
 IDLE_S = 1.0
@@ -188,16 +188,6 @@ def _tree_cpu(pid: int) -> float:
     return total
 
 
-def _tree_cpu_split(pid: int) -> Counter:
-    """User+system seconds by depth in the tree: 0 the watcher (all threads), 1 its children (the spawner), 2 and
-    deeper (pooled supervisors); "reaped" is what every process has reaped (the jobs, exited helpers)."""
-    out: Counter = Counter()
-    for depth, t in tree_cpu_by_depth(pid):
-        out[f"depth {min(depth, 2)}"] += t.user + t.system
-        out["reaped"] += t.children_user + t.children_system
-    return out
-
-
 def _attached(tracer: subprocess.Popen, out: Path) -> None:
     """Give strace time to attach before the measured window starts (it logs nothing until then)."""
     time.sleep(0.5)
@@ -234,13 +224,13 @@ def trainq(work: Path, jobs: int) -> tuple[Trace, float, dict[str, float]]:
         q.stage(name, job_yaml(["true"]))
     with running_watcher(q.root) as watcher:
         time.sleep(2.0)
-        cpu0, split0 = _tree_cpu(watcher.pid), _tree_cpu_split(watcher.pid)
+        cpu0, split0 = _tree_cpu(watcher.pid), tree_cpu_split(watcher.pid)
         start = time.monotonic()
         _run_trainq(q, names)
         window = time.monotonic() - start
-        cpu1, split1 = _tree_cpu(watcher.pid), _tree_cpu_split(watcher.pid)
+        cpu1, split1 = _tree_cpu(watcher.pid), tree_cpu_split(watcher.pid)
         time.sleep(window)
-        cpu2, split2 = _tree_cpu(watcher.pid), _tree_cpu_split(watcher.pid)
+        cpu2, split2 = _tree_cpu(watcher.pid), tree_cpu_split(watcher.pid)
     cpu = ((cpu1 - cpu0) - (cpu2 - cpu1)) / jobs
     split = {k: ((split1[k] - split0[k]) - (split2[k] - split1[k])) / jobs for k in split1}
     return per_job, cpu, split
