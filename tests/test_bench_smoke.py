@@ -97,6 +97,9 @@ def test_quick_latency_and_help_print_the_table(tmp_path: Path) -> None:
     assert all(facts["error"] is None for facts in report["sections"].values())
     latency = next(r for r in report["rows"] if r["metric"] == "1. drop→start latency, median")
     assert len(latency["values"]["trainq_s"]) == 8 and len(latency["values"]["floor_s"]) == 8
+    # after an idle spell: the same drops with a pause before each, beside the floor's
+    assert len(latency["values"]["trainq_idle_s"]) == 3 and len(latency["values"]["floor_idle_s"]) == 3
+    assert any(metric.startswith("1. drop→start after 1 s idle") for metric in rows)
 
     assert list(work.iterdir()) == [], "a section left its temp folder behind"
     marker = str(work)
