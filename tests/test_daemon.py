@@ -261,3 +261,17 @@ def test_a_job_accepted_and_started_in_one_pass_is_shown_started(queue_dir, watc
         tick_until(w, lambda: w.jobs.get("quick") is not None, what="the job to be known")
         (w.jobs["quick"].dir / "stop.flag").touch()
         tick_until(w, lambda: (queue_dir / "failed" / "quick").is_dir(), timeout_s=30, what="the stop")
+
+
+def test_an_idle_watcher_waits_for_the_rescan_not_for_status_s(queue_dir, watcher, write_job):
+    """An empty queue woke every status_s (1 s) for a pass that had nothing to do; with nothing in flight the loop
+    now sleeps until the rescan (job folders' flags) or the heartbeat, and a pending job brings status_s back."""
+    w = watcher(status_s=0.5, rescan_s=3.0, heartbeat_s=5.0)
+    tick_until(w, lambda: not w.report.dirty, what="the first status.json")
+    w.tick(time.time())
+    assert w._next_wait_s() > 1.0  # up to the rescan, 3 s after the last one (less the time the test took)
+
+    (queue_dir / "pause.flag").touch()  # the job stays pending
+    write_job("held")
+    tick_until(w, lambda: w.jobs.get("held") is not None, what="the job to be accepted")
+    assert w._next_wait_s() <= 0.5

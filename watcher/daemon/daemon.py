@@ -264,6 +264,12 @@ class Watcher:
                 return
 
     def _next_wait_s(self) -> float:
+        if self._quiet():
+            # nothing in flight: only the rescan (flags in job folders) and the heartbeat come due; waking every
+            # status_s as well cost an idle watcher a pass a second (the inbox and root flags wake it anyway)
+            now = time.time()
+            rescan_in = self._last_rescan + self.config.rescan_s - now
+            return max(0.0, min(rescan_in, self.report.last_write + self.config.heartbeat_s - now))
         wait = min(self.config.rescan_s, self.config.status_s, DISK_FULL_RETRY_S)
         held_back = self.inbox.next_due_s() if self.inbox is not None else None
         if held_back is not None:
@@ -274,6 +280,20 @@ class Watcher:
             if save_in is not None:
                 wait = min(wait, save_in)
         return wait
+
+    def _quiet(self) -> bool:
+        """No job pending or running, no hook, no status change waiting to be written, the disk fine, a local
+        executor, and no inbox file held back: nothing that a pass between rescans could move."""
+        return (
+            self.executor.name == "local"
+            and not self.jobs.count(JobState.PENDING)
+            and not self.jobs.count(JobState.RUNNING)
+            and not self.state.concluded
+            and not self.workflows.hooks.running()
+            and not self.report.dirty
+            and self.disk.disk_full is None
+            and (self.inbox is None or self.inbox.next_due_s() is None)
+        )
 
     def _take_reserve(self) -> None:
         try:
