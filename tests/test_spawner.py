@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
+import socket
+import time
 from pathlib import Path
 
 import psutil
 from conftest import wait_until
 
 from trainq.watcher.spec.contract import JobPaths
-from trainq.watcher.supervisor import LaunchSpec
+from trainq.watcher.supervisor import LaunchSpec, Supervisor
 from trainq.watcher.supervisor.spawner import SpawningSupervisor
 
 
@@ -50,39 +53,46 @@ def test_launches_go_through_the_helper_and_exits_are_announced(tmp_path):
         sup.close()
 
 
-def _blocked_reading_a_pipe(pid: int) -> bool:
-    """The kernel says ``pid`` sleeps in a pipe read (``/proc/PID/wchan``: pipe_read, anon_pipe_read, ...)."""
+def _waiting_for_work(pid: int) -> bool:
+    """The kernel says ``pid`` sleeps waiting for a request: in select over the helper's pipe and the watcher's
+    jobs socket (``/proc/PID/wchan``: poll_schedule_timeout, do_select), or in a pipe read."""
     try:
         wchan = Path(f"/proc/{pid}/wchan").read_text()
     except OSError:
         return False
-    return "pipe" in wchan and "read" in wchan
+    return any(word in wchan for word in ("skb_wait", "recv", "poll", "select")) or (
+        "pipe" in wchan and "read" in wchan
+    )
 
 
-def test_a_pooled_supervisor_runs_one_attempt_after_another(tmp_path):
+def test_pooled_supervisors_run_one_attempt_after_another(tmp_path):
     sup = SpawningSupervisor()
+    runs = []
     try:
-        first = spec_for(tmp_path, "first", ("sh", "-c", "echo one; exit 3"))
-        pid = sup.launch(first)
-        first_paths = JobPaths(Path(first.job_dir))
-        wait_until(lambda: sup.read_exit(first_paths), 10)
-        # it writes the exit record, then says "idle" and blocks reading its next request; a launch before
-        # that rightly gets a freshly forked supervisor (the test flaked so on a loaded machine)
-        wait_until(lambda: _blocked_reading_a_pipe(pid), 10, what="the first supervisor to wait for more work")
-        second = spec_for(tmp_path, "second", ("sh", "-c", "echo two"))
-        wait_until(lambda: sup.reap() is not None and sup.launch(second), 10, what="the second launch")
-        second_paths = JobPaths(Path(second.job_dir))
-        wait_until(lambda: sup.read_exit(second_paths), 10)
-        assert sup.read_started(second_paths)["supervisor_pid"] == pid, "the same process supervised both"
-        assert sup.read_exit(first_paths)["exit_code"] == 3 and sup.read_exit(second_paths)["exit_code"] == 0
-        assert "two" not in first_paths.log.read_text() and "one" not in second_paths.log.read_text()
-        assert psutil.Process(pid).is_running(), "it waits for a third"
+        for n in range(4):  # one at a time, each waiting for the last one's exit record
+            spec = spec_for(tmp_path, f"job{n}", ("sh", "-c", f"echo run-{n}; exit {n}"))
+            pid = sup.launch(spec)
+            paths = JobPaths(Path(spec.job_dir))
+            wait_until(lambda: sup.read_exit(paths), 10)  # noqa: B023 (used in this iteration only)
+            # it writes the exit record, then says "idle" and waits for its next request; a launch before
+            # that rightly gets another one (the test flaked so on a loaded machine)
+            wait_until(lambda: _waiting_for_work(pid), 10, what="the supervisor to wait for more work")  # noqa: B023
+            runs.append((pid, paths))
+        pids = [pid for pid, _ in runs]
+        # the watcher hands a job to whichever pooled supervisor waits (one kept ahead, plus the one that just
+        # finished): two processes at most for four attempts in a row
+        assert len(set(pids)) <= 2, f"supervisors were reused: {pids}"
+        for n, (pid, paths) in enumerate(runs):
+            assert sup.read_started(paths)["supervisor_pid"] == pid
+            assert sup.read_exit(paths)["exit_code"] == n
+            assert paths.log.read_text().count("run-") == 1 and f"run-{n}" in paths.log.read_text()
+        assert all(psutil.Process(pid).is_running() for pid in pids), "they wait for more"
     finally:
         sup.close()
     wait_until(
-        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+        lambda: all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids),
         10,
-        what="the pooled supervisor to leave with its helper",
+        what="the pooled supervisors to leave with their helper",
     )
 
 
@@ -135,3 +145,64 @@ def test_helper_leaves_when_the_watcher_closes_it_and_jobs_live_on(tmp_path):
     assert sup.is_alive(paths), "the attempt never depended on the helper"
     (paths.stop_flag).touch()
     wait_until(lambda: sup.read_exit(paths), 15)
+
+
+def _helper_children(sup: SpawningSupervisor) -> list[int]:
+    return [p.pid for p in psutil.Process(sup._spawner._proc.pid).children()]
+
+
+def test_a_waiting_pooled_supervisor_takes_the_job_from_the_watcher_without_the_helper(tmp_path):
+    sup = SpawningSupervisor()
+    sup.start_spawner()
+    helper = sup._spawner._proc.pid
+    waiting = wait_until(lambda: [p for p in _helper_children(sup) if _waiting_for_work(p)], 20, what="a pooled one")
+    os.kill(helper, signal.SIGSTOP)  # the helper cannot relay anything now
+    try:
+        spec = spec_for(tmp_path, "direct", ("sh", "-c", "echo handed-over"))
+        pid = sup.launch(spec)
+        assert pid in waiting, "the supervisor that waited took the job itself"
+        paths = JobPaths(Path(spec.job_dir))
+        wait_until(lambda: sup.read_exit(paths), 10, what="the exit record")
+        assert "handed-over" in paths.log.read_text()
+    finally:
+        os.kill(helper, signal.SIGCONT)
+        sup.close()
+
+
+def test_a_request_taken_after_its_deadline_is_refused_once_the_lock_is_held(tmp_path):
+    from trainq.watcher.supervisor.pool import take_direct
+
+    spec = spec_for(tmp_path, "late", ("sh", "-c", "echo must-not-run"))
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        ours.send(json.dumps({"spec": spec.to_dict(), "deadline": time.monotonic() - 0.001}).encode())
+        assert take_direct(theirs) is None
+        answer = json.loads(ours.recv(65536))
+    assert answer["late"] is True and "too late" in answer["error"]
+    assert (answer["job_dir"], answer["attempt"]) == (spec.job_dir, 1)
+    paths = JobPaths(Path(spec.job_dir))
+    assert not paths.log.exists() and not Supervisor.is_alive(paths), "nothing started, the lock was let go"
+
+
+def test_when_no_pooled_supervisor_answers_in_time_the_helper_forks_one_and_the_job_runs_once(tmp_path):
+    sup = SpawningSupervisor()
+    sup.start_spawner()
+    waiting = wait_until(lambda: [p for p in _helper_children(sup) if _waiting_for_work(p)], 20, what="a pooled one")
+    for pid in waiting:
+        os.kill(pid, signal.SIGSTOP)  # it cannot take the request before the deadline
+    try:
+        spec = spec_for(tmp_path, "fallback", ("sh", "-c", "echo ran-once"))
+        pid = sup.launch(spec)
+        assert pid not in waiting, "a supervisor forked for this launch took it"
+        paths = JobPaths(Path(spec.job_dir))
+        wait_until(lambda: sup.read_exit(paths), 10, what="the exit record")
+    finally:
+        for stopped in waiting:
+            os.kill(stopped, signal.SIGCONT)  # each reads the stale request now and refuses it
+    try:
+        wait_until(lambda: all(_waiting_for_work(p) for p in waiting), 10, what="the stopped ones to wait again")
+        time.sleep(0.2)
+        assert paths.log.read_text().count("ran-once") == 1, "the stale request was not run again"
+        assert sup.read_started(paths)["supervisor_pid"] == pid
+    finally:
+        sup.close()

@@ -5,6 +5,12 @@ with ``keep_warm`` (the spawner helper), hands the job to a ``SupervisorPool`` m
 ahead of time, which answers once it holds the lock. Either way the supervisor detaches (own session, no
 inherited fds, default signal dispositions), runs the attempt (attempt.py's ``_supervise``), and releases
 the lock once the exit record can be read. A pooled supervisor then waits for the next attempt.
+
+With a ``jobs`` socket (``SOCK_SEQPACKET``, its other end held by the watcher: spawner.py) the watcher
+hands jobs to the pool itself: every waiting pooled supervisor reads that one socket, the kernel gives each
+request to one of them, and the one that takes it answers on the same socket (``take_direct``). The
+helper then only forks: its pooled supervisors tell it on their own pipe when they take a job ("taken")
+and when they wait again ("idle"), so it keeps one waiting.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,7 +66,12 @@ class Supervisor:
     """
 
     def __init__(
-        self, notify_fd: int | None = None, *, keep_warm: bool = False, containment: Containment | None = None
+        self,
+        notify_fd: int | None = None,
+        *,
+        keep_warm: bool = False,
+        containment: Containment | None = None,
+        jobs_fd: int | None = None,
     ) -> None:
         self._children: set[int] = set()
         self._notify_fd = notify_fd
@@ -67,7 +79,7 @@ class Supervisor:
         self._prctl = _load_prctl()
         #: how attempts are contained: a cgroup each where the kernel lets us, else the process tree
         self.containment = containment or detect()
-        self.pool = SupervisorPool(self._prctl, notify_fd, self.containment) if keep_warm else None
+        self.pool = SupervisorPool(self._prctl, notify_fd, self.containment, jobs_fd) if keep_warm else None
 
     def launch(self, spec: LaunchSpec) -> int:
         """Take the job's lock and fork its supervisor, or hand the job to a waiting one; its pid (a few ms)."""
@@ -153,17 +165,29 @@ class SupervisorPool:
     """
 
     def __init__(
-        self, prctl: Callable[..., int] | None, notify_fd: int | None, containment: Containment | None = None
+        self,
+        prctl: Callable[..., int] | None,
+        notify_fd: int | None,
+        containment: Containment | None = None,
+        jobs_fd: int | None = None,
     ) -> None:
         self._prctl = prctl
         self._notify_fd = notify_fd
         self._containment = containment
+        #: the watcher's direct requests (module docstring); None: jobs come only through ``launch``
+        self._jobs_fd = jobs_fd
         self._idle: list[_Warm] = []
         self._busy: dict[int, _Warm] = {}
         self._leaving: list[_Warm] = []  # let go (surplus); reaped once they have left
 
     def launch(self, spec: LaunchSpec) -> int | None:
-        """Hand ``spec`` to a waiting supervisor: its pid once it holds the lock; None when none answered."""
+        """Hand ``spec`` to a waiting supervisor: its pid once it holds the lock; None when none answered.
+
+        With the watcher's jobs socket, always None: a waiting supervisor may be taking a direct request
+        this very moment, so a launch through here (the watcher's fallback) gets a supervisor of its own.
+        """
+        if self._jobs_fd is not None:
+            return None
         self.reap()
         if not self._idle:
             self.warm_up()
@@ -195,25 +219,22 @@ class SupervisorPool:
             logger.warning("cannot fork a pooled supervisor (%s); launches fork on demand", exc)
             return
         if pid == 0:
-            _warm_main(to_child_r, from_child_w, self._prctl, self._notify_fd, self._containment)
+            _warm_main(to_child_r, from_child_w, self._prctl, self._notify_fd, self._containment, self._jobs_fd)
         os.close(to_child_r)
         os.close(from_child_w)
         self._idle.append(_Warm(pid, to_child_w, from_child_r))
 
     def wait_fds(self) -> list[int]:
-        return [warm.replies for warm in self._busy.values()]
+        """Readable when a pooled supervisor took a direct request or waits again (then ``reap``)."""
+        return [warm.replies for warm in self._busy.values()] + (
+            [warm.replies for warm in self._idle] if self._jobs_fd is not None else []
+        )
 
     def reap(self) -> list[int]:
         """Take back supervisors whose attempt is over; reap pooled ones that exited (their pids)."""
-        for pid, warm in list(self._busy.items()):
-            message = warm.next_message()
-            if message is not None and "idle" in message:
-                del self._busy[pid]
-                if len(self._idle) < POOL_IDLE_MAX:
-                    self._idle.append(warm)
-                else:
-                    warm.close()  # it reads end of file and leaves
-                    self._leaving.append(warm)
+        for warm in self._idle + list(self._busy.values()):
+            while (message := warm.next_message()) is not None:
+                self._heard(warm, message)
         exited = []
         for warm in self._idle + list(self._busy.values()) + self._leaving:
             try:
@@ -230,6 +251,19 @@ class SupervisorPool:
             self._busy = {p: w for p, w in self._busy.items() if p not in gone}
             self._leaving = [w for w in self._leaving if w.pid not in gone]
         return exited
+
+    def _heard(self, warm: _Warm, message: dict) -> None:
+        """A pooled supervisor took a direct request ("taken") or waits again after its attempt ("idle")."""
+        if "taken" in message and warm in self._idle:
+            self._idle.remove(warm)
+            self._busy[warm.pid] = warm
+        elif "idle" in message and self._busy.get(warm.pid) is warm:
+            del self._busy[warm.pid]
+            if len(self._idle) < POOL_IDLE_MAX:
+                self._idle.append(warm)
+            else:
+                warm.close()  # it reads end of file and leaves
+                self._leaving.append(warm)
 
 
 class _WarmGone(Exception):
@@ -349,23 +383,26 @@ def _warm_main(
     prctl: Callable[..., int] | None,
     notify_fd: int | None,
     containment: Containment | None = None,
+    jobs_fd: int | None = None,
 ) -> NoReturn:
     """Body of a pooled supervisor: detach now, then supervise one requested attempt after another.
 
-    A request is one JSON line (``LaunchSpec.to_dict``). The answer is ``{"pid": ...}`` once the job's
-    lock is held and output.log open, or ``{"error": ...}``. After an attempt's exit record is written
-    (and the lock released) it says ``{"idle": ...}`` and waits again. It leaves at end of file on
-    ``requests`` (the pool let it go, or the helper is gone), after POOLED_MAX_ATTEMPTS attempts, or
-    after an attempt it was told to stop by a signal.
+    A request is one JSON line (``LaunchSpec.to_dict``) on ``requests``, or one message on the watcher's
+    ``jobs`` socket (``take_direct``). The answer is ``{"pid": ...}`` once the job's lock is held and
+    output.log open, or ``{"error": ...}``. After an attempt's exit record is written (and the lock
+    released) it says ``{"idle": ...}`` and waits again. It leaves at end of file on ``requests`` (the pool
+    let it go, or the helper is gone), after POOLED_MAX_ATTEMPTS attempts, or after an attempt it was told
+    to stop by a signal.
     """
     code = EXIT_SUPERVISOR_ERROR
     log_fd = 2
     try:
-        requests, replies, notify_fd = _detach(requests, replies, notify_fd)  # type: ignore[assignment]  # ints stay ints
+        requests, replies, notify_fd, jobs_fd = _detach(requests, replies, notify_fd, jobs_fd)  # type: ignore[assignment]  # ints stay ints
         gc.freeze()  # what we inherited is never collected (it may name fds we closed); our own garbage is
         gc.enable()
+        jobs = socket.socket(fileno=jobs_fd) if jobs_fd is not None else None
         for _ in range(POOLED_MAX_ATTEMPTS):
-            taken = _await_job(requests, replies)
+            taken = _await_job(requests, replies, jobs)
             if taken is None:
                 break
             spec, lock_fd, log_fd = taken
@@ -391,32 +428,97 @@ def _quiet_stdio() -> int:
     return 2
 
 
-def _await_job(requests: int, replies: int) -> tuple[LaunchSpec, int, int] | None:
-    """Read requests until one can be taken: (spec, lock fd, log fd); None at end of file."""
+def _await_job(requests: int, replies: int, jobs: socket.socket | None = None) -> tuple[LaunchSpec, int, int] | None:
+    """Read requests until one can be taken: (spec, lock fd, log fd); None at end of file on ``requests``."""
     pending = b""
     while True:
         while b"\n" not in pending:
+            if jobs is not None and requests not in select.select([requests, jobs], [], [])[0]:
+                try:
+                    taken = take_direct(jobs)
+                except EOFError:
+                    jobs = None  # the watcher closed its end: only the helper's pipe is left to read
+                    continue
+                if taken is not None:
+                    _reply_quietly(replies, {"taken": os.getpid()})  # the helper keeps another one waiting
+                    return taken
+                continue
             chunk = os.read(requests, 65536)
             if not chunk:
                 return None
             pending += chunk
         line, _, pending = pending.partition(b"\n")
         try:
-            spec = LaunchSpec.from_dict(json.loads(line))
-            paths = JobPaths(Path(spec.job_dir))
-            lock_fd, _ = _take_lock(paths, spec.attempt)
+            taken = _take(LaunchSpec.from_dict(json.loads(line)))
         except (SpawnFailed, ValueError, TypeError) as exc:
             _reply(replies, {"error": str(exc)})
             continue
-        try:
-            _clear_records(paths)
-            log_fd = _open_log(spec)
-        except OSError as exc:
-            os.close(lock_fd)
-            _reply(replies, {"error": f"{paths.log}: cannot open the job's log ({exc.strerror})"})
-            continue
         _reply(replies, {"pid": os.getpid()})
-        return spec, lock_fd, log_fd
+        return taken
+
+
+class _TooLate(SpawnFailed):
+    """A direct request taken after its deadline: the watcher has launched the job elsewhere, or will."""
+
+
+def _take(spec: LaunchSpec, deadline: float | None = None) -> tuple[LaunchSpec, int, int]:
+    """Lock the job, clear the last attempt's records, open output.log: (spec, lock fd, log fd); SpawnFailed.
+
+    With a ``deadline`` (``time.monotonic``): SpawnFailed when it has passed once the lock is held. The watcher
+    stops waiting for an answer at the deadline and launches elsewhere, so a request taken later is stale.
+    """
+    paths = JobPaths(Path(spec.job_dir))
+    lock_fd, _ = _take_lock(paths, spec.attempt)
+    if deadline is not None and time.monotonic() > deadline:
+        os.close(lock_fd)
+        raise _TooLate(f"{paths.dir}: attempt {spec.attempt}'s launch request came too late to be taken")
+    try:
+        _clear_records(paths)
+        log_fd = _open_log(spec)
+    except OSError as exc:
+        os.close(lock_fd)
+        raise SpawnFailed(f"{paths.log}: cannot open the job's log ({exc.strerror})") from exc
+    return spec, lock_fd, log_fd
+
+
+#: the largest direct request a pooled supervisor reads (a LaunchSpec with its environment is a few kB)
+DIRECT_MAX_BYTES = 1 << 20
+
+
+def take_direct(jobs: socket.socket) -> tuple[LaunchSpec, int, int] | None:
+    """One request from the watcher's jobs socket, taken: (spec, lock fd, log fd); None when there was none
+    to take, EOFError when the watcher closed its end.
+
+    A request is ``{"spec": LaunchSpec.to_dict(), "deadline": monotonic seconds}``; the answer, on the same
+    socket, is ``{"job_dir", "attempt", "pid"}`` or ``{"job_dir", "attempt", "error", "late"}`` (the watcher
+    matches answers to its request: an answer to an abandoned one is dropped; ``late``: taken after the
+    deadline, which is no refusal of the launch). Every waiting supervisor reads
+    the socket, so another one may have taken the request first: then there is nothing to read here.
+    """
+    try:
+        message = jobs.recv(DIRECT_MAX_BYTES, socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return None
+    if not message:
+        raise EOFError("the watcher closed its end of the jobs socket")
+    who: dict = {}
+    try:
+        request = json.loads(message)
+        who = {"job_dir": request["spec"]["job_dir"], "attempt": request["spec"]["attempt"]}
+        taken = _take(LaunchSpec.from_dict(request["spec"]), float(request["deadline"]))
+    except (SpawnFailed, ValueError, TypeError, KeyError) as exc:
+        why = str(exc) if isinstance(exc, SpawnFailed) else f"bad request: {exc}"
+        _send_quietly(jobs, {**who, "error": why, "late": isinstance(exc, _TooLate)})
+        return None
+    _send_quietly(jobs, {**who, "pid": os.getpid()})
+    return taken
+
+
+def _send_quietly(jobs: socket.socket, message: dict) -> None:
+    try:
+        jobs.send(json.dumps(message).encode())
+    except OSError:
+        pass  # the watcher is gone; it learns of the attempt from its lock and records when it starts again
 
 
 def _detach(*keep: int | None) -> tuple[int | None, ...]:

@@ -8,11 +8,17 @@ held" still means "attempt alive" and a helper that dies mid-launch leaves eithe
 holding the lock or no attempt at all — the states ``recover()`` already handles.
 
 The helper keeps one supervisor forked and detached ahead of time (``Supervisor.warm_up``), so a
-launch only hands it the job: it takes the lock, opens output.log and answers. Each supervisor also
-writes a byte to a notice pipe whose read end the watcher holds, the moment its exit record is
+launch only hands it the job: it takes the lock, opens output.log and answers. The watcher hands it the
+job itself, on a ``SOCK_SEQPACKET`` socket whose other end every waiting pooled supervisor reads
+(pool.py's ``take_direct``): one message there, one answer back, and the helper is not on the launch's
+path; it hears from the supervisor that took the job and forks the next one to wait. Each supervisor
+also writes a byte to a notice pipe whose read end the watcher holds, the moment its exit record is
 written, so the watcher moves on without waiting for that process to be torn down and reaped.
 
-Protocol over the helper's stdin/stdout, one JSON object per line:
+When no pooled supervisor answers in time (none could be forked, or the machine is swamped) the watcher
+asks the helper, which forks a supervisor for that launch alone. A request that a pooled supervisor
+picks up after its deadline is refused by it once it holds the job's lock (``pool._take``), so a job is
+never launched twice. Protocol over the helper's stdin/stdout, one JSON object per line:
   watcher → helper: ``{"spec": LaunchSpec.to_dict()}``
   helper → watcher: ``{"pid": N}`` or ``{"error": "..."}`` (one reply per request, in order),
                     and ``{"exited": N}`` whenever a supervisor it forked has been reaped.
@@ -24,10 +30,12 @@ Like the supervisor package, this module starts processes, so it imports ``subpr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +52,8 @@ from trainq.watcher.supervisor import LaunchSpec, Supervisor, is_alive
 REPLY_TIMEOUT_S = 5.0
 #: after the helper died mid-launch: how long to wait for a start record from a supervisor it may have forked
 ORPHAN_START_WAIT_S = 2.0
+#: how long a direct request waits for a pooled supervisor to take it before the helper forks one instead
+DIRECT_TIMEOUT_S = 2.0
 
 
 class SpawnerGone(Exception):
@@ -63,25 +73,31 @@ class Spawner:
         self._exited: list[int] = []
         self._replies: list[dict] = []
         self._notices: int | None = None
+        #: our end of the pooled supervisors' jobs socket (module docstring); None: launches go through the helper
+        self._jobs: socket.socket | None = None
 
     def start(self) -> None:
         """Start the helper (a fresh interpreter importing only the supervisor's modules)."""
         notices, notify = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # supervisors must never block on it
+        jobs, pool_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [*safe_module_argv(sys.executable, "trainq.watcher.supervisor.spawner"), "--notify-fd", str(notify)]
         try:
             self._proc = subprocess.Popen(
-                [*safe_module_argv(sys.executable, "trainq.watcher.supervisor.spawner"), "--notify-fd", str(notify)],
+                [*argv, "--jobs-fd", str(pool_end.fileno())],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 close_fds=True,
                 bufsize=0,
-                pass_fds=(notify,),
+                pass_fds=(notify, pool_end.fileno()),
             )
         except OSError:
             os.close(notices)
+            jobs.close()
             raise
         finally:
             os.close(notify)
-        self._notices = notices
+            pool_end.close()
+        self._notices, self._jobs = notices, jobs
         self._to_helper, self._from_helper = cast(IO[bytes], self._proc.stdin), cast(IO[bytes], self._proc.stdout)
         os.set_blocking(self._from_helper.fileno(), False)
 
@@ -95,9 +111,16 @@ class Spawner:
         return fds + ([self._notices] if self._notices is not None else [])
 
     def launch(self, spec: LaunchSpec) -> int:
-        """Ask the helper to launch ``spec``; the supervisor's pid. SpawnFailed / SpawnerGone."""
+        """Hand ``spec`` to a waiting pooled supervisor, or ask the helper to fork one; the supervisor's pid.
+
+        SpawnFailed / SpawnerGone.
+        """
         if not self.is_running:
             raise SpawnerGone("the spawner helper is not running")
+        spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir))  # the answer names it so
+        pid = self._launch_direct(spec)
+        if pid is not None:
+            return pid
         try:
             self._to_helper.write(json.dumps({"spec": spec.to_dict()}).encode() + b"\n")
         except (BrokenPipeError, OSError) as exc:
@@ -106,6 +129,53 @@ class Spawner:
         if "error" in reply:
             raise SpawnFailed(reply["error"])
         return int(reply["pid"])
+
+    def _launch_direct(self, spec: LaunchSpec) -> int | None:
+        """The pid of the pooled supervisor that took ``spec`` from the jobs socket; None when none took it in
+        DIRECT_TIMEOUT_S. SpawnFailed when one refused it in time (the job's lock held elsewhere, output.log).
+
+        Past the deadline a supervisor that takes the request refuses it once it holds the lock (pool._take),
+        so the request is dead once the deadline has passed and the lock is free. One that took the lock in
+        time answers before it can release the lock, so "free lock, then no answer" means nobody took it.
+        """
+        if self._jobs is None:
+            return None
+        deadline = time.monotonic() + DIRECT_TIMEOUT_S
+        request = json.dumps({"spec": spec.to_dict(), "deadline": deadline}).encode()
+        try:
+            self._jobs.send(request)
+        except OSError:  # EMSGSIZE (a huge environment), ENOBUFS: the helper's pipe takes any size
+            return None
+        paths = JobPaths(Path(spec.job_dir))
+        while True:
+            late = time.monotonic() > deadline
+            held = late and is_alive(paths)
+            answer = self._direct_answer(spec)
+            if answer is not None and "pid" in answer:
+                return int(answer["pid"])
+            if answer is not None and not answer.get("late"):
+                raise SpawnFailed(answer.get("error") or "a pooled supervisor refused the launch")
+            if late and (not held or time.monotonic() > deadline + ORPHAN_START_WAIT_S):
+                # whoever picks the request up from now on refuses it: the helper forks one (which says so
+                # if the lock is still held: by an earlier attempt's supervisor, never by a taker of this one)
+                return None
+            select.select([self._jobs], [], [], max(0.0, deadline - time.monotonic()) if not late else 0.01)
+
+    def _direct_answer(self, spec: LaunchSpec) -> dict | None:
+        """The answer to ``spec``'s request on the jobs socket, if it came; answers to other requests are dropped."""
+        assert self._jobs is not None
+        while True:
+            try:
+                answer = json.loads(self._jobs.recv(65536, socket.MSG_DONTWAIT))
+            except (BlockingIOError, InterruptedError):
+                return None
+            except (OSError, ValueError):
+                continue
+            if isinstance(answer, dict) and (answer.get("job_dir"), answer.get("attempt")) == (
+                spec.job_dir,
+                spec.attempt,
+            ):
+                return answer
 
     def _next_reply(self, deadline: float) -> dict:
         while True:
@@ -152,6 +222,9 @@ class Spawner:
         if self._notices is not None:
             os.close(self._notices)
             self._notices = None
+        if self._jobs is not None:
+            self._jobs.close()
+            self._jobs = None
         if self._proc is None:
             return
         try:
@@ -232,11 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     """The helper's loop: launch what the watcher asks, report what it reaps, leave with the watcher."""
     parser = argparse.ArgumentParser(prog="python -m trainq.watcher.supervisor.spawner")
     parser.add_argument("--notify-fd", type=int, help="write end of the watcher's exit-notice pipe")
+    parser.add_argument("--jobs-fd", type=int, help="the pooled supervisors' end of the watcher's jobs socket")
     args = parser.parse_args(argv)
-    if args.notify_fd is not None:
-        os.set_inheritable(args.notify_fd, False)  # supervisors keep it explicitly; jobs never see it
+    for fd in (args.notify_fd, args.jobs_fd):
+        if fd is not None:
+            os.set_inheritable(fd, False)  # supervisors keep them explicitly; jobs never see them
     watcher_pid = os.getppid()
-    supervisor = Supervisor(args.notify_fd, keep_warm=True)
+    supervisor = Supervisor(args.notify_fd, keep_warm=True, jobs_fd=args.jobs_fd)
     supervisor.warm_up()
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears SIGCHLD
