@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import wait_until
 
 from trainq.watcher.spec.contract import JobPaths
@@ -178,7 +180,7 @@ def test_a_request_taken_after_its_deadline_is_refused_once_the_lock_is_held(tmp
         ours.send(json.dumps({"spec": spec.to_dict(), "deadline": time.monotonic() - 0.001}).encode())
         assert take_direct(theirs) is None
         answer = json.loads(ours.recv(65536))
-    assert answer["late"] is True and "too late" in answer["error"]
+    assert answer["late"] is True and "stale" in answer["error"]
     assert (answer["job_dir"], answer["attempt"]) == (spec.job_dir, 1)
     paths = JobPaths(Path(spec.job_dir))
     assert not paths.log.exists() and not Supervisor.is_alive(paths), "nothing started, the lock was let go"
@@ -206,3 +208,26 @@ def test_when_no_pooled_supervisor_answers_in_time_the_helper_forks_one_and_the_
         assert sup.read_started(paths)["supervisor_pid"] == pid
     finally:
         sup.close()
+
+
+def test_a_request_whose_watcher_died_is_left_alone_for_the_next_watcher_s_recovery(tmp_path):
+    """The soak found it (2 of 2,000 jobs): a watcher SIGKILLed just after handing a retry's attempt 2 to the
+    jobs socket, no pooled supervisor free; one took it 1.3 s later, as the next watcher's recovery looked at the
+    folder, and cleared attempt 1's exit record under it: recovery called attempt 1 killed, the retry never ran.
+    A request whose sender has closed its end is refused before anything in the folder changes."""
+    from trainq.watcher.supervisor.pool import take_direct
+
+    spec = spec_for(tmp_path, "orphaned", ("sh", "-c", "echo must-not-run"))
+    paths = JobPaths(Path(spec.job_dir))
+    paths.exit_record.write_text('{"attempt": 1, "exit_code": 3}\n')  # attempt 1's, which recovery reads
+    paths.started.write_text('{"attempt": 1, "supervisor_pid": 1}\n')
+    spec = dataclasses.replace(spec, attempt=2)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with theirs:
+        ours.send(json.dumps({"spec": spec.to_dict(), "deadline": time.monotonic() + 60}).encode())
+        ours.close()  # the watcher is gone; its request is still queued
+        assert take_direct(theirs) is None
+        with pytest.raises(EOFError):
+            take_direct(theirs)  # then the end of file
+    assert json.loads(paths.exit_record.read_text())["attempt"] == 1, "attempt 1's exit record is untouched"
+    assert paths.started.exists() and not paths.log.exists() and not Supervisor.is_alive(paths)

@@ -458,20 +458,25 @@ def _await_job(requests: int, replies: int, jobs: socket.socket | None = None) -
 
 
 class _TooLate(SpawnFailed):
-    """A direct request taken after its deadline: the watcher has launched the job elsewhere, or will."""
+    """A stale direct request (``_take``): the watcher that sent it launches the job elsewhere, or is gone."""
 
 
-def _take(spec: LaunchSpec, deadline: float | None = None) -> tuple[LaunchSpec, int, int]:
+def _take(
+    spec: LaunchSpec, deadline: float | None = None, sender: socket.socket | None = None
+) -> tuple[LaunchSpec, int, int]:
     """Lock the job, clear the last attempt's records, open output.log: (spec, lock fd, log fd); SpawnFailed.
 
-    With a ``deadline`` (``time.monotonic``): SpawnFailed when it has passed once the lock is held. The watcher
-    stops waiting for an answer at the deadline and launches elsewhere, so a request taken later is stale.
+    A direct request (a ``deadline``, ``time.monotonic``, and the ``sender``'s socket) is refused, once the lock
+    is held and before anything in the folder changes, when it is stale: its deadline has passed (the watcher
+    stopped waiting and launches elsewhere) or the watcher that sent it has closed its end (it died, and the
+    next watcher's recovery decides what the job's folder means: a request taken now would race it). Checked
+    under the lock, either answer holds: a later watcher sees the lock held from here to the attempt's end.
     """
     paths = JobPaths(Path(spec.job_dir))
     lock_fd, _ = _take_lock(paths, spec.attempt)
-    if deadline is not None and time.monotonic() > deadline:
+    if deadline is not None and (time.monotonic() > deadline or (sender is not None and _hung_up(sender))):
         os.close(lock_fd)
-        raise _TooLate(f"{paths.dir}: attempt {spec.attempt}'s launch request came too late to be taken")
+        raise _TooLate(f"{paths.dir}: attempt {spec.attempt}'s launch request is stale (its watcher left or gave up)")
     try:
         _clear_records(paths)
         log_fd = _open_log(spec)
@@ -479,6 +484,13 @@ def _take(spec: LaunchSpec, deadline: float | None = None) -> tuple[LaunchSpec, 
         os.close(lock_fd)
         raise SpawnFailed(f"{paths.log}: cannot open the job's log ({exc.strerror})") from exc
     return spec, lock_fd, log_fd
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """The other end of a connected socket is closed (its requests may still be queued here)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLHUP | select.POLLRDHUP)
+    return any(events & (select.POLLHUP | select.POLLRDHUP) for _, events in poller.poll(0))
 
 
 #: the largest direct request a pooled supervisor reads (a LaunchSpec with its environment is a few kB)
@@ -505,7 +517,7 @@ def take_direct(jobs: socket.socket) -> tuple[LaunchSpec, int, int] | None:
     try:
         request = json.loads(message)
         who = {"job_dir": request["spec"]["job_dir"], "attempt": request["spec"]["attempt"]}
-        taken = _take(LaunchSpec.from_dict(request["spec"]), float(request["deadline"]))
+        taken = _take(LaunchSpec.from_dict(request["spec"]), float(request["deadline"]), jobs)
     except (SpawnFailed, ValueError, TypeError, KeyError) as exc:
         why = str(exc) if isinstance(exc, SpawnFailed) else f"bad request: {exc}"
         _send_quietly(jobs, {**who, "error": why, "late": isinstance(exc, _TooLate)})
