@@ -433,7 +433,7 @@ def _await_job(requests: int, replies: int, jobs: socket.socket | None = None) -
     pending = b""
     while True:
         while b"\n" not in pending:
-            if jobs is not None and requests not in select.select([requests, jobs], [], [])[0]:
+            if jobs is not None and requests not in select.select([requests, jobs.fileno()], [], [])[0]:
                 try:
                     taken = take_direct(jobs)
                 except EOFError:
