@@ -153,7 +153,9 @@ class Spawner:
             answer = self._direct_answer(spec)
             if answer is not None and "pid" in answer:
                 return int(answer["pid"])
-            if answer is not None and not answer.get("late"):
+            if answer is not None and not answer.get("late") and not late:
+                # a refusal read past the deadline is not trusted (our own lock probe above may have caused it):
+                # the helper's launch below meets the same cause again and says so
                 raise SpawnFailed(answer.get("error") or "a pooled supervisor refused the launch")
             if late and (not held or time.monotonic() > deadline + ORPHAN_START_WAIT_S):
                 # whoever picks the request up from now on refuses it: the helper forks one (which says so
