@@ -118,17 +118,26 @@ class Spawner:
         if not self.is_running:
             raise SpawnerGone("the spawner helper is not running")
         spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir))  # the answer names it so
+        direct = self._jobs is not None
         pid = self._launch_direct(spec)
         if pid is not None:
             return pid
+        reply = self._ask_helper(spec)
+        if "error" in reply and direct and not is_alive(JobPaths(Path(spec.job_dir))):
+            # a stale taker of the direct request (it refuses, pool._take) can hold the lock for a moment just as
+            # the helper's supervisor tries it; with the lock free now, once more
+            reply = self._ask_helper(spec)
+        if "error" in reply:
+            raise SpawnFailed(reply["error"])
+        return int(reply["pid"])
+
+    def _ask_helper(self, spec: LaunchSpec) -> dict:
+        """The helper's answer to one launch: ``{"pid": N}`` or ``{"error": ...}``. SpawnerGone."""
         try:
             self._to_helper.write(json.dumps({"spec": spec.to_dict()}).encode() + b"\n")
         except (BrokenPipeError, OSError) as exc:
             raise SpawnerGone(f"cannot write to the spawner helper: {exc}") from None
-        reply = self._next_reply(time.monotonic() + REPLY_TIMEOUT_S)
-        if "error" in reply:
-            raise SpawnFailed(reply["error"])
-        return int(reply["pid"])
+        return self._next_reply(time.monotonic() + REPLY_TIMEOUT_S)
 
     def _launch_direct(self, spec: LaunchSpec) -> int | None:
         """The pid of the pooled supervisor that took ``spec`` from the jobs socket; None when none took it in
