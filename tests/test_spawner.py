@@ -8,6 +8,7 @@ import os
 import select
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -231,3 +232,30 @@ def test_a_request_whose_watcher_died_is_left_alone_for_the_next_watcher_s_recov
             take_direct(theirs)  # then the end of file
     assert json.loads(paths.exit_record.read_text())["attempt"] == 1, "attempt 1's exit record is untouched"
     assert paths.started.exists() and not paths.log.exists() and not Supervisor.is_alive(paths)
+
+
+def test_a_launch_waiting_on_the_socket_when_the_helper_and_its_pool_die_falls_back_to_forking_here(tmp_path):
+    """Once every other holder of the jobs socket is gone, a read there is end of file at once: the launch must
+    give up on the helper (and fork here), not read that end of file again and again."""
+    sup = SpawningSupervisor()
+    sup.start_spawner()
+    helper = sup._spawner._proc.pid
+    pool = wait_until(lambda: [p for p in _helper_children(sup) if _waiting_for_work(p)], 20, what="a pooled one")
+    for pid in pool:
+        os.kill(pid, signal.SIGSTOP)  # the request waits on the socket, untaken
+    spec = spec_for(tmp_path, "orphaned-launch", ("sh", "-c", "echo forked-here-after-all"))
+    result: dict = {}
+    launcher = threading.Thread(target=lambda: result.update(pid=sup.launch(spec)), daemon=True)
+    try:
+        launcher.start()
+        time.sleep(0.3)
+        for pid in [*_helper_children(sup), helper]:
+            os.kill(pid, signal.SIGKILL)
+        launcher.join(30)
+        assert not launcher.is_alive(), "the launch returned"
+        assert result["pid"] in sup.forked_pids, "this process forked the supervisor itself"
+        paths = JobPaths(Path(spec.job_dir))
+        wait_until(lambda: sup.read_exit(paths), 10, what="the exit record")
+        assert paths.log.read_text().count("forked-here-after-all") == 1
+    finally:
+        sup.close()

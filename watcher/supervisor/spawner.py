@@ -177,10 +177,16 @@ class Spawner:
         assert self._jobs is not None
         while True:
             try:
-                answer = json.loads(self._jobs.recv(65536, socket.MSG_DONTWAIT))
+                message = self._jobs.recv(65536, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return None
-            except (OSError, ValueError):
+            except OSError as exc:
+                raise SpawnerGone(f"the pooled supervisors' socket failed: {exc}") from None
+            if not message:  # every other holder closed it: the helper and each supervisor it forked are gone
+                raise SpawnerGone("the spawner helper and its pooled supervisors are gone")
+            try:
+                answer = json.loads(message)
+            except ValueError:
                 continue
             if isinstance(answer, dict) and (answer.get("job_dir"), answer.get("attempt")) == (
                 spec.job_dir,
