@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -258,4 +259,31 @@ def test_a_launch_waiting_on_the_socket_when_the_helper_and_its_pool_die_falls_b
         wait_until(lambda: sup.read_exit(paths), 10, what="the exit record")
         assert paths.log.read_text().count("forked-here-after-all") == 1
     finally:
+        sup.close()
+
+
+def test_a_full_jobs_socket_never_blocks_a_launch(tmp_path):
+    """Requests nobody reads (every pooled supervisor stuck) fill the socket; the next launch goes through the
+    helper at once instead of blocking the watcher's loop in send."""
+    sup = SpawningSupervisor()
+    sup.start_spawner()
+    pool = wait_until(lambda: [p for p in _helper_children(sup) if _waiting_for_work(p)], 20, what="a pooled one")
+    for pid in pool:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        junk = json.dumps({"junk": "x" * 4000}).encode()
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                sup._spawner._jobs.send(junk, socket.MSG_DONTWAIT)
+        spec = spec_for(tmp_path, "full", ("sh", "-c", "echo went-through-the-helper"))
+        result: dict = {}
+        launcher = threading.Thread(target=lambda: result.update(pid=sup.launch(spec)), daemon=True)
+        launcher.start()
+        launcher.join(20)
+        assert not launcher.is_alive(), "the launch did not block on the full socket"
+        assert result["pid"] not in pool
+        wait_until(lambda: sup.read_exit(JobPaths(Path(spec.job_dir))), 10, what="the exit record")
+    finally:
+        for pid in pool:
+            os.kill(pid, signal.SIGCONT)  # they read the junk and answer it with errors nobody waits for
         sup.close()

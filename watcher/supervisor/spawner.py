@@ -152,9 +152,9 @@ class Spawner:
         deadline = time.monotonic() + DIRECT_TIMEOUT_S
         request = json.dumps({"spec": spec.to_dict(), "deadline": deadline}).encode()
         try:
-            self._jobs.send(request)
-        except OSError:  # EMSGSIZE (a huge environment), ENOBUFS: the helper's pipe takes any size
-            return None
+            self._jobs.send(request, socket.MSG_DONTWAIT)
+        except OSError:  # EMSGSIZE (a huge environment), ENOBUFS, EAGAIN (requests nobody reads pile up): the
+            return None  # helper's pipe takes any size, and the loop never blocks on a full socket
         paths = JobPaths(Path(spec.job_dir))
         while True:
             late = time.monotonic() > deadline
