@@ -287,3 +287,18 @@ def test_a_full_jobs_socket_never_blocks_a_launch(tmp_path):
         for pid in pool:
             os.kill(pid, signal.SIGCONT)  # they read the junk and answer it with errors nobody waits for
         sup.close()
+
+
+def test_a_launch_too_big_for_the_jobs_socket_goes_through_the_helper(tmp_path):
+    from trainq.watcher.supervisor.pool import DIRECT_MAX_BYTES
+
+    sup = SpawningSupervisor()
+    try:
+        spec = spec_for(tmp_path, "big-env", ("sh", "-c", 'echo "length ${#BIG}"'))
+        spec = dataclasses.replace(spec, env={**spec.env, "BIG": "x" * (DIRECT_MAX_BYTES + 10_000)})
+        sup.launch(spec)
+        paths = JobPaths(Path(spec.job_dir))
+        wait_until(lambda: sup.read_exit(paths), 10, what="the exit record")
+        assert f"length {DIRECT_MAX_BYTES + 10_000}" in paths.log.read_text()
+    finally:
+        sup.close()

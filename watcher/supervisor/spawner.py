@@ -47,6 +47,7 @@ from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import drain
 from trainq.watcher.spec.interpreter import safe_module_argv
 from trainq.watcher.supervisor import LaunchSpec, Supervisor, is_alive
+from trainq.watcher.supervisor.pool import DIRECT_MAX_BYTES
 
 #: how long the watcher waits for the helper's answer to one launch before forking itself (seconds)
 REPLY_TIMEOUT_S = 5.0
@@ -151,10 +152,12 @@ class Spawner:
             return None
         deadline = time.monotonic() + DIRECT_TIMEOUT_S
         request = json.dumps({"spec": spec.to_dict(), "deadline": deadline}).encode()
+        if len(request) > DIRECT_MAX_BYTES:
+            return None  # a huge environment: the helper's pipe takes any size
         try:
             self._jobs.send(request, socket.MSG_DONTWAIT)
-        except OSError:  # EMSGSIZE (a huge environment), ENOBUFS, EAGAIN (requests nobody reads pile up): the
-            return None  # helper's pipe takes any size, and the loop never blocks on a full socket
+        except OSError:  # ENOBUFS, EAGAIN (requests nobody reads pile up): the loop never blocks on a full socket
+            return None
         paths = JobPaths(Path(spec.job_dir))
         while True:
             late = time.monotonic() > deadline
