@@ -88,6 +88,11 @@ class JobFeed:
         ``arrivals`` (state folder, id) are the folders inotify saw arrive since the last look: a state
         a job has already left (pending/ for a job that started at once) is reported too, in the
         order jobs pass through them, before the state the listing shows.
+
+        inotify's thread may hand an arrival over after a listing has already seen the job move on. So a job
+        first seen in running/ passed through pending/ (the only way in), and an arrival in a folder ranked
+        below the one already reported is stale, unless it is a retry's return from an ended state to pending/
+        (then what follows it in the same look is new too).
         """
         now, sent = iso_utc(time.time()), []
         listing = self._listing()
@@ -98,8 +103,13 @@ class JobFeed:
         for job_id in sorted(set(self.jobs) | set(listing) | set(passed)):
             before, after = self.jobs.get(job_id), listing.get(job_id)
             final_rank = _RANK.get(after, len(_RANK))
+            seen = passed.get(job_id, set())
+            if before is None and after == "running":
+                seen = seen | {"pending"}
+            retried = before is not None and before[0] in ENDED_STATES and "pending" in seen
+            floor = _RANK.get(before[0], -1) if before is not None and not retried else -1
             steps = sorted(
-                (s for s in passed.get(job_id, ()) if _RANK[s] < final_rank and s != (before or ("",))[0]),
+                (s for s in seen if floor <= _RANK[s] < final_rank and s != (before or ("",))[0]),
                 key=_RANK.__getitem__,  # every step kept is in _RANK (the filter looked it up)
             )
             for state in steps:
