@@ -17,7 +17,10 @@ import subprocess
 import pytest
 from conftest import drop, tick_until, wait_until
 from test_slurm import (  # noqa: F401  (the autouse clean-up fixture is used by name)
+    CLUSTER_DIR,
+    DEFAULT_CLUSTER,
     SLURM,
+    SLURM_DIR,
     _counting,
     finished,
     job_file,
@@ -117,3 +120,35 @@ def test_a_real_qos_submit_limit_holds_the_job_back_until_a_slot_frees(queue_dir
             assert done.parent.name == "done" and len(run["attempts"]) == 1, run
     finally:
         subprocess.run([*limit, "MaxSubmitJobsPerUser=-1"], check=True, capture_output=True, timeout=60)
+
+
+def test_stop_sh_stops_slurmdbd_and_its_database_too():
+    """stop.sh's glob for slurmd's pid files (slurmd*.pid) matched slurmdbd.pid: it dropped that file, took
+    slurmdbd for a slurmd whose name did not match, and left it running on a stopped MariaDB; the next
+    accounting start failed (found running the suite twice on one machine). Last in this module: it stops the
+    cluster, then brings it back for the fixture's own stop."""
+    pids = {name: int((CLUSTER_DIR / f"{name}.pid").read_text()) for name in ("slurmdbd", "mariadbd")}
+    try:
+        stopped = subprocess.run(["bash", str(SLURM_DIR / "stop.sh")], capture_output=True, text=True, timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+        for name, pid in pids.items():
+            wait_until(lambda pid=pid: not _running(pid), 20, what=f"{name} ({pid}) to stop")
+    finally:
+        again = subprocess.run(
+            ["bash", str(SLURM_DIR / "start.sh")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **DEFAULT_CLUSTER, "TRAINQ_SLURM_ACCOUNTING": "1"},
+        )
+    assert again.returncode == 0, again.stderr
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "\nState:\tZ" not in status.read()
+    except FileNotFoundError:
+        return False

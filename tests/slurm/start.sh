@@ -69,7 +69,7 @@ alive() {   # alive NAME [COMM]: the process whose pid is in $BASE/NAME.pid runs
 }
 any_slurmd() {   # one of the slurmd this script started (any mode) runs
   local f
-  for f in "$BASE"/slurmd*.pid; do [ -e "$f" ] && alive "$(basename "$f" .pid)" slurmd && return 0; done
+  for f in "$BASE"/slurmd.pid "$BASE"/slurmd-*.pid; do [ -e "$f" ] && alive "$(basename "$f" .pid)" slurmd && return 0; done
   return 1
 }
 

@@ -24,7 +24,8 @@ running() {   # running PID: the process exists and is not a zombie (a daemon's 
 
 # every slurmd start.sh started: slurmd.pid (one node) or slurmd-nodeK.pid (several)
 slurmds=()
-for f in "$BASE"/slurmd*.pid; do [ -e "$f" ] && slurmds+=("$(basename "$f" .pid)"); done
+# (not slurmd*.pid: that matched slurmdbd.pid, whose pid file was then dropped and slurmdbd left running)
+for f in "$BASE"/slurmd.pid "$BASE"/slurmd-*.pid; do [ -e "$f" ] && slurmds+=("$(basename "$f" .pid)"); done
 
 any_slurmd=0
 for d in "${slurmds[@]}"; do alive "$d" slurmd && any_slurmd=1; done
@@ -40,7 +41,7 @@ daemons=("${slurmds[@]}" slurmctld slurmdbd mariadbd)   # slurmdbd and mariadbd:
 [ $keep_munge = 1 ] || daemons+=(munged)
 rc=0
 for d in "${daemons[@]}"; do
-  comm=$d; [[ "$d" == slurmd* ]] && comm=slurmd
+  comm=$d; [[ "$d" == slurmd || "$d" == slurmd-* ]] && comm=slurmd
   alive "$d" "$comm" || { rm -f "$BASE/$d.pid"; continue; }
   pid=$(cat "$BASE/$d.pid")
   kill -CONT "$pid" 2>/dev/null   # a test may have left it SIGSTOPped
