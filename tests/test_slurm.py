@@ -37,9 +37,15 @@ SLURM = {"executor": "slurm", "slurm": {"poll_s": 0.2}, "max_concurrent": 4}
 EXIT_NOT_INSTALLED = 3
 
 
-def _sh(script: str, *args: str) -> subprocess.CompletedProcess:
+def _sh(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """tests/slurm/``script`` (``env``: variables over this process's environment)."""
     return subprocess.run(
-        ["bash", str(SLURM_DIR / script), *args], capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+        ["bash", str(SLURM_DIR / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -66,14 +72,7 @@ def use_cluster(env: dict[str, str] | None = None):
     mode_file = CLUSTER_DIR / "mode"
     if not mode_file.exists() or mode_file.read_text() != mode:
         fcntl.flock(users, fcntl.LOCK_EX)  # blocks while another test run uses the cluster as it is
-    started = subprocess.run(
-        ["bash", str(SLURM_DIR / "start.sh")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, **wanted},
-    )
+    started = _sh("start.sh", env=wanted)
     if started.returncode == EXIT_NOT_INSTALLED:
         users.close()
         pytest.skip(started.stderr.strip().splitlines()[-1])

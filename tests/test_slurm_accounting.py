@@ -20,8 +20,8 @@ from test_slurm import (  # noqa: F401  (the autouse clean-up fixture is used by
     CLUSTER_DIR,
     DEFAULT_CLUSTER,
     SLURM,
-    SLURM_DIR,
     _counting,
+    _sh,
     finished,
     job_file,
     no_leftover_slurm_jobs,
@@ -129,19 +129,12 @@ def test_stop_sh_stops_slurmdbd_and_its_database_too():
     cluster, then brings it back for the fixture's own stop."""
     pids = {name: int((CLUSTER_DIR / f"{name}.pid").read_text()) for name in ("slurmdbd", "mariadbd")}
     try:
-        stopped = subprocess.run(["bash", str(SLURM_DIR / "stop.sh")], capture_output=True, text=True, timeout=120)
+        stopped = _sh("stop.sh")
         assert stopped.returncode == 0, stopped.stderr
         for name, pid in pids.items():
             wait_until(lambda pid=pid: not _running(pid), 20, what=f"{name} ({pid}) to stop")
     finally:
-        again = subprocess.run(
-            ["bash", str(SLURM_DIR / "start.sh")],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **DEFAULT_CLUSTER, "TRAINQ_SLURM_ACCOUNTING": "1"},
-        )
+        again = _sh("start.sh", env={**DEFAULT_CLUSTER, "TRAINQ_SLURM_ACCOUNTING": "1"})
     assert again.returncode == 0, again.stderr
 
 
