@@ -119,12 +119,11 @@ class Spawner:
         if not self.is_running:
             raise SpawnerGone("the spawner helper is not running")
         spec = dataclasses.replace(spec, job_dir=os.path.abspath(spec.job_dir))  # the answer names it so
-        direct = self._jobs is not None
         pid = self._launch_direct(spec)
         if pid is not None:
             return pid
         reply = self._ask_helper(spec)
-        if "error" in reply and direct and not is_alive(JobPaths(Path(spec.job_dir))):
+        if "error" in reply and not is_alive(JobPaths(Path(spec.job_dir))):
             # a stale taker of the direct request (it refuses, pool._take) can hold the lock for a moment just as
             # the helper's supervisor tries it; with the lock free now, once more
             reply = self._ask_helper(spec)
