@@ -155,11 +155,24 @@ def _helper_children(sup: SpawningSupervisor) -> list[int]:
     return [p.pid for p in psutil.Process(sup._spawner._proc.pid).children()]
 
 
-def test_a_waiting_pooled_supervisor_takes_the_job_from_the_watcher_without_the_helper(tmp_path):
+def _with_a_waiting_pool() -> tuple[SpawningSupervisor, list[int]]:
+    """A started helper and the pooled supervisors already waiting for work (at least one)."""
     sup = SpawningSupervisor()
     sup.start_spawner()
+    return sup, wait_until(lambda: [p for p in _helper_children(sup) if _waiting_for_work(p)], 20, what="a pooled one")
+
+
+def _launch_in_background(sup: SpawningSupervisor, spec: LaunchSpec) -> tuple[threading.Thread, dict]:
+    """``sup.launch(spec)`` on a thread of its own (started); the pid lands in the dict under "pid"."""
+    result: dict = {}
+    launcher = threading.Thread(target=lambda: result.update(pid=sup.launch(spec)), daemon=True)
+    launcher.start()
+    return launcher, result
+
+
+def test_a_waiting_pooled_supervisor_takes_the_job_from_the_watcher_without_the_helper(tmp_path):
+    sup, waiting = _with_a_waiting_pool()
     helper = sup._spawner._proc.pid
-    waiting = wait_until(lambda: [p for p in _helper_children(sup) if _waiting_for_work(p)], 20, what="a pooled one")
     os.kill(helper, signal.SIGSTOP)  # the helper cannot relay anything now
     try:
         spec = spec_for(tmp_path, "direct", ("sh", "-c", "echo handed-over"))
@@ -189,9 +202,7 @@ def test_a_request_taken_after_its_deadline_is_refused_once_the_lock_is_held(tmp
 
 
 def test_when_no_pooled_supervisor_answers_in_time_the_helper_forks_one_and_the_job_runs_once(tmp_path):
-    sup = SpawningSupervisor()
-    sup.start_spawner()
-    waiting = wait_until(lambda: [p for p in _helper_children(sup) if _waiting_for_work(p)], 20, what="a pooled one")
+    sup, waiting = _with_a_waiting_pool()
     for pid in waiting:
         os.kill(pid, signal.SIGSTOP)  # it cannot take the request before the deadline
     try:
@@ -238,17 +249,13 @@ def test_a_request_whose_watcher_died_is_left_alone_for_the_next_watcher_s_recov
 def test_a_launch_waiting_on_the_socket_when_the_helper_and_its_pool_die_falls_back_to_forking_here(tmp_path):
     """Once every other holder of the jobs socket is gone, a read there is end of file at once: the launch must
     give up on the helper (and fork here), not read that end of file again and again."""
-    sup = SpawningSupervisor()
-    sup.start_spawner()
+    sup, pool = _with_a_waiting_pool()
     helper = sup._spawner._proc.pid
-    pool = wait_until(lambda: [p for p in _helper_children(sup) if _waiting_for_work(p)], 20, what="a pooled one")
     for pid in pool:
         os.kill(pid, signal.SIGSTOP)  # the request waits on the socket, untaken
     spec = spec_for(tmp_path, "orphaned-launch", ("sh", "-c", "echo forked-here-after-all"))
-    result: dict = {}
-    launcher = threading.Thread(target=lambda: result.update(pid=sup.launch(spec)), daemon=True)
     try:
-        launcher.start()
+        launcher, result = _launch_in_background(sup, spec)
         time.sleep(0.3)
         for pid in [*_helper_children(sup), helper]:
             os.kill(pid, signal.SIGKILL)
@@ -265,9 +272,7 @@ def test_a_launch_waiting_on_the_socket_when_the_helper_and_its_pool_die_falls_b
 def test_a_full_jobs_socket_never_blocks_a_launch(tmp_path):
     """Requests nobody reads (every pooled supervisor stuck) fill the socket; the next launch goes through the
     helper at once instead of blocking the watcher's loop in send."""
-    sup = SpawningSupervisor()
-    sup.start_spawner()
-    pool = wait_until(lambda: [p for p in _helper_children(sup) if _waiting_for_work(p)], 20, what="a pooled one")
+    sup, pool = _with_a_waiting_pool()
     for pid in pool:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -276,9 +281,7 @@ def test_a_full_jobs_socket_never_blocks_a_launch(tmp_path):
             while True:
                 sup._spawner._jobs.send(junk, socket.MSG_DONTWAIT)
         spec = spec_for(tmp_path, "full", ("sh", "-c", "echo went-through-the-helper"))
-        result: dict = {}
-        launcher = threading.Thread(target=lambda: result.update(pid=sup.launch(spec)), daemon=True)
-        launcher.start()
+        launcher, result = _launch_in_background(sup, spec)
         launcher.join(20)
         assert not launcher.is_alive(), "the launch did not block on the full socket"
         assert result["pid"] not in pool
