@@ -157,10 +157,9 @@ class Spawner:
             self._jobs.send(request, socket.MSG_DONTWAIT)
         except OSError:  # ENOBUFS, EAGAIN (requests nobody reads pile up): the loop never blocks on a full socket
             return None
-        paths = JobPaths(Path(spec.job_dir))
         while True:
             late = time.monotonic() > deadline
-            held = late and is_alive(paths)
+            held = late and is_alive(JobPaths(Path(spec.job_dir)))  # only past the deadline: not on every launch
             answer = self._direct_answer(spec)
             if answer is not None and "pid" in answer:
                 return int(answer["pid"])
