@@ -178,3 +178,31 @@ def test_a_failing_section_is_reported_for_every_name_sharing_it(tmp_path: Path)
     assert [r.metric for r in rows] == ["a: FAILED", "b: FAILED", "fine row"]
     assert rows[0].met is False and "boom" in rows[0].trainq
     assert facts["a"]["error"] and facts["b"]["error"] and facts["ok"]["error"] is None
+
+
+def test_probe_cycle_splits_a_serial_job_s_cycle_into_its_steps(tmp_path: Path) -> None:
+    """bench/probe_cycle.py on a few serial jobs: every segment of the critical path is found in the stamps of the
+    real watcher and pooled supervisors, and the segments add up to the whole cycle."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "probe_cycle.py"), "--jobs", "30", "--tmp", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {
+        cells[0]: cells[1:]
+        for line in out.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("|---")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    from bench.probe_cycle import SEGMENTS
+
+    segments = [float(rows[name][0]) for name, _what in SEGMENTS]
+    whole = float(rows["whole cycle"][0])
+    assert all(ms > 0 for ms in segments), rows
+    assert "median over" in rows["whole cycle"][1]
+    assert 0.5 * whole <= sum(segments) <= 2 * whole  # medians of parts against the median of the whole
+    assert {"watcher", "supervisor"} <= set(rows), rows  # the CPU table names both processes
+    assert not list(tmp_path.glob("trainq-cycle-*")), "the probe removes its workspace"

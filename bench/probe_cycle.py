@@ -1,0 +1,236 @@
+"""Where one serial trivial job's cycle goes (issue 38): the critical path from one job's end to the next one's.
+
+``bench_queue.py``'s throughput row runs N × ``true`` with max_concurrent 1. Each job's start waits for the last
+one's end, so the rate is one over a cycle: the watcher hears of the exit, plans and hands the next job over; a
+pooled supervisor takes it, starts it, watches it end, writes the exit record and says so. This probe times
+each of those steps in the real processes (``_cycle_stamps.py``, loaded through a ``sitecustomize`` on
+PYTHONPATH; trainq itself is unchanged) over the serial part alone: the jobs are all pending first (under
+pause.flag), then the flag goes and the queue runs them one after another.
+
+With ``perf`` at hand (``--sched``, root), it also records the scheduler during the run: how long the pooled
+supervisors waited for a CPU while runnable, and how long each CPU sat idle, per job.
+
+    .venv/bin/python bench/probe_cycle.py [--jobs 300] [--tmp /dev/shm] [--sched]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: bench/ importable
+
+from bench._common import PY, REPO, Queue, bench_env, job_yaml, read_status, wait_until
+
+#: the critical path, one job's cycle, in order: (segment, what it is)
+SEGMENTS = (
+    ("pass → handed over", "the watcher's pass from its start to the request on the jobs socket"),
+    ("handed over → taken", "until a pooled supervisor starts taking it (its wake-up)"),
+    ("take", "the job's lock, the last attempt's records cleared, output.log, the answer"),
+    ("taken → spawn", "stop handlers, environment, snapshot read, the cgroup made"),
+    ("spawn", "enter the cgroup, vfork + exec, leave"),
+    ("spawned → reaped", "the job runs; meanwhile the snapshot, start record and started event"),
+    ("reaped → notified", "the exit record and exited event, the lock released, the watcher told"),
+    ("notified → next pass", "until the watcher's next pass starts"),
+)
+
+
+def _stamps(folder: Path) -> dict[int, list[tuple[str, float, float, float]]]:
+    """Every process's stamps: pid → [(step, start, end, cpu seconds)], in time order."""
+    out: dict[int, list[tuple[str, float, float, float]]] = {}
+    for path in folder.glob("*.stamps"):
+        rows = []
+        for line in path.read_text(encoding="ascii").splitlines():
+            step, start, end, cpu = line.split()
+            rows.append((step, float(start), float(end), float(cpu)))
+        out[int(path.stem)] = sorted(rows, key=lambda r: r[1])
+    return out
+
+
+def _first_after(rows: list[tuple[str, float, float, float]], starts: list[float], t: float):
+    i = bisect.bisect_left(starts, t)
+    return rows[i] if i < len(rows) else None
+
+
+def cycle(stamps: dict[int, list], watcher_pid: int) -> dict[str, list[float]]:
+    """Each job's cycle split into SEGMENTS (seconds), matched by time across the processes' stamps."""
+    watcher = stamps.get(watcher_pid, [])
+    passes = [r for r in watcher if r[0] == "pass"]
+    pass_starts = [r[1] for r in passes]
+    by_step: dict[str, list] = defaultdict(list)
+    for pid, rows in stamps.items():
+        if pid != watcher_pid:
+            for r in rows:
+                by_step[r[0]].append(r)
+    for rows in by_step.values():
+        rows.sort(key=lambda r: r[1])
+    starts = {step: [r[1] for r in rows] for step, rows in by_step.items()}
+    out: dict[str, list[float]] = defaultdict(list)
+    hand_overs = [r for r in watcher if r[0] == "hand_over"]
+    for hand in hand_overs[5:-5]:  # the first and last few: the pool warming, the queue draining
+        sent = hand[1]
+        take = _first_after(by_step["take"], starts.get("take", []), sent)
+        spawn = take and _first_after(by_step["spawn"], starts.get("spawn", []), take[2])
+        watch = spawn and _first_after(by_step["watch"], starts.get("watch", []), spawn[2])
+        note = watch and _first_after(by_step["notify"], starts.get("notify", []), watch[2])
+        if not (take and spawn and watch and note):
+            continue
+        here = bisect.bisect_right(pass_starts, sent) - 1
+        after = bisect.bisect_left(pass_starts, note[1])
+        if here < 0 or after >= len(passes):
+            continue
+        points = (passes[here][1], sent, take[1], take[2], spawn[1], spawn[2], watch[2], note[2], passes[after][1])
+        for (name, _what), a, b in zip(SEGMENTS, points, points[1:], strict=False):
+            out[name].append(b - a)
+        out["cycle"].append(points[-1] - points[0])
+    return out
+
+
+def cpu_by_step(
+    stamps: dict[int, list], watcher_pid: int, jobs: int, window: tuple[float, float]
+) -> list[tuple[str, str, float]]:
+    """(process, step, CPU ms per job) for every step stamped inside ``window``; nested steps are counted inside
+    their parents too."""
+    totals: dict[tuple[str, str], float] = defaultdict(float)
+    for pid, rows in stamps.items():
+        who = "watcher" if pid == watcher_pid else "supervisor"
+        for step, start, _end, cpu in rows:
+            if window[0] <= start <= window[1]:
+                totals[(who, step)] += cpu
+    return [(who, step, s / jobs * 1000) for (who, step), s in sorted(totals.items(), key=lambda kv: -kv[1])]
+
+
+def run(jobs: int, tmp: Path, sched: bool) -> None:
+    work = Path(tempfile.mkdtemp(prefix="trainq-cycle-", dir=tmp))
+    stamps = work / "stamps"
+    stamps.mkdir()
+    site = work / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import bench._cycle_stamps  # noqa: F401\n", encoding="utf-8")
+    q = Queue.create(work / "q", {"max_concurrent": 1})
+    names = [f"t-{i:05d}.yaml" for i in range(jobs)]
+    for name in names:
+        q.stage(name, job_yaml(["true"]))
+    env = bench_env(CYCLE_STAMPS=str(stamps))
+    env["PYTHONPATH"] = os.pathsep.join((str(site), str(REPO), env["PYTHONPATH"]))
+    watcher = subprocess.Popen(
+        [PY, "-m", "trainq.watcher", "--root", str(q.root), "watch", "-q"],
+        env=env,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    perf = None
+    try:
+        wait_until(lambda: (read_status(q.root) or {}).get("watcher", {}).get("pid") == watcher.pid, 60, what="ready")
+        (q.root / "pause.flag").write_text("")
+        wait_until(lambda: (read_status(q.root) or {}).get("watcher", {}).get("state") == "paused", 30, what="paused")
+        for name in names:
+            q.drop_staged(name)
+        wait_until(lambda: q.count("pending") >= jobs, 120, what=f"{jobs} pending jobs")
+        if sched:
+            perf = subprocess.Popen(
+                ["perf", "sched", "record", "-k", "CLOCK_MONOTONIC", "-a", "-o", str(work / "sched.data")],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(0.5)
+        start = time.perf_counter()  # CLOCK_MONOTONIC: the stamps' clock, and perf's with -k
+        (q.root / "pause.flag").unlink()
+        wait_until(lambda: q.count("done") + q.count("failed") >= jobs, 600, interval_s=0.02, what="all done")
+        end = time.perf_counter()
+        elapsed = end - start
+    finally:
+        if perf is not None:
+            perf.send_signal(signal.SIGINT)
+            perf.wait(60)
+        watcher.send_signal(signal.SIGTERM)
+        watcher.wait(60)
+    time.sleep(0.5)  # the pooled supervisors flush after each attempt; the last ones leave after the watcher
+    found = _stamps(stamps)
+    segments = cycle(found, watcher.pid)
+    print(f"{jobs} serial trivial jobs: {jobs / elapsed:.0f} jobs/s (the pause lifted to the last one done)")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}\n")
+    print("| segment of the cycle | median ms | what |\n|---|---|---|")
+    for name, what in SEGMENTS:
+        values = segments.get(name) or [0.0]
+        print(f"| {name} | {statistics.median(values) * 1000:.3f} | {what} |")
+    whole = segments.get("cycle") or [0.0]
+    print(f"| whole cycle | {statistics.median(whole) * 1000:.3f} | median over {len(whole)} jobs |\n")
+    print("| process | step | CPU ms a job |\n|---|---|---|")
+    for who, step, ms in cpu_by_step(found, watcher.pid, jobs, (start, end)):
+        print(f"| {who} | {step} | {ms:.3f} |")
+    if perf is not None:
+        print()
+        _sched_report(work / "sched.data", found, watcher.pid, jobs, (start, end))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _sched_report(
+    data: Path, stamps: dict[int, list], watcher_pid: int, jobs: int, window: tuple[float, float]
+) -> None:
+    """From ``perf sched timehist`` inside ``window``: CPU each kind of process ran, its waits for a CPU while
+    runnable, and each CPU's idle time, per job."""
+    out = subprocess.run(["perf", "sched", "timehist", "-i", str(data)], capture_output=True, text=True).stdout
+    supervisors = {pid for pid in stamps if pid != watcher_pid}
+    line = re.compile(r"^\s*([\d.]+)\s+\[(\d+)\]\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$")
+    ran: dict[str, float] = defaultdict(float)
+    waited: dict[str, float] = defaultdict(float)
+    idle: dict[str, float] = defaultdict(float)
+    for text in out.splitlines():
+        m = line.match(text)
+        if not m:
+            continue
+        at, cpu, task, _wait, delay, run_ms = m.groups()
+        if not window[0] <= float(at) <= window[1]:
+            continue
+        pid_match = re.search(r"\[(\d+)(?:/(\d+))?\]$", task)
+        pid = int(pid_match.group(2) or pid_match.group(1)) if pid_match else -1
+        if task.startswith("<idle>"):
+            idle[f"CPU {int(cpu)}"] += float(run_ms)
+            continue
+        kind = (
+            "watcher"
+            if pid == watcher_pid
+            else "pooled supervisors"
+            if pid in supervisors
+            else "jobs (true)"
+            if task.startswith("true[")
+            else None
+        )
+        if kind is not None:
+            ran[kind] += float(run_ms)
+            waited[kind] += float(delay)
+    print("| from the scheduler (perf sched), per job | ms |\n|---|---|")
+    for kind in ("watcher", "pooled supervisors", "jobs (true)"):
+        print(f"| {kind}: ran | {ran[kind] / jobs:.3f} |")
+        print(f"| {kind}: runnable, waiting for a CPU | {waited[kind] / jobs:.3f} |")
+    for name in sorted(idle):
+        print(f"| {name} idle | {idle[name] / jobs:.3f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=300)
+    parser.add_argument("--tmp", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp"))
+    parser.add_argument("--sched", action="store_true", help="also record the scheduler with perf (root)")
+    args = parser.parse_args(argv)
+    if args.sched and shutil.which("perf") is None:
+        parser.error("--sched needs perf")
+    run(args.jobs, args.tmp, args.sched)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
