@@ -20,6 +20,7 @@ WATCHER_STEPS = (
     ("trainq.watcher.daemon.daemon", "Watcher.tick", "pass"),
     ("trainq.watcher.daemon.daemon", "Watcher._wait", "wait"),
     ("trainq.watcher.daemon.finishing", "Finishing.reap_finished", "reap_finished"),
+    ("trainq.watcher.daemon.intake", "Intake.admit_inbox", "admit"),
     ("trainq.watcher.daemon.starting", "Starting.start_pending", "start_pending"),
     ("trainq.watcher.daemon.starting", "Starting._launch", "launch"),
     ("trainq.watcher.supervisor.spawner", "Spawner._launch_direct", "hand_over"),
