@@ -100,6 +100,46 @@ def test_pooled_supervisors_run_one_attempt_after_another(tmp_path):
     )
 
 
+def test_the_helper_lets_surplus_supervisors_go_and_keeps_running(tmp_path):
+    """The soak's finding (2026-12-07): when more than POOL_IDLE_MAX pooled supervisors said "idle" at once, the
+    helper closed the surplus one's pipes and then read them again: EBADF ended the helper (29 times in one soak),
+    and every launch until the next watcher fell back to forking in the watcher itself."""
+    from trainq.watcher.supervisor.pool import POOL_IDLE_MAX
+
+    gate = tmp_path / "gate"
+    sup = SpawningSupervisor()
+    try:
+        busy = POOL_IDLE_MAX + 2
+        specs = [
+            spec_for(tmp_path, f"held{n}", ("sh", "-c", f"while [ ! -e '{gate}' ]; do sleep 0.02; done"))
+            for n in range(busy)
+        ]
+        pids = [sup.launch(spec) for spec in specs]
+        assert len(set(pids)) == busy and not set(pids) & sup.forked_pids
+        for spec in specs:
+            wait_until(lambda: sup.read_started(JobPaths(Path(spec.job_dir))), 10)  # noqa: B023
+        helper = sup._spawner._proc
+        gate.touch()  # every one ends at once and says "idle": the helper keeps POOL_IDLE_MAX, lets the rest go
+        for spec in specs:
+            wait_until(lambda: sup.read_exit(JobPaths(Path(spec.job_dir))), 10)  # noqa: B023
+        wait_until(
+            lambda: (
+                sum(1 for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie") <= POOL_IDLE_MAX
+            ),
+            10,
+            what="the surplus supervisors to leave",
+        )
+        time.sleep(0.3)  # the helper's next turns of its loop
+        assert helper.poll() is None, "the helper died letting the surplus go"
+        after = spec_for(tmp_path, "after", ("sh", "-c", "echo after"))
+        pid = sup.launch(after)
+        assert pid not in sup.forked_pids, "the launch fell back to forking in this process"
+        wait_until(lambda: sup.read_exit(JobPaths(Path(after.job_dir))), 10)
+    finally:
+        gate.touch()
+        sup.close()
+
+
 def test_a_supervisor_told_to_stop_leaves_after_its_attempt(tmp_path):
     sup = SpawningSupervisor()
     try:

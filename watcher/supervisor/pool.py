@@ -300,7 +300,10 @@ class _Warm:
             select.select([self.replies], [], [], remaining)
 
     def next_message(self) -> dict | None:
-        """The next line it wrote, without blocking; None when there is none (``gone`` at end of file)."""
+        """The next line it wrote, without blocking; None when there is none (``gone`` at end of file) and once
+        ``close`` let it go (``reap`` reads on after the message that made the pool close it)."""
+        if self.replies < 0:
+            return None
         while b"\n" not in self._buffer:
             try:
                 chunk = os.read(self.replies, 4096)
