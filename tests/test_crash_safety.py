@@ -53,6 +53,36 @@ def test_a_retry_survives_a_watcher_crash_at_each_step(queue_dir, watcher_proces
     assert run["status"] == "done" and run["attempt"] == 2
 
 
+@pytest.mark.parametrize("half_cleared", [False, True])
+def test_a_crash_while_starting_a_retry_runs_the_retry(queue_dir, watcher_process, tmp_path, half_cleared):
+    """The soak's findings (2026-12-07): a watcher killed between moving a retried job into running/ and any
+    supervisor taking attempt 2 left the folder in running/ with attempt 1's start and exit records, and run.json
+    still saying pending. The next watcher's recovery took attempt 1's exit record for the current attempt's and
+    failed the job again: the retry never ran. ``half_cleared``: killed while clearing those records itself
+    (forking a supervisor in-process, the spawner helper gone), exit.json removed and the start record not yet:
+    recovery called attempt 1 lost and failed the job as killed."""
+    (queue_dir / "watcher.yaml").write_text("rescan_s: 0.2\nsettle_s: 0.1\n")
+    drop(queue_dir, "rj.yaml", _fails_then_succeeds(tmp_path / "ran-once"))
+    first = watcher_process()
+    wait_until(lambda: (_read(queue_dir / "failed" / "rj" / "run.json") or {}).get("status") == "failed", 20)
+    first.stop()
+    (queue_dir / "failed" / "rj" / "retry.flag").touch()
+    crashing = watcher_process(env={"TRAINQ_WATCHER_CRASH": "start-moved:rj"})
+    assert crashing.proc.wait(timeout=60) == CRASH_EXIT_CODE
+    left = queue_dir / "running" / "rj"
+    assert (_read(left / "exit.json") or {}).get("attempt") == 1  # attempt 1's records, beside a pending run.json
+    assert (_read(left / "run.json") or {}).get("status") == "pending"
+    if half_cleared:
+        (left / "exit.json").unlink()  # where a SIGKILL between _clear_records' two unlinks leaves the folder
+    watcher_process()
+    wait_until(lambda: (queue_dir / "done" / "rj").exists() or (queue_dir / "failed" / "rj").exists(), 30)
+    assert (queue_dir / "done" / "rj").exists(), "the retry was failed again on attempt 1's exit record"
+    assert "second run" in (queue_dir / "done" / "rj" / "output.log").read_text()
+    run = _read(queue_dir / "done" / "rj" / "run.json")
+    assert run["status"] == "done" and run["attempt"] == 2
+    assert [a["n"] for a in run["attempts"]] == [1, 2]
+
+
 def test_an_edit_just_before_the_start_is_what_runs(queue_dir, watcher, write_job):
     w = watcher(rescan_s=3600)  # no rescan after the first pass: only the start's own check can see the edit
     (queue_dir / "pause.flag").touch()

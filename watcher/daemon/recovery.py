@@ -129,7 +129,7 @@ def _recover_running(loop: LoopState, finishing: Finishing, job_id: str, now: fl
         _adopt(job, started, now)
         return
     record = executor.read_exit(job.paths, attempt)
-    if started is None and record is None:
+    if (started is None and record is None) or _of_an_ended_attempt(job, started or record):
         _never_started(loop, job)
         return
     _sync_attempt(job, started or record)
@@ -172,6 +172,17 @@ def _sync_attempt(job: Job, record: dict | None) -> None:
     if current.get("pid") is None:
         current["pid"] = record.get("supervisor_pid")
     job.run["started_at"] = job.run.get("started_at") or record.get("started_at")
+
+
+def _of_an_ended_attempt(job: Job, record: dict | None) -> bool:
+    """The records in a running job's folder are those of an attempt run.json has already concluded, and run.json
+    says pending: a retry (or a requeue) was moved into running/ for its next attempt, and the watcher died before
+    any supervisor took that attempt (taking it clears the last attempt's records). The next attempt never started;
+    reading the old exit record as its end would fail the job again without running it (the soak found it)."""
+    if not record or job.run.get("status") != "pending":
+        return False
+    n = record.get("attempt")
+    return any(a.get("n") == n and a.get("ended_at") for a in job.run.get("attempts") or [])
 
 
 def _never_started(loop: LoopState, job: Job) -> None:
