@@ -12,7 +12,8 @@ Every job appends ``ID ATTEMPT WORD`` to a ledger and every hook ``ID STATUS`` t
 - orphans: any process left that names the soak's folder, once the last watcher has stopped;
 - hooks: each job's hook lines equal its conclusions (retried jobs conclude twice);
 - retries: every retried job ended done on attempt 2; every edit ran the edited command; every
-  removed job never ran, and its dependents ended as their after_policy says.
+  removed job never ran, and its dependents ended as their after_policy says;
+- tracebacks: no uncaught exception in any watcher, helper or supervisor (their stderr).
 
     nice .venv/bin/python bench/soak.py [--jobs 2000] [--kills 100] [--seed 23] [--tmp DIR]
 
@@ -271,8 +272,25 @@ def _verify(queue: Queue, plan: Plan) -> dict:
         + [j for j in plan.rm_any if status.get(j) != "done"],
         "stops_wrong": [j for j in plan.stops if status.get(j) != "cancelled"],
         "rejected": [j for j, s in status.items() if s == "rejected"],
+        "tracebacks": _tracebacks(root.parent / "watcher.stderr"),
     }
     return {k: v for k, v in problems.items() if v}
+
+
+def _tracebacks(stderr: Path) -> dict[str, int]:
+    """Uncaught exceptions the watchers, helpers and supervisors printed (their stderr goes to one file): the
+    exception's line, how often. A SIGKILL prints nothing; a helper dying of an exception (the soak of 2026-12-07
+    found one, 29 times, that no job-level check saw: the watcher fell back to forking supervisors itself) does."""
+    try:
+        lines = stderr.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return {}
+    found: Counter = Counter()
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last):"):
+            end = next((t for t in lines[i + 1 :] if t and not t.startswith((" ", "\t"))), "(cut off)")
+            found[end[:200]] += 1
+    return dict(found)
 
 
 def main() -> int:
