@@ -33,14 +33,19 @@ def _fails_then_succeeds(marker: Path) -> str:
     return yaml.safe_dump({"approved": True, "command": ["sh", "-c", script]})
 
 
-@pytest.mark.parametrize("point", ["retry-saved", "retry-moved", "retry-done"])
-def test_a_retry_survives_a_watcher_crash_at_each_step(queue_dir, watcher_process, tmp_path, point):
+def _failed_once_with_a_retry_flag(queue_dir: Path, watcher_process, tmp_path: Path) -> None:
+    """Job ``rj`` failed on its first run under a watcher now stopped, and retry.flag touched in failed/rj."""
     (queue_dir / "watcher.yaml").write_text("rescan_s: 0.2\nsettle_s: 0.1\n")
     drop(queue_dir, "rj.yaml", _fails_then_succeeds(tmp_path / "ran-once"))
     first = watcher_process()
     wait_until(lambda: (_read(queue_dir / "failed" / "rj" / "run.json") or {}).get("status") == "failed", 20)
     first.stop()
     (queue_dir / "failed" / "rj" / "retry.flag").touch()
+
+
+@pytest.mark.parametrize("point", ["retry-saved", "retry-moved", "retry-done"])
+def test_a_retry_survives_a_watcher_crash_at_each_step(queue_dir, watcher_process, tmp_path, point):
+    _failed_once_with_a_retry_flag(queue_dir, watcher_process, tmp_path)
     crashing = watcher_process(env={"TRAINQ_WATCHER_CRASH": f"{point}:rj"})
     assert crashing.proc.wait(timeout=60) == CRASH_EXIT_CODE
     if point == "retry-saved":  # the finding: run.json says pending while the folder is still in failed/
@@ -61,12 +66,7 @@ def test_a_crash_while_starting_a_retry_runs_the_retry(queue_dir, watcher_proces
     failed the job again: the retry never ran. ``half_cleared``: killed while clearing those records itself
     (forking a supervisor in-process, the spawner helper gone), exit.json removed and the start record not yet:
     recovery called attempt 1 lost and failed the job as killed."""
-    (queue_dir / "watcher.yaml").write_text("rescan_s: 0.2\nsettle_s: 0.1\n")
-    drop(queue_dir, "rj.yaml", _fails_then_succeeds(tmp_path / "ran-once"))
-    first = watcher_process()
-    wait_until(lambda: (_read(queue_dir / "failed" / "rj" / "run.json") or {}).get("status") == "failed", 20)
-    first.stop()
-    (queue_dir / "failed" / "rj" / "retry.flag").touch()
+    _failed_once_with_a_retry_flag(queue_dir, watcher_process, tmp_path)
     crashing = watcher_process(env={"TRAINQ_WATCHER_CRASH": "start-moved:rj"})
     assert crashing.proc.wait(timeout=60) == CRASH_EXIT_CODE
     left = queue_dir / "running" / "rj"
