@@ -123,7 +123,7 @@ def run(jobs: int, tmp: Path, sched: bool) -> None:
     for name in names:
         q.stage(name, job_yaml(["true"]))
     env = bench_env(CYCLE_STAMPS=str(stamps))
-    env["PYTHONPATH"] = os.pathsep.join((str(site), str(REPO), env["PYTHONPATH"]))
+    env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))  # bench_env's: a given one, then REPO
     watcher = subprocess.Popen(
         [PY, "-m", "trainq.watcher", "--root", str(q.root), "watch", "-q"],
         env=env,
