@@ -178,6 +178,43 @@ def test_a_dead_helper_falls_back_to_forking_in_process(tmp_path):
         sup.close()
 
 
+def test_a_lost_helper_is_started_again_and_launches_go_through_it(tmp_path):
+    """Until 2026-12-07 a helper lost once (killed, or the soak's EBADF) was never started again: every launch for
+    the rest of the watcher's life forked in the watcher, ~3 ms more each. Now the loop's reap starts a new one
+    after HELPER_RESTART_S; a second loss in a row waits twice as long."""
+    from trainq.watcher.supervisor import spawner
+
+    sup = SpawningSupervisor()
+    try:
+        sup.launch(spec_for(tmp_path, "first", ("true",)))
+        old = sup._spawner._proc.pid
+        lost_at = time.monotonic()
+        os.kill(old, signal.SIGKILL)
+        wait_until(lambda: sup._spawner is None or not sup._spawner.is_running, 10)
+        sup.reap()  # hears of the loss
+        assert sup._spawner is None and sup.restarts == 0
+        forked = sup.launch(spec_for(tmp_path, "meanwhile", ("true",)))
+        assert forked in sup.forked_pids, "until the restart, launches fork here"
+        wait_until(lambda: (sup.reap(), sup._spawner)[1] is not None, 10, what="the helper started again")
+        assert time.monotonic() - lost_at >= spawner.HELPER_RESTART_S
+        assert sup.restarts == 1 and sup._spawner.pid != old
+        after = spec_for(tmp_path, "after", ("sh", "-c", "echo through-the-new-helper"))
+        pid = sup.launch(after)
+        assert pid not in sup.forked_pids, "the launch went through the new helper"
+        paths = JobPaths(Path(after.job_dir))
+        wait_until(lambda: sup.read_exit(paths), 10)
+        assert "through-the-new-helper" in paths.log.read_text()
+        lost_again = time.monotonic()
+        os.kill(sup._spawner.pid, signal.SIGKILL)
+        wait_until(lambda: (sup.reap(), sup._spawner)[1] is None, 10, what="the second loss seen")
+        wait_until(lambda: (sup.reap(), sup._spawner)[1] is not None, 15, what="the second restart")
+        assert time.monotonic() - lost_again >= 2 * spawner.HELPER_RESTART_S, "a loss in a row waits longer"
+        assert sup.restarts == 2
+    finally:
+        sup.close()
+        sup.reap()
+
+
 def test_helper_leaves_when_the_watcher_closes_it_and_jobs_live_on(tmp_path):
     sup = SpawningSupervisor()
     spec = spec_for(tmp_path, "long", ("sleep", "30"))
@@ -345,3 +382,33 @@ def test_a_launch_too_big_for_the_jobs_socket_goes_through_the_helper(tmp_path):
         assert f"length {DIRECT_MAX_BYTES + 10_000}" in paths.log.read_text()
     finally:
         sup.close()
+
+
+def _helpers_of(watcher_pid: int) -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.Process(watcher_pid).children()
+        if "trainq.watcher.supervisor.spawner" in " ".join(p.cmdline())
+    ]
+
+
+def test_a_watcher_whose_helper_was_killed_runs_jobs_and_starts_a_new_one(queue_dir, watcher_process):
+    """The same from the outside: a running watcher, its helper SIGKILLed. Jobs dropped meanwhile still run, a new
+    helper appears, and watcher.log says both."""
+    from conftest import drop
+
+    w = watcher_process()
+    old = wait_until(lambda: _helpers_of(w.proc.pid), 30, what="the first helper")[0].pid
+    os.kill(old, signal.SIGKILL)
+    drop(queue_dir, "during.yaml", "approved: true\ncommand: [sh, -c, 'echo ran-during']\n")
+    wait_until(lambda: (queue_dir / "done" / "during").is_dir(), 30, what="the job dropped meanwhile done")
+    new = wait_until(lambda: [p for p in _helpers_of(w.proc.pid) if p.pid != old], 30, what="a new helper")[0]
+    drop(queue_dir, "after.yaml", "approved: true\ncommand: [sh, -c, 'echo ran-after']\n")
+    wait_until(lambda: (queue_dir / "done" / "after").is_dir(), 30, what="the job dropped after done")
+    assert "ran-after" in (queue_dir / "done" / "after" / "output.log").read_text()
+    started = wait_until(lambda: json.loads((queue_dir / "done" / "after" / "supervisor.json").read_text()), 5)
+    assert psutil.Process(started["supervisor_pid"]).ppid() in (new.pid, 1) or not psutil.pid_exists(
+        started["supervisor_pid"]
+    )
+    log = (queue_dir / "watcher.log").read_text()
+    assert "spawner helper lost" in log and "spawner helper started again" in log

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import select
 import signal
@@ -55,6 +56,13 @@ REPLY_TIMEOUT_S = 5.0
 ORPHAN_START_WAIT_S = 2.0
 #: how long a direct request waits for a pooled supervisor to take it before the helper forks one instead
 DIRECT_TIMEOUT_S = 2.0
+#: a lost helper is started again after this long, each further loss in a row twice as long, up to the max (s)
+HELPER_RESTART_S = 1.0
+HELPER_RESTART_MAX_S = 300.0
+#: a helper that lived this long was not failing as it started: the next loss waits HELPER_RESTART_S again
+HELPER_STEADY_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 class SpawnerGone(Exception):
@@ -105,6 +113,15 @@ class Spawner:
     @property
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """The helper's exit status once it exited (a signal as its negative number)."""
+        return self._proc.returncode if self._proc is not None else None
 
     def filenos(self) -> list[int]:
         """The fds to select on: readable when the helper has news or a supervisor wrote its exit record."""
@@ -256,35 +273,67 @@ class Spawner:
 
 
 class SpawningSupervisor(Supervisor):
-    """A Supervisor whose launches go through the helper, falling back to forking itself."""
+    """A Supervisor whose launches go through the helper, falling back to forking itself.
+
+    A helper that is lost (it exited, was killed, stopped answering, or could not be started) is started again
+    from the loop's ``reap`` after ``HELPER_RESTART_S``, each further loss in a row waiting twice as long (up to
+    ``HELPER_RESTART_MAX_S``); launches in between fork in this process. A helper that lived
+    ``HELPER_STEADY_S`` resets the wait, so only one that dies as it starts backs off far.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self._spawner: Spawner | None = None
-        self._spawner_failed = False
+        #: when (monotonic) a lost helper may be started again; None: never lost
+        self._restart_at: float | None = None
+        self._restart_wait_s = HELPER_RESTART_S
+        self._started_at = 0.0
+        #: helpers started again after a loss, over this object's life
+        self.restarts = 0
 
     def start_spawner(self) -> None:
         """Start the helper now (it imports and forks its first supervisor while the watcher goes on)."""
         self._ensure_spawner()
 
     def _ensure_spawner(self) -> None:
-        """Start the helper if it is not started yet (and has not failed to start)."""
-        if self._spawner is not None or self._spawner_failed:
+        """Start the helper unless it runs, or was lost and its restart is not due yet."""
+        if self._spawner is not None or (self._restart_at is not None and time.monotonic() < self._restart_at):
             return
-        self._spawner = Spawner()
+        spawner = Spawner()
         try:
-            self._spawner.start()
-        except OSError:
-            self._spawner, self._spawner_failed = None, True
+            spawner.start()
+        except OSError as exc:
+            self._lost(None, f"it could not be started: {exc}")
+            return
+        if self._restart_at is not None:
+            self.restarts += 1
+            logger.info("spawner helper started again (pid %d)", spawner.pid)
+        self._spawner, self._started_at = spawner, time.monotonic()
+
+    def _lost(self, spawner: Spawner | None, why: str) -> None:
+        """The helper is gone: launches fork here until the restart is due."""
+        if spawner is not None:
+            spawner.close()
+        self._spawner = None
+        now = time.monotonic()
+        if spawner is not None and now - self._started_at >= HELPER_STEADY_S:
+            self._restart_wait_s = HELPER_RESTART_S
+        self._restart_at = now + self._restart_wait_s
+        logger.warning(
+            "spawner helper lost (%s); supervisors are forked by the watcher itself until it starts again in %g s",
+            why,
+            self._restart_wait_s,
+        )
+        self._restart_wait_s = min(self._restart_wait_s * 2, HELPER_RESTART_MAX_S)
 
     def launch(self, spec: LaunchSpec) -> int:
-        self._ensure_spawner()
+        if self._restart_at is None:
+            self._ensure_spawner()  # the first launch without start_spawner; a restart is the loop's (reap)
         if self._spawner is not None:
             try:
                 return self._spawner.launch(spec)
-            except SpawnerGone:
-                self._spawner.close()
-                self._spawner, self._spawner_failed = None, True
+            except SpawnerGone as exc:
+                self._lost(self._spawner, _how_it_ended(self._spawner) or str(exc))
                 pid = _supervisor_it_may_have_forked(spec)
                 if pid is not None:
                     return pid
@@ -294,6 +343,10 @@ class SpawningSupervisor(Supervisor):
         reaped = super().reap()
         if self._spawner is not None:
             reaped += self._spawner.reaped()
+            if not self._spawner.is_running:
+                self._lost(self._spawner, _how_it_ended(self._spawner) or "it exited")
+        if self._spawner is None and self._restart_at is not None:
+            self._ensure_spawner()  # when due
         return reaped
 
     def wake_fds(self) -> list[int]:
@@ -303,6 +356,19 @@ class SpawningSupervisor(Supervisor):
         if self._spawner is not None:
             self._spawner.close()
             self._spawner = None
+
+
+def _how_it_ended(spawner: Spawner) -> str | None:
+    """ "killed by SIGKILL", "exited with code 1"; None while the helper runs."""
+    if spawner.is_running or spawner.returncode is None:
+        return None
+    code = spawner.returncode
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _supervisor_it_may_have_forked(spec: LaunchSpec) -> int | None:
