@@ -277,23 +277,85 @@ def test_daemon_left_behind_by_a_successful_job_is_killed_before_the_exit_record
     assert "left 1 processes running" in log_text(paths)
 
 
-@pytest.mark.parametrize("case", ["missing_executable", "bad_cwd", "not_executable"])
+@pytest.mark.parametrize(
+    "case", ["missing_executable", "bad_cwd", "not_executable", "not_executable_on_path", "not_a_program"]
+)
 def test_spawn_errors_give_an_exit_record_and_a_log_line(jobs: Jobs, case: str) -> None:
     paths = jobs.folder()
     script = paths.dir / "script.sh"
     script.write_text("#!/bin/sh\necho hi\n")
     script.chmod(0o644)
+    junk = paths.dir / "junk"
+    junk.write_bytes(b"\x00\x01\x02 no interpreter line\n")
+    junk.chmod(0o755)
     argv, cwd, code, words = {
         "missing_executable": (("no-such-command-xyz", "--flag"), str(paths.dir), 127, "no-such-command-xyz"),
         "bad_cwd": (("true",), str(paths.dir / "missing"), 127, "working directory"),
         "not_executable": ((str(script),), str(paths.dir), 126, "permission denied"),
+        "not_executable_on_path": (("script.sh",), str(paths.dir), 126, "permission denied"),
+        "not_a_program": ((str(junk),), str(paths.dir), 126, "Exec format error"),
     }[case]
-    jobs.sup.launch(jobs.spec(paths, argv, cwd=cwd))
+    env = {"PATH": f"/usr/bin:{paths.dir}"}  # not this process's PATH: the job's own is searched
+    jobs.sup.launch(jobs.spec(paths, argv, cwd=cwd, env=env))
     record = jobs.wait_exit(paths)
     assert record["exit_code"] == code and record["signal"] is None
     assert words in record["spawn_error"]
     assert f"trainq: cannot start the job: {record['spawn_error']}" in log_text(paths)
     assert jobs.sup.read_started(paths) is None, "no start record for a job that never started"
+
+
+@pytest.mark.parametrize("same_path", [True, False])
+def test_the_job_s_own_path_finds_its_program(jobs: Jobs, tmp_path: Path, same_path: bool) -> None:
+    """A bare command is looked up on the job's PATH (its env), whether or not it is the supervisor's; a relative
+    one against the job's cwd."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "only-here").write_text('#!/bin/sh\necho found-on-the-job-path "$PWD"\n')
+    (tools / "only-here").chmod(0o755)
+    paths = jobs.folder()
+    path = os.environ["PATH"] if same_path else f"{tools}:/usr/bin:/bin"
+    argv = ("only-here",) if not same_path else (str(tools / "only-here"),)
+    jobs.sup.launch(jobs.spec(paths, argv, env={"PATH": path}))
+    assert jobs.wait_exit(paths)["exit_code"] == 0
+    assert f"found-on-the-job-path {paths.dir}" in log_text(paths)
+    rel = jobs.folder("relative")
+    (rel.dir / "run.sh").write_text("#!/bin/sh\necho relative-ran\n")
+    (rel.dir / "run.sh").chmod(0o755)
+    jobs.sup.launch(jobs.spec(rel, ("./run.sh",), env={"PATH": path}))
+    assert jobs.wait_exit(rel)["exit_code"] == 0 and "relative-ran" in log_text(rel)
+
+
+def test_the_foreground_supervisor_passes_no_inherited_fd_to_the_job(tmp_path: Path) -> None:
+    """An fd the foreground supervisor inherited without close-on-exec (a Slurm step's) must not reach the job
+    (pinned while a posix_spawn start, which closes nothing by itself, was tried: docs/benchmarks.md)."""
+    paths = JobPaths(tmp_path / "running" / "fg")
+    paths.dir.mkdir(parents=True)
+    spec = LaunchSpec(
+        job_dir=str(paths.dir),
+        argv=py("reports_fds.py"),
+        env={},
+        cwd=str(paths.dir),
+        attempt=1,
+        stop_grace_s=0.5,
+        kill_after_s=1.0,
+    )
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec.to_dict()))
+    stray_r, stray_w = os.pipe()
+    os.set_inheritable(stray_w, True)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "trainq.watcher.supervisor", str(paths.dir), "--spec", str(spec_file)],
+            pass_fds=(stray_w,),
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO,
+            timeout=60,
+        )
+    finally:
+        os.close(stray_r)
+        os.close(stray_w)
+    assert done.returncode == 0
+    assert "fds: 0 1 2 3\n" in log_text(paths), "the job holds only stdio (3 is its own listdir)"
 
 
 def test_standalone_entry_point_runs_in_the_foreground(jobs: Jobs) -> None:
