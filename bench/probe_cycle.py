@@ -11,6 +11,12 @@ With ``perf`` at hand (``--sched``, root), it also records the scheduler during 
 supervisors waited for a CPU while runnable, and how long each CPU sat idle, per job.
 
     .venv/bin/python bench/probe_cycle.py [--jobs 300] [--tmp /dev/shm] [--sched]
+
+With ``--drops N`` it times the other critical path instead, ``bench_queue.py``'s latency row: N jobs dropped
+one at a time into an idle queue (``--gap`` seconds of quiet before each), each split from the rename into inbox/
+to the job's exec.
+
+    .venv/bin/python bench/probe_cycle.py --drops 200 [--gap 0]
 """
 
 from __future__ import annotations
@@ -43,6 +49,20 @@ SEGMENTS = (
     ("spawned → reaped", "the job runs; meanwhile the snapshot, start record and started event"),
     ("reaped → notified", "the exit record and exited event, the lock released, the watcher told"),
     ("notified → next pass", "until the watcher's next pass starts"),
+)
+
+
+#: the drop's path, from the rename into inbox/ to the job's exec, in order: (segment, what it is)
+DROP_SEGMENTS = (
+    ("drop → pass", "the loop's wake-up: inotify, the select, until its pass starts"),
+    ("pass → admit", "the pass's work before intake (finished jobs reaped)"),
+    ("admit", "intake: scan, read, validate, claim into pending/"),
+    ("admit → launch", "planning: what may start, in what order"),
+    ("launch → handed over", "the launch before the request on the jobs socket (the move into running/)"),
+    ("handed over → taken", "until a pooled supervisor starts taking it (its wake-up)"),
+    ("take", "the job's lock, the last attempt's records cleared, output.log, the answer"),
+    ("taken → spawn", "stop handlers, environment, snapshot read, the cgroup made"),
+    ("spawn", "enter the cgroup, vfork + exec, leave"),
 )
 
 
@@ -95,6 +115,58 @@ def cycle(stamps: dict[int, list], watcher_pid: int) -> dict[str, list[float]]:
             out[name].append(b - a)
         out["cycle"].append(points[-1] - points[0])
     return out
+
+
+def drop_path(stamps: dict[int, list], watcher_pid: int, drops: list[float]) -> dict[str, list[float]]:
+    """Each drop's path split into DROP_SEGMENTS (seconds); ``drops`` are the renames' ``perf_counter`` times."""
+    watcher = stamps.get(watcher_pid, [])
+    steps = {name: [r for r in watcher if r[0] == name] for name in ("pass", "admit", "launch", "hand_over")}
+    starts = {name: [r[1] for r in rows] for name, rows in steps.items()}
+    by_step: dict[str, list] = defaultdict(list)
+    for pid, rows in stamps.items():
+        if pid != watcher_pid:
+            for r in rows:
+                by_step[r[0]].append(r)
+    for rows in by_step.values():
+        rows.sort(key=lambda r: r[1])
+    sup_starts = {step: [r[1] for r in rows] for step, rows in by_step.items()}
+    out: dict[str, list[float]] = defaultdict(list)
+    for dropped in drops[2:]:  # the first ones warm the pool
+        launch = _first_after(steps["launch"], starts["launch"], dropped)
+        if launch is None:
+            continue
+        admits = [r for r in steps["admit"] if dropped <= r[1] <= launch[1]]
+        hand = _first_after(steps["hand_over"], starts["hand_over"], launch[1])
+        take = hand and _first_after(by_step["take"], sup_starts.get("take", []), hand[1])
+        spawn = take and _first_after(by_step["spawn"], sup_starts.get("spawn", []), take[2])
+        if not (admits and hand and take and spawn):
+            continue
+        admit = admits[-1]  # the pass that took the file (an earlier one may have seen it incomplete)
+        here = bisect.bisect_right(starts["pass"], admit[1]) - 1
+        first = _first_after(steps["pass"], starts["pass"], dropped)
+        if here < 0 or first is None:
+            continue
+        points = (dropped, first[1], admit[1], admit[2], launch[1], hand[1], take[1], take[2], spawn[1], spawn[2])
+        for (name, _what), a, b in zip(DROP_SEGMENTS, points, points[1:], strict=False):
+            out[name].append(b - a)
+        out["drop → exec"].append(points[-1] - points[0])
+        out["passes"].append(
+            float(bisect.bisect_right(starts["pass"], launch[1]) - bisect.bisect_left(starts["pass"], dropped))
+        )
+    return out
+
+
+def step_medians(stamps: dict[int, list], watcher_pid: int) -> list[tuple[str, str, float, float, int]]:
+    """(process, step, median wall ms, median CPU ms, calls) of every stamped step (idle passes included)."""
+    rows: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    for pid, stamped in stamps.items():
+        who = "watcher" if pid == watcher_pid else "supervisor"
+        for step, start, end, cpu in stamped:
+            rows[(who, step)].append((end - start, cpu))
+    return [
+        (who, step, statistics.median(w for w, _ in v) * 1000, statistics.median(c for _, c in v) * 1000, len(v))
+        for (who, step), v in sorted(rows.items())
+    ]
 
 
 def cpu_by_step(
@@ -177,6 +249,58 @@ def run(jobs: int, tmp: Path, sched: bool) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def run_drops(drops: int, gap_s: float, tmp: Path) -> None:
+    work = Path(tempfile.mkdtemp(prefix="trainq-drops-", dir=tmp))
+    stamps = work / "stamps"
+    stamps.mkdir()
+    site = work / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import bench._cycle_stamps  # noqa: F401\n", encoding="utf-8")
+    q = Queue.create(work / "q")
+    names = [f"d-{i:05d}" for i in range(drops)]
+    for name in names:
+        q.stage(f"{name}.yaml", job_yaml(["true"]))
+    env = bench_env(CYCLE_STAMPS=str(stamps))
+    env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))
+    watcher = subprocess.Popen(
+        [PY, "-m", "trainq.watcher", "--root", str(q.root), "watch", "-q"],
+        env=env,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    dropped_at = []
+    try:
+        wait_until(lambda: (read_status(q.root) or {}).get("watcher", {}).get("pid") == watcher.pid, 60, what="ready")
+        for name in names:
+            time.sleep(gap_s)
+            dropped_at.append(time.perf_counter())
+            q.drop_staged(f"{name}.yaml")
+            wait_until(lambda: q.job_dir("done", name).is_dir(), 30, interval_s=0.002, what=f"{name} done")
+    finally:
+        watcher.send_signal(signal.SIGTERM)
+        watcher.wait(60)
+    time.sleep(0.5)
+    found = _stamps(stamps)
+    segments = drop_path(found, watcher.pid, dropped_at)
+    print(
+        f"{drops} drops one at a time, {gap_s:g} s of quiet before each; load average at the end: "
+        f"{os.getloadavg()[0]:.2f}\n"
+    )
+    print("| segment of the drop's path | median ms | what |\n|---|---|---|")
+    for name, what in DROP_SEGMENTS:
+        values = segments.get(name) or [0.0]
+        print(f"| {name} | {statistics.median(values) * 1000:.3f} | {what} |")
+    whole = segments.get("drop → exec") or [0.0]
+    print(f"| drop → exec | {statistics.median(whole) * 1000:.3f} | median over {len(whole)} drops |")
+    passes = segments.get("passes") or [0.0]
+    print(f"\npasses from the drop to the launch, median: {statistics.median(passes):g}\n")
+    print("| process | step | median ms, wall | median ms, CPU | calls |\n|---|---|---|---|---|")
+    for who, step, wall, cpu, calls in step_medians(found, watcher.pid):
+        print(f"| {who} | {step} | {wall:.3f} | {cpu:.3f} | {calls} |")
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def _sched_report(
     data: Path, stamps: dict[int, list], watcher_pid: int, jobs: int, window: tuple[float, float]
 ) -> None:
@@ -225,7 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=300)
     parser.add_argument("--tmp", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp"))
     parser.add_argument("--sched", action="store_true", help="also record the scheduler with perf (root)")
+    parser.add_argument("--drops", type=int, help="time N single drops (the latency row) instead of the cycle")
+    parser.add_argument("--gap", type=float, default=0.0, help="seconds of quiet before each drop (--drops)")
     args = parser.parse_args(argv)
+    if args.drops:
+        run_drops(args.drops, args.gap, args.tmp)
+        return 0
     if args.sched and shutil.which("perf") is None:
         parser.error("--sched needs perf")
     run(args.jobs, args.tmp, args.sched)

@@ -206,3 +206,31 @@ def test_probe_cycle_splits_a_serial_job_s_cycle_into_its_steps(tmp_path: Path) 
     assert 0.5 * whole <= sum(segments) <= 2 * whole  # medians of parts against the median of the whole
     assert {"watcher", "supervisor"} <= set(rows), rows  # the CPU table names both processes
     assert not list(tmp_path.glob("trainq-cycle-*")), "the probe removes its workspace"
+
+
+def test_probe_cycle_splits_a_drop_s_path_into_its_steps(tmp_path: Path) -> None:
+    """bench/probe_cycle.py --drops: each single drop's path, from the rename into inbox/ to the job's exec, split
+    into the watcher's and the pooled supervisor's steps, and the parts add up to the whole."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "probe_cycle.py"), "--drops", "12", "--tmp", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {
+        cells[0]: cells[1:]
+        for line in out.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("|---")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    from bench.probe_cycle import DROP_SEGMENTS
+
+    segments = [float(rows[name][0]) for name, _what in DROP_SEGMENTS]
+    whole = float(rows["drop → exec"][0])
+    assert all(ms > 0 for ms in segments), rows
+    assert "median over" in rows["drop → exec"][1]
+    assert 0.5 * whole <= sum(segments) <= 2 * whole
+    assert {"watcher", "supervisor"} <= set(rows), rows  # the step table names both processes
+    assert not list(tmp_path.glob("trainq-drops-*")), "the probe removes its workspace"
