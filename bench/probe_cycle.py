@@ -83,11 +83,8 @@ def _first_after(rows: list[tuple[str, float, float, float]], starts: list[float
     return rows[i] if i < len(rows) else None
 
 
-def cycle(stamps: dict[int, list], watcher_pid: int) -> dict[str, list[float]]:
-    """Each job's cycle split into SEGMENTS (seconds), matched by time across the processes' stamps."""
-    watcher = stamps.get(watcher_pid, [])
-    passes = [r for r in watcher if r[0] == "pass"]
-    pass_starts = [r[1] for r in passes]
+def _supervisors_by_step(stamps: dict[int, list], watcher_pid: int) -> tuple[dict[str, list], dict[str, list[float]]]:
+    """The pooled supervisors' stamps by step, each in time order, and their start times (for ``_first_after``)."""
     by_step: dict[str, list] = defaultdict(list)
     for pid, rows in stamps.items():
         if pid != watcher_pid:
@@ -95,7 +92,15 @@ def cycle(stamps: dict[int, list], watcher_pid: int) -> dict[str, list[float]]:
                 by_step[r[0]].append(r)
     for rows in by_step.values():
         rows.sort(key=lambda r: r[1])
-    starts = {step: [r[1] for r in rows] for step, rows in by_step.items()}
+    return by_step, {step: [r[1] for r in rows] for step, rows in by_step.items()}
+
+
+def cycle(stamps: dict[int, list], watcher_pid: int) -> dict[str, list[float]]:
+    """Each job's cycle split into SEGMENTS (seconds), matched by time across the processes' stamps."""
+    watcher = stamps.get(watcher_pid, [])
+    passes = [r for r in watcher if r[0] == "pass"]
+    pass_starts = [r[1] for r in passes]
+    by_step, starts = _supervisors_by_step(stamps, watcher_pid)
     out: dict[str, list[float]] = defaultdict(list)
     hand_overs = [r for r in watcher if r[0] == "hand_over"]
     for hand in hand_overs[5:-5]:  # the first and last few: the pool warming, the queue draining
@@ -122,14 +127,7 @@ def drop_path(stamps: dict[int, list], watcher_pid: int, drops: list[float]) -> 
     watcher = stamps.get(watcher_pid, [])
     steps = {name: [r for r in watcher if r[0] == name] for name in ("pass", "admit", "launch", "hand_over")}
     starts = {name: [r[1] for r in rows] for name, rows in steps.items()}
-    by_step: dict[str, list] = defaultdict(list)
-    for pid, rows in stamps.items():
-        if pid != watcher_pid:
-            for r in rows:
-                by_step[r[0]].append(r)
-    for rows in by_step.values():
-        rows.sort(key=lambda r: r[1])
-    sup_starts = {step: [r[1] for r in rows] for step, rows in by_step.items()}
+    by_step, sup_starts = _supervisors_by_step(stamps, watcher_pid)
     out: dict[str, list[float]] = defaultdict(list)
     for dropped in drops[2:]:  # the first ones warm the pool
         launch = _first_after(steps["launch"], starts["launch"], dropped)
@@ -183,17 +181,27 @@ def cpu_by_step(
     return [(who, step, s / jobs * 1000) for (who, step), s in sorted(totals.items(), key=lambda kv: -kv[1])]
 
 
-def run(jobs: int, tmp: Path, sched: bool) -> None:
-    work = Path(tempfile.mkdtemp(prefix="trainq-cycle-", dir=tmp))
+def _segment_table(
+    title: str, named: tuple[tuple[str, str], ...], segments: dict[str, list[float]], whole: tuple[str, str, str]
+) -> None:
+    """The segments' medians in ms, then the whole's: ``whole`` is (row name, key in ``segments``, what it counts)."""
+    print(f"| {title} | median ms | what |\n|---|---|---|")
+    for name, what in named:
+        values = segments.get(name) or [0.0]
+        print(f"| {name} | {statistics.median(values) * 1000:.3f} | {what} |")
+    row, key, counted = whole
+    values = segments.get(key) or [0.0]
+    print(f"| {row} | {statistics.median(values) * 1000:.3f} | median over {len(values)} {counted} |")
+
+
+def _stamped_watcher(work: Path, q: Queue) -> tuple[Path, subprocess.Popen]:
+    """A real watcher on ``q`` whose tree loads the stamps (a ``sitecustomize`` on PYTHONPATH): (stamps folder,
+    watcher process)."""
     stamps = work / "stamps"
     stamps.mkdir()
     site = work / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text("import bench._cycle_stamps  # noqa: F401\n", encoding="utf-8")
-    q = Queue.create(work / "q", {"max_concurrent": 1})
-    names = [f"t-{i:05d}.yaml" for i in range(jobs)]
-    for name in names:
-        q.stage(name, job_yaml(["true"]))
     env = bench_env(CYCLE_STAMPS=str(stamps))
     env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))  # bench_env's: a given one, then REPO
     watcher = subprocess.Popen(
@@ -203,6 +211,16 @@ def run(jobs: int, tmp: Path, sched: bool) -> None:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
     )
+    return stamps, watcher
+
+
+def run(jobs: int, tmp: Path, sched: bool) -> None:
+    work = Path(tempfile.mkdtemp(prefix="trainq-cycle-", dir=tmp))
+    q = Queue.create(work / "q", {"max_concurrent": 1})
+    names = [f"t-{i:05d}.yaml" for i in range(jobs)]
+    for name in names:
+        q.stage(name, job_yaml(["true"]))
+    stamps, watcher = _stamped_watcher(work, q)
     perf = None
     try:
         wait_until(lambda: (read_status(q.root) or {}).get("watcher", {}).get("pid") == watcher.pid, 60, what="ready")
@@ -234,12 +252,8 @@ def run(jobs: int, tmp: Path, sched: bool) -> None:
     segments = cycle(found, watcher.pid)
     print(f"{jobs} serial trivial jobs: {jobs / elapsed:.0f} jobs/s (the pause lifted to the last one done)")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}\n")
-    print("| segment of the cycle | median ms | what |\n|---|---|---|")
-    for name, what in SEGMENTS:
-        values = segments.get(name) or [0.0]
-        print(f"| {name} | {statistics.median(values) * 1000:.3f} | {what} |")
-    whole = segments.get("cycle") or [0.0]
-    print(f"| whole cycle | {statistics.median(whole) * 1000:.3f} | median over {len(whole)} jobs |\n")
+    _segment_table("segment of the cycle", SEGMENTS, segments, ("whole cycle", "cycle", "jobs"))
+    print()
     print("| process | step | CPU ms a job |\n|---|---|---|")
     for who, step, ms in cpu_by_step(found, watcher.pid, jobs, (start, end)):
         print(f"| {who} | {step} | {ms:.3f} |")
@@ -251,24 +265,11 @@ def run(jobs: int, tmp: Path, sched: bool) -> None:
 
 def run_drops(drops: int, gap_s: float, tmp: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix="trainq-drops-", dir=tmp))
-    stamps = work / "stamps"
-    stamps.mkdir()
-    site = work / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("import bench._cycle_stamps  # noqa: F401\n", encoding="utf-8")
     q = Queue.create(work / "q")
     names = [f"d-{i:05d}" for i in range(drops)]
     for name in names:
         q.stage(f"{name}.yaml", job_yaml(["true"]))
-    env = bench_env(CYCLE_STAMPS=str(stamps))
-    env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))
-    watcher = subprocess.Popen(
-        [PY, "-m", "trainq.watcher", "--root", str(q.root), "watch", "-q"],
-        env=env,
-        cwd=REPO,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
+    stamps, watcher = _stamped_watcher(work, q)
     dropped_at = []
     try:
         wait_until(lambda: (read_status(q.root) or {}).get("watcher", {}).get("pid") == watcher.pid, 60, what="ready")
@@ -287,12 +288,7 @@ def run_drops(drops: int, gap_s: float, tmp: Path) -> None:
         f"{drops} drops one at a time, {gap_s:g} s of quiet before each; load average at the end: "
         f"{os.getloadavg()[0]:.2f}\n"
     )
-    print("| segment of the drop's path | median ms | what |\n|---|---|---|")
-    for name, what in DROP_SEGMENTS:
-        values = segments.get(name) or [0.0]
-        print(f"| {name} | {statistics.median(values) * 1000:.3f} | {what} |")
-    whole = segments.get("drop → exec") or [0.0]
-    print(f"| drop → exec | {statistics.median(whole) * 1000:.3f} | median over {len(whole)} drops |")
+    _segment_table("segment of the drop's path", DROP_SEGMENTS, segments, ("drop → exec", "drop → exec", "drops"))
     passes = segments.get("passes") or [0.0]
     print(f"\npasses from the drop to the launch, median: {statistics.median(passes):g}\n")
     print("| process | step | median ms, wall | median ms, CPU | calls |\n|---|---|---|---|---|")

@@ -180,23 +180,28 @@ def test_a_failing_section_is_reported_for_every_name_sharing_it(tmp_path: Path)
     assert facts["a"]["error"] and facts["b"]["error"] and facts["ok"]["error"] is None
 
 
-def test_probe_cycle_splits_a_serial_job_s_cycle_into_its_steps(tmp_path: Path) -> None:
-    """bench/probe_cycle.py on a few serial jobs: every segment of the critical path is found in the stamps of the
-    real watcher and pooled supervisors, and the segments add up to the whole cycle."""
+def _probe_cycle_rows(*args: str) -> dict[str, list[str]]:
+    """bench/probe_cycle.py run with ``args``: its tables' rows by first cell (the last row of that name wins)."""
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "probe_cycle.py"), "--jobs", "30", "--tmp", str(tmp_path)],
+        [sys.executable, str(REPO / "bench" / "probe_cycle.py"), *args],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=REPO,
     )
     assert out.returncode == 0, out.stderr
-    rows = {
+    return {
         cells[0]: cells[1:]
         for line in out.stdout.splitlines()
         if line.startswith("| ") and not line.startswith("|---")
         for cells in [[c.strip() for c in line.strip("|").split("|")]]
     }
+
+
+def test_probe_cycle_splits_a_serial_job_s_cycle_into_its_steps(tmp_path: Path) -> None:
+    """bench/probe_cycle.py on a few serial jobs: every segment of the critical path is found in the stamps of the
+    real watcher and pooled supervisors, and the segments add up to the whole cycle."""
+    rows = _probe_cycle_rows("--jobs", "30", "--tmp", str(tmp_path))
     from bench.probe_cycle import SEGMENTS
 
     segments = [float(rows[name][0]) for name, _what in SEGMENTS]
@@ -211,20 +216,7 @@ def test_probe_cycle_splits_a_serial_job_s_cycle_into_its_steps(tmp_path: Path) 
 def test_probe_cycle_splits_a_drop_s_path_into_its_steps(tmp_path: Path) -> None:
     """bench/probe_cycle.py --drops: each single drop's path, from the rename into inbox/ to the job's exec, split
     into the watcher's and the pooled supervisor's steps, and the parts add up to the whole."""
-    out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "probe_cycle.py"), "--drops", "12", "--tmp", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stderr
-    rows = {
-        cells[0]: cells[1:]
-        for line in out.stdout.splitlines()
-        if line.startswith("| ") and not line.startswith("|---")
-        for cells in [[c.strip() for c in line.strip("|").split("|")]]
-    }
+    rows = _probe_cycle_rows("--drops", "12", "--tmp", str(tmp_path))
     from bench.probe_cycle import DROP_SEGMENTS
 
     segments = [float(rows[name][0]) for name, _what in DROP_SEGMENTS]
