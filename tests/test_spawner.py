@@ -193,11 +193,13 @@ def test_a_lost_helper_is_started_again_and_launches_go_through_it(tmp_path):
         wait_until(lambda: sup._spawner is None or not sup._spawner.is_running, 10)
         sup.reap()  # hears of the loss
         assert sup._spawner is None and sup.restarts == 0
+        (line,) = sup.problems()  # status.json's watcher.problems while it is lost
+        assert line.startswith("spawner helper lost at ") and "killed by SIGKILL" in line and "next try" in line
         forked = sup.launch(spec_for(tmp_path, "meanwhile", ("true",)))
         assert forked in sup.forked_pids, "until the restart, launches fork here"
         wait_until(lambda: (sup.reap(), sup._spawner)[1] is not None, 10, what="the helper started again")
         assert time.monotonic() - lost_at >= spawner.HELPER_RESTART_S
-        assert sup.restarts == 1 and sup._spawner.pid != old
+        assert sup.restarts == 1 and sup._spawner.pid != old and sup.problems() == []
         after = spec_for(tmp_path, "after", ("sh", "-c", "echo through-the-new-helper"))
         pid = sup.launch(after)
         assert pid not in sup.forked_pids, "the launch went through the new helper"
@@ -384,6 +386,13 @@ def test_a_launch_too_big_for_the_jobs_socket_goes_through_the_helper(tmp_path):
         sup.close()
 
 
+def _watcher_problems(root: Path) -> list[str]:
+    try:
+        return json.loads((root / "status.json").read_text())["watcher"].get("problems") or []
+    except (OSError, ValueError, KeyError):
+        return ["status.json unreadable"]
+
+
 def _helpers_of(watcher_pid: int) -> list[psutil.Process]:
     return [
         p
@@ -412,3 +421,19 @@ def test_a_watcher_whose_helper_was_killed_runs_jobs_and_starts_a_new_one(queue_
     )
     log = (queue_dir / "watcher.log").read_text()
     assert "spawner helper lost" in log and "spawner helper started again" in log
+
+
+def test_status_json_says_the_helper_is_lost_until_it_runs_again(watcher, queue_dir):
+    """While a lost helper is not running again, status.json's watcher.problems says so (launches are slower, and
+    a helper that keeps dying backs off to minutes); once it runs, the line goes."""
+    from conftest import tick_until
+
+    w = watcher()
+    sup = w.executor.supervisor
+    helper = wait_until(lambda: sup._spawner and sup._spawner.pid, 10)
+    os.kill(helper, signal.SIGKILL)
+    line = tick_until(
+        w, lambda: [p for p in _watcher_problems(queue_dir) if p.startswith("spawner helper lost")], what="the line"
+    )[0]
+    assert "killed by SIGKILL" in line and "next try" in line
+    tick_until(w, lambda: sup.restarts == 1 and not _watcher_problems(queue_dir), what="the line gone")

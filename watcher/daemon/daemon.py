@@ -79,6 +79,7 @@ class Watcher:
         self._observer: BaseObserver | None = None
         #: the inbox's inotify watch read by the loop itself (inbox.py), else watchdog's observer (polling, no inotify)
         self._loop_watch: LoopWatch | None = None
+        self._executor_problems: list[str] = []  # the last ones status.json was told of
         self._signals: WatcherSignals | None = None
         self._last_rescan = 0.0
         self.disk = DiskFullHandling(self.root, self.report)
@@ -126,8 +127,13 @@ class Watcher:
 
     def problems(self) -> list[str]:
         """What is wrong with the watcher itself, one line each (status.json ``watcher.problems``): a full disk, a
-        window already past, watcher.yaml settings not applied."""
-        return self.disk.problems() + self.walls.wall_problems(time.time()) + self.settings.problems
+        window already past, watcher.yaml settings not applied, a spawner helper lost and not yet started again."""
+        return (
+            self.disk.problems()
+            + self.walls.wall_problems(time.time())
+            + self.settings.problems
+            + self.executor.problems()
+        )
 
     def window_now(self, now: float) -> dict | None:
         """status.json's ``window`` (walls.py)."""
@@ -330,6 +336,9 @@ class Watcher:
     def tick(self, now: float) -> None:
         """One pass over the queue; with a full disk only watching, and retrying until space frees."""
         self.executor.reap()
+        if (problems := self.executor.problems()) != self._executor_problems:
+            self._executor_problems = problems
+            self.report.touch()  # status.json says so (or stops saying so) now, not at the next heartbeat
         if self._loop_watch is not None:
             self._loop_watch.read()  # the inbox's hints are current for this pass (tests call tick() alone)
         top = self.root.top()  # one listing of the root for the folder and flag checks

@@ -108,6 +108,9 @@ class Executor(Protocol):
     def wake_fds(self) -> list[int]:
         """Extra fds whose readability means an attempt may have ended (the loop selects on them)."""
 
+    def problems(self) -> list[str]:
+        """What is degraded in how this executor starts attempts, one line each (status.json ``watcher.problems``)."""
+
     def close(self) -> None:
         """Release what the executor holds."""
 
@@ -177,6 +180,9 @@ class LocalExecutor:
 
     def wake_fds(self) -> list[int]:
         return self.supervisor.wake_fds()
+
+    def problems(self) -> list[str]:
+        return self.supervisor.problems()
 
     def close(self) -> None:
         self.supervisor.close()

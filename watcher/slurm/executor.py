@@ -165,6 +165,9 @@ class SlurmExecutor(Submitting, Polling, Liveness):
         self._poll(start=True)
         return self._down
 
+    def problems(self) -> list[str]:
+        return []  # nothing starts here; an unreachable Slurm is each waiting job's waiting_for (unavailable)
+
     def launch(
         self, spec: LaunchSpec, job_name: str, slurm_options: dict | None, group: tuple[str, int] | None = None
     ) -> dict:

@@ -47,6 +47,7 @@ from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import drain
 from trainq.watcher.spec.interpreter import safe_module_argv
+from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import LaunchSpec, Supervisor, is_alive
 from trainq.watcher.supervisor.pool import DIRECT_MAX_BYTES
 
@@ -290,6 +291,7 @@ class SpawningSupervisor(Supervisor):
         self._started_at = 0.0
         #: helpers started again after a loss, over this object's life
         self.restarts = 0
+        self._lost_line = ""  # the last loss, in words, with its time
 
     def start_spawner(self) -> None:
         """Start the helper now (it imports and forks its first supervisor while the watcher goes on)."""
@@ -319,12 +321,23 @@ class SpawningSupervisor(Supervisor):
         if spawner is not None and now - self._started_at >= HELPER_STEADY_S:
             self._restart_wait_s = HELPER_RESTART_S
         self._restart_at = now + self._restart_wait_s
+        self._lost_line = f"spawner helper lost at {iso_utc(time.time())} ({why})"
         logger.warning(
             "spawner helper lost (%s); supervisors are forked by the watcher itself until it starts again in %g s",
             why,
             self._restart_wait_s,
         )
         self._restart_wait_s = min(self._restart_wait_s * 2, HELPER_RESTART_MAX_S)
+
+    def problems(self) -> list[str]:
+        """One line while a lost helper is not running again (status.json ``watcher.problems``), else none."""
+        if self._spawner is not None or self._restart_at is None:
+            return []
+        retry = iso_utc(time.time() + max(0.0, self._restart_at - time.monotonic()))
+        return [
+            f"{self._lost_line}; supervisors are forked by the watcher itself, each launch a few ms slower, "
+            f"until it is started again (next try {retry})"
+        ]
 
     def launch(self, spec: LaunchSpec) -> int:
         if self._restart_at is None:
