@@ -394,11 +394,15 @@ def _watcher_problems(root: Path) -> list[str]:
 
 
 def _helpers_of(watcher_pid: int) -> list[psutil.Process]:
-    return [
-        p
-        for p in psutil.Process(watcher_pid).children()
-        if "trainq.watcher.supervisor.spawner" in " ".join(p.cmdline())
-    ]
+    """The watcher's live spawner helpers (a killed one is a zombie until the watcher reaps it)."""
+    found = []
+    for p in psutil.Process(watcher_pid).children():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "trainq.watcher.supervisor.spawner" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue  # gone, or a zombie, between the listing and the look
+    return found
 
 
 def test_a_watcher_whose_helper_was_killed_runs_jobs_and_starts_a_new_one(queue_dir, watcher_process):
