@@ -434,9 +434,10 @@ def test_status_json_says_the_helper_is_lost_until_it_runs_again(watcher, queue_
     a helper that keeps dying backs off to minutes); once it runs, the line goes."""
     from conftest import tick_until
 
-    w = watcher()
+    w = watcher(status_s=30.0)  # the line is written at once, not when a write is next due
     sup = w.executor.supervisor
     helper = wait_until(lambda: sup._spawner and sup._spawner.pid, 10)
+    tick_until(w, lambda: (queue_dir / "status.json").exists(), what="a first status.json")  # the next is 5 s away
     os.kill(helper, signal.SIGKILL)
     line = tick_until(
         w, lambda: [p for p in _watcher_problems(queue_dir) if p.startswith("spawner helper lost")], what="the line"
