@@ -336,9 +336,6 @@ class Watcher:
     def tick(self, now: float) -> None:
         """One pass over the queue; with a full disk only watching, and retrying until space frees."""
         self.executor.reap()
-        problems = self.executor.problems()
-        changed = problems != self._executor_problems  # status.json says so (or stops saying so) this pass
-        self._executor_problems = problems
         if self._loop_watch is not None:
             self._loop_watch.read()  # the inbox's hints are current for this pass (tests call tick() alone)
         top = self.root.top()  # one listing of the root for the folder and flag checks
@@ -352,7 +349,9 @@ class Watcher:
         else:
             self.finishing.watch_running(now)
         self.workflows.hooks.reap()
-        self.write_status(now, force=changed)
+        problems = self.executor.problems()  # after the launches: a launch may have found the helper lost
+        changed, self._executor_problems = problems != self._executor_problems, problems
+        self.write_status(now, force=changed)  # status.json says so (or stops saying so) in this pass
 
     def reload_settings(self, now: float) -> None:
         """watcher.yaml changed: apply what it says now, or say why not (spec/config.py, docs/settings.md)."""
