@@ -140,9 +140,8 @@ def drop_path(stamps: dict[int, list], watcher_pid: int, drops: list[float]) -> 
         if not (admits and hand and take and spawn):
             continue
         admit = admits[-1]  # the pass that took the file (an earlier one may have seen it incomplete)
-        here = bisect.bisect_right(starts["pass"], admit[1]) - 1
         first = _first_after(steps["pass"], starts["pass"], dropped)
-        if here < 0 or first is None:
+        if first is None:
             continue
         points = (dropped, first[1], admit[1], admit[2], launch[1], hand[1], take[1], take[2], spawn[1], spawn[2])
         for (name, _what), a, b in zip(DROP_SEGMENTS, points, points[1:], strict=False):
