@@ -2,7 +2,9 @@
 PYTHONPATH (nothing in trainq imports this). With ``CYCLE_STAMPS=<folder>`` set, it wraps a fixed list of the
 loop's and the supervisor's steps; each call appends ``step start end cpu`` (``time.perf_counter``, a clock every
 process on the machine shares, and the thread's CPU seconds) to ``<folder>/<pid>.stamps``. The watcher writes its
-stamps when it exits, a supervisor after each attempt. A wrapper costs a few microseconds a call.
+stamps when it exits, a supervisor after each attempt. A wrapper costs a few microseconds a call. With
+``CYCLE_STAMPS_FINE=1`` it also wraps the steps inside those (``FINE_WATCHER_STEPS``, ``FINE_SUPERVISOR_STEPS``):
+each then costs its parent's wall a few microseconds more.
 """
 
 from __future__ import annotations
@@ -43,6 +45,43 @@ SUPERVISOR_STEPS = (
     ("trainq.watcher.supervisor.pool", "_end_attempt", "notify"),
 )
 
+#: inside the watcher's steps: intake's reading, validation and claim; the launch's parts before the hand-over
+FINE_WATCHER_STEPS = (
+    ("trainq.watcher.daemon.inbox", "Inbox.scan", "intake: scan inbox/"),
+    ("trainq.watcher.daemon.intake", "Intake._take_unguarded", "intake: take one file"),
+    ("trainq.watcher.daemon.intake", "Intake._validate", "intake: validate"),
+    ("trainq.watcher.spec.jobspec", "read_spec_text", "intake: read the file"),
+    ("trainq.watcher.spec.jobspec", "parse_job_text", "intake: parse + schema + checks"),
+    ("trainq.watcher.daemon.state", "LoopState.check_allowed", "intake: allowed commands"),
+    ("trainq.watcher.daemon.state", "LoopState.check_pool", "intake: pool"),
+    ("trainq.watcher.daemon.intake", "new_run", "intake: new run.json"),
+    ("trainq.watcher.spec.folders", "Folders.claim", "intake: claim into pending/"),
+    ("trainq.watcher.daemon.intake", "Intake._accepted", "intake: accepted"),
+    ("trainq.watcher.daemon.records", "accepted", "intake: accepted event"),
+    ("trainq.watcher.spec.folders", "Folders.start", "launch: move into running/"),
+    ("trainq.watcher.daemon.starting", "check_command_allowed", "launch: command allowed"),
+    ("trainq.watcher.daemon.starting", "Starting._job_env", "launch: environment"),
+    ("trainq.watcher.daemon.starting", "Starting._snapshot_request", "launch: snapshot request"),
+)
+
+#: inside the pooled supervisor's take and the steps before the spawn
+FINE_SUPERVISOR_STEPS = (
+    ("trainq.watcher.supervisor.attempt_io", "LaunchSpec.from_dict", "take: decode the request"),
+    ("trainq.watcher.supervisor.pool", "_take_lock", "take: lock"),
+    ("trainq.watcher.supervisor.pool", "_clear_records", "take: clear records"),
+    ("trainq.watcher.supervisor.pool", "_open_log", "take: open output.log"),
+    ("trainq.watcher.supervisor.pool", "_send_quietly", "take: answer"),
+    ("trainq.watcher.supervisor.attempt", "_install_stop_handlers", "prepare: stop handlers"),
+    ("trainq.watcher.supervisor.attempt", "_become_subreaper", "prepare: subreaper"),
+    ("trainq.watcher.supervisor.attempt", "_write_line", "prepare: banner"),
+    ("trainq.watcher.supervisor.attempt", "_job_env", "prepare: environment"),
+    ("trainq.watcher.supervisor.story", "CheckpointWatch.from_now", "prepare: checkpoint watch"),
+    ("trainq.watcher.supervisor.cgroups", "Containment.group_for", "prepare: make the cgroup"),
+    ("trainq.watcher.supervisor.cgroups", "enter", "spawn: enter the cgroup"),
+    ("trainq.watcher.supervisor.attempt", "_spawn", "spawn: Popen (vfork + exec)"),
+    ("trainq.watcher.supervisor.cgroups", "leave", "spawn: leave the cgroup"),
+)
+
 _lines: list[str] = []
 
 
@@ -76,11 +115,12 @@ def _wrap(module: str, path: str, step: str, after: Callable[[], None] | None = 
 def install(folder: str, argv: list[str]) -> None:
     """Wrap the steps of the process ``argv`` names (the watcher's loop, or the spawner helper's tree)."""
     words = " ".join(argv)
+    fine = os.environ.get("CYCLE_STAMPS_FINE") == "1"
     if "trainq.watcher.supervisor.spawner" in words:
-        for module, path, step in SUPERVISOR_STEPS:
+        for module, path, step in SUPERVISOR_STEPS + (FINE_SUPERVISOR_STEPS if fine else ()):
             _wrap(module, path, step, functools.partial(_flush, folder) if step == "supervise" else None)
     elif "trainq.watcher" in words and " watch" in words:
-        for module, path, step in WATCHER_STEPS:
+        for module, path, step in WATCHER_STEPS + (FINE_WATCHER_STEPS if fine else ()):
             _wrap(module, path, step)
         atexit.register(_flush, folder)
 

@@ -17,6 +17,9 @@ one at a time into an idle queue (``--gap`` seconds of quiet before each), each 
 to the job's exec.
 
     .venv/bin/python bench/probe_cycle.py --drops 200 [--gap 0]
+
+``--fine`` (either mode) also times the steps inside those: intake's read, validation and claim, the launch's
+parts, the supervisor's take, preparation and spawn, each in the step table.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: bench/ importable
 
 from bench._common import PY, REPO, Queue, bench_env, job_yaml, read_status, wait_until
+from bench._cycle_stamps import FINE_SUPERVISOR_STEPS, FINE_WATCHER_STEPS, SUPERVISOR_STEPS, WATCHER_STEPS
+
+#: every stamped step's name in the order the path meets it (the step table's order)
+STEP_ORDER = [step for _, _, step in WATCHER_STEPS + FINE_WATCHER_STEPS + SUPERVISOR_STEPS + FINE_SUPERVISOR_STEPS]
 
 #: the critical path, one job's cycle, in order: (segment, what it is)
 SEGMENTS = (
@@ -72,7 +79,7 @@ def _stamps(folder: Path) -> dict[int, list[tuple[str, float, float, float]]]:
     for path in folder.glob("*.stamps"):
         rows = []
         for line in path.read_text(encoding="ascii").splitlines():
-            step, start, end, cpu = line.split()
+            step, start, end, cpu = line.rsplit(maxsplit=3)  # a fine step's name has spaces
             rows.append((step, float(start), float(end), float(cpu)))
         out[int(path.stem)] = sorted(rows, key=lambda r: r[1])
     return out
@@ -154,7 +161,8 @@ def drop_path(stamps: dict[int, list], watcher_pid: int, drops: list[float]) -> 
 
 
 def step_medians(stamps: dict[int, list], watcher_pid: int) -> list[tuple[str, str, float, float, int]]:
-    """(process, step, median wall ms, median CPU ms, calls) of every stamped step (idle passes included)."""
+    """(process, step, median wall ms, median CPU ms, calls) of every stamped step (idle passes included), the
+    watcher's first, each process's in the order the path meets them."""
     rows: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for pid, stamped in stamps.items():
         who = "watcher" if pid == watcher_pid else "supervisor"
@@ -162,8 +170,12 @@ def step_medians(stamps: dict[int, list], watcher_pid: int) -> list[tuple[str, s
             rows[(who, step)].append((end - start, cpu))
     return [
         (who, step, statistics.median(w for w, _ in v) * 1000, statistics.median(c for _, c in v) * 1000, len(v))
-        for (who, step), v in sorted(rows.items())
+        for (who, step), v in sorted(rows.items(), key=lambda kv: (kv[0][0] != "watcher", _order(kv[0][1])))
     ]
+
+
+def _order(step: str) -> tuple[int, str]:
+    return (STEP_ORDER.index(step) if step in STEP_ORDER else len(STEP_ORDER), step)
 
 
 def cpu_by_step(
@@ -193,15 +205,15 @@ def _segment_table(
     print(f"| {row} | {statistics.median(values) * 1000:.3f} | median over {len(values)} {counted} |")
 
 
-def _stamped_watcher(work: Path, q: Queue) -> tuple[Path, subprocess.Popen]:
+def _stamped_watcher(work: Path, q: Queue, fine: bool = False) -> tuple[Path, subprocess.Popen]:
     """A real watcher on ``q`` whose tree loads the stamps (a ``sitecustomize`` on PYTHONPATH): (stamps folder,
-    watcher process)."""
+    watcher process). ``fine``: the steps inside the steps too (``CYCLE_STAMPS_FINE``)."""
     stamps = work / "stamps"
     stamps.mkdir()
     site = work / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text("import bench._cycle_stamps  # noqa: F401\n", encoding="utf-8")
-    env = bench_env(CYCLE_STAMPS=str(stamps))
+    env = bench_env(CYCLE_STAMPS=str(stamps), CYCLE_STAMPS_FINE="1" if fine else "")
     env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))  # bench_env's: a given one, then REPO
     watcher = subprocess.Popen(
         [PY, "-m", "trainq.watcher", "--root", str(q.root), "watch", "-q"],
@@ -213,13 +225,13 @@ def _stamped_watcher(work: Path, q: Queue) -> tuple[Path, subprocess.Popen]:
     return stamps, watcher
 
 
-def run(jobs: int, tmp: Path, sched: bool) -> None:
+def run(jobs: int, tmp: Path, sched: bool, fine: bool = False) -> None:
     work = Path(tempfile.mkdtemp(prefix="trainq-cycle-", dir=tmp))
     q = Queue.create(work / "q", {"max_concurrent": 1})
     names = [f"t-{i:05d}.yaml" for i in range(jobs)]
     for name in names:
         q.stage(name, job_yaml(["true"]))
-    stamps, watcher = _stamped_watcher(work, q)
+    stamps, watcher = _stamped_watcher(work, q, fine)
     perf = None
     try:
         wait_until(lambda: (read_status(q.root) or {}).get("watcher", {}).get("pid") == watcher.pid, 60, what="ready")
@@ -262,13 +274,13 @@ def run(jobs: int, tmp: Path, sched: bool) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def run_drops(drops: int, gap_s: float, tmp: Path) -> None:
+def run_drops(drops: int, gap_s: float, tmp: Path, fine: bool = False) -> None:
     work = Path(tempfile.mkdtemp(prefix="trainq-drops-", dir=tmp))
     q = Queue.create(work / "q")
     names = [f"d-{i:05d}" for i in range(drops)]
     for name in names:
         q.stage(f"{name}.yaml", job_yaml(["true"]))
-    stamps, watcher = _stamped_watcher(work, q)
+    stamps, watcher = _stamped_watcher(work, q, fine)
     dropped_at = []
     try:
         wait_until(lambda: (read_status(q.root) or {}).get("watcher", {}).get("pid") == watcher.pid, 60, what="ready")
@@ -346,13 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sched", action="store_true", help="also record the scheduler with perf (root)")
     parser.add_argument("--drops", type=int, help="time N single drops (the latency row) instead of the cycle")
     parser.add_argument("--gap", type=float, default=0.0, help="seconds of quiet before each drop (--drops)")
+    parser.add_argument("--fine", action="store_true", help="also time the steps inside the steps (intake, take...)")
     args = parser.parse_args(argv)
     if args.drops:
-        run_drops(args.drops, args.gap, args.tmp)
+        run_drops(args.drops, args.gap, args.tmp, args.fine)
         return 0
     if args.sched and shutil.which("perf") is None:
         parser.error("--sched needs perf")
-    run(args.jobs, args.tmp, args.sched)
+    run(args.jobs, args.tmp, args.sched, args.fine)
     return 0
 
 

@@ -182,6 +182,11 @@ def test_a_failing_section_is_reported_for_every_name_sharing_it(tmp_path: Path)
 
 def _probe_cycle_rows(*args: str) -> dict[str, list[str]]:
     """bench/probe_cycle.py run with ``args``: its tables' rows by first cell (the last row of that name wins)."""
+    return {cells[0]: cells[1:] for cells in _probe_cycle_table(*args)}
+
+
+def _probe_cycle_table(*args: str) -> list[list[str]]:
+    """bench/probe_cycle.py run with ``args``: every table row's cells, in order."""
     out = subprocess.run(
         [sys.executable, str(REPO / "bench" / "probe_cycle.py"), *args],
         capture_output=True,
@@ -190,12 +195,11 @@ def _probe_cycle_rows(*args: str) -> dict[str, list[str]]:
         cwd=REPO,
     )
     assert out.returncode == 0, out.stderr
-    return {
-        cells[0]: cells[1:]
+    return [
+        [c.strip() for c in line.strip("|").split("|")]
         for line in out.stdout.splitlines()
         if line.startswith("| ") and not line.startswith("|---")
-        for cells in [[c.strip() for c in line.strip("|").split("|")]]
-    }
+    ]
 
 
 def test_probe_cycle_splits_a_serial_job_s_cycle_into_its_steps(tmp_path: Path) -> None:
@@ -214,10 +218,18 @@ def test_probe_cycle_splits_a_serial_job_s_cycle_into_its_steps(tmp_path: Path) 
 
 
 def test_probe_cycle_splits_a_drop_s_path_into_its_steps(tmp_path: Path) -> None:
-    """bench/probe_cycle.py --drops: each single drop's path, from the rename into inbox/ to the job's exec, split
-    into the watcher's and the pooled supervisor's steps, and the parts add up to the whole."""
-    rows = _probe_cycle_rows("--drops", "12", "--tmp", str(tmp_path))
+    """bench/probe_cycle.py --drops --fine: each single drop's path, from the rename into inbox/ to the job's exec,
+    split into the watcher's and the pooled supervisor's steps, and the parts add up to the whole; the step table
+    also times the steps inside them (the cgroup's only where this machine contains jobs in cgroups)."""
+    table = _probe_cycle_table("--drops", "12", "--fine", "--tmp", str(tmp_path))
+    rows = {cells[0]: cells[1:] for cells in table}
+    from bench._cycle_stamps import FINE_SUPERVISOR_STEPS, FINE_WATCHER_STEPS
     from bench.probe_cycle import DROP_SEGMENTS
+
+    timed = {(cells[0], cells[1]) for cells in table if len(cells) == 5}
+    fine = {("watcher", step) for _, _, step in FINE_WATCHER_STEPS}
+    fine |= {("supervisor", step) for _, _, step in FINE_SUPERVISOR_STEPS if "cgroup" not in step}
+    assert fine <= timed, sorted(fine - timed)
 
     segments = [float(rows[name][0]) for name, _what in DROP_SEGMENTS]
     whole = float(rows["drop → exec"][0])
