@@ -22,7 +22,15 @@ from pathlib import Path
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import IllegalTransition, JobFolderRemoved, QueueLayoutError
-from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json, remove_quietly, same_filesystem
+from trainq.watcher.spec.fsutil import (
+    atomic_write,
+    atomic_write_json,
+    json_text,
+    read_json,
+    remove_quietly,
+    same_filesystem,
+    write_new,
+)
 from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.tombstones import clear_tombstone, remember_ids
 
@@ -213,8 +221,9 @@ class Folders:
         """Drop an id whose folder the user deleted, so it may be used again."""
         self._known_ids.discard(job_id)
 
-    def _reserve_dir(self, state: JobState, file_name: str) -> tuple[str, Path]:
-        """Pick a fresh id and create its empty staging folder in ``.claiming/``; (id, staging folder).
+    def _reserve_dir(self, state: JobState, file_name: str) -> tuple[str, Path, int]:
+        """Pick a fresh id and create its empty staging folder in ``.claiming/``; (id, staging folder, the mode its
+        files take: 0600 in a private queue, else 0644, as ``mode_beside`` would say).
 
         Ids in use are known from ``load_ids`` at start-up plus every id handed out since, so
         no folder of any state is looked up per claim (a 10,000-file burst must stay fast).
@@ -223,6 +232,7 @@ class Folders:
         base = id_from_name(file_name)
         n = 1
         staging_root = self.staging_root()
+        dir_mode = self.root.job_dir_mode()
         while True:
             with self._ids_lock:
                 while True:
@@ -235,10 +245,10 @@ class Folders:
                 continue  # a folder nobody told us about: it stays known, try the next suffix
             staging = staging_root / f"{CLAIM_PREFIX}{job_id}"
             try:
-                os.mkdir(staging, self.root.job_dir_mode())
+                os.mkdir(staging, dir_mode)
             except FileExistsError:
                 continue  # a leftover recover() has not seen: leave it, take the next suffix
-            return job_id, staging
+            return job_id, staging, 0o644 if dir_mode & 0o077 else 0o600
 
     def staging_root(self) -> Path:
         """``ROOT/.claiming``, created when missing."""
@@ -284,15 +294,16 @@ class Folders:
         rename: an unpaired rename out of a watched folder stalls watchdog's inotify queue for 0.5 s). So no
         reader ever finds a job folder without its run.json, and a crash leaves either a staging folder
         while the inbox still holds the file (recover removes it; the file is claimed again) or one file
-        with two names (recover unlinks the inbox name).
+        with two names (recover unlinks the inbox name). Nobody reads a staging folder's run.json, so it is
+        written in place (``write_new``), not through a temp file and a rename.
         """
         if state not in (JobState.PENDING, JobState.FAILED):
             raise IllegalTransition(f"{inbox_file.name}: cannot claim an inbox file straight into {state.value}/")
         for _ in range(MAX_PLACE_TRIES):
-            job_id, staging = self._reserve_dir(state, inbox_file.name)
+            job_id, staging, file_mode = self._reserve_dir(state, inbox_file.name)
             paths = JobPaths(staging)
             try:
-                atomic_write_json(paths.run, redact_strings(dict(run, id=job_id)), durable=False)
+                write_new(paths.run, json_text(redact_strings(dict(run, id=job_id))), file_mode)
                 moved = _link_in(inbox_file, paths.spec)
                 self.reached("claim-staged", job_id)
                 path = self.place(staging, state, job_id)
