@@ -45,7 +45,7 @@ SUPERVISOR_STEPS = (
     ("trainq.watcher.supervisor.pool", "_end_attempt", "notify"),
 )
 
-#: inside the watcher's steps: intake's reading, validation and claim; the launch's parts before the hand-over
+#: inside the watcher's steps: intake's reading, validation and claim; planning; the launch's parts; retiring
 FINE_WATCHER_STEPS = (
     ("trainq.watcher.daemon.inbox", "Inbox.scan", "intake: scan inbox/"),
     ("trainq.watcher.daemon.intake", "Intake._take_unguarded", "intake: take one file"),
@@ -61,7 +61,16 @@ FINE_WATCHER_STEPS = (
     ("trainq.watcher.spec.folders", "Folders.start", "launch: move into running/"),
     ("trainq.watcher.daemon.starting", "check_command_allowed", "launch: command allowed"),
     ("trainq.watcher.daemon.starting", "Starting._job_env", "launch: environment"),
+    ("trainq.watcher.daemon.resources", "ResourceProbe.sample", "plan: the machine sampled"),
+    ("trainq.watcher.daemon.starting", "Starting._plan", "plan: admission"),
     ("trainq.watcher.daemon.starting", "Starting._snapshot_request", "launch: snapshot request"),
+    ("trainq.watcher.daemon.executor", "LocalExecutor.launch", "launch: the executor's launch"),
+    ("trainq.watcher.daemon.jobs", "Job.save", "retire: run.json written"),
+    ("trainq.watcher.spec.folders", "Folders.finish", "retire: move into done/"),
+    ("trainq.watcher.daemon.records", "finished", "retire: finished event"),
+    ("trainq.watcher.daemon.report", "Report.finished", "retire: report's entry"),
+    ("trainq.watcher.daemon.report", "_last_look", "retire: report's last look at output.log"),
+    ("trainq.watcher.daemon.report", "Report._record_history", "retire: history line"),
 )
 
 #: inside the pooled supervisor's take and the steps before the spawn
