@@ -18,8 +18,8 @@ to the job's exec.
 
     .venv/bin/python bench/probe_cycle.py --drops 200 [--gap 0]
 
-``--fine`` (either mode) also times the steps inside those: intake's read, validation and claim, the launch's
-parts, the supervisor's take, preparation and spawn, each in the step table.
+``--fine`` (either mode) also times the steps inside those: intake's read, validation and claim, planning, the
+launch's parts, retiring's parts, and the supervisor's take, preparation and spawn, each in the step table.
 """
 
 from __future__ import annotations
