@@ -88,6 +88,8 @@ FINE_SUPERVISOR_STEPS = (
     ("trainq.watcher.supervisor.cgroups", "Containment.group_for", "prepare: make the cgroup"),
     ("trainq.watcher.supervisor.cgroups", "enter", "spawn: enter the cgroup"),
     ("trainq.watcher.supervisor.attempt", "_spawn", "spawn: Popen (vfork + exec)"),
+    ("trainq.watcher.supervisor.attempt", "_clone_into_group", "spawn: cloned into the cgroup (clone3 + exec)"),
+    ("trainq.watcher.supervisor.attempt", "_keep_moves_quick", "after the start: the cgroup lock kept quick"),
     ("trainq.watcher.supervisor.cgroups", "leave", "spawn: leave the cgroup"),
 )
 

@@ -37,7 +37,7 @@ from trainq.watcher.spec.contract import (
 )
 from trainq.watcher.spec.fsutil import atomic_write_json, open_no_follow, remove_quietly, touch
 from trainq.watcher.spec.units import iso_utc
-from trainq.watcher.supervisor import cgroups, story
+from trainq.watcher.supervisor import cgroups, clone_into, story
 from trainq.watcher.supervisor.attempt_io import (
     LaunchSpec,
     _exists,
@@ -62,6 +62,12 @@ SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 #: the signal that says a batch system's time limit is near: stop.flag now, SIGTERM after stop_grace ("timeout")
 TIME_LIMIT_SIGNAL = signal.SIGUSR1
+
+#: how long after its last move between cgroups a supervisor steps in and out again to start a job (the vfork,
+#: 0.2 ms); later it clones the job into its group (clone_into.py, a fork: 0.5-1.5 ms). A move takes the kernel's
+#: threadgroup lock for writing, which stays quick for ~20 ms after the last one and then costs an RCU grace
+#: period (6-17 ms on this project's VM; docs/benchmarks.md, round four, tenth pass)
+MOVES_WARM_S = 0.015
 
 
 @dataclass
@@ -194,6 +200,8 @@ def _supervise(
     code = story.write_snapshot(snapshot, note)  # read before the job started
     _write_started(attempt)
     story.started(attempt.paths, spec.attempt, started_at, job.pid, env, code)
+    if isinstance(job, _Cloned) and containment is not None:
+        _keep_moves_quick(containment)
     _watch(attempt, stop_signal)
     # we reaped it (_watch returns once the main child is): Popen must not wait or warn
     job.returncode = os.waitstatus_to_exitcode(cast(int, attempt.status))
@@ -250,16 +258,36 @@ def _job_env(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
+class _Moves:
+    """When this supervisor last moved itself between cgroups (monotonic seconds; 0: never)."""
+
+    last = 0.0
+
+
+@dataclass
+class _Cloned:
+    """A job started by ``clone_into``: what the attempt reads of a Popen (its pid; its returncode is set at the end)."""
+
+    pid: int
+    returncode: int | None = None
+
+
 def _spawn_contained(
     spec: LaunchSpec, env: dict[str, str], log_fd: int, group: Path | None, containment: Containment | None
-) -> tuple[subprocess.Popen, Path | None]:
+) -> tuple[subprocess.Popen | _Cloned, Path | None]:
     """Start the job inside ``group``; where joining it is refused, without it (a note says so).
 
-    The supervisor steps into the group, starts the job there (so the job is born inside it and
-    nothing it runs is ever outside), and steps out again before anything else happens.
+    The job is born inside the group, so nothing it runs is ever outside. With cgroup v2 it is cloned straight
+    into it (clone_into.py: no process moves, which after a quiet spell costs milliseconds); otherwise the
+    supervisor steps into the group, starts the job there, and steps out again before anything else happens.
     """
     if group is None or containment is None:
         return _spawn(spec, env, log_fd), None
+    if containment.mode == "cgroup-v2" and time.monotonic() - _Moves.last > MOVES_WARM_S:
+        try:
+            return _Cloned(_clone_into_group(spec, env, log_fd, group)), group
+        except clone_into.Unsupported:
+            pass  # an old kernel, a filter, a group it cannot be cloned into: the old way says what goes wrong
     try:
         home = cgroups.enter(group, containment.mode, containment.home)
     except OSError as exc:
@@ -270,6 +298,7 @@ def _spawn_contained(
         return _spawn(spec, env, log_fd), group
     finally:
         _leave(home, group, containment)
+        _Moves.last = time.monotonic()
 
 
 def _leave(home: Path, group: Path, containment: Containment) -> None:
@@ -288,6 +317,24 @@ def _leave(home: Path, group: Path, containment: Containment) -> None:
 def _drop_group(group: Path | None) -> None:
     if group is not None:
         cgroups.remove(group)
+
+
+def _keep_moves_quick(containment: Containment) -> None:
+    """After a clone into a group: one move that moves nothing (this process into the group it is in), so that the
+    kernel's lock is quick again for the next start. Its wait for a grace period is paid here, once the job runs
+    and its records are written, instead of in the next job's start."""
+    if containment.home is None:
+        return
+    try:
+        cgroups.leave(containment.home / "cgroup.procs")
+    except OSError:
+        return  # the next start clones again
+    _Moves.last = time.monotonic()
+
+
+def _clone_into_group(spec: LaunchSpec, env: dict[str, str], log_fd: int, group: Path) -> int:
+    """``_spawn``'s start, cloned into ``group``: the job's pid (clone_into.Unsupported: use ``_spawn``)."""
+    return clone_into.spawn(spec.argv, spec.executable, spec.cwd, env, log_fd, group)
 
 
 def _spawn(spec: LaunchSpec, env: dict[str, str], log_fd: int) -> subprocess.Popen:

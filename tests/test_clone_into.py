@@ -1,0 +1,190 @@
+"""A job cloned straight into its cgroup v2 group (clone_into.py) is born there and cannot tell how it started.
+
+After a quiet spell a supervisor no longer steps into the attempt's group to start the job (that move then waits
+for an RCU grace period: docs/benchmarks.md, round four, tenth pass); it clones the job into the group. Each test
+here runs real programs both ways, the supervisor's Popen (``attempt._spawn``) and ``clone_into.spawn``, from the
+same process, and compares what they saw or how they failed. The tests that need a group skip, naming why, where
+this process cannot make a cgroup v2 group.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from trainq.watcher.supervisor import LaunchSpec, cgroups, clone_into
+from trainq.watcher.supervisor.attempt import _spawn
+
+#: what a job sees of how it was started: its session and group, its fds, stdin, cwd, argv and the environment
+#: (one line each; the same shell runs it both ways). Its signals are read by grep: sh resets its own mask
+PROBE = r"""
+echo "argv0 $0 $1"
+echo "ids $(cut -d' ' -f1,5,6 /proc/$$/stat) pid $$"
+echo "fds $(ls /proc/$$/fd | sort -n | tr '\n' ' ')"
+echo "stdin $(readlink /proc/$$/fd/0)"
+echo "cwd $(pwd)"
+echo "env X=$X PATH=$PATH"
+"""
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[Path]:
+    """A fresh cgroup v2 group of this queue's kind (removed after the test)."""
+    found = cgroups.detect("cgroup-v2")
+    if found.mode != "cgroup-v2" or found.base is None:
+        pytest.skip(f"no usable cgroup-v2 here: {found.why}")
+    made = found.base / f"test-clone-{os.getpid()}-{tmp_path.name}"
+    made.mkdir()
+    yield made
+    made.rmdir()
+
+
+def _spec(argv: list[str], cwd: Path, tmp_path: Path) -> LaunchSpec:
+    return LaunchSpec(job_dir=str(tmp_path), argv=tuple(argv), env={}, cwd=str(cwd), attempt=1)
+
+
+def _run_both(argv: list[str], cwd: Path, env: dict[str, str], group: Path, tmp_path: Path) -> tuple[str, str]:
+    """The job's output.log text started by Popen, then by a clone into ``group``; both waited for."""
+    tmp_path.mkdir(exist_ok=True)
+    outputs = []
+    for way in ("popen", "clone"):
+        log = tmp_path / f"{way}.log"
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            if way == "popen":
+                assert _spawn(_spec(argv, cwd, tmp_path), env, fd).wait() == 0
+            else:
+                pid = clone_into.spawn(argv, None, str(cwd), env, fd, group)
+                assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        finally:
+            os.close(fd)
+        outputs.append(log.read_text())
+    return outputs[0], outputs[1]
+
+
+def _normalised(text: str) -> list[str]:
+    """The probe's lines with the pids (which differ between two jobs) put in words."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("ids "):
+            pid, pgrp, session, _, own = line.split()[1:]
+            line = f"ids own pid {pid == own}, group leader {pgrp == own}, session leader {session == own}"
+        lines.append(line)
+    return lines
+
+
+def test_a_cloned_job_is_born_in_its_group(group: Path, tmp_path: Path) -> None:
+    log = tmp_path / "output.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        pid = clone_into.spawn(["cat", "/proc/self/cgroup"], None, str(tmp_path), dict(os.environ), fd, group)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        os.close(fd)
+    unified = next(line for line in log.read_text().splitlines() if line.startswith("0::"))
+    assert str(group).endswith(unified[3:]), (unified, group)
+    assert group.name not in Path("/proc/self/cgroup").read_text()
+
+
+def test_a_cloned_job_sees_what_a_popen_job_sees(group: Path, tmp_path: Path) -> None:
+    """Session and group leader, only fds 0-2 (stdin /dev/null, output.log on 1 and 2), the caller's signal mask,
+    SIGPIPE and SIGXFSZ back to default, no handler of the caller's, the cwd, argv and only the given
+    environment, though the caller holds an inheritable fd, blocks SIGUSR2 and handles SIGTERM."""
+    stray = os.open(os.devnull, os.O_RDONLY)  # inheritable: close_fds must keep it from the job
+    os.set_inheritable(stray, True)
+    old_handler = signal.signal(signal.SIGTERM, lambda *_: None)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    work = tmp_path / "work dir"
+    work.mkdir()
+    env = {"X": "ünïcode value", "PATH": os.environ.get("PATH", os.defpath)}
+    try:
+        popen, cloned = _run_both(["sh", "-c", PROBE, "probe", "arg one"], work, env, group, tmp_path)
+        signals = ["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"]
+        signals_popen, signals_cloned = _run_both(signals, work, env, group, tmp_path / "signals")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.signal(signal.SIGTERM, old_handler)
+        os.close(stray)
+    assert _normalised(cloned) == _normalised(popen)
+    said = dict(line.split(" ", 1) for line in _normalised(cloned))
+    assert said["argv0"] == "probe arg one"
+    assert said["ids"] == "own pid True, group leader True, session leader True"
+    assert said["stdin"] == "/dev/null"
+    assert set(said["fds"].split()) <= {"0", "1", "2", "3"}  # 3: the shell's own pipe for $(...)
+    assert said["cwd"] == str(work)
+    assert said["env"] == f"X=ünïcode value PATH={env['PATH']}"
+    assert signals_popen == signals_cloned  # sh resets its mask: the signals are read by grep, exec'd directly
+    mask = dict(line.split(":\t") for line in signals_cloned.splitlines())
+    assert int(mask["SigBlk"], 16) & (1 << (signal.SIGUSR2 - 1)), "the caller's mask, as Popen keeps it"
+    assert not int(mask["SigIgn"], 16) & (1 << (signal.SIGPIPE - 1)), "SIGPIPE back to its default"
+
+
+def test_a_bare_command_is_looked_up_on_the_job_s_path(group: Path, tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "only-here"
+    tool.write_text("#!/bin/sh\necho found me in $0\n")
+    tool.chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'missing'}:{bin_dir}"}
+    popen, cloned = _run_both(["only-here"], tmp_path, env, group, tmp_path)
+    assert cloned == popen == f"found me in {tool}\n"
+
+
+def _failure(way: str, argv: list[str], cwd: Path, group: Path, tmp_path: Path) -> OSError:
+    env = {"PATH": f"{tmp_path / 'plain'}:{os.environ.get('PATH', os.defpath)}"}
+    fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        if way == "popen":
+            _spawn(_spec(argv, cwd, tmp_path), env, fd).wait()
+        else:
+            clone_into.spawn(argv, None, str(cwd), env, fd, group)
+    except OSError as exc:
+        return exc
+    finally:
+        os.close(fd)
+    raise AssertionError(f"{way}: {argv} started")
+
+
+CASES = ["not found", "not executable", "not executable on PATH", "no interpreter line", "no such cwd", "a folder"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_job_that_cannot_start_fails_as_popen_s_does(case: str, group: Path, tmp_path: Path) -> None:
+    """The same OSError subclass, errno and filename: the supervisor's spawn error (127/126 and its line in
+    output.log) reads them, so it says the same whichever way the job was started."""
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"\x00\x01\x02 no interpreter line\n")
+    junk.chmod(0o755)
+    (tmp_path / "plain").mkdir()  # first on PATH: its tool is not executable; the error is that one, not "not found"
+    (tmp_path / "plain" / "tool-here").write_text("#!/bin/sh\n")
+    argv, cwd, expected = {
+        "not found": (["no-such-command-here"], tmp_path, errno.ENOENT),
+        "not executable": ([str(script)], tmp_path, errno.EACCES),
+        "not executable on PATH": (["tool-here"], tmp_path, errno.EACCES),
+        "no interpreter line": ([str(junk)], tmp_path, errno.ENOEXEC),
+        "no such cwd": (["true"], tmp_path / "gone", errno.ENOENT),
+        "a folder": ([str(tmp_path)], tmp_path, errno.EACCES),
+    }[case]
+    popen = _failure("popen", argv, cwd, group, tmp_path)
+    cloned = _failure("clone", argv, cwd, group, tmp_path)
+    assert (type(cloned), cloned.errno, cloned.filename) == (type(popen), popen.errno, popen.filename)
+    assert cloned.errno == expected
+    assert not cgroups.is_populated(group, "cgroup-v2"), "a child that could not exec is gone"
+
+
+def test_a_folder_that_is_not_a_group_is_refused_and_the_old_way_stays_open(tmp_path: Path) -> None:
+    """clone3 with a plain folder's fd fails; spawn says Unsupported (the supervisor then steps into the group the
+    old way, which names the problem), and the next start may still try a clone."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("clone3 is Linux's")
+    with pytest.raises(clone_into.Unsupported):
+        clone_into.spawn(["true"], None, str(tmp_path), {}, 1, tmp_path)
+    assert clone_into.available()
