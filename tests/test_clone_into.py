@@ -12,7 +12,9 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import struct
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -188,3 +190,37 @@ def test_a_folder_that_is_not_a_group_is_refused_and_the_old_way_stays_open(tmp_
     with pytest.raises(clone_into.Unsupported):
         clone_into.spawn(["true"], None, str(tmp_path), {}, 1, tmp_path)
     assert clone_into.available()
+
+
+def test_after_a_quiet_spell_the_supervisor_clones_and_then_keeps_moves_quick(group: Path, tmp_path: Path) -> None:
+    """``_spawn_contained``: with no move between cgroups for a while the job is cloned into its group (a step in
+    would wait for a grace period); once it runs, a move that moves nothing makes the next start's step in quick."""
+    from trainq.watcher.supervisor import attempt
+
+    containment = cgroups.detect("cgroup-v2")
+    time.sleep(2 * attempt.MOVES_WARM_S)  # quiet, as far as this process and its forks know
+    assert attempt._Moves.quiet_for() > attempt.MOVES_WARM_S
+    fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        job, used = attempt._spawn_contained(_spec(["true"], tmp_path, tmp_path), {}, fd, group, containment)
+    finally:
+        os.close(fd)
+    assert isinstance(job, attempt._Cloned) and used == group
+    assert os.waitstatus_to_exitcode(os.waitpid(job.pid, 0)[1]) == 0
+    attempt._keep_moves_quick(containment)
+    assert attempt._Moves.quiet_for() < 5.0  # it counted as a move (generous: a loaded machine)
+    assert group.name not in Path("/proc/self/cgroup").read_text(), "the move that moves nothing moved nobody"
+
+
+def test_the_time_of_the_last_move_is_shared_with_processes_forked_later() -> None:
+    """The pool's supervisors are forks of one helper: a move by one of them counts for all."""
+    from trainq.watcher.supervisor import attempt
+
+    struct.pack_into("d", attempt._Moves._page, 0, 0.0)  # never moved
+    assert attempt._Moves.quiet_for() > 60
+    pid = os.fork()
+    if pid == 0:
+        attempt._Moves.moved()
+        os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert attempt._Moves.quiet_for() < 5.0

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import select
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -63,10 +65,10 @@ SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: the signal that says a batch system's time limit is near: stop.flag now, SIGTERM after stop_grace ("timeout")
 TIME_LIMIT_SIGNAL = signal.SIGUSR1
 
-#: how long after its last move between cgroups a supervisor steps in and out again to start a job (the vfork,
-#: 0.2 ms); later it clones the job into its group (clone_into.py, a fork: 0.5-1.5 ms). A move takes the kernel's
-#: threadgroup lock for writing, which stays quick for ~20 ms after the last one and then costs an RCU grace
-#: period (6-17 ms on this project's VM; docs/benchmarks.md, round four, tenth pass)
+#: how long after the last move between cgroups (by any supervisor of the pool) a supervisor steps in and out again
+#: to start a job (the vfork, 0.2 ms); later it clones the job into its group (clone_into.py, a fork: 1-2 ms). A move
+#: takes the kernel's threadgroup lock for writing, which stays quick for ~20 ms after the last one and then costs an
+#: RCU grace period (6-17 ms on this project's VM; docs/benchmarks.md, round four, tenth pass)
 MOVES_WARM_S = 0.015
 
 
@@ -259,9 +261,20 @@ def _job_env(spec: LaunchSpec) -> dict[str, str]:
 
 
 class _Moves:
-    """When this supervisor last moved itself between cgroups (monotonic seconds; 0: never)."""
+    """When a supervisor last moved itself between cgroups (monotonic seconds, the same clock in every process; 0:
+    never). The lock is the kernel's, one for the machine, so the time is shared: a page mapped before the spawner
+    helper forks its supervisors is the same page in all of them (each would otherwise see only its own moves, and
+    the pool takes turns)."""
 
-    last = 0.0
+    _page = mmap.mmap(-1, 8)  # anonymous and MAP_SHARED: inherited as shared memory by every process forked later
+
+    @classmethod
+    def quiet_for(cls) -> float:
+        return time.monotonic() - struct.unpack_from("d", cls._page)[0]
+
+    @classmethod
+    def moved(cls) -> None:
+        struct.pack_into("d", cls._page, 0, time.monotonic())
 
 
 @dataclass
@@ -283,7 +296,7 @@ def _spawn_contained(
     """
     if group is None or containment is None:
         return _spawn(spec, env, log_fd), None
-    if containment.mode == "cgroup-v2" and time.monotonic() - _Moves.last > MOVES_WARM_S:
+    if containment.mode == "cgroup-v2" and _Moves.quiet_for() > MOVES_WARM_S:
         try:
             return _Cloned(_clone_into_group(spec, env, log_fd, group)), group
         except clone_into.Unsupported:
@@ -298,7 +311,7 @@ def _spawn_contained(
         return _spawn(spec, env, log_fd), group
     finally:
         _leave(home, group, containment)
-        _Moves.last = time.monotonic()
+        _Moves.moved()
 
 
 def _leave(home: Path, group: Path, containment: Containment) -> None:
@@ -329,7 +342,7 @@ def _keep_moves_quick(containment: Containment) -> None:
         cgroups.leave(containment.home / "cgroup.procs")
     except OSError:
         return  # the next start clones again
-    _Moves.last = time.monotonic()
+    _Moves.moved()
 
 
 def _clone_into_group(spec: LaunchSpec, env: dict[str, str], log_fd: int, group: Path) -> int:
