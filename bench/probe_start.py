@@ -5,10 +5,11 @@ how a supervisor starts a job inside its cgroup.
    observer with trainq's inbox handler (four threads between the kernel and the handler, which wakes the loop
    through a pipe), a callback on watchdog's ``InotifyFD`` (two threads), and the inotify fd read by the waiting
    thread itself (what the watcher's loop does now: ``daemon/inbox.py``'s ``LoopWatch``).
-2. *cgroup start* (cgroup v2, root): entering the attempt's group, ``subprocess.Popen`` (vfork + exec), leaving,
-   as ``supervisor/attempt.py`` does, against ``clone3(CLONE_INTO_CGROUP)`` through ctypes (a fork born in the
-   group, then exec). Each after an idle pause (``--idle``; a migration after idling waits for an RCU grace
-   period) and back to back. Wall time until the parent has the child's pid, and the parent's CPU per start.
+2. *cgroup start* (cgroup v2, root): the supervisor's two ways (``supervisor/attempt.py``): entering the
+   attempt's group, ``subprocess.Popen`` (vfork + exec), leaving; and ``clone_into.spawn``
+   (``clone3(CLONE_INTO_CGROUP)``, a fork born in the group, then exec). Each after an idle pause (``--idle``; a
+   move after idling waits for an RCU grace period) and back to back. Wall time until the job has exec'd (both
+   wait for it), and the parent's CPU per start.
 
     .venv/bin/python bench/probe_start.py [--runs 100] [--idle 0.3] [--only inotify|cgroup]
 """
@@ -16,11 +17,9 @@ how a supervisor starts a job inside its cgroup.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import resource
 import select
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,10 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: bench/ importable
-
-#: clone3's number (the same on every architecture Linux numbers alike) and its flag
-SYS_CLONE3 = 435
-CLONE_INTO_CGROUP = 0x200000000
 
 
 def probe_inotify(runs: int) -> None:
@@ -97,25 +92,6 @@ def probe_inotify(runs: int) -> None:
         print(f"  the fd read in the waiting loop:      {in_loop:.3f} ms")
 
 
-class _CloneArgs(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_uint64)
-        for name in (
-            "flags",
-            "pidfd",
-            "child_tid",
-            "parent_tid",
-            "exit_signal",
-            "stack",
-            "stack_size",
-            "tls",
-            "set_tid",
-            "set_tid_size",
-            "cgroup",
-        )
-    ]
-
-
 def probe_cgroup(runs: int, idle_s: float) -> None:
     from trainq.watcher.supervisor import cgroups
 
@@ -123,8 +99,8 @@ def probe_cgroup(runs: int, idle_s: float) -> None:
     if containment.mode != "cgroup-v2" or containment.base is None:
         print(f"cgroup start: skipped, containment is {containment.mode} ({containment.why})")
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
+    from trainq.watcher.supervisor import clone_into as product
+
     folder = containment.base / f"probe-{os.getpid()}"
     folder.mkdir()
     kept: list[subprocess.Popen] = []
@@ -139,21 +115,10 @@ def probe_cgroup(runs: int, idle_s: float) -> None:
         return child.pid
 
     def clone_into(group: Path) -> int:
-        group_fd = os.open(group, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        args = _CloneArgs(flags=CLONE_INTO_CGROUP, exit_signal=signal.SIGCHLD, cgroup=group_fd)
-        pid = libc.syscall(SYS_CLONE3, ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
-        if pid == 0:  # the child: nothing but exec
-            try:
-                os.execv("/bin/true", ["true"])
-            finally:
-                os._exit(127)
-        os.close(group_fd)
-        if pid < 0:
-            raise OSError(ctypes.get_errno(), "clone3")
-        return pid
+        return product.spawn(["true"], None, "/", dict(os.environ), 1, group)
 
     try:
-        print(f"cgroup start, wall until the pid / the parent's CPU per start, median of {runs}:")
+        print(f"cgroup start, wall until the exec / the parent's CPU per start, median of {runs}:")
         for pause in (idle_s, 0.0):
             for name, start in (
                 ("enter, vfork+exec, leave", enter_vfork_leave),
