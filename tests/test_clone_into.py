@@ -192,12 +192,9 @@ def test_a_folder_that_is_not_a_group_is_refused_and_the_old_way_stays_open(tmp_
     assert clone_into.available()
 
 
-def test_after_a_quiet_spell_the_supervisor_clones_and_then_keeps_moves_quick(group: Path, tmp_path: Path) -> None:
-    """``_spawn_contained``: with no move between cgroups for a while the job is cloned into its group (a step in
-    would wait for a grace period); once it runs, a move that moves nothing makes the next start's step in quick."""
+def _start_after_a_quiet_spell(group: Path, tmp_path: Path, containment: cgroups.Containment):
     from trainq.watcher.supervisor import attempt
 
-    containment = cgroups.detect("cgroup-v2")
     time.sleep(2 * attempt.MOVES_WARM_S)  # quiet, as far as this process and its forks know
     assert attempt._Moves.quiet_for() > attempt.MOVES_WARM_S
     fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
@@ -205,18 +202,49 @@ def test_after_a_quiet_spell_the_supervisor_clones_and_then_keeps_moves_quick(gr
         job, used = attempt._spawn_contained(_spec(["true"], tmp_path, tmp_path), {}, fd, group, containment)
     finally:
         os.close(fd)
-    assert isinstance(job, attempt._Cloned) and used == group
+    assert used == group
     assert os.waitstatus_to_exitcode(os.waitpid(job.pid, 0)[1]) == 0
+    return job
+
+
+def test_where_a_quiet_move_is_dear_the_supervisor_clones_and_then_keeps_moves_quick(
+    group: Path, tmp_path: Path
+) -> None:
+    """``_spawn_contained``: with no move between cgroups for a while, on a machine where the last move after a
+    quiet spell was dear, the job is cloned into its group; once it runs, a move that moves nothing (timed, so
+    the next choice follows what it cost) makes the next start's step in quick."""
+    from trainq.watcher.supervisor import attempt
+
+    containment = cgroups.detect("cgroup-v2")
+    attempt._Moves.moved(quiet_move_took=0.050)  # as this project's VM measured one day: 16 ms and more
+    job = _start_after_a_quiet_spell(group, tmp_path, containment)
+    assert isinstance(job, attempt._Cloned)
     attempt._keep_moves_quick(containment)
     assert attempt._Moves.quiet_for() < 5.0  # it counted as a move (generous: a loaded machine)
-    assert group.name not in Path("/proc/self/cgroup").read_text(), "the move that moves nothing moved nobody"
+    took = struct.unpack_from("d", attempt._Moves._page, 8)[0]
+    assert 0 < took < 5.0 and took != 0.050, "the move that moves nothing was timed"
+    assert group.name not in Path("/proc/self/cgroup").read_text(), "it moved nobody"
+
+
+def test_where_a_quiet_move_is_cheap_the_supervisor_steps_in_and_times_it(group: Path, tmp_path: Path) -> None:
+    """Where the last move after a quiet spell was quick (another machine's kernel), stepping in stays the way
+    after a quiet spell too (a clone is a fork, dearer), and this move's time replaces the last."""
+    from trainq.watcher.supervisor import attempt
+
+    containment = cgroups.detect("cgroup-v2")
+    attempt._Moves.moved(quiet_move_took=1e-6)
+    job = _start_after_a_quiet_spell(group, tmp_path, containment)
+    assert not isinstance(job, attempt._Cloned)
+    took = struct.unpack_from("d", attempt._Moves._page, 8)[0]
+    assert took != 1e-6, "the step in after a quiet spell was timed"
+    assert group.name not in Path("/proc/self/cgroup").read_text(), "and the supervisor stepped out"
 
 
 def test_the_time_of_the_last_move_is_shared_with_processes_forked_later() -> None:
     """The pool's supervisors are forks of one helper: a move by one of them counts for all."""
     from trainq.watcher.supervisor import attempt
 
-    struct.pack_into("d", attempt._Moves._page, 0, 0.0)  # never moved
+    struct.pack_into("dd", attempt._Moves._page, 0, 0.0, 0.0)  # never moved
     assert attempt._Moves.quiet_for() > 60
     pid = os.fork()
     if pid == 0:

@@ -66,10 +66,13 @@ SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 TIME_LIMIT_SIGNAL = signal.SIGUSR1
 
 #: how long after the last move between cgroups (by any supervisor of the pool) a supervisor steps in and out again
-#: to start a job (the vfork, 0.2 ms); later it clones the job into its group (clone_into.py, a fork: 1-2 ms). A move
-#: takes the kernel's threadgroup lock for writing, which stays quick for ~20 ms after the last one and then costs an
-#: RCU grace period (6-17 ms on this project's VM; docs/benchmarks.md, round four, tenth pass)
+#: to start a job (the vfork, 0.2 ms). A move takes the kernel's threadgroup lock for writing, which stays quick for
+#: ~20 ms after the last one; after that, on some machines, it first waits for an RCU grace period (16 ms in a
+#: supervisor on this project's VM one day, under 1 ms on another: docs/benchmarks.md, round four, tenth pass)
 MOVES_WARM_S = 0.015
+#: a move after a quiet spell that took longer than this makes the next quiet start clone the job into its group
+#: instead (clone_into.py: a fork, 1-3 ms, that moves nobody); the moves made after a quiet spell keep measuring it
+QUIET_MOVE_DEAR_S = 0.002
 
 
 @dataclass
@@ -261,20 +264,29 @@ def _job_env(spec: LaunchSpec) -> dict[str, str]:
 
 
 class _Moves:
-    """When a supervisor last moved itself between cgroups (monotonic seconds, the same clock in every process; 0:
-    never). The lock is the kernel's, one for the machine, so the time is shared: a page mapped before the spawner
-    helper forks its supervisors is the same page in all of them (each would otherwise see only its own moves, and
-    the pool takes turns)."""
+    """What the pool's supervisors know of moves between cgroups: when the last one was (monotonic seconds, the same
+    clock in every process; 0: never), and how long the last one made after a quiet spell took (seconds; 0: none
+    yet). The lock is the kernel's, one for the machine, so this is shared: a page mapped before the spawner helper
+    forks its supervisors is the same page in all of them (each would otherwise see only its own moves, and the
+    pool takes turns)."""
 
-    _page = mmap.mmap(-1, 8)  # anonymous and MAP_SHARED: inherited as shared memory by every process forked later
+    _page = mmap.mmap(-1, 16)  # anonymous and MAP_SHARED: inherited as shared memory by every process forked later
 
     @classmethod
     def quiet_for(cls) -> float:
-        return time.monotonic() - struct.unpack_from("d", cls._page)[0]
+        return time.monotonic() - struct.unpack_from("d", cls._page, 0)[0]
 
     @classmethod
-    def moved(cls) -> None:
+    def quiet_move_is_dear(cls) -> bool:
+        """Whether a move now, after a quiet spell, would likely cost more than a clone (or nobody knows yet)."""
+        took = struct.unpack_from("d", cls._page, 8)[0]
+        return took == 0.0 or took > QUIET_MOVE_DEAR_S
+
+    @classmethod
+    def moved(cls, quiet_move_took: float | None = None) -> None:
         struct.pack_into("d", cls._page, 0, time.monotonic())
+        if quiet_move_took is not None:
+            struct.pack_into("d", cls._page, 8, max(quiet_move_took, 1e-9))
 
 
 @dataclass
@@ -290,19 +302,23 @@ def _spawn_contained(
 ) -> tuple[subprocess.Popen | _Cloned, Path | None]:
     """Start the job inside ``group``; where joining it is refused, without it (a note says so).
 
-    The job is born inside the group, so nothing it runs is ever outside. With cgroup v2 it is cloned straight
-    into it (clone_into.py: no process moves, which after a quiet spell costs milliseconds); otherwise the
-    supervisor steps into the group, starts the job there, and steps out again before anything else happens.
+    The job is born inside the group, so nothing it runs is ever outside. The supervisor steps into the group,
+    starts the job there, and steps out again before anything else happens; or, with cgroup v2 after a quiet spell
+    on a machine where a move after a quiet spell is dear, it clones the job straight into the group (clone_into.py:
+    no process moves). The moves made after a quiet spell are timed, so the choice follows the machine.
     """
     if group is None or containment is None:
         return _spawn(spec, env, log_fd), None
-    if containment.mode == "cgroup-v2" and _Moves.quiet_for() > MOVES_WARM_S:
+    quiet = _Moves.quiet_for() > MOVES_WARM_S
+    if quiet and containment.mode == "cgroup-v2" and _Moves.quiet_move_is_dear():
         try:
             return _Cloned(_clone_into_group(spec, env, log_fd, group)), group
         except clone_into.Unsupported:
             pass  # an old kernel, a filter, a group it cannot be cloned into: the old way says what goes wrong
+    entering = time.perf_counter()
     try:
         home = cgroups.enter(group, containment.mode, containment.home)
+        took = time.perf_counter() - entering
     except OSError as exc:
         _note(log_fd, f"cannot enter {group} ({exc.strerror}); contained by its process tree instead")
         _drop_group(group)
@@ -311,7 +327,7 @@ def _spawn_contained(
         return _spawn(spec, env, log_fd), group
     finally:
         _leave(home, group, containment)
-        _Moves.moved()
+        _Moves.moved(took if quiet else None)
 
 
 def _leave(home: Path, group: Path, containment: Containment) -> None:
@@ -338,11 +354,12 @@ def _keep_moves_quick(containment: Containment) -> None:
     and its records are written, instead of in the next job's start."""
     if containment.home is None:
         return
+    moving = time.perf_counter()
     try:
         cgroups.leave(containment.home / "cgroup.procs")
     except OSError:
         return  # the next start clones again
-    _Moves.moved()
+    _Moves.moved(time.perf_counter() - moving)
 
 
 def _clone_into_group(spec: LaunchSpec, env: dict[str, str], log_fd: int, group: Path) -> int:
