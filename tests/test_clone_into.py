@@ -13,6 +13,7 @@ import errno
 import os
 import signal
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -252,3 +253,22 @@ def test_the_time_of_the_last_move_is_shared_with_processes_forked_later() -> No
         os._exit(0)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert attempt._Moves.quiet_for() < 5.0
+
+
+def test_a_caller_with_its_stdio_closed_still_gives_the_job_dev_null_and_the_log(group: Path, tmp_path: Path) -> None:
+    """The log and the fds the clone needs (the group's, its /dev/null, its report pipe) take the free numbers 0-2
+    of a caller that closed them; the job must still get /dev/null on stdin and the log on 1 and 2 (a real caller
+    process: the log is its fd 0)."""
+    caller = (
+        "import os, sys\n"
+        "from trainq.watcher.supervisor import clone_into\n"
+        "for fd in (0, 1, 2):\n"
+        "    os.close(fd)\n"
+        "log = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)  # fd 0\n"
+        "pid = clone_into.spawn(['sh', '-c', 'readlink /proc/$$/fd/0; echo done >&2'], None, '/', {}, log, sys.argv[1])\n"
+        "sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    )
+    log = tmp_path / "output.log"
+    done = subprocess.run([sys.executable, "-c", caller, str(group), str(log)], timeout=60, capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().splitlines() == ["/dev/null", "done"]

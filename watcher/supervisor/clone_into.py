@@ -97,6 +97,8 @@ def spawn(
         group_fd = os.open(group, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise Unsupported(f"cannot open {group}: {exc.strerror}") from exc
+    # a caller with closed stdio fds gets them here: the child's dup2s onto 0, 1 and 2 come after it read them,
+    # and the pipe's write end, opened last, is 3 or more
     devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     reader, writer = os.pipe2(os.O_CLOEXEC)
     gc_was_on = gc.isenabled()
@@ -165,6 +167,8 @@ def _child(
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # restore_signals: Python ignores them, a job expects them
             signal.signal(sig, signal.SIG_DFL)
         os.setsid()
+        if log_fd == 0:
+            log_fd = os.dup(log_fd)  # stdin is about to become /dev/null
         os.dup2(devnull, 0)
         if log_fd != 1:
             os.dup2(log_fd, 1)
