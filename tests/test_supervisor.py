@@ -431,7 +431,9 @@ def test_job_gets_default_signals_and_no_inherited_fds(jobs: Jobs) -> None:
         sig_paths, _ = jobs.launch(("grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"), name="signals")
         fd_paths, pid = jobs.launch(py("reports_fds.py", "--sleep"), name="fds")
         wait_until(lambda: jobs.sup.read_started(fd_paths), 10, what="the start record")
-        supervisor_fds = {fd: os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        # then watching (its pidfd open): a supervisor that cloned the job into its cgroup first makes one move
+        # that moves nothing, through a cgroup.procs fd it holds meanwhile (attempt.py, _keep_moves_quick)
+        supervisor_fds = wait_until(lambda: _watching_fds(pid), 10, what="the supervisor to watch its job")
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR2])
         signal.signal(signal.SIGUSR1, previous)
@@ -451,6 +453,17 @@ def test_job_gets_default_signals_and_no_inherited_fds(jobs: Jobs) -> None:
     assert sorted(supervisor_fds.values()) == sorted([str(fd_paths.lock), "anon_inode:[pidfd]"]), (
         "the supervisor holds stdio, the lock and its pidfd only"
     )
+
+
+def _watching_fds(pid: int) -> dict[str, str] | None:
+    """A supervisor's fds (number → what it names) once it holds its job's pidfd; None before."""
+    fds = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            return None  # closed while we looked
+    return fds if "anon_inode:[pidfd]" in fds.values() else None
 
 
 def test_fork_is_safe_while_another_thread_logs(jobs: Jobs, tmp_path: Path) -> None:
