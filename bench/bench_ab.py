@@ -3,11 +3,13 @@
 On this VM a single benchmark run moves by 10–40 % with the machine (the peers of ``bench_queue.py`` move with it),
 so a change is judged by pairs: the other checkout, then this one, again and again, each pair a minute apart or
 less. Each round runs N × ``true`` one at a time (max_concurrent 1) through a real watcher, the method of
-``bench_queue.py``'s throughput row, and D single drops timed to the job's start (its latency row). The other
+``bench_queue.py``'s throughput row, D single drops timed to the job's start (its latency row) and I more after 1 s of
+quiet each (its idle row). The other
 checkout is imported through PYTHONPATH (a folder holding ``trainq/`` linked to its watcher, trainer and schemas,
 made here from ``--base``), so the watcher, its spawner and its supervisors all run that code.
 
-    .venv/bin/python bench/bench_ab.py --base ../trainq-base [--rounds 5] [--jobs 300] [--drops 100] [--tmp /dev/shm]
+    .venv/bin/python bench/bench_ab.py --base ../trainq-base [--rounds 5] [--jobs 300] [--drops 100] [--idle-drops 0]
+                                       [--tmp /dev/shm]
 
 ``--base`` is a checkout (git worktree add ../trainq-base <commit>). Use tmpfs (the default) for comparisons: on
 an ext4 without a journal, creates after many deletions slow down for minutes, whichever code runs
@@ -33,7 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from bench._common import PY, REPO, Queue, job_yaml, median, percentile, running_watcher, tree_cpu_split, wait_until
 
 #: the per-round numbers printed and summarised
-FIELDS = ("jobs_s", "watcher_ms", "spawner_ms", "supervisors_ms", "cpu_ms", "latency_ms", "latency_p95_ms")
+FIELDS = (
+    "jobs_s",
+    "watcher_ms",
+    "spawner_ms",
+    "supervisors_ms",
+    "cpu_ms",
+    "latency_ms",
+    "latency_p95_ms",
+    "idle_latency_ms",
+)
 
 
 def _serial(base: Path, jobs: int) -> dict:
@@ -78,6 +89,16 @@ def _latency(base: Path, drops: int) -> dict:
     return {"latency_ms": median(ours) * 1000, "latency_p95_ms": percentile(ours, 95) * 1000}
 
 
+def _idle_latency(base: Path, drops: int) -> dict:
+    """Median of drop → job started with 1 s of quiet before each drop (bench_queue's idle row, without the floor)."""
+    from bench.bench_queue import IDLE_GAP_S, _trainq_latencies
+
+    work = base / "idle-latency"
+    work.mkdir()
+    ours = _trainq_latencies(work, drops, None, gap_s=IDLE_GAP_S)
+    return {"idle_latency_ms": median(ours) * 1000}
+
+
 def _one_round(args: argparse.Namespace) -> dict:
     """One side's round, in this process (run under the side's PYTHONPATH by ``main``)."""
     with tempfile.TemporaryDirectory(prefix="trainq-ab-", dir=args.tmp) as tmp:
@@ -86,6 +107,8 @@ def _one_round(args: argparse.Namespace) -> dict:
         found = _serial(serial, args.jobs)
         if args.drops:
             found.update(_latency(Path(tmp), args.drops))
+        if args.idle_drops:
+            found.update(_idle_latency(Path(tmp), args.idle_drops))
     import trainq.watcher
 
     found["code"] = os.path.realpath(trainq.watcher.__path__[0])  # which checkout's watcher ran
@@ -107,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--jobs", type=int, default=300, help="trivial jobs per serial run")
     parser.add_argument("--drops", type=int, default=100, help="single drops timed per round (0: none)")
+    parser.add_argument("--idle-drops", type=int, default=0, help="single drops after 1 s of quiet each (0: none)")
     parser.add_argument("--tmp", default="/dev/shm", help="where the queues go (default tmpfs)")
     parser.add_argument("--one-round", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -122,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in sides.items():
             env = dict(os.environ, PYTHONPATH=path)
             command = [PY, __file__, "--one-round", "--jobs", str(args.jobs), "--drops", str(args.drops)]
+            command += ["--idle-drops", str(args.idle_drops)]
             done = subprocess.run([*command, "--tmp", args.tmp], env=env, capture_output=True, text=True, check=True)
             found = json.loads(done.stdout.strip().splitlines()[-1])
             results[name].append(found)
