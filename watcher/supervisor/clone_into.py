@@ -35,8 +35,10 @@ SYS_CLONE3 = 435
 CLONE_INTO_CGROUP = 0x200000000
 #: what the child's exit tells the parent: SIGCHLD, as for fork()
 _EXIT_SIGNAL = signal.SIGCHLD
-#: the errors that say clone3 itself is not available here (not this group's problem)
-_UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.E2BIG)
+#: the errors that say clone3 into a group is not available in this process, whatever the group: no clone3
+#: (ENOSYS: Linux < 5.3, or a seccomp filter such as Docker's default), refused (EPERM), or clone3 without
+#: CLONE_INTO_CGROUP (Linux 5.3-5.6: E2BIG for the longer struct, EINVAL for the flag)
+_UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.E2BIG, errno.EINVAL)
 #: the child's exit code when it could not exec (the parent reports the reason from the pipe, not this)
 _CHILD_FAILED = 255
 
