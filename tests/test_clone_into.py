@@ -272,3 +272,24 @@ def test_a_caller_with_its_stdio_closed_still_gives_the_job_dev_null_and_the_log
     done = subprocess.run([sys.executable, "-c", caller, str(group), str(log)], timeout=60, capture_output=True)
     assert done.returncode == 0, done.stderr
     assert log.read_text().splitlines() == ["/dev/null", "done"]
+
+
+@pytest.mark.parametrize(
+    "argv, env",
+    [(["echo", "a\0b"], {}), (["true"], {"A=B": "1"}), (["true"], {"A": "x\0y"})],
+    ids=["a NUL in argv", "a name with =", "a NUL in a value"],
+)
+def test_what_popen_refuses_before_starting_is_refused_the_same_way(
+    argv: list[str], env: dict[str, str], group: Path, tmp_path: Path
+) -> None:
+    """A ValueError in the caller, as Popen raises it, and no child: not a child that dies before its exec."""
+    fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        with pytest.raises(ValueError) as popen:
+            _spawn(_spec(argv, tmp_path, tmp_path), env, fd)
+        with pytest.raises(ValueError) as cloned:
+            clone_into.spawn(argv, None, str(tmp_path), env, fd, group)
+    finally:
+        os.close(fd)
+    assert str(cloned.value) == str(popen.value)
+    assert not cgroups.is_populated(group, "cgroup-v2")

@@ -94,7 +94,7 @@ def spawn(
     if not available():
         raise Unsupported(_State.refused)
     candidates = _candidates(argv, executable, env)
-    argv_b = [os.fsencode(arg) for arg in argv]
+    argv_b, env_b = _encoded(argv, env, cwd)  # checked here, as Popen checks them: the child could only die
     try:
         group_fd = os.open(group, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
@@ -109,7 +109,7 @@ def spawn(
     try:
         pid = _clone(group_fd)
         if pid == 0:
-            _child(argv_b, candidates, cwd, env, log_fd, devnull, writer, old_mask)  # never returns
+            _child(argv_b, candidates, cwd, env_b, log_fd, devnull, writer, old_mask)  # never returns
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         if gc_was_on:
@@ -124,6 +124,17 @@ def spawn(
         os.waitpid(pid, 0)
         raise _failure(said, cwd, executable if executable is not None else argv[0])
     return pid
+
+
+def _encoded(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> tuple[list[bytes], dict[bytes, bytes]]:
+    """argv and env as the exec takes them; ValueError (as Popen's) for a NUL byte or a name with "=" in it."""
+    argv_b = [os.fsencode(arg) for arg in argv]
+    env_b = {os.fsencode(key): os.fsencode(value) for key, value in env.items()}
+    if any(b"\0" in part for part in (*argv_b, *env_b, *env_b.values(), os.fsencode(cwd))):
+        raise ValueError("embedded null byte")
+    if any(not key or b"=" in key for key in env_b):
+        raise ValueError("illegal environment variable name")
+    return argv_b, env_b
 
 
 def _candidates(argv: Sequence[str], executable: str | None, env: Mapping[str, str]) -> list[bytes]:
@@ -155,7 +166,7 @@ def _child(
     argv: list[bytes],
     candidates: list[bytes],
     cwd: str,
-    env: Mapping[str, str],
+    env: dict[bytes, bytes],
     log_fd: int,
     devnull: int,
     report: int,
@@ -195,6 +206,8 @@ def _child(
                 if first is None and last not in (errno.ENOENT, errno.ENOTDIR):
                     first = last  # Popen reports the first error that is not "not here", else the last
         _say(report, b"exec", first if first is not None else last)
+    except BaseException:  # nothing else is expected here; whatever it is, the job did not start
+        _say(report, b"exec", errno.EINVAL)
     finally:
         os._exit(_CHILD_FAILED)
 
