@@ -1,18 +1,20 @@
 """Start a job already inside its cgroup v2 group: ``clone3(CLONE_INTO_CGROUP)``, then exec.
 
-Why not step in and out. Until now the supervisor moved itself into the attempt's group, started the job
-there with Popen (vfork + exec) and moved back. Each move writes cgroup.procs, and the kernel takes its
-threadgroup lock for writing for it. Right after another move that is quick (0.02 ms). After a quiet spell it
-waits for an RCU grace period first: 5-17 ms on this project's VM after 1 s idle, which made a job dropped into
-an idle queue start 17 ms late instead of 2 (docs/benchmarks.md, round four, tenth pass). A child cloned
-into the group (Linux 5.7) is born there and nobody moves: no lock to take, going in or coming out.
+The other way to start a contained job is to step in and out: the supervisor moves itself into the attempt's
+group, starts the job there with Popen (vfork + exec) and moves back. Each move writes cgroup.procs, and the
+kernel takes its threadgroup lock for writing for it. Right after another move that is quick (0.02 ms). After a
+quiet spell it may first wait for an RCU grace period: 16 ms in a supervisor on this project's VM after 1 s idle,
+which made a job dropped into an idle queue start 21 ms after the drop instead of 5 (docs/benchmarks.md, round
+four, tenth pass). A child cloned into the group (Linux 5.7) is born there and nobody moves.
 
 What the child does between the clone and the exec is what Popen's child does for the supervisor
 (``stdin=DEVNULL, stdout=log, stderr=STDOUT, close_fds=True, start_new_session=True,
 restore_signals=True``, ``cwd``, ``env``, the executable looked up on the job's own PATH), so a job cannot tell
-which way it was started, and a failure to start raises the same ``OSError`` (with the same ``filename``) as
-Popen's. The clone is a fork, not a vfork: Python cannot run in a child that shares its memory. A fork of
-the supervisor costs 0.1-0.2 ms more than Popen's vfork back to back (its page tables), and it saves both moves.
+which way it was started; a failure to start raises the same ``OSError`` (with the same ``filename``), and what
+Popen refuses before it forks the same ``ValueError``. The clone is a fork, not a vfork: Python cannot run in a
+child that shares its memory. So it costs 1.1-1.6 ms back to back against Popen's 0.2 ms (the supervisor's page
+tables copied, then torn down by the exec), and the supervisor clones only after a quiet spell, on a machine where
+a move then is dear (attempt.py, ``_spawn_contained``).
 
 Where clone3 is missing or refused (an old kernel, a seccomp filter that answers ENOSYS, cgroup v1), ``spawn``
 raises ``Unsupported`` and the caller takes the old way; a refusal of the call itself is remembered for the
