@@ -185,12 +185,14 @@ def test_a_job_that_cannot_start_fails_as_popen_s_does(case: str, group: Path, t
 
 def test_a_folder_that_is_not_a_group_is_refused_and_the_old_way_stays_open(tmp_path: Path) -> None:
     """clone3 with a plain folder's fd fails; spawn says Unsupported (the supervisor then steps into the group the
-    old way, which names the problem), and the next start may still try a clone."""
+    old way, which names the problem), closes what it opened, and the next start may still try a clone."""
     if not sys.platform.startswith("linux"):
         pytest.skip("clone3 is Linux's")
+    fds_before = sorted(os.listdir("/proc/self/fd"))
     with pytest.raises(clone_into.Unsupported):
         clone_into.spawn(["true"], None, str(tmp_path), {}, 1, tmp_path)
     assert clone_into.available()
+    assert sorted(os.listdir("/proc/self/fd")) == fds_before, "a refused clone leaves no fd behind"
 
 
 def _start_after_a_quiet_spell(group: Path, tmp_path: Path, containment: cgroups.Containment):

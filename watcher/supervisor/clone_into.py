@@ -112,6 +112,9 @@ def spawn(
         pid = _clone(group_fd)
         if pid == 0:
             _child(argv_b, candidates, cwd, env_b, log_fd, devnull, writer, old_mask)  # never returns
+    except BaseException:
+        os.close(reader)  # no child: nobody will write (a refused clone would leak one fd at every start)
+        raise
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         if gc_was_on:
