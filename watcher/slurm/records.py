@@ -3,7 +3,6 @@ an exit record from Slurm's side (its final state, who sent a signal, a rank's o
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,10 +165,6 @@ def signalled(record: dict) -> bool:
         or record.get("exit_code") in (128 + SIGKILL, 128 + SIGTERM)
         or record.get("stop_reason") == "sigterm"
     )
-
-
-def json_text(obj: object) -> str:
-    return json.dumps(obj, indent=1, ensure_ascii=False) + "\n"
 
 
 def attempt_ended(paths: JobPaths, n: object) -> bool:

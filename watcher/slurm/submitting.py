@@ -36,7 +36,6 @@ from trainq.watcher.slurm.records import (
     Unconfirmed,
     append_note,
     job_file,
-    json_text,
 )
 from trainq.watcher.slurm.state import (
     LIMITED,
@@ -58,7 +57,7 @@ from trainq.watcher.slurm.state import (
 from trainq.watcher.slurm.submit import Answer
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
-from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, read_json
+from trainq.watcher.spec.fsutil import atomic_write, atomic_write_json, json_text, read_json
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import LaunchSpec
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
+from json.encoder import encode_basestring, encode_basestring_ascii  # the C ones where built
 from pathlib import Path
 from typing import BinaryIO
 
@@ -120,9 +121,67 @@ def atomic_write_json(path: str | os.PathLike, obj: object, *, durable: bool = T
     atomic_write(path, json_text(obj), durable=durable, mode=mode_beside(path))
 
 
-def json_text(obj: object) -> str:
-    """``obj`` as the indented JSON every record file holds, ending in a newline."""
-    return json.dumps(obj, indent=1, ensure_ascii=False) + "\n"
+def json_text(obj: object, *, ensure_ascii: bool = False) -> str:
+    """``obj`` as the indented JSON every record file holds, ending in a newline.
+
+    The text is ``json.dumps(obj, indent=1)``'s, byte for byte, but made faster: with an indent the standard
+    library encodes in pure Python, one generator step per token (a supervisor's records for one trivial job
+    cost ~0.15 ms that way). Plain values (dicts with string keys, lists, tuples, strings, numbers, booleans,
+    None) are joined here with the C string encoder; anything else (another type, a non-string key, a cycle)
+    goes to ``json.dumps``, which raises or converts exactly as before.
+    """
+    encode = encode_basestring_ascii if ensure_ascii else encode_basestring
+    try:
+        text = _indented(obj, "\n", encode)
+    except (_NotPlain, RecursionError):
+        text = json.dumps(obj, indent=1, ensure_ascii=ensure_ascii)
+    return text + "\n"
+
+
+class _NotPlain(Exception):
+    """A value ``_indented`` leaves to ``json.dumps``."""
+
+
+_INFINITY = float("inf")
+
+
+def _indented(obj: object, newline: str, encode: Callable[[str], str]) -> str:
+    """``obj`` as ``json.dumps(obj, indent=1)`` writes it at the depth ``newline`` (a newline and the indent) holds."""
+    kind = type(obj)
+    if kind is str:
+        return encode(obj)  # type: ignore[arg-type]
+    if kind is dict:
+        if not obj:
+            return "{}"
+        inner = newline + " "
+        parts = []
+        for key, value in obj.items():  # type: ignore[attr-defined]
+            if type(key) is not str:
+                raise _NotPlain
+            parts.append(f"{encode(key)}: {encode(value) if type(value) is str else _indented(value, inner, encode)}")
+        return "{" + inner + ("," + inner).join(parts) + newline + "}"
+    if kind is list or kind is tuple:
+        if not obj:
+            return "[]"
+        inner = newline + " "
+        return "[" + inner + ("," + inner).join([_indented(v, inner, encode) for v in obj]) + newline + "]"  # type: ignore[attr-defined]
+    if obj is None:
+        return "null"
+    if obj is True:
+        return "true"
+    if obj is False:
+        return "false"
+    if kind is int:
+        return int.__repr__(obj)
+    if kind is float:
+        if obj != obj:
+            return "NaN"
+        if obj == _INFINITY:
+            return "Infinity"
+        if obj == -_INFINITY:
+            return "-Infinity"
+        return float.__repr__(obj)
+    raise _NotPlain
 
 
 def mode_beside(path: str | os.PathLike) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
-import json
 import os
 import signal
 import stat
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
-from trainq.watcher.spec.fsutil import publish_then_sync, remove_quietly
+from trainq.watcher.spec.fsutil import json_text, publish_then_sync, remove_quietly
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import story
 
@@ -197,7 +196,7 @@ def _publish_exit(paths: JobPaths, record: dict, ended: Callable[[], None], log_
     so nobody guesses its end) and the write is retried every EXIT_RETRY_S until it gets through.
     A job folder removed by hand gets no record: the attempt just ends.
     """
-    data = (json.dumps(record, indent=1) + "\n").encode()
+    data = json_text(record, ensure_ascii=True).encode()
     once = _Once(ended)
     noted = False
     while True:

@@ -1,0 +1,54 @@
+"""``json_text`` writes exactly what ``json.dumps(obj, indent=1)`` writes (issue 38 made it faster, not different)."""
+
+from __future__ import annotations
+
+import enum
+import json
+import random
+
+import pytest
+
+from trainq.watcher.spec.fsutil import json_text
+
+
+def _reference(obj: object, ensure_ascii: bool = False) -> str:
+    return json.dumps(obj, indent=1, ensure_ascii=ensure_ascii) + "\n"
+
+
+_LEAVES = [0, -5, 10**30, 1.25, 1e-9, -0.0, 1e300, None, True, False, "", "héllo", "a\tb\n\"\\", "\x01", "\u2028",
+           "\ud800", "\U0001f600", float("nan"), float("inf"), float("-inf")]  # fmt: skip
+
+
+def _random_value(rng: random.Random, depth: int) -> object:
+    pick = rng.random()
+    if depth > 4 or pick < 0.4:
+        return rng.choice(_LEAVES)
+    if pick < 0.7:
+        keys = ["k", "é", "a b", "\n", "", "\U0001f600"]
+        return {rng.choice(keys) + str(i): _random_value(rng, depth + 1) for i in range(rng.randint(0, 4))}
+    items = [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    return items if pick < 0.85 else tuple(items)
+
+
+@pytest.mark.parametrize("ensure_ascii", [False, True])
+def test_same_text_as_json_dumps(ensure_ascii):
+    rng = random.Random(38)
+    values = [{}, [], (), {"a": []}, {"a": {}}, [[]], {"env": {"PATH": "/usr/bin", "LANG": "C.UTF-8"}}]
+    values += [_random_value(rng, 0) for _ in range(3000)]
+    for value in values:
+        assert json_text(value, ensure_ascii=ensure_ascii) == _reference(value, ensure_ascii), value
+
+
+class _Level(enum.IntEnum):
+    HIGH = 2
+
+
+def test_what_it_does_not_encode_itself_goes_to_json_dumps():
+    for value in ({1: "int key"}, {"level": _Level.HIGH}, {None: 1, 2.5: [True]}, [_Level.HIGH]):
+        assert json_text(value) == _reference(value)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        json_text({"when": object()})
+    looped: dict = {}
+    looped["self"] = looped
+    with pytest.raises(ValueError, match="Circular reference"):
+        json_text(looped)
