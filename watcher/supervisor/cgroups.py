@@ -386,9 +386,28 @@ def _write(path: Path, text: str) -> bool:
 
 
 def _queue_key(root: Path) -> str:
-    """A short name for a queue root, so two queues' job ids never share a group."""
-    real = os.path.realpath(root)
-    return "q" + hashlib.sha256(real.encode(errors="surrogateescape")).hexdigest()[:12]
+    """A short name for a queue root, so two queues' job ids never share a group.
+
+    It names the root's real path, which costs an lstat per path component: a process asks at every job's start
+    (the supervisor) or end (the watcher) for the same root, so the answer is kept for QUEUE_KEY_CACHE_S.
+    """
+    given = os.fspath(root)
+    now = time.monotonic()
+    kept = _queue_keys.get(given)
+    if kept is not None and now < kept[1]:
+        return kept[0]
+    real = os.path.realpath(given)
+    key = "q" + hashlib.sha256(real.encode(errors="surrogateescape")).hexdigest()[:12]
+    if len(_queue_keys) >= 64:
+        _queue_keys.clear()
+    _queue_keys[given] = (key, now + QUEUE_KEY_CACHE_S)
+    return key
+
+
+#: how long a queue root's key is trusted (seconds): a root whose real path changes (a symlink turned) is named
+#: anew within this
+QUEUE_KEY_CACHE_S = 5.0
+_queue_keys: dict[str, tuple[str, float]] = {}
 
 
 #: a queue's folder of groups, as ``_queue_key`` names it
