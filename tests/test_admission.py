@@ -231,6 +231,25 @@ def test_paused_and_max_concurrent_say_so(machine: Callable) -> None:
     assert decisions[1].waiting_for == "max_concurrent 2 reached (running: a, b)"
 
 
+def test_a_plan_until_full_stops_deciding_once_every_slot_is_taken(machine: Callable) -> None:
+    """Issue 38: a pass after a slot freed decides only until the slots are gone; a job that cannot use the free
+    slot (it needs a GPU that is held) is still passed over for one behind it that can."""
+    state = machine()
+    decisions = plan(jobs("b", "c", "d", gpus=0), [Holding("a")], state, Limits(max_concurrent=2), until_full=True)
+    assert [(d.job_id, d.start) for d in decisions] == [("b", True)]
+    held = [Holding("a", gpus=(0,)), Holding("x", gpus=(1,))]
+    requests = [Request("wants-gpu", order=0, gpus=1), Request("cpu", order=1, gpus=0), Request("late", order=2)]
+    decisions = plan(requests, held, state, Limits(max_concurrent=3), until_full=True)
+    assert [(d.job_id, d.start) for d in decisions] == [("wants-gpu", False), ("cpu", True)]
+    pools = Limits(max_concurrent=2, pools={"default": 1, "eval": 1})
+    eval_job = [Request("e", order=0, gpus=0, pool="eval"), Request("f", order=1, gpus=0, pool="eval")]
+    decisions = plan(eval_job, [Holding("a")], state, pools, until_full=True)
+    assert [(d.job_id, d.start) for d in decisions] == [("e", True)]
+    decisions = plan(eval_job, [], state, pools, until_full=True)  # default's slot is free: f is decided (waits)
+    assert [(d.job_id, d.start) for d in decisions] == [("e", True), ("f", False)]
+    assert len(plan(jobs("b", "c", "d", gpus=0), [Holding("a")], state, Limits(max_concurrent=2))) == 3
+
+
 def test_priority_first_then_acceptance_order(machine: Callable) -> None:
     requests = [
         Request("old", priority=0, order=1, gpus=1),

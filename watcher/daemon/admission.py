@@ -172,10 +172,21 @@ def gpu_views(machine: MachineState, holdings: list[Holding]) -> dict[int, GpuVi
     return views
 
 
-def plan(requests: list[Request], holdings: list[Holding], machine: MachineState, limits: Limits) -> list[Decision]:
-    """One decision per request, in start order; as many start as fit, never sharing a GPU."""
+def plan(
+    requests: list[Request], holdings: list[Holding], machine: MachineState, limits: Limits, *, until_full: bool = False
+) -> list[Decision]:
+    """One decision per request, in start order; as many start as fit, never sharing a GPU.
+
+    ``until_full``: stop once every concurrency slot is taken (nothing further back can start in this plan); the
+    requests not decided get no decision, so their ``waiting_for`` stays as the last full plan said.
+    """
     ledger = _Ledger(machine, holdings, limits)
-    return [ledger.decide(req) for req in sorted(requests, key=lambda r: (-r.priority, r.order))]
+    decisions = []
+    for req in sorted(requests, key=lambda r: (-r.priority, r.order)):
+        if until_full and ledger.full():
+            break
+        decisions.append(ledger.decide(req))
+    return decisions
 
 
 def gate_report(req: Request, holdings: list[Holding], machine: MachineState, limits: Limits) -> dict[str, str | None]:
@@ -219,6 +230,13 @@ class _Ledger:
                 self._promise_disk(h.disk_path, max(0.0, h.disk_gb - h.disk_used_gb))
         self.reserved: tuple[int, ...] = ()
         self.reserver: tuple[Request, int] | None = None
+
+    def full(self) -> bool:
+        """Every concurrency slot is taken: no request can start, whatever it asks for."""
+        if self.limits.pools is None:
+            return len(self.running) >= self.limits.max_concurrent
+        limits = {"default": self.limits.pool_limit("default"), **self.limits.pools}
+        return all(len(self.running_by_pool.get(pool, ())) >= limit for pool, limit in limits.items())
 
     def decide(self, req: Request) -> Decision:
         """Start ``req`` if everything it needs is free now, else say why it waits."""

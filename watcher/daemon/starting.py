@@ -132,7 +132,8 @@ class Starting:
         ]
         budget_ends = time.monotonic() + LAUNCH_BUDGET_S
         try:
-            for decision in self._plan(self._per_job(waiting, self._request, "plan"), holdings, machine, limits):
+            requests = self._per_job(waiting, self._request, "plan")
+            for decision in self._plan(requests, holdings, machine, limits, until_full=not full):
                 job = self.state.jobs.get(decision.job_id)
                 if job is None or job.state is not JobState.PENDING:
                     continue
@@ -155,10 +156,16 @@ class Starting:
         made = [self.guard.guarded(job, step, make, job) for job in jobs]
         return [m for m in made if m is not None]
 
-    def _plan(self, requests: list[Request], holdings: list[Holding], machine, limits: Limits) -> list:
-        """admission.plan; if it raises, plan each job alone to find the one it fails on, fail that one, plan the rest."""
+    def _plan(
+        self, requests: list[Request], holdings: list[Holding], machine, limits: Limits, until_full: bool = False
+    ) -> list:
+        """admission.plan; if it raises, plan each job alone to find the one it fails on, fail that one, plan the rest.
+
+        ``until_full`` (a pass after a slot freed): the jobs behind the last slot taken are not decided; the
+        full plan every PLAN_EVERY_S refreshes why each of them waits.
+        """
         try:
-            return plan(requests, holdings, machine, limits)
+            return plan(requests, holdings, machine, limits, until_full=until_full)
         except Exception:
             logger.debug("admission failed on a batch of %d; planning each job alone", len(requests), exc_info=True)
         fine = []
@@ -168,7 +175,7 @@ class Starting:
                 continue
             if self.guard.guarded(job, "plan", plan, [request], holdings, machine, limits) is not None:
                 fine.append(request)
-        return plan(fine, holdings, machine, limits)
+        return plan(fine, holdings, machine, limits, until_full=until_full)
 
     def _limits(self) -> Limits:
         return Limits(
