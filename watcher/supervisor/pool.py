@@ -28,7 +28,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, cast
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
@@ -404,8 +404,9 @@ def _warm_main(
         gc.freeze()  # what we inherited is never collected (it may name fds we closed); our own garbage is
         gc.enable()
         jobs = socket.socket(fileno=jobs_fd) if jobs_fd is not None else None
+        waiter = _Waiter(requests, jobs)
         for _ in range(POOLED_MAX_ATTEMPTS):
-            taken = _await_job(requests, replies, jobs)
+            taken = _await_job(requests, replies, waiter)
             if taken is None:
                 break
             spec, lock_fd, log_fd = taken
@@ -431,16 +432,47 @@ def _quiet_stdio() -> int:
     return 2
 
 
-def _await_job(requests: int, replies: int, jobs: socket.socket | None = None) -> tuple[LaunchSpec, int, int] | None:
+class _Waiter:
+    """A pooled supervisor's wait for its next request: on the helper's pipe, or on the watcher's jobs socket.
+
+    Every waiting supervisor reads the one jobs socket. Watched with select, a request woke them all, and all but
+    one found nothing to take (a wake-up, a recv and a context switch for nothing at every job, while the one that
+    takes it wants the CPU). The socket is in an epoll set with EPOLLEXCLUSIVE instead: a request wakes one
+    supervisor blocked in its wait; one busy with an attempt is passed over (the kernel counts only a waiter it
+    woke), and a request nobody was waiting for stays readable for the next one to wait.
+    """
+
+    def __init__(self, requests: int, jobs: socket.socket | None) -> None:
+        self.requests = requests
+        self.jobs = jobs
+        self._poller = select.epoll()  # close-on-exec, as the jobs the supervisor starts must not inherit it
+        self._poller.register(requests, select.EPOLLIN)
+        if jobs is not None:
+            self._poller.register(jobs, select.EPOLLIN | select.EPOLLEXCLUSIVE)
+
+    def direct_request(self) -> bool:
+        """Wait; True when the jobs socket has a request to try (else the helper's pipe is readable)."""
+        if self.jobs is None:
+            return False
+        return not any(fd == self.requests for fd, _ in self._poller.poll())
+
+    def hung_up(self) -> None:
+        """The watcher closed its end of the jobs socket: only the helper's pipe is left to read."""
+        if self.jobs is not None:
+            self._poller.unregister(self.jobs)
+            self.jobs = None
+
+
+def _await_job(requests: int, replies: int, waiter: _Waiter) -> tuple[LaunchSpec, int, int] | None:
     """Read requests until one can be taken: (spec, lock fd, log fd); None at end of file on ``requests``."""
     pending = b""
     while True:
         while b"\n" not in pending:
-            if jobs is not None and requests not in select.select([requests, jobs.fileno()], [], [])[0]:
+            if waiter.direct_request():
                 try:
-                    taken = take_direct(jobs)
+                    taken = take_direct(cast(socket.socket, waiter.jobs))
                 except EOFError:
-                    jobs = None  # the watcher closed its end: only the helper's pipe is left to read
+                    waiter.hung_up()
                     continue
                 if taken is not None:
                     _reply_quietly(replies, {"taken": os.getpid()})  # the helper keeps another one waiting
