@@ -248,6 +248,11 @@ def test_a_plan_until_full_stops_deciding_once_every_slot_is_taken(machine: Call
     decisions = plan(eval_job, [], state, pools, until_full=True)  # default's slot is free: f is decided (waits)
     assert [(d.job_id, d.start) for d in decisions] == [("e", True), ("f", False)]
     assert len(plan(jobs("b", "c", "d", gpus=0), [Holding("a")], state, Limits(max_concurrent=2))) == 3
+    # a new job is decided whatever: its first decision is its check for "never", and says why it waits
+    requests = [*jobs("b", "c", gpus=0), Request("huge", order=5, gpus=8)]
+    decisions = plan(requests, [], state, Limits(max_concurrent=1), until_full=True, always=frozenset({"huge"}))
+    assert [(d.job_id, d.start) for d in decisions] == [("b", True), ("huge", False)]
+    assert "needs 8 GPUs" in (decisions[1].unsatisfiable or "")
 
 
 def test_priority_first_then_acceptance_order(machine: Callable) -> None:

@@ -190,6 +190,23 @@ def test_unsatisfiable_job_fails_at_once(queue_dir, watcher, write_job):
     assert "RAM" in run["diagnosis"]["evidence"] or "ram" in run["diagnosis"]["evidence"].lower()
 
 
+def test_a_new_job_is_checked_and_told_why_it_waits_in_the_pass_that_takes_it_in(queue_dir, watcher, write_job):
+    """Issue 38 plans a pass after a slot freed only until the slots are taken; a job new to pending/ is still
+    decided in the pass that takes it in, while every slot is busy: failed at once when this machine can never
+    run it, and given its reason to wait otherwise."""
+    w = watcher()  # max_concurrent 1
+    write_job("busy", command=["sleep", "4"])
+    tick_until(w, lambda: (queue_dir / "running" / "busy").exists())
+    for name in ("next", "huge"):
+        write_job(name, resources={"ram_gb": 100000} if name == "huge" else {})
+        tick_until(w, lambda name=name: not (queue_dir / "inbox" / f"{name}.yaml").exists())
+    assert (queue_dir / "failed" / "huge").is_dir()
+    w.report.write(w, time.time(), force=True)
+    entry = next(j for j in load(queue_dir, "status.json")["jobs"] if j["id"] == "next")
+    assert (entry["waiting_for"] or "").startswith("max_concurrent 1 reached")
+    tick_until(w, lambda: (queue_dir / "done" / "next").exists(), timeout_s=60)
+
+
 def test_allow_commands_rejects_other_executables(queue_dir, watcher, write_job):
     w = watcher(allow_commands=["true"])
     write_job("ok", command=["true"])

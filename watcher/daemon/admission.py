@@ -173,18 +173,25 @@ def gpu_views(machine: MachineState, holdings: list[Holding]) -> dict[int, GpuVi
 
 
 def plan(
-    requests: list[Request], holdings: list[Holding], machine: MachineState, limits: Limits, *, until_full: bool = False
+    requests: list[Request],
+    holdings: list[Holding],
+    machine: MachineState,
+    limits: Limits,
+    *,
+    until_full: bool = False,
+    always: frozenset[str] = frozenset(),
 ) -> list[Decision]:
     """One decision per request, in start order; as many start as fit, never sharing a GPU.
 
-    ``until_full``: stop once every concurrency slot is taken (nothing further back can start in this plan); the
-    requests not decided get no decision, so their ``waiting_for`` stays as the last full plan said.
+    ``until_full``: once every concurrency slot is taken (nothing further back can start in this plan), only the
+    requests named in ``always`` are still decided; the others get no decision, so their ``waiting_for`` stays as
+    the last full plan said.
     """
     ledger = _Ledger(machine, holdings, limits)
     decisions = []
     for req in sorted(requests, key=lambda r: (-r.priority, r.order)):
-        if until_full and ledger.full():
-            break
+        if until_full and req.job_id not in always and ledger.full():
+            continue
         decisions.append(ledger.decide(req))
     return decisions
 

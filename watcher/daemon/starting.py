@@ -120,23 +120,27 @@ class Starting:
         self._machine = machine  # the GPUs' names for the snapshot (records.py)
         limits = self._limits()
         holdings = self._per_job(running, self.holding, "plan")
-        self._reject_unsatisfiable(unchecked, holdings, machine, limits, now)
         unavailable = self.state.executor.unavailable(now)
+        waiting = [
+            j
+            for j in ([] if unavailable else head)
+            if j.state is JobState.PENDING and not _later(j, now) and not self.walls.held_by_wall(j, now)
+        ]
+        # a new job this plan decides is checked by it (a decision looks at "never" first): only the others are
+        # planned apart for that
+        new_here = frozenset(j.id for j in unchecked) & frozenset(j.id for j in waiting)
+        self._reject_unsatisfiable([j for j in unchecked if j.id not in new_here], holdings, machine, limits, now)
         if unavailable:
             self._all_wait(head, unavailable)
             return
-        waiting = [
-            j
-            for j in head
-            if j.state is JobState.PENDING and not _later(j, now) and not self.walls.held_by_wall(j, now)
-        ]
         budget_ends = time.monotonic() + LAUNCH_BUDGET_S
         try:
             requests = self._per_job(waiting, self._request, "plan")
-            for decision in self._plan(requests, holdings, machine, limits, until_full=not full):
+            for decision in self._plan(requests, holdings, machine, limits, until_full=not full, always=new_here):
                 job = self.state.jobs.get(decision.job_id)
                 if job is None or job.state is not JobState.PENDING:
                     continue
+                job.checked = True
                 if decision.unsatisfiable:
                     self.guard.guarded(job, "plan", self._fail_unsatisfiable, job, decision.unsatisfiable, now)
                 elif decision.start and time.monotonic() > budget_ends:
@@ -157,7 +161,13 @@ class Starting:
         return [m for m in made if m is not None]
 
     def _plan(
-        self, requests: list[Request], holdings: list[Holding], machine, limits: Limits, until_full: bool = False
+        self,
+        requests: list[Request],
+        holdings: list[Holding],
+        machine,
+        limits: Limits,
+        until_full: bool = False,
+        always: frozenset[str] = frozenset(),
     ) -> list:
         """admission.plan; if it raises, plan each job alone to find the one it fails on, fail that one, plan the rest.
 
@@ -165,7 +175,7 @@ class Starting:
         full plan every PLAN_EVERY_S refreshes why each of them waits.
         """
         try:
-            return plan(requests, holdings, machine, limits, until_full=until_full)
+            return plan(requests, holdings, machine, limits, until_full=until_full, always=always)
         except Exception:
             logger.debug("admission failed on a batch of %d; planning each job alone", len(requests), exc_info=True)
         fine = []
@@ -175,7 +185,7 @@ class Starting:
                 continue
             if self.guard.guarded(job, "plan", plan, [request], holdings, machine, limits) is not None:
                 fine.append(request)
-        return plan(fine, holdings, machine, limits, until_full=until_full)
+        return plan(fine, holdings, machine, limits, until_full=until_full, always=always)
 
     def _limits(self) -> Limits:
         return Limits(
