@@ -66,3 +66,26 @@ def test_one_request_wakes_one_waiting_supervisor():
             os.close(fd)
         watcher_end.close()
         pool_end.close()
+
+
+def test_a_request_comes_before_the_helpers_pipe():
+    """Woken for a request, a supervisor takes it even when its pipe from the helper is readable too (the pool
+    letting it go): read first, the pipe would leave the request to supervisors the kernel did not wake."""
+    from trainq.watcher.supervisor.pool import _Waiter
+
+    watcher_end, pool_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    helper_r, helper_w = os.pipe()
+    try:
+        waiter = _Waiter(helper_r, pool_end)
+        os.close(helper_w)  # end of file on the pipe: the helper let this supervisor go
+        helper_w = -1
+        watcher_end.send(b"job-1")
+        assert waiter.direct_request()
+        assert pool_end.recv(100) == b"job-1"
+        assert not waiter.direct_request()  # then the pipe
+    finally:
+        for fd in (helper_r, helper_w):
+            if fd >= 0:
+                os.close(fd)
+        watcher_end.close()
+        pool_end.close()

@@ -451,10 +451,15 @@ class _Waiter:
             self._poller.register(jobs, select.EPOLLIN | select.EPOLLEXCLUSIVE)
 
     def direct_request(self) -> bool:
-        """Wait; True when the jobs socket has a request to try (else the helper's pipe is readable)."""
+        """Wait; True when the jobs socket has a request to try, else the helper's pipe is readable.
+
+        The socket comes first when both are: the kernel woke this supervisor alone for its request, and one that
+        read its pipe first (the pool letting it go) would leave the request unread, the others still asleep.
+        """
         if self.jobs is None:
             return False
-        return not any(fd == self.requests for fd, _ in self._poller.poll())
+        jobs = self.jobs.fileno()
+        return any(fd == jobs for fd, _ in self._poller.poll())
 
     def hung_up(self) -> None:
         """The watcher closed its end of the jobs socket: only the helper's pipe is left to read."""
