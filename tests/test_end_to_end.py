@@ -38,7 +38,9 @@ def test_drop_run_done_with_fresh_heartbeat_and_never_a_partial_status(queue_dir
 
     def poll_status():
         path = queue_dir / "status.json"
-        while not stop.is_set():
+        # a read every millisecond: hundreds a second still catch a partial file, and the test's main thread gets
+        # the GIL (a loop with no pause starved it on this VM: a join(5) once returned after 52 s)
+        while not stop.wait(0.001):
             try:
                 data = path.read_bytes()
             except FileNotFoundError:
@@ -55,10 +57,10 @@ def test_drop_run_done_with_fresh_heartbeat_and_never_a_partial_status(queue_dir
         drop(queue_dir, f"j{i}.yaml", f"approved: true\ncommand: [sh, -c, 'echo hello {i}']\n")
     wait_until(lambda: len(os.listdir(queue_dir / "done")) == 20, 30, what="20 jobs done")
     status = wait_until(lambda: (s := read_status(queue_dir)) and s["counts"]["done"] == 20 and s, 10)
+    age = time.time() - parse_iso(status["watcher"]["heartbeat_at"])  # as fresh as it was when read
     stop.set()
     reader.join(5)
     assert not bad, bad[:3]
-    age = time.time() - parse_iso(status["watcher"]["heartbeat_at"])
     assert age < 6
     assert status["watcher"]["pid"] == wp.proc.pid
     assert "hello 3" in (queue_dir / "done" / "j3" / "output.log").read_text()
