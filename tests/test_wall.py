@@ -231,7 +231,10 @@ def test_a_restarted_watcher_keeps_the_ladder_and_stops_a_job_at_the_final_mark(
     first.kill(signal.SIGKILL)
     watcher_process()  # the same watcher.yaml: the ladder goes on from the clock, not from memory
     run = wait_until(
-        lambda: (r := _run(queue_dir, "steps")).get("status") == "cancelled" and r,
+        # run.json says "cancelled" just before the folder moves: wait for failed/ too
+        lambda: (
+            (r := _run(queue_dir, "steps")).get("status") == "cancelled" and (queue_dir / "failed/steps").is_dir() and r
+        ),
         40,
         what="the job stopped at the final-checkpoint mark",
     )
