@@ -443,7 +443,6 @@ class _Waiter:
     """
 
     def __init__(self, requests: int, jobs: socket.socket | None) -> None:
-        self.requests = requests
         self.jobs = jobs
         self._poller = select.epoll()  # close-on-exec, as the jobs the supervisor starts must not inherit it
         self._poller.register(requests, select.EPOLLIN)
