@@ -407,11 +407,14 @@ def _duration_or_none(data: dict, key: str) -> float | None:
 
 def _job_problems(data: dict) -> list[Problem]:
     """Every problem with a parsed job mapping: foreign values, schema, then cross-field rules."""
-    clean = cast(dict, _scrub_numbers(data, 0))  # a mapping in, a mapping out
-    problems = foreign_value_problems(clean)
-    numbers = [p for p in foreign_value_problems(data) if p not in problems] if clean is not data else []
-    if problems:
-        return sort_problems(problems + numbers)
+    found = foreign_value_problems(data)
+    clean, numbers = data, []
+    if found:  # without any, every key is a string and every number in range: scrubbing would change nothing
+        clean = cast(dict, _scrub_numbers(data, 0))  # a mapping in, a mapping out
+        problems = foreign_value_problems(clean)
+        numbers = [p for p in found if p not in problems] if clean is not data else []
+        if problems:
+            return sort_problems(problems + numbers)
     # a number out of every range is reported once, by its path; the rest of the file is still checked
     seen = {p.path for p in numbers}
     problems = schema_problems(schema_validator(SCHEMAS_DIR, JOB_SCHEMA), clean) + _semantic_problems(clean)
