@@ -167,9 +167,7 @@ class Report:
     def finished(self, job: Job, now: float, count: bool = True) -> None:
         """A job reached done/ or failed/ (``count``: it was not on disk at the last recount)."""
         _last_look(job)
-        entry = _entry(job, self.root)
-        entry["progress"] = final_progress(entry.get("progress"), job)
-        entry.update(story_of(job, entry["progress"]).to_entry())  # the final progress: N/N for a resumed job
+        entry = _entry(job, self.root, final=True)
         if count:
             self.counts[job.state.value] += 1
             self._record_history(job, entry["progress"])
@@ -337,8 +335,9 @@ def _containment(executor) -> dict:
     return {"containment": mode} if mode else {}
 
 
-def _entry(job: Job, root: QueueRoot) -> dict:
-    """One status.json job entry, from what the daemon knows."""
+def _entry(job: Job, root: QueueRoot, final: bool = False) -> dict:
+    """One status.json job entry, from what the daemon knows (``final``: a finished job's, its progress and story
+    with the records written after the last poll: N/N for a resumed job)."""
     run = job.run
     attempt = job.current_attempt() or {}
     readers = job.readers
@@ -350,6 +349,8 @@ def _entry(job: Job, root: QueueRoot) -> dict:
             "clip_fraction": vitals.get("clip_fraction"),
             "update_ratio": vitals.get("update_ratio"),
         }
+    if final:
+        progress = final_progress(progress, job)
     entry: dict[str, Any] = {
         "id": job.id,
         "state": job.state.value,
