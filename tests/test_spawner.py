@@ -140,6 +140,26 @@ def test_the_helper_lets_surplus_supervisors_go_and_keeps_running(tmp_path):
         sup.close()
 
 
+def test_a_pooled_supervisor_killed_while_it_waits_is_reaped_and_the_pool_goes_on(tmp_path):
+    """The helper waits for its children only when SIGCHLD (or a quiet second) says one ended: a waiting pooled
+    supervisor killed from outside still leaves no zombie, and the next launch finds a live one."""
+    sup = SpawningSupervisor()
+    try:
+        first = spec_for(tmp_path, "first", ("sh", "-c", "echo first"))
+        pid = sup.launch(first)
+        wait_until(lambda: sup.read_exit(JobPaths(Path(first.job_dir))), 10)
+        wait_until(lambda: _waiting_for_work(pid), 10, what="the supervisor to wait for more work")
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not psutil.pid_exists(pid), 10, what="the helper to reap the killed supervisor")
+        assert sup._spawner._proc.poll() is None, "the helper keeps running"
+        after = spec_for(tmp_path, "after", ("sh", "-c", "echo after"))
+        assert sup.launch(after) != pid
+        wait_until(lambda: sup.read_exit(JobPaths(Path(after.job_dir))), 10)
+        assert "after" in JobPaths(Path(after.job_dir)).log.read_text()
+    finally:
+        sup.close()
+
+
 def test_a_supervisor_told_to_stop_leaves_after_its_attempt(tmp_path):
     sup = SpawningSupervisor()
     try:

@@ -26,7 +26,7 @@ import select
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import NoReturn, cast
 
@@ -116,9 +116,15 @@ class Supervisor:
         """Supervisors this process forked and has not reaped yet."""
         return frozenset(self._children)
 
-    def reap(self) -> list[int]:
-        """Collect every supervisor this process forked that has exited; never blocks."""
-        reaped = self.pool.reap() if self.pool is not None else []
+    def reap(self, readable: Collection[int] | None = None, *, exits: bool = True) -> list[int]:
+        """Collect every supervisor this process forked that has exited; never blocks.
+
+        A loop that selected on ``wait_fds`` and on a SIGCHLD wakeup fd passes what was ``readable`` (only those
+        pooled supervisors' messages are read) and ``exits=False`` when no SIGCHLD came (no waitpid is tried).
+        """
+        reaped = self.pool.reap(readable, exits=exits) if self.pool is not None else []
+        if not exits:
+            return reaped
         for pid in sorted(self._children):
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
@@ -230,11 +236,19 @@ class SupervisorPool:
             [warm.replies for warm in self._idle] if self._jobs_fd is not None else []
         )
 
-    def reap(self) -> list[int]:
-        """Take back supervisors whose attempt is over; reap pooled ones that exited (their pids)."""
+    def reap(self, readable: Collection[int] | None = None, *, exits: bool = True) -> list[int]:
+        """Take back supervisors whose attempt is over; reap pooled ones that exited (their pids).
+
+        ``readable``: only these reply fds have news (a select said so), besides any line already buffered;
+        ``exits=False``: no child exited since the last call (no SIGCHLD), so none is waited for.
+        """
         for warm in self._idle + list(self._busy.values()):
+            if readable is not None and warm.replies not in readable and not warm.has_line():
+                continue
             while (message := warm.next_message()) is not None:
                 self._heard(warm, message)
+        if not exits:
+            return []
         exited = []
         for warm in self._idle + list(self._busy.values()) + self._leaving:
             try:
@@ -298,6 +312,10 @@ class _Warm:
             if self.gone or remaining <= 0:
                 raise _WarmGone()
             select.select([self.replies], [], [], remaining)
+
+    def has_line(self) -> bool:
+        """A whole message is already read in (``assign`` read past its answer): its fd may not say so again."""
+        return b"\n" in self._buffer
 
     def next_message(self) -> dict | None:
         """The next line it wrote, without blocking; None when there is none (``gone`` at end of file) and once

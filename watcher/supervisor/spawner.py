@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import IO, cast
 
@@ -352,8 +353,8 @@ class SpawningSupervisor(Supervisor):
                     return pid
         return super().launch(spec)
 
-    def reap(self) -> list[int]:
-        reaped = super().reap()
+    def reap(self, readable: Collection[int] | None = None, *, exits: bool = True) -> list[int]:
+        reaped = super().reap(readable, exits=exits)
         if self._spawner is not None:
             reaped += self._spawner.reaped()
             if not self._spawner.is_running:
@@ -420,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         readable, _, _ = select.select([stdin, wake_r, *supervisor.wait_fds()], [], [], 1.0)
         if wake_r in readable:
             drain(wake_r)
-        for pid in supervisor.reap():
+        # a child's exit wakes us through SIGCHLD (wake_r): only then is waitpid worth a try; a quiet second
+        # (nothing readable) reaps everything anyway, for an exit that came before the wakeup fd was set
+        for pid in supervisor.reap(readable, exits=wake_r in readable or not readable):
             _send(out, {"exited": pid})
         if stdin in readable:
             chunk = os.read(stdin, 65536)
