@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import PY, REPO, drop, tick_until
+from conftest import PY, REPO, drop, tick_until, trainq
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import QueueLocked
@@ -105,6 +105,31 @@ def test_priority_then_acceptance_order(queue_dir, watcher, write_job):
     (queue_dir / "pause.flag").unlink()
     tick_until(w, lambda: len(os.listdir(queue_dir / "done")) == 3, 20)
     assert marker.read_text().split() == ["high", "low1", "low2"]
+
+
+def test_a_new_priority_on_a_planned_pending_job_is_what_the_next_plan_uses(queue_dir, watcher, write_job):
+    """Each pass plans the pending head from requests kept per job (starting.py's ``_request``): one planned while
+    paused must be made again when ``trainq priority`` changes the job, or the plan would still start the older."""
+    (queue_dir / "pause.flag").touch()
+    w = watcher(max_concurrent=1)
+    marker = queue_dir / "order.txt"
+
+    def cmd(tag):
+        return [PY, "-c", f"open({str(marker)!r}, 'a').write({tag!r} + '\\n')"]
+
+    write_job("first", command=cmd("first"))
+    time.sleep(0.01)
+    write_job("second", command=cmd("second"))
+    tick_until(w, lambda: len(os.listdir(queue_dir / "pending")) == 2)
+    for _ in range(3):
+        w.tick(time.time())  # planned (and kept) while paused: both wait for pause.flag
+    assert w.jobs["second"].request is not None, "the pass kept the request it planned with"
+    out = trainq(queue_dir, "priority", "second", "5")
+    assert out.returncode == 0, out.stderr
+    tick_until(w, lambda: w.jobs["second"].priority == 5)
+    (queue_dir / "pause.flag").unlink()
+    tick_until(w, lambda: len(os.listdir(queue_dir / "done")) == 2, 20)
+    assert marker.read_text().split() == ["second", "first"]
 
 
 def test_max_concurrent_is_respected(queue_dir, watcher, write_job):

@@ -78,6 +78,9 @@ class Job:
     spec_sig: tuple | None = None  # (size, mtime_ns, inode) of the job.yaml the spec was read from
     spec_change: tuple | None = None  # (new sig, first seen at) of an edit not yet re-read (intake.py)
     _paths: JobPaths | None = field(default=None, repr=False, compare=False)
+    #: (the spec, priority/order/executor key, the admission Request) it was made from: a pending job near the
+    #: head of the queue is planned in every pass (starting.py's ``_request``)
+    request: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def paths(self) -> JobPaths:

@@ -217,8 +217,21 @@ class Starting:
                 self.state.report.touch()
 
     def _request(self, job: Job) -> Request:
+        """The job's admission request. Made again only when what it is made of changed (the spec re-read after an
+        edit, a new priority, the executor): the pending jobs at the head are planned in every pass. A job with a
+        ``cwd`` is not kept, as its disk is looked up each time (the folder may appear later)."""
+        spec, places = job.known_spec, self.state.executor.places_resources
+        key = (job.priority, job.order, places)
+        kept = job.request
+        if kept is not None and kept[0] is spec and kept[1] == key:  # the spec itself is kept: no id reused
+            return kept[2]
+        request = self._make_request(job, places)
+        job.request = (spec, key, request) if not spec.cwd else None
+        return request
+
+    def _make_request(self, job: Job, places: bool) -> Request:
         res = job.known_spec.resources
-        if self.state.executor.places_resources:
+        if places:
             # a scheduler places GPUs and RAM on its nodes; only the queue's disk is this machine's to check
             return Request(
                 job_id=job.id,
