@@ -9,6 +9,7 @@ steps leaves something ``Watcher.recover()`` knows how to finish.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import re
@@ -71,16 +72,20 @@ _ALLOWED = {
 
 @dataclass(frozen=True)
 class QueueRoot:
-    """Every path at the top of a queue root."""
+    """Every path at the top of a queue root (each made once: the loop asks for them in every pass)."""
 
     path: Path
 
-    @property
+    @functools.cached_property
     def inbox(self) -> Path:
         return self.path / "inbox"
 
+    @functools.cached_property
+    def _state_dirs(self) -> dict[JobState, Path]:
+        return {s: self.path / s.value for s in JobState}
+
     def state_dir(self, state: JobState) -> Path:
-        return self.path / state.value
+        return self._state_dirs[state]
 
     def is_group_shared(self) -> bool:
         """The root is shared with its group when it is group-writable or setgid (``chmod g+ws``).
@@ -98,49 +103,49 @@ class QueueRoot:
         return 0o777 if self.is_group_shared() else 0o700
 
     def job_dir(self, state: JobState, job_id: str) -> Path:
-        return self.path / state.value / job_id
+        return self._state_dirs[state] / job_id
 
-    @property
+    @functools.cached_property
     def status_json(self) -> Path:
         return self.path / "status.json"
 
-    @property
+    @functools.cached_property
     def status_html(self) -> Path:
         return self.path / "status.html"
 
-    @property
+    @functools.cached_property
     def watcher_log(self) -> Path:
         return self.path / "watcher.log"
 
-    @property
+    @functools.cached_property
     def watcher_yaml(self) -> Path:
         return self.path / "watcher.yaml"
 
-    @property
+    @functools.cached_property
     def stop_flag(self) -> Path:
         return self.path / "stop.flag"
 
-    @property
+    @functools.cached_property
     def pause_flag(self) -> Path:
         return self.path / "pause.flag"
 
-    @property
+    @functools.cached_property
     def reserve_file(self) -> Path:
         """Space the watcher holds back, and gives up on a full disk so status.json can still say so."""
         return self.path / ".trainq-reserve"
 
-    @property
+    @functools.cached_property
     def claiming(self) -> Path:
         """Where job folders are built before they are renamed into place whole (hidden; same filesystem)."""
         return self.path / CLAIMING_DIR
 
-    @property
+    @functools.cached_property
     def lock_file(self) -> Path:
         """Held (flock) by the one watcher running on this root; holds its pid."""
         return self.path / ".watcher.lock"
 
     def folders(self) -> list[Path]:
-        return [self.inbox] + [self.state_dir(s) for s in JobState]
+        return [self.inbox, *self._state_dirs.values()]
 
     def top(self) -> dict[str, bool] | None:
         """What the root holds, name -> is a folder, from one listing (the loop's pass asks it once for its folder
