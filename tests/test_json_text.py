@@ -52,3 +52,24 @@ def test_what_it_does_not_encode_itself_goes_to_json_dumps():
     looped["self"] = looped
     with pytest.raises(ValueError, match="Circular reference"):
         json_text(looped)
+
+
+#: strings redact_text changes (credential shapes, a URL's password) and strings with a marker it leaves alone
+_SECRETS = ["hf_" + "a1B2" * 6, "ghp_" + "Z9y8" * 9, "https://user:hunter2@example.com/x", "sk-" + "q" * 30,
+            "AKIA" + "ABCDEFGHIJKLMNOP", "eyJhbGciOiJI.eyJzdWIiOiIx.c2lnbmF0dXJl", "the night is high", "see http://x",
+            'quoted "hf_' + "x" * 24 + '"', "line\nhf_" + "Y" * 22 + "\tend"]  # fmt: skip
+
+
+def test_redacted_text_is_the_text_of_the_redacted_values():
+    """run.json's text skips the walk when no marker appears in it: the same text either way, secrets redacted."""
+    from trainq.watcher.spec.fsutil import redacted_json_text
+    from trainq.watcher.spec.text import REDACTED, redact_strings
+
+    rng = random.Random(3838)
+    for n in range(3000):
+        value = _random_value(rng, 0)
+        if n % 2:
+            value = {"run": value, "evidence": rng.choice(_SECRETS), "nested": [{"e": rng.choice(_SECRETS)}]}
+        assert redacted_json_text(value) == json_text(redact_strings(value)), value
+    text = redacted_json_text({"error": "token hf_" + "a1B2" * 6 + " refused", "url": "https://u:pw@h/"})
+    assert "a1B2" not in text and "pw@" not in text and text.count(REDACTED) == 2

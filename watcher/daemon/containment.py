@@ -31,7 +31,6 @@ from trainq.watcher.daemon.jobs import Job, load_job, new_run
 from trainq.watcher.spec.errors import JobFolderRemoved, WatcherError
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, raise_flag, read_json
-from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.tombstones import ended_status, read_tombstone, record_removal
 from trainq.watcher.spec.units import iso_utc
 
@@ -284,7 +283,7 @@ class Containment:
             return
         if job.state is JobState.FAILED:  # retry.flag on a failed job: it stays failed, now saying why
             run = read_json(job.paths.run) or job.run
-            atomic_write_json(job.paths.run, redact_strings(dict(run, error=error)))
+            atomic_write_json(job.paths.run, dict(run, error=error), redact=True)
             self._forget_finished(job)
             return
         if job.state is JobState.RUNNING and self.state.executor.is_alive(job.paths, job.current_attempt() or {}):

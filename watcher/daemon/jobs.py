@@ -31,7 +31,6 @@ from trainq.watcher.spec.errors import JobFolderRemoved
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, read_json
 from trainq.watcher.spec.jobspec import JobSpec
-from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.supervisor.hooks import HOOK_STATUSES, mark_due
 from trainq.watcher.supervisor.stacks import evidence as stack_evidence
@@ -123,7 +122,7 @@ class Job:
         try:
             if self.run.get("status") in HOOK_STATUSES:
                 mark_due(self.paths, self.spec, self.run)  # the hook is on disk before the conclusion is
-            atomic_write_json(self.paths.run, redact_strings(self.run), durable=durable)
+            atomic_write_json(self.paths.run, self.run, durable=durable, redact=True)
         except FileNotFoundError:
             if self.dir.exists():
                 raise

@@ -23,7 +23,6 @@ from trainq.watcher.spec.contract import REASON_DEADLINE, REASON_WINDOW, JobPath
 from trainq.watcher.spec.folders import JobState
 from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, raise_flag, read_json
 from trainq.watcher.spec.records import append_record
-from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.wall import Forecast, freeze_hold, window_ended
 from trainq.watcher.supervisor.deliver import LOCK_NAME, RECORD_NAME, DeliveryQueue
@@ -282,7 +281,7 @@ class Walls:
         if run is None:
             return
         run["delivered"] = {k: record.get(k) for k in ("to", "at", "verified", "files", "tries", "error", "skipped")}
-        atomic_write_json(paths.run, redact_strings(run))
+        atomic_write_json(paths.run, run, redact=True)
         events.emit(
             paths,
             "delivered",

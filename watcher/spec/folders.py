@@ -26,13 +26,12 @@ from trainq.watcher.spec.errors import IllegalTransition, JobFolderRemoved, Queu
 from trainq.watcher.spec.fsutil import (
     atomic_write,
     atomic_write_json,
-    json_text,
     read_json,
+    redacted_json_text,
     remove_quietly,
     same_filesystem,
     write_new,
 )
-from trainq.watcher.spec.text import redact_strings
 from trainq.watcher.spec.tombstones import clear_tombstone, remember_ids
 
 logger = logging.getLogger(__name__)
@@ -308,7 +307,7 @@ class Folders:
             job_id, staging, file_mode = self._reserve_dir(state, inbox_file.name)
             paths = JobPaths(staging)
             try:
-                write_new(paths.run, json_text(redact_strings(dict(run, id=job_id))), file_mode)
+                write_new(paths.run, redacted_json_text(dict(run, id=job_id)), file_mode)
                 moved = _link_in(inbox_file, paths.spec)
                 self.reached("claim-staged", job_id)
                 path = self.place(staging, state, job_id)

@@ -11,6 +11,8 @@ from json.encoder import encode_basestring, encode_basestring_ascii  # the C one
 from pathlib import Path
 from typing import BinaryIO
 
+from trainq.watcher.spec.text import may_hold_secret, redact_strings
+
 #: largest JSON record read (run.json of 100 attempts is ~100 KB; a job could grow its files without bound)
 MAX_JSON_BYTES = 16 * 1024 * 1024
 
@@ -116,9 +118,25 @@ def _rename_over(tmp: str, path: str) -> None:
         raise
 
 
-def atomic_write_json(path: str | os.PathLike, obj: object, *, durable: bool = True) -> None:
-    """Serialise ``obj`` as indented JSON and write it atomically; 0600 inside a private (0700) folder, else 0644."""
-    atomic_write(path, json_text(obj), durable=durable, mode=mode_beside(path))
+def atomic_write_json(path: str | os.PathLike, obj: object, *, durable: bool = True, redact: bool = False) -> None:
+    """Serialise ``obj`` as indented JSON and write it atomically; 0600 inside a private (0700) folder, else 0644.
+
+    ``redact``: every string in it through ``redact_text`` first (``redacted_json_text``)."""
+    text = redacted_json_text(obj) if redact else json_text(obj)
+    atomic_write(path, text, durable=durable, mode=mode_beside(path))
+
+
+def redacted_json_text(obj: object) -> str:
+    """``json_text(redact_strings(obj))``, the same text, without walking ``obj`` when nothing in it can be a secret.
+
+    Every credential shape holds one of a few plain substrings (``may_hold_secret``), made of characters JSON never
+    escapes, so a string holding one shows it in the text as well: a text without any is the redacted text already
+    (most run.json files). A text with one (a URL, a word with "gh") is made again from the redacted values.
+    """
+    text = json_text(obj)
+    if not may_hold_secret(text):
+        return text
+    return json_text(redact_strings(obj))
 
 
 def json_text(obj: object, *, ensure_ascii: bool = False) -> str:

@@ -128,6 +128,11 @@ SEPARATOR = re.compile(r"[/_-]")
 _ANY_MARKER = re.compile("|".join(re.escape(marker) for marker in _MARKERS))
 
 
+def may_hold_secret(text: str) -> bool:
+    """Whether ``text`` holds a substring every credential shape or URL password has (``redact_text`` may change it)."""
+    return _ANY_MARKER.search(text) is not None
+
+
 def redact_text(text: str) -> str:
     """``text`` with every credential shape and URL password replaced by ``<redacted>``."""
     if not text or _ANY_MARKER.search(text) is None:
