@@ -73,3 +73,15 @@ def test_redacted_text_is_the_text_of_the_redacted_values():
         assert redacted_json_text(value) == json_text(redact_strings(value)), value
     text = redacted_json_text({"error": "token hf_" + "a1B2" * 6 + " refused", "url": "https://u:pw@h/"})
     assert "a1B2" not in text and "pw@" not in text and text.count(REDACTED) == 2
+
+
+def test_redacted_values_read_the_same_as_the_walked_ones():
+    """The snapshot's config.json: ``redacted`` skips the walk when the value's repr holds no marker."""
+    from trainq.watcher.spec.text import redact_strings, redacted
+
+    rng = random.Random(83)
+    for n in range(3000):
+        value = _random_value(rng, 0)
+        if n % 2:
+            value = {"command": [rng.choice(_SECRETS), "--x"], "cwd": value, "sweep": (rng.choice(_SECRETS),)}
+        assert json_text(redacted(value)) == json_text(redact_strings(value)), value

@@ -16,7 +16,7 @@ from trainq.watcher import __version__
 from trainq.watcher.spec import events
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.jobspec import JobSpec
-from trainq.watcher.spec.text import redact_strings, redact_value
+from trainq.watcher.spec.text import redact_value, redacted
 from trainq.watcher.supervisor.snapshot import SnapshotRequest, redact
 
 #: the folder holding the trainq package (a git checkout for an editable install): a train job's code
@@ -74,9 +74,9 @@ def _resolved_config(spec: JobSpec, run: dict, argv: list[str], cwd: str, env: d
     for key in ("sweep", "lineage"):
         if run.get(key):
             config[key] = run[key]
-    redacted = redact_strings(config)
-    assert isinstance(redacted, dict)  # redact_strings keeps a value's shape
-    return redacted
+    clean = redacted(config)
+    assert isinstance(clean, dict)  # redaction keeps a value's shape
+    return clean
 
 
 def _named_paths(argv: list[str], cwd: str) -> list[Path]:

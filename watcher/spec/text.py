@@ -169,6 +169,12 @@ def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: REDACTED if SECRET_NAME.search(k) else redact_value(str(v)) for k, v in env.items()}
 
 
+def redacted(value: object) -> object:
+    """``redact_strings(value)``, or ``value`` itself when no string in it can hold a secret: one scan of its repr,
+    which escapes none of the markers' characters (a tuple then stays a tuple; JSON writes both alike)."""
+    return redact_strings(value) if may_hold_secret(repr(value)) else value
+
+
 def redact_strings(value: object) -> object:
     """Every string inside ``value`` (dicts, lists, nested) through ``redact_text``; keys are kept."""
     if isinstance(value, str):
