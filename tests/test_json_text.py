@@ -85,3 +85,24 @@ def test_redacted_values_read_the_same_as_the_walked_ones():
         if n % 2:
             value = {"command": [rng.choice(_SECRETS), "--x"], "cwd": value, "sweep": (rng.choice(_SECRETS),)}
         assert json_text(redacted(value)) == json_text(redact_strings(value)), value
+
+
+def test_every_credential_shape_holds_a_marker_and_plain_paths_and_urls_do_not():
+    """The cheap test before the credential regexes must never miss a shape they catch; a folder named
+    "throughput" or a GitHub URL without a password sent every run.json through the slow walk when "gh" and "://"
+    were markers."""
+    from trainq.watcher.spec.text import may_hold_secret, redact_text
+
+    shapes = ["hf_" + "a" * 20, "ghp_" + "b" * 30, "gho_" + "b" * 30, "ghu_" + "b" * 30, "ghs_" + "b" * 30,
+              "ghr_" + "b" * 30, "github_pat_" + "c" * 40, "sk-" + "d" * 24, "sk-proj-" + "d" * 24,
+              "sk-ant-api03-" + "d" * 24, "sk_live_" + "e" * 16, "rk_test_" + "e" * 16, "AKIA" + "F" * 16,
+              "ASIA" + "F" * 16, "xoxb-" + "1" * 10, "glpat-" + "g" * 20, "AIza" + "h" * 35, "npm_" + "i" * 36,
+              "pypi-" + "j" * 50, "eyJ" + "k" * 8 + ".eyJ" + "l" * 8 + "." + "m" * 8, "https://me:pw@host/x",
+              "git+ssh://git:tok3n@example.org"]  # fmt: skip
+    for shape in shapes:
+        text = f"a {shape} b"
+        assert redact_text(text) != text, shape  # the regexes catch it...
+        assert may_hold_secret(text), shape  # ...and the cheap test lets them look
+    for plain in ["/dev/shm/bench/throughput/q/done/t-0001", "https://github.com/trainq/trainq", "high night",
+                  "http://localhost:8080/status", "user@host:/path"]:  # fmt: skip
+        assert not may_hold_secret(plain), plain
