@@ -132,6 +132,31 @@ def test_launch_writes_start_and_exit_records_and_the_log(jobs: Jobs) -> None:
     wait_until(lambda: pid in jobs.sup.reap() or not jobs.sup.forked_pids, 5, what="the supervisor to be reaped")
 
 
+def test_the_start_record_s_job_create_time_is_what_proc_says_of_the_job(jobs: Jobs) -> None:
+    """The start record's job_create_time is what recovery compares a live pid's start with (pid reuse guard). The
+    supervisor takes it from the boot clock around the start when the start fell inside one clock tick, else from
+    /proc/PID/stat: either way it must be psutil's number for the job process."""
+    from trainq.watcher.supervisor.leftovers import boot_ticks, create_time_of, process_create_time
+
+    for n in range(5):
+        paths, _pid = jobs.launch(("sleep", "5"), name=f"born{n}")
+        started = wait_until(lambda: jobs.sup.read_started(paths), 10, what="the start record")  # noqa: B023
+        assert started["job_create_time"] == process_create_time(started["job_pid"])
+        assert started["job_create_time"] == psutil.Process(started["job_pid"]).create_time()
+        (paths.dir / "stop.flag").write_text("now")
+        jobs.wait_exit(paths)
+    seen = 0
+    for _ in range(50):  # the clock's side alone: a start inside one tick is the tick /proc gives
+        before = boot_ticks()
+        child = subprocess.Popen(["true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        after = boot_ticks()
+        if before is not None and before == after:
+            seen += 1
+            assert create_time_of(before) == process_create_time(child.pid)
+        child.wait()
+    assert seen, "no start fell inside one clock tick in 50 tries"
+
+
 def test_lock_is_held_while_running_and_a_second_launch_is_refused(jobs: Jobs) -> None:
     paths, _ = jobs.launch(py("sleeps.py"))
     jobs.wait_ready(paths)

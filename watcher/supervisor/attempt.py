@@ -51,7 +51,14 @@ from trainq.watcher.supervisor.attempt_io import (
     reason_word,
 )
 from trainq.watcher.supervisor.cgroups import Containment
-from trainq.watcher.supervisor.leftovers import _descendants, boot_id, machine_boot_time, process_create_time
+from trainq.watcher.supervisor.leftovers import (
+    _descendants,
+    boot_id,
+    boot_ticks,
+    create_time_of,
+    machine_boot_time,
+    process_create_time,
+)
 
 #: how long the supervisor sleeps between looks at stop.flag, the timeout and its process tree (ms)
 POLL_INTERVAL_MS = 50
@@ -102,6 +109,7 @@ class _Attempt:
     grace_s: float | None = None  # the stop's grace: the spec's stop_grace_s, or 0 for a stop.flag saying "now"
     warned_at: float | None = None  # when the batch system's time-limit warning came (epoch seconds), if it did
     amend: Callable[[dict], dict] | None = None  # what the caller adds to the exit record (a Slurm node's watches)
+    born: float | None = None  # the job process's create time, when the clock around its start told it (_supervise)
 
 
 class _StopSignal:
@@ -183,6 +191,7 @@ def _supervise(
     checkpoints = story.CheckpointWatch.from_now(JobPaths(Path(spec.job_dir)), spec.attempt)
     started_at, started_mono = time.time(), time.monotonic()
     group = containment.group_for(spec.job_dir, str(spec.attempt)) if containment else None
+    before = boot_ticks()
     try:
         job, group = _spawn_contained(spec, env, log_fd, group, containment)
     except OSError as exc:
@@ -201,6 +210,9 @@ def _supervise(
         mode=containment.mode if group is not None and containment is not None else "process-tree",
         checkpoints=checkpoints,
         amend=amend,
+        # the kernel stamps a new process in boot-clock ticks: when the whole start fell inside one tick, that is
+        # the job's, and /proc/PID/stat need not be read (25 us, and more while the job's exec holds it up)
+        born=create_time_of(before) if before is not None and boot_ticks() == before else None,
     )
     code = story.write_snapshot(snapshot, note)  # read before the job started
     _write_started(attempt)
@@ -385,7 +397,7 @@ def _spawn(spec: LaunchSpec, env: dict[str, str], log_fd: int) -> subprocess.Pop
 
 def _write_started(a: _Attempt) -> None:
     """The start record: enough to recognise the job's processes later without trusting a bare pid."""
-    create_time = process_create_time(a.job_pid)
+    create_time = a.born if a.born is not None else process_create_time(a.job_pid)
     try:
         atomic_write_json(
             a.paths.started,

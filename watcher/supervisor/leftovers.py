@@ -221,6 +221,18 @@ def machine_boot_time() -> float:
     return psutil.boot_time()
 
 
+def boot_ticks() -> int | None:
+    """Now, in the clock ticks after boot that /proc/PID/stat gives a process's start in (CLOCK_BOOTTIME, which the
+    kernel stamps each new process with); None where there is no such clock (not Linux)."""
+    clock = getattr(time, "CLOCK_BOOTTIME", None)
+    return None if clock is None else time.clock_gettime_ns(clock) * _CLOCK_TICKS // 1_000_000_000
+
+
+def create_time_of(ticks: int) -> float:
+    """``process_create_time`` of a process that started at ``ticks`` (``boot_ticks``), the same number."""
+    return ticks / _CLOCK_TICKS + machine_boot_time()
+
+
 def process_create_time(pid: int) -> float | None:
     """``psutil.Process(pid).create_time()``, the same number (start ticks over the clock rate, plus the boot time),
     from one read of /proc/PID/stat where psutil read it twice and built a Process; None once the process is gone."""
@@ -233,7 +245,7 @@ def process_create_time(pid: int) -> float | None:
             return psutil.Process(pid).create_time()
         except psutil.Error:
             return None
-    return ticks / _CLOCK_TICKS + machine_boot_time()
+    return create_time_of(ticks)
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
