@@ -88,19 +88,20 @@ def test_failed_exit_code_is_recorded_with_diagnosis(queue_dir, watcher, write_j
     assert "boom" in run["diagnosis"]["evidence"]
 
 
+def _appends(marker: Path, tag: str) -> list[str]:
+    """A job command that appends ``tag`` to ``marker``: the order jobs ran in."""
+    return [PY, "-c", f"open({str(marker)!r}, 'a').write({tag!r} + '\\n')"]
+
+
 def test_priority_then_acceptance_order(queue_dir, watcher, write_job):
     (queue_dir / "pause.flag").touch()
     w = watcher(max_concurrent=1)
     marker = queue_dir / "order.txt"
-
-    def cmd(tag):
-        return [PY, "-c", f"open({str(marker)!r}, 'a').write({tag!r} + '\\n')"]
-
-    write_job("low1", command=cmd("low1"))
+    write_job("low1", command=_appends(marker, "low1"))
     time.sleep(0.01)
-    write_job("low2", command=cmd("low2"))
+    write_job("low2", command=_appends(marker, "low2"))
     time.sleep(0.01)
-    write_job("high", command=cmd("high"), priority=5)
+    write_job("high", command=_appends(marker, "high"), priority=5)
     tick_until(w, lambda: len(os.listdir(queue_dir / "pending")) == 3)
     (queue_dir / "pause.flag").unlink()
     tick_until(w, lambda: len(os.listdir(queue_dir / "done")) == 3, 20)
@@ -113,13 +114,9 @@ def test_a_new_priority_on_a_planned_pending_job_is_what_the_next_plan_uses(queu
     (queue_dir / "pause.flag").touch()
     w = watcher(max_concurrent=1)
     marker = queue_dir / "order.txt"
-
-    def cmd(tag):
-        return [PY, "-c", f"open({str(marker)!r}, 'a').write({tag!r} + '\\n')"]
-
-    write_job("first", command=cmd("first"))
+    write_job("first", command=_appends(marker, "first"))
     time.sleep(0.01)
-    write_job("second", command=cmd("second"))
+    write_job("second", command=_appends(marker, "second"))
     tick_until(w, lambda: len(os.listdir(queue_dir / "pending")) == 2)
     for _ in range(3):
         w.tick(time.time())  # planned (and kept) while paused: both wait for pause.flag
