@@ -131,7 +131,8 @@ def redacted_json_text(obj: object) -> str:
 
     Every credential shape holds one of a few plain substrings (``may_hold_secret``), made of characters JSON never
     escapes, so a string holding one shows it in the text as well: a text without any is the redacted text already
-    (most run.json files). A text with one (a URL, a word with "gh") is made again from the redacted values.
+    (most run.json files). A text with one (a token's prefix, a URL's ``user:password@``) is made again from the
+    redacted values.
     """
     text = json_text(obj)
     if not may_hold_secret(text):
