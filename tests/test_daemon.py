@@ -88,21 +88,22 @@ def test_failed_exit_code_is_recorded_with_diagnosis(queue_dir, watcher, write_j
     assert "boom" in run["diagnosis"]["evidence"]
 
 
-def _appends(marker: Path, tag: str) -> list[str]:
-    """A job command that appends ``tag`` to ``marker``: the order jobs ran in."""
-    return [PY, "-c", f"open({str(marker)!r}, 'a').write({tag!r} + '\\n')"]
-
-
-def test_priority_then_acceptance_order(queue_dir, watcher, write_job):
+def _paused_queue_of_ordered_jobs(queue_dir: Path, watcher, write_job, jobs: dict[str, int]):
+    """A paused queue (max_concurrent 1) holding ``jobs`` (name -> priority), written in that order, each appending
+    its name to order.txt when it runs; (the watcher, order.txt) once all are pending."""
     (queue_dir / "pause.flag").touch()
     w = watcher(max_concurrent=1)
     marker = queue_dir / "order.txt"
-    write_job("low1", command=_appends(marker, "low1"))
-    time.sleep(0.01)
-    write_job("low2", command=_appends(marker, "low2"))
-    time.sleep(0.01)
-    write_job("high", command=_appends(marker, "high"), priority=5)
-    tick_until(w, lambda: len(os.listdir(queue_dir / "pending")) == 3)
+    for name, priority in jobs.items():
+        command = [PY, "-c", f"open({str(marker)!r}, 'a').write({name!r} + '\\n')"]
+        write_job(name, command=command, **({"priority": priority} if priority else {}))
+        time.sleep(0.01)
+    tick_until(w, lambda: len(os.listdir(queue_dir / "pending")) == len(jobs))
+    return w, marker
+
+
+def test_priority_then_acceptance_order(queue_dir, watcher, write_job):
+    w, marker = _paused_queue_of_ordered_jobs(queue_dir, watcher, write_job, {"low1": 0, "low2": 0, "high": 5})
     (queue_dir / "pause.flag").unlink()
     tick_until(w, lambda: len(os.listdir(queue_dir / "done")) == 3, 20)
     assert marker.read_text().split() == ["high", "low1", "low2"]
@@ -111,13 +112,7 @@ def test_priority_then_acceptance_order(queue_dir, watcher, write_job):
 def test_a_new_priority_on_a_planned_pending_job_is_what_the_next_plan_uses(queue_dir, watcher, write_job):
     """Each pass plans the pending head from requests kept per job (starting.py's ``_request``): one planned while
     paused must be made again when ``trainq priority`` changes the job, or the plan would still start the older."""
-    (queue_dir / "pause.flag").touch()
-    w = watcher(max_concurrent=1)
-    marker = queue_dir / "order.txt"
-    write_job("first", command=_appends(marker, "first"))
-    time.sleep(0.01)
-    write_job("second", command=_appends(marker, "second"))
-    tick_until(w, lambda: len(os.listdir(queue_dir / "pending")) == 2)
+    w, marker = _paused_queue_of_ordered_jobs(queue_dir, watcher, write_job, {"first": 0, "second": 0})
     for _ in range(3):
         w.tick(time.time())  # planned (and kept) while paused: both wait for pause.flag
     assert w.jobs["second"].request is not None, "the pass kept the request it planned with"
