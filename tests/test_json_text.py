@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import random
 
 import pytest
 
-from trainq.watcher.spec.fsutil import json_text
+from trainq.watcher.spec import fsutil
+from trainq.watcher.spec.fsutil import json_text, read_json
 
 
 def _reference(obj: object, ensure_ascii: bool = False) -> str:
@@ -106,3 +108,32 @@ def test_every_credential_shape_holds_a_marker_and_plain_paths_and_urls_do_not()
     for plain in ["/dev/shm/bench/throughput/q/done/t-0001", "https://github.com/trainq/trainq", "high night",
                   "http://localhost:8080/status", "user@host:/path"]:  # fmt: skip
         assert not may_hold_secret(plain), plain
+
+
+def test_read_json_reads_what_the_file_holds_and_nothing_a_job_could_swap_in(tmp_path, monkeypatch):
+    """read_json reads the size fstat gives (issue 38: a read of the whole 16 MiB bound allocated it every time):
+    a record of any size up to the bound reads whole; a FIFO (even one with a writer), a symlink, a folder, junk
+    and a file past the bound read as None, at once."""
+    record = {"attempt": 3, "text": "x" * 200_000, "nested": {"a": [1, 2.5, None]}}
+    (tmp_path / "big.json").write_text(json.dumps(record))
+    assert read_json(tmp_path / "big.json") == record
+    (tmp_path / "small.json").write_text('{"a": 1}')
+    assert read_json(str(tmp_path / "small.json")) == {"a": 1}
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer holding data: still not read, never waited on
+    os.write(writer, b'{"a": 1}')
+    try:
+        assert read_json(fifo) is None
+    finally:
+        os.close(writer)
+    (tmp_path / "link.json").symlink_to(tmp_path / "small.json")
+    assert read_json(tmp_path / "link.json") is None
+    (tmp_path / "folder.json").mkdir()
+    assert read_json(tmp_path / "folder.json") is None
+    (tmp_path / "junk.json").write_bytes(b"\xff\xfe\x00junk")
+    assert read_json(tmp_path / "junk.json") is None
+    assert read_json(tmp_path / "missing.json") is None
+    monkeypatch.setattr(fsutil, "MAX_JSON_BYTES", 1000)  # past the bound: cut there, so not a JSON object
+    assert read_json(tmp_path / "big.json") is None
+    assert read_json(tmp_path / "small.json") == {"a": 1}

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable
 from json.encoder import encode_basestring, encode_basestring_ascii  # the C ones where built
 from pathlib import Path
@@ -239,11 +240,24 @@ def append_line(path: str | os.PathLike, line: str) -> bool:
     return True
 
 
+def _read_regular(path: str | os.PathLike, limit: int) -> bytes:
+    """At most ``limit`` bytes of a regular file, not through a symlink (b"" for a FIFO or a device: never waited
+    on). One read of the size fstat gives: ``f.read(limit)`` allocated ``limit`` bytes first (16 MiB for every
+    record read, 13 us of each small one's 18)."""
+    fd = os.open(path, NO_FOLLOW_READ)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return b""
+        return os.read(fd, min(st.st_size, limit))
+    finally:
+        os.close(fd)
+
+
 def read_json(path: str | os.PathLike) -> dict | None:
     """Return the JSON object in ``path``, or None when it is missing, a symlink, or not a JSON object."""
     try:
-        with open_no_follow(path) as f:
-            obj = json.loads(f.read(MAX_JSON_BYTES))
+        obj = json.loads(_read_regular(path, MAX_JSON_BYTES))
     except (
         FileNotFoundError,
         NotADirectoryError,
@@ -260,13 +274,17 @@ def read_json(path: str | os.PathLike) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
+#: ``os.open`` flags for reading a file a job could replace (``open_no_follow``)
+NO_FOLLOW_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 def open_no_follow(path: str | os.PathLike) -> BinaryIO:
     """Open for reading a file a job could replace (output.log, metrics.jsonl, run.json, ...).
 
     O_NOFOLLOW: a symlink raises OSError(ELOOP) instead of letting the watcher read a file the
     job's owner cannot; O_NONBLOCK: a FIFO never blocks the loop.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(path, NO_FOLLOW_READ)
     return os.fdopen(fd, "rb")
 
 
