@@ -112,7 +112,7 @@ def _script_dir(argv: list[str], named: list[Path]) -> str | None:
 
 def _interpreter(argv: list[str], env: dict[str, str]) -> str | None:
     """The job's Python (its first argument), as a path; None for other programs."""
-    if not argv or not Path(argv[0]).name.startswith(_PYTHON_NAMES):
+    if not argv or not os.path.basename(argv[0]).startswith(_PYTHON_NAMES):
         return None
     if "/" in argv[0]:
         return os.path.abspath(argv[0])

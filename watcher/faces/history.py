@@ -86,7 +86,7 @@ def record_of(
 def append_record(root: Path, record: dict) -> None:
     """Append one line (one ``write`` on an O_APPEND descriptor: lines from one writer never interleave)."""
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-    fd = os.open(history_path(root), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(os.path.join(root, HISTORY_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         os.write(fd, line)
     finally:

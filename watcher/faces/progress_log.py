@@ -99,7 +99,7 @@ class LogProgress:
 
     def __init__(self, path: Path, tail_bytes: int | None = None) -> None:
         """``tail_bytes``: read only the file's last bytes (a finished job looked at once)."""
-        self.path = Path(path)
+        self.path = path if isinstance(path, Path) else Path(path)  # Path(a Path) parses it again
         self._reader = LineReader(self.path)
         if tail_bytes is not None:
             self._reader.start_near_end(tail_bytes)

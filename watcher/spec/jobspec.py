@@ -748,14 +748,15 @@ def parse_job_text(text: str, display: str) -> JobSpec:
 
 def load_job_file(path: Path, display: str | None = None) -> JobSpec:
     """Read, parse and validate one job file; InvalidJobSpec lists every problem, FileNotFoundError if gone."""
+    path = path if isinstance(path, Path) else Path(path)  # Path(a Path) parses it again
     display = display or str(path)
-    text = read_spec_text(Path(path))
+    text = read_spec_text(path)
     if isinstance(text, Problem):
         raise InvalidJobSpec(display, [text])
     try:
         spec = parse_job_text(text, display)
     except InvalidJobSpec as exc:
-        if not is_confidential(Path(path)):
+        if not is_confidential(path):
             raise
         raise InvalidJobSpec(display, [_withheld(p) for p in exc.problems]) from None
     logger.debug("job file %s: valid (approved=%s)", display, spec.approved)

@@ -31,7 +31,7 @@ _FINAL = ("done", "failed", "cancelled", "timeout", "rejected")
 
 
 def tombstone_path(root: Path, job_id: str) -> Path:
-    return Path(root) / TOMBSTONES_DIR / f"{job_id}.json"
+    return Path(os.path.join(root, TOMBSTONES_DIR, f"{job_id}.json"))
 
 
 def record_removal(
@@ -84,7 +84,7 @@ def removal_words(tombstone: dict) -> str:
 def clear_tombstone(root: Path, job_id: str) -> None:
     """A new job takes the id: the old removal no longer speaks for it."""
     try:
-        os.unlink(tombstone_path(root, job_id))
+        os.unlink(os.path.join(root, TOMBSTONES_DIR, f"{job_id}.json"))  # at every claim: no Path made
     except (FileNotFoundError, NotADirectoryError):
         pass
 
