@@ -327,3 +327,30 @@ def test_a_killed_watchers_empty_queue_folder_is_removed_by_the_next_watcher(
         for folder in (busy / "job@1@1", busy, recent, leftover):
             if folder.is_dir():
                 folder.rmdir()
+
+
+@pytest.mark.parametrize("mode", CGROUP_MODES)
+def test_remove_takes_an_empty_group_with_groups_below_it_and_leaves_a_populated_one(mode: str, tmp_path: Path) -> None:
+    """``remove`` tries one rmdir first (issue 38: the walk read the group's control files every job); a group a
+    job made groups below comes away whole, children first; one with a process in it stays, and says so."""
+    containment = containment_or_skip(mode)
+    job_dir = tmp_path / "queue" / "running" / "nest"
+    plain = containment.group_for(job_dir, "1")
+    nested = containment.group_for(job_dir, "2")
+    busy = containment.group_for(job_dir, "3")
+    assert plain is not None and nested is not None and busy is not None
+    (nested / "inner" / "deeper").mkdir(parents=True)
+    (nested / "beside").mkdir()
+    sleeper = psutil.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (busy / "cgroup.procs").write_text(str(sleeper.pid))
+        assert cgroups.remove(plain) and not plain.exists()
+        assert cgroups.remove(nested) and not nested.exists()
+        assert not cgroups.remove(busy) and busy.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    wait_until(lambda: not cgroups.is_populated(busy, mode), 10, what="the sleeper to leave its group")
+    assert cgroups.remove(busy) and not busy.exists()
+    assert cgroups.remove(busy)  # gone already: nothing to do
+    busy.parent.rmdir()  # the queue's folder, as a watcher's exit removes it

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from trainq.watcher.spec import fsutil
-from trainq.watcher.spec.fsutil import json_text, read_json
+from trainq.watcher.spec.fsutil import json_text, read_json, read_kernel_file
 
 
 def _reference(obj: object, ensure_ascii: bool = False) -> str:
@@ -137,3 +137,15 @@ def test_read_json_reads_what_the_file_holds_and_nothing_a_job_could_swap_in(tmp
     monkeypatch.setattr(fsutil, "MAX_JSON_BYTES", 1000)  # past the bound: cut there, so not a JSON object
     assert read_json(tmp_path / "big.json") is None
     assert read_json(tmp_path / "small.json") == {"a": 1}
+
+
+def test_read_kernel_file_reads_a_proc_file_whole_though_it_says_size_0(tmp_path):
+    """/proc and /sys files report size 0: ``read_kernel_file`` reads until a read is empty, up to its limit."""
+    assert os.stat("/proc/self/cmdline").st_size == 0
+    text = read_kernel_file("/proc/self/cmdline")
+    with open("/proc/self/cmdline", "rb") as f:
+        assert text == f.read() and text.endswith(b"\0")
+    big = tmp_path / "big"
+    big.write_bytes(b"y" * 200_000)
+    assert read_kernel_file(big) == b"y" * 200_000
+    assert read_kernel_file(big, limit=70_000) == b"y" * 70_000

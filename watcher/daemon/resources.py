@@ -31,6 +31,7 @@ from typing import Any, Literal, overload
 import psutil
 
 from trainq.watcher.spec.contract import ENV_SIMULATE_GPUS
+from trainq.watcher.spec.fsutil import read_kernel_file
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,7 @@ def ram_bytes() -> tuple[int, int]:
     gives on Linux, read without parsing the other fifty lines (it runs at every plan: a tenth of a millisecond a
     trivial job paid). psutil answers elsewhere, and where MemAvailable is missing or odd (old kernels, containers)."""
     try:
-        with open(MEMINFO, "rb") as f:
-            text = f.read()
+        text = read_kernel_file(MEMINFO)
         total, available = _meminfo_kb(text, b"MemTotal:"), _meminfo_kb(text, b"MemAvailable:")
     except OSError:
         total = available = None

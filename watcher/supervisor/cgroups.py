@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainq.watcher.spec.fsutil import read_kernel_file
+
 #: env variable that forces a mode: auto (default), cgroup-v2, cgroup-v1 or process-tree
 ENV_CONTAINMENT = "TRAINQ_CONTAINMENT"
 #: the modes, strongest first (status.json's watcher.containment)
@@ -172,9 +174,9 @@ def is_populated(group: Path, mode: str) -> bool:
     """Whether any process is still in ``group`` (or below it)."""
     if mode == "cgroup-v2":
         try:
-            for line in (group / "cgroup.events").read_text().splitlines():
-                if line.startswith("populated "):
-                    return line.split()[1] != "0"
+            for line in read_kernel_file(group / "cgroup.events").splitlines():
+                if line.startswith(b"populated "):
+                    return line.split()[1] != b"0"
         except OSError as exc:
             return exc.errno != errno.ENOENT and bool(members(group))
     return bool(members(group))
@@ -212,7 +214,15 @@ def kill(group: Path, mode: str, wait_s: float = KILL_WAIT_S) -> bool:
 def remove(group: Path) -> bool:
     """Remove an empty group (groups a job made below it first). The queue's folder above it stays: removing it
     with its last group and making it again for the next job cost a cgroup rmdir and mkdir per job of a serial
-    queue; an empty group holds nothing."""
+    queue; an empty group holds nothing. One rmdir when the job made none (the walk lists the group's control
+    files too: twenty entries read every job)."""
+    try:
+        group.rmdir()
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass  # groups below it (EBUSY), or one that is not empty yet: the walk says which
     for folder in reversed(list(_walk(group))):
         try:
             folder.rmdir()

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 from trainq.watcher.spec.contract import ENV_JOB_DIR, JobPaths
-from trainq.watcher.spec.fsutil import process_start_ticks, read_json
+from trainq.watcher.spec.fsutil import process_start_ticks, read_json, read_kernel_file
 from trainq.watcher.supervisor import cgroups
 
 logger = logging.getLogger(__name__)
@@ -318,8 +318,7 @@ def _children_of(pid: int) -> list[int]:
     kids: list[int] = []
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                kids.extend(int(k) for k in f.read().split())
+            kids.extend(int(k) for k in read_kernel_file(f"/proc/{pid}/task/{tid}/children").split())
         except (FileNotFoundError, ProcessLookupError):
             continue
     return kids
