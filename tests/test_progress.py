@@ -372,3 +372,22 @@ def test_metrics_lines_that_are_not_json_are_counted(tmp_path: Path) -> None:
     tail = MetricsTail(path)
     assert tail.poll() is True
     assert tail.bad_lines == 3 and tail.progress["step"] == 3
+
+
+def test_a_finished_logs_last_look_reads_only_its_tail_and_drops_the_cut_line(tmp_path: Path) -> None:
+    """``tail_bytes`` (a finished job never polled) reads the end of the file the first read finds (issue 38 moved
+    the size check from the constructor into that read): the bar in the last bytes counts, a bar cut in the middle
+    and everything before it do not, and lines appended after the look are read on from there."""
+    log = tmp_path / "output.log"
+    head = "".join(f" 50%|█████     | {n}/999 [00:01<00:01, 9.00it/s]\n" for n in range(1, 400)).encode()
+    log.write_bytes(head)
+    reader = LogProgress(log, tail_bytes=300)
+    _append(log, b"x" * 290 + b"\n 80%|########  | 8/10 [00:01<00:00, 9.00it/s]\n")  # the file the read finds
+    assert reader.poll(T0)
+    assert reader.fields.values["step"] == 8 and reader.fields.values["total_steps"] == 10
+    _append(log, b" 90%|######### | 9/10 [00:01<00:00, 9.00it/s]\n")
+    assert reader.poll(T0 + 1)
+    assert reader.fields.values["step"] == 9
+    whole = LogProgress(log)  # without a bound: the first bar (total 999) sets the total, the 10-step bars differ
+    whole.poll(T0)
+    assert whole.fields.values["total_steps"] == 999

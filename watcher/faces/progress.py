@@ -46,17 +46,14 @@ class LineReader:
         self._inode: tuple[int, int] | None = None
         self._partial = b""
         self._mid_line = False  # started inside the file (start_near_end): the first fragment is no line
+        self._keep: int | None = None  # start_near_end's bound, applied at the first read
         self.restarted = False
 
     def start_near_end(self, keep: int) -> None:
-        """Read only the last ``keep`` bytes from here on (a finished job's log never polled: its end is its
-        progress); the line cut at that point is dropped."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return
-        if self._inode is None and st.st_size > keep:
-            self._inode, self._offset, self._mid_line = (st.st_dev, st.st_ino), st.st_size - keep, True
+        """Read only the last ``keep`` bytes of the file the first read finds (a finished job's log never polled:
+        its end is its progress); the line cut at that point is dropped."""
+        if self._inode is None:
+            self._keep = keep
 
     def read_lines(self, separators: bytes = b"\n") -> list[bytes]:
         """New complete lines (without separators); sets ``restarted`` when the file started over."""
@@ -91,6 +88,8 @@ class LineReader:
 
     def _unchanged(self) -> bool:
         """Cheap path for the common tick: one stat, no open, when nothing was appended."""
+        if self._inode is None:
+            return False  # never read: nothing to compare with
         try:
             st = os.stat(self.path)
         except (FileNotFoundError, NotADirectoryError):
@@ -100,6 +99,8 @@ class LineReader:
     def _check_identity(self, inode: tuple[int, int], size: int) -> None:
         if self._inode is None:
             self._inode = inode
+            if self._keep is not None and size > self._keep:
+                self._offset, self._mid_line = size - self._keep, True
         elif inode != self._inode or size < self._offset:
             logger.debug("%s: truncated or replaced, reading from the start", self.path)
             self._inode, self._offset, self._partial = inode, 0, b""
