@@ -632,3 +632,38 @@ def test_validation_stays_fast(tmp_path: Path) -> None:
         costs.append(time.perf_counter() - started)
     # ~0.5 ms here; the bound is loose for a busy 2-core machine but catches a per-file validator rebuild (~20 ms)
     assert statistics.median(costs) < 0.005
+
+
+def test_the_attempt_records_program_is_what_shutil_which_finds(tmp_path: Path, monkeypatch) -> None:
+    """``resolved_program`` walks the PATH itself (issue 38: ``shutil.which`` raised and caught an OSError for every
+    folder without the name) and must find what ``which`` finds: the first executable that is not a folder, folders
+    listed twice or missing, an empty entry (the cwd), a file without the x bit, a name with no match."""
+    import shutil
+
+    from trainq.watcher.spec.interpreter import resolved_program
+
+    folders = {name: tmp_path / name for name in ("a", "b", "c", "d")}
+    for folder in folders.values():
+        folder.mkdir()
+    for folder, name, mode in (
+        ("a", "tool", 0o644),  # not executable: skipped
+        ("b", "tool", 0o755),
+        ("c", "tool", 0o755),
+        ("c", "other", 0o700),
+        ("d", "here", 0o755),
+    ):
+        (folders[folder] / name).write_text("#!/bin/sh\n")
+        (folders[folder] / name).chmod(mode)
+    (folders["a"] / "dir").mkdir()  # a folder of the name: skipped
+    (folders["b"] / "dir").write_text("#!/bin/sh\n")
+    (folders["b"] / "dir").chmod(0o755)
+    monkeypatch.chdir(folders["d"])
+    paths = [
+        os.pathsep.join(str(folders[n]) for n in ("a", "b", "c")),
+        os.pathsep.join([str(folders["a"]), str(tmp_path / "missing"), str(folders["a"]), str(folders["c"])]),
+        os.pathsep.join(["", str(folders["a"])]),
+        "",
+    ]
+    for path_env in paths:
+        for name in ("tool", "other", "dir", "here", "nothing", "true"):
+            assert resolved_program(name, path_env, "/") == shutil.which(name, path=path_env), (name, path_env)

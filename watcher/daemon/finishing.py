@@ -23,7 +23,7 @@ from trainq.watcher.faces.story import flag_reason, reason_for
 from trainq.watcher.spec import events
 from trainq.watcher.spec.contract import REASON_PHRASES, REASON_STALLED, REASON_USER, JobPaths
 from trainq.watcher.spec.folders import JobState
-from trainq.watcher.spec.fsutil import raise_flag, remove_quietly
+from trainq.watcher.spec.fsutil import exists, raise_flag, remove_quietly
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
@@ -296,7 +296,7 @@ class Finishing:
         """stop.flag in pending/ cancels; retry.flag in failed/ requeues with resume."""
         self.guard.forget_removed_folders()
         for job in self.state.jobs.in_state(JobState.PENDING):
-            if job.paths.stop_flag.exists():
+            if exists(job.paths.stop_flag):
                 self.guard.guarded(job, "finish", self.cancel_pending, job, now)
         for job_id in _ids_with_retry_flag(self.state.root.state_dir(JobState.FAILED)):
             self.guard.guarded_id(job_id, JobState.FAILED, "retry", self.retry_finished, job_id, JobState.FAILED, now)
@@ -410,7 +410,7 @@ class Finishing:
         if not self.state.executor.folder_due(job.paths, job.current_attempt() or {}, now):
             self._note_executor_wait(job)  # from memory (Slurm: once per poll for each job, spread over the polls)
             return
-        if job.run.get("status") == "running" and job.paths.stop_flag.exists():
+        if job.run.get("status") == "running" and exists(job.paths.stop_flag):
             reason = job.run.get("reason") or flag_reason(job.paths)  # the watcher's own stops set it first
             job.run.update(status="stopping", stop_requested_at=iso_utc(now), reason=reason)
             job.health = "stopping"
@@ -493,7 +493,7 @@ class Finishing:
         logger.warning("job %s: stalled: no new output for %gs", job.id, now - job.last_activity)
         self.vitals.capture_stacks(job, f"stalled for {now - job.last_activity:.0f}s")
         self.state.report.touch()
-        if "stalled" in job.known_spec.retries.on and not job.paths.stop_flag.exists():  # opted in, not stopped already
+        if "stalled" in job.known_spec.retries.on and not exists(job.paths.stop_flag):  # opted in, not stopped already
             job.run.update(stop_requested_by=REASON_STALLED, reason=REASON_STALLED, stall_after_s=stall_after)
             job.save(durable=False)
             if self.vitals.stacks_pending(job):

@@ -25,6 +25,7 @@ from trainq.watcher.faces.status import StatusSnapshot, StatusWriter, job_entry
 from trainq.watcher.faces.story import JobStory, derive
 from trainq.watcher.faces.sweepview import workflow_entry
 from trainq.watcher.spec.folders import JobState, QueueRoot
+from trainq.watcher.spec.fsutil import exists
 from trainq.watcher.spec.units import iso_utc, parse_iso
 
 if TYPE_CHECKING:
@@ -460,6 +461,6 @@ def _outputs(job: Job, root: QueueRoot) -> dict | None:
         ("summary", paths.summary),
         ("loss_png", paths.loss_png),
     ):
-        if path.exists():
+        if exists(path):
             found[key] = str(path.relative_to(root.path))
     return found or None

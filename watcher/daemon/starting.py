@@ -29,6 +29,7 @@ from trainq.watcher.spec.contract import (
 )
 from trainq.watcher.spec.errors import ExecutorUnavailable, SpawnFailed
 from trainq.watcher.spec.folders import JobState
+from trainq.watcher.spec.fsutil import exists
 from trainq.watcher.spec.interpreter import job_path, resolved_program
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.wall import ENV_COST
@@ -295,7 +296,7 @@ class Starting:
         self.finishing.retire(job, now)
 
     def _launch(self, job: Job, decision, now: float) -> None:
-        if job.paths.stop_flag.exists():  # stopped after the last flag scan (a retry's requeue clears its old flag)
+        if exists(job.paths.stop_flag):  # stopped after the last flag scan (a retry's requeue clears its old flag)
             self.finishing.cancel_pending(job, now)
             return
         if not self.edits.ready_to_start(job, time.time()):

@@ -21,7 +21,7 @@ from trainq.watcher.faces.progress import merge_progress
 from trainq.watcher.spec import events
 from trainq.watcher.spec.contract import REASON_DEADLINE, REASON_WINDOW, JobPaths
 from trainq.watcher.spec.folders import JobState
-from trainq.watcher.spec.fsutil import atomic_write_json, is_locked, raise_flag, read_json
+from trainq.watcher.spec.fsutil import atomic_write_json, exists, is_locked, raise_flag, read_json
 from trainq.watcher.spec.records import append_record
 from trainq.watcher.spec.units import iso_utc, parse_iso
 from trainq.watcher.spec.wall import Forecast, freeze_hold, window_ended
@@ -134,7 +134,7 @@ class Walls:
 
     def _stop_at_wall(self, job: Job, wall_name: str, now: float) -> None:
         """Stop it as a stop.flag would: it checkpoints, ends cancelled (reason deadline or window), resumable."""
-        if job.run.get("stop_requested_by") in WALL_REASONS or job.paths.stop_flag.exists():
+        if job.run.get("stop_requested_by") in WALL_REASONS or exists(job.paths.stop_flag):
             return  # asked already (a user's stop.flag came first: its reason stays `user`)
         reason = REASON_DEADLINE if wall_name == "deadline" else REASON_WINDOW
         job.run.update(stop_requested_by=reason, reason=reason)

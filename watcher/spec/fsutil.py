@@ -222,6 +222,13 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def exists(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names something (a symlink is followed), as ``os.path.exists`` says, without raising and
+    catching an OSError when it does not: ~1.5 us less for each of the dozen missing flags and files a job's
+    passes look for (stop.flag, adapter/, ...)."""
+    return os.access(path, os.F_OK)
+
+
 def read_kernel_file(path: str | os.PathLike, limit: int = 1 << 20) -> bytes:
     """A /proc or /sys file's text, up to ``limit`` bytes: such files say size 0, so read until a read is empty.
 

@@ -11,7 +11,6 @@ its ``env:`` keeps its own. An absolute path (``/opt/conda/bin/python``) always 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 
@@ -31,7 +30,22 @@ def resolved_program(argv0: str, path_env: str, cwd: str) -> str | None:
     """What ``argv0`` runs as, on ``path_env`` (a path with a slash: against ``cwd``); None if not found."""
     if os.sep in argv0:
         return os.path.normpath(os.path.join(cwd, argv0))
-    return shutil.which(argv0, path=path_env)
+    return _which(argv0, path_env)
+
+
+def _which(name: str, path_env: str) -> str | None:
+    """``shutil.which(name, path=path_env)`` on POSIX: the first executable non-folder ``name`` on the PATH. A
+    missing candidate costs one ``access``, where ``which`` raised and caught an OSError for each (eight of
+    them for ``true`` here, at every launch)."""
+    seen = set()
+    for folder in path_env.split(os.pathsep) if path_env else ():
+        if folder in seen:
+            continue
+        seen.add(folder)
+        candidate = os.path.join(folder, name)
+        if os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+            return candidate
+    return None
 
 
 #: Python 3.10 has no ``-P``: this bootstrap drops the script folder (``''``, the cwd) from sys.path, then runs

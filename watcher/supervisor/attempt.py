@@ -37,12 +37,11 @@ from trainq.watcher.spec.contract import (
     JobPaths,
     stop_flag_reason,
 )
-from trainq.watcher.spec.fsutil import atomic_write_json, open_no_follow, remove_quietly, touch
+from trainq.watcher.spec.fsutil import atomic_write_json, exists, open_no_follow, remove_quietly, touch
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import cgroups, clone_into, story
 from trainq.watcher.supervisor.attempt_io import (
     LaunchSpec,
-    _exists,
     _exit_record,
     _note,
     _publish_exit,
@@ -483,7 +482,7 @@ def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
         return
     if stop_signal.received:
         _request_stop(a, "sigterm", now, "the supervisor got a stop signal; forwarding SIGTERM to the job")
-    elif _exists(a.paths.stop_flag):
+    elif exists(a.paths.stop_flag):
         content = _flag_content(a.paths.stop_flag)
         a.grace_s = 0.0 if content.strip().lower() == b"now" else a.spec.stop_grace_s
         a.flag_reason = stop_flag_reason(content)
@@ -498,7 +497,7 @@ def _check_stop(a: _Attempt, stop_signal: _StopSignal, now: float) -> None:
             a, "folder_removed", now, f"the job folder {a.paths.dir} was removed; SIGTERM in {a.spec.stop_grace_s:g} s"
         )
     elif stop_signal.time_limit or (a.spec.timeout_s is not None and now - a.started_mono >= a.spec.timeout_s):
-        a.created_stop_flag = not _exists(a.paths.stop_flag)
+        a.created_stop_flag = not exists(a.paths.stop_flag)
         touch(a.paths.stop_flag)  # lets the job checkpoint before it is terminated
         a.warned_at = stop_signal.time_limit_at if stop_signal.time_limit else None
         why = _time_limit_words(a) if stop_signal.time_limit else f"timeout after {a.spec.timeout_s:g} s"

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
-from trainq.watcher.spec.fsutil import json_text, publish_then_sync, remove_quietly
+from trainq.watcher.spec.fsutil import exists, json_text, publish_then_sync, remove_quietly
 from trainq.watcher.spec.units import iso_utc
 from trainq.watcher.supervisor import story
 
@@ -204,7 +204,7 @@ def _publish_exit(paths: JobPaths, record: dict, ended: Callable[[], None], log_
             publish_then_sync(paths.exit_record, data, once)
             return
         except FileNotFoundError:
-            if _exists(paths.dir):
+            if exists(paths.dir):
                 raise
             once()
             return
@@ -264,15 +264,6 @@ def _exit_record(
     if attempt is not None and attempt.warned_at is not None:
         record["time_limit_warned_at"] = iso_utc(attempt.warned_at)
     return record
-
-
-def _exists(path: Path) -> bool:
-    """One stat, no exceptions."""
-    try:
-        os.stat(path)
-    except OSError:
-        return False
-    return True
 
 
 def _note(log_fd: int, message: str) -> None:
