@@ -287,6 +287,17 @@ def test_read_tail_strips_ansi_and_the_cut_line(tmp_path: Path) -> None:
     assert read_tail(log) == "first line that gets cut\nred error\nbad byte \ufffd end\n"
     assert read_tail(log, max_bytes=30) == "bad byte \ufffd end\n"
     assert read_tail(tmp_path / "missing.log") == ""
+    os.mkfifo(tmp_path / "fifo.log")  # none of these is read, and none blocks
+    writer = os.open(tmp_path / "fifo.log", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        os.write(writer, b"from a fifo\n")
+        assert read_tail(tmp_path / "fifo.log") == ""
+    finally:
+        os.close(writer)
+    (tmp_path / "link.log").symlink_to(log)
+    assert read_tail(tmp_path / "link.log") == ""
+    (tmp_path / "folder.log").mkdir()
+    assert read_tail(tmp_path / "folder.log") == ""
     d = diagnose(_exit(1), "\x1b[1;31mtorch.OutOfMemoryError: CUDA out of memory\x1b[0m\n")
     assert d.evidence == "torch.OutOfMemoryError: CUDA out of memory"
 

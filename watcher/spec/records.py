@@ -11,7 +11,7 @@ import os
 import re
 import stat
 
-from trainq.watcher.spec.fsutil import open_no_follow
+from trainq.watcher.spec.fsutil import NO_FOLLOW_READ
 
 #: terminal colour, cursor and OSC sequences (stripped from log text shown to people)
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
@@ -25,13 +25,22 @@ def strip_ansi(text: str) -> str:
 def read_tail(path: str | os.PathLike, max_bytes: int = 65536) -> str:
     """The last ``max_bytes`` of a log, decoded leniently, without ANSI codes or a cut first line (unless that
     line is all there is: the end of a log that never wrote a newline is still its end)."""
+    if not os.access(path, os.F_OK):
+        return ""  # most often metrics.jsonl of a job that writes none: no exception raised and caught
     try:
-        with open_no_follow(path) as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - max_bytes))
-            data = f.read(max_bytes)
-    except OSError:  # gone, a folder, a symlink (never followed) or a FIFO (cannot seek)
+        fd = os.open(path, NO_FOLLOW_READ)
+    except OSError:  # gone, or a symlink (never followed)
         return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""  # a folder or a FIFO
+        size = st.st_size
+        data = os.pread(fd, min(size, max_bytes), max(0, size - max_bytes))
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
     if size > max_bytes and b"\n" in data:
         data = data.partition(b"\n")[2]  # the first line was cut in the middle
     return strip_ansi(data.decode("utf-8", errors="replace"))

@@ -83,8 +83,11 @@ def removal_words(tombstone: dict) -> str:
 
 def clear_tombstone(root: Path, job_id: str) -> None:
     """A new job takes the id: the old removal no longer speaks for it."""
+    path = os.path.join(root, TOMBSTONES_DIR, f"{job_id}.json")  # at every claim: no Path made
+    if not os.access(path, os.F_OK):
+        return  # the usual case, without a raised and caught FileNotFoundError
     try:
-        os.unlink(os.path.join(root, TOMBSTONES_DIR, f"{job_id}.json"))  # at every claim: no Path made
+        os.unlink(path)
     except (FileNotFoundError, NotADirectoryError):
         pass
 

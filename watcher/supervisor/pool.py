@@ -32,7 +32,7 @@ from typing import NoReturn, cast
 
 from trainq.watcher.spec.contract import JobPaths
 from trainq.watcher.spec.errors import SpawnFailed
-from trainq.watcher.spec.fsutil import read_json, remove_quietly
+from trainq.watcher.spec.fsutil import exists, read_json, remove_quietly
 from trainq.watcher.supervisor.attempt import (
     SUPERVISOR_STOP_SIGNALS,
     _die_reporting,
@@ -369,9 +369,11 @@ def _reply_quietly(fd: int, message: dict) -> bool:
 
 
 def _clear_records(paths: JobPaths) -> None:
-    """Remove the previous attempt's start and exit records (the caller holds the job's lock)."""
-    remove_quietly(paths.exit_record)
-    remove_quietly(paths.started)
+    """Remove the previous attempt's start and exit records (the caller holds the job's lock); a first attempt has
+    none, and an access says so without an unlink's raised and caught FileNotFoundError."""
+    for record in (paths.exit_record, paths.started):
+        if exists(record):
+            remove_quietly(record)
 
 
 # ---------------------------------------------------------------- inside a forked supervisor

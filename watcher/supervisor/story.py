@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from trainq.watcher.spec import events
 from trainq.watcher.spec.contract import ENV_RESUME_FROM, JobPaths
+from trainq.watcher.spec.fsutil import exists
 from trainq.watcher.supervisor import snapshot as snapshots
 
 #: how often the supervisor looks for new checkpoint records in metrics.jsonl, seconds
@@ -102,7 +103,7 @@ class CheckpointWatch:
     def from_now(cls, paths: JobPaths, attempt: int) -> CheckpointWatch:
         """Start at the current end of metrics.jsonl: earlier attempts' records are not this one's."""
         try:
-            offset = os.stat(paths.metrics).st_size
+            offset = os.stat(paths.metrics).st_size if exists(paths.metrics) else 0  # most jobs write none
         except OSError:
             offset = 0
         return cls(paths, attempt, offset)
@@ -116,6 +117,8 @@ class CheckpointWatch:
 
     def look(self) -> None:
         """A ``checkpoint`` event for each checkpoint record appended since the last look."""
+        if not exists(self.paths.metrics):
+            return  # a job that writes none (no exception raised and caught every look)
         try:
             with open(self.paths.metrics, "rb") as f:
                 f.seek(self.offset)
