@@ -397,3 +397,20 @@ def test_an_inbox_removed_and_made_again_is_watched_again(queue_dir, watcher):
     drop(queue_dir, "again.yaml", "approved: true\ncommand: ['true']\n")
     w._loop_watch.read()
     assert w.intake.inbox.events.hints().get("again.yaml") == "moved_in"
+
+
+def test_the_loop_takes_more_inotify_events_than_one_read_holds_and_stops_without_waiting(queue_dir, watcher):
+    """Issue 38: the loop's inotify read stops once a read comes back with room for another event (no last read
+    to fail with EAGAIN). Events past one read's 64 KiB (1,200 names of 200 characters, three events each) are
+    all taken in that one call, and a call with nothing waiting returns at once."""
+    w = watcher()
+    assert w._loop_watch is not None
+    w._loop_watch.read()
+    names = [f"{i:04d}-{'x' * 190}.yaml" for i in range(1200)]
+    for name in names:
+        (queue_dir / "inbox" / name).write_text("approved: true\ncommand: ['true']\n")
+    assert w._loop_watch.read()
+    assert set(w.intake.inbox.events.hints()) == set(names)
+    started = time.monotonic()
+    assert not w._loop_watch.read()
+    assert time.monotonic() - started < 5.0

@@ -464,3 +464,29 @@ def test_status_json_says_the_helper_is_lost_until_it_runs_again(watcher, queue_
     )[0]
     assert "killed by SIGKILL" in line and "next try" in line
     tick_until(w, lambda: sup.restarts == 1 and not _watcher_problems(queue_dir), what="the line gone")
+
+
+def test_drain_empties_a_pipe_of_any_size_and_tells_its_end() -> None:
+    """``drain`` stops at a short read (issue 38: no last read to fail with EAGAIN) yet leaves nothing behind, and
+    says True only at the end of file."""
+    from trainq.watcher.spec.fsutil import drain
+
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    try:
+        os.write(w, b"e" * 10_000)
+        assert drain(r) is False
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)  # nothing left
+        os.write(w, b"e" * 4096)  # exactly one read's worth: the next read finds the pipe empty
+        assert drain(r) is False
+        assert drain(r) is False  # nothing waiting
+        os.write(w, b"e")
+        os.close(w)
+        w = -1
+        assert drain(r) in (False, True)  # the byte, and perhaps the end in the same call
+        assert drain(r) is True
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)

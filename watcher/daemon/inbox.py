@@ -411,6 +411,9 @@ _INOTIFY_MASKS = {
 
 #: inotify(7)'s event header: wd, mask, cookie, length of the name that follows
 _EVENT_HEADER = struct.Struct("iIII")
+#: bytes one read of the inotify fd asks for, and the most one event takes (its header and a NAME_MAX name)
+_READ_BYTES = 65536
+_EVENT_MAX_BYTES = _EVENT_HEADER.size + 256
 #: a pool's pause flag is ``pause.POOL.flag`` (config.pool_pause_flag)
 _POOL_FLAG_SUFFIX = ".flag"
 
@@ -473,30 +476,37 @@ class LoopWatch:
 
     def read(self) -> bool:
         """Take every event waiting (never blocks); True when one gives the loop something to do."""
-        c, relevant = self._in, False
+        relevant = False
         while True:
             try:
-                data = os.read(self._fd, 65536)
+                data = os.read(self._fd, _READ_BYTES)
             except BlockingIOError:
                 return relevant
             except OSError:
                 return True  # the fd is broken: a pass (its scan) is the safe answer
-            offset = 0
-            while offset + _EVENT_HEADER.size <= len(data):
-                wd, mask, _cookie, length = _EVENT_HEADER.unpack_from(data, offset)
-                start = offset + _EVENT_HEADER.size
-                name = os.fsdecode(data[start : start + length].rstrip(b"\0"))
-                offset = start + length
-                if mask & c.IN_Q_OVERFLOW:
-                    relevant = True  # hints were lost: the scan decides
-                elif mask & (c.IN_IGNORED | c.IN_DELETE_SELF | c.IN_MOVE_SELF):
-                    relevant = True  # the inbox (or the root) went: check_layout makes it again and rewatches
-                elif mask & c.IN_ISDIR:
-                    continue
-                elif wd == self._inbox_wd:
-                    relevant = self.handler.hint(name, self._hint(mask)) or relevant
-                elif wd == self._root_wd:
-                    relevant = self.handler.is_flag(name) or relevant
+            relevant = self._take(data) or relevant
+            if len(data) <= _READ_BYTES - _EVENT_MAX_BYTES:
+                return relevant  # room for one more event was left, so none was waiting: no read to EAGAIN
+
+    def _take(self, data: bytes) -> bool:
+        """The events in one read; True when one gives the loop something to do."""
+        c, relevant, offset = self._in, False, 0
+        while offset + _EVENT_HEADER.size <= len(data):
+            wd, mask, _cookie, length = _EVENT_HEADER.unpack_from(data, offset)
+            start = offset + _EVENT_HEADER.size
+            name = os.fsdecode(data[start : start + length].rstrip(b"\0"))
+            offset = start + length
+            if mask & c.IN_Q_OVERFLOW:
+                relevant = True  # hints were lost: the scan decides
+            elif mask & (c.IN_IGNORED | c.IN_DELETE_SELF | c.IN_MOVE_SELF):
+                relevant = True  # the inbox (or the root) went: check_layout makes it again and rewatches
+            elif mask & c.IN_ISDIR:
+                continue
+            elif wd == self._inbox_wd:
+                relevant = self.handler.hint(name, self._hint(mask)) or relevant
+            elif wd == self._root_wd:
+                relevant = self.handler.is_flag(name) or relevant
+        return relevant
 
     def _hint(self, mask: int) -> str | None:
         """The hint an inbox event gives (``InboxEvents.on_any_event`` gives the same for watchdog's events)."""

@@ -317,13 +317,19 @@ def open_no_follow(path: str | os.PathLike) -> BinaryIO:
 
 
 def drain(fd: int) -> bool:
-    """Read away everything waiting on the non-blocking pipe ``fd``; True at end of file (no writer left)."""
+    """Read away everything waiting on the non-blocking pipe ``fd``; True at end of file (no writer left).
+
+    A read shorter than asked found the pipe empty: it stops there, without a last read to raise and catch
+    EAGAIN (what is written later makes ``fd`` readable again, an end of file included)."""
     try:
-        while os.read(fd, 4096):
-            pass
+        while True:
+            got = len(os.read(fd, 4096))
+            if got == 0:
+                return True
+            if got < 4096:
+                return False
     except BlockingIOError:
         return False
-    return True
 
 
 def touch(path: str | os.PathLike) -> None:
