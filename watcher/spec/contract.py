@@ -7,7 +7,7 @@ Every filename inside a job folder is owned by ``JobPaths``; no other module spe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 # -- exit codes (one place; the trainer exits with these and diagnosis reads them) --
@@ -223,3 +223,10 @@ class JobPaths:
     def slurm_record(self) -> Path:
         """What the watcher submitted to Slurm for the current attempt (its Slurm job id, sbatch argv)."""
         return self.dir / "slurm.json"
+
+
+@lru_cache(maxsize=8)
+def paths_of(job_dir: str) -> JobPaths:
+    """The JobPaths of ``job_dir`` (a folder's name as a string), shared by a process's steps: a supervisor's take,
+    log, environment, watch and exit record each built their own, and joined every path again."""
+    return JobPaths(Path(job_dir))

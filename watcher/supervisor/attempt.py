@@ -35,6 +35,7 @@ from trainq.watcher.spec.contract import (
     REASON_PHRASES,
     REASON_USER,
     JobPaths,
+    paths_of,
     stop_flag_reason,
 )
 from trainq.watcher.spec.fsutil import atomic_write_json, exists, open_no_follow, remove_quietly, touch
@@ -187,7 +188,7 @@ def _supervise(
     env = _job_env(spec)  # built once: the snapshot, the job and its ``started`` event read the same
     note = functools.partial(_note, log_fd)  # the snapshot's problems go to output.log
     snapshot = story.read_snapshot(spec.snapshot, spec.job_dir, spec.attempt, env, note)
-    checkpoints = story.CheckpointWatch.from_now(JobPaths(Path(spec.job_dir)), spec.attempt)
+    checkpoints = story.CheckpointWatch.from_now(paths_of(spec.job_dir), spec.attempt)
     started_at, started_mono = time.time(), time.monotonic()
     group = containment.group_for(spec.job_dir, str(spec.attempt)) if containment else None
     before = boot_ticks()
@@ -199,7 +200,7 @@ def _supervise(
         return _record_spawn_error(spec, log_fd, exc, started_at, ended)
     attempt = _Attempt(
         spec,
-        JobPaths(Path(spec.job_dir)),
+        paths_of(spec.job_dir),
         log_fd,
         job.pid,
         started_at,
@@ -258,20 +259,26 @@ def _become_subreaper(prctl: Callable[..., int] | None, log_fd: int) -> None:
 
 
 def _job_env(spec: LaunchSpec) -> dict[str, str]:
-    """The supervisor's environment, the TRAINQ_* defaults for this job, then the spec's own variables."""
-    paths = JobPaths(Path(spec.job_dir))
+    """The supervisor's environment, the TRAINQ_* defaults for this job, then the spec's own variables (the
+    watcher's launch sets every default itself, and then none is made here)."""
     env = dict(os.environ) if spec.inherit_env else {}
-    env.update(
-        {
-            ENV_JOB_ID: paths.dir.name,
-            ENV_JOB_DIR: spec.job_dir,
-            ENV_STOP_FLAG: str(paths.stop_flag),
-            ENV_METRICS: str(paths.metrics),
-            ENV_ATTEMPT: str(spec.attempt),
-        }
-    )
+    if not all(name in spec.env for name in _DEFAULTED):
+        paths = paths_of(spec.job_dir)
+        env.update(
+            {
+                ENV_JOB_ID: paths.dir.name,
+                ENV_JOB_DIR: spec.job_dir,
+                ENV_STOP_FLAG: str(paths.stop_flag),
+                ENV_METRICS: str(paths.metrics),
+                ENV_ATTEMPT: str(spec.attempt),
+            }
+        )
     env.update(spec.env)
     return env
+
+
+#: the variables ``_job_env`` gives a job whose spec does not
+_DEFAULTED = (ENV_JOB_ID, ENV_JOB_DIR, ENV_STOP_FLAG, ENV_METRICS, ENV_ATTEMPT)
 
 
 class _Moves:

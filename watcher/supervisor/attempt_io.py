@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.contract import JobPaths, paths_of
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import exists, json_text, publish_then_sync, remove_quietly
 from trainq.watcher.spec.units import iso_utc
@@ -172,8 +172,8 @@ def _record_spawn_error(
     _note(log_fd, f"cannot start the job: {reason}")
     code = EXIT_NOT_FOUND if exc.errno in (errno.ENOENT, errno.ENOTDIR) else EXIT_NOT_EXECUTABLE
     record = _exit_record(spec, None, started_at, status_code=code, spawn_error=reason)
-    story.exited(JobPaths(Path(spec.job_dir)), record)
-    _publish_exit(JobPaths(Path(spec.job_dir)), record, ended, log_fd)
+    story.exited(paths_of(spec.job_dir), record)
+    _publish_exit(paths_of(spec.job_dir), record, ended, log_fd)
     return record
 
 

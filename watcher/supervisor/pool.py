@@ -27,10 +27,9 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Collection
-from pathlib import Path
 from typing import NoReturn, cast
 
-from trainq.watcher.spec.contract import JobPaths
+from trainq.watcher.spec.contract import JobPaths, paths_of
 from trainq.watcher.spec.errors import SpawnFailed
 from trainq.watcher.spec.fsutil import exists, read_json, remove_quietly
 from trainq.watcher.supervisor.attempt import (
@@ -87,7 +86,7 @@ class Supervisor:
         pid = self.pool.launch(spec) if self.pool is not None else None
         if pid is not None:
             return pid
-        paths = JobPaths(Path(spec.job_dir))
+        paths = paths_of(spec.job_dir)
         lock_fd, _ = _take_lock(paths, spec.attempt)
         try:
             _clear_records(paths)  # safe: we hold the lock, so no supervisor of this job runs to write them
@@ -531,7 +530,7 @@ def _take(
     next watcher's recovery decides what the job's folder means: a request taken now would race it). Checked
     under the lock, either answer holds: a later watcher sees the lock held from here to the attempt's end.
     """
-    paths = JobPaths(Path(spec.job_dir))
+    paths = paths_of(spec.job_dir)
     lock_fd, _ = _take_lock(paths, spec.attempt)
     if deadline is not None and (time.monotonic() > deadline or (sender is not None and _hung_up(sender))):
         os.close(lock_fd)
@@ -618,7 +617,7 @@ def _detach(*keep: int | None) -> tuple[int | None, ...]:
 
 def _open_log(spec: LaunchSpec) -> int:
     """output.log (appended to) on stdout and stderr; returns 1, the fd supervisor notes go to."""
-    log = open_job_log(JobPaths(Path(spec.job_dir)).log)
+    log = open_job_log(paths_of(spec.job_dir).log)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
