@@ -184,7 +184,8 @@ def _indented(obj: object, newline: str, encode: Callable[[str], str]) -> str:
         if not obj:
             return "[]"
         inner = newline + " "
-        return "[" + inner + ("," + inner).join([_indented(v, inner, encode) for v in obj]) + newline + "]"  # type: ignore[attr-defined]
+        items = [encode(v) if type(v) is str else _indented(v, inner, encode) for v in obj]  # type: ignore[attr-defined]
+        return "[" + inner + ("," + inner).join(items) + newline + "]"
     if obj is None:
         return "null"
     if obj is True:
