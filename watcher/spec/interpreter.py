@@ -10,6 +10,7 @@ its ``env:`` keeps its own. An absolute path (``/opt/conda/bin/python``) always 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -19,8 +20,11 @@ def interpreter_dir(python: str | None = None) -> str:
     return os.path.dirname(os.path.abspath(python or sys.executable))
 
 
+@functools.lru_cache(maxsize=16)
 def job_path(path_env: str | None, python: str | None = None) -> str:
-    """The PATH a job gets: the watcher's interpreter folder first, then ``path_env`` (without a repeat of it)."""
+    """The PATH a job gets: the watcher's interpreter folder first, then ``path_env`` (without a repeat of it).
+
+    Kept per (PATH, interpreter): the watcher asks two to four times a launch, with the same PATH every time."""
     first = interpreter_dir(python)
     rest = [p for p in (path_env if path_env is not None else os.defpath).split(os.pathsep) if p and p != first]
     return os.pathsep.join([first, *rest])
