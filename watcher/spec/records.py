@@ -11,7 +11,7 @@ import os
 import re
 import stat
 
-from trainq.watcher.spec.fsutil import NO_FOLLOW_READ
+from trainq.watcher.spec.fsutil import NO_FOLLOW_READ, exists
 
 #: terminal colour, cursor and OSC sequences (stripped from log text shown to people)
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
@@ -25,7 +25,7 @@ def strip_ansi(text: str) -> str:
 def read_tail(path: str | os.PathLike, max_bytes: int = 65536) -> str:
     """The last ``max_bytes`` of a log, decoded leniently, without ANSI codes or a cut first line (unless that
     line is all there is: the end of a log that never wrote a newline is still its end)."""
-    if not os.access(path, os.F_OK):
+    if not exists(path):
         return ""  # most often metrics.jsonl of a job that writes none: no exception raised and caught
     try:
         fd = os.open(path, NO_FOLLOW_READ)

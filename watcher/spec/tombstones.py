@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from trainq.watcher.spec.fsutil import atomic_write_json, read_json
+from trainq.watcher.spec.fsutil import atomic_write_json, exists, read_json
 from trainq.watcher.spec.units import iso_utc
 
 #: the folder of tombstones under the queue root (hidden: never a job folder, never listed)
@@ -31,7 +31,12 @@ _FINAL = ("done", "failed", "cancelled", "timeout", "rejected")
 
 
 def tombstone_path(root: Path, job_id: str) -> Path:
-    return Path(os.path.join(root, TOMBSTONES_DIR, f"{job_id}.json"))
+    return Path(_tombstone_file(root, job_id))
+
+
+def _tombstone_file(root: str | os.PathLike, job_id: str) -> str:
+    """The tombstone's path as a string (a claim asks for it every time, and needs no Path)."""
+    return os.path.join(root, TOMBSTONES_DIR, f"{job_id}.json")
 
 
 def record_removal(
@@ -83,8 +88,8 @@ def removal_words(tombstone: dict) -> str:
 
 def clear_tombstone(root: Path, job_id: str) -> None:
     """A new job takes the id: the old removal no longer speaks for it."""
-    path = os.path.join(root, TOMBSTONES_DIR, f"{job_id}.json")  # at every claim: no Path made
-    if not os.access(path, os.F_OK):
+    path = _tombstone_file(root, job_id)
+    if not exists(path):
         return  # the usual case, without a raised and caught FileNotFoundError
     try:
         os.unlink(path)
