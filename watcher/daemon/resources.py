@@ -251,8 +251,7 @@ def process_name(pid: int) -> str | None:
 def _process_state(pid: int) -> tuple[bool, str | None]:
     """(alive, name) from one read of /proc/PID/stat on Linux; a zombie has already exited."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        stat = read_kernel_file(f"/proc/{pid}/stat")
     except FileNotFoundError:
         return False, None
     except OSError:  # no /proc (not Linux) or not readable: ask psutil
@@ -536,8 +535,7 @@ def _children_map() -> dict[int, list[int]]:
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
+            stat = read_kernel_file(f"/proc/{name}/stat")
         except OSError:  # exited while we listed
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"

@@ -255,8 +255,7 @@ def process_start_ticks(pid: int) -> int:
     """When ``pid`` started, in clock ticks after boot: field 22 of /proc/PID/stat (the fields after the command's
     closing parenthesis count from field 3). OSError, ValueError or IndexError where there is no such file or it
     reads otherwise."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return int(f.read().rsplit(b")", 1)[1].split()[19])
+    return int(read_kernel_file(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[19])
 
 
 def append_line(path: str | os.PathLike, line: str) -> bool:
