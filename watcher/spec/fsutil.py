@@ -268,16 +268,19 @@ def append_line(path: str | os.PathLike, line: str) -> bool:
     return True
 
 
-def _read_regular(path: str | os.PathLike, limit: int) -> bytes:
-    """At most ``limit`` bytes of a regular file, not through a symlink (b"" for a FIFO or a device: never waited
-    on). One read of the size fstat gives: ``f.read(limit)`` allocated ``limit`` bytes first (16 MiB for every
-    record read, 13 us of each small one's 18)."""
+def read_regular(path: str | os.PathLike, limit: int, *, tail: bool = False) -> tuple[bytes, int]:
+    """The first (``tail``: last) ``limit`` bytes of a regular file, not through a symlink, and the file's size;
+    (b"", 0) for a FIFO, a folder or a device (never waited on). OSError where it cannot be opened.
+
+    One read of the size fstat gives: ``f.read(limit)`` allocated ``limit`` bytes first (16 MiB for every record
+    read_json read, 13 us of each small one's 18)."""
     fd = os.open(path, NO_FOLLOW_READ)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return b""
-        return os.read(fd, min(st.st_size, limit))
+            return b"", 0
+        size = st.st_size
+        return os.pread(fd, min(size, limit), max(0, size - limit) if tail else 0), size
     finally:
         os.close(fd)
 
@@ -285,7 +288,7 @@ def _read_regular(path: str | os.PathLike, limit: int) -> bytes:
 def read_json(path: str | os.PathLike) -> dict | None:
     """Return the JSON object in ``path``, or None when it is missing, a symlink, or not a JSON object."""
     try:
-        obj = json.loads(_read_regular(path, MAX_JSON_BYTES))
+        obj = json.loads(read_regular(path, MAX_JSON_BYTES)[0])
     except (
         FileNotFoundError,
         NotADirectoryError,

@@ -11,7 +11,7 @@ import os
 import re
 import stat
 
-from trainq.watcher.spec.fsutil import NO_FOLLOW_READ, exists
+from trainq.watcher.spec.fsutil import exists, read_regular
 
 #: terminal colour, cursor and OSC sequences (stripped from log text shown to people)
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
@@ -28,19 +28,9 @@ def read_tail(path: str | os.PathLike, max_bytes: int = 65536) -> str:
     if not exists(path):
         return ""  # most often metrics.jsonl of a job that writes none: no exception raised and caught
     try:
-        fd = os.open(path, NO_FOLLOW_READ)
+        data, size = read_regular(path, max_bytes, tail=True)  # b"" for a folder or a FIFO
     except OSError:  # gone, or a symlink (never followed)
         return ""
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return ""  # a folder or a FIFO
-        size = st.st_size
-        data = os.pread(fd, min(size, max_bytes), max(0, size - max_bytes))
-    except OSError:
-        return ""
-    finally:
-        os.close(fd)
     if size > max_bytes and b"\n" in data:
         data = data.partition(b"\n")[2]  # the first line was cut in the middle
     return strip_ansi(data.decode("utf-8", errors="replace"))
