@@ -160,6 +160,78 @@ def test_a_pooled_supervisor_killed_while_it_waits_is_reaped_and_the_pool_goes_o
         sup.close()
 
 
+def test_a_row_of_jobs_does_not_wake_the_helper(tmp_path):
+    """Each pooled supervisor used to tell the helper when it took a job ("taken") and when it waited again ("idle"):
+    two wake-ups of the helper a job, for nothing while another supervisor waited. Now a supervisor tells it only
+    when its take leaves nobody waiting, so a row of jobs, one at a time, leaves the helper asleep but for its
+    select's one-second turns."""
+    sup = SpawningSupervisor()
+    try:
+        first = spec_for(tmp_path, "first", ("true",))
+        pid = sup.launch(first)  # the only one waiting took it: the helper hears so and forks the next
+        wait_until(lambda: sup.read_exit(JobPaths(Path(first.job_dir))), 10)
+        wait_until(lambda: _waiting_for_work(pid), 10, what="the first supervisor to wait again")
+        wait_until(lambda: len([p for p in _helper_children(sup) if _waiting_for_work(p)]) >= 2, 10, what="a second")
+        helper = psutil.Process(sup._spawner._proc.pid)
+        woken, since = helper.num_ctx_switches().voluntary, time.monotonic()
+        jobs = 30
+        for n in range(jobs):
+            spec = spec_for(tmp_path, f"row{n}", ("true",))
+            pid = sup.launch(spec)
+            wait_until(lambda: sup.read_exit(JobPaths(Path(spec.job_dir))), 10)  # noqa: B023
+            wait_until(lambda: _waiting_for_work(pid), 10, what="the supervisor to wait again")  # noqa: B023
+        woken = helper.num_ctx_switches().voluntary - woken
+        turns = time.monotonic() - since + 2  # its select times out once a second
+        assert woken <= turns, f"the helper woke {woken} times for {jobs} jobs in a row ({turns:.0f} turns)"
+    finally:
+        sup.close()
+
+
+def test_the_board_tells_the_second_of_two_takers_that_nobody_waits_and_lets_a_surplus_one_go():
+    from trainq.watcher.supervisor.pool import POOL_IDLE_MAX, _Board
+
+    board = _Board()
+    first, second = board.claim(), board.claim()  # the helper places each supervisor it forks as waiting
+    assert first is not None and second is not None and board.waits(first) and board.waits(second)
+    child = os.fork()  # the board is shared memory: a supervisor is a process of its own
+    if child == 0:
+        os._exit(0 if board.take(first) else 1)  # the other one still waits: no word to the helper
+    assert os.waitpid(child, 0)[1] == 0 and not board.waits(first)
+    assert board.take(second) is False, "nobody waits now: this taker must tell the helper"
+    assert not board.anyone_waits()
+    assert board.wait_again(first) and board.anyone_waits()
+    more = [board.claim() for _ in range(POOL_IDLE_MAX - 1)]
+    assert None not in more
+    assert board.wait_again(second) is False, "POOL_IDLE_MAX others wait: this one leaves"
+    board.free(second)
+    assert board.claim() == second, "a reaped supervisor's place is the next one's"
+
+
+def test_jobs_launched_back_to_back_each_find_a_pooled_supervisor(tmp_path):
+    """Each take that leaves nobody waiting tells the helper, which forks the next one: a row of launches with no
+    wait between them goes to pooled supervisors (which wait for more work afterwards), not to the helper's one-off
+    fallback (which leaves after its attempt)."""
+    from trainq.watcher.supervisor.pool import POOL_IDLE_MAX
+
+    gate = tmp_path / "gate"
+    sup = SpawningSupervisor()
+    try:
+        specs = [
+            spec_for(tmp_path, f"held{n}", ("sh", "-c", f"while [ ! -e '{gate}' ]; do sleep 0.02; done"))
+            for n in range(POOL_IDLE_MAX - 1)  # with the one forked for the next launch, none is surplus after
+        ]
+        pids = [sup.launch(spec) for spec in specs]
+        assert len(set(pids)) == len(specs)
+        gate.touch()
+        for spec in specs:
+            wait_until(lambda: sup.read_exit(JobPaths(Path(spec.job_dir))), 10)  # noqa: B023
+        for pid in pids:
+            wait_until(lambda: _waiting_for_work(pid), 10, what=f"supervisor {pid} to wait for more work")  # noqa: B023
+    finally:
+        gate.touch()
+        sup.close()
+
+
 def test_a_supervisor_told_to_stop_leaves_after_its_attempt(tmp_path):
     sup = SpawningSupervisor()
     try:

@@ -9,8 +9,10 @@ the lock once the exit record can be read. A pooled supervisor then waits for th
 With a ``jobs`` socket (``SOCK_SEQPACKET``, its other end held by the watcher: spawner.py) the watcher
 hands jobs to the pool itself: every waiting pooled supervisor reads that one socket, the kernel gives each
 request to one of them, and the one that takes it answers on the same socket (``take_direct``). The
-helper then only forks: its pooled supervisors tell it on their own pipe when they take a job ("taken")
-and when they wait again ("idle"), so it keeps one waiting.
+helper then only forks, and only hears of a take when it must fork: the pool's members mark themselves
+waiting or busy on a board in shared memory (``_Board``), and a member that takes a job tells the helper
+("taken") only when it finds no other one waiting. A member that finds enough others waiting after its
+attempt leaves by itself; the helper frees a member's place on the board when it reaps it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import functools
 import gc
 import json
 import logging
+import mmap
 import os
 import select
 import signal
@@ -166,7 +169,8 @@ class SupervisorPool:
     Forking, detaching and tearing down a process for every attempt is most of what a trivial job
     costs (page-table copies and copy-on-write faults). A pooled supervisor is still one process per
     running attempt, holds that job's lock only while it runs, and outlives the watcher and the
-    helper like any other; it just is not thrown away afterwards. At most POOL_IDLE_MAX wait.
+    helper like any other; it just is not thrown away afterwards. At most POOL_IDLE_MAX wait: one that
+    finds that many others waiting after its attempt leaves (``_Board.wait_again``).
     """
 
     def __init__(
@@ -181,9 +185,9 @@ class SupervisorPool:
         self._containment = containment
         #: the watcher's direct requests (module docstring); None: jobs come only through ``launch``
         self._jobs_fd = jobs_fd
-        self._idle: list[_Warm] = []
-        self._busy: dict[int, _Warm] = {}
-        self._leaving: list[_Warm] = []  # let go (surplus); reaped once they have left
+        self._board = _Board()
+        #: the pooled supervisors forked and not reaped yet, by pid
+        self._members: dict[int, _Warm] = {}
 
     def launch(self, spec: LaunchSpec) -> int | None:
         """Hand ``spec`` to a waiting supervisor: its pid once it holds the lock; None when none answered.
@@ -194,25 +198,26 @@ class SupervisorPool:
         if self._jobs_fd is not None:
             return None
         self.reap()
-        if not self._idle:
-            self.warm_up()
-        while self._idle:
-            warm = self._idle.pop()
+        self.warm_up()
+        for warm in [w for w in self._members.values() if self._board.waits(w.slot)]:
             try:
                 reply = warm.assign(spec)
             except _WarmGone:
                 warm.discard()
+                self._forget(warm)
                 continue
             if "error" in reply:
-                self._idle.append(warm)  # it did not take the job and waits for the next one
-                raise SpawnFailed(reply["error"])
-            self._busy[warm.pid] = warm
+                raise SpawnFailed(reply["error"])  # it did not take the job and waits for the next one
             return warm.pid
         return None
 
     def warm_up(self) -> None:
-        """Make sure one supervisor waits for the next launch."""
-        if self._idle:
+        """Make sure one supervisor waits for the next launch (none is forked while one waits already)."""
+        if self._board.anyone_waits():
+            return
+        slot = self._board.claim()
+        if slot is None:
+            logger.warning("%d pooled supervisors already: launches fork on demand", _Board.SLOTS)
             return
         to_child_r, to_child_w = os.pipe2(os.O_CLOEXEC)
         from_child_r, from_child_w = os.pipe2(os.O_CLOEXEC)
@@ -221,62 +226,125 @@ class SupervisorPool:
         except OSError as exc:
             for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
                 os.close(fd)
+            self._board.free(slot)
             logger.warning("cannot fork a pooled supervisor (%s); launches fork on demand", exc)
             return
         if pid == 0:
-            _warm_main(to_child_r, from_child_w, self._prctl, self._notify_fd, self._containment, self._jobs_fd)
+            _warm_main(
+                to_child_r,
+                from_child_w,
+                self._prctl,
+                self._notify_fd,
+                self._containment,
+                self._jobs_fd,
+                board=self._board,
+                slot=slot,
+            )
         os.close(to_child_r)
         os.close(from_child_w)
-        self._idle.append(_Warm(pid, to_child_w, from_child_r))
+        self._members[pid] = _Warm(pid, to_child_w, from_child_r, slot)
 
     def wait_fds(self) -> list[int]:
-        """Readable when a pooled supervisor took a direct request or waits again (then ``reap``)."""
-        return [warm.replies for warm in self._busy.values()] + (
-            [warm.replies for warm in self._idle] if self._jobs_fd is not None else []
-        )
+        """Readable when a pooled supervisor took a direct request and found no other one waiting (then ``reap``)."""
+        return [warm.replies for warm in self._members.values()] if self._jobs_fd is not None else []
 
     def reap(self, readable: Collection[int] | None = None, *, exits: bool = True) -> list[int]:
-        """Take back supervisors whose attempt is over; reap pooled ones that exited (their pids).
+        """Read what pooled supervisors said; reap the ones that exited (their pids) and free their places.
 
         ``readable``: only these reply fds have news (a select said so), besides any line already buffered;
         ``exits=False``: no child exited since the last call (no SIGCHLD), so none is waited for.
         """
-        for warm in self._idle + list(self._busy.values()):
+        for warm in self._members.values():
             if readable is not None and warm.replies not in readable and not warm.has_line():
                 continue
-            while (message := warm.next_message()) is not None:
-                self._heard(warm, message)
+            while warm.next_message() is not None:
+                pass  # "taken": nobody else waits, and warm_up, next, forks one
         if not exits:
             return []
         exited = []
-        for warm in self._idle + list(self._busy.values()) + self._leaving:
+        for warm in list(self._members.values()):
             try:
                 done, _ = os.waitpid(warm.pid, os.WNOHANG)
             except ChildProcessError:
                 done = warm.pid
             if done:
                 exited.append(warm.pid)
-        if exited:
-            gone = set(exited)
-            for warm in [w for w in self._idle + list(self._busy.values()) if w.pid in gone]:
                 warm.close()
-            self._idle = [w for w in self._idle if w.pid not in gone]
-            self._busy = {p: w for p, w in self._busy.items() if p not in gone}
-            self._leaving = [w for w in self._leaving if w.pid not in gone]
+                self._forget(warm)
         return exited
 
-    def _heard(self, warm: _Warm, message: dict) -> None:
-        """A pooled supervisor took a direct request ("taken") or waits again after its attempt ("idle")."""
-        if "taken" in message and warm in self._idle:
-            self._idle.remove(warm)
-            self._busy[warm.pid] = warm
-        elif "idle" in message and self._busy.get(warm.pid) is warm:
-            del self._busy[warm.pid]
-            if len(self._idle) < POOL_IDLE_MAX:
-                self._idle.append(warm)
-            else:
-                warm.close()  # it reads end of file and leaves
-                self._leaving.append(warm)
+    def _forget(self, warm: _Warm) -> None:
+        """``warm`` is gone (reaped, or discarded): its place on the board is free for the next one forked."""
+        del self._members[warm.pid]
+        self._board.free(warm.slot)
+
+
+class _Board:
+    """Which pooled supervisors wait for work: one byte each, in memory the helper and its pool share.
+
+    The helper places a supervisor on the board as it forks it (waiting) and frees the place when it reaps it; in
+    between only that supervisor writes its byte: busy when it takes a job, waiting again after the attempt. A
+    supervisor that takes a job and finds nobody else waiting tells the helper on its pipe ("taken"), and only then:
+    a trivial job costs the helper no wake-up (it was two a job, "taken" and "idle", a tenth of a millisecond of CPU
+    and two context switches on a 2-vCPU machine). A supervisor marks itself and looks at the others under one lock,
+    so of two taking jobs at once the second sees the first busy: a "nobody else waits" is never missed. The lock is
+    a POSIX record lock on a memfd: per process, and released by the kernel when its holder dies. A supervisor killed
+    while waiting still reads as waiting until the helper reaps it, which SIGCHLD makes at once.
+    """
+
+    #: places on the board: more than max_concurrent's bound (10,000) plus POOL_IDLE_MAX
+    SLOTS = 16384
+    FREE, WAITING, BUSY = 0, 1, 2
+    _WAITING = bytes([WAITING])
+
+    def __init__(self) -> None:
+        # anonymous and MAP_SHARED: the same pages in every supervisor forked later; no fd for _detach to close
+        self._table = mmap.mmap(-1, self.SLOTS)
+        self.lock_fd = os.memfd_create("trainq-pool-board", os.MFD_CLOEXEC)
+
+    # ---- the helper's side
+
+    def anyone_waits(self) -> bool:
+        return self._table.find(self._WAITING) >= 0
+
+    def waits(self, slot: int) -> bool:
+        return self._table[slot] == self.WAITING
+
+    def claim(self) -> int | None:
+        """A free place, marked waiting for the supervisor about to be forked; None when the board is full."""
+        slot = self._table.find(b"\0")
+        if slot < 0:
+            return None
+        self._table[slot] = self.WAITING
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._table[slot] = self.FREE
+
+    # ---- a pooled supervisor's side
+
+    def take(self, slot: int) -> bool:
+        """Mark ``slot`` busy; whether another supervisor still waits."""
+        fcntl.lockf(self.lock_fd, fcntl.LOCK_EX)
+        try:
+            self._table[slot] = self.BUSY
+            return self._table.find(self._WAITING) >= 0
+        finally:
+            fcntl.lockf(self.lock_fd, fcntl.LOCK_UN)
+
+    def wait_again(self, slot: int) -> bool:
+        """Mark ``slot`` waiting, unless POOL_IDLE_MAX others wait already: False then (the caller leaves)."""
+        fcntl.lockf(self.lock_fd, fcntl.LOCK_EX)
+        try:
+            found, at = 0, self._table.find(self._WAITING)
+            while at >= 0 and found < POOL_IDLE_MAX:
+                found, at = found + 1, self._table.find(self._WAITING, at + 1)
+            if found >= POOL_IDLE_MAX:
+                return False
+            self._table[slot] = self.WAITING
+            return True
+        finally:
+            fcntl.lockf(self.lock_fd, fcntl.LOCK_UN)
 
 
 class _WarmGone(Exception):
@@ -284,14 +352,15 @@ class _WarmGone(Exception):
 
 
 class _Warm:
-    """The launching side's handle on one pooled supervisor: its request pipe and its reply pipe."""
+    """The launching side's handle on one pooled supervisor: its request pipe, its reply pipe, its place on the
+    board."""
 
     #: how long a pooled supervisor may take to lock the job and answer (seconds); under the watcher's
     #: wait for the helper (spawner.REPLY_TIMEOUT_S), so the fallback fork still fits in it
     REPLY_TIMEOUT_S = 2.0
 
-    def __init__(self, pid: int, requests: int, replies: int) -> None:
-        self.pid, self.requests, self.replies = pid, requests, replies
+    def __init__(self, pid: int, requests: int, replies: int, slot: int) -> None:
+        self.pid, self.requests, self.replies, self.slot = pid, requests, replies, slot
         os.set_blocking(replies, False)
         self._buffer = b""
         self.gone = False
@@ -318,7 +387,7 @@ class _Warm:
 
     def next_message(self) -> dict | None:
         """The next line it wrote, without blocking; None when there is none (``gone`` at end of file) and once
-        ``close`` let it go (``reap`` reads on after the message that made the pool close it)."""
+        ``close``d."""
         if self.replies < 0:
             return None
         while b"\n" not in self._buffer:
@@ -343,7 +412,7 @@ class _Warm:
         self.close()
 
     def close(self) -> None:
-        """Close our ends: an idle supervisor reads end of file and leaves."""
+        """Close our ends: a waiting supervisor reads end of file and leaves."""
         for fd in (self.requests, self.replies):
             try:
                 os.close(fd)
@@ -404,35 +473,40 @@ def _warm_main(
     replies: int,
     prctl: Callable[..., int] | None,
     notify_fd: int | None,
-    containment: Containment | None = None,
-    jobs_fd: int | None = None,
+    containment: Containment | None,
+    jobs_fd: int | None,
+    *,
+    board: _Board,
+    slot: int,
 ) -> NoReturn:
     """Body of a pooled supervisor: detach now, then supervise one requested attempt after another.
 
     A request is one JSON line (``LaunchSpec.to_dict``) on ``requests``, or one message on the watcher's
     ``jobs`` socket (``take_direct``). The answer is ``{"pid": ...}`` once the job's lock is held and
-    output.log open, or ``{"error": ...}``. After an attempt's exit record is written (and the lock
-    released) it says ``{"idle": ...}`` and waits again. It leaves at end of file on ``requests`` (the pool
-    let it go, or the helper is gone), after POOLED_MAX_ATTEMPTS attempts, or after an attempt it was told
-    to stop by a signal.
+    output.log open, or ``{"error": ...}``. It marks ``slot`` on the ``board`` busy as it takes a job and waiting
+    again once the attempt's exit record is written (and the lock released). It leaves at end of file on
+    ``requests`` (the helper is gone), when POOL_IDLE_MAX others wait already after its attempt, after
+    POOLED_MAX_ATTEMPTS attempts, or after an attempt it was told to stop by a signal.
     """
     code = EXIT_SUPERVISOR_ERROR
     log_fd = 2
     try:
-        requests, replies, notify_fd, jobs_fd = _detach(requests, replies, notify_fd, jobs_fd)  # type: ignore[assignment]  # ints stay ints
+        requests, replies, notify_fd, jobs_fd, board.lock_fd = _detach(  # type: ignore[assignment]  # ints stay ints
+            requests, replies, notify_fd, jobs_fd, board.lock_fd
+        )
         gc.freeze()  # what we inherited is never collected (it may name fds we closed); our own garbage is
         gc.enable()
         jobs = socket.socket(fileno=jobs_fd) if jobs_fd is not None else None
         waiter = _Waiter(requests, jobs)
-        for _ in range(POOLED_MAX_ATTEMPTS):
-            taken = _await_job(requests, replies, waiter)
+        for left in range(POOLED_MAX_ATTEMPTS - 1, -1, -1):
+            taken = _await_job(requests, replies, waiter, board, slot)
             if taken is None:
                 break
             spec, lock_fd, log_fd = taken
             record = _supervise(spec, log_fd, prctl, functools.partial(_end_attempt, lock_fd, notify_fd), containment)
             log_fd = _quiet_stdio()
-            if record.get("stop_reason") == "sigterm" or not _reply_quietly(replies, {"idle": os.getpid()}):
-                break  # we were told to stop, or nobody will send another job
+            if not left or record.get("stop_reason") == "sigterm" or not board.wait_again(slot):
+                break  # done enough, told to stop, or enough others wait: the helper reaps us and frees our place
         code = 0
     except BaseException:
         _die_reporting(log_fd)
@@ -486,8 +560,11 @@ class _Waiter:
             self.jobs = None
 
 
-def _await_job(requests: int, replies: int, waiter: _Waiter) -> tuple[LaunchSpec, int, int] | None:
-    """Read requests until one can be taken: (spec, lock fd, log fd); None at end of file on ``requests``."""
+def _await_job(
+    requests: int, replies: int, waiter: _Waiter, board: _Board, slot: int
+) -> tuple[LaunchSpec, int, int] | None:
+    """Read requests until one can be taken: (spec, lock fd, log fd), ``slot`` marked busy; None at end of file on
+    ``requests``."""
     pending = b""
     while True:
         while b"\n" not in pending:
@@ -498,7 +575,8 @@ def _await_job(requests: int, replies: int, waiter: _Waiter) -> tuple[LaunchSpec
                     waiter.hung_up()
                     continue
                 if taken is not None:
-                    _reply_quietly(replies, {"taken": os.getpid()})  # the helper keeps another one waiting
+                    if not board.take(slot):
+                        _reply_quietly(replies, {"taken": os.getpid()})  # nobody else waits: the helper forks one
                     return taken
                 continue
             chunk = os.read(requests, 65536)
@@ -511,6 +589,7 @@ def _await_job(requests: int, replies: int, waiter: _Waiter) -> tuple[LaunchSpec
         except (SpawnFailed, ValueError, TypeError) as exc:
             _reply(replies, {"error": str(exc)})
             continue
+        board.take(slot)  # the helper asked, and keeps one waiting itself
         _reply(replies, {"pid": os.getpid()})
         return taken
 

@@ -11,7 +11,8 @@ The helper keeps one supervisor forked and detached ahead of time (``Supervisor.
 launch only hands it the job: it takes the lock, opens output.log and answers. The watcher hands it the
 job itself, on a ``SOCK_SEQPACKET`` socket whose other end every waiting pooled supervisor reads
 (pool.py's ``take_direct``): one message there, one answer back, and the helper is not on the launch's
-path; it hears from the supervisor that took the job and forks the next one to wait. Each supervisor
+path; it hears from a supervisor that took a job only when no other one waits, and forks the next one to wait
+(pool.py's ``_Board``: a trivial job in a row of them does not wake the helper at all). Each supervisor
 also writes a byte to a notice pipe whose read end the watcher holds, the moment its exit record is
 written, so the watcher moves on without waiting for that process to be torn down and reaped.
 
