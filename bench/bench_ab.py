@@ -151,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     sides = {"base": str(_link_folder(args.base)), "this": str(REPO)}
     results: dict[str, list[dict]] = {name: [] for name in sides}
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.2f}; `bench/bench_ab.py`")
-    for _ in range(args.rounds):
-        for name, path in sides.items():
+    for round_no in range(args.rounds):
+        # each side goes first in every other round: the VM's speed drifts within a round, and the side that always
+        # ran first took the drift one way (paired differences lean with it)
+        order = list(sides.items()) if round_no % 2 == 0 else list(sides.items())[::-1]
+        for name, path in order:
             env = dict(os.environ, PYTHONPATH=path)
             command = [PY, __file__, "--one-round", "--jobs", str(args.jobs), "--drops", str(args.drops)]
             command += ["--idle-drops", str(args.idle_drops)]
@@ -167,7 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, rounds in results.items():
         cells = [f"{statistics.median(r[k] for r in rounds):.2f}" if k in rounds[0] else "—" for k in FIELDS]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    print("| this − base, paired | " + " | ".join(_paired(results["base"], results["this"], k) for k in FIELDS) + " |")
     return 0
+
+
+def _paired(base: list[dict], this: list[dict], key: str) -> str:
+    """The median of each round's difference (this − base), and in how many rounds this side was lower: the two
+    sides of one round ran a minute apart at most, so the pairs drift less with the VM than the two medians."""
+    if key not in base[0]:
+        return "—"
+    differences = [t[key] - b[key] for b, t in zip(base, this, strict=True)]
+    lower = sum(d < 0 for d in differences)
+    return f"{statistics.median(differences):+.2f} ({lower}/{len(differences)} lower)"
 
 
 if __name__ == "__main__":
