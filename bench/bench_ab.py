@@ -4,7 +4,8 @@ On this VM a single benchmark run moves by 10–40 % with the machine (the peers
 so a change is judged by pairs: the other checkout, then this one, again and again, each pair a minute apart or
 less. Each round runs N × ``true`` one at a time (max_concurrent 1) through a real watcher, the method of
 ``bench_queue.py``'s throughput row, D single drops timed to the job's start (its latency row) and I more after 1 s of
-quiet each (its idle row). The other
+quiet each (its idle row); with the serial run, the spawner helper's wake-ups and every trainq process's preemptions
+a job (context switches, voluntary and involuntary, from /proc). The other
 checkout is imported through PYTHONPATH (a folder holding ``trainq/`` linked to its watcher, trainer and schemas,
 made here from ``--base``), so the watcher, its spawner and its supervisors all run that code.
 
@@ -42,6 +43,8 @@ FIELDS = (
     "spawner_ms",
     "supervisors_ms",
     "cpu_ms",
+    "helper_woken",
+    "preempted",
     "latency_ms",
     "latency_p95_ms",
     "idle_latency_ms",
@@ -57,11 +60,12 @@ def _serial(base: Path, jobs: int) -> dict:
     with running_watcher(q.root) as watcher:
         wait_until(lambda: len(psutil.Process(watcher.pid).children(recursive=True)) >= 2, 30, what="a warm pool")
         time.sleep(0.3)
-        before, start = _cpu(watcher.pid), time.monotonic()
+        before, switches, start = _cpu(watcher.pid), _switches(watcher.pid), time.monotonic()
         for name in names:
             q.drop_staged(name)
         wait_until(lambda: q.count("done") + q.count("failed") >= jobs, 600, interval_s=0.02, what=f"{jobs} jobs")
         elapsed, after = time.monotonic() - start, _cpu(watcher.pid)
+        switches = [(b - a) / jobs for a, b in zip(switches, _switches(watcher.pid), strict=True)]
     if q.count("failed"):
         raise RuntimeError(f"{q.count('failed')} trivial jobs failed; see {q.root}/failed")
     per_job = [(b - a) / jobs * 1000 for a, b in zip(before, after, strict=True)]
@@ -71,6 +75,8 @@ def _serial(base: Path, jobs: int) -> dict:
         "spawner_ms": per_job[1],
         "supervisors_ms": per_job[2],
         "cpu_ms": sum(per_job),
+        "helper_woken": switches[0],
+        "preempted": switches[1],
     }
 
 
@@ -78,6 +84,21 @@ def _cpu(pid: int) -> list[float]:
     """User + system seconds of the watcher (depth 0), its spawner (1) and the pooled supervisors (2 and below)."""
     split = tree_cpu_split(pid)
     return [split["depth 0"], split["depth 1"], split["depth 2"]]
+
+
+def _switches(pid: int) -> list[int]:
+    """Context switches in the watcher's tree: the spawner helper's voluntary ones (each a wake-up from its wait), and
+    the involuntary ones of every process (each a preemption: on 2 vCPUs, another process wanted the CPU)."""
+    woken = preempted = 0
+    watcher = psutil.Process(pid)
+    for proc in [watcher, *watcher.children(recursive=True)]:
+        try:
+            counts, parent = proc.num_ctx_switches(), proc.ppid()
+        except psutil.Error:
+            continue
+        woken += counts.voluntary if parent == pid else 0
+        preempted += counts.involuntary
+    return [woken, preempted]
 
 
 def _latency(base: Path, drops: int) -> dict:
