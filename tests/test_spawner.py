@@ -187,10 +187,12 @@ def test_a_row_of_jobs_does_not_wake_the_helper(tmp_path):
         sup.close()
 
 
-def test_the_board_tells_the_second_of_two_takers_that_nobody_waits_and_lets_a_surplus_one_go():
-    from trainq.watcher.supervisor.pool import POOL_IDLE_MAX, _Board
+@pytest.mark.parametrize("lock", ["memfd", "temporary file"])
+def test_the_board_tells_the_second_of_two_takers_that_nobody_waits_and_lets_a_surplus_one_go(lock):
+    """The board's rules, with its lock on a memfd and on the temporary file used where there is no memfd."""
+    from trainq.watcher.supervisor.pool import POOL_IDLE_MAX, _Board, _temporary_lock_file
 
-    board = _Board()
+    board = _Board(_temporary_lock_file() if lock == "temporary file" else None)
     first, second = board.claim(), board.claim()  # the helper places each supervisor it forks as waiting
     assert first is not None and second is not None and board.waits(first) and board.waits(second)
     child = os.fork()  # the board is shared memory: a supervisor is a process of its own

@@ -288,8 +288,8 @@ class _Board:
     a trivial job costs the helper no wake-up (it was two a job, "taken" and "idle", a tenth of a millisecond of CPU
     and two context switches on a 2-vCPU machine). A supervisor marks itself and looks at the others under one lock,
     so of two taking jobs at once the second sees the first busy: a "nobody else waits" is never missed. The lock is
-    a POSIX record lock on a memfd: per process, and released by the kernel when its holder dies. A supervisor killed
-    while waiting still reads as waiting until the helper reaps it, which SIGCHLD makes at once.
+    a POSIX record lock on a memfd (``_lock_file``): per process, and released by the kernel when its holder dies. A
+    supervisor killed while waiting still reads as waiting until the helper reaps it, which SIGCHLD makes at once.
     """
 
     #: places on the board: more than max_concurrent's bound (10,000) plus POOL_IDLE_MAX
@@ -297,10 +297,10 @@ class _Board:
     FREE, WAITING, BUSY = 0, 1, 2
     _WAITING = bytes([WAITING])
 
-    def __init__(self) -> None:
+    def __init__(self, lock_fd: int | None = None) -> None:
         # anonymous and MAP_SHARED: the same pages in every supervisor forked later; no fd for _detach to close
         self._table = mmap.mmap(-1, self.SLOTS)
-        self.lock_fd = os.memfd_create("trainq-pool-board", os.MFD_CLOEXEC)
+        self.lock_fd = _lock_file() if lock_fd is None else lock_fd
 
     # ---- the helper's side
 
@@ -345,6 +345,22 @@ class _Board:
             return True
         finally:
             fcntl.lockf(self.lock_fd, fcntl.LOCK_UN)
+
+
+def _lock_file() -> int:
+    """A file for the board's lock that no other process can open: a memfd, or where there is none (Linux before
+    3.17, a seccomp filter that refuses it) an unnamed temporary file; close-on-exec either way."""
+    try:
+        return os.memfd_create("trainq-pool-board", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        return _temporary_lock_file()
+
+
+def _temporary_lock_file() -> int:
+    import tempfile  # only here: the helper starts without it (a few ms of imports)
+
+    with tempfile.TemporaryFile() as spare:  # unnamed (O_TMPFILE), or unlinked at once
+        return os.dup(spare.fileno())  # not inheritable; the file lives on while this fd is open
 
 
 class _WarmGone(Exception):
